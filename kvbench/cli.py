@@ -1,0 +1,127 @@
+"""The ``kvbench`` command line.
+
+    kvbench run model=smollm2_135m policy=snapkv+caote budget=128 task=ruler   # Hydra overrides; -m sweeps
+    kvbench policies                                                          # every policy and its parameters
+    kvbench prepare task=ruler task.context_length=4096 output_dir=DIR       # write the generated samples
+    kvbench table RUN_DIR...                                                  # aggregate run directories
+
+Errors in what the user typed are printed as one line (``kvbench: error: ...``) with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from kvbench import CONF_DIR
+from kvbench.errors import KVBenchError
+
+def fail(message: str) -> None:
+    print(f"kvbench: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def hydra_run(cfg: DictConfig) -> float | None:
+    """The Hydra task function of ``kvbench run`` (one job of a run or a multirun sweep)."""
+    from kvbench.run import run
+
+    try:
+        metrics = run(cfg, HydraConfig.get().runtime.output_dir)
+    except KVBenchError as error:
+        fail(str(error))
+    print(json.dumps({key: metrics[key] for key in ("model", "policy", "budget", "task", "scores", "average")}))
+    return metrics["average"]
+
+
+def command_run(args: list[str]) -> None:
+    from kvbench.config import prepare_overrides
+
+    prepare_overrides(args)
+    sys.argv = [sys.argv[0], *args]
+    hydra_run()
+
+
+def command_policies(args: list[str]) -> None:
+    """Print every base policy and modifier with its parameters and source paper."""
+    from kvbench.policies import BASES, MODIFIERS
+
+    rows = []
+    for kind, table in (("base", BASES), ("modifier", MODIFIERS)):
+        for name, cls in sorted(table.items()):
+            params = ", ".join(f"{f.name}={f.default!r}" for f in fields(cls) if f.name != "modifiers")
+            rows.append((name, kind, cls.paper, params))
+    width = [max(len(row[column]) for row in rows) for column in range(3)]
+    print(f"{'policy':<{width[0]}}  {'kind':<{width[1]}}  {'paper':<{width[2]}}  parameters (policy.<name>=...)")
+    for row in rows:
+        print(f"{row[0]:<{width[0]}}  {row[1]:<{width[1]}}  {row[2]:<{width[2]}}  {row[3]}")
+    print("\ncompose as base+modifier+...: e.g. policy=h2o+obcache_joint, policy=snapkv+caote")
+
+
+def command_prepare(args: list[str]) -> None:
+    """Write a task's samples as ``<output_dir>/<subtask>.jsonl`` (prompt text, answers, token length)."""
+    from kvbench.config import compose
+    from kvbench.engine.models import load_tokenizer
+    from kvbench.run import build_task
+
+    cfg = compose(args)
+    out_dir = Path(cfg.output_dir)
+    tokenizer = load_tokenizer(cfg.model)
+    task = build_task(cfg, tokenizer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    handles: dict[str, object] = {}
+    counts: dict[str, int] = {}
+    for sample in task.samples():
+        if sample.subtask not in handles:
+            handles[sample.subtask] = (out_dir / f"{sample.subtask}.jsonl").open("w", encoding="utf-8")
+        record = {
+            "id": sample.id,
+            "subtask": sample.subtask,
+            "prompt": tokenizer.decode(sample.input_ids),
+            "answers": sample.answers,
+            "num_tokens": len(sample.input_ids),
+            "max_new_tokens": sample.max_new_tokens,
+        }
+        handles[sample.subtask].write(json.dumps(record, ensure_ascii=False) + "\n")
+        counts[sample.subtask] = counts.get(sample.subtask, 0) + 1
+    for handle in handles.values():
+        handle.close()
+    for subtask, count in counts.items():
+        print(f"{out_dir / (subtask + '.jsonl')}: {count} samples")
+
+
+def command_table(args: list[str]) -> None:
+    from kvbench.results.table import main as table_main
+
+    table_main(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return
+    command, args = argv[0], argv[1:]
+    handlers = {
+        "run": command_run,
+        "policies": command_policies,
+        "prepare": command_prepare,
+        "table": command_table,
+    }
+    try:
+        if command not in handlers:
+            raise KVBenchError(f"unknown command {command!r}; valid choices: {', '.join(handlers)}")
+        handlers[command](args)
+    except KVBenchError as error:
+        fail(str(error))
+
+
+if __name__ == "__main__":
+    main()

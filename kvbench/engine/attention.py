@@ -1,0 +1,92 @@
+"""The ``kvbench`` attention function, registered in transformers' attention-function registry.
+
+Models loaded by kvbench run with ``attn_implementation="kvbench"``: this function computes attention with
+the model's backend (SDPA, eager or FlashAttention-2) over the budgeted cache, then hands the queries to
+the cache, which scores and evicts. No model class is patched.
+
+The new queries are always the last ``q`` tokens of the cache, so causality is "bottom-right aligned":
+query ``i`` sees cache slots ``0 .. T-q+i``. Positions of evicted caches no longer equal slot indices,
+which is why transformers' own mask (built from positions) is replaced by this one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+ATTENTION_NAME = "kvbench"
+
+
+def bottom_right_causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """Boolean ``[q,T]`` mask, True where query ``i`` may attend slot ``j`` (``j <= T - q + i``)."""
+    slots = torch.arange(kv_len, device=device)
+    last_visible = torch.arange(kv_len - q_len, kv_len, device=device)
+    return slots[None, :] <= last_visible[:, None]
+
+
+def sdpa_attention(query, key, value, scaling):
+    """``query [B,Hq,q,D]``, ``key/value [B,Hc,T,D]`` → ``[B,q,Hq,D]`` with PyTorch SDPA."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    mask = None
+    if 1 < q_len < kv_len:
+        mask = bottom_right_causal_mask(q_len, kv_len, query.device)
+    output = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        is_causal=q_len > 1 and q_len == kv_len,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return output.transpose(1, 2).contiguous()
+
+
+def eager_attention(query, key, value, scaling):
+    """Reference attention with an explicit float32 softmax: ``[B,q,Hq,D]``."""
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    grouped = query.view(batch, kv_heads, q_heads // kv_heads, q_len, dim)
+    logits = torch.einsum("bhgqd,bhtd->bhgqt", grouped, key).float() * scaling
+    if q_len > 1:
+        logits = logits.masked_fill(~bottom_right_causal_mask(q_len, kv_len, query.device), float("-inf"))
+    weights = torch.softmax(logits, dim=-1).to(value.dtype)
+    output = torch.einsum("bhgqt,bhtd->bhgqd", weights, value).reshape(batch, q_heads, q_len, dim)
+    return output.transpose(1, 2).contiguous()
+
+
+def flash_attention(module, query, key, value, scaling):
+    """FlashAttention-2 through transformers' integration (causal is bottom-right aligned there)."""
+    from transformers.integrations.flash_attention import flash_attention_forward
+
+    output, _ = flash_attention_forward(module, query, key, value, None, scaling=scaling, is_causal=query.shape[2] > 1)
+    return output
+
+
+def kvbench_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvbench_cache=None, **_):
+    """Attention over the (budgeted) cache, then scoring/eviction by ``kvbench_cache`` if given."""
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    backend = kvbench_cache.attn_backend if kvbench_cache is not None else "sdpa"
+    if backend == "eager":
+        output = eager_attention(query, key, value, scaling)
+    elif backend == "flash_attention_2":
+        output = flash_attention(module, query, key, value, scaling)
+    else:
+        output = sdpa_attention(query, key, value, scaling)
+    if kvbench_cache is not None:
+        kvbench_cache.after_attention(module.layer_idx, query, scaling)
+    return output, None
+
+
+def no_mask(*args, **kwargs):
+    """kvbench builds its own causal mask inside the attention function."""
+    return None
+
+
+def register() -> str:
+    """Register the kvbench attention and mask functions; returns the implementation name."""
+    AttentionInterface.register(ATTENTION_NAME, kvbench_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, no_mask)
+    return ATTENTION_NAME

@@ -1,0 +1,183 @@
+"""The eviction-aware generation engine: prefill and decode through a budgeted cache.
+
+Regimes (DESIGN.md §1):
+
+* ``oneshot``   — prefill the whole prompt, evict every layer to its budget once; decode appends.
+* ``chunked``   — prefill in blocks of ``block_size``; evict after each block and every decode step
+  (CAOTE's protocol: the live cache never exceeds budget + block).
+* ``streaming`` — token by token, evict every step (StreamingLLM's perplexity protocol).
+
+The engine knows nothing about benchmarks: it takes token ids and returns token ids or NLLs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbench.engine import attention
+from kvbench.engine.cache import EvictionCache, KVStats
+from kvbench.errors import choose
+from kvbench.policies.base import Policy
+from kvbench.policies.budgets import Budget, layer_budgets
+from kvbench.policies.full import Full
+
+REGIMES = ["oneshot", "chunked", "streaming"]
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    kv: KVStats = field(default_factory=KVStats)
+
+
+@dataclass
+class PerplexityOutput:
+    nlls: list[float]
+    prefill_seconds: float
+    decode_seconds: float
+    kv: KVStats = field(default_factory=KVStats)
+
+
+class Engine:
+    """Runs a causal LM with ``policy`` keeping ``budget`` tokens per layer under ``regime``."""
+
+    def __init__(
+        self,
+        model,
+        policy: Policy,
+        budget: Budget | str | int,
+        regime: str = "oneshot",
+        block_size: int = 128,
+        decode_evict: bool | None = None,
+        attn_backend: str = "sdpa",
+        score_block: int = 256,
+    ):
+        choose("engine.regime", regime, REGIMES)
+        self.model = model
+        self.policy = policy
+        self.budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
+        self.regime = regime
+        self.block_size = {"oneshot": None, "chunked": block_size, "streaming": 1}[regime]
+        self.decode_evict = regime != "oneshot" if decode_evict is None else decode_evict
+        self.attn_backend = attn_backend
+        self.score_block = score_block
+        config = model.config.get_text_config()
+        self.num_layers = config.num_hidden_layers
+        self.num_query_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        model.set_attn_implementation(attention.register())
+        self.device = next(model.parameters()).device
+
+    # -- public API ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, input_ids: list[int], max_new_tokens: int, stop_token_ids=()) -> GenerationOutput:
+        """Greedy decoding of up to ``max_new_tokens`` after the prompt; stops at any of ``stop_token_ids``."""
+        cache = self.new_cache(len(input_ids))
+        start = self._now()
+        logits = self._prefill(cache, input_ids)
+        prefill_seconds = self._now() - start
+        after_prefill = cache.tokens_per_layer()
+        generated: list[int] = []
+        stop = set(stop_token_ids)
+        start = self._now()
+        position = len(input_ids)
+        while len(generated) < max_new_tokens:
+            token = int(logits[0, -1].argmax())
+            if token in stop:
+                break
+            generated.append(token)
+            if len(generated) == max_new_tokens:
+                break
+            logits = self._forward(cache, [token], position, evict=self.decode_evict)
+            position += 1
+        decode_seconds = self._now() - start
+        kv = self._kv_stats(cache, after_prefill, len(input_ids) + len(generated))
+        return GenerationOutput(generated, len(input_ids), prefill_seconds, decode_seconds, kv)
+
+    @torch.inference_mode()
+    def perplexity(self, input_ids: list[int], context_tokens: int = 0) -> PerplexityOutput:
+        """Per-token NLLs of ``input_ids[context_tokens+1:]`` (all but the first token when 0).
+
+        The first ``context_tokens`` are prefilled under the regime (oneshot: one block, then evict);
+        the rest are fed in blocks (chunked) or one at a time (oneshot, streaming), evicting as in decode.
+        """
+        cache = self.new_cache(max(context_tokens, 1) if context_tokens else len(input_ids))
+        context_tokens = max(context_tokens, 1)
+        start = self._now()
+        logits = self._prefill(cache, input_ids[:context_tokens])
+        prefill_seconds = self._now() - start
+        after_prefill = cache.tokens_per_layer()
+        start = self._now()
+        nlls: list[torch.Tensor] = []
+        step = self.block_size if self.regime == "chunked" else 1
+        targets = torch.tensor(input_ids, device=self.device)
+        for begin in range(context_tokens, len(input_ids), step):
+            block = input_ids[begin : begin + step]
+            nlls.append(self._nll(logits[0, -1:], targets[begin : begin + 1]))
+            if len(block) == 1 and begin == len(input_ids) - 1:
+                break
+            logits = self._forward(cache, block, begin, evict=self.decode_evict, all_logits=len(block) > 1)
+            nlls.append(self._nll(logits[0, :-1], targets[begin + 1 : begin + len(block)]))
+        decode_seconds = self._now() - start
+        kv = self._kv_stats(cache, after_prefill, len(input_ids))
+        return PerplexityOutput(torch.cat(nlls).tolist() if nlls else [], prefill_seconds, decode_seconds, kv)
+
+    def new_cache(self, prompt_len: int) -> EvictionCache:
+        """A cache for a prompt of ``prompt_len`` tokens; a budget ≥ the prompt means no eviction."""
+        budget = self.budget.resolve(prompt_len)
+        policy = self.policy if budget < prompt_len else Full(gqa=self.policy.gqa)
+        reserved = policy.reserved_recent(budget, prompt_len) + policy.reserved_sinks()
+        budgets = layer_budgets(
+            policy.layer_budget, budget, self.num_layers, beta=getattr(policy, "beta", 20.0), reserved=reserved
+        )
+        return EvictionCache(
+            policy, budgets, prompt_len, self.num_query_heads, self.num_kv_heads, self.attn_backend, self.score_block
+        )
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _prefill(self, cache: EvictionCache, input_ids: list[int]) -> torch.Tensor:
+        block = self.block_size or len(input_ids)
+        for begin in range(0, len(input_ids), block):
+            logits = self._forward(cache, input_ids[begin : begin + block], begin, evict=True)
+        return logits
+
+    def _forward(self, cache: EvictionCache, token_ids: list[int], start: int, evict: bool, all_logits=False):
+        """One model forward over ``token_ids`` at absolute positions ``start..``; returns logits."""
+        positions = torch.arange(start, start + len(token_ids), device=self.device)
+        track = evict or self.decode_evict
+        cache.begin_forward(positions, evict=evict, track_scores=track)
+        output = self.model(
+            input_ids=torch.tensor([token_ids], device=self.device),
+            position_ids=positions[None],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+            kvbench_cache=cache,
+        )
+        return output.logits
+
+    @staticmethod
+    def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
+
+    def _kv_stats(self, cache: EvictionCache, after_prefill: list[int], total_tokens: int) -> KVStats:
+        bytes_per_token = sum(
+            2 * self.num_kv_heads * layer.keys.shape[-1] * layer.keys.element_size() for layer in cache.layers
+        )
+        return KVStats(
+            after_prefill_tokens_per_layer=after_prefill,
+            peak_tokens_per_layer=[layer.peak_tokens for layer in cache.layers],
+            peak_bytes=cache.peak_bytes,
+            full_bytes=bytes_per_token * total_tokens,
+        )
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()

@@ -1,0 +1,193 @@
+"""The policy interface: score cached tokens from attention statistics, keep the top ``budget`` per KV head.
+
+A *base* policy (``h2o``, ``tova``, ``snapkv`` ...) says which queries feed the score, what is reserved
+(sinks, recent windows) and how the summed score is post-processed (pooling). A *modifier* (``caote``,
+``obcache_joint`` ...) replaces the per-query contribution or re-weights the summed score; the spec
+``base+modifier+...`` composes them (``kvbench.policies.build_policy``).
+
+Ranking pipeline for one layer (shapes: B batch, Hq query heads, Hkv KV heads, W scoring queries, T cached
+tokens, D head dim)::
+
+    contributions [B,Hq,W,T] --sum over W--> [B,Hq,T] --GQA reduce (sum over the group)--> [B,Hkv,T]
+      (accumulating policies add this to a running score) --base.pool_scores--> --modifier.transform...-->
+      --reserved = +inf--> topk(budget) per KV head
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+
+from kvbench.policies.scores import reduce_gqa
+
+
+@dataclass
+class AttentionStats:
+    """Float32 attention of a window of queries over the cached tokens of one layer.
+
+    ``queries [B,Hq,W,D]`` (post-RoPE), ``keys``/``values [B,Hkv,T,D]`` (the cache), ``query_positions [W]``
+    and ``key_positions [B,Hkv,T]`` (absolute token positions: a query sees keys at positions <= its own).
+    Nothing of size T×T is built: W is the scoring window (or one block of it).
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    query_positions: torch.Tensor
+    key_positions: torch.Tensor
+    scaling: float
+
+    @property
+    def group_size(self) -> int:
+        return self.queries.shape[1] // self.keys.shape[1]
+
+    def per_query_head(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Repeat a per-KV-head tensor ``[B,Hkv,...]`` to query heads ``[B,Hq,...]`` (repeat_kv layout)."""
+        return tensor.repeat_interleave(self.group_size, dim=1)
+
+    @cached_property
+    def logits(self) -> torch.Tensor:
+        """``Z_ip = q_i·k_p/√d`` with the causal mask as -inf: ``[B,Hq,W,T]``."""
+        batch, q_heads, window, dim = self.queries.shape
+        kv_heads = self.keys.shape[1]
+        grouped = self.queries.float().view(batch, kv_heads, self.group_size, window, dim)
+        logits = torch.einsum("bhgwd,bhtd->bhgwt", grouped, self.keys.float()) * self.scaling
+        future = self.key_positions[:, :, None, None, :] > self.query_positions[None, None, None, :, None]
+        return logits.masked_fill(future, float("-inf")).view(batch, q_heads, window, -1)
+
+    @cached_property
+    def weights(self) -> torch.Tensor:
+        """``A_ip = softmax_p(Z_i)``: ``[B,Hq,W,T]``."""
+        return torch.softmax(self.logits, dim=-1)
+
+    @cached_property
+    def outputs(self) -> torch.Tensor:
+        """``o_i = Σ_p A_ip v_p``: ``[B,Hq,W,D]``."""
+        batch, q_heads, window, tokens = self.weights.shape
+        grouped = self.weights.view(batch, -1, self.group_size, window, tokens)
+        outputs = torch.einsum("bhgwt,bhtd->bhgwd", grouped, self.values.float())
+        return outputs.reshape(batch, q_heads, window, -1)
+
+    @cached_property
+    def finite_logits(self) -> torch.Tensor:
+        """Logits with masked entries set to 0 (their weight is 0, so products stay finite)."""
+        return self.logits.masked_fill(torch.isinf(self.logits), 0.0)
+
+    def blocks(self, size: int):
+        """Split the query window into blocks of at most ``size`` queries (bounds the [W,T] working set)."""
+        for start in range(0, self.queries.shape[2], size):
+            yield AttentionStats(
+                self.queries[:, :, start : start + size],
+                self.keys,
+                self.values,
+                self.query_positions[start : start + size],
+                self.key_positions,
+                self.scaling,
+            )
+
+
+@dataclass
+class Modifier:
+    """Re-weights a base policy's ranking (CAOTE, OBCache) or changes decode attention (CaliDrop, SLAKE)."""
+
+    name: ClassVar[str]
+    paper: ClassVar[str]
+
+    def contributions(self, stats: AttentionStats) -> torch.Tensor | None:
+        """Per-query contributions ``[B,Hq,W,T]`` replacing the base's attention weights, or None."""
+        return None
+
+    def transform(self, scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Re-weight summed per-KV-head scores ``[B,Hkv,T]`` given the cached ``values [B,Hkv,T,D]``."""
+        return scores
+
+
+@dataclass
+class Policy:
+    """A base eviction policy. Subclasses set the class variables and override the hooks they need."""
+
+    name: ClassVar[str]
+    paper: ClassVar[str]
+    #: ``full`` never evicts, whatever the budget
+    evicts: ClassVar[bool] = True
+    #: whether scores need attention statistics at all (``full`` and ``sink`` do not)
+    needs_attention: ClassVar[bool] = True
+    #: H2O-style: contributions of every query ever seen are summed into a running score
+    accumulates: ClassVar[bool] = False
+
+    gqa: str = "sum"
+    layer_budget: str = "uniform"
+    modifiers: list[Modifier] = field(default_factory=list, repr=False)
+
+    # -- hooks ---------------------------------------------------------------------------------------
+    def scoring_window(self, budget: int, prompt_len: int) -> int:
+        """How many of the most recent queries are scored at eviction time (ignored when accumulating)."""
+        return 1
+
+    def reserved_recent(self, budget: int, prompt_len: int) -> int:
+        """How many of the most recent tokens are always kept."""
+        return 0
+
+    def reserved_sinks(self) -> int:
+        """How many of the first tokens (attention sinks) are always kept."""
+        return 0
+
+    def pool_scores(self, scores: torch.Tensor, recent: int) -> torch.Tensor:
+        """Post-process summed per-KV-head scores ``[B,Hkv,T]`` whose last ``recent`` slots are the
+        reserved window (SnapKV pools the rest); default identity."""
+        return scores
+
+    def position_scores(self, key_positions: torch.Tensor) -> torch.Tensor:
+        """Scores for policies without attention statistics: newer tokens rank higher."""
+        return key_positions.float()
+
+    # -- shared machinery ----------------------------------------------------------------------------
+    @property
+    def spec(self) -> str:
+        return "+".join([self.name, *(modifier.name for modifier in self.modifiers)])
+
+    def contributions(self, stats: AttentionStats) -> torch.Tensor:
+        """Per-query contributions ``[B,Hq,W,T]``: the last modifier that defines them wins, else ``A_ip``."""
+        for modifier in reversed(self.modifiers):
+            replaced = modifier.contributions(stats)
+            if replaced is not None:
+                return replaced
+        return stats.weights
+
+    def summed_contributions(self, stats: AttentionStats, block_size: int = 256) -> torch.Tensor:
+        """``Σ_i contributions[i]`` over the stats' queries (block by block), reduced over each KV group
+        (OBCache App. B.5: the GQA score is the sum over the group): ``[B,Hkv,T]``."""
+        total = None
+        for block in stats.blocks(block_size):
+            part = self.contributions(block).sum(dim=-2)
+            total = part if total is None else total + part
+        return reduce_gqa(total, stats.keys.shape[1], mode=self.gqa)
+
+    def rank(self, summed: torch.Tensor, values: torch.Tensor, recent: int) -> torch.Tensor:
+        """Post-process summed per-KV-head scores ``[B,Hkv,T]`` (pooling, then modifiers) into the ranking.
+
+        ``values [B,Hkv,T,D]`` are the cached values (``Hkv = Hq`` in the KV-repeated layout).
+        """
+        scores = self.pool_scores(summed, recent)
+        for modifier in self.modifiers:
+            scores = modifier.transform(scores, values)
+        return scores
+
+    @classmethod
+    def parameters(cls) -> dict[str, Any]:
+        """The Hydra-settable parameters and their defaults."""
+        return {f.name: f.default for f in fields(cls) if f.name != "modifiers"}
+
+
+def window_tokens(window: Any, budget: int, prompt_len: int) -> int:
+    """Resolve a window setting: int tokens, a float in (0, 1) = fraction of the budget, 'Npct' = % of prompt."""
+    if isinstance(window, str) and window.endswith("pct"):
+        tokens = round(float(window[:-3]) / 100.0 * prompt_len)
+    elif isinstance(window, float) and 0.0 < window < 1.0:
+        tokens = round(window * budget)
+    else:
+        tokens = int(window)
+    return max(0, min(tokens, budget))

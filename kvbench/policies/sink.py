@@ -1,0 +1,21 @@
+"""StreamingLLM (Xiao et al., 2023, arXiv 2309.17453): attention sinks plus the most recent tokens."""
+
+from dataclasses import dataclass
+
+from kvbench.policies.base import Policy
+from kvbench.policies.registry import register
+
+
+@register
+@dataclass
+class Sink(Policy):
+    """Keep the first ``n_sink`` tokens and the most recent ``budget - n_sink`` (StreamingLLM §3.2)."""
+
+    name = "sink"
+    paper = "StreamingLLM (arXiv 2309.17453)"
+    needs_attention = False
+
+    n_sink: int = 4
+
+    def reserved_sinks(self) -> int:
+        return self.n_sink

@@ -1,0 +1,43 @@
+"""SnapKV (Li et al., 2024, arXiv 2404.14469): observation-window attention, pooled, plus the window."""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.errors import choose
+from kvbench.policies.base import Policy, window_tokens
+from kvbench.policies.registry import register
+
+
+@register
+@dataclass
+class SnapKV(Policy):
+    """Score ``Σ_{i∈window} A_ip`` then 1-D pooling over tokens (SnapKV Alg. 1); the window is kept."""
+
+    name = "snapkv"
+    paper = "SnapKV (arXiv 2404.14469)"
+
+    window: Any = 32
+    pool: str = "avg"
+    kernel: int = 5
+
+    def __post_init__(self):
+        choose("policy.pool", self.pool, ["avg", "max", "none"])
+
+    def scoring_window(self, budget: int, prompt_len: int) -> int:
+        return max(1, window_tokens(self.window, budget, prompt_len))
+
+    def reserved_recent(self, budget: int, prompt_len: int) -> int:
+        return window_tokens(self.window, budget, prompt_len)
+
+    def pool_scores(self, scores: torch.Tensor, recent: int) -> torch.Tensor:
+        """Stride-1 pooling (``kernel // 2`` padding) over the prefix ``[B,H,:T-recent]``; the window as is."""
+        prefix_len = scores.shape[-1] - recent
+        if self.pool == "none" or self.kernel <= 1 or prefix_len <= 0:
+            return scores
+        prefix = scores[..., :prefix_len].reshape(-1, 1, prefix_len)
+        pooling = F.avg_pool1d if self.pool == "avg" else F.max_pool1d
+        pooled = pooling(prefix, kernel_size=self.kernel, stride=1, padding=self.kernel // 2)[..., :prefix_len]
+        return torch.cat([pooled.reshape(*scores.shape[:-1], prefix_len), scores[..., prefix_len:]], dim=-1)

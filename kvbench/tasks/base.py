@@ -1,0 +1,74 @@
+"""The task interface: a task builds token-level samples and scores what the engine returns.
+
+A task never imports a policy and the engine never imports a task; ``kvbench.run`` joins them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal
+
+from omegaconf import DictConfig
+
+
+@dataclass
+class Sample:
+    """One unit of work for the engine.
+
+    ``mode="generate"``: greedy-decode up to ``max_new_tokens`` after ``input_ids`` (the prompt, already
+    templated and truncated by the task). ``mode="perplexity"``: score every token of ``input_ids``
+    after the first ``context_tokens`` (0 = the whole stream, StreamingLLM protocol).
+    """
+
+    id: str
+    subtask: str
+    input_ids: list[int]
+    answers: list[str] = field(default_factory=list)
+    mode: Literal["generate", "perplexity"] = "generate"
+    max_new_tokens: int = 32
+    context_tokens: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelInfo:
+    """What a task may know about the model: its tokenizer and limits, nothing about the cache."""
+
+    name: str
+    tokenizer: Any
+    max_context: int
+    chat_template: bool
+
+
+class Task(ABC):
+    """Build samples for one benchmark and score the engine's outputs."""
+
+    name: str
+
+    def __init__(self, cfg: DictConfig, model: ModelInfo):
+        self.cfg = cfg
+        self.model = model
+
+    @abstractmethod
+    def samples(self) -> Iterator[Sample]:
+        """Yield samples in a deterministic order (ids must be stable across runs for resuming)."""
+
+    @abstractmethod
+    def score(self, sample: Sample, prediction: str) -> float:
+        """Score one generated prediction in [0, 1]."""
+
+    def evaluate(self, sample: Sample, output: Any) -> dict[str, Any]:
+        """The record fields of one finished sample (at least ``prediction`` and ``score``).
+
+        ``output`` is the decoded text for ``mode="generate"``; perplexity tasks override this and
+        receive the per-token negative log-likelihoods (list of floats).
+        """
+        return {"prediction": output, "score": self.score(sample, output)}
+
+    def aggregate(self, records: list[dict]) -> dict[str, float]:
+        """Subtask -> mean score on a 0-100 scale (records carry ``subtask`` and ``score``)."""
+        by_subtask: dict[str, list[float]] = {}
+        for record in records:
+            by_subtask.setdefault(record["subtask"], []).append(record["score"])
+        return {name: 100.0 * sum(values) / len(values) for name, values in by_subtask.items()}

@@ -1,0 +1,35 @@
+"""Small builders shared by the tests: tiny random models and hand-made attention inputs."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+def tiny_model(architecture: str = "llama", seed: int = 0, layers: int = 3, vocab: int = 300, **overrides):
+    """A randomly initialised GQA model (4 query heads, 2 KV heads) with non-flat attention."""
+    config_class, model_class = ARCHITECTURES[architecture]
+    settings = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    return model_class(config_class(**settings)).eval()
+
+
+def random_prompt(length: int, vocab: int = 300, seed: int = 1) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (length,), generator=generator).tolist()

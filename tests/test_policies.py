@@ -1,0 +1,173 @@
+"""Each baseline's kept set equals a direct, loop-based implementation of its paper's definition."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvbench.engine.cache import EvictionCache
+from kvbench.errors import KVBenchError
+from kvbench.policies import build_policy, parse_spec
+from kvbench.policies.budgets import Budget, layer_budgets
+
+Q_HEADS, KV_HEADS, DIM, TOKENS = 4, 2, 8, 40
+SCALING = DIM**-0.5
+
+
+def random_layer(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    queries = torch.randn(1, Q_HEADS, TOKENS, DIM, generator=generator) * 2
+    keys = torch.randn(1, KV_HEADS, TOKENS, DIM, generator=generator) * 2
+    values = torch.randn(1, KV_HEADS, TOKENS, DIM, generator=generator)
+    return queries, keys, values
+
+
+def evict_with_cache(spec: str, params: dict, budget: int, seed: int) -> list[set[int]]:
+    """Prefill one layer of T tokens through an EvictionCache and return each cache head's kept positions."""
+    policy = build_policy(spec, params)
+    cache = EvictionCache(policy, [budget], TOKENS, Q_HEADS, KV_HEADS)
+    queries, keys, values = random_layer(seed)
+    cache.begin_forward(torch.arange(TOKENS), evict=True, track_scores=True)
+    cache.update(keys, values, 0)
+    cache.after_attention(0, queries, SCALING)
+    layer = cache.layers[0]
+    assert layer.keys.shape[2] == budget and layer.values.shape[2] == budget
+    return [set(layer.positions[0, head].tolist()) for head in range(layer.positions.shape[1])]
+
+
+def attention_row(query: list[float], keys: list[list[float]], upto: int) -> list[float]:
+    """softmax over keys 0..upto of q·k/√d, zero after ``upto`` (causal), by explicit loops."""
+    logits = [sum(q * k for q, k in zip(query, keys[p])) * SCALING for p in range(upto + 1)]
+    top = max(logits)
+    exps = [math.exp(z - top) for z in logits]
+    total = sum(exps)
+    return [e / total for e in exps] + [0.0] * (len(keys) - upto - 1)
+
+
+def head_scores(queries, keys, kv_head: int, query_indices, query_heads=None) -> list[float]:
+    """Σ over the query heads (default: the KV head's group) and the given queries of A_ip."""
+    group = Q_HEADS // KV_HEADS
+    query_heads = range(kv_head * group, (kv_head + 1) * group) if query_heads is None else query_heads
+    scores = [0.0] * TOKENS
+    key_rows = keys[0, kv_head].tolist()
+    for q_head in query_heads:
+        for i in query_indices:
+            row = attention_row(queries[0, q_head, i].tolist(), key_rows, i)
+            scores = [s + a for s, a in zip(scores, row)]
+    return scores
+
+
+def top_positions(scores: list[float], candidates: list[int], count: int) -> set[int]:
+    return set(sorted(candidates, key=lambda p: scores[p], reverse=True)[:count])
+
+
+def assert_top_with_ties(kept: set[int], scores: list[float], candidates: list[int], count: int, tol=1e-6):
+    """``kept`` holds ``count`` candidates: every one scoring above the count-th best, the rest tied with it."""
+    assert len(kept) == count and kept <= set(candidates)
+    threshold = sorted((scores[p] for p in candidates), reverse=True)[count - 1]
+    assert all(p in kept for p in candidates if scores[p] > threshold + tol)
+    assert all(abs(scores[p] - threshold) <= tol for p in kept if scores[p] <= threshold + tol)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_h2o_matches_accumulated_attention(seed):
+    budget, recent = 16, 6
+    kept = evict_with_cache("h2o", {"window": recent}, budget, seed)
+    queries, keys, _ = random_layer(seed)
+    for head in range(KV_HEADS):
+        scores = head_scores(queries, keys, head, range(TOKENS))
+        window = set(range(TOKENS - recent, TOKENS))
+        expected = window | top_positions(scores, list(range(TOKENS - recent)), budget - recent)
+        assert kept[head] == expected
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tova_matches_last_query_attention(seed):
+    budget = 12
+    kept = evict_with_cache("tova", {}, budget, seed)
+    queries, keys, _ = random_layer(seed)
+    for head in range(KV_HEADS):
+        scores = head_scores(queries, keys, head, [TOKENS - 1])
+        assert kept[head] == top_positions(scores, list(range(TOKENS)), budget)
+
+
+@pytest.mark.parametrize("pool,kernel", [("avg", 5), ("max", 7), ("none", 1)])
+def test_snapkv_matches_pooled_window_attention(pool, kernel):
+    budget, window, seed = 18, 8, 3
+    kept = evict_with_cache("snapkv", {"window": window, "pool": pool, "kernel": kernel}, budget, seed)
+    queries, keys, _ = random_layer(seed)
+    prefix = TOKENS - window
+    for head in range(KV_HEADS):
+        raw = head_scores(queries, keys, head, range(prefix, TOKENS))[:prefix]
+        pooled = []
+        for p in range(prefix):
+            neighbours = [raw[j] if 0 <= j < prefix else 0.0 for j in range(p - kernel // 2, p + kernel // 2 + 1)]
+            if pool == "avg":
+                pooled.append(sum(neighbours) / kernel)  # count_include_pad, as SnapKV's avg_pool1d
+            elif pool == "max":
+                pooled.append(max(raw[j] for j in range(max(0, p - kernel // 2), min(prefix, p + kernel // 2 + 1))))
+            else:
+                pooled.append(raw[p])
+        assert set(range(prefix, TOKENS)) <= kept[head]
+        assert_top_with_ties(kept[head] - set(range(prefix, TOKENS)), pooled, list(range(prefix)), budget - window)
+
+
+def test_sink_keeps_first_and_most_recent_tokens():
+    kept = evict_with_cache("sink", {"n_sink": 4}, 10, seed=0)
+    assert all(head == {0, 1, 2, 3, *range(TOKENS - 6, TOKENS)} for head in kept)
+
+
+def test_gqa_repeat_layout_selects_per_query_head():
+    budget = 12
+    kept = evict_with_cache("tova", {"gqa": "repeat"}, budget, seed=4)
+    assert len(kept) == Q_HEADS
+    queries, keys, _ = random_layer(4)
+    for q_head in range(Q_HEADS):
+        scores = head_scores(queries, keys, q_head // 2, [TOKENS - 1], query_heads=[q_head])
+        assert kept[q_head] == top_positions(scores, list(range(TOKENS)), budget)
+
+
+def test_gqa_mean_ranks_like_sum():
+    assert evict_with_cache("h2o", {"gqa": "mean", "window": 4}, 14, 5) == evict_with_cache(
+        "h2o", {"gqa": "sum", "window": 4}, 14, 5
+    )
+
+
+def test_pyramid_budgets_follow_pyramidkv_formula():
+    budget, window, layers, beta = 128, 32, 8, 20.0
+    budgets = layer_budgets("pyramid", budget, layers, beta=beta, reserved=window)
+    free = budget - window
+    top, bottom = free / beta, 2 * free - free / beta
+    expected = [window + bottom - (bottom - top) * layer / (layers - 1) for layer in range(layers)]
+    assert sum(budgets) == budget * layers
+    assert all(abs(got - want) <= 1 for got, want in zip(budgets, expected))
+    assert budgets == sorted(budgets, reverse=True)
+
+
+@pytest.mark.parametrize(
+    "spec,tokens,fraction",
+    [("64", 64, None), ("2k", 2048, None), ("4096", 4096, None), ("10pct", None, 0.1), ("0.5k", 512, None)],
+)
+def test_budget_parsing(spec, tokens, fraction):
+    budget = Budget.parse(spec)
+    assert (budget.tokens, budget.fraction) == (tokens, fraction)
+
+
+def test_budget_fraction_resolves_against_prompt():
+    assert Budget.parse("10pct").resolve(3000) == 300
+
+
+@pytest.mark.parametrize("spec", ["0", "-5", "abc", "0pct", "150pct", "1.5"])
+def test_bad_budget_is_one_line_error(spec):
+    with pytest.raises(KVBenchError) as error:
+        Budget.parse(spec)
+    assert spec in str(error.value) and "\n" not in str(error.value)
+
+
+def test_unknown_policy_names_the_choices():
+    with pytest.raises(KVBenchError, match=r"unknown policy 'h3o'; valid choices: .*h2o.*snapkv"):
+        parse_spec("h3o")
+    with pytest.raises(KVBenchError, match="unknown policy modifier 'nope'"):
+        parse_spec("h2o+nope")
