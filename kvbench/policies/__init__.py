@@ -44,7 +44,10 @@ def build_policy(spec: str, params: Mapping[str, Any] | None = None) -> Policy:
     base, modifier_names = parse_spec(spec)
     modifiers: list[Modifier] = [_instantiate(MODIFIERS[name], params) for name in modifier_names]
     choose("policy.gqa", params.get("gqa", "sum"), ["sum", "mean", "repeat"])
-    return _instantiate(BASES[base], params, modifiers=modifiers)
+    policy = _instantiate(BASES[base], params, modifiers=modifiers)
+    for modifier in modifiers:
+        modifier.bind(policy)
+    return policy
 
 
 __all__ = ["BASES", "MODIFIERS", "Modifier", "Policy", "build_policy", "parse_spec"]

@@ -96,6 +96,9 @@ class Modifier:
     name: ClassVar[str]
     paper: ClassVar[str]
 
+    def bind(self, base: "Policy") -> None:
+        """Adapt to the base policy it modifies (e.g. CAOTE's per-base norm exponent); default nothing."""
+
     def contributions(self, stats: AttentionStats) -> torch.Tensor | None:
         """Per-query contributions ``[B,Hq,W,T]`` replacing the base's attention weights, or None."""
         return None
