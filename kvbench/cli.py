@@ -44,8 +44,7 @@ def hydra_run(cfg: DictConfig) -> float | None:
 def command_run(args: list[str]) -> None:
     from kvbench.config import prepare_overrides
 
-    prepare_overrides(args)
-    sys.argv = [sys.argv[0], *args]
+    sys.argv = [sys.argv[0], *prepare_overrides(args)]
     hydra_run()
 
 

@@ -44,16 +44,23 @@ def _values(override) -> list[str]:
     return [str(override.get_value_element_as_str())]
 
 
-def prepare_overrides(args: list[str]) -> None:
-    """Validate ``args`` (Hydra overrides) and register composite policy / budget options."""
+def prepare_overrides(args: list[str]) -> list[str]:
+    """Validate ``args`` (Hydra overrides), register composite policy / budget options, and return the
+    overrides with budget values quoted (Hydra would read ``budget=64`` as an int, not an option name)."""
     try:
         overrides = OverridesParser.create().parse_overrides([arg for arg in args if not arg.startswith("-")])
     except HydraException as error:
         raise KVBenchError(f"cannot parse overrides {' '.join(args)!r}: {str(error).splitlines()[0]}") from None
     store = ConfigStore.instance()
+    rewritten = [arg for arg in args if arg.startswith("-")]
     for override in overrides:
         key = override.key_or_group.lstrip("+~")
-        for value in _values(override):
+        values = _values(override)
+        if key == "budget":
+            rewritten.append(f"{override.get_key_element()}=" + ",".join(f"'{value}'" for value in values))
+        else:
+            rewritten.append(override.input_line)
+        for value in values:
             if key in ("model", "task"):
                 choose(key, value, group_options(key))
             elif key == "policy":
@@ -68,6 +75,7 @@ def prepare_overrides(args: list[str]) -> None:
                 from kvbench.engine import REGIMES
 
                 choose("engine.regime", value, REGIMES)
+    return rewritten
 
 
 def compose(overrides: list[str], config_name: str = "config") -> DictConfig:
@@ -75,6 +83,6 @@ def compose(overrides: list[str], config_name: str = "config") -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    prepare_overrides(overrides)
+    overrides = prepare_overrides(overrides)
     with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=overrides)

