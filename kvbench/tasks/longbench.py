@@ -1,0 +1,281 @@
+"""LongBench v1 and LongBench-E (Bai et al., 2023), built and scored as THUDM's ``pred.py``/``eval.py``.
+
+Prompts: the official per-dataset template (``config/dataset2prompt.json``) filled with the record,
+tokenized with the tokenizer's special tokens (as ``pred.py`` measures it), and cut in the middle to
+``max_length`` tokens when longer: the first ``max_length // 2`` and the last ``max_length // 2``
+tokens are kept. Chat models get their chat template around the (cut) prompt, except on trec,
+triviaqa, samsum, lsht, lcc and repobench-p. Generation: greedy, up to the official
+``dataset2maxlen`` new tokens. Scores: :func:`kvbench.metrics.longbench.score_sample`.
+
+samsum: ``pred.py`` passes ``eos_token_id=[tokenizer.eos_token_id, tokenizer.encode("\\n",
+add_special_tokens=False)[-1]]`` (models otherwise go on with another "Dialogue:" example) and
+``min_length=context_length + 1``, so generation stops at that newline token, which can never be
+the first new token. Here samsum samples carry ``metadata["stop_strings"] = ["\\n"]``, which
+``kvbench.run`` turns into the same extra stop token; the first-token rule is not reproduced.
+
+Chat templates: the tokenizer's own (``apply_chat_template`` with one user turn and the generation
+prompt; the templated text is tokenized without adding special tokens again), where ``pred.py``
+hand-writes one per model family. A cut prompt is decoded half by half (special tokens skipped)
+and joined as text before templating, as in ``pred.py``, so the template's tokens come on top of
+``max_length``. Without a chat template the kept token ids are used as they are, where ``pred.py``
+decodes and re-tokenizes them, which can merge or split a token at the cut.
+
+Data: ``data_dir`` holds the official jsonl files (``<dataset>.jsonl``, LongBench-E
+``<dataset>_e.jsonl``); without it they are read from ``data.zip`` of the hub dataset
+``THUDM/LongBench``, downloaded once into the Hugging Face cache (the hub copy is a loading script
+plus that archive, which ``datasets`` >= 4 no longer runs).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zipfile
+from typing import Any, Iterable, Iterator
+
+import huggingface_hub
+from omegaconf import DictConfig
+
+from kvbench.errors import KVBenchError, choose
+from kvbench.metrics.longbench import length_bucket, score_sample
+from kvbench.tasks.base import ModelInfo, Sample, Task
+from kvbench.tasks.ppl import resolve_path
+
+HUB_REPO = "THUDM/LongBench"
+HUB_ARCHIVE = "data.zip"
+HUB_MEMBER_DIR = "data/"
+
+_QA = "Answer the question based on the given passages. Only give me the answer and do not output any other words."
+_MULTI_DOC = f"{_QA}\n\nThe following are given passages.\n{{context}}\n\n{_QA}\n\nQuestion: {{input}}\nAnswer:"
+_NARRATIVE = "asconcisely as you can, using a single phrase if possible. Do not provide any explanation."
+_QASPER = (
+    "as concisely as you can, using a single phrase or sentence if possible. If the question cannot be "
+    'answered based on the information in the article, write "unanswerable". If the question is a yes/no '
+    'question, answer "yes", "no", or "unanswerable". Do not provide any explanation.'
+)
+
+# The official prompt templates (config/dataset2prompt.json). The narrativeqa template says
+# "asconcisely" (sic) twice, as in the configuration used by LongBench and the KV-cache papers.
+PROMPTS = {
+    "narrativeqa": (
+        "You are given a story, which can be either a novel or a movie script, and a question. "
+        f"Answer the question {_NARRATIVE}\n\nStory: {{context}}\n\n"
+        f"Now, answer the question based on the story {_NARRATIVE}\n\nQuestion: {{input}}\n\nAnswer:"
+    ),
+    "qasper": (
+        f"You are given a scientific article and a question. Answer the question {_QASPER}\n\n"
+        f"Article: {{context}}\n\n Answer the question based on the above article {_QASPER}\n\n"
+        "Question: {input}\n\nAnswer:"
+    ),
+    "multifieldqa_en": (
+        "Read the following text and answer briefly.\n\n{context}\n\n"
+        "Now, answer the following question based on the above text, only give me the answer and do not "
+        "output any other words.\n\nQuestion: {input}\nAnswer:"
+    ),
+    "multifieldqa_zh": (
+        "阅读以下文字并用中文简短回答：\n\n{context}\n\n"
+        "现在请基于上面的文章回答下面的问题，只告诉我答案，不要输出任何其他字词。\n\n问题：{input}\n回答："
+    ),
+    "hotpotqa": _MULTI_DOC,
+    "2wikimqa": _MULTI_DOC,
+    "musique": _MULTI_DOC,
+    "dureader": "请基于给定的文章回答下述问题。\n\n文章：{context}\n\n请基于上述文章回答下面的问题。\n\n问题：{input}\n回答：",
+    "gov_report": (
+        "You are given a report by a government agency. Write a one-page summary of the report.\n\n"
+        "Report:\n{context}\n\nNow, write a one-page summary of the report.\n\nSummary:"
+    ),
+    "qmsum": (
+        "You are given a meeting transcript and a query containing a question or instruction. "
+        "Answer the query in one or more sentences.\n\nTranscript:\n{context}\n\n"
+        "Now, answer the query based on the above meeting transcript in one or more sentences.\n\n"
+        "Query: {input}\nAnswer:"
+    ),
+    "multi_news": (
+        "You are given several news passages. Write a one-page summary of all news. \n\nNews:\n{context}\n\n"
+        "Now, write a one-page summary of all the news.\n\nSummary:"
+    ),
+    "vcsum": "下面有一段会议记录，请你阅读后，写一段总结，总结会议的内容。\n会议记录：\n{context}\n\n会议总结：",
+    "trec": "Please determine the type of the question below. Here are some examples of questions.\n\n{context}\n{input}",
+    "triviaqa": (
+        "Answer the question based on the given passage. Only give me the answer and do not output any "
+        "other words. The following are some examples.\n\n{context}\n\n{input}"
+    ),
+    "samsum": "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}",
+    "lsht": "请判断给定新闻的类别，下面是一些例子。\n\n{context}\n{input}",
+    "passage_count": (
+        "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please "
+        "carefully read these paragraphs and determine how many unique paragraphs there are after removing "
+        "duplicates. In other words, how many non-repeating paragraphs are there in total?\n\n{context}\n\n"
+        "Please enter the final count of unique paragraphs after removing duplicates. The output format "
+        "should only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer is: "
+    ),
+    "passage_retrieval_en": (
+        "Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which paragraph "
+        "the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\n"
+        "Please enter the number of the paragraph that the abstract is from. The answer format must be like "
+        '"Paragraph 1", "Paragraph 2", etc.\n\nThe answer is: '
+    ),
+    "passage_retrieval_zh": (
+        "以下是若干段落文字，以及其中一个段落的摘要。请确定给定的摘要出自哪一段。\n\n{context}\n\n"
+        '下面是一个摘要\n\n{input}\n\n请输入摘要所属段落的编号。答案格式必须是"段落1"，"段落2"等格式\n\n答案是：'
+    ),
+    "lcc": "Please complete the code given below. \n{context}Next line of code:\n",
+    "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
+}
+
+# The official generation lengths (config/dataset2maxlen.json).
+MAX_NEW_TOKENS = {
+    "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "multifieldqa_zh": 64,
+    "hotpotqa": 32, "2wikimqa": 32, "musique": 32, "dureader": 128,
+    "gov_report": 512, "qmsum": 512, "multi_news": 512, "vcsum": 512,
+    "trec": 64, "triviaqa": 32, "samsum": 128, "lsht": 64,
+    "passage_count": 32, "passage_retrieval_en": 32, "passage_retrieval_zh": 32,
+    "lcc": 64, "repobench-p": 64,
+}  # fmt: skip
+
+DATASETS = tuple(PROMPTS)
+E_DATASETS = (
+    "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news",
+    "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
+)  # fmt: skip
+# Datasets prompted without the chat template ("chat models are better off without" it, pred.py).
+NO_CHAT_DATASETS = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"})
+RECORD_FIELDS = ("input", "context", "answers", "length", "all_classes", "_id")
+
+
+class LongBenchTask(Task):
+    """Options: ``datasets`` (or its alias ``subtasks``), ``data_dir``, ``num_samples`` per dataset
+    (a seeded random subset, kept in file order), ``max_length`` (prompt tokens; null = the model's
+    context), ``seed``, and ``e`` (LongBench-E: ``*_e`` files, scores per length bucket)."""
+
+    name = "longbench"
+
+    def __init__(self, cfg: DictConfig, model: ModelInfo):
+        super().__init__(cfg, model)
+        self.e = bool(cfg.get("e", False))
+        names = cfg.get("subtasks") or cfg.datasets
+        self.datasets = [names] if isinstance(names, str) else list(names)
+        for dataset in self.datasets:
+            choose("LongBench-E dataset" if self.e else "LongBench dataset", dataset, E_DATASETS if self.e else DATASETS)
+        self.max_length = int(model.max_context if cfg.get("max_length") is None else cfg.max_length)
+        self.num_samples = None if cfg.get("num_samples") is None else int(cfg.num_samples)
+        for key, value, least in (("max_length", self.max_length, 2), ("num_samples", self.num_samples, 1)):
+            if value is not None and value < least:
+                raise KVBenchError(f"task.{key} must be at least {least}, got {value}")
+        self.seed = int(cfg.get("seed", 42))
+
+    def samples(self) -> Iterator[Sample]:
+        """Each dataset's (selected) records in file order, datasets in the configured order."""
+        for dataset in self.datasets:
+            records = self.records(dataset)
+            if self.num_samples is not None and self.num_samples < len(records):
+                chosen = sorted(random.Random(self.seed).sample(range(len(records)), self.num_samples))
+                records = [records[index] for index in chosen]
+            for record in records:
+                yield self.sample(dataset, record)
+
+    def records(self, dataset: str) -> list[dict[str, Any]]:
+        """The official records of one dataset, from ``data_dir`` or the hub archive."""
+        file_name = f"{dataset}_e.jsonl" if self.e else f"{dataset}.jsonl"
+        if self.cfg.get("data_dir") is None:
+            return _hub_records(file_name)
+        path = resolve_path(self.cfg.data_dir) / file_name
+        if not path.is_file():
+            raise KVBenchError(
+                f"LongBench dataset {dataset!r} not found: expected {path}; download data.zip from "
+                f"https://huggingface.co/datasets/{HUB_REPO} and unzip its data/*.jsonl into that folder, "
+                "or set task.data_dir=DIR (null: download from the hub)"
+            )
+        with path.open(encoding="utf-8") as lines:
+            return _parse_records(lines, str(path))
+
+    def sample(self, dataset: str, record: dict[str, Any]) -> Sample:
+        """The engine's sample for one record; samsum carries ``stop_strings = ["\\n"]``."""
+        metadata = {"all_classes": record["all_classes"], "length": record["length"]}
+        if dataset == "samsum":
+            metadata["stop_strings"] = ["\n"]
+        return Sample(
+            id=record["_id"],
+            subtask=dataset,
+            input_ids=self.prompt_ids(dataset, record),
+            answers=list(record["answers"]),
+            max_new_tokens=MAX_NEW_TOKENS[dataset],
+            metadata=metadata,
+        )
+
+    def uses_chat_template(self, dataset: str) -> bool:
+        """Whether prompts of ``dataset`` are wrapped in the model's chat template."""
+        return self.model.chat_template and dataset not in NO_CHAT_DATASETS
+
+    def prompt_ids(self, dataset: str, record: dict[str, Any]) -> list[int]:
+        """The official prompt, cut in the middle to ``max_length`` tokens, templated for chat models."""
+        tokenizer = self.model.tokenizer
+        prompt = PROMPTS[dataset].format(**record)
+        ids = list(tokenizer(prompt, verbose=False)["input_ids"])
+        chat = self.uses_chat_template(dataset)
+        if len(ids) > self.max_length:
+            half = self.max_length // 2
+            if not chat:
+                return ids[:half] + ids[-half:]
+            prompt = tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(
+                ids[-half:], skip_special_tokens=True
+            )
+        if not chat:
+            return ids
+        messages = [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+    def score(self, sample: Sample, prediction: str) -> float:
+        """The official metric of the sample's dataset, 0-1."""
+        return score_sample(sample.subtask, prediction, sample.answers, sample.metadata["all_classes"])
+
+    def evaluate(self, sample: Sample, output: Any) -> dict[str, Any]:
+        """Prediction and score, plus the record's ``length`` (LongBench-E buckets need it)."""
+        return {**super().evaluate(sample, output), "length": sample.metadata["length"]}
+
+    def aggregate(self, records: list[dict]) -> dict[str, float]:
+        """Dataset (LongBench-E: ``<dataset>@<bucket>``) -> mean score on 0-100, unrounded.
+
+        The official ``eval.py`` rounds each of these to two decimals; LongBench-E buckets without
+        records are left out (the official scorer reports NaN for them).
+        """
+        if not self.e:
+            return super().aggregate(records)
+        bucketed = [{**record, "subtask": f"{record['subtask']}@{length_bucket(record['length'])}"} for record in records]
+        return super().aggregate(bucketed)
+
+
+def _parse_records(lines: Iterable[str], source: str) -> list[dict[str, Any]]:
+    """Records of an official jsonl file, or a one-line error naming the bad line."""
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise KVBenchError(f"{source}:{number} is not valid JSON ({error.msg}); expected official LongBench jsonl") from None
+        missing = [name for name in RECORD_FIELDS if name not in record]
+        if missing:
+            raise KVBenchError(f"{source}:{number} lacks {', '.join(missing)}; expected official LongBench jsonl")
+        records.append(record)
+    return records
+
+
+def _hub_records(file_name: str) -> list[dict[str, Any]]:
+    """One jsonl file from the hub dataset's ``data.zip`` (cached by huggingface_hub)."""
+    try:
+        archive = huggingface_hub.hf_hub_download(HUB_REPO, HUB_ARCHIVE, repo_type="dataset")
+    except Exception as error:
+        reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise KVBenchError(
+            f"cannot download {HUB_ARCHIVE} of the hub dataset {HUB_REPO} ({reason}); unzip its data/*.jsonl "
+            "into a folder and set task.data_dir=FOLDER"
+        ) from None
+    member = HUB_MEMBER_DIR + file_name
+    try:
+        with zipfile.ZipFile(archive) as zipped, zipped.open(member) as raw:
+            return _parse_records((line.decode("utf-8") for line in raw), f"{archive}:{member}")
+    except (KeyError, zipfile.BadZipFile) as error:
+        raise KVBenchError(f"cannot read {member} from {archive} ({error}); set task.data_dir=FOLDER holding {file_name}") from None
