@@ -60,7 +60,13 @@ class PerplexityTask(Task):
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         super().__init__(cfg, model)
+        self.read_window_options(cfg)
         self.path = resolve_path(cfg.path)
+        if not self.path.is_file():
+            raise KVBenchError(f"task.path {self.path} is not a file; set task.path=FILE (a UTF-8 text file)")
+
+    def read_window_options(self, cfg: DictConfig) -> None:
+        """``max_tokens``, ``context_tokens`` and ``bucket_size``, validated (shared with the book tasks)."""
         self.max_tokens = None if cfg.get("max_tokens") is None else int(cfg.max_tokens)
         self.context_tokens = int(cfg.get("context_tokens", 0))
         self.bucket_size = int(cfg.get("bucket_size", 256))
@@ -71,8 +77,6 @@ class PerplexityTask(Task):
             raise KVBenchError(
                 f"task.context_tokens={self.context_tokens} must be >= 0 and below task.max_tokens={self.max_tokens}"
             )
-        if not self.path.is_file():
-            raise KVBenchError(f"task.path {self.path} is not a file; set task.path=FILE (a UTF-8 text file)")
 
     def tokens(self) -> list[int]:
         """The whole file as token ids, without special tokens."""

@@ -17,13 +17,21 @@ Configurations, templates and answer prefixes follow RULER's ``scripts/synthetic
 * haystack lines (noise paragraphs, needles, vt assignments) are separated by newlines, and vt's
   worked example has a fixed 10 noise paragraphs (RULER sizes it to 500 tokens of the tokenizer);
 * the single-answer wording fix (``Some`` -> ``A``, ``are`` -> ``is`` ...) touches only the task's
-  own template, never the model's chat template.
+  own template, never the model's chat template;
+* qa_1 / qa_2 draw their question at random (per seed and index) where RULER takes the questions in
+  file order, and their distractor documents from that per-sample generator.
+
+qa_1 (SQuAD v2.0 dev, answerable questions) and qa_2 (HotpotQA dev, distractor setting) read RULER's
+``squad.json`` / ``hotpotqa.json`` (the official ``dev-v2.0.json`` / ``hotpot_dev_distractor_v1.json``
+names work too) from ``task.qa_dir``, or, without it, the hub datasets ``rajpurkar/squad_v2`` and
+``hotpotqa/hotpot_qa`` (validation split) through ``datasets``. They are not in the null default.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import json
 import random
 import re
 import string
@@ -35,8 +43,10 @@ from typing import Any, Callable, Iterator
 from omegaconf import DictConfig
 
 from kvbench.errors import KVBenchError, choose
-from kvbench.metrics.ruler import string_match_all
+from kvbench.metrics.ruler import string_match_all, string_match_part
 from kvbench.tasks.base import ModelInfo, Sample, Task
+from kvbench.tasks.hub import hub_rows
+from kvbench.tasks.ppl import resolve_path
 from kvbench.tasks.resources import paul_graham_essays, wonderwords_list
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -68,6 +78,15 @@ FWE_TEMPLATE = (
     "What are the three most frequently appeared words in the above coded text?"
 )
 FWE_ANSWER_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
+
+QA_TEMPLATE = (
+    "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+    "\n\nThe following are given documents.\n\n{context}\n\n"
+    "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+    "\n\nQuestion: {query}"
+)
+QA_ANSWER_PREFIX = " Answer:"
+QA_DOCUMENT = "Document {i}:\n{document}"
 
 DEPTHS = [round(100 * i / 39) for i in range(40)]  # RULER's essay depths: 40 evenly spaced percentages
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
@@ -333,7 +352,136 @@ def _zeta(alpha: float) -> float:
     return sum(k**-alpha for k in range(1, terms)) + terms ** (1 - alpha) / (alpha - 1)
 
 
-Spec = Niah | VariableTracking | CommonWords | FreqWords
+# --- qa_1 / qa_2: SQuAD and HotpotQA ------------------------------------------------------------
+
+QA_FILES = {"squad": ("squad.json", "dev-v2.0.json"), "hotpotqa": ("hotpotqa.json", "hotpot_dev_distractor_v1.json")}
+QA_HUB = {"squad": ("rajpurkar/squad_v2", None), "hotpotqa": ("hotpotqa/hotpot_qa", "distractor")}
+QA_SOURCE = {"squad": "SQuAD v2.0 dev", "hotpotqa": "HotpotQA dev (distractor)"}
+
+
+def read_squad(data: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """RULER's ``read_squad``: answerable questions, the sorted unique paragraphs as documents, and per
+    question the other paragraphs of its article (``more_context``)."""
+    docs = sorted({paragraph["context"] for article in data["data"] for paragraph in article["paragraphs"]})
+    index = {doc: i for i, doc in enumerate(docs)}
+    qas = []
+    for article in data["data"]:
+        article_docs = [index[paragraph["context"]] for paragraph in article["paragraphs"]]
+        for paragraph in article["paragraphs"]:
+            own = index[paragraph["context"]]
+            for qa in paragraph["qas"]:
+                if not qa.get("is_impossible", False):
+                    qas.append({
+                        "query": qa["question"],
+                        "outputs": [answer["text"] for answer in qa["answers"]],
+                        "context": [own],
+                        "more_context": [doc for doc in article_docs if doc != own],
+                    })
+    return qas, docs
+
+
+def read_hotpotqa(data: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """RULER's ``read_hotpotqa``: documents ``title\\nsentences``, sorted and unique; each question's
+    own ten paragraphs (two gold, eight distractors) are its context."""
+    docs = sorted({f"{title}\n{''.join(sentences)}" for record in data for title, sentences in record["context"]})
+    index = {doc: i for i, doc in enumerate(docs)}
+    qas = [
+        {
+            "query": record["question"],
+            "outputs": [record["answer"]],
+            "context": [index[f"{title}\n{''.join(sentences)}"] for title, sentences in record["context"]],
+        }
+        for record in data
+    ]
+    return qas, docs
+
+
+def _squad_from_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The official SQuAD json layout rebuilt from ``rajpurkar/squad_v2`` rows (articles by title)."""
+    articles: dict[str, dict[str, list]] = {}
+    for row in rows:
+        paragraphs = articles.setdefault(row["title"], {})
+        paragraphs.setdefault(row["context"], []).append({
+            "question": row["question"],
+            "answers": [{"text": text} for text in row["answers"]["text"]],
+            "is_impossible": not row["answers"]["text"],
+        })
+    return {"data": [{"title": title, "paragraphs": [{"context": context, "qas": qas} for context, qas in paragraphs.items()]}
+                     for title, paragraphs in articles.items()]}
+
+
+def _hotpot_from_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The official HotpotQA json layout rebuilt from ``hotpotqa/hotpot_qa`` rows."""
+    return [
+        {"question": row["question"], "answer": row["answer"],
+         "context": [list(pair) for pair in zip(row["context"]["title"], row["context"]["sentences"])]}
+        for row in rows
+    ]
+
+
+@functools.lru_cache(maxsize=4)
+def qa_dataset(dataset: str, qa_dir: str | None) -> tuple[list[dict[str, Any]], list[str]]:
+    """(questions, documents) of ``squad`` or ``hotpotqa`` from ``qa_dir`` or the hub, as RULER reads them."""
+    names = QA_FILES[dataset]
+    how = (f"download {QA_SOURCE[dataset]} as {names[0]} (or {names[1]}) into a folder and set task.qa_dir=FOLDER")
+    if qa_dir is not None:
+        folder = resolve_path(qa_dir)
+        path = next((folder / name for name in names if (folder / name).is_file()), None)
+        if path is None:
+            raise KVBenchError(f"RULER {dataset} data not found: no {names[0]} or {names[1]} in task.qa_dir={qa_dir}; {how}")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise KVBenchError(f"cannot read {path} ({type(error).__name__}); {how}") from None
+    else:
+        repo, config = QA_HUB[dataset]
+        rows = hub_rows(repo, "validation", f"RULER {dataset} needs {names[0]}: {how}", name=config)
+        data = _squad_from_rows(rows) if dataset == "squad" else _hotpot_from_rows(rows)
+    try:
+        qas, docs = read_squad(data) if dataset == "squad" else read_hotpotqa(data)
+    except (KeyError, TypeError, ValueError) as error:
+        raise KVBenchError(f"RULER {dataset} data is not in the official layout (missing {error}); {how}") from None
+    if not qas:
+        raise KVBenchError(f"RULER {dataset} data has no answerable question; {how}")
+    return qas, docs
+
+
+@dataclass(frozen=True)
+class QA:
+    """Question answering over distractor documents: the gold paragraph(s) first, then (SQuAD) the other
+    paragraphs of the article, then random documents, shuffled with the task seed; ``size`` documents."""
+
+    dataset: str
+    tokens_to_generate: int = 32
+    metric: Callable[[str, list[str]], float] = string_match_part
+    min_size = 0  # a class attribute: below the question's own documents, only those are used
+    needs_data = True  # not in the null default of task.subtasks
+
+    def build(self, rng: random.Random, size: int, task: RulerTask) -> Prompt:
+        qas, docs = qa_dataset(self.dataset, task.cfg.get("qa_dir"))
+        qa = qas[rng.randrange(len(qas))]
+        gold, more = list(qa["context"]), list(qa.get("more_context", []))
+        if size < len(docs):
+            if size - len(gold) > len(more):
+                taken = set(gold + more)
+                others = [doc for doc in range(len(docs)) if doc not in taken]
+                chosen = gold + more + rng.sample(others, size - len(gold) - len(more))
+            else:
+                chosen = gold + rng.sample(more, max(size - len(gold), 0))
+        else:
+            chosen = list(range(len(docs)))
+        texts = [docs[doc] for doc in chosen]
+        random.Random(task.cfg.get("seed", 42)).shuffle(texts)
+        context = "\n\n".join(QA_DOCUMENT.format(i=i + 1, document=text) for i, text in enumerate(texts))
+        return Prompt(
+            text=QA_TEMPLATE.format(context=context, query=qa["query"]),
+            answer_prefix=QA_ANSWER_PREFIX,
+            answers=list(qa["outputs"]),
+            info={"num_docs": len(texts)},
+        )
+
+
+Spec = Niah | VariableTracking | CommonWords | FreqWords | QA
 
 SUBTASKS: dict[str, Spec] = {
     "niah_single_1": Niah("noise", "words", "numbers"),
@@ -347,8 +495,10 @@ SUBTASKS: dict[str, Spec] = {
     "vt": VariableTracking(num_chains=1, num_hops=4),
     "cwe": CommonWords(freq_cw=30, freq_ucw=3, num_cw=10),
     "fwe": FreqWords(alpha=2.0),
+    "qa_1": QA("squad"),
+    "qa_2": QA("hotpotqa"),
 }
-"""RULER's synthetic subtasks (``scripts/synthetic.yaml``); qa_1 / qa_2 (SQuAD, HotpotQA) are not here yet."""
+"""RULER's 13 subtasks (``scripts/synthetic.yaml``); qa_1 / qa_2 need SQuAD / HotpotQA (``task.qa_dir`` or the hub)."""
 
 
 @dataclass
@@ -386,16 +536,17 @@ def _largest_fitting(length: Callable[[int], int], budget: int, low: int, limit:
 
 
 class RulerTask(Task):
-    """RULER: ``subtasks`` (null = all of :data:`SUBTASKS`), ``num_samples`` per subtask, ``seed``,
-    ``context_length`` (prompt + generated tokens), optional ``essay_dir`` with the Paul Graham essays."""
+    """RULER: ``subtasks`` (null = all synthetic ones of :data:`SUBTASKS`), ``num_samples`` per subtask,
+    ``seed``, ``context_length`` (prompt + generated tokens), optional ``essay_dir`` with the Paul Graham
+    essays and ``qa_dir`` with RULER's ``squad.json`` / ``hotpotqa.json``."""
 
     name = "ruler"
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         super().__init__(cfg, model)
         subtasks = cfg.get("subtasks")
-        if subtasks is None:
-            subtasks = list(SUBTASKS)
+        if subtasks is None:  # all the synthetic ones (qa_1 / qa_2 need data: name them)
+            subtasks = [name for name, spec in SUBTASKS.items() if not getattr(spec, "needs_data", False)]
         elif isinstance(subtasks, str):
             subtasks = [subtasks]
         for subtask in subtasks:

@@ -1,0 +1,124 @@
+"""Perplexity on books: PG19 test books (StreamingLLM / OBCache Fig. 4) and Booksum chapters (CAOTE Table 4).
+
+Each book is one sample: the tokenizer's BOS (if any) followed by the book's first ``max_tokens - 1``
+tokens (null: the whole book), scored by the engine token by token (``engine.regime=streaming``, the
+StreamingLLM protocol) or, with ``context_tokens=C``, as a prefix of C tokens prefilled under the budget
+and a scored continuation. Records and aggregation are :class:`~kvbench.tasks.ppl.PerplexityTask`'s:
+per-book PPL and per-position-bucket NLLs, and a token-weighted PPL over all books.
+
+Sources, in order: ``task.path`` (one UTF-8 text file), ``task.data_dir`` (a folder of ``*.txt`` books,
+sorted by name), else the hub through ``datasets`` (streamed: only the first ``num_samples`` rows are
+read). PG19 defaults to ``emozilla/pg19`` (the parquet copy OBCache cites; ``deepmind/pg19`` is a
+loading script that ``datasets`` >= 4 no longer runs), Booksum to the chapter texts of ``kmfoda/booksum``.
+Local files lose a Project Gutenberg header and footer if they have one. PPL-vs-position curves:
+``kvbench plot RUN_DIR... --kind ppl`` (from the records' ``buckets``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from omegaconf import DictConfig
+
+from kvbench.errors import KVBenchError
+from kvbench.tasks.base import ModelInfo, Sample, Task
+from kvbench.tasks.hub import hub_rows
+from kvbench.tasks.ppl import PerplexityTask, read_text, resolve_path, strip_gutenberg
+
+CHARS_PER_TOKEN_BOUND = 12  # tokenizing this many characters per wanted token always yields enough tokens
+
+
+class BookPerplexityTask(PerplexityTask):
+    """Options: ``path``, ``data_dir``, ``hf_id``, ``hf_config``, ``hf_split``, ``text_field``, ``title_field``,
+    ``num_samples`` (books; null = all), ``max_tokens`` (per book), ``context_tokens``, ``bucket_size``."""
+
+    name = "books"
+    what = "books"
+
+    def __init__(self, cfg: DictConfig, model: ModelInfo):
+        Task.__init__(self, cfg, model)
+        self.read_window_options(cfg)
+        num_samples = cfg.get("num_samples")
+        self.num_samples = None if num_samples is None else int(num_samples)
+        if self.num_samples is not None and self.num_samples < 1:
+            raise KVBenchError(f"task.num_samples must be at least 1 (books), got {self.num_samples}")
+        self.path = None if cfg.get("path") is None else resolve_path(cfg.path)
+        self.data_dir = None if cfg.get("data_dir") is None else resolve_path(cfg.data_dir)
+        if self.path is not None and not self.path.is_file():
+            raise KVBenchError(f"task.path {self.path} is not a file; set task.path=FILE (a UTF-8 text file) or task.path=null")
+        if self.path is None and self.data_dir is not None and not sorted(self.data_dir.glob("*.txt")):
+            raise KVBenchError(
+                f"task.data_dir {self.data_dir} holds no *.txt {self.what}; put one UTF-8 text file per book there "
+                "or set task.data_dir=null to load them from the hub"
+            )
+
+    def how_to_provide(self) -> str:
+        return f"put {self.what} as UTF-8 *.txt files in a folder and set task.data_dir=FOLDER (or task.path=FILE)"
+
+    def books(self) -> list[tuple[str, str]]:
+        """(title, text) of the books to score, at most ``num_samples``."""
+        if self.path is not None:
+            return [(self.path.stem, strip_gutenberg(read_text(self.path)))]
+        if self.data_dir is not None:
+            files = sorted(self.data_dir.glob("*.txt"))[: self.num_samples]
+            return [(path.stem, strip_gutenberg(read_text(path))) for path in files]
+        cfg = self.cfg
+        rows = hub_rows(cfg.hf_id, cfg.get("hf_split", "test"), self.how_to_provide(), cfg.get("hf_config"), self.num_samples)
+        field, title_field = cfg.get("text_field", "text"), cfg.get("title_field")
+        books = []
+        for index, row in enumerate(rows):
+            if field not in row:
+                raise KVBenchError(
+                    f"the hub dataset {cfg.hf_id} has no column {field!r} (columns: {', '.join(row)}); set task.text_field"
+                )
+            books.append((str(row.get(title_field) or f"{self.name}-{index}"), row[field]))
+        return books
+
+    def book_ids(self, text: str) -> list[int]:
+        """BOS (if the tokenizer has one) and the first ``max_tokens - 1`` tokens of the text."""
+        tokenizer = self.model.tokenizer
+        prefix = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+        if self.max_tokens is None:
+            return prefix + list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+        wanted = self.max_tokens - len(prefix)
+        head = text[: wanted * CHARS_PER_TOKEN_BOUND + 64]  # spare the tokenizer a 400k-character book
+        ids = list(tokenizer(head, add_special_tokens=False, verbose=False)["input_ids"])
+        if len(ids) < wanted and len(head) < len(text):
+            ids = list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+        return prefix + ids[:wanted]
+
+    def samples(self) -> Iterator[Sample]:
+        """One sample per book, ids ``<task>-<index>``; books too short to score are skipped."""
+        yielded = 0
+        for index, (title, text) in enumerate(self.books()):
+            ids = self.book_ids(text)
+            if len(ids) <= max(self.context_tokens, 1):
+                continue
+            yielded += 1
+            yield Sample(
+                id=f"{self.name}-{index}",
+                subtask=self.name,
+                input_ids=ids,
+                mode="perplexity",
+                context_tokens=self.context_tokens,
+                metadata={"book": title},
+            )
+        if not yielded:
+            raise KVBenchError(
+                f"no {self.what} longer than task.context_tokens={self.context_tokens} tokens; lower it or add books"
+            )
+
+
+class PG19Task(BookPerplexityTask):
+    """PG19 test books (Rae et al., 2019): ``emozilla/pg19`` test split by default."""
+
+    name = "pg19"
+    what = "PG19 test books"
+
+
+class BooksumTask(BookPerplexityTask):
+    """Booksum chapters (Kryściński et al., 2021): the ``chapter`` texts of ``kmfoda/booksum``."""
+
+    name = "booksum"
+    what = "Booksum chapters"
+

