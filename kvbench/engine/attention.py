@@ -1,8 +1,9 @@
 """The ``kvbench`` attention function, registered in transformers' attention-function registry.
 
 Models loaded by kvbench run with ``attn_implementation="kvbench"``: this function computes attention with
-the model's backend (SDPA, eager or FlashAttention-2) over the budgeted cache, then hands the queries to
-the cache, which scores and evicts. No model class is patched.
+the model's backend (SDPA, eager or FlashAttention-2) over the budgeted cache, lets the cache's attending
+modifiers (CaliDrop, SLAKE) replace the output of single-query forwards, then hands the queries to the
+cache, which scores and evicts. No model class is patched.
 
 The new queries are always the last ``q`` tokens of the cache, so causality is "bottom-right aligned":
 query ``i`` sees cache slots ``0 .. T-q+i``. Positions of evicted caches no longer equal slot indices,
@@ -66,7 +67,7 @@ def flash_attention(module, query, key, value, scaling):
 
 
 def kvbench_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvbench_cache=None, **_):
-    """Attention over the (budgeted) cache, then scoring/eviction by ``kvbench_cache`` if given."""
+    """Attention over the (budgeted) cache, decode modifiers and scoring/eviction by ``kvbench_cache`` if given."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     backend = kvbench_cache.attn_backend if kvbench_cache is not None else "sdpa"
     if backend == "eager":
@@ -76,6 +77,8 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
     else:
         output = sdpa_attention(query, key, value, scaling)
     if kvbench_cache is not None:
+        if query.shape[2] == 1:
+            output = kvbench_cache.attend(module.layer_idx, query, key, value, output, scaling)
         kvbench_cache.after_attention(module.layer_idx, query, scaling)
     return output, None
 

@@ -4,6 +4,11 @@ Every layer stores, per cache head, the kept keys/values and their absolute toke
 gathers the kept entries into smaller tensors, so memory really shrinks. The cache is always ordered by
 position within a head (kept indices are sorted and new tokens are appended), so the most recent
 ``r`` tokens of a head are its last ``r`` slots.
+
+Attending modifiers (CaliDrop, SLAKE) get every evicted entry through ``Modifier.on_evict`` and may
+replace single-query attention through ``Modifier.attend``; each keeps its state in the layer's
+``modifier_state[name]``. Dynamic layer budgets (``cake``, ``vabs``) are allocated in CAKE's cascading
+manner while the first evicting forward passes through the layers (:meth:`EvictionCache._allocate`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvbench.policies.base import AttentionStats, Policy
+from kvbench.policies.base import AttentionStats, Evicted, Policy
+from kvbench.policies.budgets import DYNAMIC_LAYER_BUDGETS, CascadingAllocation, cake_preference, vabs_preference
+from kvbench.policies.slake import ptaa_weights
 
 
 class EvictionLayer(DynamicLayer):
@@ -21,7 +28,9 @@ class EvictionLayer(DynamicLayer):
 
     ``Hc`` is the number of KV heads, or of query heads in the KV-repeated layout. ``accumulated [B,Hc,T]``
     holds the running score of accumulating policies (H2O); ``recent_queries [B,Hq,W,D]`` the last
-    ``W`` queries for window policies (SnapKV's observation window, TOVA's last query).
+    ``W`` queries for window policies (SnapKV's observation window, TOVA's last query) and layer
+    preferences; ``last_query [B,Hq,D]`` the newest query (CaliDrop's initial calibration query);
+    ``ranking [B,Hc,T]`` the scores of the last eviction (re-used when cascading shrinks the layer again).
     """
 
     def __init__(self):
@@ -30,6 +39,9 @@ class EvictionLayer(DynamicLayer):
         self.accumulated: torch.Tensor | None = None
         self.recent_queries: torch.Tensor | None = None
         self.recent_query_positions: torch.Tensor | None = None
+        self.last_query: torch.Tensor | None = None
+        self.ranking: torch.Tensor | None = None
+        self.modifier_state: dict[str, dict] = {}
         self.peak_tokens = 0
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
@@ -41,15 +53,17 @@ class EvictionLayer(DynamicLayer):
         if self.accumulated is not None:
             zeros = self.accumulated.new_zeros(batch, heads, new_tokens)
             self.accumulated = torch.cat([self.accumulated, zeros], dim=-1)
+        self.ranking = None
         self.peak_tokens = max(self.peak_tokens, self.get_seq_length())
 
     def remember_queries(self, queries: torch.Tensor, positions: torch.Tensor, window: int):
-        """Keep the last ``window`` queries ``[B,Hq,W,D]`` (and their positions) for window scoring."""
+        """Keep the last ``window`` queries ``[B,Hq,W,D]`` (and their positions), copied so that the
+        forward's full query tensor is not held."""
         if self.recent_queries is not None:
             queries = torch.cat([self.recent_queries, queries], dim=2)
             positions = torch.cat([self.recent_query_positions, positions])
-        self.recent_queries = queries[:, :, -window:]
-        self.recent_query_positions = positions[-window:]
+        self.recent_queries = queries[:, :, -window:].clone()
+        self.recent_query_positions = positions[-window:].clone()
 
     def keep(self, kept: torch.Tensor):
         """Gather the kept slots ``kept [B,Hc,K]`` (sorted) into new, smaller tensors."""
@@ -57,8 +71,22 @@ class EvictionLayer(DynamicLayer):
         self.keys = self.keys.gather(2, slots)
         self.values = self.values.gather(2, slots)
         self.positions = self.positions.gather(2, kept)
-        if self.accumulated is not None:
-            self.accumulated = self.accumulated.gather(2, kept)
+        for name in ("accumulated", "ranking"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).gather(2, kept))
+
+    def dropped_by(self, kept: torch.Tensor) -> Evicted:
+        """The entries that keeping ``kept [B,Hc,K]`` evicts, in position order, scored by ``ranking``."""
+        batch, heads, tokens = self.positions.shape
+        dropped = torch.ones(batch, heads, tokens, dtype=torch.bool, device=kept.device).scatter_(-1, kept, False)
+        index = dropped.nonzero()[:, -1].view(batch, heads, tokens - kept.shape[-1])  # row-major: sorted
+        slots = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+        return Evicted(
+            self.keys.gather(2, slots),
+            self.values.gather(2, slots),
+            self.positions.gather(2, index),
+            self.ranking.gather(2, index),
+        )
 
 
 @dataclass
@@ -76,7 +104,9 @@ class EvictionCache(Cache):
 
     The engine calls :meth:`begin_forward` before each model forward with the absolute positions of the
     new tokens and whether this forward evicts; the kvbench attention function calls :meth:`update`
-    (through the model) and then :meth:`after_attention`, where scores are gathered and layers evicted.
+    (through the model), :meth:`attend` for single-query forwards and then :meth:`after_attention`, where
+    scores are gathered and layers evicted. With a dynamic ``policy.layer_budget`` the ``layer_budgets``
+    given (uniform) are the average, re-allocated during the first evicting forward.
     """
 
     def __init__(
@@ -91,13 +121,15 @@ class EvictionCache(Cache):
     ):
         super().__init__(layers=[EvictionLayer() for _ in layer_budgets])
         self.policy = policy
-        self.layer_budgets = layer_budgets
+        self.layer_budgets = list(layer_budgets)
         self.prompt_len = prompt_len
         self.num_query_heads = num_query_heads
         self.repeat_layout = policy.gqa == "repeat"
         self.cache_heads = num_query_heads if self.repeat_layout else num_kv_heads
         self.attn_backend = attn_backend
         self.score_block = score_block
+        self.attending = [modifier for modifier in policy.modifiers if modifier.attends]
+        self.allocation = self._allocation()
         self.new_positions: torch.Tensor | None = None
         self.evict_now = False
         self.track_scores = False
@@ -115,6 +147,16 @@ class EvictionCache(Cache):
     def tokens_per_layer(self) -> list[int]:
         return [layer.get_seq_length() for layer in self.layers]
 
+    def policy_stats(self) -> dict:
+        """Per-sample statistics of the attending modifiers (CaliDrop's recomputation rate) and, with a
+        dynamic layer budget, each layer's ``layer_preference``."""
+        stats = {}
+        for modifier in self.attending:
+            stats.update(modifier.stats([layer.modifier_state.get(modifier.name, {}) for layer in self.layers]))
+        if self.allocation is not None:
+            stats["layer_preference"] = list(self.allocation.preferences)
+        return stats
+
     # -- called by the model / attention function ------------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Append new keys/values ``[B,Hkv,q,D]`` (repeated to query heads in the repeat layout)."""
@@ -130,46 +172,134 @@ class EvictionCache(Cache):
         self._account(layer_idx)
         return layer.keys, layer.values
 
+    def attend(self, layer_idx: int, query, keys, values, output: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Let attending modifiers replace a single-query forward's ``output [B,1,Hq,D]`` (in turn)."""
+        layer = self.layers[layer_idx]
+        for modifier in self.attending:
+            replaced = modifier.attend(
+                layer.modifier_state.setdefault(modifier.name, {}), query, keys, values, output, scaling
+            )
+            output = output if replaced is None else replaced
+        return output
+
     def after_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float):
         """Gather this forward's scoring statistics (``queries [B,Hq,q,D]``) and evict if due."""
         policy, layer = self.policy, self.layers[layer_idx]
         budget = self.layer_budgets[layer_idx]
-        if policy.needs_attention:
-            if policy.accumulates:
-                if self.track_scores:
-                    positions = self.new_positions.to(queries.device)
-                    stats = AttentionStats(queries, layer.keys, layer.values, positions, layer.positions, scaling)
-                    layer.accumulated += policy.summed_contributions(stats, self.score_block)
-            else:
-                window = policy.scoring_window(budget, self.prompt_len)
-                layer.remember_queries(queries, self.new_positions.to(queries.device), window)
+        positions = self.new_positions.to(queries.device)
+        if self.attending:
+            layer.last_query = queries[:, :, -1].clone()
+        if policy.needs_attention and policy.accumulates and self.track_scores:
+            stats = AttentionStats(queries, layer.keys, layer.values, positions, layer.positions, scaling)
+            layer.accumulated += policy.summed_contributions(stats, self.score_block)
+        window = self._query_window(budget)
+        if window:
+            layer.remember_queries(queries, positions, window)
         if self.evict_now and policy.evicts and layer.get_seq_length() > budget:
-            self._evict(layer_idx, scaling)
+            if self.allocation is not None and layer_idx == len(self.allocation.preferences):
+                self._allocate(layer_idx, scaling)
+            else:
+                self._evict(layer_idx, budget, self._scores(layer_idx, budget, scaling), scaling)
 
     # -- internals -------------------------------------------------------------------------------------
-    def _evict(self, layer_idx: int, scaling: float):
-        """Keep the top ``budget`` slots per cache head: reserved sinks/recent tokens first, then by score."""
+    def _allocation(self) -> CascadingAllocation | None:
+        """CAKE's cascading allocation for a dynamic ``layer_budget`` (None for static ones)."""
+        budget = self.layer_budgets[0]
+        reserved = self.policy.reserved_recent(budget, self.prompt_len) + self.policy.reserved_sinks()
+        if self.policy.layer_budget not in DYNAMIC_LAYER_BUDGETS or not self.policy.evicts or reserved >= budget:
+            return None
+        return CascadingAllocation(budget, reserved, len(self.layers))
+
+    def _query_window(self, budget: int) -> int:
+        """How many recent queries to keep: the scoring window, and the preference window with a dynamic
+        layer budget."""
+        policy = self.policy
+        window = 0
+        if policy.needs_attention and not policy.accumulates:
+            window = policy.scoring_window(budget, self.prompt_len)
+        if self.allocation is not None:
+            window = max(window, policy.preference_window(self.allocation.budget, self.prompt_len))
+        return window
+
+    def _scores(self, layer_idx: int, budget: int, scaling: float) -> torch.Tensor:
+        """The policy's ranking of every cached slot ``[B,Hc,T]`` (before reserving) for ``budget``."""
         policy, layer = self.policy, self.layers[layer_idx]
-        budget = self.layer_budgets[layer_idx]
+        if not policy.needs_attention:
+            return policy.position_scores(layer.positions)
+        if policy.accumulates:
+            summed = layer.accumulated
+        else:
+            window = policy.scoring_window(budget, self.prompt_len)
+            stats = AttentionStats(
+                layer.recent_queries[:, :, -window:],
+                layer.keys,
+                layer.values,
+                layer.recent_query_positions[-window:],
+                layer.positions,
+                scaling,
+            )
+            summed = policy.summed_contributions(stats, self.score_block)
+        recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
+        return policy.rank(summed, layer.values, recent)
+
+    def _reserve(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` with the reserved sinks and recent slots of ``budget`` raised to +inf (float32)."""
+        policy, layer = self.policy, self.layers[layer_idx]
         tokens = layer.get_seq_length()
         recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
-        if not policy.needs_attention:
-            scores = policy.position_scores(layer.positions)
-        else:
-            if policy.accumulates:
-                summed = layer.accumulated
-            else:
-                stats = AttentionStats(
-                    layer.recent_queries, layer.keys, layer.values, layer.recent_query_positions, layer.positions, scaling
-                )
-                summed = policy.summed_contributions(stats, self.score_block)
-            scores = policy.rank(summed, layer.values, recent)
         slot = torch.arange(tokens, device=scores.device)
         reserved = (layer.positions < policy.reserved_sinks()) | (slot >= tokens - recent)
-        scores = scores.float().masked_fill(reserved, float("inf"))
-        kept = scores.topk(budget, dim=-1).indices.sort(dim=-1).values
+        return scores.float().masked_fill(reserved, float("inf"))
+
+    def _evict(self, layer_idx: int, budget: int, scores: torch.Tensor, scaling: float):
+        """Keep the top ``budget`` slots per cache head by ``scores [B,Hc,T]``, reserved slots first; hand
+        the evicted entries to the attending modifiers."""
+        layer = self.layers[layer_idx]
+        layer.ranking = scores.float()
+        kept = self._reserve(layer_idx, budget, scores).topk(budget, dim=-1).indices.sort(dim=-1).values
+        evicted = layer.dropped_by(kept) if self.attending else None
         layer.keep(kept)
+        for modifier in self.attending:
+            modifier.on_evict(layer.modifier_state.setdefault(modifier.name, {}), evicted, layer.last_query, scaling)
         self._account(layer_idx)
+
+    def _allocate(self, layer_idx: int, scaling: float):
+        """Stage ``layer_idx`` of CAKE's cascading allocation (CAKE Alg. 1): score this layer's preference,
+        re-share the total over layers ``0..layer_idx``, evict earlier layers further where their share
+        shrank (by their stored ranking) and this layer to its share (ranked once, at the average budget)."""
+        allocation, layer = self.allocation, self.layers[layer_idx]
+        scores = layer.ranking = self._scores(layer_idx, allocation.budget, scaling).float()
+        sizes = [self.layers[index].get_seq_length() for index in range(layer_idx + 1)]
+        budgets = allocation.stage(self._preference(layer_idx, scores, scaling), sizes)
+        self.layer_budgets[: layer_idx + 1] = budgets
+        for index, budget in enumerate(budgets[:-1]):
+            if sizes[index] > budget:
+                self._evict(index, budget, self.layers[index].ranking, scaling)
+        if sizes[-1] > budgets[-1]:
+            self._evict(layer_idx, budgets[-1], scores, scaling)
+
+    def _preference(self, layer_idx: int, scores: torch.Tensor, scaling: float) -> float:
+        """The layer's preference from its last ``preference_window`` queries: CAKE's ``H^(1/τ1)·V^(1/τ2)``,
+        or SLAKE's VABS with PTAA standing in for the tokens the average budget would evict."""
+        policy, layer, budget = self.policy, self.layers[layer_idx], self.allocation.budget
+        window = policy.preference_window(budget, self.prompt_len)
+        stats = AttentionStats(
+            layer.recent_queries[:, :, -window:],
+            layer.keys,
+            layer.values,
+            layer.recent_query_positions[-window:],
+            layer.positions,
+            scaling,
+        )
+        if policy.layer_budget == "cake":
+            return cake_preference(stats.weights, policy.tau1, policy.tau2)
+        kept = self._reserve(layer_idx, budget, scores).topk(budget, dim=-1).indices
+        evicted = torch.ones_like(scores, dtype=torch.bool).scatter_(-1, kept, False)  # [B,Hc,T]
+        approximate = ptaa_weights(stats.logits, stats.per_query_head(evicted)[:, :, None])
+        values = stats.per_query_head(layer.values)
+        return vabs_preference(
+            stats.weights, approximate, values, policy.vabs_alpha, policy.vabs_beta, policy.vabs_gamma
+        )
 
     def _account(self, layer_idx: int):
         layer = self.layers[layer_idx]

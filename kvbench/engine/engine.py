@@ -29,11 +29,15 @@ REGIMES = ["oneshot", "chunked", "streaming"]
 
 @dataclass
 class GenerationOutput:
+    """``policy_stats``: per-sample statistics of the policy (``EvictionCache.policy_stats``), e.g.
+    CaliDrop's ``recompute_rate`` or the CAKE / VABS ``layer_preference``; empty for most policies."""
+
     token_ids: list[int]
     prompt_tokens: int
     prefill_seconds: float
     decode_seconds: float
     kv: KVStats = field(default_factory=KVStats)
+    policy_stats: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -42,6 +46,7 @@ class PerplexityOutput:
     prefill_seconds: float
     decode_seconds: float
     kv: KVStats = field(default_factory=KVStats)
+    policy_stats: dict = field(default_factory=dict)
 
 
 class Engine:
@@ -98,7 +103,8 @@ class Engine:
             position += 1
         decode_seconds = self._now() - start
         kv = self._kv_stats(cache, after_prefill, len(input_ids) + len(generated))
-        return GenerationOutput(generated, len(input_ids), prefill_seconds, decode_seconds, kv)
+        stats = cache.policy_stats()
+        return GenerationOutput(generated, len(input_ids), prefill_seconds, decode_seconds, kv, stats)
 
     @torch.inference_mode()
     def perplexity(self, input_ids: list[int], context_tokens: int = 0) -> PerplexityOutput:
@@ -126,10 +132,12 @@ class Engine:
             nlls.append(self._nll(logits[0, :-1], targets[begin + 1 : begin + len(block)]))
         decode_seconds = self._now() - start
         kv = self._kv_stats(cache, after_prefill, len(input_ids))
-        return PerplexityOutput(torch.cat(nlls).tolist() if nlls else [], prefill_seconds, decode_seconds, kv)
+        values = torch.cat(nlls).tolist() if nlls else []
+        return PerplexityOutput(values, prefill_seconds, decode_seconds, kv, cache.policy_stats())
 
     def new_cache(self, prompt_len: int) -> EvictionCache:
-        """A cache for a prompt of ``prompt_len`` tokens; a budget ≥ the prompt means no eviction."""
+        """A cache for a prompt of ``prompt_len`` tokens; a budget ≥ the prompt means no eviction. Dynamic
+        layer budgets (``cake``, ``vabs``) start uniform and are re-allocated by the cache during prefill."""
         budget = self.budget.resolve(prompt_len)
         policy = self.policy if budget < prompt_len else Full(gqa=self.policy.gqa)
         reserved = policy.reserved_recent(budget, prompt_len) + policy.reserved_sinks()

@@ -3,7 +3,9 @@
 A *base* policy (``h2o``, ``tova``, ``snapkv`` ...) says which queries feed the score, what is reserved
 (sinks, recent windows) and how the summed score is post-processed (pooling). A *modifier* (``caote``,
 ``obcache_joint`` ...) replaces the per-query contribution or re-weights the summed score; the spec
-``base+modifier+...`` composes them (``kvbench.policies.build_policy``).
+``base+modifier+...`` composes them (``kvbench.policies.build_policy``). Attending modifiers (``calidrop``,
+``slake``) instead receive every evicted entry (``on_evict``) and may replace the attention output of
+single-query forwards (``attend``), keeping per-layer state in a slot the cache gives them.
 
 Ranking pipeline for one layer (shapes: B batch, Hq query heads, Hkv KV heads, W scoring queries, T cached
 tokens, D head dim)::
@@ -90,13 +92,56 @@ class AttentionStats:
 
 
 @dataclass
+class Evicted:
+    """Entries evicted from one layer, the same number ``E`` per cache head: ``keys``/``values [B,Hc,E,D]``,
+    ``positions [B,Hc,E]`` and ``scores [B,Hc,E]`` (the policy's ranking they lost on)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    scores: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        return self.keys, self.values, self.positions, self.scores
+
+    def to(self, device) -> Evicted:
+        return Evicted(*(tensor.to(device) for tensor in self.parts))
+
+    def join(self, other: Evicted) -> Evicted:
+        """This set followed by ``other`` (on this set's device)."""
+        return Evicted(*(torch.cat([a, b], dim=2) for a, b in zip(self.parts, other.to(self.keys.device).parts)))
+
+    def top(self, count: int) -> Evicted:
+        """The ``count`` best-scored entries of every head."""
+        index = self.scores.topk(count, dim=-1).indices  # [B,Hc,count]
+        slots = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+        return Evicted(
+            self.keys.gather(2, slots),
+            self.values.gather(2, slots),
+            self.positions.gather(2, index),
+            self.scores.gather(2, index),
+        )
+
+
+def by_kv_head(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """View per-query-head rows ``[B,Hq,...]`` as ``[B,Hc,G,...]`` (query head ``h`` reads cache head ``h // G``)."""
+    return query.view(query.shape[0], kv_heads, query.shape[1] // kv_heads, *query.shape[2:])
+
+
+@dataclass
 class Modifier:
     """Re-weights a base policy's ranking (CAOTE, OBCache) or changes decode attention (CaliDrop, SLAKE)."""
 
     name: ClassVar[str]
     paper: ClassVar[str]
+    #: receives evicted entries (``on_evict``) and may replace single-query attention (``attend``)
+    attends: ClassVar[bool] = False
 
-    def bind(self, base: "Policy") -> None:
+    def bind(self, base: Policy) -> None:
         """Adapt to the base policy it modifies (e.g. CAOTE's per-base norm exponent); default nothing."""
 
     def contributions(self, stats: AttentionStats) -> torch.Tensor | None:
@@ -106,6 +151,27 @@ class Modifier:
     def transform(self, scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Re-weight summed per-KV-head scores ``[B,Hkv,T]`` given the cached ``values [B,Hkv,T,D]``."""
         return scores
+
+    def on_evict(self, state: dict, evicted: Evicted, last_query: torch.Tensor, scaling: float) -> None:
+        """A layer just evicted ``evicted`` (prefill or decode); ``state`` is this modifier's slot in that
+        layer and ``last_query [B,Hq,D]`` the layer's newest query. Called only when ``attends``."""
+
+    def attend(
+        self,
+        state: dict,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        output: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor | None:
+        """A single-query forward attended with ``query [B,Hq,1,D]`` over the kept ``keys``/``values
+        [B,Hc,T,D]`` (its own token included) and got ``output [B,1,Hq,D]``; return a replacement or None."""
+        return None
+
+    def stats(self, states: list[dict]) -> dict[str, Any]:
+        """Per-sample statistics from every layer's slot (e.g. CaliDrop's recomputation rate)."""
+        return {}
 
 
 @dataclass
@@ -122,7 +188,17 @@ class Policy:
     accumulates: ClassVar[bool] = False
 
     gqa: str = "sum"
+    #: uniform | pyramid | cake | vabs (``kvbench.policies.budgets``)
     layer_budget: str = "uniform"
+    #: CAKE's preference exponents ``P = H^(1/tau1) · V^(1/tau2)`` (layer_budget=cake); 1.0 is the
+    #: default of CAKE's released code, which tunes them per model and budget (config/model2tau.json)
+    tau1: float = 1.0
+    tau2: float = 1.0
+    #: SLAKE's VABS exponents α, β (eq. 18) and error exponent γ (eq. 16) (layer_budget=vabs); α, β are
+    #: per model and budget (SLAKE Table 3); the defaults are its Llama2-7B row, the same at both budgets
+    vabs_alpha: float = 0.5
+    vabs_beta: float = 0.4
+    vabs_gamma: float = 0.1
     modifiers: list[Modifier] = field(default_factory=list, repr=False)
 
     # -- hooks ---------------------------------------------------------------------------------------
@@ -137,6 +213,12 @@ class Policy:
     def reserved_sinks(self) -> int:
         """How many of the first tokens (attention sinks) are always kept."""
         return 0
+
+    def preference_window(self, budget: int, prompt_len: int) -> int:
+        """Recent queries whose attention gives a layer's preference (CAKE / VABS budgets): the scoring
+        window, or CAKE's default observation window of 32 where that is a single query."""
+        window = self.scoring_window(budget, prompt_len)
+        return window if window > 1 else 32
 
     def pool_scores(self, scores: torch.Tensor, recent: int) -> torch.Tensor:
         """Post-process summed per-KV-head scores ``[B,Hkv,T]`` whose last ``recent`` slots are the

@@ -1,0 +1,118 @@
+"""CaliDrop (seed 003, under review): calibrate decode attention with the evicted KV and a historical query.
+
+Evicted entries are kept (on the model's device, or on CPU with ``offload``), optionally only the
+``calib_size`` best by the base's score (§5.3). Per query head the layer caches a calibration query
+``C_q``, ``C_lse = log Σ_e exp(C_q·k_e/√d)`` and ``C_out = Att(C_q, K_e, V_e)``, initialised with the
+prompt's last query (Alg. 1 lines 3–6). Each single-query forward (decode) computes
+``ρ = cos(q_t, C_q)`` per query head (the paper's query similarity is per head, §3.1.1):
+
+* ``ρ < θ1``: recompute ``C_lse, C_out`` with ``q_t`` over the evicted set, set ``C_q = q_t``, calibrate;
+* ``ρ > θ2``: calibrate with the cached state;
+* otherwise the output of the kept cache stands (Alg. 1 lines 8–18).
+
+Calibration merges the kept and evicted parts by the attention decomposition theorem (eqs. 1–2), in log
+space: ``out = (e^{lse_kept} out_kept + e^{C_lse} C_out) / (e^{lse_kept} + e^{C_lse})``. GQA: the query heads
+of a KV head share its evicted set, each with its own ``C_q``. Tokens evicted later (chunked / streaming
+decode eviction, CAKE's cascading) join the evicted set, and their contribution under the cached ``C_q``
+is merged into ``C_lse, C_out`` by the same theorem, so the state stays exactly ``Att(C_q, evicted set)``;
+when ``calib_size`` drops entries the state is recomputed with ``C_q`` instead.
+
+Recomputation rate (Fig. 3b): recomputations / single-query forwards with a non-empty evicted set, per
+layer, counting a head-step as one (the rate is the mean over the layer's query heads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.errors import KVBenchError
+from kvbench.policies.base import Evicted, Modifier, by_kv_head
+from kvbench.policies.registry import register
+
+
+def attention_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float):
+    """Float32 ``(lse [B,Hc,G], out [B,Hc,G,D])`` of ``query [B,Hc,G,D]`` over ``keys``/``values [B,Hc,E,D]``:
+    ``lse = log Σ_e exp(q·k_e·scaling)`` and ``out = Att(q, K, V)``."""
+    logits = torch.einsum("bhgd,bhed->bhge", query, keys.float()) * scaling
+    lse = logits.logsumexp(dim=-1)
+    return lse, torch.einsum("bhge,bhed->bhgd", torch.exp(logits - lse[..., None]), values.float())
+
+
+def merge_attention(lse_a: torch.Tensor, out_a: torch.Tensor, lse_b: torch.Tensor, out_b: torch.Tensor):
+    """Attention over the union of two disjoint key sets from each part's ``(lse, out)`` (CaliDrop eqs. 1–2):
+    ``α_b = e^{lse_b} / (e^{lse_a} + e^{lse_b}) = sigmoid(lse_b − lse_a)``, ``out = (1 − α_b) out_a + α_b out_b``."""
+    weight = torch.sigmoid(lse_b - lse_a)[..., None]
+    return torch.logaddexp(lse_a, lse_b), out_a + weight * (out_b - out_a)
+
+
+@register
+@dataclass
+class CaliDrop(Modifier):
+    """Query-based calibration of decode attention (CaliDrop Alg. 1); θ1 = 0.7, θ2 = 0.85 (§4.1.3)."""
+
+    name = "calidrop"
+    paper = "CaliDrop: KV Cache Compression with Query-Based Calibration"
+    attends = True
+
+    theta1: float = 0.7
+    theta2: float = 0.85
+    calib_size: int | None = None
+    offload: bool = False
+
+    def __post_init__(self):
+        if self.calib_size is not None and self.calib_size < 1:
+            raise KVBenchError(f"invalid policy.calib_size {self.calib_size!r}: use a positive token count or null")
+
+    def on_evict(self, state: dict, evicted: Evicted, last_query: torch.Tensor, scaling: float) -> None:
+        if "query" not in state:  # CaliDrop Alg. 1 line 6: C_q ← Q_{-1}
+            state.update(query=by_kv_head(last_query.float(), evicted.keys.shape[1]), steps=0, recomputed=0.0)
+            joined = evicted
+        else:
+            joined = state["store"].join(evicted)
+        if self.calib_size is not None and len(joined) > self.calib_size:
+            joined = joined.top(self.calib_size)
+            on_device = joined.to(evicted.keys.device)
+            state["lse"], state["out"] = attention_lse(state["query"], on_device.keys, on_device.values, scaling)
+        elif "lse" in state:  # newcomers only: merge their part (decomposition theorem, eq. 1)
+            part = attention_lse(state["query"], evicted.keys, evicted.values, scaling)
+            state["lse"], state["out"] = merge_attention(state["lse"], state["out"], *part)
+        else:  # CaliDrop Alg. 1 lines 4–5
+            state["lse"], state["out"] = attention_lse(state["query"], evicted.keys, evicted.values, scaling)
+        state["store"] = joined.to("cpu") if self.offload else joined
+
+    def attend(self, state, query, keys, values, output, scaling):
+        if "query" not in state:
+            return None
+        batch, q_heads, _, dim = query.shape
+        grouped = by_kv_head(query[:, :, 0].float(), keys.shape[1])  # q_t [B,Hc,G,D]
+        lse, out = attention_lse(grouped, keys, values, scaling)  # CaliDrop Alg. 1 line 9
+        similarity = F.cosine_similarity(grouped, state["query"], dim=-1)  # Alg. 1 line 10: ρ [B,Hc,G]
+        recompute = similarity < self.theta1  # Alg. 1 line 11
+        if recompute.any():
+            store = state["store"].to(grouped.device)  # reload the offloaded entries
+            fresh_lse, fresh_out = attention_lse(grouped, store.keys, store.values, scaling)  # Alg. 1 lines 12–13
+            state["query"] = torch.where(recompute[..., None], grouped, state["query"])  # Alg. 1 line 14
+            state["lse"] = torch.where(recompute, fresh_lse, state["lse"])
+            state["out"] = torch.where(recompute[..., None], fresh_out, state["out"])
+        calibrate = recompute | (similarity > self.theta2)  # Alg. 1 lines 15–17
+        _, merged = merge_attention(lse, out, state["lse"], state["out"])
+        state["steps"] += 1
+        state["recomputed"] = state["recomputed"] + recompute.float().mean()
+        merged = merged.reshape(batch, 1, q_heads, dim).to(output.dtype)
+        return torch.where(calibrate.reshape(batch, 1, q_heads, 1), merged, output)
+
+    def stats(self, states: list[dict]) -> dict:
+        """``recompute_rate_per_layer`` (recomputations / calibration steps), the overall ``recompute_rate``,
+        ``calibration_steps`` (summed over layers) and ``evicted_bytes`` (the kept evicted KV, all layers)."""
+        steps = [state.get("steps", 0) for state in states]
+        recomputed = [float(state.get("recomputed", 0.0)) for state in states]
+        stores = [state["store"] for state in states if "store" in state]
+        return {
+            "recompute_rate_per_layer": [done / count if count else 0.0 for done, count in zip(recomputed, steps)],
+            "recompute_rate": sum(recomputed) / sum(steps) if sum(steps) else 0.0,
+            "calibration_steps": sum(steps),
+            "evicted_bytes": sum(2 * store.keys.numel() * store.keys.element_size() for store in stores),
+        }

@@ -1,0 +1,121 @@
+"""SLAKE (seed 001, under review): evicted tokens live on as first-order Taylor linear attention (PTAA).
+
+Every evicted key/value of a KV head is folded into a constant-size linear state (SLAKE App. C, Alg. 1)::
+
+    L = Σ_e k_eᵀ v_e  [D,D],   k_sum = Σ_e k_e,   v_sum = Σ_e v_e,   ℓ = #evicted
+
+and a single-query forward over the kept cache (logits ``s_j = q·k_j/√d``, ``m = max_j s_j``) outputs
+
+    (Σ_kept e^{s_j−m} v_j + λ[(q·L)/√d + (1−μ) v_sum]) / (Σ_kept e^{s_j−m} + λℓ),  μ = q·k_sum/(ℓ√d), λ = e^{μ−m}
+
+which is eq. 13 / eq. 21 with ``e^{x_e} ≈ e^{μ}(1 + x_e − μ)`` (eq. 11) expanded around the mean evicted
+logit μ; the evicted weights sum to ``λℓ`` because ``Σ_e (x_e − μ) = 0``. The ``1/√d`` is applied as
+Alg. 1 writes it, to ``q·L`` and inside μ, i.e. to every logit (eqs. 8–9); ``√d`` is the model's attention
+scaling. Eq. 13 as printed divides by an extra ``n`` and eq. 12 drops the ``exp`` of its denominator;
+Alg. 1 and App. A (eq. 19) are consistent with the derivation and are what is implemented. GQA: query
+heads read their KV head's state (Alg. 1's ``repeat_kv``).
+
+Departures: eviction runs after a forward's attention here (Alg. 1 evicts first), so the token evicted at
+decode step t is attended exactly at t and linearly from t+1. PTAA replaces single-query (decode)
+attention only; multi-token prefill blocks attend to the kept cache alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.policies.base import Evicted, Modifier, Policy, by_kv_head
+from kvbench.policies.registry import register
+
+
+@dataclass
+class LinearState:
+    """One layer's folded evicted tokens per cache head: ``linear [B,Hc,D,D]``, ``key_sum``/``value_sum
+    [B,Hc,D]``, ``count [B,Hc]`` (float32)."""
+
+    linear: torch.Tensor
+    key_sum: torch.Tensor
+    value_sum: torch.Tensor
+    count: torch.Tensor
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, values: torch.Tensor) -> LinearState:
+        """The state of ``keys``/``values [B,Hc,E,D]`` (SLAKE Alg. 1 'update linear cache')."""
+        keys, values = keys.float(), values.float()
+        count = torch.full(keys.shape[:2], float(keys.shape[2]), device=keys.device)
+        return cls(torch.einsum("bhed,bhef->bhdf", keys, values), keys.sum(dim=2), values.sum(dim=2), count)
+
+    def add(self, other: LinearState) -> LinearState:
+        return LinearState(
+            self.linear + other.linear,
+            self.key_sum + other.key_sum,
+            self.value_sum + other.value_sum,
+            self.count + other.count,
+        )
+
+
+def ptaa_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, state: LinearState, scaling: float):
+    """PTAA output (SLAKE Alg. 1, eq. 13) of ``query [B,Hc,G,D]`` (float32) over the kept ``keys``/``values
+    [B,Hc,T,D]`` and the evicted tokens folded in ``state``: ``[B,Hc,G,D]``. With ``ℓ = 0`` it is softmax
+    attention. The reference point of the exponentials is ``max(m, μ)`` instead of ``m``: the ratio is the
+    same and nothing overflows when the evicted mean logit exceeds the kept maximum."""
+    logits = torch.einsum("bhgd,bhtd->bhgt", query, keys.float()) * scaling  # s_j [B,Hc,G,T]
+    count = state.count[:, :, None]  # ℓ [B,Hc,1]
+    mean = torch.einsum("bhgd,bhd->bhg", query, state.key_sum) * scaling / count.clamp_min(1.0)  # μ
+    reference = torch.maximum(logits.amax(dim=-1), mean)  # [B,Hc,G]
+    exact = torch.exp(logits - reference[..., None])  # e^{s_j − m}
+    scale = torch.exp(mean - reference)  # λ = e^{μ − m}
+    linear = torch.einsum("bhgd,bhdf->bhgf", query, state.linear) * scaling  # (q·L)/√d
+    linear = (linear + (1.0 - mean)[..., None] * state.value_sum[:, :, None]) * scale[..., None]
+    numerator = torch.einsum("bhgt,bhtd->bhgd", exact, values.float()) + linear  # Alg. 1 'combine outputs'
+    return numerator / (exact.sum(dim=-1) + scale * count)[..., None]
+
+
+def ptaa_weights(logits: torch.Tensor, evicted: torch.Tensor) -> torch.Tensor:
+    """The attention map PTAA implies (SLAKE eq. 11 per token): ``logits [...,W,T]`` (-inf where a query
+    cannot see a key), ``evicted [...,1|W,T]`` marks the linearly attended keys. Kept key ``j`` weighs
+    ``e^{x_j−m}``, evicted ``e^{μ−m}(1 + x_j − μ)``, normalised; ``m`` is the kept maximum, ``μ`` the mean
+    evicted logit of the query. Returns ``[...,W,T]`` (evicted weights may be negative)."""
+    gone = evicted & torch.isfinite(logits)
+    kept_logits = logits.masked_fill(gone, float("-inf"))
+    count = gone.sum(dim=-1, keepdim=True).clamp_min(1)
+    mean = logits.masked_fill(~gone, 0.0).sum(dim=-1, keepdim=True) / count  # μ
+    reference = torch.maximum(kept_logits.amax(dim=-1, keepdim=True), mean)
+    linear = torch.exp(mean - reference) * (1.0 + logits - mean)  # SLAKE eq. (11)
+    unnormalised = torch.where(gone, linear, torch.exp(kept_logits - reference))
+    return unnormalised / unnormalised.sum(dim=-1, keepdim=True)
+
+
+@register
+@dataclass
+class Slake(Modifier):
+    """PTAA over any base: evicted tokens folded into a linear state, decode attention by eq. 13.
+
+    ``vabs``: over the ``cake`` base, SLAKE replaces CAKE's layer preference by VABS (§3.4; Table 2's last
+    row is eviction + PTAA + VABS), so ``cake+slake`` allocates with ``vabs``; ``vabs=false`` keeps CAKE's
+    allocation (Table 2's middle row, ``cake+slake[vabs=false]``). Other bases keep their ``layer_budget``.
+    """
+
+    name = "slake"
+    paper = "SLAKE: Softmax-Approximated Training-Free Linear Attention with KV-Cache Eviction"
+    attends = True
+
+    vabs: bool = True
+
+    def bind(self, base: Policy) -> None:
+        if self.vabs and base.layer_budget == "cake":
+            base.layer_budget = "vabs"
+
+    def on_evict(self, state: dict, evicted: Evicted, last_query: torch.Tensor, scaling: float) -> None:
+        folded = LinearState.of(evicted.keys, evicted.values)  # SLAKE Alg. 1 'update linear cache'
+        state["linear"] = state["linear"].add(folded) if "linear" in state else folded
+
+    def attend(self, state, query, keys, values, output, scaling):
+        if "linear" not in state:
+            return None
+        batch, q_heads, _, dim = query.shape
+        grouped = by_kv_head(query[:, :, 0].float(), keys.shape[1])  # [B,Hc,G,D]
+        result = ptaa_attention(grouped, keys, values, state["linear"], scaling)  # SLAKE eq. (13)
+        return result.reshape(batch, 1, q_heads, dim).to(output.dtype)

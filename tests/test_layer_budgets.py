@@ -1,0 +1,178 @@
+"""Layer budgets: CAKE's preference and cascading allocation, SLAKE's VABS, conserved totals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvbench.engine import Engine
+from kvbench.engine.cache import EvictionCache
+from kvbench.errors import KVBenchError
+from kvbench.policies import build_policy
+from kvbench.policies.budgets import (
+    CascadingAllocation,
+    cake_preference,
+    conserve_total,
+    layer_budgets,
+    vabs_preference,
+)
+from kvbench.policies.slake import ptaa_weights
+from tests.helpers import random_prompt, tiny_model
+from tests.test_policies import KV_HEADS, Q_HEADS, SCALING, TOKENS, random_layer, top_positions
+
+PREFERENCES = [3.0, 0.5, 1.25, 7.0, 2.0]
+
+
+def window_weights(seed: int, window: int):
+    """Causal attention weights ``[1,Hq,W,T]`` of the last ``window`` queries of a random layer."""
+    queries, keys, values = random_layer(seed)
+    logits = torch.einsum("bhwd,bhtd->bhwt", queries[:, :, -window:], keys.repeat_interleave(2, 1)) * SCALING
+    future = torch.arange(TOKENS)[None, :] > torch.arange(TOKENS - window, TOKENS)[:, None]
+    return logits.masked_fill(future, float("-inf")), values
+
+
+def test_cake_preference_is_entropy_and_variance_of_the_window():
+    logits, _ = window_weights(0, 6)
+    weights = logits.softmax(-1)
+    tau1, tau2 = 1.6, 0.6
+    entropy = variance = 0.0
+    for head in range(Q_HEADS):
+        for token in range(TOKENS - 6):
+            column = [weights[0, head, i, token].item() for i in range(6)]
+            entropy -= sum(a * math.log(a) for a in column if a > 0)
+            mean = sum(column) / 6
+            variance += sum((a - mean) ** 2 for a in column) / 5
+    expected = entropy ** (1 / tau1) * variance ** (1 / tau2)
+    assert cake_preference(weights, tau1, tau2) == pytest.approx(expected, rel=1e-4)
+
+
+def test_vabs_preference_follows_eqs_15_to_18():
+    logits, values = window_weights(1, 5)
+    weights = logits.softmax(-1)
+    evicted = torch.zeros(1, Q_HEADS, 1, TOKENS, dtype=torch.bool)
+    evicted[..., 3:20] = True
+    approximate = ptaa_weights(logits, evicted)
+    values = values.repeat_interleave(2, 1)
+    alpha, beta, gamma = 0.4, 0.2, 0.1
+    products, entropies = [], []
+    for head in range(Q_HEADS):
+        norms = [values[0, head, j].norm().item() for j in range(TOKENS)]
+        for i in range(5):
+            errors = [abs(approximate[0, head, i, j].item() - weights[0, head, i, j].item()) for j in range(TOKENS)]
+            total_variation = 0.5 * sum(errors)  # eq. 15
+            value_aware = sum(n / sum(norms) * e for n, e in zip(norms, errors)) ** gamma  # eq. 16
+            products.append(total_variation * value_aware)
+            entropies.append(-sum(a * math.log(a) for a in weights[0, head, i].tolist() if a > 0))  # eq. 17
+    expected = (sum(products) / len(products)) ** alpha * (sum(entropies) / len(entropies)) ** beta  # eq. 18
+    assert vabs_preference(weights, approximate, values, alpha, beta, gamma) == pytest.approx(expected, rel=1e-4)
+
+
+def test_conserve_total_is_proportional_and_respects_caps():
+    total = 40
+    shares = conserve_total(PREFERENCES, total)
+    exact = [p / sum(PREFERENCES) * total for p in PREFERENCES]
+    assert sum(shares) == total and all(abs(s - e) < 1 for s, e in zip(shares, exact))
+    capped = conserve_total(PREFERENCES, total, caps=[100, 100, 100, 12, 100])
+    assert sum(capped) == total and capped[3] == 12
+    rest = [p / (sum(PREFERENCES) - 7.0) * (total - 12) for i, p in enumerate(PREFERENCES) if i != 3]
+    assert all(abs(s - e) < 1 for s, e in zip(capped[:3] + capped[4:], rest))
+    assert conserve_total(PREFERENCES, 1000, caps=[5, 6, 7, 8, 9]) == [5, 6, 7, 8, 9]
+    assert conserve_total([0.0, 0.0], 7) in ([4, 3], [3, 4])
+
+
+def test_cascading_stages_follow_cake_and_end_at_the_proportional_allocation():
+    """Stage m: ``B_l = r + P_l / Σ_{k≤m} P_k · (b − r) · L`` capped by what each layer holds; no layer grows."""
+    budget, reserved, layers, prompt = 24, 4, len(PREFERENCES), 300
+    allocation = CascadingAllocation(budget, reserved, layers)
+    sizes: list[int] = []
+    for stage, preference in enumerate(PREFERENCES):
+        budgets = allocation.stage(preference, sizes + [prompt])
+        seen = PREFERENCES[: stage + 1]
+        exact = [reserved + p / sum(seen) * (budget - reserved) * layers for p in seen]
+        caps = sizes + [prompt]
+        assert all(b <= c for b, c in zip(budgets, caps))
+        assert all(abs(b - e) < 1 for b, e, c in zip(budgets, exact, caps) if e < c - 1)
+        sizes = [min(s, b) for s, b in zip(caps, budgets)]
+    assert sum(sizes) == budget * layers
+    direct = [reserved + share for share in conserve_total(PREFERENCES, (budget - reserved) * layers)]
+    assert all(abs(s - d) <= 1 for s, d in zip(sizes, direct))
+
+
+def test_cake_indicator_is_window_mean_plus_gamma_variance():
+    """The cake base keeps the window plus the top tokens by pooled ``mean + γ·var`` of the window's
+    attention (summed over each KV group), as a direct computation gives."""
+    budget, window, gamma, seed = 18, 6, 200.0, 2
+    policy = build_policy("cake", {"window": window, "gamma": gamma, "pool": "none", "layer_budget": "uniform"})
+    cache = EvictionCache(policy, [budget], TOKENS, Q_HEADS, KV_HEADS)
+    queries, keys, values = random_layer(seed)
+    cache.begin_forward(torch.arange(TOKENS), evict=True, track_scores=True)
+    cache.update(keys, values, 0)
+    cache.after_attention(0, queries, SCALING)
+    logits, _ = window_weights(seed, window)
+    weights = logits.softmax(-1)
+    indicator = weights.mean(dim=2) + gamma * weights.var(dim=2)  # [1,Hq,T]
+    scores = indicator.view(1, KV_HEADS, 2, TOKENS).sum(2)
+    prefix = list(range(TOKENS - window))
+    for head in range(KV_HEADS):
+        kept = set(cache.layers[0].positions[0, head].tolist())
+        expected = set(range(TOKENS - window, TOKENS)) | top_positions(
+            scores[0, head].tolist(), prefix, budget - window
+        )
+        assert kept == expected
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", layers=4)
+
+
+@pytest.mark.parametrize(
+    "spec,params",
+    [("cake", {}), ("cake+slake", {}), ("snapkv", {"layer_budget": "vabs"}), ("h2o", {"layer_budget": "cake"})],
+)
+def test_dynamic_budgets_differ_per_layer_and_conserve_the_total(llama, spec, params):
+    budget = 40
+    output = Engine(llama, build_policy(spec, {"window": 8, **params}), budget).generate(random_prompt(200), 4)
+    per_layer = output.kv.after_prefill_tokens_per_layer
+    assert sum(per_layer) == budget * 4 and len(set(per_layer)) > 1
+    preferences = output.policy_stats["layer_preference"]
+    direct = [8 + share for share in conserve_total(preferences, (budget - 8) * 4)]  # window 8 kept everywhere
+    assert all(abs(got - want) <= 1 for got, want in zip(per_layer, direct))
+
+
+@pytest.mark.parametrize("kind", ["cake", "vabs"])
+@torch.inference_mode()
+def test_cascading_equals_evicting_once_to_the_final_budgets(llama, kind):
+    """Shrinking earlier layers as later preferences arrive keeps exactly what one eviction to the final
+    budgets keeps (each layer ranked once), in every layer."""
+    prompt, budget = random_prompt(150), 36
+    runner = Engine(llama, build_policy("snapkv", {"window": 8, "layer_budget": kind}), budget)
+    cascaded = runner.new_cache(len(prompt))
+    runner._prefill(cascaded, prompt)
+    static = Engine(llama, build_policy("snapkv", {"window": 8}), budget)
+    once = EvictionCache(static.policy, cascaded.layer_budgets, len(prompt), 4, 2)
+    static._prefill(once, prompt)
+    assert once.tokens_per_layer() == cascaded.tokens_per_layer() == cascaded.layer_budgets
+    for a, b in zip(cascaded.layers, once.layers):
+        assert torch.equal(a.positions, b.positions)
+
+
+def test_unknown_layer_budget_is_one_line_error():
+    with pytest.raises(
+        KVBenchError, match=r"unknown policy.layer_budget 'adaptive'; valid choices: cake, pyramid, uniform, vabs"
+    ):
+        layer_budgets("adaptive", 64, 4)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("spec", ["cake", "cake+slake"])
+def test_smollm2_dynamic_budgets(spec):
+    from kvbench.engine.models import load_model, model_config
+
+    model, budget = load_model(model_config("smollm2_135m")).model, 64
+    output = Engine(model, build_policy(spec), budget).generate(random_prompt(400, vocab=2000), 2)
+    per_layer = output.kv.after_prefill_tokens_per_layer
+    assert sum(per_layer) == budget * 30 and len(set(per_layer)) > 5
+    assert min(per_layer) >= 32  # the observation window is kept in every layer
