@@ -1,9 +1,12 @@
 """The ``kvbench`` command line.
 
     kvbench run model=smollm2_135m policy=snapkv+caote budget=128 task=ruler   # Hydra overrides; -m sweeps
+    kvbench run -m +experiment=caote [hydra/launcher=slurm|local]             # a paper's sweep (conf/experiment)
     kvbench policies                                                          # every policy and its parameters
     kvbench prepare task=ruler task.context_length=4096 output_dir=DIR       # write the generated samples
-    kvbench table RUN_DIR...                                                  # aggregate run directories
+    kvbench table RUN_DIR... [--layout L] [--format F] [--output-dir DIR]    # benchmark-layout tables
+    kvbench compare-paper caote:table2 RUN_DIR... [--output-dir DIR]           # a paper's table beside ours
+    kvbench plot RUN_DIR... --kind heatmap|budget|ppl|all [--output-dir DIR]   # NIAH heatmaps, curves
 
 Errors in what the user typed are printed as one line (``kvbench: error: ...``) with exit status 2.
 """
@@ -42,8 +45,9 @@ def hydra_run(cfg: DictConfig) -> float | None:
 
 def command_run(args: list[str]) -> None:
     from kvbench.config import prepare_overrides
+    from kvbench.results.sweeps import experiment_overrides
 
-    sys.argv = [sys.argv[0], *prepare_overrides(args)]
+    sys.argv = [sys.argv[0], *prepare_overrides(experiment_overrides(args))]
     hydra_run()
 
 
@@ -101,6 +105,34 @@ def command_table(args: list[str]) -> None:
     table_main(args)
 
 
+def command_bench(args: list[str]) -> None:
+    """Measure eviction overhead, decode latency, memory and harness speed (conf/bench.yaml overrides)."""
+    from hydra.errors import HydraException
+
+    from kvbench.bench import run_bench
+    from kvbench.config import compose
+
+    try:
+        cfg = compose(args, config_name="bench")
+    except HydraException as error:
+        raise KVBenchError(f"bench: {str(error).splitlines()[0]}") from None
+    results, out = run_bench(cfg)
+    print(json.dumps({key: results[key] for key in ("prefill_overhead", "decode_latency_ratio", "harness_vs_generate")}))
+    print(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
+
+
+def command_compare_paper(args: list[str]) -> None:
+    from kvbench.results.compare import main as compare_main
+
+    compare_main(args)
+
+
+def command_plot(args: list[str]) -> None:
+    from kvbench.results.plots import main as plot_main
+
+    plot_main(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -112,6 +144,9 @@ def main(argv: list[str] | None = None) -> None:
         "policies": command_policies,
         "prepare": command_prepare,
         "table": command_table,
+        "compare-paper": command_compare_paper,
+        "plot": command_plot,
+        "bench": command_bench,
     }
     try:
         if command not in handlers:

@@ -19,6 +19,7 @@ from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy
 from kvbench.policies.budgets import Budget
 from kvbench.results.rundir import RunDir
+from kvbench.results.wandb_logger import log_run
 from kvbench.tasks.base import ModelInfo, Sample, Task
 
 log = logging.getLogger(__name__)
@@ -66,12 +67,26 @@ def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) 
     record = {"id": sample.id, "subtask": sample.subtask, **task.evaluate(sample, result), "answers": sample.answers}
     record["prompt_tokens"] = len(sample.input_ids)
     record["kv"] = asdict(output.kv)
+    record["policy_stats"] = output.policy_stats
     record["timing"] = {
         "prefill_seconds": output.prefill_seconds,
         "decode_seconds": output.decode_seconds,
         "total_seconds": time.perf_counter() - started,
     }
     return record
+
+
+def mean_policy_stats(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean over samples of each policy statistic (e.g. CaliDrop's recomputation rate), element-wise for lists."""
+    stats = [record.get("policy_stats") or {} for record in records]
+    merged: dict[str, Any] = {}
+    for name in sorted({key for entry in stats for key in entry}):
+        values = [entry[name] for entry in stats if name in entry]
+        if all(isinstance(value, (int, float)) for value in values):
+            merged[name] = mean(values)
+        elif all(isinstance(value, list) for value in values) and len({len(value) for value in values}) == 1:
+            merged[name] = [mean(column) for column in zip(*values)]
+    return merged
 
 
 def summarize(cfg: DictConfig, task: Task, records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -94,6 +109,7 @@ def summarize(cfg: DictConfig, task: Task, records: list[dict[str, Any]]) -> dic
             "peak_bytes": max((k["peak_bytes"] for k in kv), default=0),
             "full_bytes": max((k["full_bytes"] for k in kv), default=0),
         },
+        "policy_stats": mean_policy_stats(records),
         "timing": {
             name: sum(record["timing"][name] for record in records)
             for name in ("prefill_seconds", "decode_seconds", "total_seconds")
@@ -101,9 +117,29 @@ def summarize(cfg: DictConfig, task: Task, records: list[dict[str, Any]]) -> dic
     }
 
 
+def finished_metrics(run_dir: RunDir, cfg: DictConfig) -> dict[str, Any] | None:
+    """The metrics of a finished run of this same config in ``run_dir`` (metrics.json written, config.yaml
+    unchanged but for the logger, a prediction for every sample counted), else None: a resubmitted sweep
+    skips its finished jobs without loading the model."""
+    if not (run_dir.metrics_path.exists() and run_dir.config_path.exists()):
+        return None
+    saved = OmegaConf.to_container(OmegaConf.load(run_dir.config_path))
+    current = OmegaConf.to_container(cfg, resolve=True)
+    if {k: v for k, v in saved.items() if k != "logger"} != {k: v for k, v in current.items() if k != "logger"}:
+        return None
+    metrics = run_dir.metrics()
+    done = {record["id"] for record in run_dir.records()}
+    return metrics if len(done) >= metrics.get("num_samples", len(done) + 1) else None
+
+
 def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
-    """Run (or resume) the configured job into ``output_dir``; returns the metrics."""
+    """Run (or resume) the configured job into ``output_dir``; returns the metrics. A finished run of the
+    same config is not run again (:func:`finished_metrics`)."""
     run_dir = RunDir(output_dir)
+    finished_before = finished_metrics(run_dir, cfg)
+    if finished_before is not None:
+        log.info("skipping %s: finished with this config", run_dir.path)
+        return finished_before
     run_dir.write_config(cfg)
     run_dir.repair()
     loaded = load_model(cfg.model)
@@ -120,4 +156,5 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
         records.append(record)
     metrics = summarize(cfg, task, records)
     run_dir.write_metrics(metrics)
+    log_run(cfg, run_dir, metrics, records)
     return metrics

@@ -1,52 +1,386 @@
-"""``kvbench table RUN_DIR...``: one row per run (model, task, policy, budget, regime), one column per score."""
+"""``kvbench table RUN_DIR...``: run directories aggregated into the benchmarks' table layouts.
+
+Layouts (``--layout``; ``auto`` makes every benchmark layout the runs found have data for, and ``runs``
+for the runs of tasks without a layout of their own):
+
+* ``longbench``  LongBench by task, grouped by category, with Avg. (the mean of the task scores, as the
+  papers print it), and LongBench by category (each category the mean of its tasks);
+* ``ruler``      RULER by task with Avg., one row per run and context length;
+* ``niah``       needle accuracy by context length × budget (RULER NIAH runs at several lengths, or the
+  per-record ``context_length`` of the needle task), with Avg.;
+* ``ppl``        perplexity beside the full cache's for the same model, text and length, and the gap;
+* ``runs``       one row per run, one column per score.
+
+Scores are on the 0–100 scale of ``metrics.json``; ``kv_tokens`` is the mean cache size per layer
+after prefill and ``seconds`` the run's total time.
+"""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import Any, Callable
 
 import pandas as pd
+from omegaconf import OmegaConf
 
-from kvbench.results.rundir import find_run_dirs
+from kvbench.errors import KVBenchError, choose
+from kvbench.policies.budgets import Budget
+from kvbench.results.rundir import RunDir, find_run_dirs
 
-INDEX = ["model", "task", "policy", "budget", "regime"]
+IDENTITY = ["model", "policy", "budget", "regime"]
+
+LONGBENCH_CATEGORIES = {
+    "Single-Doc QA": ["narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh"],
+    "Multi-Doc QA": ["hotpotqa", "2wikimqa", "musique", "dureader"],
+    "Summarization": ["gov_report", "qmsum", "multi_news", "vcsum"],
+    "Few-shot": ["trec", "triviaqa", "samsum", "lsht"],
+    "Synthetic": ["passage_count", "passage_retrieval_en", "passage_retrieval_zh"],
+    "Code": ["lcc", "repobench-p"],
+}
+"""LongBench's six task categories (Bai et al., 2023, Table 1), in the order the papers print them."""
+
+LONGBENCH_SHORT = {
+    "narrativeqa": "NrtvQA", "qasper": "Qasper", "multifieldqa_en": "MF-en", "multifieldqa_zh": "MF-zh",
+    "hotpotqa": "HotpotQA", "2wikimqa": "2WikiMQA", "musique": "Musique", "dureader": "DuReader",
+    "gov_report": "GovReport", "qmsum": "QMSum", "multi_news": "MultiNews", "vcsum": "VCSUM",
+    "trec": "TREC", "triviaqa": "TriviaQA", "samsum": "SAMSum", "lsht": "LSHT",
+    "passage_count": "PCount", "passage_retrieval_en": "PRe", "passage_retrieval_zh": "PRe-zh",
+    "lcc": "Lcc", "repobench-p": "RB-P",
+}
+"""The column headers the papers use for LongBench datasets."""
+
+RULER_ORDER = [
+    "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
+    "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2",
+]
+LONGBENCH_TASKS = ("longbench", "longbench_e")
+AVG = "Avg."
 
 
-def runs_frame(paths: list[str]) -> pd.DataFrame:
-    """A long frame: one row per (run, score name) with the run's identifying columns."""
+@dataclass
+class Run:
+    """One finished run directory: its metrics and the resolved config it ran with."""
+
+    run_dir: RunDir
+
+    @cached_property
+    def metrics(self) -> dict[str, Any]:
+        return self.run_dir.metrics()
+
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        if not self.run_dir.config_path.exists():
+            return {}
+        return OmegaConf.to_container(OmegaConf.load(self.run_dir.config_path))
+
+    @cached_property
+    def records(self) -> list[dict[str, Any]]:
+        return self.run_dir.records()
+
+    @property
+    def task(self) -> str:
+        return self.metrics["task"]
+
+    @property
+    def context(self) -> int | None:
+        """The run's context length: RULER's ``context_length``, the perplexity window, LongBench's limit or
+        NeedleBench's grid (``8k``)."""
+        task = self.config.get("task", {})
+        for key in ("context_length", "max_tokens", "max_length"):
+            if task.get(key) is not None:
+                return int(task[key])
+        grid = str(task.get("grid") or "")
+        return int(grid[:-1]) * 1024 if grid[:-1].isdigit() and grid.endswith("k") else None
+
+    @property
+    def data(self) -> str:
+        """What a perplexity run read: the text file's stem, else the task name."""
+        path = self.config.get("task", {}).get("path")
+        return Path(path).stem if path else self.task
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The policy's hyper-parameters (``policy.*`` of the config, without ``name``)."""
+        return {key: value for key, value in self.config.get("policy", {}).items() if key != "name"}
+
+    def identity(self) -> dict[str, Any]:
+        return {key: self.metrics.get(key) for key in IDENTITY}
+
+
+def load_runs(paths: list[str | Path]) -> list[Run]:
+    """Every finished run at or below ``paths`` (see :func:`find_run_dirs`)."""
+    return [Run(run_dir) for run_dir in find_run_dirs(paths)]
+
+
+def budget_key(spec: str) -> tuple[int, float]:
+    """Sort key of a budget spec: token budgets by size, then prompt fractions by size."""
+    try:
+        budget = Budget.parse(spec)
+    except KVBenchError:
+        return (2, 0.0)
+    return (0, float(budget.tokens)) if budget.tokens is not None else (1, budget.fraction)
+
+
+def policy_key(spec: str) -> tuple[int, str, int]:
+    """Sort key of a policy spec: ``full`` first, then each base followed by its modified forms."""
+    base, *modifiers = spec.split("+")
+    return (0 if base == "full" else 1, base, len(modifiers))
+
+
+def context_label(tokens: int | None) -> str:
+    """``8192`` → ``8k`` (the papers' column labels); other lengths as they are."""
+    if tokens is None:
+        return ""
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def sort_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """Rows in the papers' order: by model, then full cache first and each base before its modifiers, budgets
+    ascending; contexts ascending where the frame has them."""
+    keys = {"policy": policy_key, "budget": budget_key}
+    columns = [column for column in ("model", "data", "context", "benchmark", "policy", "budget", "regime", "bucket")
+               if column in frame.columns]
+    ordered = frame.sort_values(
+        columns,
+        key=lambda column: column.map(keys[column.name]) if column.name in keys else column,
+        kind="stable",
+    )
+    return ordered.reset_index(drop=True)
+
+
+def scores_frame(runs: list[Run]) -> pd.DataFrame:
+    """A long frame: one row per (run, score) with the run's identity, context and cost figures."""
     rows = []
-    for run_dir in find_run_dirs(paths):
-        metrics = run_dir.metrics()
-        identity = {key: metrics.get(key) for key in INDEX}
-        kv = metrics.get("kv_cache", {})
+    for run in runs:
+        kv = run.metrics.get("kv_cache", {})
         after = kv.get("after_prefill_tokens_per_layer") or [0]
-        extra = {"kv_tokens": sum(after) / len(after), "seconds": metrics.get("timing", {}).get("total_seconds")}
-        for name, value in {**metrics["scores"], "average": metrics["average"]}.items():
-            rows.append({**identity, "score": name, "value": value, **extra, "run_dir": str(run_dir.path)})
-    return pd.DataFrame(rows)
+        extra = {
+            "task": run.task,
+            "context": run.context,
+            "kv_tokens": sum(after) / len(after),
+            "seconds": run.metrics.get("timing", {}).get("total_seconds"),
+            "run_dir": str(run.run_dir.path),
+        }
+        for name, value in run.metrics["scores"].items():
+            rows.append({**run.identity(), **extra, "score": name, "value": value})
+    return pd.DataFrame(rows, columns=[*IDENTITY, "task", "context", "kv_tokens", "seconds", "run_dir", "score", "value"])
 
 
-def wide_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """Runs as rows, scores as columns (``average`` last), plus mean kept tokens per layer and run time."""
-    table = frame.pivot_table(index=INDEX, columns="score", values="value", aggfunc="first", sort=False)
-    columns = [column for column in table.columns if column != "average"] + ["average"]
-    extras = frame.groupby(INDEX, sort=False)[["kv_tokens", "seconds"]].first()
-    return table[columns].join(extras).reset_index()
+def _pivot(frame: pd.DataFrame, index: list[str], order: list[str]) -> pd.DataFrame:
+    """Scores as columns (known ones in ``order`` first), the first value per cell, rows in paper order."""
+    table = frame.pivot_table(index=index, columns="score", values="value", aggfunc="first")
+    known = [name for name in order if name in table.columns]
+    table = table[known + [name for name in table.columns if name not in known]]
+    table.columns.name = None
+    return sort_rows(table.reset_index())
+
+
+def runs_table(runs: list[Run]) -> pd.DataFrame:
+    """One row per run: every score, the run's average, its cache size and time."""
+    rows = []
+    for run in runs:
+        kv = run.metrics.get("kv_cache", {})
+        after = kv.get("after_prefill_tokens_per_layer") or [0]
+        rows.append({
+            **run.identity(), "task": run.task, "context": run.context, **run.metrics["scores"],
+            "average": run.metrics.get("average"), "kv_tokens": sum(after) / len(after),
+            "seconds": run.metrics.get("timing", {}).get("total_seconds"),
+        })
+    return sort_rows(pd.DataFrame(rows))
+
+
+def longbench_tables(runs: list[Run]) -> dict[str, pd.DataFrame]:
+    """LongBench by task (papers' headers, category order, Avg. = mean of the tasks present) and by category."""
+    frame = scores_frame([run for run in runs if run.task == "longbench"])
+    if frame.empty:
+        return {}
+    order = [task for tasks in LONGBENCH_CATEGORIES.values() for task in tasks]
+    by_task = _pivot(frame, IDENTITY, order)
+    tasks = [column for column in by_task.columns if column not in IDENTITY]
+    by_category = by_task[IDENTITY].copy()
+    for category, members in LONGBENCH_CATEGORIES.items():
+        present = [task for task in members if task in tasks]
+        if present:
+            by_category[category] = by_task[present].mean(axis=1)
+    by_task[AVG] = by_task[tasks].mean(axis=1)
+    by_category[AVG] = by_task[AVG]
+    return {"longbench": by_task.rename(columns=LONGBENCH_SHORT), "longbench_categories": by_category}
+
+
+def longbench_e_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
+    """LongBench-E: one row per run and length bucket (``dataset@bucket`` scores), tasks as columns, Avg."""
+    frame = scores_frame([run for run in runs if run.task == "longbench_e"])
+    if frame.empty:
+        return {}
+    frame[["score", "bucket"]] = frame["score"].str.split("@", n=1, expand=True)
+    order = [task for tasks in LONGBENCH_CATEGORIES.values() for task in tasks]
+    table = _pivot(frame, [*IDENTITY, "bucket"], order)
+    tasks = [column for column in table.columns if column not in (*IDENTITY, "bucket")]
+    table[AVG] = table[tasks].mean(axis=1)
+    return {"longbench_e": table.rename(columns=LONGBENCH_SHORT)}
+
+
+def ruler_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
+    """RULER by task with Avg., one row per run and context length."""
+    frame = scores_frame([run for run in runs if run.task == "ruler"])
+    if frame.empty:
+        return {}
+    table = _pivot(frame, [*IDENTITY, "context"], RULER_ORDER)
+    tasks = [column for column in table.columns if column not in (*IDENTITY, "context")]
+    table[AVG] = table[tasks].mean(axis=1)
+    return {"ruler": table}
+
+
+def record_value(record: dict[str, Any], key: str) -> Any:
+    """A record's field, looked up at the top level and then in its ``metadata``."""
+    if key in record:
+        return record[key]
+    return (record.get("metadata") or {}).get(key)
+
+
+def needle_records(run: Run) -> list[dict[str, Any]]:
+    """The run's records that carry a ``depth`` and a ``context_length`` (the needle task's grid)."""
+    if run.task in (*LONGBENCH_TASKS, "ruler") or "ppl" in run.metrics["scores"]:
+        return []
+    return [record for record in run.records
+            if record_value(record, "depth") is not None and record_value(record, "context_length") is not None]
+
+
+def niah_frame(runs: list[Run]) -> pd.DataFrame:
+    """Needle accuracy (0–100) per model, policy, regime, benchmark, context length and budget."""
+    rows = []
+    for run in runs:
+        base = {"model": run.metrics["model"], "policy": run.metrics["policy"], "regime": run.metrics.get("regime"),
+                "budget": run.metrics["budget"]}
+        if run.task == "ruler" and run.context is not None:
+            for name, value in run.metrics["scores"].items():
+                if name.startswith("niah"):
+                    rows.append({**base, "benchmark": name, "context": run.context, "value": value})
+        by_context: dict[int, list[float]] = {}
+        for record in needle_records(run):
+            by_context.setdefault(int(record_value(record, "context_length")), []).append(float(record["score"]))
+        for context, scores in by_context.items():
+            rows.append({**base, "benchmark": run.task, "context": context, "value": 100.0 * sum(scores) / len(scores)})
+    return pd.DataFrame(rows, columns=["model", "policy", "regime", "budget", "benchmark", "context", "value"])
+
+
+def niah_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
+    """Needle accuracy by context × budget (columns ``<context>/<budget>``, as OBCache Table 1), with Avg.
+
+    Made when some needle benchmark was run at more than one context length."""
+    frame = niah_frame(runs)
+    if frame.empty or frame.groupby(["model", "benchmark"])["context"].nunique().max() < 2:
+        return {}
+    frame = frame.drop_duplicates(["model", "policy", "regime", "benchmark", "context", "budget"])
+    cells = sorted({(context, budget) for context, budget in zip(frame["context"], frame["budget"])},
+                   key=lambda cell: (cell[0], budget_key(cell[1])))
+    frame["cell"] = [f"{context_label(c)}/{b}" for c, b in zip(frame["context"], frame["budget"])]
+    index = ["model", "benchmark", "policy", "regime"]
+    table = frame.pivot_table(index=index, columns="cell", values="value", aggfunc="first")
+    columns = [f"{context_label(c)}/{b}" for c, b in cells]
+    table = table[columns]
+    table.columns.name = None
+    table[AVG] = table[columns].mean(axis=1)
+    return {"niah": sort_rows(table.reset_index())}
+
+
+def ppl_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
+    """Perplexity per run beside the full cache's (same model, text and length) and the gap (CAOTE Table 4)."""
+    rows = []
+    for run in runs:
+        if "ppl" in run.metrics["scores"]:
+            rows.append({**run.identity(), "data": run.data, "context": run.context, "ppl": run.metrics["scores"]["ppl"]})
+    if not rows:
+        return {}
+    frame = pd.DataFrame(rows)
+    full = frame[frame["policy"] == "full"].drop_duplicates(["model", "data", "context"])
+    full = full[["model", "data", "context", "ppl"]].rename(columns={"ppl": "full_ppl"})
+    table = frame.merge(full, on=["model", "data", "context"], how="left")
+    table["ppl_gap"] = table["ppl"] - table["full_ppl"]
+    return {"ppl": sort_rows(table[["model", "data", "context", *IDENTITY[1:], "ppl", "full_ppl", "ppl_gap"]])}
+
+
+LAYOUTS: dict[str, Callable[[list[Run]], dict[str, pd.DataFrame]]] = {
+    "longbench": lambda runs: {**longbench_tables(runs), **longbench_e_table(runs)},
+    "ruler": ruler_table,
+    "niah": niah_table,
+    "ppl": ppl_table,
+    "runs": lambda runs: {"runs": runs_table(runs)},
+}
+
+
+def benchmark_tables(runs: list[Run], layout: str = "auto") -> dict[str, pd.DataFrame]:
+    """The named tables of ``layout``; ``auto``: every benchmark layout with data, and one row per run for
+    tasks without a layout of their own."""
+    choose("layout", layout, ["auto", *LAYOUTS])
+    if layout != "auto":
+        tables = LAYOUTS[layout](runs)
+        if not tables:
+            raise KVBenchError(f"no runs fit the {layout!r} layout; valid choices for these runs: "
+                               f"{', '.join(name for name in LAYOUTS if name == 'runs' or LAYOUTS[name](runs))}")
+        return tables
+    tables: dict[str, pd.DataFrame] = {}
+    for name in ("longbench", "ruler", "niah", "ppl"):
+        tables.update(LAYOUTS[name](runs))
+    others = [run for run in runs
+              if run.task not in (*LONGBENCH_TASKS, "ruler") and "ppl" not in run.metrics["scores"]]
+    if others:  # tasks without a layout of their own (the needle tasks): one row per run
+        tables.update(LAYOUTS["runs"](others))
+    return tables
+
+
+FORMATS = {"markdown": "md", "csv": "csv", "latex": "tex"}
+
+
+def render(table: pd.DataFrame, fmt: str, decimals: int = 2) -> str:
+    """A table as Markdown, CSV or LaTeX; numbers with ``decimals`` places, empty cells as ``–``."""
+    choose("format", fmt, FORMATS)
+    if fmt == "csv":
+        return table.to_csv(index=False)
+    if fmt == "latex":
+        return table.to_latex(index=False, float_format=f"%.{decimals}f", na_rep="–")
+    return table.to_markdown(index=False, floatfmt=f".{decimals}f", missingval="–")
+
+
+def write_tables(tables: dict[str, str], output_dir: Path, fmt: str) -> list[Path]:
+    """Write rendered tables as ``<output_dir>/<name>.<md|csv|tex>``; returns the paths."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, text in tables.items():
+        path = output_dir / f"{name}.{FORMATS[fmt]}"
+        path.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+TITLES = {
+    "longbench": "LongBench by task", "longbench_categories": "LongBench by category", "longbench_e": "LongBench-E",
+    "ruler": "RULER by task", "niah": "Needle accuracy by context × budget", "ppl": "Perplexity and gap to full cache",
+    "runs": "Runs",
+}
 
 
 def main(args: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="kvbench table", description=__doc__)
-    parser.add_argument("run_dirs", nargs="+", help="run directories, or folders holding them")
-    parser.add_argument("--format", choices=["markdown", "csv", "latex"], default="markdown")
-    parser.add_argument("--output", type=Path, help="also write the table to this file")
+    parser = argparse.ArgumentParser(prog="kvbench table", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dirs", nargs="+", help="run directories, or folders holding them (a sweep directory)")
+    parser.add_argument("--layout", default="auto", help=f"auto (default), {', '.join(LAYOUTS)}")
+    parser.add_argument("--format", default="markdown", help="markdown (default), csv, latex")
+    parser.add_argument("--output-dir", type=Path, help="also write each table to DIR/<table>.<md|csv|tex>")
     options = parser.parse_args(args)
-    table = wide_table(runs_frame(options.run_dirs))
-    render = {
-        "markdown": lambda: table.to_markdown(index=False, floatfmt=".2f"),
-        "csv": lambda: table.to_csv(index=False),
-        "latex": lambda: table.to_latex(index=False, float_format="%.2f"),
-    }[options.format]
-    text = render()
-    print(text)
-    if options.output:
-        options.output.write_text(text, encoding="utf-8")
+    choose("format", options.format, FORMATS)
+    tables = benchmark_tables(load_runs(options.run_dirs), options.layout)
+    rendered = {name: render(table, options.format) for name, table in tables.items()}
+    for name, text in rendered.items():
+        if options.format == "markdown":
+            print(f"\n### {TITLES.get(name, name)}\n")
+        print(text.rstrip("\n"))
+    if options.output_dir:
+        for path in write_tables(rendered, options.output_dir, options.format):
+            print(f"wrote {path}")
+
+
+__all__ = ["LONGBENCH_CATEGORIES", "Run", "benchmark_tables", "load_runs", "main", "render", "scores_frame"]

@@ -1,0 +1,236 @@
+"""``kvbench compare-paper PAPER:TABLE RUN_DIR...``: a paper's table with our measured values beside it.
+
+Every row the paper printed (model, method, budget) is followed by a row ``ours`` with what our runs
+measured for that cell — ``not run`` where we have nothing — and a row ``Δ`` (ours − paper) where we have
+something. Rows of ours that match no row of the paper (another model such as SmolLM2, another budget)
+follow the paper's rows.
+
+Matching: the model by kvbench name; the method by policy spec, where the paper's bracketed settings
+(``h2o+obcache_key[gqa=sum]``) must equal the run's ``policy.*`` settings and a run goes to the most
+specific row it fits; the budget by value (``2k`` = ``2048``), the paper's ``full`` rows by the ``full``
+policy. Cells: a score of the run by its name (LongBench datasets, RULER subtasks, ``<subtask>@<context>``
+from the run's context length, NeedleBench's ``reasoning_en`` as ``needlebench_multi_reasoning_en``), a task's
+name for the run's ``overall`` score or average (CAOTE's ``niah``), ``ppl`` and ``ppl_gap`` (to the full cache
+of the same model, text and length). A printed average (``avg`` or budget ``all``) is recomputed from our
+values of the cells it averages; marked ``*`` when we ran only some of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from kvbench.errors import KVBenchError, choose
+from kvbench.papers import list_tables, load_table, split_method, table_caption
+from kvbench.policies.budgets import Budget
+from kvbench.results.table import FORMATS, LONGBENCH_SHORT, Run, context_label, load_runs, render, write_tables
+
+SCALES = {("caote", "table5"): 0.01, ("caote", "table13"): 0.01}
+"""Tables printed on another scale than our 0–100 scores (CAOTE's needle accuracy is 0–1)."""
+
+ALIASES = {("needlebench", "reasoning_en"): "needlebench_multi_reasoning_en",
+           ("needlebench", "reasoning_zh"): "needlebench_multi_reasoning_zh"}
+"""(task, score) → the name a paper table uses for it."""
+
+NOT_RUN = "not run"
+PARTIAL = "*"
+AGGREGATES = ("avg",)
+KEY = ["model", "method", "budget"]
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """``caote:table2`` (or ``caote:2``) → ``("caote", "table2")``, checked against the transcribed tables."""
+    paper, sep, table = spec.partition(":")
+    if not sep or not table:
+        raise KVBenchError(f"bad table {spec!r}; use PAPER:TABLE, e.g. caote:table2; valid choices: "
+                           + ", ".join(f"{p}:{t}" for p, t in list_tables()))
+    table = table if table.startswith("table") else f"table{table}"
+    table_caption(paper, table)
+    return paper, table
+
+
+def same_setting(ours: Any, theirs: str) -> bool:
+    """A run's setting equals a paper's bracketed one (numbers by value, words case-insensitively)."""
+    try:
+        return abs(float(ours) - float(theirs)) < 1e-9
+    except (TypeError, ValueError):
+        return str(ours).lower() == str(theirs).lower()
+
+
+def method_fit(method: str, policy: str, settings: dict[str, Any]) -> int | None:
+    """How specifically a paper's method fits a run (number of matching settings), or None if it does not."""
+    spec, params = split_method(method)
+    if spec != policy or any(key not in settings or not same_setting(settings[key], value) for key, value in params.items()):
+        return None
+    return len(params)
+
+
+def budget_fits(paper_budget: str, policy: str, budget: str) -> bool:
+    """The paper's ``full`` rows take full-cache runs of any budget; other budgets compare by value."""
+    if paper_budget == "full" or policy == "full":
+        return paper_budget == "full" and policy == "full"
+    try:
+        theirs, ours = Budget.parse(paper_budget), Budget.parse(budget)
+    except KVBenchError:  # ``all`` / ``na``: rows no single run fills
+        return False
+    return (theirs.tokens, theirs.fraction) == (ours.tokens, ours.fraction)
+
+
+def measured_cells(runs: list[Run]) -> pd.DataFrame:
+    """Everything our runs measured, by the names paper tables use: one row per (run key, cell)."""
+    full_ppl = {(run.metrics["model"], run.data, run.context): run.metrics["scores"]["ppl"]
+                for run in runs if run.metrics["policy"] == "full" and "ppl" in run.metrics["scores"]}
+    rows = []
+    for run in runs:
+        key = {"model": run.metrics["model"], "policy": run.metrics["policy"], "budget": run.metrics["budget"],
+               "settings": json.dumps(run.settings, sort_keys=True, default=str)}
+        scores = run.metrics["scores"]
+        cells = {ALIASES.get((run.task, name), name): value for name, value in scores.items()}
+        if run.metrics.get("average") is not None:
+            cells.setdefault(run.task, scores.get("overall", run.metrics["average"]))
+        if "ppl" in cells and (run.metrics["model"], run.data, run.context) in full_ppl:
+            cells["ppl_gap"] = cells["ppl"] - full_ppl[(run.metrics["model"], run.data, run.context)]
+        if run.context is not None:
+            cells.update({f"{name}@{context_label(run.context)}": value for name, value in list(cells.items())})
+        rows.extend({**key, "task": task, "value": value} for task, value in cells.items() if value is not None)
+    return pd.DataFrame(rows, columns=["model", "policy", "budget", "settings", "task", "value"]).drop_duplicates(
+        ["model", "policy", "budget", "settings", "task"])
+
+
+def assign_rows(paper: pd.DataFrame, ours: pd.DataFrame) -> dict[tuple[str, str, str, str], tuple | None]:
+    """Each of our run keys (model, policy, budget, settings) → the paper row (model, method, budget) it fits
+    most specifically, or None."""
+    rows = list(paper[KEY].drop_duplicates().itertuples(index=False, name=None))
+    assignment = {}
+    for model, policy, budget, settings in ours[["model", "policy", "budget", "settings"]].drop_duplicates().itertuples(
+            index=False, name=None):
+        fits = []
+        for row in rows:
+            if row[0] != model or not budget_fits(row[2], policy, budget):
+                continue
+            fit = method_fit(row[1], policy, json.loads(settings))
+            if fit is not None:
+                fits.append((fit, row))
+        assignment[(model, policy, budget, settings)] = max(fits)[1] if fits else None
+    return assignment
+
+
+def decimals(value: float) -> int:
+    """Decimal places a printed number needs (at least 2, at most 3)."""
+    return next((places for places in (2, 3) if round(value, places) == value), 3)
+
+
+def number(value: float, places: int) -> str:
+    if value != 0 and abs(value) < 0.01:
+        return f"{value:.3g}"
+    return f"{value:.{places}f}"
+
+
+class Comparison:
+    """A paper table and the cells our runs measured for it."""
+
+    def __init__(self, paper: str, table: str, runs: list[Run]):
+        self.paper, self.table = paper, table
+        self.rows = load_table(paper, table)
+        self.scale = SCALES.get((paper, table), 1.0)
+        self.places = 3 if self.scale != 1.0 else 2
+        self.tasks = list(dict.fromkeys(self.rows["task"]))
+        self.printed = {(m, me, b, t): v for m, me, b, t, v in
+                        self.rows[[*KEY, "task", "value"]].itertuples(index=False, name=None)}
+        cells = measured_cells(runs)
+        cells = cells[cells["task"].isin(self.tasks)]
+        self.assignment = assign_rows(self.rows, cells)
+        self.ours: dict[tuple, dict[str, float]] = {}
+        self.own: dict[tuple, dict[str, float]] = {}
+        for model, policy, budget, settings, task, value in cells.itertuples(index=False, name=None):
+            row = self.assignment[(model, policy, budget, settings)]
+            target = self.ours.setdefault(row, {}) if row else self.own.setdefault((model, policy, budget), {})
+            target.setdefault(task, value * self.scale)
+
+    def constituents(self, model: str, method: str, budget: str, task: str) -> list[tuple[str, str, str, str]]:
+        """The printed cells an aggregate cell averages (itself only, for an ordinary cell)."""
+        if task not in AGGREGATES and budget != "all":
+            return [(model, method, budget, task)]
+        return [cell for cell in self.printed
+                if cell[0] == model and cell[1] == method and cell[3] not in AGGREGATES
+                and (budget == "all" or cell[2] == budget)]
+
+    def measured(self, model: str, method: str, budget: str, task: str) -> tuple[float | None, bool]:
+        """Our value for a paper cell and whether it is complete (an average over all the cells it covers)."""
+        parts = self.constituents(model, method, budget, task)
+        if len(parts) == 1:
+            return self.ours.get((model, method, budget), {}).get(task), True
+        values = [self.ours.get(cell[:3], {}).get(cell[3]) for cell in parts]
+        found = [value for value in values if value is not None]
+        if not found:
+            return None, True
+        return sum(found) / len(found), len(found) == len(values)
+
+    @cached_property
+    def frame(self) -> pd.DataFrame:
+        """The comparison: paper / ours / Δ rows per paper row, then rows of ours only."""
+        lines = []
+        for model, method, budget in dict.fromkeys(self.rows[KEY].itertuples(index=False, name=None)):
+            printed, ours, delta = {}, {}, {}
+            for task in self.tasks:
+                paper_value = self.printed.get((model, method, budget, task))
+                printed[task] = "–" if paper_value is None else number(paper_value, max(self.places, decimals(paper_value)))
+                value, complete = self.measured(model, method, budget, task)
+                ours[task] = NOT_RUN if value is None else number(value, self.places) + ("" if complete else PARTIAL)
+                delta[task] = (f"{value - paper_value:+.{self.places}f}"
+                               if value is not None and complete and paper_value is not None else "")
+            key = {"model": model, "method": method, "budget": budget}
+            lines += [{**key, "row": "paper", **printed}, {**key, "row": "ours", **ours}]
+            if any(cell != NOT_RUN for cell in ours.values()):
+                lines.append({**key, "row": "Δ", **delta})
+        for (model, policy, budget), values in sorted(self.own.items()):
+            cells = {}
+            for task in self.tasks:
+                if task in AGGREGATES and task not in values:
+                    found = [values[t] for t in self.tasks if t not in AGGREGATES and t in values]
+                    cells[task] = number(sum(found) / len(found), self.places) + PARTIAL if found else "–"
+                else:
+                    cells[task] = number(values[task], self.places) if task in values else "–"
+            lines.append({"model": model, "method": policy, "budget": budget, "row": "ours", **cells})
+        frame = pd.DataFrame(lines, columns=[*KEY, "row", *self.tasks])
+        return frame.rename(columns={**LONGBENCH_SHORT, "avg": "Avg."})
+
+    def summary(self) -> str:
+        """Footnotes and how many of the paper's rows our runs filled."""
+        paper_rows = self.rows[KEY].drop_duplicates()
+        matched = sum(1 for row in paper_rows.itertuples(index=False, name=None) if row in self.ours)
+        lines = [f"paper rows: {len(paper_rows)}, with our values: {matched}; rows of ours only: {len(self.own)}"]
+        if self.frame.map(lambda cell: str(cell).endswith(PARTIAL)).any(axis=None):
+            lines.insert(0, f"{PARTIAL} mean over the cells we ran, not all the cells the paper averaged")
+        if self.scale != 1.0:
+            lines.insert(0, f"our scores are scaled by {self.scale:g} to the paper's scale")
+        return "\n".join(lines)
+
+
+def main(args: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="kvbench compare-paper", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("table", help="PAPER:TABLE, e.g. caote:table2 (see kvbench/papers/README.md)")
+    parser.add_argument("run_dirs", nargs="*", help="run directories, or folders holding them")
+    parser.add_argument("--format", default="markdown", help="markdown (default), csv, latex")
+    parser.add_argument("--output-dir", type=Path, help="also write the comparison to DIR/compare_<paper>_<table>.<ext>")
+    options = parser.parse_args(args)
+    choose("format", options.format, FORMATS)
+    paper, table = parse_spec(options.table)
+    runs = load_runs(options.run_dirs) if options.run_dirs else []
+    comparison = Comparison(paper, table, runs)
+    text = render(comparison.frame, options.format)
+    print(f"\n## {paper}:{table} — {table_caption(paper, table)}\n")
+    print(text.rstrip("\n"))
+    print(f"\n{comparison.summary()}")
+    if options.output_dir:
+        for path in write_tables({f"compare_{paper}_{table}": text}, options.output_dir, options.format):
+            print(f"wrote {path}")
+
+
+__all__ = ["Comparison", "main", "measured_cells", "parse_spec"]

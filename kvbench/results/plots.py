@@ -1,0 +1,212 @@
+"""``kvbench plot RUN_DIR... --kind heatmap|budget|ppl|all``: the papers' figures from run directories.
+
+* ``heatmap``  needle-in-a-haystack depth × context-length accuracy, one PNG per run whose records carry
+  ``depth`` and ``context_length`` (the needle task's grid), in the Kamradt colours;
+* ``budget``   score against KV budget, one line per policy (OBCache Fig. 3), one panel per model, task
+  and context length, the full cache as a dashed line;
+* ``ppl``      perplexity against token position (OBCache Fig. 4) from the perplexity records'
+  ``buckets`` (bucket start → mean NLL), one line per policy and budget, one panel per model and text.
+
+Files are written to ``--output-dir`` (default: the first RUN_DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+import pandas as pd  # noqa: E402
+from matplotlib.colors import LinearSegmentedColormap  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from kvbench.errors import KVBenchError, choose  # noqa: E402
+from kvbench.policies.budgets import Budget  # noqa: E402
+from kvbench.results.table import Run, budget_key, context_label, load_runs, needle_records, policy_key, record_value  # noqa: E402
+
+KAMRADT = LinearSegmentedColormap.from_list("kamradt", ["#F0496E", "#EBB839", "#0CD79F"])
+"""Red → yellow → green, the colour map of Kamradt's needle-in-a-haystack heatmaps."""
+
+
+def slug(text: str) -> str:
+    """A file-name-safe form of ``text``."""
+    return re.sub(r"[^A-Za-z0-9_.+@-]+", "_", text).strip("_")
+
+
+def niah_grid(records: list[dict[str, Any]]) -> pd.DataFrame:
+    """Mean score (0–100) per depth (rows, %) and context length (columns, tokens)."""
+    frame = pd.DataFrame({
+        "depth": [float(record_value(record, "depth")) for record in records],
+        "context_length": [int(record_value(record, "context_length")) for record in records],
+        "score": [100.0 * float(record["score"]) for record in records],
+    })
+    return frame.pivot_table(index="depth", columns="context_length", values="score", aggfunc="mean").sort_index()
+
+
+def niah_figure(records: list[dict[str, Any]], title: str) -> Figure:
+    """The depth × context-length heatmap of one run's needle records."""
+    grid = niah_grid(records)
+    figure, axes = plt.subplots(figsize=(max(4.0, 0.6 * len(grid.columns) + 2), max(3.0, 0.3 * len(grid) + 1.5)))
+    image = axes.imshow(grid.values, cmap=KAMRADT, vmin=0, vmax=100, aspect="auto")
+    axes.set_xticks(range(len(grid.columns)), [context_label(int(c)) for c in grid.columns], rotation=45)
+    axes.set_yticks(range(len(grid.index)), [f"{depth:g}" for depth in grid.index])
+    axes.set_xlabel("context length (tokens)")
+    axes.set_ylabel("needle depth (%)")
+    axes.set_title(title)
+    figure.colorbar(image, ax=axes, label="score")
+    figure.tight_layout()
+    return figure
+
+
+def run_title(run: Run) -> str:
+    return f"{run.metrics['model']} {run.metrics['policy']}@{run.metrics['budget']}"
+
+
+def heatmaps(runs: list[Run], output_dir: Path) -> list[Path]:
+    """One heatmap PNG per run with needle records."""
+    paths = []
+    for run in runs:
+        records = needle_records(run)
+        if records:
+            figure = niah_figure(records, run_title(run))
+            paths.append(save(figure, output_dir / f"heatmap_{slug(run_title(run).replace(' ', '_'))}.png"))
+    return paths
+
+
+def budget_value(spec: str) -> tuple[str, float]:
+    """A budget's axis and position: ``("tokens", 128)`` or ``("% of prompt", 10)``."""
+    budget = Budget.parse(spec)
+    return ("KV budget (tokens)", budget.tokens) if budget.tokens is not None else ("KV budget (% of prompt)", 100 * budget.fraction)
+
+
+def budget_frame(runs: list[Run]) -> pd.DataFrame:
+    """One row per run and score shown: the run's average and, for RULER, each subtask."""
+    rows = []
+    for run in runs:
+        if "ppl" in run.metrics["scores"] or run.metrics.get("average") is None:
+            continue
+        scores = {"average": run.metrics["average"]} if len(run.metrics["scores"]) > 1 else dict(run.metrics["scores"])
+        for name, value in scores.items():
+            rows.append({"model": run.metrics["model"], "task": run.task, "score": name, "context": run.context,
+                         "policy": run.metrics["policy"], "budget": run.metrics["budget"], "value": value})
+    return pd.DataFrame(rows, columns=["model", "task", "score", "context", "policy", "budget", "value"])
+
+
+def budget_figure(frame: pd.DataFrame) -> Figure:
+    """Score vs budget per policy, a panel per (model, task, score, context, budget unit)."""
+    frame = frame.copy()
+    frame[["axis", "x"]] = [budget_value(spec) for spec in frame["budget"]]
+    panels = list(frame.groupby(["model", "task", "score", "context", "axis"], dropna=False, sort=True))
+    columns = min(3, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(4.5 * columns, 3.5 * rows), squeeze=False)
+    for axis, ((model, task, score, context, unit), panel) in zip(axes.flat, panels):
+        for policy in sorted(panel["policy"].unique(), key=policy_key):
+            line = panel[panel["policy"] == policy].sort_values("x")
+            if policy == "full":
+                axis.axhline(line["value"].iloc[0], color="black", linestyle="--", label="full")
+            else:
+                axis.plot(line["x"], line["value"], marker="o", label=policy)
+        name = task if score == "average" else score
+        axis.set_title(f"{model} {name}" + (f" @ {context_label(int(context))}" if pd.notna(context) else ""))
+        axis.set_xlabel(unit)
+        axis.set_ylabel("score")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="small")
+    for axis in list(axes.flat)[len(panels):]:
+        axis.set_visible(False)
+    figure.tight_layout()
+    return figure
+
+
+def budget_curves(runs: list[Run], output_dir: Path) -> list[Path]:
+    frame = budget_frame(runs)
+    if frame.empty:
+        return []
+    return [save(budget_figure(frame), output_dir / "budget_curves.png")]
+
+
+def ppl_curve(run: Run) -> pd.Series:
+    """Perplexity per position bucket (start token → exp of the mean NLL over the run's records)."""
+    nlls: dict[int, list[float]] = {}
+    for record in run.records:
+        for start, nll in (record.get("buckets") or {}).items():
+            nlls.setdefault(int(start), []).append(float(nll))
+    return pd.Series({start: math.exp(sum(values) / len(values)) for start, values in sorted(nlls.items())}, dtype=float)
+
+
+def ppl_figure(runs: list[Run]) -> Figure:
+    """PPL vs token position per policy@budget, one panel per (model, text)."""
+    panels: dict[tuple[str, str], list[Run]] = {}
+    for run in runs:
+        panels.setdefault((run.metrics["model"], run.data), []).append(run)
+    figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), squeeze=False)
+    for axis, ((model, data), group) in zip(axes.flat, sorted(panels.items())):
+        group = sorted(group, key=lambda run: (policy_key(run.metrics["policy"]), budget_key(run.metrics["budget"])))
+        fulls = [run for run in group if run.metrics["policy"] == "full"]
+        for run in fulls[:1] + [run for run in group if run not in fulls]:  # one full-cache line per panel
+            curve = ppl_curve(run)
+            full = run.metrics["policy"] == "full"
+            label = "full" if full else f"{run.metrics['policy']}@{run.metrics['budget']}"
+            axis.plot(curve.index, curve.values, label=label, color="black" if full else None,
+                      linestyle="--" if full else "-")
+        axis.set_title(f"{model} {data}")
+        axis.set_xlabel("token position")
+        axis.set_ylabel("perplexity")
+        axis.set_yscale("log")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="small")
+    figure.tight_layout()
+    return figure
+
+
+def ppl_curves(runs: list[Run], output_dir: Path) -> list[Path]:
+    runs = [run for run in runs if "ppl" in run.metrics["scores"]]
+    if not runs:
+        return []
+    return [save(ppl_figure(runs), output_dir / "ppl_vs_length.png")]
+
+
+def save(figure: Figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+KINDS = {
+    "heatmap": (heatmaps, "records with depth and context_length (the needle task)"),
+    "budget": (budget_curves, "scored runs"),
+    "ppl": (ppl_curves, "perplexity runs"),
+}
+
+
+def make_plots(runs: list[Run], kind: str, output_dir: Path) -> list[Path]:
+    """Write the plots of ``kind`` (or ``all``: every kind with data); a one-line error when there is none."""
+    choose("plot kind", kind, ["all", *KINDS])
+    paths = [path for name in (KINDS if kind == "all" else [kind]) for path in KINDS[name][0](runs, output_dir)]
+    if not paths:
+        needs = "; ".join(f"{name} needs {what}" for name, (_, what) in KINDS.items() if kind in ("all", name))
+        raise KVBenchError(f"nothing to plot for --kind {kind} in these runs: {needs}")
+    return paths
+
+
+def main(args: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="kvbench plot", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dirs", nargs="+", help="run directories, or folders holding them")
+    parser.add_argument("--kind", default="all", help="heatmap, budget, ppl or all (default)")
+    parser.add_argument("--output-dir", type=Path, help="where to write the PNGs (default: the first RUN_DIR)")
+    options = parser.parse_args(args)
+    output_dir = options.output_dir or Path(options.run_dirs[0])
+    for path in make_plots(load_runs(options.run_dirs), options.kind, output_dir):
+        print(f"wrote {path}")
+
+
+__all__ = ["make_plots", "niah_figure", "niah_grid", "ppl_curve"]

@@ -1,0 +1,173 @@
+"""``kvbench bench`` on a tiny model: the JSON layout and sane figures (no wall-clock assertions)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from kvbench.bench import PARAGRAPH, PeakMemory, prompt_tokens, rotations, targets
+from kvbench.cli import main
+from kvbench.engine.models import load_tokenizer, model_config
+
+TINY = [
+    "model=tiny_llama",
+    "budget=64",
+    "bench.repetitions=1",
+    "bench.warmup_tokens=0",
+    "bench.prompt_source=paragraph",
+    "bench.prefill.policies=[sink,snapkv,h2o+obcache_joint]",
+    "bench.prefill.prompt_lengths=[96,160]",
+    "bench.decode.prompt_lengths=[96,160]",
+    "bench.decode.new_tokens=3",
+    "bench.memory.policies=[full,snapkv]",
+    "bench.memory.prompt_lengths=[96,160]",
+    "bench.memory.new_tokens=2",
+    "bench.generate.prompt_lengths=[32]",
+    "bench.generate.new_tokens=4",
+    "bench.kvpress.prompt_length=160",
+]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    """One tiny benchmark run with kvpress made unimportable; its ``bench.json`` and output folder."""
+    out = tmp_path_factory.mktemp("bench")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "kvpress", None)
+        main(["bench", *TINY, f"output_dir={out}"])
+    return json.loads((out / "bench.json").read_text()), out
+
+
+def test_json_has_the_required_keys(bench):
+    results, out = bench
+    required = {"prefill_overhead", "decode_latency_ratio", "harness_vs_generate", "kv_bytes", "memory", "kvpress"}
+    assert required | {"raw", "machine", "targets", "config"} <= set(results)
+    assert set(results["prefill_overhead"]) == {"sink", "snapkv", "h2o+obcache_joint"}
+    assert all(set(by_length) == {"96", "160"} for by_length in results["prefill_overhead"].values())
+    assert {"platform", "cpu_count", "torch", "transformers", "device"} <= set(results["machine"])
+    assert results["kvpress"]["skipped"].startswith("kvpress is not importable")
+    markdown = (out / "bench.md").read_text()
+    assert "| policy | 96 tokens | 160 tokens |" in markdown and "skipped: kvpress" in markdown
+
+
+def test_ratios_are_positive(bench):
+    results, _ = bench
+    ratios = [ratio for by_length in results["prefill_overhead"].values() for ratio in by_length.values()]
+    ratios += [ratio for by_length in results["prefill_overhead_cpu"].values() for ratio in by_length.values()]
+    assert all(isinstance(ratio, float) and ratio > 0 for ratio in ratios)
+    assert results["decode_latency_ratio"] > 0 and results["harness_vs_generate"] > 0
+    full = results["raw"]["prefill"]["full"]["160"]
+    assert len(full["wall_seconds"]) == 1 and full["median_wall_seconds"] > 0
+    decode = results["raw"]["decode"]
+    assert decode["ratio_cpu"] > 0 and len(decode["per_token_seconds"]["160"]["cpu_seconds"]) == 3 - 1
+
+
+def test_eviction_shrinks_the_kv_cache(bench):
+    results, _ = bench
+    for spec in ("sink", "snapkv", "h2o+obcache_joint"):
+        row = results["kv_bytes"][spec]["160"]
+        assert row["after_prefill_bytes"] < row["full_bytes"]
+        assert row["after_prefill_tokens_per_layer"] == [64, 64, 64]
+    full = results["kv_bytes"]["full"]["160"]
+    assert full["after_prefill_bytes"] == full["full_bytes"]
+
+
+def test_memory_section(bench):
+    results, _ = bench
+    memory = results["memory"]
+    assert memory["regime"] == "chunked" and set(memory["policies"]) == {"full", "snapkv"}
+    for rows in memory["policies"].values():
+        assert all(row["peak_rss_bytes"] > 0 and row["peak_bytes"] > 0 for row in rows.values())
+    snapkv = memory["policies"]["snapkv"]
+    assert snapkv["160"]["peak_bytes"] < snapkv["160"]["full_bytes"]
+    assert memory["growth"]["full"]["peak_bytes"] > memory["growth"]["snapkv"]["peak_bytes"]
+
+
+def test_generate_comparison_makes_the_same_number_of_tokens(bench):
+    results, _ = bench
+    generate = results["raw"]["generate"]
+    assert generate["new_tokens"] == 4 and set(generate["same_tokens"]) == {"32"}
+    assert generate["per_prompt"]["32"]["speed_ratio"] > 0
+
+
+def test_kvpress_agrees_with_kvbench_snapkv(tmp_path):
+    pytest.importorskip("kvpress")
+    sections = ["bench.prefill.prompt_lengths=[]", "bench.decode.prompt_lengths=[]", "bench.memory.prompt_lengths=[]"]
+    main(["bench", *TINY, *sections, "bench.generate.prompt_lengths=[]", f"output_dir={tmp_path}"])
+    press = json.loads((tmp_path / "bench.json").read_text())["kvpress"]
+    assert "skipped" not in press, press.get("skipped")
+    assert press["kept_tokens"] == press["kvpress_kept_tokens"] == 64
+    assert press["jaccard_mean"] > 0.99
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("bench.prefill.policies=[nosuch]", "unknown policy 'nosuch'"),
+        ("bench.repetitions=0", "bench.repetitions must be >= 1"),
+        ("bench.memory.regime=sometimes", "unknown bench.memory.regime 'sometimes'"),
+        ("bench.nosuch=1", "bench: "),
+    ],
+)
+def test_bad_input_is_one_line(override, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "model=tiny_llama", override])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error and len(error.strip().splitlines()) == 1
+
+
+def test_prompt_tokens_have_the_exact_length():
+    tokenizer = load_tokenizer(model_config("tiny_llama"))
+    for length in (5, len(PARAGRAPH), 3 * len(PARAGRAPH) + 7):
+        assert len(prompt_tokens(tokenizer, PARAGRAPH, length)) == length
+    assert prompt_tokens(tokenizer, PARAGRAPH, 40) == prompt_tokens(tokenizer, PARAGRAPH, 50)[:40]
+
+
+def test_rotations_interleave_every_variant_in_every_position():
+    orders = [rotations(["a", "b", "c"], repetition) for repetition in range(3)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+
+
+def test_peak_memory_sees_an_allocation():
+    import torch
+
+    memory = PeakMemory(torch.device("cpu"))
+    with memory.track() as figures:
+        block = torch.ones(16 * 2**20 // 4)  # 16 MiB, touched
+        del block
+    assert figures["peak_rss_bytes"] >= figures["rss_before_bytes"]
+    if memory.resettable:
+        assert figures["peak_rss_delta_bytes"] >= 8 * 2**20
+
+
+def test_targets_use_issue_7_limits():
+    results = {
+        "prefill_overhead": {"snapkv": {"1024": 1.2, "4096": 1.04}, "snapkv+obcache_joint": {"4096": 1.08}},
+        "decode_latency_ratio": 1.2,
+        "harness_vs_generate": 0.97,
+    }
+    found = targets(results)
+    assert found["prefill_overhead[snapkv]@4096"]["met"] and found["prefill_overhead[snapkv+obcache_joint]@4096"]["met"]
+    assert not found["decode_latency_ratio"]["met"] and found["harness_vs_generate"]["met"]
+    assert "kvpress_speed_ratio" not in found
+
+
+def test_plain_generate_ignores_the_eos_token():
+    import torch
+    import transformers
+
+    from kvbench.bench import generation_config
+    from tests.helpers import tiny_model
+
+    model = tiny_model()
+    prompt = torch.tensor([[5, 6, 7, 8] * 10])
+    first = model.generate(prompt, max_new_tokens=1, do_sample=False)[0, -1].item()
+    model.generation_config.eos_token_id = first
+    assert model.generate(prompt, max_new_tokens=6, do_sample=False).shape[1] == 41
+    config = transformers.GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with generation_config(model, config):
+        assert model.generate(prompt).shape[1] == 46
+    assert model.generation_config.eos_token_id == first

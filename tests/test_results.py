@@ -1,0 +1,289 @@
+"""Run directories into tables, paper comparisons, plots and W&B runs (kvbench.results)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from kvbench.cli import main
+from kvbench.results.compare import Comparison, parse_spec
+from kvbench.results.plots import make_plots, niah_grid
+from kvbench.results.table import benchmark_tables, load_runs, render
+
+LONGBENCH = ["narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
+             "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p"]
+
+
+def write_run(path: Path, model: str, policy: str, budget: str, task: str, scores: dict[str, float],
+              task_cfg: dict | None = None, policy_cfg: dict | None = None, records: list[dict] | None = None,
+              regime: str = "oneshot") -> Path:
+    """A finished run directory as ``kvbench run`` writes it (config.yaml, metrics.json, predictions.jsonl)."""
+    path.mkdir(parents=True)
+    config = {"model": {"name": model}, "policy": {"name": policy, **(policy_cfg or {})}, "budget": {"spec": budget},
+              "task": {"name": task, **(task_cfg or {})}, "engine": {"regime": regime}}
+    (path / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
+    average = scores["ppl"] if "ppl" in scores else sum(scores.values()) / len(scores)
+    records = records or [{"id": f"{name}-0", "subtask": name, "score": value / 100} for name, value in scores.items()]
+    metrics = {"model": model, "policy": policy, "budget": budget, "task": task, "regime": regime, "scores": scores,
+               "average": average, "num_samples": len(records),
+               "kv_cache": {"after_prefill_tokens_per_layer": [64, 64], "peak_tokens_per_layer": [80, 80],
+                            "peak_bytes": 100, "full_bytes": 400},
+               "timing": {"prefill_seconds": 1.0, "decode_seconds": 2.0, "total_seconds": 3.0}}
+    (path / "metrics.json").write_text(json.dumps(metrics))
+    (path / "predictions.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+# --- tables ------------------------------------------------------------------------------------------------
+
+
+def test_longbench_category_table_averages(tmp_path):
+    scores = {"narrativeqa": 10.0, "qasper": 20.0, "hotpotqa": 30.0, "2wikimqa": 50.0, "gov_report": 40.0,
+              "trec": 60.0, "triviaqa": 80.0, "passage_count": 5.0, "lcc": 70.0, "repobench-p": 50.0}
+    write_run(tmp_path / "a", "smollm2_135m", "snapkv", "128", "longbench", scores)
+    write_run(tmp_path / "b", "smollm2_135m", "full", "128", "longbench", {"narrativeqa": 30.0, "lcc": 90.0})
+    tables = benchmark_tables(load_runs([tmp_path]))
+    assert set(tables) == {"longbench", "longbench_categories"}
+    by_category = tables["longbench_categories"].set_index("policy")
+    snap = by_category.loc["snapkv"]
+    assert snap["Single-Doc QA"] == pytest.approx(15.0)
+    assert snap["Multi-Doc QA"] == pytest.approx(40.0)
+    assert snap["Summarization"] == pytest.approx(40.0)
+    assert snap["Few-shot"] == pytest.approx(70.0)
+    assert snap["Synthetic"] == pytest.approx(5.0)
+    assert snap["Code"] == pytest.approx(60.0)
+    assert snap["Avg."] == pytest.approx(41.5)  # the mean of the ten task scores, not of the categories
+    assert by_category.loc["full", "Avg."] == pytest.approx(60.0)
+    assert list(tables["longbench"]["policy"]) == ["full", "snapkv"]  # full cache first
+    by_task = tables["longbench"]
+    assert list(by_task.columns[4:]) == ["NrtvQA", "Qasper", "HotpotQA", "2WikiMQA", "GovReport", "TREC", "TriviaQA",
+                                         "PCount", "Lcc", "RB-P", "Avg."]
+
+
+def test_ruler_niah_and_ppl_layouts(tmp_path):
+    for context in (4096, 8192):
+        for budget, value in (("80", 40.0), ("160", 60.0)):
+            write_run(tmp_path / f"r{context}-{budget}", "llama31_8b", "h2o", budget, "ruler",
+                      {"niah_single_2": value + context / 1024}, task_cfg={"context_length": context})
+    write_run(tmp_path / "full", "smollm2_135m", "full", "128", "ppl", {"ppl": 10.0, "nll": 2.3},
+              task_cfg={"path": "/data/book.txt", "max_tokens": 512}, regime="streaming")
+    write_run(tmp_path / "sink", "smollm2_135m", "sink", "64", "ppl", {"ppl": 12.5, "nll": 2.5},
+              task_cfg={"path": "/data/book.txt", "max_tokens": 512}, regime="streaming")
+    tables = benchmark_tables(load_runs([tmp_path]))
+    assert set(tables) == {"ruler", "niah", "ppl"}
+    niah = tables["niah"].iloc[0]
+    assert list(tables["niah"].columns[4:]) == ["4k/80", "4k/160", "8k/80", "8k/160", "Avg."]
+    assert (niah["4k/80"], niah["8k/160"]) == (44.0, 68.0)
+    assert niah["Avg."] == pytest.approx((44 + 64 + 48 + 68) / 4)
+    ppl = tables["ppl"].set_index("policy")
+    assert ppl.loc["sink", "ppl_gap"] == pytest.approx(2.5) and ppl.loc["full", "ppl_gap"] == 0
+    assert ppl.loc["sink", "data"] == "book"
+    for fmt, marker in (("markdown", "| llama31_8b"), ("csv", "llama31_8b,"), ("latex", "\\begin{tabular}")):
+        assert marker in render(tables["ruler"], fmt)
+
+
+def test_table_command_writes_files(tmp_path, capsys):
+    write_run(tmp_path / "runs" / "a", "smollm2_135m", "snapkv", "128", "ruler", {"niah_single_1": 50.0},
+              task_cfg={"context_length": 1024})
+    main(["table", str(tmp_path / "runs"), "--format", "latex", "--output-dir", str(tmp_path / "out")])
+    assert "\\begin{tabular}" in capsys.readouterr().out
+    assert "50.00" in (tmp_path / "out" / "ruler.tex").read_text()
+    with pytest.raises(SystemExit):
+        main(["table", str(tmp_path / "runs"), "--layout", "ppl"])
+    error = capsys.readouterr().err
+    assert error.startswith("kvbench: error: no runs fit the 'ppl' layout") and error.count("\n") == 1
+
+
+# --- paper comparison --------------------------------------------------------------------------------------
+
+
+def test_compare_caote_table2_shows_paper_not_run_and_our_rows(tmp_path, capsys):
+    write_run(tmp_path / "snap", "smollm2_135m", "snapkv", "128", "longbench", {"multi_news": 12.5, "trec": 30.0})
+    write_run(tmp_path / "full", "smollm2_135m", "full", "128", "longbench", {"multi_news": 14.0, "trec": 40.0})
+    main(["compare-paper", "caote:table2", str(tmp_path)])
+    out = capsys.readouterr().out
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
+    header = rows[0]
+    assert header[:4] == ["model", "method", "budget", "row"] and header[-1] == "Avg." and len(header) == 4 + 17
+    index = rows.index(next(row for row in rows if row[:4] == ["llama31_8b", "full", "full", "paper"]))
+    paper_full, ours_full = dict(zip(header, rows[index])), rows[index + 1]
+    assert paper_full["Avg."] == "49.20" and paper_full["NrtvQA"] == "30.05"  # as printed in the paper
+    assert ours_full[3] == "ours" and ours_full[4:] == ["not run"] * 17
+    mine = {row[1]: dict(zip(header, row)) for row in rows if row[0] == "smollm2_135m"}
+    assert set(mine) == {"full", "snapkv"} and mine["snapkv"]["row"] == "ours"
+    assert (mine["snapkv"]["MultiNews"], mine["snapkv"]["TREC"], mine["snapkv"]["NrtvQA"]) == ("12.50", "30.00", "–")
+    assert mine["snapkv"]["Avg."] == "21.25*"  # the mean of the two tasks run, marked partial
+    assert "paper rows: 38, with our values: 0; rows of ours only: 2" in out
+
+
+def test_compare_matches_model_method_budget_and_settings(tmp_path):
+    paper = Comparison("caote", "table2", [])
+    h2o_2k = paper.rows.query("model == 'llama31_8b' and method == 'h2o' and budget == '2k'").set_index("task")["value"]
+    scores = {task: h2o_2k[task] + 1.0 for task in LONGBENCH}
+    write_run(tmp_path / "h2o", "llama31_8b", "h2o", "2048", "longbench", scores, regime="chunked")
+    frame = Comparison("caote", "table2", load_runs([tmp_path])).frame
+    rows = frame[(frame["model"] == "llama31_8b") & (frame["method"] == "h2o") & (frame["budget"] == "2k")]
+    assert list(rows["row"]) == ["paper", "ours", "Δ"]
+    ours, delta = rows.iloc[1], rows.iloc[2]
+    assert ours["NrtvQA"] == f"{h2o_2k['narrativeqa'] + 1:.2f}" and delta["NrtvQA"] == "+1.00"
+    assert ours["Avg."] == f"{sum(scores.values()) / 16:.2f}" and delta["Avg."] == f"{sum(scores.values()) / 16 - 16.89:+.2f}"
+
+    # OBCache Table 3: a gqa=sum run fills the "[gqa=sum]" row, a gqa=repeat run the plain (SnapKV-layout) row
+    write_run(tmp_path / "sum", "llama31_8b", "h2o", "80", "ruler", {"niah_single_2": 70.0},
+              task_cfg={"context_length": 8192}, policy_cfg={"gqa": "sum"})
+    write_run(tmp_path / "rep", "llama31_8b", "h2o", "80", "ruler", {"niah_single_2": 11.0},
+              task_cfg={"context_length": 8192}, policy_cfg={"gqa": "repeat"})
+    frame = Comparison("obcache", "table3", load_runs([tmp_path / "sum", tmp_path / "rep"])).frame
+    frame = frame[frame["budget"] == "80"].set_index(["method", "row"])
+    assert frame.loc[("h2o[gqa=sum]", "ours"), "niah_single_2@8k"] == "70.00"
+    assert frame.loc[("h2o[gqa=sum]", "Δ"), "niah_single_2@8k"] == "+2.00"  # paper: 68.0
+    assert frame.loc[("h2o", "ours"), "niah_single_2@8k"] == "11.00"
+
+
+def test_compare_scales_and_aggregates(tmp_path):
+    # CAOTE Table 5 prints needle accuracy on 0-1: our 0-100 score of task niah is scaled
+    write_run(tmp_path / "niah", "llama32_3b", "h2o+caote", "2k", "niah", {"overall": 40.0, "4096": 40.0})
+    frame = Comparison("caote", "table5", load_runs([tmp_path / "niah"])).frame
+    row = frame[(frame["model"] == "llama32_3b") & (frame["method"] == "h2o+caote") & (frame["budget"] == "2k")]
+    assert row.iloc[1]["niah"] == "0.400"
+    # CAOTE Table 4: the PPL gap to the full cache of the same model and text
+    for policy, ppl in (("full", 8.0), ("tova", 8.75)):
+        write_run(tmp_path / f"ppl-{policy}", "llama31_8b", policy, "4k", "booksum", {"ppl": ppl, "nll": 2.0},
+                  task_cfg={"max_tokens": 8192})
+    frame = Comparison("caote", "table4", load_runs([tmp_path / "ppl-full", tmp_path / "ppl-tova"])).frame
+    tova = frame[(frame["model"] == "llama31_8b") & (frame["method"] == "tova") & (frame["budget"] == "4k")]
+    assert tova.iloc[1]["ppl_gap"] == "0.75"
+    # OBCache Table 1: the Avg. over all budgets (budget "all") is the mean of every cell, "*" when partial
+    write_run(tmp_path / "t1", "llama31_8b", "tova", "80", "ruler", {"niah_single_2": 50.0}, task_cfg={"context_length": 4096})
+    frame = Comparison("obcache", "table1", load_runs([tmp_path / "t1"])).frame
+    avg = frame[(frame["method"] == "tova") & (frame["budget"] == "all")].iloc[1]["Avg."]
+    assert avg == "50.00*"
+
+
+def test_compare_bad_table_is_one_line(capsys):
+    with pytest.raises(SystemExit):
+        main(["compare-paper", "caote:table99"])
+    error = capsys.readouterr().err
+    assert "unknown table for paper 'caote' 'table99'; valid choices: " in error and error.count("\n") == 1
+    assert parse_spec("obcache:1") == ("obcache", "table1")
+
+
+# --- plots -------------------------------------------------------------------------------------------------
+
+
+def needle_records(scores: dict[tuple[int, int], float]) -> list[dict]:
+    return [{"id": f"niah-{length}-{depth}", "subtask": "niah", "score": score, "context_length": length, "depth": depth}
+            for (length, depth), score in scores.items()]
+
+
+def test_niah_grid_and_heatmap(tmp_path):
+    cells = {(1024, 0): 1.0, (1024, 50): 0.0, (2048, 0): 0.5, (2048, 50): 1.0}
+    grid = niah_grid(needle_records(cells))
+    assert list(grid.columns) == [1024, 2048] and list(grid.index) == [0.0, 50.0]
+    assert grid.loc[50.0, 1024] == 0.0 and grid.loc[0.0, 2048] == 50.0
+    write_run(tmp_path / "runs" / "niah", "smollm2_135m", "snapkv", "128", "niah", {"overall": 62.5},
+              records=needle_records(cells))
+    paths = make_plots(load_runs([tmp_path / "runs"]), "heatmap", tmp_path / "plots")
+    assert [path.name for path in paths] == ["heatmap_smollm2_135m_snapkv@128.png"]
+    assert paths[0].read_bytes()[:4] == b"\x89PNG"
+    assert benchmark_tables(load_runs([tmp_path / "runs"]))["niah"].iloc[0]["1k/128"] == 50.0
+
+
+def test_budget_and_ppl_plots(tmp_path, capsys):
+    for budget, value in (("64", 20.0), ("128", 40.0), ("256", 55.0)):
+        write_run(tmp_path / f"snap{budget}", "smollm2_135m", "snapkv", budget, "ruler", {"niah_single_1": value},
+                  task_cfg={"context_length": 1024})
+    write_run(tmp_path / "full", "smollm2_135m", "full", "64", "ruler", {"niah_single_1": 60.0},
+              task_cfg={"context_length": 1024})
+    for policy, shift in (("full", 0.0), ("sink", 0.3)):
+        write_run(tmp_path / f"ppl-{policy}", "smollm2_135m", policy, "64", "ppl", {"ppl": 9.0, "nll": 2.2},
+                  task_cfg={"path": "book.txt", "max_tokens": 256},
+                  records=[{"id": "book-0", "subtask": "book", "score": 9.0,
+                            "buckets": {"0": 2.5 + shift, "64": 2.2 + shift, "128": 2.1 + shift}}])
+    main(["plot", str(tmp_path), "--output-dir", str(tmp_path / "plots")])
+    out = capsys.readouterr().out
+    assert "budget_curves.png" in out and "ppl_vs_length.png" in out and "heatmap" not in out
+    assert (tmp_path / "plots" / "ppl_vs_length.png").stat().st_size > 1000
+    with pytest.raises(SystemExit):
+        main(["plot", str(tmp_path), "--kind", "heatmap"])
+    assert "nothing to plot for --kind heatmap" in capsys.readouterr().err
+
+
+# --- W&B ---------------------------------------------------------------------------------------------------
+
+
+def offline_records(path: Path) -> list:
+    """The protobuf records of an offline W&B run file (``run-<id>.wandb``: W&B's LevelDB-style log of 32 KiB
+    blocks, each record chunk behind a 7-byte header: CRC, length, type 1 full / 2 first / 3 middle / 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, position, pending, records = path.read_bytes(), 7, b"", []
+    assert data[:4] == b":W&B"
+    while position + 7 <= len(data):
+        left = 32768 - position % 32768
+        if left < 7:  # block trailer
+            position += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        pending += data[position + 7:position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+@pytest.mark.slow  # reads W&B's offline protobuf log, which is not always flushed when wandb.finish returns
+def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    out = tmp_path / "run"
+    main(["run", "model=tiny_llama", "task=ruler", "task.subtasks=[niah_single_1]", "task.context_length=640",
+          "task.num_samples=1", "policy=snapkv", "budget=64", "logger=wandb", "logger.tags=[test]", f"output_dir={out}"])
+    metrics = json.loads((out / "metrics.json").read_text())
+    offline = list((out / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1
+    records = offline_records(next(offline[0].glob("run-*.wandb")))  # what `wandb sync` would upload
+    summary = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "summary":
+            summary.update({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.summary.update})
+    assert summary["scores/niah_single_1"] == metrics["scores"]["niah_single_1"]
+    assert summary["average"] == metrics["average"]
+    assert summary["kv_cache/peak_bytes"] == metrics["kv_cache"]["peak_bytes"]
+    assert summary["kv_cache/after_prefill_tokens_mean"] == 64
+    assert summary["timing/total_seconds"] == pytest.approx(metrics["timing"]["total_seconds"])
+    assert summary["predictions/_type"] == "table-file" and summary["predictions/nrows"] == 1
+    assert list((offline[0] / "files" / "media" / "table").glob("predictions_*.table.json"))
+    run = next(record.run for record in records if record.WhichOneof("record_type") == "run")
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert config["policy"]["name"] == "snapkv" and config["model"]["name"] == "tiny_llama"
+    assert "test" in run.tags and run.display_name == "tiny_llama/ruler/snapkv@64"
+
+
+def test_wandb_mode_without_key_is_offline(monkeypatch, tmp_path):
+    from kvbench.results.wandb_logger import wandb_mode
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert wandb_mode(None) == "offline"
+    assert wandb_mode("disabled") == "disabled"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode(None) == "online"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert wandb_mode(None) == "offline"
+
+
+def test_logger_none_writes_no_wandb_dir(tmp_path):
+    out = tmp_path / "run"
+    main(["run", "model=tiny_llama", "task=ruler", "task.subtasks=[niah_single_1]", "task.context_length=640",
+          "task.num_samples=1", "policy=tova", "budget=64", f"output_dir={out}"])
+    assert (out / "metrics.json").exists() and not (out / "wandb").exists()
