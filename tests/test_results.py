@@ -238,8 +238,22 @@ def offline_records(path: Path) -> list:
     return records
 
 
-@pytest.mark.slow  # reads W&B's offline protobuf log, which is not always flushed when wandb.finish returns
 def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
+    """``logger=wandb`` offline: the run's metrics are in the W&B run directory as a file, at once."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    out = tmp_path / "run"
+    main(["run", "model=tiny_llama", "task=ruler", "task.subtasks=[niah_single_1]", "task.context_length=640",
+          "task.num_samples=1", "policy=tova", "budget=64", "logger=wandb", f"output_dir={out}"])
+    offline = list((out / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and list(offline[0].glob("run-*.wandb"))
+    saved = json.loads((offline[0] / "files" / "kvbench-metrics.json").read_text())
+    assert saved == json.loads((out / "metrics.json").read_text())
+    assert list((offline[0] / "files" / "media" / "table").glob("predictions_*.table.json"))
+
+
+@pytest.mark.slow  # reads W&B's offline protobuf log, which is not always flushed when wandb.finish returns
+def test_wandb_offline_log_holds_summary_config_and_tags(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

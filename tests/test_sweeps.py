@@ -61,7 +61,7 @@ def test_experiment_sweep_becomes_overrides_and_typed_values_win():
     args = experiment_overrides(["-m", "+experiment=caote_smoke", "policy=h2o"])
     assert args[-3:] == ["-m", "+experiment=caote_smoke", "policy=h2o"]
     injected = dict(arg.split("=", 1) for arg in args[:-3])
-    assert injected == {"model": "smollm2_135m", "budget": "64", "task": "longbench"}
+    assert injected == {"model": "smollm2_135m", "budget": "64,128", "task": "longbench"}
     assert experiment_overrides(["+experiment=caote_smoke"]) == ["+experiment=caote_smoke"]  # not a multirun
     with pytest.raises(SystemExit):
         main(["run", "-m", "+experiment=nope"])

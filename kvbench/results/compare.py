@@ -28,7 +28,8 @@ import pandas as pd
 from kvbench.errors import KVBenchError, choose
 from kvbench.papers import list_tables, load_table, split_method, table_caption
 from kvbench.policies.budgets import Budget
-from kvbench.results.table import FORMATS, LONGBENCH_SHORT, Run, context_label, load_runs, render, write_tables
+from kvbench.results.table import (FORMATS, LONGBENCH_SHORT, Run, budget_key, context_label, load_runs, policy_key,
+                                   render, write_tables)
 
 SCALES = {("caote", "table5"): 0.01, ("caote", "table13"): 0.01}
 """Tables printed on another scale than our 0–100 scores (CAOTE's needle accuracy is 0–1)."""
@@ -65,7 +66,9 @@ def same_setting(ours: Any, theirs: str) -> bool:
 def method_fit(method: str, policy: str, settings: dict[str, Any]) -> int | None:
     """How specifically a paper's method fits a run (number of matching settings), or None if it does not."""
     spec, params = split_method(method)
-    if spec != policy or any(key not in settings or not same_setting(settings[key], value) for key, value in params.items()):
+    if spec != policy:
+        return None
+    if any(key not in settings or not same_setting(settings[key], value) for key, value in params.items()):
         return None
     return len(params)
 
@@ -125,10 +128,11 @@ def decimals(value: float) -> int:
     return next((places for places in (2, 3) if round(value, places) == value), 3)
 
 
-def number(value: float, places: int) -> str:
+def printed_number(value: float, places: int) -> str:
+    """A paper's number as printed: at least ``places`` decimals, tiny ratios (1.6e-4) in scientific form."""
     if value != 0 and abs(value) < 0.01:
         return f"{value:.3g}"
-    return f"{value:.{places}f}"
+    return f"{value:.{max(places, decimals(value))}f}"
 
 
 class Comparison:
@@ -149,7 +153,8 @@ class Comparison:
         self.own: dict[tuple, dict[str, float]] = {}
         for model, policy, budget, settings, task, value in cells.itertuples(index=False, name=None):
             row = self.assignment[(model, policy, budget, settings)]
-            target = self.ours.setdefault(row, {}) if row else self.own.setdefault((model, policy, budget), {})
+            own = (model, policy, "full" if policy == "full" else budget)  # the full cache ignores its budget
+            target = self.ours.setdefault(row, {}) if row else self.own.setdefault(own, {})
             target.setdefault(task, value * self.scale)
 
     def constituents(self, model: str, method: str, budget: str, task: str) -> list[tuple[str, str, str, str]]:
@@ -179,23 +184,27 @@ class Comparison:
             printed, ours, delta = {}, {}, {}
             for task in self.tasks:
                 paper_value = self.printed.get((model, method, budget, task))
-                printed[task] = "–" if paper_value is None else number(paper_value, max(self.places, decimals(paper_value)))
+                printed[task] = "–" if paper_value is None else printed_number(paper_value, self.places)
                 value, complete = self.measured(model, method, budget, task)
-                ours[task] = NOT_RUN if value is None else number(value, self.places) + ("" if complete else PARTIAL)
+                if value is None:
+                    ours[task] = "–" if paper_value is None else NOT_RUN
+                else:
+                    ours[task] = f"{value:.{self.places}f}" + ("" if complete else PARTIAL)
                 delta[task] = (f"{value - paper_value:+.{self.places}f}"
                                if value is not None and complete and paper_value is not None else "")
             key = {"model": model, "method": method, "budget": budget}
             lines += [{**key, "row": "paper", **printed}, {**key, "row": "ours", **ours}]
-            if any(cell != NOT_RUN for cell in ours.values()):
+            if any(cell not in (NOT_RUN, "–") for cell in ours.values()):
                 lines.append({**key, "row": "Δ", **delta})
-        for (model, policy, budget), values in sorted(self.own.items()):
-            cells = {}
+        order = sorted(self.own, key=lambda key: (key[0], policy_key(key[1]), budget_key(key[2])))
+        for model, policy, budget in order:
+            values, cells = self.own[(model, policy, budget)], {}
             for task in self.tasks:
                 if task in AGGREGATES and task not in values:
                     found = [values[t] for t in self.tasks if t not in AGGREGATES and t in values]
-                    cells[task] = number(sum(found) / len(found), self.places) + PARTIAL if found else "–"
+                    cells[task] = f"{sum(found) / len(found):.{self.places}f}{PARTIAL}" if found else "–"
                 else:
-                    cells[task] = number(values[task], self.places) if task in values else "–"
+                    cells[task] = f"{values[task]:.{self.places}f}" if task in values else "–"
             lines.append({"model": model, "method": policy, "budget": budget, "row": "ours", **cells})
         frame = pd.DataFrame(lines, columns=[*KEY, "row", *self.tasks])
         return frame.rename(columns={**LONGBENCH_SHORT, "avg": "Avg."})
@@ -218,7 +227,8 @@ def main(args: list[str]) -> None:
     parser.add_argument("table", help="PAPER:TABLE, e.g. caote:table2 (see kvbench/papers/README.md)")
     parser.add_argument("run_dirs", nargs="*", help="run directories, or folders holding them")
     parser.add_argument("--format", default="markdown", help="markdown (default), csv, latex")
-    parser.add_argument("--output-dir", type=Path, help="also write the comparison to DIR/compare_<paper>_<table>.<ext>")
+    parser.add_argument("--output-dir", type=Path,
+                        help="also write the comparison to DIR/compare_<paper>_<table>.<md|csv|tex>")
     options = parser.parse_args(args)
     choose("format", options.format, FORMATS)
     paper, table = parse_spec(options.table)

@@ -82,7 +82,9 @@ def heatmaps(runs: list[Run], output_dir: Path) -> list[Path]:
 def budget_value(spec: str) -> tuple[str, float]:
     """A budget's axis and position: ``("tokens", 128)`` or ``("% of prompt", 10)``."""
     budget = Budget.parse(spec)
-    return ("KV budget (tokens)", budget.tokens) if budget.tokens is not None else ("KV budget (% of prompt)", 100 * budget.fraction)
+    if budget.tokens is not None:
+        return "KV budget (tokens)", budget.tokens
+    return "KV budget (% of prompt)", 100 * budget.fraction
 
 
 def budget_frame(runs: list[Run]) -> pd.DataFrame:
@@ -91,7 +93,9 @@ def budget_frame(runs: list[Run]) -> pd.DataFrame:
     for run in runs:
         if "ppl" in run.metrics["scores"] or run.metrics.get("average") is None:
             continue
-        scores = {"average": run.metrics["average"]} if len(run.metrics["scores"]) > 1 else dict(run.metrics["scores"])
+        scores = dict(run.metrics["scores"])
+        if len(scores) > 1:  # a panel for the run's overall score (the needle task's) or its average
+            scores = {"average": scores.get("overall", run.metrics["average"])}
         for name, value in scores.items():
             rows.append({"model": run.metrics["model"], "task": run.task, "score": name, "context": run.context,
                          "policy": run.metrics["policy"], "budget": run.metrics["budget"], "value": value})
@@ -138,7 +142,7 @@ def ppl_curve(run: Run) -> pd.Series:
     for record in run.records:
         for start, nll in (record.get("buckets") or {}).items():
             nlls.setdefault(int(start), []).append(float(nll))
-    return pd.Series({start: math.exp(sum(values) / len(values)) for start, values in sorted(nlls.items())}, dtype=float)
+    return pd.Series({start: math.exp(sum(nll) / len(nll)) for start, nll in sorted(nlls.items())}, dtype=float)
 
 
 def ppl_figure(runs: list[Run]) -> Figure:
@@ -155,7 +159,7 @@ def ppl_figure(runs: list[Run]) -> Figure:
             full = run.metrics["policy"] == "full"
             label = "full" if full else f"{run.metrics['policy']}@{run.metrics['budget']}"
             axis.plot(curve.index, curve.values, label=label, color="black" if full else None,
-                      linestyle="--" if full else "-")
+                      linestyle="--" if full else "-", zorder=3 if full else 2)
         axis.set_title(f"{model} {data}")
         axis.set_xlabel("token position")
         axis.set_ylabel("perplexity")

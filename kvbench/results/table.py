@@ -124,10 +124,10 @@ def budget_key(spec: str) -> tuple[int, float]:
     return (0, float(budget.tokens)) if budget.tokens is not None else (1, budget.fraction)
 
 
-def policy_key(spec: str) -> tuple[int, str, int]:
+def policy_key(spec: str) -> tuple[int, str, int, str]:
     """Sort key of a policy spec: ``full`` first, then each base followed by its modified forms."""
     base, *modifiers = spec.split("+")
-    return (0 if base == "full" else 1, base, len(modifiers))
+    return (0 if base == "full" else 1, base, len(modifiers), spec)
 
 
 def context_label(tokens: int | None) -> str:
@@ -166,7 +166,8 @@ def scores_frame(runs: list[Run]) -> pd.DataFrame:
         }
         for name, value in run.metrics["scores"].items():
             rows.append({**run.identity(), **extra, "score": name, "value": value})
-    return pd.DataFrame(rows, columns=[*IDENTITY, "task", "context", "kv_tokens", "seconds", "run_dir", "score", "value"])
+    columns = [*IDENTITY, "task", "context", "kv_tokens", "seconds", "run_dir", "score", "value"]
+    return pd.DataFrame(rows, columns=columns)
 
 
 def _pivot(frame: pd.DataFrame, index: list[str], order: list[str]) -> pd.DataFrame:
@@ -275,6 +276,12 @@ def niah_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
     if frame.empty or frame.groupby(["model", "benchmark"])["context"].nunique().max() < 2:
         return {}
     frame = frame.drop_duplicates(["model", "policy", "regime", "benchmark", "context", "budget"])
+    evicting = frame[frame["policy"] != "full"]
+    if not evicting.empty:  # the full cache ignores its budget: its accuracy goes under every budget run
+        full = frame[frame["policy"] == "full"].drop(columns="budget").drop_duplicates(
+            ["model", "regime", "benchmark", "context"])
+        budgets = evicting[["model", "benchmark", "context", "budget"]].drop_duplicates()
+        frame = pd.concat([evicting, full.merge(budgets, on=["model", "benchmark", "context"])], ignore_index=True)
     cells = sorted({(context, budget) for context, budget in zip(frame["context"], frame["budget"])},
                    key=lambda cell: (cell[0], budget_key(cell[1])))
     frame["cell"] = [f"{context_label(c)}/{b}" for c, b in zip(frame["context"], frame["budget"])]
@@ -292,7 +299,8 @@ def ppl_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
     rows = []
     for run in runs:
         if "ppl" in run.metrics["scores"]:
-            rows.append({**run.identity(), "data": run.data, "context": run.context, "ppl": run.metrics["scores"]["ppl"]})
+            ppl = run.metrics["scores"]["ppl"]
+            rows.append({**run.identity(), "data": run.data, "context": run.context, "ppl": ppl})
     if not rows:
         return {}
     frame = pd.DataFrame(rows)
@@ -342,7 +350,8 @@ def render(table: pd.DataFrame, fmt: str, decimals: int = 2) -> str:
         return table.to_csv(index=False)
     if fmt == "latex":
         return table.to_latex(index=False, float_format=f"%.{decimals}f", na_rep="–")
-    return table.to_markdown(index=False, floatfmt=f".{decimals}f", missingval="–")
+    cells = table.astype(object).where(table.notna(), None)  # tabulate prints None, not NaN, as missingval
+    return cells.to_markdown(index=False, floatfmt=f".{decimals}f", missingval="–")
 
 
 def write_tables(tables: dict[str, str], output_dir: Path, fmt: str) -> list[Path]:

@@ -3,7 +3,8 @@
 One W&B run per kvbench run, in the run directory's ``wandb/`` folder: the resolved config, per-task
 scores and the average (``scores/<task>``, ``average``), KV-cache figures (``kv_cache/*``: mean tokens
 per layer after prefill, peak per layer, peak and full-cache bytes and their ratio), timings
-(``timing/*``), the predictions as a table and, for needle runs, the depth × length heatmap.
+(``timing/*``), the predictions as a table and, for needle runs, the depth × length heatmap; the run's
+metrics.json is saved with it as ``files/kvbench-metrics.json``.
 
 Mode (``logger.mode``): ``online``, ``offline`` or ``disabled``; null picks ``WANDB_MODE`` if set, else
 ``online`` when an API key is configured (``WANDB_API_KEY`` or a ``~/.netrc`` entry for the W&B host), else
@@ -12,8 +13,10 @@ Mode (``logger.mode``): ``online``, ``offline`` or ``disabled``; null picks ``WA
 
 from __future__ import annotations
 
+import json
 import netrc
 import os
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -22,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from kvbench.results.rundir import RunDir
 
 PREDICTION_COLUMNS = ["id", "subtask", "prediction", "answers", "score", "prompt_tokens", "total_seconds"]
+METRICS_FILE = "kvbench-metrics.json"
 
 
 def api_key_configured() -> bool:
@@ -67,8 +71,9 @@ def summary(metrics: dict[str, Any]) -> dict[str, float]:
 def prediction_rows(records: list[dict[str, Any]]) -> list[list[Any]]:
     """One table row per record (answers joined, time from the record's timing)."""
     return [[
-        record.get("id"), record.get("subtask"), record.get("prediction"), " | ".join(map(str, record.get("answers") or [])),
-        record.get("score"), record.get("prompt_tokens"), (record.get("timing") or {}).get("total_seconds"),
+        record.get("id"), record.get("subtask"), record.get("prediction"),
+        " | ".join(map(str, record.get("answers") or [])), record.get("score"), record.get("prompt_tokens"),
+        (record.get("timing") or {}).get("total_seconds"),
     ] for record in records]
 
 
@@ -93,8 +98,12 @@ def log_run(cfg: DictConfig, run_dir: RunDir, metrics: dict[str, Any], records: 
         run.log(values)
         run.summary.update(values)
         run.log({"predictions": wandb.Table(columns=PREDICTION_COLUMNS, data=prediction_rows(records))})
-        needles = [r for r in records if record_value(r, "depth") is not None and record_value(r, "context_length") is not None]
+        needles = [record for record in records
+                   if record_value(record, "depth") is not None and record_value(record, "context_length") is not None]
         if needles:
             figure = niah_figure(needles, name)
             run.log({"niah_heatmap": wandb.Image(figure)})
             plt.close(figure)
+        copy = Path(run.dir) / METRICS_FILE  # also a plain file in the W&B run, readable before any sync
+        copy.write_text(json.dumps(metrics, indent=2, ensure_ascii=False), encoding="utf-8")
+        run.save(str(copy), base_path=run.dir, policy="now")
