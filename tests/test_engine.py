@@ -110,7 +110,9 @@ def test_perplexity_budget_covering_stream_equals_full(llama):
     full = engine(llama, "full", 4096, "streaming").perplexity(stream).nlls
     assert engine(llama, "h2o", 60, "streaming").perplexity(stream).nlls == full
     evicted = engine(llama, "h2o", 16, "streaming").perplexity(stream)
-    assert evicted.nlls[:15] == full[:15] and evicted.nlls != full
+    # H2O attends blockwise from the weights it sums, not through SDPA: equal up to float32 rounding
+    torch.testing.assert_close(torch.tensor(evicted.nlls[:15]), torch.tensor(full[:15]), rtol=1e-5, atol=1e-5)
+    assert (torch.tensor(evicted.nlls) - torch.tensor(full)).abs().max() > 1e-3
     assert evicted.kv.peak_tokens_per_layer == [17] * 3
 
 

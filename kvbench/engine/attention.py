@@ -1,7 +1,9 @@
 """The ``kvbench`` attention function, registered in transformers' attention-function registry.
 
 Models loaded by kvbench run with ``attn_implementation="kvbench"``: this function computes attention with
-the model's backend (SDPA, eager or FlashAttention-2) over the budgeted cache, lets the cache's attending
+the model's backend (SDPA, eager or FlashAttention-2) over the budgeted cache (or, for H2O-style policies
+that sum every query's weights, blockwise from those same weights, instead of a fused kernel plus a
+second pass), lets the cache's attending
 modifiers (CaliDrop, SLAKE) replace the output of single-query forwards, then hands the queries to the
 cache, which scores and evicts. No model class is patched.
 
@@ -70,7 +72,10 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
     """Attention over the (budgeted) cache, decode modifiers and scoring/eviction by ``kvbench_cache`` if given."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     backend = kvbench_cache.attn_backend if kvbench_cache is not None else "sdpa"
-    if backend == "eager":
+    accumulated = kvbench_cache is not None and kvbench_cache.accumulates_in_attention()
+    if accumulated:
+        output = kvbench_cache.attend_and_accumulate(module.layer_idx, query, scaling)
+    elif backend == "eager":
         output = eager_attention(query, key, value, scaling)
     elif backend == "flash_attention_2":
         output = flash_attention(module, query, key, value, scaling)
@@ -79,7 +84,7 @@ def kvbench_attention(module, query, key, value, attention_mask, scaling=None, d
     if kvbench_cache is not None:
         if query.shape[2] == 1:
             output = kvbench_cache.attend(module.layer_idx, query, key, value, output, scaling)
-        kvbench_cache.after_attention(module.layer_idx, query, scaling)
+        kvbench_cache.after_attention(module.layer_idx, query, scaling, accumulated)
     return output, None
 
 

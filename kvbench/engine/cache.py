@@ -117,7 +117,7 @@ class EvictionCache(Cache):
         num_query_heads: int,
         num_kv_heads: int,
         attn_backend: str = "sdpa",
-        score_block: int = 256,
+        score_block: int = 128,
     ):
         super().__init__(layers=[EvictionLayer() for _ in layer_budgets])
         self.policy = policy
@@ -182,14 +182,31 @@ class EvictionCache(Cache):
             output = output if replaced is None else replaced
         return output
 
-    def after_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float):
-        """Gather this forward's scoring statistics (``queries [B,Hq,q,D]``) and evict if due."""
+    def accumulates_in_attention(self) -> bool:
+        """Whether this forward's attention should come from :meth:`attend_and_accumulate`: an accumulating
+        policy scored by plain attention weights (H2O) whose running score this forward feeds."""
+        policy = self.policy
+        return policy.needs_attention and policy.accumulates and self.track_scores and policy.scores_plain_weights
+
+    def attend_and_accumulate(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention output ``[B,q,Hq,D]`` of ``queries [B,Hq,q,D]`` over the layer's cache, computed blockwise
+        from float32 weights whose column sums are added to the running score in the same pass."""
+        layer = self.layers[layer_idx]
+        positions = self.new_positions.to(queries.device)
+        stats = AttentionStats(queries, layer.keys, layer.values, positions, layer.positions, scaling)
+        outputs, summed = self.policy.attend_and_sum(stats, self.score_block)  # [B,Hq,q,D], [B,Hc,T]
+        layer.accumulated += summed
+        return outputs.to(queries.dtype).transpose(1, 2).contiguous()
+
+    def after_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float, accumulated: bool = False):
+        """Gather this forward's scoring statistics (``queries [B,Hq,q,D]``) unless the attention already
+        ``accumulated`` them, and evict if due."""
         policy, layer = self.policy, self.layers[layer_idx]
         budget = self.layer_budgets[layer_idx]
         positions = self.new_positions.to(queries.device)
         if self.attending:
             layer.last_query = queries[:, :, -1].clone()
-        if policy.needs_attention and policy.accumulates and self.track_scores:
+        if policy.needs_attention and policy.accumulates and self.track_scores and not accumulated:
             stats = AttentionStats(queries, layer.keys, layer.values, positions, layer.positions, scaling)
             layer.accumulated += policy.summed_contributions(stats, self.score_block)
         window = self._query_window(budget)

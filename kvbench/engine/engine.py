@@ -61,7 +61,7 @@ class Engine:
         block_size: int = 128,
         decode_evict: bool | None = None,
         attn_backend: str = "sdpa",
-        score_block: int = 256,
+        score_block: int = 128,
     ):
         choose("engine.regime", regime, REGIMES)
         self.model = model

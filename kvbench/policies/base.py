@@ -55,10 +55,14 @@ class AttentionStats:
         """``Z_ip = q_i·k_p/√d`` with the causal mask as -inf: ``[B,Hq,W,T]``."""
         batch, q_heads, window, dim = self.queries.shape
         kv_heads = self.keys.shape[1]
-        grouped = self.queries.float().view(batch, kv_heads, self.group_size, window, dim)
-        logits = torch.einsum("bhgwd,bhtd->bhgwt", grouped, self.keys.float()) * self.scaling
-        future = self.key_positions[:, :, None, None, :] > self.query_positions[None, None, None, :, None]
-        return logits.masked_fill(future, float("-inf")).view(batch, q_heads, window, -1)
+        grouped = self.queries.float().reshape(batch, kv_heads, self.group_size * window, dim)
+        logits = torch.matmul(grouped, self.keys.float().transpose(-1, -2)).mul_(self.scaling)  # [B,Hkv,G·W,T]
+        logits = logits.view(batch, kv_heads, self.group_size, window, -1)
+        # slots before ``seen_by_all`` hold positions every query sees: only the rest can be in the future
+        seen_by_all = int((self.key_positions <= self.query_positions.min()).sum(dim=-1).min())
+        future = self.key_positions[:, :, None, None, seen_by_all:] > self.query_positions[None, None, None, :, None]
+        logits[..., seen_by_all:].masked_fill_(future, float("-inf"))
+        return logits.view(batch, q_heads, window, -1)
 
     @cached_property
     def weights(self) -> torch.Tensor:
@@ -69,9 +73,8 @@ class AttentionStats:
     def outputs(self) -> torch.Tensor:
         """``o_i = Σ_p A_ip v_p``: ``[B,Hq,W,D]``."""
         batch, q_heads, window, tokens = self.weights.shape
-        grouped = self.weights.view(batch, -1, self.group_size, window, tokens)
-        outputs = torch.einsum("bhgwt,bhtd->bhgwd", grouped, self.values.float())
-        return outputs.reshape(batch, q_heads, window, -1)
+        grouped = self.weights.view(batch, -1, self.group_size * window, tokens)  # [B,Hkv,G·W,T]
+        return torch.matmul(grouped, self.values.float()).view(batch, q_heads, window, -1)
 
     @cached_property
     def finite_logits(self) -> torch.Tensor:
@@ -79,14 +82,20 @@ class AttentionStats:
         return self.logits.masked_fill(torch.isinf(self.logits), 0.0)
 
     def blocks(self, size: int):
-        """Split the query window into blocks of at most ``size`` queries (bounds the [W,T] working set)."""
+        """Split the query window into blocks of at most ``size`` queries (bounds the [W,T] working set).
+
+        Each block keeps only the cache slots its queries can see: the cache is position-ordered per head,
+        so they are a prefix, and causal prefill blocks skip the masked upper triangle. A block's tensors
+        are ``[..., T_b]`` with ``T_b <= T``; callers add them into ``[..., :T_b]``."""
         for start in range(0, self.queries.shape[2], size):
+            query_positions = self.query_positions[start : start + size]
+            visible = int((self.key_positions <= query_positions.max()).sum(dim=-1).max())
             yield AttentionStats(
                 self.queries[:, :, start : start + size],
-                self.keys,
-                self.values,
-                self.query_positions[start : start + size],
-                self.key_positions,
+                self.keys[:, :, :visible],
+                self.values[:, :, :visible],
+                query_positions,
+                self.key_positions[..., :visible],
                 self.scaling,
             )
 
@@ -242,14 +251,34 @@ class Policy:
                 return replaced
         return stats.weights
 
-    def summed_contributions(self, stats: AttentionStats, block_size: int = 256) -> torch.Tensor:
+    def summed_contributions(self, stats: AttentionStats, block_size: int = 128) -> torch.Tensor:
         """``Σ_i contributions[i]`` over the stats' queries (block by block), reduced over each KV group
         (OBCache App. B.5: the GQA score is the sum over the group): ``[B,Hkv,T]``."""
-        total = None
+        batch, q_heads, _, _ = stats.queries.shape
+        total = torch.zeros(batch, q_heads, stats.keys.shape[2], device=stats.keys.device)  # [B,Hq,T]
         for block in stats.blocks(block_size):
-            part = self.contributions(block).sum(dim=-2)
-            total = part if total is None else total + part
+            part = self.contributions(block).sum(dim=-2)  # [B,Hq,T_b]
+            total[..., : part.shape[-1]] += part
         return reduce_gqa(total, stats.keys.shape[1], mode=self.gqa)
+
+    @property
+    def scores_plain_weights(self) -> bool:
+        """Whether the per-query contributions are the attention weights themselves (no modifier replaces them)."""
+        return all(type(modifier).contributions is Modifier.contributions for modifier in self.modifiers)
+
+    def attend_and_sum(self, stats: AttentionStats, block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+        """One blockwise pass giving the attention outputs ``o_i = Σ_p A_ip v_p [B,Hq,W,D]`` and the summed
+        weights ``Σ_i A_ip`` reduced over each KV group ``[B,Hkv,T]`` from the same float32 ``A``: an
+        accumulating policy scored by plain weights (H2O eq. 2) then needs no second pass over the queries."""
+        batch, q_heads, window, dim = stats.queries.shape
+        outputs = stats.queries.new_empty(batch, q_heads, window, dim, dtype=torch.float32)
+        total = outputs.new_zeros(batch, q_heads, stats.keys.shape[2])  # [B,Hq,T]
+        start = 0
+        for block in stats.blocks(block_size):
+            total[..., : block.keys.shape[2]] += block.weights.sum(dim=-2)
+            outputs[:, :, start : start + block.queries.shape[2]] = block.outputs
+            start += block.queries.shape[2]
+        return outputs, reduce_gqa(total, stats.keys.shape[1], mode=self.gqa)
 
     def rank(self, summed: torch.Tensor, values: torch.Tensor, recent: int) -> torch.Tensor:
         """Post-process summed per-KV-head scores ``[B,Hkv,T]`` (pooling, then modifiers) into the ranking.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvbench.policies.base import AttentionStats
 from kvbench.policies.registry import register
@@ -28,12 +29,13 @@ class Cake(SnapKV):
     layer_budget: str = "cake"
     gamma: float = 200.0
 
-    def summed_contributions(self, stats: AttentionStats, block_size: int = 256) -> torch.Tensor:
+    def summed_contributions(self, stats: AttentionStats, block_size: int = 128) -> torch.Tensor:
         """``mean + γ·var`` over the window of each query head's contributions (block by block, merged
         with Chan's parallel variance), reduced over each KV group: ``[B,Hkv,T]``."""
         count, mean, squares = 0, 0.0, 0.0
         for block in stats.blocks(block_size):
-            part = self.contributions(block)  # [B,Hq,w,T]
+            part = self.contributions(block)  # [B,Hq,w,T_b]: zero weight on the unseen slots
+            part = F.pad(part, (0, stats.keys.shape[2] - part.shape[-1]))
             size, part_mean = part.shape[-2], part.mean(dim=-2)
             part_squares = (part - part_mean[..., None, :]).square().sum(dim=-2)
             delta, total = part_mean - mean, count + size
