@@ -17,7 +17,7 @@ Sections (``conf/bench.yaml``; a section with no prompt lengths is skipped):
 The machines are shared, so every comparison is a ratio of medians over ``repetitions`` taken in this run,
 with the compared variants interleaved (in a rotating order) within every repetition. CPU time
 (``time.process_time``) is recorded beside wall time: another job on the cores inflates wall time, not
-the CPU time this process spends. On CUDA the clocks synchronise the device before reading.
+the CPU time this process spends. On CUDA, wall time is measured with CUDA events.
 """
 
 from __future__ import annotations
@@ -67,41 +67,49 @@ DECODE_LIMIT, HARNESS_LIMIT, KVPRESS_LIMIT = 1.15, 0.95, 1.0
 
 # -- measuring ------------------------------------------------------------------------------------------
 class Clock:
-    """Wall and process CPU time of a callable; synchronises CUDA before reading the clocks."""
+    """Wall and process CPU time of a callable. On CUDA the wall time comes from CUDA events recorded on
+    the current stream (``elapsed_time`` after synchronising), so it is the device's time for the work."""
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.cuda = device.type == "cuda"
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def now(self) -> tuple[float, float]:
-        """``(wall, cpu)`` clock readings."""
-        self._sync()
+    def start(self) -> tuple[Any, float]:
+        """A started reading: ``(wall clock or CUDA event, CPU clock)``."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event, time.process_time()
         return time.perf_counter(), time.process_time()
+
+    def stop(self, started: tuple[Any, float]) -> tuple[float, float]:
+        """``(wall_seconds, cpu_seconds)`` since ``started``."""
+        wall_start, cpu_start = started
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return wall_start.elapsed_time(end) / 1000.0, time.process_time() - cpu_start
+        return time.perf_counter() - wall_start, time.process_time() - cpu_start
 
     def measure(self, function: Callable[[], Any]) -> tuple[float, float, Any]:
         """``(wall_seconds, cpu_seconds, result)`` of ``function()``."""
-        wall, cpu = self.now()
+        started = self.start()
         result = function()
-        end_wall, end_cpu = self.now()
-        return end_wall - wall, end_cpu - cpu, result
+        return *self.stop(started), result
 
     @contextmanager
     def forwards(self, model: torch.nn.Module) -> Iterator[list[tuple[float, float]]]:
         """Yield a list that receives ``(wall_seconds, cpu_seconds)`` of every forward of ``model`` (through
         PyTorch module hooks: the engine's own loop is untouched)."""
         times: list[tuple[float, float]] = []
-        started: list[tuple[float, float]] = []
+        started: list[tuple[Any, float]] = []
 
         def before(*_):
-            started.append(self.now())
+            started.append(self.start())
 
         def after(*_):
-            wall, cpu = self.now()
-            start_wall, start_cpu = started.pop()
-            times.append((wall - start_wall, cpu - start_cpu))
+            times.append(self.stop(started.pop()))
 
         handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
         try:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvbench.bench import PARAGRAPH, PeakMemory, prompt_tokens, rotations, targets
+from kvbench.bench import PARAGRAPH, Clock, PeakMemory, prompt_tokens, rotations, targets
 from kvbench.cli import main
 from kvbench.engine.models import load_tokenizer, model_config
 
@@ -129,6 +129,21 @@ def test_prompt_tokens_have_the_exact_length():
 def test_rotations_interleave_every_variant_in_every_position():
     orders = [rotations(["a", "b", "c"], repetition) for repetition in range(3)]
     assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+
+
+def test_clock_times_a_callable_and_every_forward():
+    import time
+
+    import torch
+
+    clock = Clock(torch.device("cpu"))
+    wall, cpu, result = clock.measure(lambda: time.sleep(0.05) or "done")
+    assert result == "done" and wall >= 0.05 and 0 <= cpu < wall
+    layer = torch.nn.Linear(4, 4)
+    with clock.forwards(layer) as times:
+        for _ in range(3):
+            layer(torch.ones(1, 4))
+    assert len(times) == 3 and all(seconds >= 0 for pair in times for seconds in pair)
 
 
 def test_peak_memory_sees_an_allocation():
