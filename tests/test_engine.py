@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -133,3 +135,15 @@ def test_gqa_repeat_layout_stores_query_heads(llama):
     cache = runner.new_cache(100)
     runner._prefill(cache, random_prompt(100))
     assert cache.layers[0].keys.shape == (1, 4, 32, 16)
+
+
+def test_attention_function_takes_transformers_positional_order():
+    """Wrappers of registered attention functions (kvpress) pass ``dropout`` positionally, before ``scaling``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kvbench.engine.attention import kvbench_attention
+
+    def leading(function):
+        return list(inspect.signature(function).parameters)[:7]
+
+    assert leading(kvbench_attention) == leading(sdpa_attention_forward)

@@ -68,8 +68,9 @@ def flash_attention(module, query, key, value, scaling):
     return output
 
 
-def kvbench_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvbench_cache=None, **_):
-    """Attention over the (budgeted) cache, decode modifiers and scoring/eviction by ``kvbench_cache`` if given."""
+def kvbench_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, kvbench_cache=None, **_):
+    """Attention over the (budgeted) cache, decode modifiers and scoring/eviction by ``kvbench_cache`` if given.
+    The leading parameters are in transformers' order, for wrappers that pass them positionally (kvpress)."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     backend = kvbench_cache.attn_backend if kvbench_cache is not None else "sdpa"
     accumulated = kvbench_cache is not None and kvbench_cache.accumulates_in_attention()
