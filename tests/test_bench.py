@@ -79,7 +79,7 @@ def test_memory_section(bench):
     memory = results["memory"]
     assert memory["regime"] == "chunked" and set(memory["policies"]) == {"full", "snapkv"}
     for rows in memory["policies"].values():
-        assert all(row["peak_rss_bytes"] > 0 and row["peak_bytes"] > 0 for row in rows.values())
+        assert all(row["peak_rss_delta_bytes"] > 0 and row["peak_bytes"] > 0 for row in rows.values())
     snapkv = memory["policies"]["snapkv"]
     assert snapkv["160"]["peak_bytes"] < snapkv["160"]["full_bytes"]
     assert memory["growth"]["full"]["peak_bytes"] > memory["growth"]["snapkv"]["peak_bytes"]
