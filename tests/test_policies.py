@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from kvbench.engine.cache import EvictionCache
+from kvbench.engine.engine import score_block_size
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy, parse_spec
+from kvbench.policies.base import BLOCK_ELEMENTS, AttentionStats
 from kvbench.policies.budgets import Budget, layer_budgets
 
 Q_HEADS, KV_HEADS, DIM, TOKENS = 4, 2, 8, 40
@@ -171,3 +173,47 @@ def test_unknown_policy_names_the_choices():
         parse_spec("h3o")
     with pytest.raises(KVBenchError, match="unknown policy modifier 'nope'"):
         parse_spec("h2o+nope")
+
+
+def gappy_stats() -> AttentionStats:
+    """A evicted-looking cache (sorted, gappy positions that differ per head) and a causal block of queries
+    whose positions overlap the cache's: some queries see only part of it."""
+    generator = torch.Generator().manual_seed(5)
+    key_positions = torch.stack([torch.randperm(60, generator=generator)[:TOKENS].sort().values for _ in range(KV_HEADS)])
+    return AttentionStats(
+        queries=torch.randn(1, Q_HEADS, 17, DIM, generator=generator) * 2,
+        keys=torch.randn(1, KV_HEADS, TOKENS, DIM, generator=generator) * 2,
+        values=torch.randn(1, KV_HEADS, TOKENS, DIM, generator=generator),
+        query_positions=torch.arange(43, 60),
+        key_positions=key_positions[None],
+        scaling=SCALING,
+    )
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 7, 17, None])
+@pytest.mark.parametrize("spec", ["h2o", "snapkv+obcache_joint"])
+def test_blockwise_statistics_equal_one_masked_softmax(block_size, spec):
+    """Blocks that skip unseen slots and the causal check of slots all their queries see give the same
+    outputs and summed contributions as one dense masked softmax."""
+    stats = gappy_stats()
+    policy = build_policy(spec, {})
+    keys = stats.per_query_head(stats.keys)  # [B,Hq,T,D]
+    logits = torch.einsum("bhqd,bhtd->bhqt", stats.queries, keys) * SCALING
+    future = stats.per_query_head(stats.key_positions)[:, :, None, :] > stats.query_positions[:, None]
+    weights = logits.masked_fill(future, float("-inf")).softmax(dim=-1)  # [B,Hq,W,T]
+    outputs, summed = policy.attend_and_sum(stats, block_size)
+    torch.testing.assert_close(outputs, weights @ stats.per_query_head(stats.values), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(summed, weights.sum(dim=2).view(1, KV_HEADS, -1, TOKENS).sum(dim=2))
+    dense = policy.contributions(stats).sum(dim=2).view(1, KV_HEADS, -1, TOKENS).sum(dim=2)
+    torch.testing.assert_close(policy.summed_contributions(stats, block_size), dense, rtol=1e-5, atol=1e-5)
+
+
+def test_accelerator_blocks_are_sized_by_memory():
+    stats = gappy_stats()
+    assert stats.block_queries() == 128
+    on_meta = AttentionStats(*(tensor.to("meta") for tensor in (stats.queries, stats.keys, stats.values)),
+                             stats.query_positions, stats.key_positions, SCALING)
+    assert on_meta.block_queries() == BLOCK_ELEMENTS // (Q_HEADS * TOKENS)
+    assert score_block_size("auto") is None and score_block_size(64) == 64
+    with pytest.raises(KVBenchError, match="engine.score_block must be a positive number of queries or auto, got 0"):
+        score_block_size(0)

@@ -79,7 +79,8 @@ class EvictionLayer(DynamicLayer):
         """The entries that keeping ``kept [B,Hc,K]`` evicts, in position order, scored by ``ranking``."""
         batch, heads, tokens = self.positions.shape
         dropped = torch.ones(batch, heads, tokens, dtype=torch.bool, device=kept.device).scatter_(-1, kept, False)
-        index = dropped.nonzero()[:, -1].view(batch, heads, tokens - kept.shape[-1])  # row-major: sorted
+        # a stable sort puts the dropped slots first, in slot order, with no host synchronisation
+        index = dropped.byte().sort(dim=-1, descending=True, stable=True).indices[..., : tokens - kept.shape[-1]]
         slots = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         return Evicted(
             self.keys.gather(2, slots),
@@ -117,7 +118,7 @@ class EvictionCache(Cache):
         num_query_heads: int,
         num_kv_heads: int,
         attn_backend: str = "sdpa",
-        score_block: int = 128,
+        score_block: int | None = None,
     ):
         super().__init__(layers=[EvictionLayer() for _ in layer_budgets])
         self.policy = policy

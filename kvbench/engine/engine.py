@@ -19,7 +19,7 @@ import torch
 
 from kvbench.engine import attention
 from kvbench.engine.cache import EvictionCache, KVStats
-from kvbench.errors import choose
+from kvbench.errors import KVBenchError, choose
 from kvbench.policies.base import Policy
 from kvbench.policies.budgets import Budget, layer_budgets
 from kvbench.policies.full import Full
@@ -49,6 +49,16 @@ class PerplexityOutput:
     policy_stats: dict = field(default_factory=dict)
 
 
+def score_block_size(setting: int | str | None) -> int | None:
+    """``engine.score_block``: queries per block of attention statistics, or ``auto``/``None`` (128 on CPU,
+    sized by memory on an accelerator: ``AttentionStats.block_queries``)."""
+    if setting is None or setting == "auto":
+        return None
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise KVBenchError(f"engine.score_block must be a positive number of queries or auto, got {setting!r}")
+    return setting
+
+
 class Engine:
     """Runs a causal LM with ``policy`` keeping ``budget`` tokens per layer under ``regime``."""
 
@@ -61,7 +71,7 @@ class Engine:
         block_size: int = 128,
         decode_evict: bool | None = None,
         attn_backend: str = "sdpa",
-        score_block: int = 128,
+        score_block: int | str | None = "auto",
     ):
         choose("engine.regime", regime, REGIMES)
         self.model = model
@@ -71,7 +81,7 @@ class Engine:
         self.block_size = {"oneshot": None, "chunked": block_size, "streaming": 1}[regime]
         self.decode_evict = regime != "oneshot" if decode_evict is None else decode_evict
         self.attn_backend = attn_backend
-        self.score_block = score_block
+        self.score_block = score_block_size(score_block)
         config = model.config.get_text_config()
         self.num_layers = config.num_hidden_layers
         self.num_query_heads = config.num_attention_heads

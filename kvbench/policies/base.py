@@ -26,6 +26,10 @@ import torch
 from kvbench.policies.scores import reduce_gqa
 
 
+#: float32 elements of one block of attention statistics on an accelerator (1 GiB)
+BLOCK_ELEMENTS = 2**28
+
+
 @dataclass
 class AttentionStats:
     """Float32 attention of a window of queries over the cached tokens of one layer.
@@ -41,6 +45,8 @@ class AttentionStats:
     query_positions: torch.Tensor
     key_positions: torch.Tensor
     scaling: float
+    #: leading cache slots every query sees (known from ``blocks``): their logits skip the causal mask check
+    seen_by_all: int = 0
 
     @property
     def group_size(self) -> int:
@@ -58,10 +64,9 @@ class AttentionStats:
         grouped = self.queries.float().reshape(batch, kv_heads, self.group_size * window, dim)
         logits = torch.matmul(grouped, self.keys.float().transpose(-1, -2)).mul_(self.scaling)  # [B,Hkv,G·W,T]
         logits = logits.view(batch, kv_heads, self.group_size, window, -1)
-        # slots before ``seen_by_all`` hold positions every query sees: only the rest can be in the future
-        seen_by_all = int((self.key_positions <= self.query_positions.min()).sum(dim=-1).min())
-        future = self.key_positions[:, :, None, None, seen_by_all:] > self.query_positions[None, None, None, :, None]
-        logits[..., seen_by_all:].masked_fill_(future, float("-inf"))
+        seen = self.seen_by_all  # only the slots after these can hold a query's future
+        future = self.key_positions[:, :, None, None, seen:] > self.query_positions[None, None, None, :, None]
+        logits[..., seen:].masked_fill_(future, float("-inf"))
         return logits.view(batch, q_heads, window, -1)
 
     @cached_property
@@ -81,23 +86,46 @@ class AttentionStats:
         """Logits with masked entries set to 0 (their weight is 0, so products stay finite)."""
         return self.logits.masked_fill(torch.isinf(self.logits), 0.0)
 
-    def blocks(self, size: int):
-        """Split the query window into blocks of at most ``size`` queries (bounds the [W,T] working set).
+    def blocks(self, size: int | None):
+        """Split the query window into blocks of at most ``size`` queries (bounds the [W,T] working set);
+        ``None`` sizes them by memory (``block_queries``).
 
-        Each block keeps only the cache slots its queries can see: the cache is position-ordered per head,
-        so they are a prefix, and causal prefill blocks skip the masked upper triangle. A block's tensors
-        are ``[..., T_b]`` with ``T_b <= T``; callers add them into ``[..., :T_b]``."""
-        for start in range(0, self.queries.shape[2], size):
-            query_positions = self.query_positions[start : start + size]
-            visible = int((self.key_positions <= query_positions.max()).sum(dim=-1).max())
+        Each block keeps only the cache slots its queries can see and knows which ones all of them see:
+        the cache is position-ordered per head and queries come in position order, so both are prefixes,
+        found for every block with one host synchronisation. Causal prefill blocks so skip the masked
+        upper triangle. On an accelerator a window that fits in one block is yielded unchanged: skipping
+        the synchronisation there is worth more than the skipped mask. A block's tensors are
+        ``[..., T_b]`` with ``T_b <= T``; callers add them into ``[..., :T_b]``."""
+        size = size or self.block_queries()
+        window = self.queries.shape[2]
+        if window <= size and self.queries.device.type != "cpu":
+            yield self
+            return
+        starts = torch.arange(0, window, size, device=self.query_positions.device)
+        ends = (starts + size).clamp(max=window) - 1
+        sorted_keys = self.key_positions.flatten(0, 1).contiguous()  # [B·Hkv,T]
+        bounds = torch.stack([self.query_positions[starts], self.query_positions[ends]])  # [2,blocks]
+        bounds = bounds.to(sorted_keys.dtype).flatten()[None].expand(sorted_keys.shape[0], -1).contiguous()
+        counts = torch.searchsorted(sorted_keys, bounds, right=True).view(-1, 2, len(starts))  # [B·Hkv,2,blocks]
+        seen_by_all, visible = counts[:, 0].amin(dim=0).tolist(), counts[:, 1].amax(dim=0).tolist()
+        for index, start in enumerate(starts.tolist()):
             yield AttentionStats(
                 self.queries[:, :, start : start + size],
-                self.keys[:, :, :visible],
-                self.values[:, :, :visible],
-                query_positions,
-                self.key_positions[..., :visible],
+                self.keys[:, :, : visible[index]],
+                self.values[:, :, : visible[index]],
+                self.query_positions[start : start + size],
+                self.key_positions[..., : visible[index]],
                 self.scaling,
+                seen_by_all[index],
             )
+
+    def block_queries(self) -> int:
+        """Queries per block when none is configured: 128 on CPU (the [128,T] block stays in cache); on an
+        accelerator as many as keep one float32 ``[B,Hq,block,T]`` tensor within ``BLOCK_ELEMENTS``."""
+        if self.queries.device.type == "cpu":
+            return 128
+        batch, q_heads, _, _ = self.queries.shape
+        return max(128, BLOCK_ELEMENTS // (batch * q_heads * self.keys.shape[2]))
 
 
 @dataclass
@@ -251,7 +279,7 @@ class Policy:
                 return replaced
         return stats.weights
 
-    def summed_contributions(self, stats: AttentionStats, block_size: int = 128) -> torch.Tensor:
+    def summed_contributions(self, stats: AttentionStats, block_size: int | None = None) -> torch.Tensor:
         """``Σ_i contributions[i]`` over the stats' queries (block by block), reduced over each KV group
         (OBCache App. B.5: the GQA score is the sum over the group): ``[B,Hkv,T]``."""
         batch, q_heads, _, _ = stats.queries.shape
@@ -266,7 +294,7 @@ class Policy:
         """Whether the per-query contributions are the attention weights themselves (no modifier replaces them)."""
         return all(type(modifier).contributions is Modifier.contributions for modifier in self.modifiers)
 
-    def attend_and_sum(self, stats: AttentionStats, block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend_and_sum(self, stats: AttentionStats, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One blockwise pass giving the attention outputs ``o_i = Σ_p A_ip v_p [B,Hq,W,D]`` and the summed
         weights ``Σ_i A_ip`` reduced over each KV group ``[B,Hkv,T]`` from the same float32 ``A``: an
         accumulating policy scored by plain weights (H2O eq. 2) then needs no second pass over the queries."""

@@ -29,7 +29,7 @@ class Cake(SnapKV):
     layer_budget: str = "cake"
     gamma: float = 200.0
 
-    def summed_contributions(self, stats: AttentionStats, block_size: int = 128) -> torch.Tensor:
+    def summed_contributions(self, stats: AttentionStats, block_size: int | None = None) -> torch.Tensor:
         """``mean + γ·var`` over the window of each query head's contributions (block by block, merged
         with Chan's parallel variance), reduced over each KV group: ``[B,Hkv,T]``."""
         count, mean, squares = 0, 0.0, 0.0
