@@ -147,19 +147,25 @@ class PeakMemory:
     @contextmanager
     def track(self) -> Iterator[dict[str, int]]:
         """Yield a dict that is filled, on exit, with ``rss_before_bytes``, ``peak_rss_bytes``,
-        ``peak_rss_delta_bytes`` (and ``cuda_peak_bytes`` on CUDA)."""
+        ``peak_rss_delta_bytes`` (and on CUDA ``cuda_before_bytes``, ``cuda_peak_bytes``, ``cuda_peak_delta_bytes``:
+        the allocator's live bytes before the block, its peak during it, and the difference)."""
         gc.collect()
         if self.resettable:
             self.CLEAR_REFS.write_text("5")
         before = self._status("VmRSS") if self.STATUS.exists() else self._peak_rss()
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            cuda_before = torch.cuda.memory_allocated(self.device)
         figures: dict[str, int] = {}
         yield figures
         peak = self._peak_rss()
         figures.update(rss_before_bytes=before, peak_rss_bytes=peak, peak_rss_delta_bytes=peak - before)
-        if self.device.type == "cuda":
-            figures["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        if cuda:
+            cuda_peak = torch.cuda.max_memory_allocated(self.device)
+            figures.update(cuda_before_bytes=cuda_before, cuda_peak_bytes=cuda_peak,
+                           cuda_peak_delta_bytes=cuda_peak - cuda_before)
 
 
 def rotations(items: Sequence, repetition: int) -> list:
@@ -384,15 +390,15 @@ class Bench:
                 with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
                     canonical, rows[str(length)] = pool.submit(memory_row, config, str(spec), length).result()
             result["policies"][canonical] = rows
-        result["growth"] = {
-            spec: {
-                **{key: rows[str(lengths[-1])][key] / max(rows[str(lengths[0])][key], 1)
-                   for key in ("peak_rss_delta_bytes", "peak_bytes")},
-                "peak_rss_added_bytes": rows[str(lengths[-1])]["peak_rss_delta_bytes"]
-                - rows[str(lengths[0])]["peak_rss_delta_bytes"],
-            }
-            for spec, rows in result["policies"].items()
-        }
+        peaks = ("peak_rss_delta_bytes", "peak_bytes", "cuda_peak_delta_bytes")
+        result["growth"] = {}
+        for spec, rows in result["policies"].items():
+            shortest, longest = rows[str(lengths[0])], rows[str(lengths[-1])]
+            growth = {key: longest[key] / max(shortest[key], 1) for key in peaks if key in longest}
+            growth["peak_rss_added_bytes"] = longest["peak_rss_delta_bytes"] - shortest["peak_rss_delta_bytes"]
+            if "cuda_peak_delta_bytes" in longest:
+                growth["cuda_peak_added_bytes"] = longest["cuda_peak_delta_bytes"] - shortest["cuda_peak_delta_bytes"]
+            result["growth"][spec] = growth
         return result
 
     def generate(self) -> dict[str, Any]:
@@ -681,16 +687,24 @@ def markdown(results: dict[str, Any]) -> str:
     memory = results["memory"]
     if memory:
         lines += ["", f"## Memory, {memory['regime']} regime ({memory['method']}; MiB)", ""]
+        cuda = all("cuda_peak_bytes" in row for rows in memory["policies"].values() for row in rows.values())
+        header = ["policy", "prompt", "peak RSS", "peak RSS − before", "KV peak", "full KV"]
+        header += ["CUDA peak", "CUDA peak − before"] if cuda else []
         rows = []
         for spec, by_length in memory["policies"].items():
             for n, row in by_length.items():
                 rows.append([spec, n, _mib(row["peak_rss_bytes"]), _mib(row["peak_rss_delta_bytes"]),
                              _mib(row["peak_bytes"]), _mib(row["full_bytes"])])
-        lines += _table(["policy", "prompt", "peak RSS", "peak RSS − before", "KV peak", "full KV"], rows)
+                rows[-1] += [_mib(row["cuda_peak_bytes"]), _mib(row["cuda_peak_delta_bytes"])] if cuda else []
+        lines += _table(header, rows)
         growth = ", ".join(f"{spec} ×{row['peak_rss_delta_bytes']:.2f}, {_mib(row['peak_rss_added_bytes'])} MiB more"
                            f" (KV peak ×{row['peak_bytes']:.2f})"
                            for spec, row in memory["growth"].items())
         lines += ["", f"growth from the shortest to the longest prompt, peak RSS − before: {growth}"]
+        if cuda:
+            growth = ", ".join(f"{spec} ×{row['cuda_peak_delta_bytes']:.2f}, {_mib(row['cuda_peak_added_bytes'])} MiB more"
+                               for spec, row in memory["growth"].items())
+            lines += ["", f"growth of the CUDA peak − before: {growth}"]
     generate = results["raw"].get("generate")
     if generate:
         lines += ["", f"## kvbench full cache vs model.generate ({generate['new_tokens']} new tokens, seconds)", ""]
