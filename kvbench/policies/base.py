@@ -101,14 +101,14 @@ class AttentionStats:
         if window <= size and self.queries.device.type != "cpu":
             yield self
             return
-        starts = torch.arange(0, window, size, device=self.query_positions.device)
-        ends = (starts + size).clamp(max=window) - 1
+        starts = range(0, window, size)
+        firsts_and_lasts = [*starts, *(min(start + size, window) - 1 for start in starts)]
         sorted_keys = self.key_positions.flatten(0, 1).contiguous()  # [B·Hkv,T]
-        bounds = torch.stack([self.query_positions[starts], self.query_positions[ends]])  # [2,blocks]
-        bounds = bounds.to(sorted_keys.dtype).flatten()[None].expand(sorted_keys.shape[0], -1).contiguous()
+        bounds = self.query_positions[torch.tensor(firsts_and_lasts, device=sorted_keys.device)]  # [2·blocks]
+        bounds = bounds.to(sorted_keys.dtype).expand(sorted_keys.shape[0], -1).contiguous()
         counts = torch.searchsorted(sorted_keys, bounds, right=True).view(-1, 2, len(starts))  # [B·Hkv,2,blocks]
-        seen_by_all, visible = counts[:, 0].amin(dim=0).tolist(), counts[:, 1].amax(dim=0).tolist()
-        for index, start in enumerate(starts.tolist()):
+        seen_by_all, visible = torch.stack([counts[:, 0].amin(dim=0), counts[:, 1].amax(dim=0)]).tolist()
+        for index, start in enumerate(starts):
             yield AttentionStats(
                 self.queries[:, :, start : start + size],
                 self.keys[:, :, : visible[index]],
