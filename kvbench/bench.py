@@ -390,14 +390,15 @@ class Bench:
                 with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
                     canonical, rows[str(length)] = pool.submit(memory_row, config, str(spec), length).result()
             result["policies"][canonical] = rows
-        peaks = ("peak_rss_delta_bytes", "peak_bytes", "cuda_peak_delta_bytes")
+        process_peaks = {"peak_rss_delta_bytes": "peak_rss_added_bytes", "cuda_peak_delta_bytes": "cuda_peak_added_bytes"}
         result["growth"] = {}
         for spec, rows in result["policies"].items():
             shortest, longest = rows[str(lengths[0])], rows[str(lengths[-1])]
-            growth = {key: longest[key] / max(shortest[key], 1) for key in peaks if key in longest}
-            growth["peak_rss_added_bytes"] = longest["peak_rss_delta_bytes"] - shortest["peak_rss_delta_bytes"]
-            if "cuda_peak_delta_bytes" in longest:
-                growth["cuda_peak_added_bytes"] = longest["cuda_peak_delta_bytes"] - shortest["cuda_peak_delta_bytes"]
+            growth = {"peak_bytes": longest["peak_bytes"] / max(shortest["peak_bytes"], 1)}
+            for key, added in process_peaks.items():
+                if key in longest:
+                    growth[key] = longest[key] / max(shortest[key], 1)
+                    growth[added] = longest[key] - shortest[key]
             result["growth"][spec] = growth
         return result
 
