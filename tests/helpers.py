@@ -1,9 +1,12 @@
-"""Small builders shared by the tests: tiny random models and hand-made attention inputs."""
+"""Small builders shared by the tests: tiny random models, prompts and engines over them."""
 
 from __future__ import annotations
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from kvbench.engine import Engine
+from kvbench.policies import build_policy
 
 ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -33,3 +36,8 @@ def tiny_model(architecture: str = "llama", seed: int = 0, layers: int = 3, voca
 def random_prompt(length: int, vocab: int = 300, seed: int = 1) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (length,), generator=generator).tolist()
+
+
+def engine(model, spec="full", budget=64, regime="oneshot", **params) -> Engine:
+    """An engine for ``spec`` (its parameters as keywords) with 16-token chunks."""
+    return Engine(model, build_policy(spec, params), budget, regime=regime, block_size=16)

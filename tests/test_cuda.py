@@ -14,9 +14,7 @@ import pytest
 import torch
 
 from kvbench.cli import main
-from kvbench.engine import Engine
-from kvbench.policies import build_policy
-from tests.helpers import random_prompt, tiny_model
+from tests.helpers import engine, random_prompt, tiny_model
 
 pytestmark = [
     pytest.mark.cuda,
@@ -29,10 +27,6 @@ POLICIES = ["sink", "h2o", "tova", "snapkv", "pyramidkv", "snapkv+caote", "snapk
 @pytest.fixture(scope="module")
 def cuda_model():
     return tiny_model("llama").to("cuda", torch.bfloat16)
-
-
-def engine(model, spec="full", budget=64, regime="oneshot", **params):
-    return Engine(model, build_policy(spec, params), budget, regime=regime, block_size=16)
 
 
 def kept_positions(model, spec: str, prompt: list[int], budget: int) -> list[set[tuple[int, int, int]]]:

@@ -7,10 +7,8 @@ import inspect
 import pytest
 import torch
 
-from kvbench.engine import Engine
 from kvbench.errors import KVBenchError
-from kvbench.policies import build_policy
-from tests.helpers import random_prompt, tiny_model
+from tests.helpers import engine, random_prompt, tiny_model
 
 REGIMES = ["oneshot", "chunked", "streaming"]
 POLICIES = ["full", "sink", "h2o", "tova", "snapkv", "pyramidkv"]
@@ -19,10 +17,6 @@ POLICIES = ["full", "sink", "h2o", "tova", "snapkv", "pyramidkv"]
 @pytest.fixture(scope="module")
 def llama():
     return tiny_model("llama")
-
-
-def engine(model, spec="full", budget=64, regime="oneshot", **params):
-    return Engine(model, build_policy(spec, params), budget, regime=regime, block_size=16)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral"])
