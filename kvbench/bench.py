@@ -490,7 +490,7 @@ class Bench:
         def run_kvbench():
             with torch.inference_mode():
                 cache = engine.new_cache(length)
-                engine._prefill(cache, ids)
+                engine.prefill(cache, ids)
             return cache
 
         def run_kvpress():

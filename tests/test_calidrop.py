@@ -124,7 +124,7 @@ def test_recomputing_every_step_equals_full(llama, spec):
     runner = Engine(llama, build_policy(spec, {"theta1": 1.5}), BUDGET)
     cache = runner.new_cache(150)
     with torch.inference_mode():
-        runner._prefill(cache, random_prompt(150))
+        runner.prefill(cache, random_prompt(150))
     for layer in cache.layers:
         assert layer.keys.shape == layer.values.shape == (1, KV_HEADS, BUDGET, 16)
         assert layer.modifier_state["calidrop"]["store"].keys.shape == (1, KV_HEADS, 150 - BUDGET, 16)

@@ -34,7 +34,7 @@ def kept_positions(model, spec: str, prompt: list[int], budget: int) -> list[set
     runner = engine(model, spec, budget)
     cache = runner.new_cache(len(prompt))
     with torch.inference_mode():
-        runner._prefill(cache, prompt)
+        runner.prefill(cache, prompt)
     return [
         {(batch, head, position) for batch, rows in enumerate(layer.positions.tolist())
          for head, positions in enumerate(rows) for position in positions}
@@ -74,7 +74,7 @@ def test_cache_shrinks_on_the_device(cuda_model, spec):
     prompt = random_prompt(200)
     runner = engine(cuda_model, spec, 48)
     cache = runner.new_cache(len(prompt))
-    runner._prefill(cache, prompt)
+    runner.prefill(cache, prompt)
     for layer, budget in zip(cache.layers, cache.layer_budgets):
         assert layer.keys.device.type == "cuda" and layer.keys.dtype == torch.bfloat16
         assert layer.keys.shape == (1, 2, budget, 16) and layer.values.shape == (1, 2, budget, 16)
@@ -113,9 +113,9 @@ def test_decode_after_eviction_matches_masked_full_attention_in_bf16(cuda_model)
     prompt, budget, sinks = random_prompt(60), 20, 4
     runner = engine(cuda_model, "sink", budget, n_sink=sinks)
     cache = runner.new_cache(len(prompt))
-    logits = runner._prefill(cache, prompt)
+    logits = runner.prefill(cache, prompt)
     token = int(logits[0, -1].argmax())
-    step_logits = runner._forward(cache, [token], len(prompt), evict=False)[0, -1].float()
+    step_logits = runner.step(cache, [token], len(prompt), evict=False)[0, -1].float()
 
     reference = tiny_model("llama").to("cuda", torch.bfloat16)
     reference.set_attn_implementation("eager")

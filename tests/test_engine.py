@@ -44,7 +44,7 @@ def test_oneshot_cache_shrinks_to_budget(llama, spec):
     prompt = random_prompt(200)
     runner = engine(llama, spec, 48, "oneshot")
     cache = runner.new_cache(len(prompt))
-    runner._prefill(cache, prompt)
+    runner.prefill(cache, prompt)
     expected = cache.layer_budgets
     assert cache.tokens_per_layer() == expected
     for layer, budget in zip(cache.layers, expected):
@@ -75,9 +75,9 @@ def test_decode_after_eviction_matches_masked_full_attention(llama):
     prompt, budget, sinks = random_prompt(60), 20, 4
     runner = engine(llama, "sink", budget, "oneshot", n_sink=sinks)
     cache = runner.new_cache(len(prompt))
-    logits = runner._prefill(cache, prompt)
+    logits = runner.prefill(cache, prompt)
     token = int(logits[0, -1].argmax())
-    step_logits = runner._forward(cache, [token], len(prompt), evict=False)[0, -1]
+    step_logits = runner.step(cache, [token], len(prompt), evict=False)[0, -1]
 
     kept = set(range(sinks)) | set(range(len(prompt) - (budget - sinks), len(prompt)))
     length = len(prompt) + 1
@@ -127,7 +127,7 @@ def test_unknown_regime_is_one_line_error(llama):
 def test_gqa_repeat_layout_stores_query_heads(llama):
     runner = engine(llama, "snapkv", 32, "oneshot", gqa="repeat", window=8)
     cache = runner.new_cache(100)
-    runner._prefill(cache, random_prompt(100))
+    runner.prefill(cache, random_prompt(100))
     assert cache.layers[0].keys.shape == (1, 4, 32, 16)
 
 

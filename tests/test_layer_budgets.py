@@ -150,10 +150,10 @@ def test_cascading_equals_evicting_once_to_the_final_budgets(llama, kind):
     prompt, budget = random_prompt(150), 36
     runner = Engine(llama, build_policy("snapkv", {"window": 8, "layer_budget": kind}), budget)
     cascaded = runner.new_cache(len(prompt))
-    runner._prefill(cascaded, prompt)
+    runner.prefill(cascaded, prompt)
     static = Engine(llama, build_policy("snapkv", {"window": 8}), budget)
     once = EvictionCache(static.policy, cascaded.layer_budgets, len(prompt), 4, 2)
-    static._prefill(once, prompt)
+    static.prefill(once, prompt)
     assert once.tokens_per_layer() == cascaded.tokens_per_layer() == cascaded.layer_budgets
     for a, b in zip(cascaded.layers, once.layers):
         assert torch.equal(a.positions, b.positions)

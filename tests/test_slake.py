@@ -129,8 +129,8 @@ def test_decode_with_ptaa_is_close_to_full():
     for spec in ("full", "snapkv", "snapkv+slake"):
         runner = Engine(model, build_policy(spec, {"window": 8}), budget if spec != "full" else 4096)
         cache = runner.new_cache(len(prompt))
-        runner._prefill(cache, prompt)
-        logits[spec] = runner._forward(cache, [7], len(prompt), evict=False)[0, -1]
+        runner.prefill(cache, prompt)
+        logits[spec] = runner.step(cache, [7], len(prompt), evict=False)[0, -1]
         if spec != "full":
             assert cache.tokens_per_layer() == [budget + 1] * 3
     error = {spec: (logits[spec] - logits["full"]).norm() for spec in ("snapkv", "snapkv+slake")}

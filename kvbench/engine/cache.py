@@ -146,7 +146,12 @@ class EvictionCache(Cache):
         self.track_scores = track_scores
 
     def tokens_per_layer(self) -> list[int]:
+        """Cached tokens per cache head, for every layer."""
         return [layer.get_seq_length() for layer in self.layers]
+
+    def kept_positions(self) -> list[torch.Tensor]:
+        """The absolute token positions each layer holds, ``[B,Hc,T_l]`` per layer, sorted within a head."""
+        return [layer.positions for layer in self.layers]
 
     def policy_stats(self) -> dict:
         """Per-sample statistics of the attending modifiers (CaliDrop's recomputation rate) and, with a

@@ -95,7 +95,7 @@ class Engine:
         """Greedy decoding of up to ``max_new_tokens`` after the prompt; stops at any of ``stop_token_ids``."""
         cache = self.new_cache(len(input_ids))
         start = self._now()
-        logits = self._prefill(cache, input_ids)
+        logits = self.prefill(cache, input_ids)
         prefill_seconds = self._now() - start
         after_prefill = cache.tokens_per_layer()
         generated: list[int] = []
@@ -109,7 +109,7 @@ class Engine:
             generated.append(token)
             if len(generated) == max_new_tokens:
                 break
-            logits = self._forward(cache, [token], position, evict=self.decode_evict)
+            logits = self.step(cache, [token], position, evict=self.decode_evict)
             position += 1
         decode_seconds = self._now() - start
         kv = self._kv_stats(cache, after_prefill, len(input_ids) + len(generated))
@@ -126,7 +126,7 @@ class Engine:
         cache = self.new_cache(max(context_tokens, 1) if context_tokens else len(input_ids))
         context_tokens = max(context_tokens, 1)
         start = self._now()
-        logits = self._prefill(cache, input_ids[:context_tokens])
+        logits = self.prefill(cache, input_ids[:context_tokens])
         prefill_seconds = self._now() - start
         after_prefill = cache.tokens_per_layer()
         start = self._now()
@@ -138,7 +138,7 @@ class Engine:
             nlls.append(self._nll(logits[0, -1:], targets[begin : begin + 1]))
             if len(block) == 1 and begin == len(input_ids) - 1:
                 break
-            logits = self._forward(cache, block, begin, evict=self.decode_evict, all_logits=len(block) > 1)
+            logits = self.step(cache, block, begin, evict=self.decode_evict, all_logits=len(block) > 1)
             nlls.append(self._nll(logits[0, :-1], targets[begin + 1 : begin + len(block)]))
         decode_seconds = self._now() - start
         kv = self._kv_stats(cache, after_prefill, len(input_ids))
@@ -158,15 +158,22 @@ class Engine:
             policy, budgets, prompt_len, self.num_query_heads, self.num_kv_heads, self.attn_backend, self.score_block
         )
 
-    # -- internals -----------------------------------------------------------------------------------
-    def _prefill(self, cache: EvictionCache, input_ids: list[int]) -> torch.Tensor:
+    @torch.inference_mode()
+    def prefill(self, cache: EvictionCache, input_ids: list[int]) -> torch.Tensor:
+        """Feed the prompt into ``cache`` under the regime (one block, or blocks of ``block_size`` /
+        single tokens), evicting after each; returns the last forward's logits ``[1,1,V]``."""
         block = self.block_size or len(input_ids)
         for begin in range(0, len(input_ids), block):
-            logits = self._forward(cache, input_ids[begin : begin + block], begin, evict=True)
+            logits = self.step(cache, input_ids[begin : begin + block], begin, evict=True)
         return logits
 
-    def _forward(self, cache: EvictionCache, token_ids: list[int], start: int, evict: bool, all_logits=False):
-        """One model forward over ``token_ids`` at absolute positions ``start..``; returns logits."""
+    @torch.inference_mode()
+    def step(
+        self, cache: EvictionCache, token_ids: list[int], start: int, evict: bool | None = None, all_logits: bool = False
+    ) -> torch.Tensor:
+        """One model forward over ``token_ids`` at absolute positions ``start..`` (``evict``: whether the cache
+        evicts after it; default the regime's decode setting); returns the logits ``[1,q|1,V]``."""
+        evict = self.decode_evict if evict is None else evict
         positions = torch.arange(start, start + len(token_ids), device=self.device)
         track = evict or self.decode_evict
         cache.begin_forward(positions, evict=evict, track_scores=track)
@@ -180,6 +187,7 @@ class Engine:
         )
         return output.logits
 
+    # -- internals -----------------------------------------------------------------------------------
     @staticmethod
     def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
