@@ -45,7 +45,6 @@ import torch
 import transformers
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench.config import policy_node
 from kvbench.engine import Engine
 from kvbench.engine.models import LoadedModel, load_model
 from kvbench.errors import KVBenchError, choose
@@ -266,16 +265,15 @@ class Bench:
         return self.tokens[:length]
 
     def engine(self, spec: str, regime: str | None = None, **params) -> Engine:
-        """An engine for policy ``spec`` at the budget under ``regime``: the policy's YAML defaults
-        (``conf/policy``, ``conf/modifier``), then ``bench.policy_params[spec]``, then ``params``."""
+        """An engine for policy ``spec`` at the budget under ``regime``: the policy's defaults, then
+        ``bench.policy_params[spec]``, then ``params``."""
         regime = regime or self.cfg.engine.regime
         key = (spec, regime, json.dumps(params, sort_keys=True))
         if key not in self._engines:
-            node = OmegaConf.to_container(policy_node(spec), resolve=True)
             overrides = OmegaConf.to_container(self.bench.policy_params, resolve=True).get(spec, {})
             self._engines[key] = Engine(
                 self.loaded.model,
-                build_policy(spec, {**node, **overrides, **params}),
+                build_policy(spec, {**overrides, **params}),
                 self.budget,
                 regime=regime,
                 block_size=self.cfg.engine.block_size,

@@ -52,19 +52,23 @@ def command_run(args: list[str]) -> None:
 
 
 def command_policies(args: list[str]) -> None:
-    """Print every base policy and modifier with its parameters and source paper."""
-    from kvbench.policies import BASES, MODIFIERS
+    """Print every base policy, modifier and layer budget with its own settings and source paper."""
+    from kvbench.policies import BASES, MODIFIERS, build_policy
+    from kvbench.policies.layer_budgets import LAYER_BUDGETS
 
-    rows = []
-    for kind, table in (("base", BASES), ("modifier", MODIFIERS)):
-        for name, cls in sorted(table.items()):
-            params = ", ".join(f"{f.name}={f.default!r}" for f in fields(cls) if f.name != "modifiers")
-            rows.append((name, kind, cls.paper, params))
+    def listed(settings: dict) -> str:
+        return ", ".join(f"{key}={value!r}" for key, value in settings.items() if key != "name")
+
+    rows = [(name, "base", cls.paper, listed(build_policy(name).settings())) for name, cls in sorted(BASES.items())]
+    rows += [(name, "modifier", cls.paper, listed({f.name: getattr(cls(), f.name) for f in fields(cls)}))
+             for name, cls in sorted(MODIFIERS.items())]
+    rows += [(name, "layer budget", cls.paper, listed(cls().parameters())) for name, cls in sorted(LAYER_BUDGETS.items())]
     width = [max(len(row[column]) for row in rows) for column in range(3)]
-    print(f"{'policy':<{width[0]}}  {'kind':<{width[1]}}  {'paper':<{width[2]}}  parameters (policy.<name>=...)")
+    print(f"{'name':<{width[0]}}  {'kind':<{width[1]}}  {'paper':<{width[2]}}  settings (policy.<key>=..., policy.layer_budget.<key>=...)")
     for row in rows:
         print(f"{row[0]:<{width[0]}}  {row[1]:<{width[1]}}  {row[2]:<{width[2]}}  {row[3]}")
-    print("\ncompose as base+modifier+...: e.g. policy=h2o+obcache_joint, policy=snapkv+caote")
+    print("\ncompose as base+modifier+...: e.g. policy=h2o+obcache_joint, policy=snapkv+caote; "
+          "policy.layer_budget=NAME picks a layer budget with its defaults")
 
 
 def command_prepare(args: list[str]) -> None:

@@ -1,41 +1,82 @@
 """Hydra glue: validate command-line overrides and make composite options selectable.
 
-``policy=h2o+obcache_joint`` and ``budget=3k`` name no YAML file; before Hydra composes, every value
-given for ``policy`` or ``budget`` (sweeps included) is registered in Hydra's ``ConfigStore``: a policy
-spec as its base's YAML merged with each modifier's YAML (``conf/modifier/``), a budget as ``{spec}``.
-Bad values are rejected here with one line instead of a Hydra traceback.
+``policy=h2o+obcache_joint`` and ``budget=3k`` name no YAML file. Before Hydra composes, every policy
+option (each base, and every spec given for ``policy``, sweeps included) is registered in Hydra's
+``ConfigStore`` with a node generated from the policy's dataclasses (:func:`policy_node`: the defaults are
+defined once, in the dataclass), merged with the selected experiment's ``policy_settings`` for that base and
+those modifiers; every budget as ``{spec}``. Bad values and unknown ``policy.<key>`` settings are rejected
+here with one line instead of a Hydra traceback.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
+from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import CONF_DIR
 from kvbench.errors import KVBenchError, choose
-from kvbench.policies import parse_spec
+from kvbench.policies import BASES, MODIFIERS, build_policy, parse_spec, policy_keys
 from kvbench.policies.budgets import Budget
-
+from kvbench.policies.layer_budgets import LAYER_BUDGETS
 
 def group_options(group: str) -> list[str]:
     """The YAML options of a config group (``conf/<group>/*.yaml``)."""
     return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
 
 
-def policy_node(spec: str) -> DictConfig:
-    """The config of ``base+modifier+...``: the base's YAML, then each modifier's, ``name`` = the spec."""
+def policy_node(spec: str, policy_settings: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The Hydra node of ``base+modifier+...``: every setting of the policy built with its dataclass defaults,
+    overridden by ``policy_settings[base]`` then ``policy_settings[modifier]`` (an experiment's per-policy
+    settings); ``name`` = the spec."""
     base, modifiers = parse_spec(spec)
-    parts = [OmegaConf.load(CONF_DIR / "policy" / f"{base}.yaml")]
-    for modifier in modifiers:
-        path = CONF_DIR / "modifier" / f"{modifier}.yaml"
-        parts.append(OmegaConf.load(path) if path.exists() else OmegaConf.create())
-    node = OmegaConf.merge(*parts)
-    node.name = spec
-    return node
+    settings: dict[str, Any] = {}
+    for part in (base, *modifiers):
+        settings.update((policy_settings or {}).get(part, {}))
+    return build_policy(spec, settings).settings()
+
+
+def register_policies(specs: list[str], policy_settings: dict[str, dict[str, Any]] | None = None) -> None:
+    """Register every base and each of ``specs`` as an option of Hydra's ``policy`` group."""
+    store = ConfigStore.instance()
+    for spec in dict.fromkeys([*BASES, *specs]):
+        store.store(group="policy", name=spec, node=policy_node(spec, policy_settings))
+
+
+@lru_cache(maxsize=None)
+def _experiment_node(experiment: str) -> DictConfig:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    choose("experiment", experiment, group_options("experiment"))
+    register_policies([])
+    try:
+        with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=[f"+experiment={experiment}"], return_hydra_config=True)
+    except HydraException as error:
+        raise KVBenchError(f"experiment {experiment!r}: {str(error).splitlines()[0]}") from None
+
+
+def experiment_config(experiment: str) -> DictConfig:
+    """The run config that ``+experiment=NAME`` composes to (with its ``hydra`` node, for its sweep)."""
+    return _experiment_node(experiment).copy()
+
+
+def experiment_policy_settings(experiment: str) -> dict[str, dict[str, Any]]:
+    """``policy_settings`` of an experiment: base or modifier name → its settings in that experiment."""
+    node = experiment_config(experiment).get("policy_settings")
+    settings = OmegaConf.to_container(node, resolve=True) if node is not None else {}
+    assert isinstance(settings, dict)
+    for part in settings:
+        choose(f"policy_settings entry of experiment {experiment}", part, [*BASES, *MODIFIERS])
+    return settings
 
 
 def _values(override) -> list[str]:
@@ -45,44 +86,109 @@ def _values(override) -> list[str]:
 
 
 def prepare_overrides(args: list[str]) -> list[str]:
-    """Validate ``args`` (Hydra overrides), register composite policy / budget options, and return the
-    overrides with budget values quoted (Hydra would read ``budget=64`` as an int, not an option name)."""
+    """Validate ``args`` (Hydra overrides), register the policy options (with the experiment's
+    ``policy_settings``) and composite budgets, and return the overrides with budget values quoted (Hydra
+    would read ``budget=64`` as an int, not an option name)."""
     try:
         overrides = OverridesParser.create().parse_overrides([arg for arg in args if not arg.startswith("-")])
     except HydraException as error:
         raise KVBenchError(f"cannot parse overrides {' '.join(args)!r}: {str(error).splitlines()[0]}") from None
-    store = ConfigStore.instance()
     rewritten = [arg for arg in args if arg.startswith("-")]
+    selected: dict[str, list[str]] = {"policy": [], "task": [], "model": []}
     for override in overrides:
-        key = override.key_or_group.lstrip("+~")
-        values = _values(override)
+        key, values = override.key_or_group.lstrip("+~"), _values(override)
         if key == "budget":
             rewritten.append(f"{override.get_key_element()}=" + ",".join(f"'{value}'" for value in values))
+        elif key == "policy.layer_budget" and isinstance(override.value(), dict):  # replace the node, not merge
+            rewritten += ["~policy.layer_budget", f"+policy.layer_budget={override.get_value_element_as_str()}"]
         else:
             rewritten.append(override.input_line)
+        if key.split(".")[0] == "policy_settings":
+            raise KVBenchError(f"{key} is an experiment's per-policy setting (conf/experiment); set policy.<key>=VALUE instead")
         for value in values:
-            if key in ("model", "task"):
-                choose(key, value, group_options(key))
-            elif key == "policy":
-                node = policy_node(value)
-                if value not in group_options("policy"):
-                    store.store(group="policy", name=value, node=node)
-            elif key == "budget":
-                Budget.parse(value)
-                if value not in group_options("budget"):
-                    store.store(group="budget", name=value, node={"spec": value})
-            elif key == "engine.regime":
-                from kvbench.engine import REGIMES
-
-                choose("engine.regime", value, REGIMES)
+            _check_value(key, value)
+        if key in selected:
+            selected[key] = values
+    experiments = [o.get_value_element_as_str() for o in overrides if o.key_or_group.lstrip("+") == "experiment"]
+    settings = experiment_policy_settings(experiments[-1]) if experiments else {}
+    for spec in selected["policy"]:
+        parse_spec(spec)
+    register_policies(selected["policy"], settings)
+    _check_keys(overrides, {group: values or [DEFAULTS[group]] for group, values in selected.items()})
     return rewritten
 
 
-def compose(overrides: list[str], config_name: str = "config") -> DictConfig:
+#: the default option of each group (conf/config.yaml's defaults list)
+DEFAULTS: dict[str, str] = {
+    group: str(option)
+    for entry in OmegaConf.load(CONF_DIR / "config.yaml").defaults
+    if isinstance(entry, DictConfig)
+    for group, option in entry.items()
+}
+
+
+def _check_value(key: str, value: str) -> None:
+    """A one-line error for an unknown option of a group (model, task, budget, engine.regime)."""
+    if key in ("model", "task"):
+        choose(key, value, group_options(key))
+    elif key == "budget":
+        Budget.parse(value)
+        if value not in group_options("budget"):
+            ConfigStore.instance().store(group="budget", name=value, node={"spec": value})
+    elif key == "engine.regime":
+        from kvbench.engine import REGIMES
+
+        choose("engine.regime", value, REGIMES)
+
+
+def group_keys(group: str, option: str) -> list[str]:
+    """The settings of a config group's option: the keys of ``conf/<group>/<option>.yaml``, or of the
+    generated node of a policy spec."""
+    if group == "policy":
+        return policy_keys(option)
+    node = OmegaConf.load(CONF_DIR / group / f"{option}.yaml")
+    return sorted(str(key) for key in node if key != "defaults")
+
+
+def engine_keys() -> list[str]:
+    """The engine settings (conf/config.yaml's ``engine`` node)."""
+    return sorted(str(key) for key in OmegaConf.load(CONF_DIR / "config.yaml").engine)
+
+
+def _check_keys(overrides: list[Override], selected: dict[str, list[str]]) -> None:
+    """A one-line error for a ``policy.``/``task.``/``model.``/``engine.`` setting that the selected option
+    (every one, in a sweep) does not read; Hydra would otherwise advise ``+key=`` and run with it ignored."""
+    for override in overrides:
+        group, _, key = override.key_or_group.lstrip("+~").partition(".")
+        if not key or group not in (*selected, "engine"):
+            continue
+        name, _, deeper = key.partition(".")
+        for option in selected.get(group, ["engine"]):
+            valid = engine_keys() if group == "engine" else group_keys(group, option)
+            if name not in valid:
+                where = "the engine" if group == "engine" else f"{group} {option}"
+                raise KVBenchError(f"unknown key {group}.{name} for {where}; valid keys: {', '.join(valid)}")
+            if group == "policy" and name == "layer_budget" and deeper:
+                _check_layer_budget_key(deeper.split(".")[0], option, overrides)
+
+
+def _check_layer_budget_key(key: str, spec: str, overrides: list[Override]) -> None:
+    """``policy.layer_budget.<key>`` must be a setting of the layer budget the policy runs with: the one
+    named by ``policy.layer_budget=NAME`` in the same overrides, else the policy's own."""
+    named = [o.value() for o in overrides if o.key_or_group.lstrip("+~") == "policy.layer_budget"]
+    strategy = named[-1] if named and isinstance(named[-1], str) else build_policy(spec).layer_budget.name
+    valid = sorted(["name", *(f.name for f in fields(LAYER_BUDGETS[strategy]))])
+    if key not in valid:
+        raise KVBenchError(
+            f"unknown key policy.layer_budget.{key} for layer budget {strategy}; valid keys: {', '.join(valid)}"
+        )
+
+
+def compose(overrides: list[str], config_name: str = "config", return_hydra_config: bool = False) -> DictConfig:
     """Compose the run config outside ``hydra.main`` (for ``prepare``, ``bench`` and tests)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     overrides = prepare_overrides(overrides)
     with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=overrides)
+        return hydra_compose(config_name=config_name, overrides=overrides, return_hydra_config=return_hydra_config)

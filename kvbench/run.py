@@ -16,8 +16,7 @@ from tqdm import tqdm
 from kvbench.engine import Engine
 from kvbench.engine.models import LoadedModel, load_model
 from kvbench.errors import KVBenchError
-from kvbench.policies import build_policy
-from kvbench.policies.budgets import Budget
+from kvbench.job import Job, resolve
 from kvbench.results.rundir import RunDir
 from kvbench.results.wandb_logger import log_run
 from kvbench.tasks.base import ModelInfo, Sample, Task
@@ -35,17 +34,18 @@ def build_task(cfg: DictConfig, tokenizer) -> Task:
     return task_class(cfg.task, info)
 
 
-def build_engine(cfg: DictConfig, loaded: LoadedModel) -> Engine:
-    policy_params = OmegaConf.to_container(cfg.policy, resolve=True)
+def build_engine(job: Job, loaded: LoadedModel) -> Engine:
+    """The engine running the job's policy and budget on the loaded model."""
+    engine = job.cfg.engine
     return Engine(
         loaded.model,
-        build_policy(cfg.policy.name, policy_params),
-        Budget.parse(cfg.budget.spec),
-        regime=cfg.engine.regime,
-        block_size=cfg.engine.block_size,
-        decode_evict=cfg.engine.decode_evict,
+        job.policy,
+        job.budget,
+        regime=engine.regime,
+        block_size=engine.block_size,
+        decode_evict=engine.decode_evict,
         attn_backend=loaded.attn_backend,
-        score_block=cfg.engine.score_block,
+        score_block=engine.score_block,
     )
 
 
@@ -118,9 +118,9 @@ def summarize(cfg: DictConfig, task: Task, records: list[dict[str, Any]]) -> dic
 
 
 def finished_metrics(run_dir: RunDir, cfg: DictConfig) -> dict[str, Any] | None:
-    """The metrics of a finished run of this same config in ``run_dir`` (metrics.json written, config.yaml
-    unchanged but for the logger, a prediction for every sample counted), else None: a resubmitted sweep
-    skips its finished jobs without loading the model."""
+    """The metrics of a finished run of this same (resolved) config in ``run_dir`` (metrics.json written,
+    config.yaml unchanged but for the logger, a prediction for every sample counted), else None: a
+    resubmitted sweep skips its finished jobs without loading the model."""
     if not (run_dir.metrics_path.exists() and run_dir.config_path.exists()):
         return None
     saved = OmegaConf.to_container(OmegaConf.load(run_dir.config_path))
@@ -133,18 +133,19 @@ def finished_metrics(run_dir: RunDir, cfg: DictConfig) -> dict[str, Any] | None:
 
 
 def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
-    """Run (or resume) the configured job into ``output_dir``; returns the metrics. A finished run of the
-    same config is not run again (:func:`finished_metrics`)."""
+    """Run (or resume) the configured job into ``output_dir``; returns the metrics. The job is resolved
+    first (:func:`kvbench.job.resolve`), and a finished run of the same resolved config is not run again."""
+    job = resolve(cfg)
     run_dir = RunDir(output_dir)
-    finished_before = finished_metrics(run_dir, cfg)
+    finished_before = finished_metrics(run_dir, job.cfg)
     if finished_before is not None:
         log.info("skipping %s: finished with this config", run_dir.path)
         return finished_before
-    run_dir.write_config(cfg)
+    run_dir.write_config(job.cfg)
     run_dir.repair()
-    loaded = load_model(cfg.model)
-    engine = build_engine(cfg, loaded)
-    task = build_task(cfg, loaded.tokenizer)
+    loaded = load_model(job.cfg.model)
+    engine = build_engine(job, loaded)
+    task = build_task(job.cfg, loaded.tokenizer)
     records = run_dir.records()
     finished = {record["id"] for record in records}
     samples = [sample for sample in task.samples() if sample.id not in finished]
@@ -154,7 +155,7 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
         record = run_sample(engine, task, sample, loaded)
         run_dir.append(record)
         records.append(record)
-    metrics = summarize(cfg, task, records)
+    metrics = summarize(job.cfg, task, records)
     run_dir.write_metrics(metrics)
-    log_run(cfg, run_dir, metrics, records)
+    log_run(job.cfg, run_dir, metrics, records)
     return metrics

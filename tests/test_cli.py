@@ -83,6 +83,13 @@ def test_perplexity_task(tmp_path):
         ("engine.regime=batched", "unknown engine.regime 'batched'; valid choices: chunked, oneshot, streaming"),
         ("budget=0", "invalid budget '0'"),
         ("budget=-3", "invalid budget '-3'"),
+        ("+policy.score_windw=16", "unknown key policy.score_windw for policy snapkv; valid keys: gqa, kernel, "
+         "layer_budget, name, pool, window"),
+        ("policy.score_windw=16", "unknown key policy.score_windw for policy snapkv; valid keys: "),
+        ("+task.contxt_length=8", "unknown key task.contxt_length for task ruler; valid keys: "),
+        ("engine.regme=oneshot", "unknown key engine.regme for the engine; valid keys: block_size, decode_evict, "),
+        ("+model.dtyp=float32", "unknown key model.dtyp for model smollm2_135m; valid keys: "),
+        ("policy.layer_budget.betta=2", "unknown key policy.layer_budget.betta for layer budget uniform; valid keys: name"),
     ],
 )
 def test_bad_values_exit_with_one_line(override, message, capsys):
@@ -113,3 +120,6 @@ def test_policies_lists_every_policy(capsys):
     for name in ["full", "sink", "h2o", "tova", "snapkv", "pyramidkv", "caote", "fastcaote", "obcache_joint"]:
         assert f"\n{name} " in listing
     assert "window=32" in listing and "n_sink=4" in listing
+    rows = {line.split()[0]: line for line in listing.splitlines() if " base " in line}
+    assert "tau" not in rows["h2o"] and "vabs" not in rows["h2o"] and "beta" not in rows["snapkv"]
+    assert "'name': 'pyramid', 'beta': 20.0" in rows["pyramidkv"] and "gamma=200.0" in rows["cake"]

@@ -11,14 +11,12 @@ from kvbench.engine import Engine
 from kvbench.engine.cache import EvictionCache
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy
-from kvbench.policies.budgets import (
-    CascadingAllocation,
-    cake_preference,
-    conserve_total,
-    layer_budgets,
-    vabs_preference,
-)
-from kvbench.policies.slake import ptaa_weights
+from kvbench.config import compose
+from kvbench.job import resolve
+from kvbench.policies.budgets import Budget
+from kvbench.policies.cake import CAKE_TAU, cake_preference
+from kvbench.policies.layer_budgets import CascadingAllocation, build_layer_budget, conserve_total
+from kvbench.policies.slake import ptaa_weights, vabs_preference
 from tests.helpers import random_prompt, tiny_model
 from tests.test_policies import KV_HEADS, Q_HEADS, SCALING, TOKENS, random_layer, top_positions
 
@@ -128,9 +126,12 @@ def llama():
     return tiny_model("llama", layers=4)
 
 
+VABS = {"name": "vabs", "alpha": 0.5, "beta": 0.4}
+
+
 @pytest.mark.parametrize(
     "spec,params",
-    [("cake", {}), ("cake+slake", {}), ("snapkv", {"layer_budget": "vabs"}), ("h2o", {"layer_budget": "cake"})],
+    [("cake", {}), ("cake+slake", {"layer_budget": VABS}), ("snapkv", {"layer_budget": VABS}), ("h2o", {"layer_budget": "cake"})],
 )
 def test_dynamic_budgets_differ_per_layer_and_conserve_the_total(llama, spec, params):
     budget = 40
@@ -148,7 +149,8 @@ def test_cascading_equals_evicting_once_to_the_final_budgets(llama, kind):
     """Shrinking earlier layers as later preferences arrive keeps exactly what one eviction to the final
     budgets keeps (each layer ranked once), in every layer."""
     prompt, budget = random_prompt(150), 36
-    runner = Engine(llama, build_policy("snapkv", {"window": 8, "layer_budget": kind}), budget)
+    layer_budget = VABS if kind == "vabs" else kind
+    runner = Engine(llama, build_policy("snapkv", {"window": 8, "layer_budget": layer_budget}), budget)
     cascaded = runner.new_cache(len(prompt))
     runner.prefill(cascaded, prompt)
     static = Engine(llama, build_policy("snapkv", {"window": 8}), budget)
@@ -163,7 +165,52 @@ def test_unknown_layer_budget_is_one_line_error():
     with pytest.raises(
         KVBenchError, match=r"unknown policy.layer_budget 'adaptive'; valid choices: cake, pyramid, uniform, vabs"
     ):
-        layer_budgets("adaptive", 64, 4)
+        build_layer_budget("adaptive")
+    with pytest.raises(KVBenchError, match=r"unknown key policy.layer_budget.tau1 for layer budget 'vabs'; valid keys: "):
+        build_layer_budget({"name": "vabs", "tau1": 1.0})
+
+
+@pytest.mark.parametrize("model", ["llama2_7b_chat", "llama31_8b", "mistral7b_v03"])
+@pytest.mark.parametrize("budget", [128, 256])
+def test_slake_experiment_runs_table_3_exponents(model, budget):
+    """The policy that ``+experiment=slake`` builds for cake+slake carries SLAKE Table 3's α, β for the model
+    and budget (checked on the built object), and an explicit value still wins."""
+    settings = ["+experiment=slake", f"model={model}", "policy=cake+slake", f"budget={budget}"]
+    table3 = {
+        ("llama2_7b_chat", 128): (0.5, 0.4), ("llama2_7b_chat", 256): (0.5, 0.4),
+        ("llama31_8b", 128): (0.4, 0.2), ("llama31_8b", 256): (0.6, 0.5),
+        ("mistral7b_v03", 128): (0.6, 0.5), ("mistral7b_v03", 256): (0.4, 0.2),
+    }  # fmt: skip
+    job = resolve(compose(settings))
+    assert (job.policy.layer_budget.name, job.policy.layer_budget.alpha, job.policy.layer_budget.beta) == (
+        "vabs", *table3[model, budget])
+    assert dict(job.cfg.policy.layer_budget) == {"name": "vabs", "alpha": table3[model, budget][0],
+                                                 "beta": table3[model, budget][1], "gamma": 0.1}
+    explicit = resolve(compose([*settings, "policy.layer_budget.alpha=0.9"])).policy.layer_budget
+    assert (explicit.alpha, explicit.beta) == (0.9, table3[model, budget][1])
+
+
+def test_vabs_without_table_entry_is_one_line_error():
+    with pytest.raises(KVBenchError) as error:
+        resolve(compose(["+experiment=slake", "model=qwen25_7b", "policy=cake+slake", "budget=128"]))
+    assert "\n" not in str(error.value)
+    assert "Qwen/Qwen2.5-7B-Instruct" in str(error.value) and "policy.layer_budget.alpha" in str(error.value)
+    with pytest.raises(KVBenchError, match="at budget 512"):
+        resolve(compose(["+experiment=slake", "model=llama31_8b", "policy=cake+slake", "budget=512"]))
+
+
+def test_cake_takes_the_released_tau_per_model_and_budget():
+    """CAKE's released model2tau.json values where it has the model and budget, its 1.0 fallback elsewhere,
+    an explicit value over both; ``cake+slake`` with ``layer_budget=cake`` is SLAKE Table 2's middle row."""
+    assert resolve(compose(["model=llama31_8b", "policy=cake", "budget=128"])).policy.layer_budget.tau1 == 1.6
+    assert CAKE_TAU["meta-llama/Llama-3.1-8B-Instruct"][128] == (1.6, 0.6)
+    cake = resolve(compose(["model=llama31_8b", "policy=cake", "budget=256"])).policy.layer_budget
+    assert (cake.tau1, cake.tau2) == (1.0, 1.0)
+    ablation = resolve(compose(["model=mistral7b_v03", "policy=cake+slake", "budget=128", "policy.layer_budget=cake"]))
+    assert (ablation.policy.layer_budget.name, ablation.policy.layer_budget.tau1) == ("cake", 1.0)
+    assert ablation.policy.spec == "cake+slake"
+    explicit = build_layer_budget({"name": "cake", "tau1": 2.0}).for_model("meta-llama/Llama-3.1-8B-Instruct", Budget.parse("128"))
+    assert (explicit.tau1, explicit.tau2) == (2.0, 0.6)
 
 
 @pytest.mark.model
@@ -172,7 +219,8 @@ def test_smollm2_dynamic_budgets(spec):
     from kvbench.engine.models import load_model, model_config
 
     model, budget = load_model(model_config("smollm2_135m")).model, 64
-    output = Engine(model, build_policy(spec), budget).generate(random_prompt(400, vocab=2000), 2)
+    params = {"layer_budget": VABS} if spec == "cake+slake" else {}
+    output = Engine(model, build_policy(spec, params), budget).generate(random_prompt(400, vocab=2000), 2)
     per_layer = output.kv.after_prefill_tokens_per_layer
     assert sum(per_layer) == budget * 30 and len(set(per_layer)) > 5
     assert min(per_layer) >= 32  # the observation window is kept in every layer

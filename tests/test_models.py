@@ -16,14 +16,13 @@ from kvbench.engine.models import (
     load_model,
     load_tokenizer,
     model_config,
-    vabs_exponents,
 )
 from kvbench.errors import KVBenchError
 
 TINY_MODELS = ["tiny_llama", "tiny_qwen2", "tiny_mistral"]
 SCHEMA_KEYS = {
     "name", "source", "hf_id", "path", "dtype", "attn_backend", "device",
-    "max_context", "chat_template", "vabs", "random", "seed",
+    "max_context", "chat_template", "random", "seed",
 }
 
 
@@ -54,16 +53,6 @@ def test_unknown_model_name_lists_the_choices():
     with pytest.raises(KVBenchError) as error:
         model_config("gpt5")
     assert_one_line(error, "'gpt5'", "smollm2_135m", "tiny_llama", "llama31_8b")
-
-
-def test_vabs_exponents_follow_slake_table_3():
-    assert vabs_exponents(model_config("llama31_8b"), 128) == (0.4, 0.2)
-    assert vabs_exponents(model_config("llama31_8b"), 256) == (0.6, 0.5)
-    assert vabs_exponents(model_config("mistral7b_v03"), 128) == (0.6, 0.5)
-    assert vabs_exponents(model_config("llama2_7b_chat"), 1024) == (0.5, 0.4)
-    with pytest.raises(KVBenchError) as error:
-        vabs_exponents(model_config("qwen25_7b"), 128)
-    assert_one_line(error, "qwen25_7b", "model.vabs.alpha")
 
 
 def test_hub_model_offline_fails_fast_in_one_line(monkeypatch):

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvbench.errors import KVBenchError
-from kvbench.policies.overhead import LLAMA_3_1_8B, TABLE6, caote_overhead
+from kvbench.papers.caote_overhead import LLAMA_3_1_8B, TABLE6, caote_overhead
 
 GENERATION = [entry for entry in TABLE6 if entry.phase == "generation"]
 PREFILL = [entry for entry in TABLE6 if entry.phase == "prefill"]

@@ -12,7 +12,8 @@ from kvbench.engine.engine import score_block_size
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy, parse_spec
 from kvbench.policies.base import BLOCK_ELEMENTS, AttentionStats
-from kvbench.policies.budgets import Budget, layer_budgets
+from kvbench.policies.budgets import Budget
+from kvbench.policies.pyramidkv import Pyramid
 
 Q_HEADS, KV_HEADS, DIM, TOKENS = 4, 2, 8, 40
 SCALING = DIM**-0.5
@@ -139,13 +140,27 @@ def test_gqa_mean_ranks_like_sum():
 
 def test_pyramid_budgets_follow_pyramidkv_formula():
     budget, window, layers, beta = 128, 32, 8, 20.0
-    budgets = layer_budgets("pyramid", budget, layers, beta=beta, reserved=window)
+    budgets = Pyramid(beta=beta).allocate(budget, layers, window, 4000)
     free = budget - window
     top, bottom = free / beta, 2 * free - free / beta
     expected = [window + bottom - (bottom - top) * layer / (layers - 1) for layer in range(layers)]
     assert sum(budgets) == budget * layers
     assert all(abs(got - want) <= 1 for got, want in zip(budgets, expected))
     assert budgets == sorted(budgets, reverse=True)
+
+
+@pytest.mark.parametrize(
+    "budget,window,layers,prompt,expected",
+    [
+        # KVCache-Factory PyramidKVCluster by hand: min = (B−w)//20, max = 2(B−w) − min, step (max−min)//(L−1)
+        (128, 8, 30, 1800, [8 + 234 - 7 * layer for layer in range(30)]),
+        (128, 32, 32, 1800, [32 + 188 - 5 * layer for layer in range(32)]),
+        (128, 8, 30, 200, [128] * 30),  # prompt < 2(B−w): uniform
+        (128, 8, 30, 241, [8 + 233 - 7 * layer for layer in range(30)]),  # max clamped to q_len − w
+    ],
+)
+def test_pyramid_kvcache_factory_schedule(budget, window, layers, prompt, expected):
+    assert Pyramid(schedule="kvcache_factory").allocate(budget, layers, window, prompt) == expected
 
 
 @pytest.mark.parametrize(

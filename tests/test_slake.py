@@ -127,7 +127,7 @@ def test_decode_with_ptaa_is_close_to_full():
     prompt, budget = random_prompt(120), 32
     logits = {}
     for spec in ("full", "snapkv", "snapkv+slake"):
-        runner = Engine(model, build_policy(spec, {"window": 8}), budget if spec != "full" else 4096)
+        runner = Engine(model, build_policy(spec, {} if spec == "full" else {"window": 8}), budget if spec != "full" else 4096)
         cache = runner.new_cache(len(prompt))
         runner.prefill(cache, prompt)
         logits[spec] = runner.step(cache, [7], len(prompt), evict=False)[0, -1]
@@ -138,7 +138,7 @@ def test_decode_with_ptaa_is_close_to_full():
 
 
 def test_cake_slake_allocates_with_vabs_unless_told_otherwise():
-    assert build_policy("cake+slake").layer_budget == "vabs"
-    assert build_policy("cake+slake", {"vabs": False}).layer_budget == "cake"
-    assert build_policy("cake").layer_budget == "cake"
-    assert build_policy("snapkv+slake").layer_budget == "uniform"
+    assert build_policy("cake+slake").layer_budget.name == "vabs"
+    assert build_policy("cake+slake", {"layer_budget": "cake"}).layer_budget.name == "cake"
+    assert build_policy("cake").layer_budget.name == "cake"
+    assert build_policy("snapkv+slake").layer_budget.name == "uniform"

@@ -10,10 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from kvbench import CONF_DIR, PROJECT_ROOT
+from kvbench import PROJECT_ROOT
 from kvbench.cli import main
 from kvbench.config import compose as compose_run
 from kvbench.config import group_options
@@ -68,9 +67,8 @@ def test_experiment_sweep_becomes_overrides_and_typed_values_win():
 
 
 def test_launcher_configs_compose():
-    with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
-        slurm = compose("config", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"], return_hydra_config=True)
-        local = compose("config", overrides=["hydra/launcher=local"], return_hydra_config=True)
+    slurm = compose_run(["hydra/launcher=slurm", "hydra.launcher.partition=gpu"], return_hydra_config=True)
+    local = compose_run(["hydra/launcher=local"], return_hydra_config=True)
     launcher = slurm.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.partition, launcher.gpus_per_node, launcher.timeout_min, launcher.array_parallelism) == ("gpu", 1, 720, 16)

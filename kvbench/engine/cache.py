@@ -19,8 +19,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvbench.policies.base import AttentionStats, Evicted, Policy
-from kvbench.policies.budgets import DYNAMIC_LAYER_BUDGETS, CascadingAllocation, cake_preference, vabs_preference
-from kvbench.policies.slake import ptaa_weights
+from kvbench.policies.layer_budgets import CascadingAllocation
 
 
 class EvictionLayer(DynamicLayer):
@@ -134,16 +133,19 @@ class EvictionCache(Cache):
         self.new_positions: torch.Tensor | None = None
         self.evict_now = False
         self.track_scores = False
+        self.decoding = False
         self.live_bytes = [0] * len(layer_budgets)
         self.peak_bytes = 0
 
     # -- called by the engine --------------------------------------------------------------------------
-    def begin_forward(self, positions: torch.Tensor, evict: bool, track_scores: bool):
-        """Declare the next forward: ``positions [q]`` of its tokens, whether to evict after it, and
-        whether accumulating policies must add its queries' contributions (i.e. eviction may follow)."""
+    def begin_forward(self, positions: torch.Tensor, evict: bool, track_scores: bool, decoding: bool = False):
+        """Declare the next forward: ``positions [q]`` of its tokens, whether to evict after it, whether
+        accumulating policies must add its queries' contributions (i.e. eviction may follow), and whether
+        it generates (after the prompt) rather than prefills."""
         self.new_positions = positions
         self.evict_now = evict
         self.track_scores = track_scores
+        self.decoding = decoding
 
     def tokens_per_layer(self) -> list[int]:
         """Cached tokens per cache head, for every layer."""
@@ -229,7 +231,7 @@ class EvictionCache(Cache):
         """CAKE's cascading allocation for a dynamic ``layer_budget`` (None for static ones)."""
         budget = self.layer_budgets[0]
         reserved = self.policy.reserved_recent(budget, self.prompt_len) + self.policy.reserved_sinks()
-        if self.policy.layer_budget not in DYNAMIC_LAYER_BUDGETS or not self.policy.evicts or reserved >= budget:
+        if not self.policy.layer_budget.dynamic or not self.policy.evicts or reserved >= budget:
             return None
         return CascadingAllocation(budget, reserved, len(self.layers))
 
@@ -241,7 +243,8 @@ class EvictionCache(Cache):
         if policy.needs_attention and not policy.accumulates:
             window = policy.scoring_window(budget, self.prompt_len)
         if self.allocation is not None:
-            window = max(window, policy.preference_window(self.allocation.budget, self.prompt_len))
+            scoring = policy.scoring_window(self.allocation.budget, self.prompt_len)
+            window = max(window, policy.layer_budget.observation_window(scoring))
         return window
 
     def _scores(self, layer_idx: int, budget: int, scaling: float) -> torch.Tensor:
@@ -252,7 +255,7 @@ class EvictionCache(Cache):
         if policy.accumulates:
             summed = layer.accumulated
         else:
-            window = policy.scoring_window(budget, self.prompt_len)
+            window = policy.scoring_window(budget, self.prompt_len, self.decoding)
             stats = AttentionStats(
                 layer.recent_queries[:, :, -window:],
                 layer.keys,
@@ -302,10 +305,10 @@ class EvictionCache(Cache):
             self._evict(layer_idx, budgets[-1], scores, scaling)
 
     def _preference(self, layer_idx: int, scores: torch.Tensor, scaling: float) -> float:
-        """The layer's preference from its last ``preference_window`` queries: CAKE's ``H^(1/τ1)·V^(1/τ2)``,
-        or SLAKE's VABS with PTAA standing in for the tokens the average budget would evict."""
+        """The layer's preference from its observation window's attention and the slots that the average
+        budget would evict by ``scores [B,Hc,T]`` (the layer budget strategy decides what it uses)."""
         policy, layer, budget = self.policy, self.layers[layer_idx], self.allocation.budget
-        window = policy.preference_window(budget, self.prompt_len)
+        window = policy.layer_budget.observation_window(policy.scoring_window(budget, self.prompt_len))
         stats = AttentionStats(
             layer.recent_queries[:, :, -window:],
             layer.keys,
@@ -314,15 +317,9 @@ class EvictionCache(Cache):
             layer.positions,
             scaling,
         )
-        if policy.layer_budget == "cake":
-            return cake_preference(stats.weights, policy.tau1, policy.tau2)
         kept = self._reserve(layer_idx, budget, scores).topk(budget, dim=-1).indices
         evicted = torch.ones_like(scores, dtype=torch.bool).scatter_(-1, kept, False)  # [B,Hc,T]
-        approximate = ptaa_weights(stats.logits, stats.per_query_head(evicted)[:, :, None])
-        values = stats.per_query_head(layer.values)
-        return vabs_preference(
-            stats.weights, approximate, values, policy.vabs_alpha, policy.vabs_beta, policy.vabs_gamma
-        )
+        return policy.layer_budget.preference(stats, evicted)
 
     def _account(self, layer_idx: int):
         layer = self.layers[layer_idx]

@@ -1,6 +1,6 @@
 """The eviction-aware generation engine: prefill and decode through a budgeted cache.
 
-Regimes (DESIGN.md §1):
+Regimes:
 
 * ``oneshot``   — prefill the whole prompt, evict every layer to its budget once; decode appends.
 * ``chunked``   — prefill in blocks of ``block_size``; evict after each block and every decode step
@@ -21,7 +21,7 @@ from kvbench.engine import attention
 from kvbench.engine.cache import EvictionCache, KVStats
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies.base import Policy
-from kvbench.policies.budgets import Budget, layer_budgets
+from kvbench.policies.budgets import Budget
 from kvbench.policies.full import Full
 
 REGIMES = ["oneshot", "chunked", "streaming"]
@@ -151,9 +151,7 @@ class Engine:
         budget = self.budget.resolve(prompt_len)
         policy = self.policy if budget < prompt_len else Full(gqa=self.policy.gqa)
         reserved = policy.reserved_recent(budget, prompt_len) + policy.reserved_sinks()
-        budgets = layer_budgets(
-            policy.layer_budget, budget, self.num_layers, beta=getattr(policy, "beta", 20.0), reserved=reserved
-        )
+        budgets = policy.layer_budget.allocate(budget, self.num_layers, reserved, prompt_len)
         return EvictionCache(
             policy, budgets, prompt_len, self.num_query_heads, self.num_kv_heads, self.attn_backend, self.score_block
         )
@@ -176,7 +174,7 @@ class Engine:
         evict = self.decode_evict if evict is None else evict
         positions = torch.arange(start, start + len(token_ids), device=self.device)
         track = evict or self.decode_evict
-        cache.begin_forward(positions, evict=evict, track_scores=track)
+        cache.begin_forward(positions, evict=evict, track_scores=track, decoding=start >= cache.prompt_len)
         output = self.model(
             input_ids=torch.tensor([token_ids], device=self.device),
             position_ids=positions[None],

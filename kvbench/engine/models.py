@@ -209,30 +209,6 @@ def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
     return sorted(ids)
 
 
-def vabs_exponents(cfg: DictConfig, budget: int) -> tuple[float, float]:
-    """SLAKE's VABS (alpha, beta) for this model at an average per-layer cache budget.
-
-    SLAKE Table 3 gives them per budget (128 and 256); another budget takes the nearest
-    listed one. A scalar (``model.vabs.alpha=0.5``) applies to every budget.
-    """
-    alpha = _value_for_budget(cfg.vabs.alpha, budget)
-    beta = _value_for_budget(cfg.vabs.beta, budget)
-    if alpha is None or beta is None:
-        raise KVBenchError(
-            f"model {cfg.name} has no VABS alpha/beta (SLAKE Table 3 covers llama2_7b_chat, llama31_8b, "
-            "mistral7b_v03); pass model.vabs.alpha=A model.vabs.beta=B"
-        )
-    return alpha, beta
-
-
-def _value_for_budget(value, budget: int) -> float | None:
-    """A scalar as is, or the entry of a {budget: value} table nearest to ``budget``."""
-    if value is None or isinstance(value, (int, float)):
-        return value
-    nearest = min(value, key=lambda listed: (abs(int(listed) - budget), int(listed)))
-    return float(value[nearest])
-
-
 # --- hub ---------------------------------------------------------------------------------------
 
 

@@ -14,17 +14,13 @@ from typing import Any, Mapping
 
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies.base import Modifier, Policy
+from kvbench.policies.layer_budgets import build_layer_budget
 from kvbench.policies.registry import BASES, MODIFIERS
 
-_INFRASTRUCTURE = {"base", "registry", "budgets", "scores", "overhead"}
+_INFRASTRUCTURE = {"base", "registry", "budgets", "layer_budgets", "scores"}
 for _module in pkgutil.iter_modules(__path__):
     if _module.name not in _INFRASTRUCTURE:
         importlib.import_module(f"{__name__}.{_module.name}")
-
-
-def _instantiate(cls: type, params: Mapping[str, Any], **extra):
-    names = {f.name for f in fields(cls)}
-    return cls(**{key: value for key, value in params.items() if key in names}, **extra)
 
 
 def parse_spec(spec: str) -> tuple[str, list[str]]:
@@ -38,16 +34,39 @@ def parse_spec(spec: str) -> tuple[str, list[str]]:
     return base, modifiers
 
 
+def policy_keys(spec: str) -> list[str]:
+    """The settings a policy spec reads (``policy.<key>``): ``name``, the base's and each modifier's fields."""
+    base, modifiers = parse_spec(spec)
+    classes = [BASES[base], *(MODIFIERS[name] for name in modifiers)]
+    return sorted({"name"} | {f.name for cls in classes for f in fields(cls)} - {"modifiers"})
+
+
 def build_policy(spec: str, params: Mapping[str, Any] | None = None) -> Policy:
-    """Build ``base+modifier+...`` with hyper-parameters from ``params`` (unknown keys are ignored)."""
-    params = dict(params or {})
+    """Build ``base+modifier+...`` with its settings from ``params`` (a policy node: ``name`` and any of
+    :func:`policy_keys`; a key no part reads is a one-line error). ``layer_budget`` is a strategy name or
+    node; without one, a modifier may bring its own (:meth:`Modifier.default_layer_budget`)."""
+    settings = {key: value for key, value in (params or {}).items() if key != "name"}
+    valid = policy_keys(spec)
+    unknown = sorted(set(settings) - set(valid))
+    if unknown:
+        raise KVBenchError(f"unknown key policy.{unknown[0]} for policy {spec}; valid keys: {', '.join(valid)}")
     base, modifier_names = parse_spec(spec)
-    modifiers: list[Modifier] = [_instantiate(MODIFIERS[name], params) for name in modifier_names]
-    choose("policy.gqa", params.get("gqa", "sum"), ["sum", "mean", "repeat"])
-    policy = _instantiate(BASES[base], params, modifiers=modifiers)
+    layer_budget = settings.pop("layer_budget", None)
+    modifiers: list[Modifier] = [_instantiate(MODIFIERS[name], settings) for name in modifier_names]
+    policy = _instantiate(BASES[base], settings, modifiers=modifiers)
+    if layer_budget is not None:
+        policy.layer_budget = build_layer_budget(layer_budget)
+    else:
+        for modifier in modifiers:
+            policy.layer_budget = modifier.default_layer_budget(policy) or policy.layer_budget
     for modifier in modifiers:
         modifier.bind(policy)
     return policy
 
 
-__all__ = ["BASES", "MODIFIERS", "Modifier", "Policy", "build_policy", "parse_spec"]
+def _instantiate(cls: type, settings: Mapping[str, Any], **extra):
+    names = {f.name for f in fields(cls)}
+    return cls(**{key: value for key, value in settings.items() if key in names}, **extra)
+
+
+__all__ = ["BASES", "MODIFIERS", "Modifier", "Policy", "build_policy", "parse_spec", "policy_keys"]

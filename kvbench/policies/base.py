@@ -23,7 +23,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvbench.errors import choose
+from kvbench.policies.budgets import Budget
+from kvbench.policies.layer_budgets import LayerBudget, Uniform
 from kvbench.policies.scores import reduce_gqa
+
+GQA_MODES = ("sum", "mean", "repeat")
 
 
 #: float32 elements of one block of attention statistics on an accelerator (1 GiB)
@@ -80,11 +85,6 @@ class AttentionStats:
         batch, q_heads, window, tokens = self.weights.shape
         grouped = self.weights.view(batch, -1, self.group_size * window, tokens)  # [B,Hkv,G·W,T]
         return torch.matmul(grouped, self.values.float()).view(batch, q_heads, window, -1)
-
-    @cached_property
-    def finite_logits(self) -> torch.Tensor:
-        """Logits with masked entries set to 0 (their weight is 0, so products stay finite)."""
-        return self.logits.masked_fill(torch.isinf(self.logits), 0.0)
 
     def blocks(self, size: int | None):
         """Split the query window into blocks of at most ``size`` queries (bounds the [W,T] working set);
@@ -181,6 +181,11 @@ class Modifier:
     def bind(self, base: Policy) -> None:
         """Adapt to the base policy it modifies (e.g. CAOTE's per-base norm exponent); default nothing."""
 
+    def default_layer_budget(self, base: Policy) -> LayerBudget | None:
+        """The layer budget this modifier brings to ``base`` when none is configured (SLAKE's VABS over
+        CAKE), or None to keep the base's."""
+        return None
+
     def contributions(self, stats: AttentionStats) -> torch.Tensor | None:
         """Per-query contributions ``[B,Hq,W,T]`` replacing the base's attention weights, or None."""
         return None
@@ -224,23 +229,20 @@ class Policy:
     #: H2O-style: contributions of every query ever seen are summed into a running score
     accumulates: ClassVar[bool] = False
 
+    #: GQA: sum the scores of a KV head's query heads (OBCache App. B.5), average them, or ``repeat``
+    #: (KV stored per query head, each choosing its own tokens: the SnapKV / KVCache-Factory layout)
     gqa: str = "sum"
-    #: uniform | pyramid | cake | vabs (``kvbench.policies.budgets``)
-    layer_budget: str = "uniform"
-    #: CAKE's preference exponents ``P = H^(1/tau1) · V^(1/tau2)`` (layer_budget=cake); 1.0 is the
-    #: default of CAKE's released code, which tunes them per model and budget (config/model2tau.json)
-    tau1: float = 1.0
-    tau2: float = 1.0
-    #: SLAKE's VABS exponents α, β (eq. 18) and error exponent γ (eq. 16) (layer_budget=vabs); α, β are
-    #: per model and budget (SLAKE Table 3); the defaults are its Llama2-7B row, the same at both budgets
-    vabs_alpha: float = 0.5
-    vabs_beta: float = 0.4
-    vabs_gamma: float = 0.1
+    #: how layers share the budget (``kvbench.policies.layer_budgets``)
+    layer_budget: LayerBudget = field(default_factory=Uniform)
     modifiers: list[Modifier] = field(default_factory=list, repr=False)
 
+    def __post_init__(self):
+        choose("policy.gqa", self.gqa, GQA_MODES)
+
     # -- hooks ---------------------------------------------------------------------------------------
-    def scoring_window(self, budget: int, prompt_len: int) -> int:
-        """How many of the most recent queries are scored at eviction time (ignored when accumulating)."""
+    def scoring_window(self, budget: int, prompt_len: int, decoding: bool = False) -> int:
+        """How many of the most recent queries are scored at eviction time (ignored when accumulating);
+        ``decoding``: an eviction during generation rather than prefill."""
         return 1
 
     def reserved_recent(self, budget: int, prompt_len: int) -> int:
@@ -250,12 +252,6 @@ class Policy:
     def reserved_sinks(self) -> int:
         """How many of the first tokens (attention sinks) are always kept."""
         return 0
-
-    def preference_window(self, budget: int, prompt_len: int) -> int:
-        """Recent queries whose attention gives a layer's preference (CAKE / VABS budgets): the scoring
-        window, or CAKE's default observation window of 32 where that is a single query."""
-        window = self.scoring_window(budget, prompt_len)
-        return window if window > 1 else 32
 
     def pool_scores(self, scores: torch.Tensor, recent: int) -> torch.Tensor:
         """Post-process summed per-KV-head scores ``[B,Hkv,T]`` whose last ``recent`` slots are the
@@ -318,10 +314,21 @@ class Policy:
             scores = modifier.transform(scores, values)
         return scores
 
-    @classmethod
-    def parameters(cls) -> dict[str, Any]:
-        """The Hydra-settable parameters and their defaults."""
-        return {f.name: f.default for f in fields(cls) if f.name != "modifiers"}
+    def for_model(self, model_id: str | None, budget: Budget) -> None:
+        """Fill in the per-model settings of the layer budget (CAKE's τ, SLAKE's VABS α/β) for the model
+        with Hugging Face id ``model_id`` at ``budget``."""
+        self.layer_budget = self.layer_budget.for_model(model_id, budget)
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting of this policy as its Hydra node holds it: ``name`` (the spec), the base's fields,
+        ``layer_budget`` as ``{name: ..., ...}`` and each modifier's fields."""
+        node: dict[str, Any] = {"name": self.spec}
+        for part in (self, *self.modifiers):
+            for item in fields(part):
+                value = getattr(part, item.name)
+                if item.name != "modifiers":
+                    node[item.name] = value.parameters() if isinstance(value, LayerBudget) else value
+        return node
 
 
 def window_tokens(window: Any, budget: int, prompt_len: int) -> int:

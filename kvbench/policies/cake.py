@@ -2,15 +2,70 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
 from kvbench.policies.base import AttentionStats
+from kvbench.policies.budgets import Budget
+from kvbench.policies.layer_budgets import DynamicLayerBudget, LayerBudget, register_layer_budget
 from kvbench.policies.registry import register
 from kvbench.policies.scores import reduce_gqa
 from kvbench.policies.snapkv import SnapKV
+
+#: CAKE's released preference exponents per model and average per-layer budget, (tau1, tau2)
+#: (antgroup/cakekv, experiments/LongBench/config/model2tau.json; its keys llama3.1-8b-128k, llama2-7b-chat-4k,
+#: llama2-13b-chat-4k, mistral-0.3-7b-32k, qwen2.5-7b-instruct; budgets 128 and 1024 only). Elsewhere the
+#: released code falls back to 1.0, 1.0 (pred_cake.py).
+CAKE_TAU: dict[str, dict[int, tuple[float, float]]] = {
+    "meta-llama/Llama-3.1-8B-Instruct": {128: (1.6, 0.6), 1024: (1.6, 0.4)},
+    "meta-llama/Llama-2-7b-chat-hf": {128: (0.9, 2.3), 1024: (1.9, 1.8)},
+    "meta-llama/Llama-2-13b-chat-hf": {128: (1.8, 2.0), 1024: (0.5, 0.4)},
+    "mistralai/Mistral-7B-Instruct-v0.3": {128: (1.0, 0.8), 1024: (0.8, 0.5)},
+    "Qwen/Qwen2.5-7B-Instruct": {128: (0.4, 0.6), 1024: (1.5, 0.6)},
+}
+
+
+@register_layer_budget
+@dataclass
+class CakeBudget(DynamicLayerBudget):
+    """CAKE's preference ``P = H^(1/τ1) · V^(1/τ2)`` (CAKE eq. 6): spatial dispersion H (entropy) and
+    temporal shift V (variance over the window queries) of the attention to the keys before the window.
+    ``tau1``/``tau2`` ``None``: CAKE's released value for the model and budget (:data:`CAKE_TAU`), else 1.0,
+    the released code's default."""
+
+    name = "cake"
+    paper = "CAKE (arXiv 2503.12491)"
+
+    tau1: float | None = None
+    tau2: float | None = None
+
+    def for_model(self, model_id: str | None, budget: Budget) -> CakeBudget:
+        released = CAKE_TAU.get(model_id or "", {}).get(budget.tokens or -1, (1.0, 1.0))
+        return replace(
+            self,
+            tau1=released[0] if self.tau1 is None else self.tau1,
+            tau2=released[1] if self.tau2 is None else self.tau2,
+        )
+
+    def preference(self, stats: AttentionStats, evicted: torch.Tensor) -> float:
+        tau1, tau2 = (1.0 if tau is None else tau for tau in (self.tau1, self.tau2))
+        return cake_preference(stats.weights, tau1, tau2)  # CAKE eq. (6)
+
+
+
+def cake_preference(weights: torch.Tensor, tau1: float, tau2: float) -> float:
+    """CAKE's layer preference ``P = H^(1/τ1) · V^(1/τ2)`` from the window attention ``weights [B,Hq,W,T]``.
+
+    Over the keys before the window (the window itself is always kept), summed over heads: spatial
+    dispersion ``H = −Σ A log A`` (entropy) and temporal shift ``V = Σ_p Var_i(A_ip)`` (unbiased variance
+    over the W window queries), as CAKE's released code computes them (``cake/model/modify_llama.py``).
+    """
+    prefix = weights[..., : weights.shape[-1] - weights.shape[-2]]  # [B,Hq,W,T-W]
+    dispersion = -torch.special.xlogy(prefix, prefix).sum()
+    shift = prefix.var(dim=-2).sum()
+    return float(dispersion ** (1.0 / tau1) * shift ** (1.0 / tau2))
 
 
 @register
@@ -18,16 +73,21 @@ from kvbench.policies.snapkv import SnapKV
 class Cake(SnapKV):
     """CAKE's eviction indicator ``I_p = Mean_i(A_ip) + γ·Var_i(A_ip)`` over the observation window
     (unbiased variance over its queries), pooled like SnapKV (avg, kernel 5) with the window kept, and
-    budgets from CAKE's layer preferences with cascading prefill (``layer_budget=cake``, see
-    ``kvbench.policies.budgets``). ``γ = 200``, window 32 and the pooling are the defaults of CAKE's
-    released code (``experiments/LongBench/pred_cake.py``, ``cake/model/modify_llama.py``); ``tau1``/``tau2``
-    default to 1.0 there and are tuned per model and budget (its ``config/model2tau.json``)."""
+    budgets from CAKE's layer preferences with cascading prefill (:class:`CakeBudget`). ``γ = 200``, window
+    32 and the pooling are the defaults of CAKE's released code (``experiments/LongBench/pred_cake.py``,
+    ``cake/model/modify_llama.py``). While decoding (evicting every step) the released code scores with
+    the current query alone, so the variance term vanishes (one query)."""
 
     name = "cake"
     paper = "CAKE (arXiv 2503.12491)"
 
-    layer_budget: str = "cake"
+    layer_budget: LayerBudget = field(default_factory=CakeBudget)
     gamma: float = 200.0
+
+    def scoring_window(self, budget: int, prompt_len: int, decoding: bool = False) -> int:
+        """The observation window in prefill; while decoding, only the current query (CAKE's released
+        ``CakeDecodingKVCache_LayerWise`` scores the mean attention of the current query, pooled)."""
+        return 1 if decoding else super().scoring_window(budget, prompt_len)
 
     def summed_contributions(self, stats: AttentionStats, block_size: int | None = None) -> torch.Tensor:
         """``mean + γ·var`` over the window of each query head's contributions (block by block, merged

@@ -22,11 +22,14 @@ attention only; multi-token prefill blocks attend to the kept cache alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from kvbench.policies.base import Evicted, Modifier, Policy, by_kv_head
+from kvbench.errors import KVBenchError
+from kvbench.policies.base import AttentionStats, Evicted, Modifier, Policy, by_kv_head
+from kvbench.policies.budgets import Budget
+from kvbench.policies.layer_budgets import DynamicLayerBudget, LayerBudget, register_layer_budget
 from kvbench.policies.registry import register
 
 
@@ -93,20 +96,17 @@ def ptaa_weights(logits: torch.Tensor, evicted: torch.Tensor) -> torch.Tensor:
 class Slake(Modifier):
     """PTAA over any base: evicted tokens folded into a linear state, decode attention by eq. 13.
 
-    ``vabs``: over the ``cake`` base, SLAKE replaces CAKE's layer preference by VABS (§3.4; Table 2's last
-    row is eviction + PTAA + VABS), so ``cake+slake`` allocates with ``vabs``; ``vabs=false`` keeps CAKE's
-    allocation (Table 2's middle row, ``cake+slake[vabs=false]``). Other bases keep their ``layer_budget``.
+    Over the ``cake`` base SLAKE replaces CAKE's layer preference by VABS (§3.4; Table 2's last row is
+    eviction + PTAA + VABS), so ``cake+slake`` allocates with :class:`Vabs` unless ``policy.layer_budget``
+    says otherwise (``policy.layer_budget=cake``: Table 2's middle row). Other bases keep their own.
     """
 
     name = "slake"
     paper = "SLAKE: Softmax-Approximated Training-Free Linear Attention with KV-Cache Eviction"
     attends = True
 
-    vabs: bool = True
-
-    def bind(self, base: Policy) -> None:
-        if self.vabs and base.layer_budget == "cake":
-            base.layer_budget = "vabs"
+    def default_layer_budget(self, base: Policy) -> LayerBudget | None:
+        return Vabs() if base.layer_budget.name == "cake" else None
 
     def on_evict(self, state: dict, evicted: Evicted, last_query: torch.Tensor, scaling: float) -> None:
         folded = LinearState.of(evicted.keys, evicted.values)  # SLAKE Alg. 1 'update linear cache'
@@ -119,3 +119,67 @@ class Slake(Modifier):
         grouped = by_kv_head(query[:, :, 0].float(), keys.shape[1])  # [B,Hc,G,D]
         result = ptaa_attention(grouped, keys, values, state["linear"], scaling)  # SLAKE eq. (13)
         return result.reshape(batch, 1, q_heads, dim).to(output.dtype)
+
+
+#: SLAKE Table 3: VABS exponents per model and average per-layer budget: (alpha, beta)
+VABS_EXPONENTS: dict[str, dict[int, tuple[float, float]]] = {
+    "meta-llama/Llama-2-7b-chat-hf": {128: (0.5, 0.4), 256: (0.5, 0.4)},
+    "meta-llama/Llama-3.1-8B-Instruct": {128: (0.4, 0.2), 256: (0.6, 0.5)},
+    "mistralai/Mistral-7B-Instruct-v0.3": {128: (0.6, 0.5), 256: (0.4, 0.2)},
+}
+
+
+@register_layer_budget
+@dataclass
+class Vabs(DynamicLayerBudget):
+    """SLAKE's value-aware budget scores (eqs. 15–18) with PTAA standing in for the tokens the average
+    budget would evict; ``gamma`` = 0.1 (§4.1). ``alpha``/``beta`` ``None``: SLAKE Table 3's values for the
+    model and budget (:data:`VABS_EXPONENTS`); a model or budget the table lacks needs them explicitly."""
+
+    name = "vabs"
+    paper = "SLAKE (Softmax-Approximated Training-Free Linear Attention with KV-Cache Eviction)"
+
+    alpha: float | None = None
+    beta: float | None = None
+    gamma: float = 0.1
+
+    def for_model(self, model_id: str | None, budget: Budget) -> Vabs:
+        if self.alpha is not None and self.beta is not None:
+            return self
+        table = VABS_EXPONENTS.get(model_id or "", {})
+        if budget.tokens not in table:
+            listed = ", ".join(f"{model} @ {'/'.join(map(str, rows))}" for model, rows in VABS_EXPONENTS.items())
+            raise KVBenchError(
+                f"SLAKE Table 3 has no VABS alpha/beta for model {model_id} at budget {budget.spec} (it covers "
+                f"{listed}); set policy.layer_budget.alpha=A policy.layer_budget.beta=B"
+            )
+        alpha, beta = table[budget.tokens]
+        return replace(self, alpha=alpha if self.alpha is None else self.alpha, beta=beta if self.beta is None else self.beta)
+
+    def preference(self, stats: AttentionStats, evicted: torch.Tensor) -> float:
+        if self.alpha is None or self.beta is None:
+            raise KVBenchError("VABS needs policy.layer_budget.alpha and .beta (SLAKE Table 3 gives them per model)")
+        approximate = ptaa_weights(stats.logits, stats.per_query_head(evicted)[:, :, None])
+        values = stats.per_query_head(stats.values)
+        return vabs_preference(stats.weights, approximate, values, self.alpha, self.beta, self.gamma)
+
+
+
+def vabs_preference(
+    weights: torch.Tensor, approximate: torch.Tensor, values: torch.Tensor, alpha: float, beta: float, gamma: float
+) -> float:
+    """SLAKE's VABS preference (eqs. 15–18) from the window's true ``weights`` and PTAA ``approximate``
+    weights ``[B,Hq,W,T]`` and the cached ``values [B,Hq,T,D]`` (per query head)::
+
+        TV_hi = ½ Σ_j |Ã_ij − A_ij|                                       (eq. 15)
+        VA_hi = (Σ_j ‖v_j‖ / Σ_j' ‖v_j'‖ · |Ã_ij − A_ij|)^γ                (eq. 16)
+        H_hi  = −Σ_j A_ij log A_ij                                         (eq. 17, the true attention)
+        P     = (E_hi[TV_hi · VA_hi])^α · (E_hi[H_hi])^β                   (eq. 18)
+    """
+    error = (approximate - weights).abs()  # [B,Hq,W,T]
+    total_variation = 0.5 * error.sum(dim=-1)  # SLAKE eq. (15)
+    norms = torch.linalg.vector_norm(values.float(), dim=-1)  # [B,Hq,T]
+    share = (norms / norms.sum(dim=-1, keepdim=True))[:, :, None]
+    value_aware = (share * error).sum(dim=-1) ** gamma  # SLAKE eq. (16)
+    entropy = -torch.special.xlogy(weights, weights).sum(dim=-1)  # SLAKE eq. (17)
+    return float((total_variation * value_aware).mean() ** alpha * entropy.mean() ** beta)  # SLAKE eq. (18)

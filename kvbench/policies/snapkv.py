@@ -24,9 +24,10 @@ class SnapKV(Policy):
     kernel: int = 5
 
     def __post_init__(self):
+        super().__post_init__()
         choose("policy.pool", self.pool, ["avg", "max", "none"])
 
-    def scoring_window(self, budget: int, prompt_len: int) -> int:
+    def scoring_window(self, budget: int, prompt_len: int, decoding: bool = False) -> int:
         return max(1, window_tokens(self.window, budget, prompt_len))
 
     def reserved_recent(self, budget: int, prompt_len: int) -> int:

@@ -14,5 +14,5 @@ class TOVA(Policy):
     name = "tova"
     paper = "TOVA (arXiv 2401.06104)"
 
-    def scoring_window(self, budget: int, prompt_len: int) -> int:
+    def scoring_window(self, budget: int, prompt_len: int, decoding: bool = False) -> int:
         return 1

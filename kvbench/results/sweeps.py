@@ -10,27 +10,17 @@ for the same key wins.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-from kvbench import CONF_DIR
-from kvbench.config import group_options
-from kvbench.errors import KVBenchError, choose
+from kvbench.config import experiment_config
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
 
 def sweeper_params(experiment: str) -> dict[str, str]:
     """``hydra.sweeper.params`` of ``conf/experiment/<experiment>.yaml`` (with the files it includes)."""
-    choose("experiment", experiment, group_options("experiment"))
-    try:
-        with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=[f"+experiment={experiment}"], return_hydra_config=True)
-    except HydraException as error:
-        raise KVBenchError(f"experiment {experiment!r}: {str(error).splitlines()[0]}") from None
+    cfg = experiment_config(experiment)
     return {str(key): str(value) for key, value in (cfg.hydra.sweeper.params or {}).items()}
 
 

@@ -1,0 +1,67 @@
+"""One job (model × policy × budget × task), resolved before any weight is loaded: the settings that run.
+
+:func:`resolve` is the one place on the run path where per-model settings are applied: it checks that every
+setting of the composed config is read by some part of the job (a typo is a one-line error naming the valid
+keys), builds the policy and fills in its per-model values (CAKE's τ, SLAKE's VABS α/β, keyed by the
+model's Hugging Face id), and returns the config as it runs. ``kvbench run`` writes that config to the run
+directory's ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kvbench import CONF_DIR
+from kvbench.config import engine_keys, group_keys
+from kvbench.errors import KVBenchError
+from kvbench.policies import build_policy
+from kvbench.policies.base import Policy
+from kvbench.policies.budgets import Budget
+
+#: the config groups of a run and their settings files (conf/<group>/<option>.yaml)
+GROUPS = ("model", "task", "budget", "logger")
+
+
+@dataclass
+class Job:
+    """A resolved job: ``cfg`` as it runs (plain values, per-model settings filled in), the built policy
+    and the budget."""
+
+    cfg: DictConfig
+    policy: Policy
+    budget: Budget
+
+
+def resolve(cfg: DictConfig) -> Job:
+    """Validate every setting of the composed run config and resolve its per-model settings."""
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(settings, dict)
+    settings.pop("hydra", None)
+    check_settings(settings)
+    budget = Budget.parse(settings["budget"]["spec"])
+    policy = build_policy(settings["policy"]["name"], settings["policy"])
+    policy.for_model(settings["model"].get("hf_id"), budget)
+    settings["policy"] = policy.settings()
+    return Job(OmegaConf.create(settings), policy, budget)
+
+
+def check_settings(settings: dict[str, Any]) -> None:
+    """A one-line error for a setting no part of the job reads (added with ``+key=`` or by an experiment
+    file): top-level keys, ``engine.*`` and each group's keys against its YAML. Policy keys are checked
+    when the policy is built."""
+    top = [str(key) for key in OmegaConf.load(CONF_DIR / "config.yaml") if key != "defaults"]
+    _unknown("", settings, [*top, *GROUPS, "policy"], "the run config")
+    _unknown("engine.", settings["engine"], engine_keys(), "the engine")
+    for group in GROUPS:
+        name = settings[group].get("name") if group != "budget" else None
+        valid = ["spec"] if group == "budget" else group_keys(group, name)
+        _unknown(f"{group}.", settings[group], valid, f"{group} {name}" if name else group)
+
+
+def _unknown(prefix: str, node: dict[str, Any], valid: list[str], where: str) -> None:
+    unknown = sorted(set(map(str, node)) - set(valid))
+    if unknown:
+        raise KVBenchError(f"unknown key {prefix}{unknown[0]} for {where}; valid keys: {', '.join(sorted(valid))}")

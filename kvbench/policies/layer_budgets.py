@@ -1,0 +1,157 @@
+"""Layer budgets: how an average per-layer budget is shared over the layers.
+
+A strategy is a small dataclass that owns its parameters and, where a paper tunes them per model, the
+table of per-model values (keyed by the model's Hugging Face id, filled in by :meth:`LayerBudget.for_model`
+when a parameter is ``None``). A policy holds one (``policy.layer_budget``; Hydra: ``{name: pyramid,
+beta: 20.0}``, or just ``policy.layer_budget=cake`` for a strategy with its defaults).
+
+* ``uniform`` (here): every layer keeps the budget.
+* ``pyramid`` (``pyramidkv.py``): PyramidKV eq. 7, budgets falling linearly from the bottom layer to the top.
+* ``cake`` (``cake.py``) and ``vabs`` (``slake.py``) are *dynamic*: each layer's preference is scored from
+  its observation-window attention during prefill and the total is shared in CAKE's cascading manner
+  (:class:`CascadingAllocation`, driven by the cache): CAKE's preference (entropy and variance of
+  attention), or SLAKE's value-aware budget scores (eqs. 15–18).
+
+Each paper's strategy lives in that paper's policy file and registers itself with ``@register_layer_budget``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+
+import torch
+
+from kvbench.errors import KVBenchError, choose
+from kvbench.policies.budgets import Budget
+
+if TYPE_CHECKING:
+    from kvbench.policies.base import AttentionStats
+
+LAYER_BUDGETS: dict[str, type[LayerBudget]] = {}
+
+
+def register_layer_budget(cls):
+    LAYER_BUDGETS[cls.name] = cls
+    return cls
+
+
+@dataclass
+class LayerBudget:
+    """Splits ``budget × num_layers`` tokens over layers (the reserved sinks/window in every layer)."""
+
+    name: ClassVar[str]
+    paper: ClassVar[str]
+    #: allocated during prefill from the layers' attention (the cache calls :meth:`preference`)
+    dynamic: ClassVar[bool] = False
+
+    def allocate(self, budget: int, num_layers: int, reserved: int, prompt_len: int) -> list[int]:
+        """Per-layer budgets before the prompt is seen; dynamic strategies start uniform."""
+        return [budget] * num_layers
+
+    def for_model(self, model_id: str | None, budget: Budget) -> LayerBudget:
+        """This strategy with its per-model values filled in where a parameter is ``None``."""
+        return self
+
+    def observation_window(self, scoring_window: int) -> int:
+        """Recent queries whose attention gives a dynamic strategy's layer preference: the policy's scoring
+        window, or CAKE's default observation window of 32 where that is a single query (TOVA)."""
+        return scoring_window if scoring_window > 1 else 32
+
+    def preference(self, stats: AttentionStats, evicted: torch.Tensor) -> float:
+        """A dynamic strategy's preference of one layer from its window attention ``stats`` and the slots
+        ``evicted [B,Hc,T]`` that the average budget would evict."""
+        raise NotImplementedError
+
+    def parameters(self) -> dict[str, Any]:
+        """``{"name": ..., **fields}``: the Hydra node of this strategy."""
+        return {"name": self.name, **asdict(self)}
+
+
+@register_layer_budget
+@dataclass
+class Uniform(LayerBudget):
+    """Every layer keeps the same budget."""
+
+    name = "uniform"
+    paper = "—"
+
+
+@dataclass
+class DynamicLayerBudget(LayerBudget):
+    """Budgets from each layer's preference during prefill (CAKE Alg. 1's cascading allocation)."""
+
+    dynamic = True
+
+
+def build_layer_budget(spec: LayerBudget | str | Mapping[str, Any]) -> LayerBudget:
+    """A strategy from its name (defaults) or its Hydra node ``{name: ..., <parameter>: ...}``."""
+    if isinstance(spec, LayerBudget):
+        return spec
+    node = {"name": spec} if isinstance(spec, str) else dict(spec)
+    name = node.pop("name", None)
+    choose("policy.layer_budget", name, LAYER_BUDGETS)
+    cls = LAYER_BUDGETS[name]
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(node) - known)
+    if unknown:
+        raise KVBenchError(
+            f"unknown key policy.layer_budget.{unknown[0]} for layer budget {name!r}; valid keys: "
+            + ", ".join(["name", *sorted(known)])
+        )
+    return cls(**node)
+
+
+def conserve_total(raw: list[float], total: int, caps: list[int] | None = None) -> list[int]:
+    """Round shares ``∝ raw`` (non-negative; all zero = equal) to integers summing to ``total`` (largest
+    remainders first). With ``caps`` no share exceeds its cap: capped shares are fixed and the rest of the
+    total is shared again in proportion (water-filling); if the caps hold less than ``total``, all are full."""
+    caps_or_inf: list[float] = [math.inf] * len(raw) if caps is None else list(caps)
+    if caps is not None and total >= sum(caps):
+        return list(caps)
+    weights = list(raw) if sum(raw) > 0 else [1.0] * len(raw)
+    exact, open_, left = [0.0] * len(raw), set(range(len(raw))), float(total)
+    while open_:
+        weight = sum(weights[index] for index in open_)
+        if weight == 0:  # only zero-preference shares remain open: they split the rest equally
+            weights = [1.0 if index in open_ else value for index, value in enumerate(weights)]
+            continue
+        scale = left / weight
+        over = {index for index in open_ if weights[index] * scale > caps_or_inf[index]}
+        if not over:
+            exact = [weights[index] * scale if index in open_ else value for index, value in enumerate(exact)]
+            break
+        for index in over:
+            exact[index] = caps_or_inf[index]
+            left -= caps_or_inf[index]
+        open_ -= over
+    rounded = [int(value) for value in exact]
+    order = sorted(range(len(raw)), key=lambda index: exact[index] - rounded[index], reverse=True)
+    for index in order[: total - sum(rounded)]:
+        rounded[index] += 1
+    return rounded
+
+
+@dataclass
+class CascadingAllocation:
+    """CAKE's cascading cache management (CAKE Alg. 1): prefill is split into one stage per layer.
+
+    At stage ``m`` the layers ``0..m`` share the whole non-reserved total ``(budget − reserved) × L`` in
+    proportion to their preferences, ``B_l = reserved + P_l / Σ_{k≤m} P_k · (budget − reserved) · L``, each
+    capped by what it holds (earlier layers were already evicted and cannot grow back). Shares only shrink
+    as stages add preferences, so the last stage is the plain proportional allocation (to a token of
+    rounding), its total conserved exactly.
+    """
+
+    budget: int
+    reserved: int
+    num_layers: int
+    preferences: list[float] = field(default_factory=list)
+
+    def stage(self, preference: float, sizes: list[int]) -> list[int]:
+        """Add the next layer's preference; budgets of layers ``0..m`` given their current ``sizes``."""
+        self.preferences.append(preference)
+        total = (self.budget - self.reserved) * self.num_layers
+        shares = conserve_total(self.preferences, total, caps=[size - self.reserved for size in sizes])
+        return [self.reserved + share for share in shares]
