@@ -34,11 +34,11 @@ def group_options(group: str) -> list[str]:
 
 def policy_node(spec: str, policy_settings: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The Hydra node of ``base+modifier+...``: every setting of the policy built with its dataclass defaults,
-    overridden by ``policy_settings[base]`` then ``policy_settings[modifier]`` (an experiment's per-policy
-    settings); ``name`` = the spec."""
+    overridden by ``policy_settings[base]``, then ``[modifier]`` for each modifier, then ``[spec]`` for the
+    whole spec (an experiment's per-policy settings); ``name`` = the spec."""
     base, modifiers = parse_spec(spec)
     settings: dict[str, Any] = {}
-    for part in (base, *modifiers):
+    for part in (base, *modifiers, spec):
         settings.update((policy_settings or {}).get(part, {}))
     return build_policy(spec, settings).settings()
 
@@ -75,7 +75,8 @@ def experiment_policy_settings(experiment: str) -> dict[str, dict[str, Any]]:
     settings = OmegaConf.to_container(node, resolve=True) if node is not None else {}
     assert isinstance(settings, dict)
     for part in settings:
-        choose(f"policy_settings entry of experiment {experiment}", part, [*BASES, *MODIFIERS])
+        if part not in BASES and part not in MODIFIERS:
+            parse_spec(part)  # a whole spec, e.g. cake+slake
     return settings
 
 

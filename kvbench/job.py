@@ -21,6 +21,10 @@ from kvbench.policies import build_policy
 from kvbench.policies.base import Policy
 from kvbench.policies.budgets import Budget
 
+#: the prompt length against which a fraction budget is checked before any prompt exists (an int budget is
+#: checked against a prompt of ten times it); the engine checks every real prompt again
+NOMINAL_PROMPT = 100_000
+
 #: the config groups of a run and their settings files (conf/<group>/<option>.yaml)
 GROUPS = ("model", "task", "budget", "logger")
 
@@ -44,6 +48,8 @@ def resolve(cfg: DictConfig) -> Job:
     budget = Budget.parse(settings["budget"]["spec"])
     policy = build_policy(settings["policy"]["name"], settings["policy"])
     policy.for_model(settings["model"].get("hf_id"), budget)
+    nominal = NOMINAL_PROMPT if budget.tokens is None else 10 * budget.tokens
+    policy.check_budget(budget.resolve(nominal), nominal)
     settings["policy"] = policy.settings()
     return Job(OmegaConf.create(settings), policy, budget)
 

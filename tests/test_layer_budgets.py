@@ -185,7 +185,7 @@ def test_slake_experiment_runs_table_3_exponents(model, budget):
     assert (job.policy.layer_budget.name, job.policy.layer_budget.alpha, job.policy.layer_budget.beta) == (
         "vabs", *table3[model, budget])
     assert dict(job.cfg.policy.layer_budget) == {"name": "vabs", "alpha": table3[model, budget][0],
-                                                 "beta": table3[model, budget][1], "gamma": 0.1}
+                                                 "beta": table3[model, budget][1], "gamma": 0.1, "stand_in": {}}
     explicit = resolve(compose([*settings, "policy.layer_budget.alpha=0.9"])).policy.layer_budget
     assert (explicit.alpha, explicit.beta) == (0.9, table3[model, budget][1])
 

@@ -47,7 +47,7 @@ def test_h2o_obcache_accumulates_obcache_scores_over_all_queries(kind):
 @pytest.mark.parametrize("kind", ["value", "key", "joint"])
 def test_tova_obcache_uses_the_last_query(kind):
     budget, seed = 12, 8
-    kept = evict_with_cache(f"tova+obcache_{kind}", {}, budget, seed)
+    kept = evict_with_cache(f"tova+obcache_{kind}", {"heads": "head"}, budget, seed)
     queries, keys, values = random_layer(seed)
     logits, weights, outputs, v = full_attention(queries, keys, values, [TOKENS - 1])
     assert kept == kept_by_scores(group_sum(getattr(obcache(weights, logits, outputs, v), kind)), budget)
@@ -56,25 +56,41 @@ def test_tova_obcache_uses_the_last_query(kind):
 @pytest.mark.parametrize("spec,score,power", [("tova+caote", caote, 1.0), ("tova+fastcaote", fast_caote, 1.0)])
 def test_tova_caote_ranks_by_eviction_error_of_last_query(spec, score, power):
     budget, seed = 12, 9
-    kept = evict_with_cache(spec, {}, budget, seed)
+    kept = evict_with_cache(spec, {"heads": "head"}, budget, seed)
     queries, keys, values = random_layer(seed)
     _, weights, _, _ = full_attention(queries, keys, values, [TOKENS - 1])
     alpha = group_sum(weights[:, :, 0])
     assert kept == kept_by_scores(score(alpha, values.double(), power), budget)
 
 
-def test_h2o_caote_uses_eq7_normalised_accumulated_score_squared():
+def test_tova_layer_mode_averages_the_modified_scores_over_heads():
+    """TOVA's layer mode (its released code): the per-head CAOTE scores averaged over the layer's heads
+    pick one token set, kept in every head."""
+    budget, seed = 12, 9
+    kept = evict_with_cache("tova+caote", {}, budget, seed)
+    queries, keys, values = random_layer(seed)
+    _, weights, _, _ = full_attention(queries, keys, values, [TOKENS - 1])
+    per_head = caote(group_sum(weights[:, :, 0]), values.double(), 1.0)  # [1,Hkv,T]
+    layer = per_head.mean(dim=1, keepdim=True).expand_as(per_head)
+    assert kept == kept_by_scores(layer, budget) and kept[0] == kept[1]
+
+
+@pytest.mark.parametrize("settings,power", [({}, 1.0), ({"power": 2.0}, 2.0)])
+def test_h2o_caote_ranks_the_normalised_accumulated_score(settings, power):
+    """CAOTE over H2O: eq. 6 on the accumulated score normalised to the simplex (default, unsquared), or
+    eq. 7 as printed (``power=2``)."""
     budget, recent, seed = 16, 4, 10
-    policy = build_policy("h2o+caote", {"window": recent})
-    assert policy.modifiers[0].power == 2.0
-    kept = evict_with_cache("h2o+caote", {"window": recent}, budget, seed)
+    policy = build_policy("h2o+caote", {"window": recent, **settings})
+    assert policy.modifiers[0].power == power
+    kept = evict_with_cache("h2o+caote", {"window": recent, **settings}, budget, seed)
     queries, keys, values = random_layer(seed)
     _, weights, _, _ = full_attention(queries, keys, values, list(range(TOKENS)))
     accumulated = group_sum(weights.sum(dim=2))
-    expected = kept_by_scores(caote(accumulated, values.double(), 2.0), budget, reserved=range(TOKENS - recent, TOKENS))
+    expected = kept_by_scores(caote(accumulated, values.double(), power), budget, reserved=range(TOKENS - recent, TOKENS))
     assert kept == expected
 
 
 def test_caote_power_is_a_parameter():
-    assert build_policy("snapkv+caote", {"power": 1.0}).modifiers[0].power == 1.0
-    assert build_policy("tova+caote").modifiers[0].power == 1.0
+    assert build_policy("snapkv+caote", {"power": 2.0}).modifiers[0].power == 2.0
+    for spec in ("tova+caote", "h2o+caote", "snapkv+caote", "h2o+fastcaote"):
+        assert build_policy(spec).modifiers[0].power == 1.0

@@ -87,13 +87,43 @@ def test_h2o_matches_accumulated_attention(seed):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_tova_matches_last_query_attention(seed):
+def test_tova_head_mode_matches_last_query_attention(seed):
     budget = 12
-    kept = evict_with_cache("tova", {}, budget, seed)
+    kept = evict_with_cache("tova", {"heads": "head"}, budget, seed)
     queries, keys, _ = random_layer(seed)
     for head in range(KV_HEADS):
         scores = head_scores(queries, keys, head, [TOKENS - 1])
         assert kept[head] == top_positions(scores, list(range(TOKENS)), budget)
+    assert kept[0] != kept[1]  # each head keeps its own tokens
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tova_layer_mode_keeps_the_head_averaged_top_tokens_in_every_head(seed):
+    """TOVA's released code: the last query's attention averaged over all heads of the layer, one top-k,
+    the same positions in every cache head."""
+    budget = 12
+    kept = evict_with_cache("tova", {}, budget, seed)
+    queries, keys, _ = random_layer(seed)
+    averaged = [sum(column) for column in zip(*(head_scores(queries, keys, h, [TOKENS - 1]) for h in range(KV_HEADS)))]
+    assert all(head == top_positions(averaged, list(range(TOKENS)), budget) for head in kept)
+
+
+def test_h2o_scored_over_a_window_is_snapkv_without_pooling():
+    """OBCache's prefill H2O ("SnapKV's version", App. C.2.1): with ``score_window = window`` it keeps what
+    SnapKV with ``pool=none`` keeps; scoring every query (H2O's own) keeps something else."""
+    budget, window = 16, 6
+    for seed in range(3):
+        windowed = evict_with_cache("h2o", {"window": window, "score_window": window}, budget, seed)
+        assert windowed == evict_with_cache("snapkv", {"window": window, "pool": "none"}, budget, seed)
+    assert any(
+        evict_with_cache("h2o", {"window": window}, budget, seed) != evict_with_cache("h2o", {"window": window, "score_window": window}, budget, seed)
+        for seed in range(3)
+    )
+
+
+def test_sinks_are_kept_by_h2o_and_tova():
+    for spec, settings in (("h2o", {"window": 4, "n_sink": 4}), ("tova", {"n_sink": 4})):
+        assert all({0, 1, 2, 3} <= head for head in evict_with_cache(spec, settings, 12, seed=1))
 
 
 @pytest.mark.parametrize("pool,kernel", [("avg", 5), ("max", 7), ("none", 1)])
@@ -124,7 +154,7 @@ def test_sink_keeps_first_and_most_recent_tokens():
 
 def test_gqa_repeat_layout_selects_per_query_head():
     budget = 12
-    kept = evict_with_cache("tova", {"gqa": "repeat"}, budget, seed=4)
+    kept = evict_with_cache("tova", {"gqa": "repeat", "heads": "head"}, budget, seed=4)
     assert len(kept) == Q_HEADS
     queries, keys, _ = random_layer(4)
     for q_head in range(Q_HEADS):

@@ -49,7 +49,12 @@ def test_paper_protocols_are_pinned():
     assert sweeper_params("caote")["budget"] == "2k,4k,6k,8k"
     obcache = compose_run(["+experiment=obcache_niah", "policy=snapkv"])
     assert (obcache.engine.regime, obcache.policy.window, obcache.policy.pool, obcache.policy.kernel) == ("oneshot", 16, "max", 7)
-    assert compose_run(["+experiment=obcache", "policy=h2o"]).policy.window == "5pct"
+    h2o = compose_run(["+experiment=obcache", "policy=h2o"]).policy
+    assert (h2o.window, h2o.score_window, h2o.gqa) == (0.05, 0.05, "repeat")  # 5% of the budget (obcache.yaml)
+    pg19 = {spec: compose_run(["+experiment=obcache_pg19", f"policy={spec}"]).policy for spec in ("sink", "h2o", "tova")}
+    assert [pg19[spec].n_sink for spec in pg19] == [4, 4, 4] and pg19["h2o"].window == 256
+    caote_node = compose_run(["+experiment=caote", "policy=snapkv+caote"]).policy
+    assert (caote_node.power, caote_node.window, caote_node.pool) == (1.0, 32, "avg")
     calidrop = compose_run(["+experiment=calidrop", "policy=sink+calidrop"])
     assert (calidrop.policy.n_sink, calidrop.policy.theta1, calidrop.policy.theta2) == (32, 0.7, 0.85)
     assert compose_run(["+experiment=calidrop", "policy=snapkv"]).policy.window == 32

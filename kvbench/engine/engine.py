@@ -150,6 +150,7 @@ class Engine:
         layer budgets (``cake``, ``vabs``) start uniform and are re-allocated by the cache during prefill."""
         budget = self.budget.resolve(prompt_len)
         policy = self.policy if budget < prompt_len else Full(gqa=self.policy.gqa)
+        policy.check_budget(budget, prompt_len)
         reserved = policy.reserved_recent(budget, prompt_len) + policy.reserved_sinks()
         budgets = policy.layer_budget.allocate(budget, self.num_layers, reserved, prompt_len)
         return EvictionCache(

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.errors import choose
+from kvbench.errors import KVBenchError, choose
 from kvbench.policies.budgets import Budget
 from kvbench.policies.layer_budgets import LayerBudget, Uniform
 from kvbench.policies.scores import reduce_gqa
@@ -226,8 +226,6 @@ class Policy:
     evicts: ClassVar[bool] = True
     #: whether scores need attention statistics at all (``full`` and ``sink`` do not)
     needs_attention: ClassVar[bool] = True
-    #: H2O-style: contributions of every query ever seen are summed into a running score
-    accumulates: ClassVar[bool] = False
 
     #: GQA: sum the scores of a KV head's query heads (OBCache App. B.5), average them, or ``repeat``
     #: (KV stored per query head, each choosing its own tokens: the SnapKV / KVCache-Factory layout)
@@ -240,6 +238,11 @@ class Policy:
         choose("policy.gqa", self.gqa, GQA_MODES)
 
     # -- hooks ---------------------------------------------------------------------------------------
+    @property
+    def accumulates(self) -> bool:
+        """H2O-style: the contributions of every query ever seen are summed into a running score."""
+        return False
+
     def scoring_window(self, budget: int, prompt_len: int, decoding: bool = False) -> int:
         """How many of the most recent queries are scored at eviction time (ignored when accumulating);
         ``decoding``: an eviction during generation rather than prefill."""
@@ -313,6 +316,16 @@ class Policy:
         for modifier in self.modifiers:
             scores = modifier.transform(scores, values)
         return scores
+
+    def check_budget(self, budget: int, prompt_len: int) -> None:
+        """A one-line error when the reserved sinks and recent window fill the whole ``budget`` for a prompt
+        of ``prompt_len`` tokens: a scoring policy would keep no heavy hitter and become a recency policy."""
+        reserved = self.reserved_recent(budget, prompt_len) + self.reserved_sinks()
+        if self.evicts and self.needs_attention and budget < prompt_len and reserved >= budget:
+            raise KVBenchError(
+                f"policy {self.spec} reserves {reserved} of its {budget}-token budget (window/sinks) for a "
+                f"{prompt_len}-token prompt: no heavy hitters are left; lower policy.window or raise the budget"
+            )
 
     def for_model(self, model_id: str | None, budget: Budget) -> None:
         """Fill in the per-model settings of the layer budget (CAKE's τ, SLAKE's VABS α/β) for the model

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.policies.base import Modifier, Policy
+from kvbench.policies.base import Modifier
 from kvbench.policies.registry import register
 from kvbench.policies.scores import caote, fast_caote
 
@@ -14,27 +14,25 @@ from kvbench.policies.scores import caote, fast_caote
 class CAOTE(Modifier):
     """``c_j = α_j/(1−α_j)·‖v_j − X_attn‖^power`` with α the base score normalised over the cache.
 
-    ``power=None`` follows the paper per base: eq. 6 (``power=1``, the exact eviction error, Theorem A.2)
-    for TOVA's probability vector; eq. 7 as printed (``power=2``) for the normalised H2O/SnapKV scores.
+    ``power=1`` (default, every base) is eq. 6: the exact single-token eviction error (Theorem A.2), which
+    eq. 8, the text ("converts any such scores to a probability simplex and then applies (6)") and the
+    paper's summary also use unsquared; ``power=2`` is eq. 7 as printed for the normalised H2O/SnapKV
+    scores, the one place the norm is squared.
     """
 
     name = "caote"
     paper = "CAOTE (Goel et al., 2025)"
 
-    power: float | None = None
-
-    def bind(self, base: Policy) -> None:
-        if self.power is None:
-            self.power = 1.0 if base.name == "tova" else 2.0
+    power: float = 1.0
 
     def transform(self, scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return caote(scores, values.float(), self.power)  # CAOTE eq. (6)/(7)
+        return caote(scores, values.float(), self.power)  # CAOTE eq. (6) (power=2: eq. (7) as printed)
 
 
 @register
 @dataclass
 class FastCAOTE(CAOTE):
-    """FastCAOTE: CAOTE with ``X_attn`` replaced by the mean value vector (CAOTE eq. 8)."""
+    """FastCAOTE: CAOTE with ``X_attn`` replaced by the mean value vector (CAOTE eq. 8, unsquared)."""
 
     name = "fastcaote"
 

@@ -10,17 +10,32 @@ from kvbench.policies.registry import register
 @register
 @dataclass
 class H2O(Policy):
-    """Score ``Σ_i A_ip`` over every query seen so far (H2O §3, eq. 2's accumulated attention).
+    """Score ``Σ_i A_ip`` over every query seen so far (H2O §3, eq. 2's accumulated attention), or over the
+    last ``score_window`` queries only: "SnapKV's version of H2O" that OBCache App. C.2.1 runs in prefill,
+    which then keeps exactly what ``snapkv`` with ``pool=none`` and the same window keeps.
 
-    ``window`` recent tokens are always kept: an int, a fraction of the budget (0.5 = CaliDrop's half
-    heavy / half recent) or ``'Npct'`` of the prompt (OBCache's LongBench setting).
+    ``window`` recent tokens and the first ``n_sink`` tokens are always kept. Windows are an int, a fraction
+    of the budget (0.5 = CaliDrop's half heavy / half recent) or ``'Npct'`` of the prompt.
     """
 
     name = "h2o"
     paper = "H2O (arXiv 2306.14048)"
-    accumulates = True
 
     window: Any = 0.5
+    #: queries whose attention is summed: null = every query seen (H2O), else the most recent ones
+    score_window: Any = None
+    #: attention sinks kept besides the heavy hitters (OBCache App. C.2.2 keeps 4 in every method)
+    n_sink: int = 0
+
+    @property
+    def accumulates(self) -> bool:
+        return self.score_window is None
+
+    def scoring_window(self, budget: int, prompt_len: int, decoding: bool = False) -> int:
+        return 1 if self.score_window is None else max(1, window_tokens(self.score_window, budget, prompt_len))
 
     def reserved_recent(self, budget: int, prompt_len: int) -> int:
         return window_tokens(self.window, budget, prompt_len)
+
+    def reserved_sinks(self) -> int:
+        return self.n_sink

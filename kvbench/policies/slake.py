@@ -22,7 +22,7 @@ attention only; multi-token prefill blocks attend to the kept cache alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -142,11 +142,14 @@ class Vabs(DynamicLayerBudget):
     alpha: float | None = None
     beta: float | None = None
     gamma: float = 0.1
+    #: model id → the model whose Table 3 row it borrows (an experiment's documented stand-in, e.g. Table 4's
+    #: Llama-3-8B, which Table 3 lacks)
+    stand_in: dict[str, str] = field(default_factory=dict)
 
     def for_model(self, model_id: str | None, budget: Budget) -> Vabs:
         if self.alpha is not None and self.beta is not None:
             return self
-        table = VABS_EXPONENTS.get(model_id or "", {})
+        table = VABS_EXPONENTS.get(self.stand_in.get(model_id or "", model_id or ""), {})
         if budget.tokens not in table:
             listed = ", ".join(f"{model} @ {'/'.join(map(str, rows))}" for model, rows in VABS_EXPONENTS.items())
             raise KVBenchError(
