@@ -82,16 +82,17 @@ def test_decomposition_merge_is_full_attention(seed):
 def test_later_evictions_merge_into_the_cached_state():
     """Entries evicted in two rounds leave ``C_lse, C_out`` equal to attention of ``C_q`` over their union."""
     queries, keys, values = random_layer(3)
-    modifier, state, last_query = CaliDrop(), {}, queries[:, :, -1]
+    modifier, last_query = CaliDrop(), queries[:, :, -1]
+    state = modifier.new_state()
     rounds = [slice(0, 10), slice(10, 25)]
     for part in rounds:
         positions = torch.arange(TOKENS)[part].expand(1, KV_HEADS, -1)
         evicted = Evicted(keys[:, :, part], values[:, :, part], positions, torch.rand(positions.shape))
         modifier.on_evict(state, evicted, last_query, SCALING)
     expected_lse, expected_out = direct_attention(last_query, keys[:, :, :25], values[:, :, :25])
-    torch.testing.assert_close(state["lse"].reshape(1, Q_HEADS).double(), expected_lse, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(state["out"].reshape(1, Q_HEADS, -1).double(), expected_out, rtol=1e-5, atol=1e-5)
-    assert len(state["store"]) == 25
+    torch.testing.assert_close(state.lse.reshape(1, Q_HEADS).double(), expected_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state.out.reshape(1, Q_HEADS, -1).double(), expected_out, rtol=1e-5, atol=1e-5)
+    assert len(state.store) == 25
 
 
 def test_calib_size_keeps_the_best_scored_evicted_entries():
@@ -103,7 +104,7 @@ def test_calib_size_keeps_the_best_scored_evicted_entries():
         cache.begin_forward(torch.arange(TOKENS), evict=True, track_scores=True)
         cache.update(keys, values, 0)
         cache.after_attention(0, queries, SCALING)
-        kept.append(cache.layers[0].modifier_state["calidrop"]["store"])
+        kept.append(cache.layers[0].modifier_state["calidrop"].store)
     small, everything = kept
     assert small.keys.shape == (1, KV_HEADS, 7, keys.shape[-1]) and len(everything) == TOKENS - 16
     for head in range(KV_HEADS):
@@ -127,7 +128,7 @@ def test_recomputing_every_step_equals_full(llama, spec):
         runner.prefill(cache, random_prompt(150))
     for layer in cache.layers:
         assert layer.keys.shape == layer.values.shape == (1, KV_HEADS, BUDGET, 16)
-        assert layer.modifier_state["calidrop"]["store"].keys.shape == (1, KV_HEADS, 150 - BUDGET, 16)
+        assert layer.modifier_state["calidrop"].store.keys.shape == (1, KV_HEADS, 150 - BUDGET, 16)
 
 
 @pytest.mark.parametrize("offload", [False, True])

@@ -123,3 +123,35 @@ def test_policies_lists_every_policy(capsys):
     rows = {line.split()[0]: line for line in listing.splitlines() if " base " in line}
     assert "tau" not in rows["h2o"] and "vabs" not in rows["h2o"] and "beta" not in rows["snapkv"]
     assert "'name': 'pyramid', 'beta': 20.0" in rows["pyramidkv"] and "gamma=200.0" in rows["cake"]
+
+
+def test_metrics_are_the_per_sample_records_aggregated(tmp_path):
+    """metrics.json recomputed from predictions.jsonl: per-layer and byte KV figures are maxima over samples,
+    timings sums, scores means; then on records whose KV figures differ, so that a min would show."""
+    from kvbench.config import compose
+    from kvbench.job import resolve
+    from kvbench.run import summarize
+    from kvbench.tasks.base import Task
+
+    out = tmp_path / "run"
+    kvbench("run", *RULER, "policy=snapkv", "budget=64", f"output_dir={out}")
+    metrics, records = read_run(out)
+    kv = [record["kv"] for record in records]
+    for key in ("after_prefill_tokens_per_layer", "peak_tokens_per_layer"):
+        assert metrics["kv_cache"][key] == [max(column) for column in zip(*(k[key] for k in kv))]
+    assert metrics["kv_cache"]["peak_bytes"] == max(k["peak_bytes"] for k in kv)
+    assert metrics["timing"]["total_seconds"] == pytest.approx(sum(r["timing"]["total_seconds"] for r in records))
+    assert metrics["scores"]["niah_single_1"] == pytest.approx(100 * sum(r["score"] for r in records) / len(records))
+
+    small = {"after_prefill_tokens_per_layer": [30, 30], "peak_tokens_per_layer": [31, 31], "peak_bytes": 10, "full_bytes": 10}
+    large = {"after_prefill_tokens_per_layer": [64, 50], "peak_tokens_per_layer": [65, 51], "peak_bytes": 90, "full_bytes": 200}
+    timing = {"prefill_seconds": 1.0, "decode_seconds": 2.0, "total_seconds": 3.0}
+    synthetic = [{"id": str(i), "subtask": "s", "score": i, "kv": kv, "timing": timing} for i, kv in enumerate((small, large))]
+    job = resolve(compose([*RULER, "policy=snapkv", "budget=64"]))
+    class Scored(Task):
+        samples = score = None  # type: ignore[assignment]
+
+    summary = summarize(job.cfg, Scored(job.cfg.task, None), synthetic)
+    assert summary["kv_cache"] == {"after_prefill_tokens_per_layer": [64, 50], "peak_tokens_per_layer": [65, 51],
+                                   "peak_bytes": 90, "full_bytes": 200}
+    assert summary["timing"]["total_seconds"] == 6.0 and summary["scores"] == {"s": 50.0}

@@ -95,7 +95,7 @@ def test_linear_state_folds_exactly_the_evicted_entries():
     cache.update(keys, values, 0)
     cache.after_attention(0, queries, SCALING)
     layer = cache.layers[0]
-    state = layer.modifier_state["slake"]["linear"]
+    state = layer.modifier_state["slake"].linear
     assert torch.equal(state.count, torch.full((1, KV_HEADS), float(TOKENS - 16)))
     for head in range(KV_HEADS):
         gone = sorted(set(range(TOKENS)) - set(layer.positions[0, head].tolist()))

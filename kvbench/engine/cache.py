@@ -14,11 +14,12 @@ manner while the first evicting forward passes through the layers (:meth:`Evicti
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvbench.policies.base import AttentionStats, Evicted, Policy
+from kvbench.policies.base import AttentionStats, Evicted, Modifier, Policy
 from kvbench.policies.layer_budgets import CascadingAllocation
 
 
@@ -40,7 +41,7 @@ class EvictionLayer(DynamicLayer):
         self.recent_query_positions: torch.Tensor | None = None
         self.last_query: torch.Tensor | None = None
         self.ranking: torch.Tensor | None = None
-        self.modifier_state: dict[str, dict] = {}
+        self.modifier_state: dict[str, Any] = {}
         self.peak_tokens = 0
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
@@ -160,7 +161,7 @@ class EvictionCache(Cache):
         dynamic layer budget, each layer's ``layer_preference``."""
         stats = {}
         for modifier in self.attending:
-            stats.update(modifier.stats([layer.modifier_state.get(modifier.name, {}) for layer in self.layers]))
+            stats.update(modifier.stats([self._state(layer, modifier) for layer in self.layers]))
         if self.allocation is not None:
             stats["layer_preference"] = list(self.allocation.preferences)
         return stats
@@ -185,7 +186,7 @@ class EvictionCache(Cache):
         layer = self.layers[layer_idx]
         for modifier in self.attending:
             replaced = modifier.attend(
-                layer.modifier_state.setdefault(modifier.name, {}), query, keys, values, output, scaling
+                self._state(layer, modifier), query, keys, values, output, scaling
             )
             output = output if replaced is None else replaced
         return output
@@ -286,7 +287,7 @@ class EvictionCache(Cache):
         evicted = layer.dropped_by(kept) if self.attending else None
         layer.keep(kept)
         for modifier in self.attending:
-            modifier.on_evict(layer.modifier_state.setdefault(modifier.name, {}), evicted, layer.last_query, scaling)
+            modifier.on_evict(self._state(layer, modifier), evicted, layer.last_query, scaling)
         self._account(layer_idx)
 
     def _allocate(self, layer_idx: int, scaling: float):
@@ -320,6 +321,13 @@ class EvictionCache(Cache):
         kept = self._reserve(layer_idx, budget, scores).topk(budget, dim=-1).indices
         evicted = torch.ones_like(scores, dtype=torch.bool).scatter_(-1, kept, False)  # [B,Hc,T]
         return policy.layer_budget.preference(stats, evicted)
+
+    @staticmethod
+    def _state(layer: EvictionLayer, modifier: Modifier) -> Any:
+        """The attending modifier's state in ``layer``, created on first use."""
+        if modifier.name not in layer.modifier_state:
+            layer.modifier_state[modifier.name] = modifier.new_state()
+        return layer.modifier_state[modifier.name]
 
     def _account(self, layer_idx: int):
         layer = self.layers[layer_idx]

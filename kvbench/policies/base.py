@@ -194,13 +194,18 @@ class Modifier:
         """Re-weight summed per-KV-head scores ``[B,Hkv,T]`` given the cached ``values [B,Hkv,T,D]``."""
         return scores
 
-    def on_evict(self, state: dict, evicted: Evicted, last_query: torch.Tensor, scaling: float) -> None:
-        """A layer just evicted ``evicted`` (prefill or decode); ``state`` is this modifier's slot in that
-        layer and ``last_query [B,Hq,D]`` the layer's newest query. Called only when ``attends``."""
+    def new_state(self) -> Any:
+        """This modifier's empty per-layer state (an attending modifier's own dataclass)."""
+        return None
+
+    def on_evict(self, state: Any, evicted: Evicted, last_query: torch.Tensor, scaling: float) -> None:
+        """A layer just evicted ``evicted`` (prefill or decode); ``state`` is this modifier's state in that
+        layer (:meth:`new_state`) and ``last_query [B,Hq,D]`` the layer's newest query. Called only when
+        ``attends``."""
 
     def attend(
         self,
-        state: dict,
+        state: Any,
         query: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
@@ -211,7 +216,7 @@ class Modifier:
         [B,Hc,T,D]`` (its own token included) and got ``output [B,1,Hq,D]``; return a replacement or None."""
         return None
 
-    def stats(self, states: list[dict]) -> dict[str, Any]:
+    def stats(self, states: list[Any]) -> dict[str, Any]:
         """Per-sample statistics from every layer's slot (e.g. CaliDrop's recomputation rate)."""
         return {}
 

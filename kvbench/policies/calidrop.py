@@ -48,6 +48,19 @@ def merge_attention(lse_a: torch.Tensor, out_a: torch.Tensor, lse_b: torch.Tenso
     return torch.logaddexp(lse_a, lse_b), out_a + weight * (out_b - out_a)
 
 
+@dataclass
+class Calibration:
+    """One layer's CaliDrop state: the calibration query ``C_q [B,Hc,G,D]``, ``C_lse [B,Hc,G]`` and ``C_out
+    [B,Hc,G,D]`` over the ``store`` of evicted entries, and the decode steps / recomputations counted."""
+
+    query: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    store: Evicted | None = None
+    steps: int = 0
+    recomputed: torch.Tensor | float = 0.0
+
+
 @register
 @dataclass
 class CaliDrop(Modifier):
@@ -66,50 +79,53 @@ class CaliDrop(Modifier):
         if self.calib_size is not None and self.calib_size < 1:
             raise KVBenchError(f"invalid policy.calib_size {self.calib_size!r}: use a positive token count or null")
 
-    def on_evict(self, state: dict, evicted: Evicted, last_query: torch.Tensor, scaling: float) -> None:
-        if "query" not in state:  # CaliDrop Alg. 1 line 6: C_q ← Q_{-1}
-            state.update(query=by_kv_head(last_query.float(), evicted.keys.shape[1]), steps=0, recomputed=0.0)
+    def new_state(self) -> Calibration:
+        return Calibration()
+
+    def on_evict(self, state: Calibration, evicted: Evicted, last_query: torch.Tensor, scaling: float) -> None:
+        if state.query is None or state.store is None:  # CaliDrop Alg. 1 line 6: C_q ← Q_{-1}
+            state.query = by_kv_head(last_query.float(), evicted.keys.shape[1])
             joined = evicted
         else:
-            joined = state["store"].join(evicted)
+            joined = state.store.join(evicted)
         if self.calib_size is not None and len(joined) > self.calib_size:
             joined = joined.top(self.calib_size)
             on_device = joined.to(evicted.keys.device)
-            state["lse"], state["out"] = attention_lse(state["query"], on_device.keys, on_device.values, scaling)
-        elif "lse" in state:  # newcomers only: merge their part (decomposition theorem, eq. 1)
-            part = attention_lse(state["query"], evicted.keys, evicted.values, scaling)
-            state["lse"], state["out"] = merge_attention(state["lse"], state["out"], *part)
+            state.lse, state.out = attention_lse(state.query, on_device.keys, on_device.values, scaling)
+        elif state.lse is not None and state.out is not None:  # newcomers only: merge their part (eq. 1)
+            part = attention_lse(state.query, evicted.keys, evicted.values, scaling)
+            state.lse, state.out = merge_attention(state.lse, state.out, *part)
         else:  # CaliDrop Alg. 1 lines 4–5
-            state["lse"], state["out"] = attention_lse(state["query"], evicted.keys, evicted.values, scaling)
-        state["store"] = joined.to("cpu") if self.offload else joined
+            state.lse, state.out = attention_lse(state.query, evicted.keys, evicted.values, scaling)
+        state.store = joined.to("cpu") if self.offload else joined
 
-    def attend(self, state, query, keys, values, output, scaling):
-        if "query" not in state:
+    def attend(self, state: Calibration, query, keys, values, output, scaling):
+        if state.query is None or state.store is None or state.lse is None or state.out is None:
             return None
         batch, q_heads, _, dim = query.shape
         grouped = by_kv_head(query[:, :, 0].float(), keys.shape[1])  # q_t [B,Hc,G,D]
         lse, out = attention_lse(grouped, keys, values, scaling)  # CaliDrop Alg. 1 line 9
-        similarity = F.cosine_similarity(grouped, state["query"], dim=-1)  # Alg. 1 line 10: ρ [B,Hc,G]
+        similarity = F.cosine_similarity(grouped, state.query, dim=-1)  # Alg. 1 line 10: ρ [B,Hc,G]
         recompute = similarity < self.theta1  # Alg. 1 line 11
         if recompute.any():
-            store = state["store"].to(grouped.device)  # reload the offloaded entries
+            store = state.store.to(grouped.device)  # reload the offloaded entries
             fresh_lse, fresh_out = attention_lse(grouped, store.keys, store.values, scaling)  # Alg. 1 lines 12–13
-            state["query"] = torch.where(recompute[..., None], grouped, state["query"])  # Alg. 1 line 14
-            state["lse"] = torch.where(recompute, fresh_lse, state["lse"])
-            state["out"] = torch.where(recompute[..., None], fresh_out, state["out"])
+            state.query = torch.where(recompute[..., None], grouped, state.query)  # Alg. 1 line 14
+            state.lse = torch.where(recompute, fresh_lse, state.lse)
+            state.out = torch.where(recompute[..., None], fresh_out, state.out)
         calibrate = recompute | (similarity > self.theta2)  # Alg. 1 lines 15–17
-        _, merged = merge_attention(lse, out, state["lse"], state["out"])
-        state["steps"] += 1
-        state["recomputed"] = state["recomputed"] + recompute.float().mean()
+        _, merged = merge_attention(lse, out, state.lse, state.out)
+        state.steps += 1
+        state.recomputed = state.recomputed + recompute.float().mean()
         merged = merged.reshape(batch, 1, q_heads, dim).to(output.dtype)
         return torch.where(calibrate.reshape(batch, 1, q_heads, 1), merged, output)
 
-    def stats(self, states: list[dict]) -> dict:
+    def stats(self, states: list[Calibration]) -> dict:
         """``recompute_rate_per_layer`` (recomputations / calibration steps), the overall ``recompute_rate``,
         ``calibration_steps`` (summed over layers) and ``evicted_bytes`` (the kept evicted KV, all layers)."""
-        steps = [state.get("steps", 0) for state in states]
-        recomputed = [float(state.get("recomputed", 0.0)) for state in states]
-        stores = [state["store"] for state in states if "store" in state]
+        steps = [state.steps for state in states]
+        recomputed = [float(state.recomputed) for state in states]
+        stores = [state.store for state in states if state.store is not None]
         return {
             "recompute_rate_per_layer": [done / count if count else 0.0 for done, count in zip(recomputed, steps)],
             "recompute_rate": sum(recomputed) / sum(steps) if sum(steps) else 0.0,

@@ -59,6 +59,13 @@ class LinearState:
         )
 
 
+@dataclass
+class LinearCache:
+    """SLAKE's per-layer state: the folded evicted tokens, once any were evicted."""
+
+    linear: LinearState | None = None
+
+
 def ptaa_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, state: LinearState, scaling: float):
     """PTAA output (SLAKE Alg. 1, eq. 13) of ``query [B,Hc,G,D]`` (float32) over the kept ``keys``/``values
     [B,Hc,T,D]`` and the evicted tokens folded in ``state``: ``[B,Hc,G,D]``. With ``ℓ = 0`` it is softmax
@@ -108,16 +115,19 @@ class Slake(Modifier):
     def default_layer_budget(self, base: Policy) -> LayerBudget | None:
         return Vabs() if base.layer_budget.name == "cake" else None
 
-    def on_evict(self, state: dict, evicted: Evicted, last_query: torch.Tensor, scaling: float) -> None:
-        folded = LinearState.of(evicted.keys, evicted.values)  # SLAKE Alg. 1 'update linear cache'
-        state["linear"] = state["linear"].add(folded) if "linear" in state else folded
+    def new_state(self) -> LinearCache:
+        return LinearCache()
 
-    def attend(self, state, query, keys, values, output, scaling):
-        if "linear" not in state:
+    def on_evict(self, state: LinearCache, evicted: Evicted, last_query: torch.Tensor, scaling: float) -> None:
+        folded = LinearState.of(evicted.keys, evicted.values)  # SLAKE Alg. 1 'update linear cache'
+        state.linear = folded if state.linear is None else state.linear.add(folded)
+
+    def attend(self, state: LinearCache, query, keys, values, output, scaling):
+        if state.linear is None:
             return None
         batch, q_heads, _, dim = query.shape
         grouped = by_kv_head(query[:, :, 0].float(), keys.shape[1])  # [B,Hc,G,D]
-        result = ptaa_attention(grouped, keys, values, state["linear"], scaling)  # SLAKE eq. (13)
+        result = ptaa_attention(grouped, keys, values, state.linear, scaling)  # SLAKE eq. (13)
         return result.reshape(batch, 1, q_heads, dim).to(output.dtype)
 
 

@@ -1,0 +1,36 @@
+"""Test switches: ``RUN_SLOW=1`` also runs the ``slow`` tests that ``-m "not slow"`` deselects; ``model`` tests
+are skipped, with the reason, when the offline SmolLM2 model cannot be obtained (no package registry)."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import pytest
+
+TRUE = ("1", "true", "yes", "on")
+
+
+def pytest_configure(config):
+    if os.environ.get("RUN_SLOW", "").lower() in TRUE and config.option.markexpr.replace(" ", "") == "notslow":
+        config.option.markexpr = ""
+
+
+@lru_cache(maxsize=1)
+def offline_model_problem() -> str | None:
+    """Why the offline SmolLM2 cannot be loaded here, or None (it is then loaded once, for every test)."""
+    from kvbench.engine.models import load_model, model_config
+    from kvbench.errors import KVBenchError
+
+    try:
+        load_model(model_config("smollm2_135m"))
+    except KVBenchError as error:
+        return str(error)
+    return None
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("model") is not None:
+        problem = offline_model_problem()
+        if problem is not None:
+            pytest.skip(f"the offline model smollm2_135m is not available: {problem}")
