@@ -1,4 +1,5 @@
-"""CaliDrop (seed 003, under review): calibrate decode attention with the evicted KV and a historical query.
+"""CaliDrop (KV Cache Compression with Query-Based Calibration): calibrate decode attention with the evicted
+KV and a historical query.
 
 Evicted entries are kept (on the model's device, or on CPU with ``offload``), optionally only the
 ``calib_size`` best by the base's score (§5.3). Per query head the layer caches a calibration query

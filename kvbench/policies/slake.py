@@ -1,4 +1,5 @@
-"""SLAKE (seed 001, under review): evicted tokens live on as first-order Taylor linear attention (PTAA).
+"""SLAKE (Softmax-Approximated Training-Free Linear Attention with KV-Cache Eviction): evicted tokens live on
+as first-order Taylor linear attention (PTAA).
 
 Every evicted key/value of a KV head is folded into a constant-size linear state (SLAKE App. C, Alg. 1)::
 
