@@ -262,3 +262,19 @@ def test_accelerator_blocks_are_sized_by_memory():
     assert score_block_size("auto") is None and score_block_size(64) == 64
     with pytest.raises(KVBenchError, match="engine.score_block must be a positive number of queries or auto, got 0"):
         score_block_size(0)
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_snapkv_max_pool_ties_break_as_the_reference_topk(seed):
+    """Max pooling copies one value onto up to ``kernel`` neighbours; kvbench picks among such exact ties as
+    KVCache-Factory does: ``topk(capacity − window)`` over the pooled prefix alone, then the window."""
+    budget, window, kernel = 18, 8, 7
+    kept = evict_with_cache("snapkv", {"window": window, "pool": "max", "kernel": kernel, "gqa": "repeat"}, budget, seed)
+    queries, keys, _ = random_layer(seed)
+    prefix = TOKENS - window
+    for q_head in range(Q_HEADS):
+        raw = head_scores(queries, keys, q_head // 2, range(prefix, TOKENS), query_heads=[q_head])[:prefix]
+        pooled = torch.tensor([max(raw[max(0, p - kernel // 2) : p + kernel // 2 + 1]) for p in range(prefix)])
+        assert len(set(pooled.tolist())) < prefix  # there are ties to break
+        reference = set(pooled.topk(budget - window).indices.tolist()) | set(range(prefix, TOKENS))
+        assert kept[q_head] == reference

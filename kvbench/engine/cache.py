@@ -269,21 +269,24 @@ class EvictionCache(Cache):
         recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
         return policy.rank(summed, layer.values, recent)
 
-    def _reserve(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor:
-        """``scores`` with the reserved sinks and recent slots of ``budget`` raised to +inf (float32)."""
-        policy, layer = self.policy, self.layers[layer_idx]
-        tokens = layer.get_seq_length()
+    def _select(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor:
+        """The ``budget`` slots kept per cache head, sorted ``[B,Hc,budget]``: the reserved sinks (the first
+        slots) and recent window (the last), plus the top-scored of the slots between them by ``scores
+        [B,Hc,T]``. The top-k runs over exactly those slots, as the reference implementations select heavy
+        hitters (KVCache-Factory: ``topk(capacity − window)`` over the prefix), so ties break as there."""
+        policy, tokens = self.policy, self.layers[layer_idx].get_seq_length()
         recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
-        slot = torch.arange(tokens, device=scores.device)
-        reserved = (layer.positions < policy.reserved_sinks()) | (slot >= tokens - recent)
-        return scores.float().masked_fill(reserved, float("inf"))
+        sinks = max(0, min(policy.reserved_sinks(), budget - recent, tokens - recent))
+        heavy = scores[..., sinks : tokens - recent].float().topk(budget - recent - sinks, dim=-1).indices + sinks
+        reserved = torch.cat([torch.arange(sinks), torch.arange(tokens - recent, tokens)]).to(heavy.device)
+        return torch.cat([heavy, reserved.expand(*heavy.shape[:-1], -1)], dim=-1).sort(dim=-1).values
 
     def _evict(self, layer_idx: int, budget: int, scores: torch.Tensor, scaling: float):
         """Keep the top ``budget`` slots per cache head by ``scores [B,Hc,T]``, reserved slots first; hand
         the evicted entries to the attending modifiers."""
         layer = self.layers[layer_idx]
         layer.ranking = scores.float()
-        kept = self._reserve(layer_idx, budget, scores).topk(budget, dim=-1).indices.sort(dim=-1).values
+        kept = self._select(layer_idx, budget, scores)
         evicted = layer.dropped_by(kept) if self.attending else None
         layer.keep(kept)
         for modifier in self.attending:
@@ -318,7 +321,7 @@ class EvictionCache(Cache):
             layer.positions,
             scaling,
         )
-        kept = self._reserve(layer_idx, budget, scores).topk(budget, dim=-1).indices
+        kept = self._select(layer_idx, budget, scores)
         evicted = torch.ones_like(scores, dtype=torch.bool).scatter_(-1, kept, False)  # [B,Hc,T]
         return policy.layer_budget.preference(stats, evicted)
 
