@@ -46,6 +46,7 @@ def build_engine(job: Job, loaded: LoadedModel) -> Engine:
         decode_evict=engine.decode_evict,
         attn_backend=loaded.attn_backend,
         score_block=engine.score_block,
+        record_kept=engine.save_kept,
     )
 
 
@@ -55,8 +56,9 @@ def stop_ids(sample: Sample, loaded: LoadedModel) -> list[int]:
     return [*loaded.stop_token_ids, *extra]
 
 
-def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) -> dict[str, Any]:
-    """Run one sample through the engine and score it: the record written to predictions.jsonl."""
+def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) -> tuple[dict[str, Any], Any]:
+    """Run one sample through the engine and score it: the record written to predictions.jsonl, and the
+    engine's output."""
     started = time.perf_counter()
     if sample.mode == "perplexity":
         output = engine.perplexity(sample.input_ids, sample.context_tokens)
@@ -73,7 +75,7 @@ def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) 
         "decode_seconds": output.decode_seconds,
         "total_seconds": time.perf_counter() - started,
     }
-    return record
+    return record, output
 
 
 def mean_policy_stats(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -152,7 +154,9 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     if finished:
         log.info("resuming %s: %d samples done, %d to go", run_dir.path, len(finished), len(samples))
     for sample in tqdm(samples, desc=f"{cfg.task.name} {cfg.policy.name}@{cfg.budget.spec}", disable=None):
-        record = run_sample(engine, task, sample, loaded)
+        record, output = run_sample(engine, task, sample, loaded)
+        if getattr(output, "kept", None) is not None:
+            run_dir.write_kept(sample.id, sample.input_ids, output.kept)
         run_dir.append(record)
         records.append(record)
     metrics = summarize(job.cfg, task, records)

@@ -155,3 +155,24 @@ def test_metrics_are_the_per_sample_records_aggregated(tmp_path):
     assert summary["kv_cache"] == {"after_prefill_tokens_per_layer": [64, 50], "peak_tokens_per_layer": [65, 51],
                                    "peak_bytes": 90, "full_bytes": 200}
     assert summary["timing"]["total_seconds"] == 6.0 and summary["scores"] == {"s": 50.0}
+
+
+def test_save_kept_writes_the_positions_each_head_keeps(tmp_path):
+    """``engine.save_kept=true``: kept/<id>.json holds the prompt ids and, per layer and cache head (per query
+    head in the repeated layout), the positions the cache holds after prefill — those an engine keeps."""
+    from kvbench.engine import Engine
+    from kvbench.engine.models import load_model, model_config
+    from kvbench.policies import build_policy
+
+    out = tmp_path / "run"
+    kvbench("run", *RULER, "policy=snapkv", "policy.window=8", "policy.gqa=repeat", "budget=64", "engine.save_kept=true",
+            f"output_dir={out}")
+    _, records = read_run(out)
+    files = sorted((out / "kept").glob("*.json"))
+    assert [json.loads(path.read_text())["id"] for path in files] == sorted(record["id"] for record in records)
+    saved = json.loads(files[0].read_text())
+    engine = Engine(load_model(model_config("tiny_llama")).model, build_policy("snapkv", {"window": 8, "gqa": "repeat"}), 64)
+    cache = engine.new_cache(len(saved["prompt_ids"]))
+    engine.prefill(cache, saved["prompt_ids"])
+    assert saved["kept"] == [positions[0].tolist() for positions in cache.kept_positions()]
+    assert len(saved["kept"]) == 3 and len(saved["kept"][0]) == 4 and all(len(head) == 64 for head in saved["kept"][0])

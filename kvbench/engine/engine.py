@@ -30,7 +30,9 @@ REGIMES = ["oneshot", "chunked", "streaming"]
 @dataclass
 class GenerationOutput:
     """``policy_stats``: per-sample statistics of the policy (``EvictionCache.policy_stats``), e.g.
-    CaliDrop's ``recompute_rate`` or the CAKE / VABS ``layer_preference``; empty for most policies."""
+    CaliDrop's ``recompute_rate`` or the CAKE / VABS ``layer_preference``; empty for most policies.
+    ``kept``: with ``Engine(record_kept=True)``, the positions each layer and cache head holds after prefill,
+    ``kept[layer][head]`` sorted (per query head in the KV-repeated layout)."""
 
     token_ids: list[int]
     prompt_tokens: int
@@ -38,6 +40,7 @@ class GenerationOutput:
     decode_seconds: float
     kv: KVStats = field(default_factory=KVStats)
     policy_stats: dict = field(default_factory=dict)
+    kept: list[list[list[int]]] | None = None
 
 
 @dataclass
@@ -72,6 +75,7 @@ class Engine:
         decode_evict: bool | None = None,
         attn_backend: str = "sdpa",
         score_block: int | str | None = "auto",
+        record_kept: bool = False,
     ):
         choose("engine.regime", regime, REGIMES)
         self.model = model
@@ -82,6 +86,7 @@ class Engine:
         self.decode_evict = regime != "oneshot" if decode_evict is None else decode_evict
         self.attn_backend = attn_backend
         self.score_block = score_block_size(score_block)
+        self.record_kept = record_kept
         config = model.config.get_text_config()
         self.num_layers = config.num_hidden_layers
         self.num_query_heads = config.num_attention_heads
@@ -98,6 +103,7 @@ class Engine:
         logits = self.prefill(cache, input_ids)
         prefill_seconds = self._now() - start
         after_prefill = cache.tokens_per_layer()
+        kept = [positions[0].tolist() for positions in cache.kept_positions()] if self.record_kept else None
         generated: list[int] = []
         stop = set(stop_token_ids)
         start = self._now()
@@ -114,7 +120,7 @@ class Engine:
         decode_seconds = self._now() - start
         kv = self._kv_stats(cache, after_prefill, len(input_ids) + len(generated))
         stats = cache.policy_stats()
-        return GenerationOutput(generated, len(input_ids), prefill_seconds, decode_seconds, kv, stats)
+        return GenerationOutput(generated, len(input_ids), prefill_seconds, decode_seconds, kv, stats, kept)
 
     @torch.inference_mode()
     def perplexity(self, input_ids: list[int], context_tokens: int = 0) -> PerplexityOutput:

@@ -51,6 +51,14 @@ class RunDir:
             if text != self.predictions_path.read_text(encoding="utf-8"):
                 self.predictions_path.write_text(text, encoding="utf-8")
 
+    def write_kept(self, sample_id: str, prompt_ids: list[int], kept: list[list[list[int]]]) -> None:
+        """``kept/<sample id>.json``: the prompt ids and the positions kept after prefill, ``kept[layer][head]``
+        (``engine.save_kept``), written before the sample's prediction line."""
+        folder = self.path / "kept"
+        folder.mkdir(parents=True, exist_ok=True)
+        name = "".join(char if char.isalnum() or char in "-_." else "_" for char in sample_id)
+        (folder / f"{name}.json").write_text(json.dumps({"id": sample_id, "prompt_ids": prompt_ids, "kept": kept}))
+
     def write_metrics(self, metrics: dict[str, Any]) -> None:
         temporary = self.metrics_path.with_suffix(".json.tmp")
         temporary.write_text(json.dumps(metrics, indent=2, ensure_ascii=False), encoding="utf-8")
