@@ -134,8 +134,15 @@ def finished_metrics(run_dir: RunDir, cfg: DictConfig) -> dict[str, Any] | None:
 
 def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     """Run (or resume) the configured job into ``output_dir``; returns the metrics. A finished run of the
-    same config is not run again (:func:`finished_metrics`)."""
+    same config is not run again (:func:`finished_metrics`). The run holds the directory's lock
+    (:meth:`RunDir.lock`): a second process on it refuses."""
     run_dir = RunDir(output_dir)
+    with run_dir.lock():
+        return run_locked(cfg, run_dir)
+
+
+def run_locked(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
+    """:func:`run`, its run directory's lock held."""
     finished_before = finished_metrics(run_dir, cfg)
     if finished_before is not None:
         log.info("skipping %s: finished with this config", run_dir.path)
