@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -126,9 +125,9 @@ def run_kvbench(*args: str) -> subprocess.CompletedProcess:
 
 
 def submitit_job_folders(sweep: Path) -> list[str]:
-    """The job folders (one per submitted job: ``<array>_<task>`` on Slurm, a process id locally) under
-    ``sweep/.submitit``."""
-    return sorted(path.name for path in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+(_\d+)?", path.name))
+    """The job folders under ``sweep/.submitit``, one per submitted job (``<array>_<task>`` on Slurm, a process id
+    locally), each holding the job's pickled call."""
+    return sorted(path.parent.name for path in (sweep / ".submitit").glob("*/*_submitted.pkl"))
 
 
 def test_local_launcher_multirun_completes_then_submits_nothing(tmp_path):
