@@ -116,7 +116,7 @@ def test_running_job_is_not_submitted_twice_and_a_cancelled_one_resumes(tmp_path
     assert second.returncode == 0 and "1 jobs, 1 skipped (0 finished, 1 running), 0 submitted" in second.stdout
     (folder,) = submitit_job_folders(tmp_path / "results/multirun")
     subprocess.run(["scancel", folder.split("_")[0]], check=True)
-    out, err = first.communicate(timeout=300)
+    _, err = first.communicate(timeout=300)
     assert first.returncode == 1
     (failure,) = [line for line in err.splitlines() if line.startswith("kvbench: failed:")]
     assert f"| run dir: {run_dir.relative_to(tmp_path)} | " in failure
