@@ -58,7 +58,7 @@ def test_sweep_finishes_then_resubmitting_submits_nothing(tmp_path):
     folders = submitit_job_folders(sweep_dir)
     assert len(folders) == 3
     script = next(sweep_dir.glob(".submitit/*/*_submission.sh")).read_text()
-    assert "#SBATCH --job-name=kvbench-tiny_llama-h2o,snapkv,tova-64-ruler" in script
+    assert "#SBATCH --job-name=kvbench-tiny_llama-snapkv,h2o,tova-64-ruler" in script
     started = time.monotonic()
     again = sweep(*TINY, "budget=64", "policy=snapkv,h2o,tova", *CPU, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]

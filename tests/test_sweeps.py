@@ -83,7 +83,7 @@ def test_launcher_configs_compose():
 def test_array_name_says_what_runs():
     labels = [{"model": "llama3_8b", "policy": policy, "budget": budget, "task": "ruler"}
               for policy in ("snapkv", "h2o") for budget in ("64", "128", "256", "512")]
-    assert array_name(labels) == "kvbench-llama3_8b-h2o,snapkv-4budgets-ruler"
+    assert array_name(labels) == "kvbench-llama3_8b-snapkv,h2o-4budgets-ruler"
     assert array_name(labels[:1]) == "kvbench-llama3_8b-snapkv-64-ruler"
     assert array_name([{**label, "policy": str(n)} for n, label in enumerate(labels)]) == \
         "kvbench-llama3_8b-8policies-4budgets-ruler"

@@ -55,11 +55,12 @@ PLURALS = {"policy": "policies"}
 
 def array_name(labels: Iterable[dict[str, str]]) -> str:
     """The Slurm job name of an array: each of model, policy, budget and task, as its one value, its values
-    joined by ``,`` (up to three) or their count (``7policies``), e.g. ``kvbench-llama3_8b-h2o,snapkv-128-ruler``."""
+    joined by ``,`` in the sweep's order (up to three) or their count (``7policies``), e.g.
+    ``kvbench-llama3_8b-snapkv,h2o-4budgets-ruler``."""
     labels = list(labels)
     parts = ["kvbench"]
     for key in ("model", "policy", "budget", "task"):
-        values = sorted({label[key] for label in labels})
+        values = list(dict.fromkeys(label[key] for label in labels))  # in the sweep's order
         parts.append(",".join(values) if len(values) <= 3 else f"{len(values)}{PLURALS.get(key, key + 's')}")
     return "-".join(parts)
 
