@@ -33,9 +33,10 @@ start_munge() {
   [ -s /etc/munge/munge.key ] || mungekey --create --force >/dev/null 2>&1 || /usr/sbin/create-munge-key -f >/dev/null
   chown munge:munge /etc/munge/munge.key /run/munge /var/log/munge
   chmod 400 /etc/munge/munge.key
-  runuser -u munge -- /usr/sbin/munged   # daemonizes
+  rm -f /run/munge/munged.pid
+  runuser -u munge -- /usr/sbin/munged   # daemonizes, then writes its pid file
   for _ in $(seq 20); do
-    pgrep -x -u munge munged > "$DIR/munged.pid" && return
+    [ -s /run/munge/munged.pid ] && { cp /run/munge/munged.pid "$DIR/munged.pid"; return; }
     sleep 0.5
   done
   echo "local_slurm: munged did not start; see /var/log/munge/munged.log" >&2

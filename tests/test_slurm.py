@@ -109,14 +109,16 @@ def test_running_job_is_not_submitted_twice_and_a_cancelled_one_resumes(tmp_path
     args = [*tiny, "task.context_length=2048", "task.num_samples=200", "policy=snapkv", "budget=64", *CPU]
     run_dir = tmp_path / "results/multirun" / run_dir_name(
         budget="'64'", policy="snapkv", **{"task.context_length": "2048", "task.num_samples": "200"})
-    first = subprocess.Popen([KVBENCH, "run", "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, cwd=tmp_path, env=os.environ)
-    wait_for_predictions(run_dir / "predictions.jsonl", 2)
-    second = sweep(*args, cwd=tmp_path)
-    assert second.returncode == 0 and "1 jobs, 1 skipped (0 finished, 1 running), 0 submitted" in second.stdout
-    (folder,) = submitit_job_folders(tmp_path / "results/multirun")
-    subprocess.run(["scancel", folder.split("_")[0]], check=True)
-    _, err = first.communicate(timeout=300)
+    with subprocess.Popen([KVBENCH, "run", "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd=tmp_path, env=os.environ) as first:
+        try:
+            wait_for_predictions(run_dir / "predictions.jsonl", 2)
+            second = sweep(*args, cwd=tmp_path)
+            assert second.returncode == 0 and "1 jobs, 1 skipped (0 finished, 1 running), 0 submitted" in second.stdout
+        finally:
+            for folder in submitit_job_folders(tmp_path / "results/multirun"):
+                subprocess.run(["scancel", folder.split("_")[0]], check=True)
+        _, err = first.communicate(timeout=300)
     assert first.returncode == 1
     (failure,) = [line for line in err.splitlines() if line.startswith("kvbench: failed:")]
     assert f"| run dir: {run_dir.relative_to(tmp_path)} | " in failure
