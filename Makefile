@@ -9,7 +9,7 @@ KVBENCH := $(VENV)/bin/kvbench
 PYTEST_ARGS ?= -m "not slow"
 SCALE ?= paper
 
-.PHONY: setup run test test-all clean
+.PHONY: setup run test test-all test-slurm clean
 
 setup: $(VENV)/.installed
 
@@ -32,22 +32,33 @@ test: setup
 test-all: setup
 	$(PY) -m pytest -q -m ""
 
+# The sweeps against a real scheduler: a throw-away single-node Slurm (LOCAL_SLURM start|stop|env; the default
+# needs root the first time, to install Debian's slurm-wlm and munge), tests/test_slurm.py on it, then stopped.
+LOCAL_SLURM ?= scripts/local_slurm.sh
+test-slurm: setup
+	$(LOCAL_SLURM) start
+	eval "$$($(LOCAL_SLURM) env)" && $(PY) -m pytest -q -m slurm tests/test_slurm.py; \
+		status=$$?; $(LOCAL_SLURM) stop; exit $$status
+
 clean:
 	rm -rf $(VENV) results/default results/multirun
 
 # --- Paper reproductions --------------------------------------------------------------------------------------
-# make reproduce-<paper> [SCALE=paper|smoke] [LAUNCHER=slurm|local]: the paper's sweeps
+# make reproduce-<paper> [SCALE=paper|smoke] [LAUNCHER=slurm|local] [LAUNCHER_ARGS="hydra.launcher.KEY=VALUE ..."]: the paper's sweeps
 # (conf/experiment/<sweep>.yaml, or <sweep>_smoke.yaml), each with its full-cache baseline, then the benchmark
 # tables, the plots and the comparison with each transcribed table of the paper, written to
 # results/[smoke/]<paper>/report/. SCALE=smoke runs the same sweeps on SmolLM2-135M with one sample and short
-# contexts on a CPU. Finished runs are skipped: an interrupted reproduction is resumed by running it again.
+# contexts on a CPU. Finished runs are not submitted again: an interrupted or failed reproduction is resumed by
+# running it again. LAUNCHER_ARGS go to every sweep, e.g. the cluster's partition and account for LAUNCHER=slurm
+# (conf/hydra/launcher/slurm.yaml lists the keys).
 LAUNCHER ?=
+LAUNCHER_ARGS ?=
 ifeq ($(filter $(SCALE),paper smoke),)
 $(error SCALE must be paper or smoke, not '$(SCALE)')
 endif
 SMOKE := $(filter smoke,$(SCALE))
 RESULTS := results$(if $(SMOKE),/smoke)
-LAUNCH := $(if $(LAUNCHER),hydra/launcher=$(LAUNCHER))
+LAUNCH := $(if $(LAUNCHER),hydra/launcher=$(LAUNCHER)) $(LAUNCHER_ARGS)
 # Smoke runs use one torch thread: on a small shared CPU, OpenMP threads spin-waiting for each other make
 # SmolLM2 several times slower than one thread (measured 4-5x on this 2-core machine under load).
 SMOKE_THREADS ?= 1

@@ -14,16 +14,21 @@ Errors in what the user typed are printed as one line (``kvbench: error: ...``) 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from dataclasses import fields
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from kvbench import CONF_DIR
 from kvbench.errors import KVBenchError
+
+log = logging.getLogger(__name__)
+
 
 def fail(message: str) -> None:
     print(f"kvbench: error: {message}", file=sys.stderr)
@@ -32,13 +37,22 @@ def fail(message: str) -> None:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_run(cfg: DictConfig) -> float | None:
-    """The Hydra task function of ``kvbench run`` (one job of a run or a multirun sweep)."""
+    """The Hydra task function of ``kvbench run`` (one job of a run or a multirun sweep). A job of a sweep that
+    fails writes its error to its log and raises it: the sweeper reports every failed job at the end."""
     from kvbench.run import run
 
+    in_sweep = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         metrics = run(cfg, HydraConfig.get().runtime.output_dir)
     except KVBenchError as error:
-        fail(str(error))
+        if not in_sweep:
+            fail(str(error))
+        log.error("kvbench: error: %s", error)
+        raise
+    except Exception:
+        if in_sweep:
+            log.exception("job failed")
+        raise
     print(json.dumps({key: metrics[key] for key in ("model", "policy", "budget", "task", "scores", "average")}))
     return metrics["average"]
 

@@ -136,9 +136,16 @@ def finished_metrics(run_dir: RunDir, cfg: DictConfig) -> dict[str, Any] | None:
 
 def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     """Run (or resume) the configured job into ``output_dir``; returns the metrics. The job is resolved
-    first (:func:`kvbench.job.resolve`), and a finished run of the same resolved config is not run again."""
+    first (:func:`kvbench.job.resolve`); a finished run of the same resolved config is not run again; the run
+    holds the directory's lock (:meth:`RunDir.lock`): a second process on it refuses."""
     job = resolve(cfg)
     run_dir = RunDir(output_dir)
+    with run_dir.lock():
+        return run_locked(job, run_dir)
+
+
+def run_locked(job: Job, run_dir: RunDir) -> dict[str, Any]:
+    """:func:`run`, its run directory's lock held."""
     finished_before = finished_metrics(run_dir, job.cfg)
     if finished_before is not None:
         log.info("skipping %s: finished with this config", run_dir.path)
@@ -153,6 +160,7 @@ def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     samples = [sample for sample in task.samples() if sample.id not in finished]
     if finished:
         log.info("resuming %s: %d samples done, %d to go", run_dir.path, len(finished), len(samples))
+    cfg = job.cfg
     for sample in tqdm(samples, desc=f"{cfg.task.name} {cfg.policy.name}@{cfg.budget.spec}", disable=None):
         record, output = run_sample(engine, task, sample, loaded)
         if getattr(output, "kept", None) is not None:

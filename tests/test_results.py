@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from kvbench.cli import main
+from kvbench.errors import KVBenchError
 from kvbench.results.compare import Comparison, parse_spec
 from kvbench.results.plots import make_plots, niah_grid
+from kvbench.results.rundir import RunDir
 from kvbench.results.table import benchmark_tables, load_runs, render
 
 LONGBENCH = ["narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
@@ -95,6 +101,58 @@ def test_table_command_writes_files(tmp_path, capsys):
         main(["table", str(tmp_path / "runs"), "--layout", "ppl"])
     error = capsys.readouterr().err
     assert error.startswith("kvbench: error: no runs fit the 'ppl' layout") and error.count("\n") == 1
+
+
+def test_table_lists_run_dirs_it_leaves_out(tmp_path, capsys):
+    """Finished runs go into the tables; a run without metrics.json and one whose metrics.json cannot be read are
+    listed below them with the reason (hidden folders and a run directory's wandb/ are not run directories)."""
+    write_run(tmp_path / "a", "smollm2_135m", "snapkv", "128", "ruler", {"niah_single_1": 50.0},
+              task_cfg={"context_length": 1024})
+    (tmp_path / "a" / "wandb" / "files").mkdir(parents=True)
+    (tmp_path / "a" / "wandb" / "files" / "config.yaml").write_text("{}")
+    (tmp_path / "failed").mkdir()
+    (tmp_path / "failed" / "config.yaml").write_text("{}")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "metrics.json").write_text("{")
+    (tmp_path / ".submitit" / "1_0").mkdir(parents=True)
+    (tmp_path / ".submitit" / "1_0" / "config.yaml").write_text("{}")
+    main(["table", str(tmp_path)])
+    out = capsys.readouterr().out
+    below = out[out.index("not in the tables"):].splitlines()
+    assert below == ["not in the tables: 2 run directories",
+                     f"  {tmp_path / 'broken'}: cannot read metrics.json (JSONDecodeError: Expecting property name "
+                     f"enclosed in double quotes: line 1 column 2 (char 1))",
+                     f"  {tmp_path / 'failed'}: no metrics.json (unfinished or failed)"]
+    assert "50.00" in out
+
+
+def test_records_are_read_by_id(tmp_path):
+    """A repeated id (two writers, or a resumed run that rewrote a sample) counts once; repair rewrites the file
+    with one line per id."""
+    run_dir = RunDir(tmp_path)
+    lines = [{"id": "a", "score": 1}, {"id": "b", "score": 0}, {"id": "a", "score": 0}]
+    run_dir.predictions_path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"id": "c", "sc')
+    assert run_dir.records() == [{"id": "a", "score": 1}, {"id": "b", "score": 0}]
+    run_dir.repair()
+    assert run_dir.predictions_path.read_text().splitlines() == ['{"id": "a", "score": 1}', '{"id": "b", "score": 0}']
+
+
+def test_run_dir_lock_refuses_a_second_writer_and_dies_with_its_holder(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom kvbench.results.rundir import RunDir\n"
+                               f"with RunDir({str(tmp_path)!r}).lock():\n    print('locked', flush=True)\n"
+                               "    time.sleep(600)"], stdout=subprocess.PIPE, text=True, env=os.environ)
+    assert holder.stdout.readline() == "locked\n"
+    run_dir = RunDir(tmp_path)
+    assert run_dir.locked()
+    with pytest.raises(KVBenchError, match=f"run directory {tmp_path} is being written by process {holder.pid} on "):
+        with run_dir.lock():
+            pass
+    holder.send_signal(signal.SIGKILL)  # as Slurm kills a cancelled job: no cleanup runs
+    holder.wait()
+    assert not run_dir.locked()
+    with run_dir.lock():
+        assert run_dir.locked()  # flock is per open file: this process's probe sees its own lock
+    assert run_dir.lock_path.read_text().startswith(f"process {os.getpid()} on ")
 
 
 # --- paper comparison --------------------------------------------------------------------------------------

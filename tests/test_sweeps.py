@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,11 @@ from kvbench import PROJECT_ROOT
 from kvbench.cli import main
 from kvbench.config import compose as compose_run
 from kvbench.config import group_options
+from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy
-from kvbench.results.sweeps import experiment_overrides, sweeper_params
+from kvbench.results.launchers import array_name, last_line, refusal
+from kvbench.results.rundir import RunDir
+from kvbench.results.sweeps import experiment_overrides, split_pending, sweep_jobs, sweeper_params
 
 KVBENCH = str(Path(sys.executable).parent / "kvbench")
 TINY = ["model=tiny_llama", "task=ruler", "task.subtasks=[niah_single_1]", "task.context_length=512", "task.num_samples=1"]
@@ -75,9 +77,47 @@ def test_launcher_configs_compose():
     slurm = compose_run(["hydra/launcher=slurm", "hydra.launcher.partition=gpu"], return_hydra_config=True)
     local = compose_run(["hydra/launcher=local"], return_hydra_config=True)
     launcher = slurm.hydra.launcher
-    assert launcher._target_.endswith("SlurmLauncher")
+    assert launcher._target_ == "hydra_plugins.kvbench.SlurmLauncher"
     assert (launcher.partition, launcher.gpus_per_node, launcher.timeout_min, launcher.array_parallelism) == ("gpu", 1, 720, 16)
-    assert local.hydra.launcher._target_.endswith("LocalLauncher")
+    assert local.hydra.launcher._target_ == "hydra_plugins.kvbench.LocalLauncher"
+    assert slurm.hydra.sweeper._target_ == "hydra_plugins.kvbench.Sweeper"
+
+
+def test_array_name_says_what_runs():
+    labels = [{"model": "llama3_8b", "policy": policy, "budget": budget, "task": "ruler"}
+              for policy in ("snapkv", "h2o") for budget in ("64", "128", "256", "512")]
+    assert array_name(labels) == "kvbench-llama3_8b-snapkv,h2o-4budgets-ruler"
+    assert array_name(labels[:1]) == "kvbench-llama3_8b-snapkv-64-ruler"
+    assert array_name([{**label, "policy": str(n)} for n, label in enumerate(labels)]) == \
+        "kvbench-llama3_8b-8policies-4budgets-ruler"
+
+
+def test_sbatch_refusal_names_the_launcher_keys():
+    line = refusal({"partition": None, "gpus_per_node": 1, "cpus_per_task": 8, "mem_gb": 64, "timeout_min": 720},
+                   RuntimeError("sbatch: error: Invalid generic resource (gres) specification\n"))
+    assert "\n" not in line
+    assert line.startswith("sbatch refused the jobs (sbatch: error: Invalid generic resource (gres) specification)")
+    assert "hydra.launcher.partition=null hydra.launcher.account=null hydra.launcher.qos=null " \
+           "hydra.launcher.gpus_per_node=1 hydra.launcher.cpus_per_task=8 hydra.launcher.mem_gb=64" in line
+    assert last_line("a\n  b  \n\n") == "b" and last_line("") == ""
+
+
+def test_sweep_jobs_compose_every_job_before_submission(tmp_path):
+    """sweep_jobs: each job's overrides, config, run directory and log, as the sweeper submits them."""
+    jobs = sweep_jobs([*TINY, "policy=snapkv,h2o+caote", "budget=32,64", f"hydra.sweep.dir={tmp_path}"])
+    assert [(job.label["policy"], job.label["budget"]) for job in jobs] == \
+        [("snapkv", "32"), ("snapkv", "64"), ("h2o+caote", "32"), ("h2o+caote", "64")]
+    first = jobs[0]
+    assert first.output_dir == tmp_path / ("budget='32',model=tiny_llama,policy=snapkv,task.context_length=512,"
+                                           "task.num_samples=1,task.subtasks=[niah_single_1],task=ruler")
+    assert first.log == first.output_dir / "kvbench.log" and first.cfg.model.name == "tiny_llama" and "hydra" not in first.cfg
+    assert split_pending(jobs) == ([], [], jobs)
+    smoke = sweep_jobs(["+experiment=caote_smoke"])
+    params = sweeper_params("caote_smoke")
+    assert len(smoke) == len(params["policy"].split(",")) * len(params["budget"].split(","))
+    assert all(job.output_dir.parent == Path("results/smoke/caote/longbench") for job in smoke)
+    with pytest.raises(KVBenchError, match="^job .* task.nope=1: Could not override 'task.nope'"):
+        sweep_jobs([*TINY, "task.nope=1,2"])
 
 
 def run_kvbench(*args: str) -> subprocess.CompletedProcess:
@@ -87,25 +127,71 @@ def run_kvbench(*args: str) -> subprocess.CompletedProcess:
     return result
 
 
-def test_local_launcher_multirun_completes_then_skips(tmp_path):
+def submitit_job_folders(sweep: Path) -> list[str]:
+    """The job folders under ``sweep/.submitit``, one per submitted job (``<array>_<task>`` on Slurm, a process id
+    locally), each holding the job's pickled call."""
+    return sorted(path.parent.name for path in (sweep / ".submitit").glob("*/*_submitted.pkl"))
+
+
+def test_local_launcher_multirun_completes_then_submits_nothing(tmp_path):
     """Two jobs (one a composite policy, registered in the ConfigStore that submitit pickles to the workers)
-    through submitit's local executor; submitted again, both are skipped without recomputing."""
+    through submitit's local executor; submitted again, nothing is submitted."""
     sweep = tmp_path / "sweep"
     args = ["-m", "hydra/launcher=local", *TINY, "policy=snapkv,h2o+caote", "budget=64", f"hydra.sweep.dir={sweep}"]
-    run_kvbench(*args)
+    assert f"kvbench: {sweep}: 2 jobs, 0 skipped (0 finished, 0 running), 2 submitted" in run_kvbench(*args).stdout
     jobs = sorted(path.name for path in sweep.iterdir() if (path / "metrics.json").exists())
     assert jobs == [f"budget='64',model=tiny_llama,policy={policy},task.context_length=512,task.num_samples=1,"
                     f"task.subtasks=[niah_single_1],task=ruler" for policy in ("h2o+caote", "snapkv")]
     metrics = {job: json.loads((sweep / job / "metrics.json").read_text()) for job in jobs}
     assert {m["policy"] for m in metrics.values()} == {"snapkv", "h2o+caote"}
     assert all(m["num_samples"] == 1 and m["kv_cache"]["after_prefill_tokens_per_layer"] == [64] * 3 for m in metrics.values())
+    folders = submitit_job_folders(sweep)
+    assert len(folders) == 2
     stamps = {job: (sweep / job / "predictions.jsonl").stat().st_mtime_ns for job in jobs}
-    started = time.time()
-    run_kvbench(*args)
+    result = run_kvbench(*args)
+    assert f"kvbench: {sweep}: 2 jobs, 2 skipped (2 finished, 0 running), 0 submitted" in result.stdout
+    assert submitit_job_folders(sweep) == folders
     assert {job: (sweep / job / "predictions.jsonl").stat().st_mtime_ns for job in jobs} == stamps
-    logs = "".join(path.read_text() for path in sweep.glob(".submitit/*/*_log.*"))
-    assert logs.count("skipping") == 2
-    assert time.time() - started < 600
+
+
+def test_every_failed_job_is_reported_and_only_unfinished_ones_resubmitted(tmp_path, monkeypatch, capsys):
+    """An ad-hoc sweep (no hydra.sweep.dir: results/multirun, run directories named after each job's overrides)
+    with two bad values: both reported, one line each, exit status 1, the good job finished; the sweep with the
+    values fixed runs only the jobs not finished."""
+    monkeypatch.chdir(tmp_path)
+    tiny = [arg for arg in TINY if not arg.startswith("task.context_length")]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "-m", *tiny, "policy=tova", "budget=32", "task.context_length=-1,512,-2"])
+    assert exit_info.value.code == 1
+    captured = capsys.readouterr()
+    assert "kvbench: results/multirun: 3 jobs, 0 skipped (0 finished, 0 running), 3 submitted" in captured.out
+    failures = [line for line in captured.err.splitlines() if line.startswith("kvbench: failed:")]
+    assert len(failures) == 2
+    for value, line in zip(("-1", "-2"), failures):
+        run_dir = Path("results/multirun") / (f"budget='32',model=tiny_llama,policy=tova,task.context_length={value},"
+                                              "task.num_samples=1,task.subtasks=[niah_single_1],task=ruler")
+        assert line == (f"kvbench: failed: {' '.join(tiny)} policy=tova budget='32' task.context_length={value} | "
+                        f"run dir: {run_dir} | task.context_length must be a positive token count, got {value} | "
+                        f"log: {run_dir / 'kvbench.log'}")
+        assert "got " + value in (run_dir / "kvbench.log").read_text()
+    assert "kvbench: 2 of 3 submitted jobs failed" in captured.err
+    main(["run", "-m", *tiny, "policy=tova", "budget=32", "task.context_length=512,600"])
+    assert "kvbench: results/multirun: 2 jobs, 1 skipped (1 finished, 0 running), 1 submitted" in capsys.readouterr().out
+
+
+def test_a_locked_run_dir_refuses_a_second_kvbench_in_one_line(tmp_path):
+    """While one process writes a run directory, ``kvbench run`` on it exits 2 with one line; a sweep skips it."""
+    run_dir = RunDir(tmp_path / "run")
+    with run_dir.lock():
+        result = subprocess.run([KVBENCH, "run", *TINY, f"hydra.run.dir={run_dir.path}"], capture_output=True,
+                                text=True, env=os.environ, timeout=600)
+        assert result.returncode == 2
+        assert result.stderr.splitlines() == [f"kvbench: error: run directory {run_dir.path} is being written by "
+                                              f"process {os.getpid()} on {os.uname().nodename}; wait for it to end or "
+                                              f"stop it (its lock {run_dir.lock_path} goes with it)"]
+        jobs = sweep_jobs([*TINY, f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=run"])
+        assert split_pending(jobs) == ([], jobs, [])
+    assert not run_dir.predictions_path.exists()
 
 
 def test_basic_multirun_skips_finished_and_resumes_changed(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Experiment sweeps: ``kvbench run -m +experiment=NAME`` runs the sweep a ``conf/experiment`` file pins.
+"""Sweeps: ``kvbench run -m`` over the values given, or the sweep a ``conf/experiment`` file pins.
 
 An experiment file (``# @package _global_``) pins a paper's protocol and lists its sweep in
 ``hydra.sweeper.params``. Hydra would hand those values to the sweeper unchecked — composite policies
@@ -6,14 +6,35 @@ such as ``h2o+caote`` would not be found and ``budget: 64`` would be read as an 
 starts they are turned into ordinary command-line sweep overrides (:func:`experiment_overrides`), which
 ``kvbench.config.prepare_overrides`` then validates and registers like typed ones. What the user typed
 for the same key wins.
+
+A sweep runs through kvbench's sweeper (``conf/hydra/sweeper/kvbench.yaml``, class in
+``hydra_plugins/kvbench``): Hydra's basic sweeper, but before any job is submitted it composes every job
+(:func:`expand_sweep`), drops those whose run directory is finished with the same config or is being
+written now, and after the launcher returns it reports every failed job in one line (:func:`run_sweep`).
+A job's run directory is named after its overrides (``hydra.sweep.subdir``), so a later sweep finds it.
 """
 
 from __future__ import annotations
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException
+import copy
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from kvbench.config import experiment_config
+from hydra import compose, initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import OmegaConfBaseException
+
+from kvbench import CONF_DIR
+from kvbench.config import experiment_config, prepare_overrides
+from kvbench.errors import KVBenchError
+from kvbench.results.launchers import JobFailure, array_name, last_line
+from kvbench.results.rundir import RunDir
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
@@ -42,4 +63,139 @@ def experiment_overrides(args: list[str]) -> list[str]:
     return [f"{key}={values}" for key, values in params.items() if key not in typed] + args
 
 
-__all__ = ["experiment_overrides", "sweeper_params"]
+@dataclass
+class SweepJob:
+    """One job of a sweep: its overrides, its composed config (without ``hydra``, as the job receives it),
+    its run directory and the log Hydra writes there."""
+
+    overrides: list[str]
+    cfg: DictConfig
+    output_dir: Path
+    log: Path
+
+    @property
+    def label(self) -> dict[str, str]:
+        """What the job runs: its model, policy, budget and task."""
+        return {"model": str(self.cfg.model.name), "policy": str(self.cfg.policy.name),
+                "budget": str(self.cfg.budget.spec), "task": str(self.cfg.task.name)}
+
+
+def compose_job(config_loader: Any, master: DictConfig, overrides: list[str]) -> SweepJob:
+    """The :class:`SweepJob` of one job's overrides, composed as its launcher will compose it."""
+    try:
+        config = config_loader.load_sweep_config(master, overrides)
+        output_dir = Path(str(config.hydra.sweep.dir), str(config.hydra.sweep.subdir))
+        log = output_dir / f"{config.hydra.job.name}.log"
+    except (HydraException, OmegaConfBaseException) as error:
+        raise KVBenchError(f"job {' '.join(overrides)}: {last_line(str(error).splitlines()[0])}") from None
+    cfg = copy.deepcopy(config)
+    with read_write(cfg), open_dict(cfg):
+        del cfg["hydra"]
+    return SweepJob(overrides, cfg, output_dir, log)
+
+
+def expand_sweep(config_loader: Any, master: DictConfig) -> list[SweepJob]:
+    """Every job of the sweep whose config is ``master`` (composed in multirun mode):
+    the cartesian product of ``hydra.sweeper.params`` and the command line's overrides (what is typed wins),
+    as Hydra's basic sweeper makes it, each job composed (:func:`compose_job`)."""
+    params = [f"{key}={value}" for key, value in (master.hydra.sweeper.params or {}).items()]
+    try:
+        overrides = OverridesParser.create(config_loader=config_loader).parse_overrides(
+            [*params, *master.hydra.overrides.task])
+        (combinations,) = BasicSweeper.split_arguments(overrides, None)
+    except HydraException as error:
+        raise KVBenchError(f"cannot expand the sweep: {str(error).splitlines()[0]}") from None
+    return [compose_job(config_loader, master, list(combination)) for combination in combinations]
+
+
+def sweep_jobs(args: list[str]) -> list[SweepJob]:
+    """The jobs of ``kvbench run -m ARGS`` (``-m`` may be left out): overrides, composed config, run directory
+    and log of each, in submission order, before anything is submitted or written. With
+    :func:`split_pending` it tells what a submission would run (for a ``kvbench plan``)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    overrides = [arg for arg in prepare_overrides(experiment_overrides([MULTIRUN_FLAGS[0], *args]))
+                 if not arg.startswith("-")]
+    with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
+        config_loader = GlobalHydra.instance().config_loader()
+        try:
+            master = config_loader.load_configuration("config", overrides, run_mode=RunMode.MULTIRUN)
+        except HydraException as error:
+            raise KVBenchError(f"cannot compose the sweep: {str(error).splitlines()[0]}") from None
+        return expand_sweep(config_loader, master)
+
+
+def split_pending(jobs: list[SweepJob]) -> tuple[list[SweepJob], list[SweepJob], list[SweepJob]]:
+    """``jobs`` as (finished with the same config, being written by a process now, to submit)."""
+    from kvbench.job import resolve
+    from kvbench.run import finished_metrics
+
+    finished, running, todo = [], [], []
+    for job in jobs:
+        run_dir = RunDir(job.output_dir)
+        try:
+            resolved = resolve(job.cfg).cfg
+        except KVBenchError:  # submitted, and reported as it fails
+            resolved = None
+        if resolved is not None and finished_metrics(run_dir, resolved) is not None:
+            finished.append(job)
+        elif run_dir.locked():
+            running.append(job)
+        else:
+            todo.append(job)
+    return finished, running, todo
+
+
+def failure_line(job: SweepJob, returned: JobReturn) -> str:
+    """One line for a failed job: its overrides, run directory, the last line of its error and its log (the
+    job's log in its run directory, or for a job that ended without a result, its launcher's log)."""
+    error = returned._return_value  # JobReturn.return_value would raise it
+    message = last_line(str(error))
+    if not isinstance(error, (KVBenchError, JobFailure)):
+        message = f"{type(error).__name__}: {message}"
+    log = error.log if isinstance(error, JobFailure) else job.log
+    return f"kvbench: failed: {' '.join(job.overrides)} | run dir: {job.output_dir} | {message} | log: {log}"
+
+
+def launch_pending(sweeper: BasicSweeper) -> list[list[JobReturn]]:
+    """Submit the sweep's jobs that are not finished nor running, in batches of ``max_batch_size``; say how
+    many were skipped and submitted, then report every failure and exit 1 if any failed."""
+    jobs = expand_sweep(sweeper.hydra_context.config_loader, sweeper.config)
+    finished, running, todo = split_pending(jobs)
+    sweep_dir = Path(str(sweeper.config.hydra.sweep.dir))
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(sweeper.config, sweep_dir / "multirun.yaml")
+    print(f"kvbench: {sweep_dir}: {len(jobs)} jobs, {len(finished) + len(running)} skipped ({len(finished)} finished, "
+          f"{len(running)} running), {len(todo)} submitted", flush=True)
+    returns: list[list[JobReturn]] = []
+    for batch in BasicSweeper.split_overrides_to_chunks(todo, sweeper.max_batch_size) if todo else []:
+        if hasattr(sweeper.launcher, "array_name"):
+            sweeper.launcher.array_name = array_name(job.label for job in batch)
+        returns.append(sweeper.launcher.launch([job.overrides for job in batch], sum(map(len, returns))))
+    outcomes = [returned for batch in returns for returned in batch]
+    failures = [failure_line(job, r) for job, r in zip(todo, outcomes) if r.status != JobStatus.COMPLETED]
+    for line in failures:
+        print(line, file=sys.stderr)
+    if failures:
+        print(f"kvbench: {len(failures)} of {len(todo)} submitted jobs failed; fix them and submit the sweep "
+              f"again: only the unfinished jobs are submitted", file=sys.stderr)
+        sys.exit(1)
+    if todo:
+        print(f"kvbench: {len(todo)} jobs done")
+    return returns
+
+
+def run_sweep(sweeper: BasicSweeper) -> list[list[JobReturn]] | None:
+    """The kvbench sweeper's ``sweep``: :func:`launch_pending`, a bad value (or a submission refused) as one
+    line ``kvbench: error: ...`` with exit status 2."""
+    from kvbench.cli import fail
+
+    try:
+        return launch_pending(sweeper)
+    except KVBenchError as error:
+        fail(str(error))
+
+
+__all__ = ["SweepJob", "expand_sweep", "experiment_overrides", "run_sweep", "split_pending",
+           "sweep_jobs", "sweeper_params"]

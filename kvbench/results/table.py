@@ -12,7 +12,8 @@ for the runs of tasks without a layout of their own):
 * ``runs``       one row per run, one column per score.
 
 Scores are on the 0–100 scale of ``metrics.json``; ``kv_tokens`` is the mean cache size per layer
-after prefill and ``seconds`` the run's total time.
+after prefill and ``seconds`` the run's total time. Run directories without readable metrics (unfinished,
+failed, being written) are listed below the tables, each with the reason.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from omegaconf import OmegaConf
 
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies.budgets import Budget
-from kvbench.results.rundir import RunDir, find_run_dirs
+from kvbench.results.rundir import RunDir, find_run_dirs, scan_run_dirs
 
 IDENTITY = ["model", "policy", "budget", "regime"]
 
@@ -381,7 +382,8 @@ def main(args: list[str]) -> None:
     parser.add_argument("--output-dir", type=Path, help="also write each table to DIR/<table>.<md|csv|tex>")
     options = parser.parse_args(args)
     choose("format", options.format, FORMATS)
-    tables = benchmark_tables(load_runs(options.run_dirs), options.layout)
+    finished, left_out = scan_run_dirs(options.run_dirs)
+    tables = benchmark_tables([Run(run_dir) for run_dir in finished], options.layout)
     rendered = {name: render(table, options.format) for name, table in tables.items()}
     for name, text in rendered.items():
         if options.format == "markdown":
@@ -390,6 +392,10 @@ def main(args: list[str]) -> None:
     if options.output_dir:
         for path in write_tables(rendered, options.output_dir, options.format):
             print(f"wrote {path}")
+    if left_out:
+        print(f"\nnot in the tables: {len(left_out)} run directories")
+        for run_dir, reason in left_out:
+            print(f"  {run_dir.path}: {reason}")
 
 
 __all__ = ["LONGBENCH_CATEGORIES", "Run", "benchmark_tables", "load_runs", "main", "render", "scores_frame"]

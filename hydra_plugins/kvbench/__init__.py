@@ -1,0 +1,46 @@
+"""kvbench's Hydra plugins (Hydra finds plugins only in the ``hydra_plugins`` namespace package).
+
+* ``Sweeper`` (``hydra/sweeper=kvbench``, the default of conf/config.yaml): submits only the jobs whose run
+  directory is not finished, reports every failed job (:mod:`kvbench.results.sweeps`).
+* ``SlurmLauncher`` and ``LocalLauncher`` (``hydra/launcher=slurm|local``): hydra-submitit-launcher's,
+  naming the Slurm array after what it runs and collecting every job's outcome (:mod:`kvbench.results.launchers`).
+
+The classes only delegate, importing kvbench when used: Hydra imports this module on every start.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.utils import JobReturn
+from hydra_plugins.hydra_submitit_launcher import submitit_launcher
+
+
+class Sweeper(BasicSweeper):
+    """Hydra's basic sweeper (same keys: ``params``, ``max_batch_size``) with kvbench's skipping and reporting."""
+
+    def sweep(self, arguments: list[str]) -> Any:
+        """Run the sweep of this config (``arguments`` are its command-line overrides, read from the config)."""
+        from kvbench.results.sweeps import run_sweep
+
+        return run_sweep(self)
+
+
+class KVBenchLaunch:
+    """The ``launch`` of kvbench's submitit launchers (:func:`kvbench.results.launchers.launch`)."""
+
+    array_name: str | None = None  # the Slurm job name, set by the sweeper before each launch
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from kvbench.results.launchers import launch
+
+        return launch(self, job_overrides, initial_job_idx)
+
+
+class SlurmLauncher(KVBenchLaunch, submitit_launcher.SlurmLauncher):
+    """hydra-submitit-launcher's Slurm launcher: one array per sweep."""
+
+
+class LocalLauncher(KVBenchLaunch, submitit_launcher.LocalLauncher):
+    """hydra-submitit-launcher's local launcher: one process per job on this machine."""
