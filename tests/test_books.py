@@ -5,10 +5,10 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench import PROJECT_ROOT
+from kvbench import PROJECT_ROOT, hub
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
-from kvbench.tasks import books, hub
+from kvbench.tasks import books
 from kvbench.tasks.base import ModelInfo
 from kvbench.tasks.books import BooksumTask, PG19Task
 

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from rouge import Rouge
 
 import kvbench
+from kvbench import hub
 from kvbench.engine.models import load_tokenizer, model_config
 from kvbench.errors import KVBenchError
 from kvbench.metrics import longbench as metrics
@@ -529,14 +530,14 @@ def test_hub_archive_is_read(tokenizer, tmp_path, monkeypatch):
         zipped.write(FIXTURES / "qasper_e.jsonl", "data/qasper_e.jsonl")
     calls = []
 
-    def download(repo_id, filename, repo_type):
+    def download(repo_id, filename, repo_type, local_files_only=False):
         calls.append((repo_id, filename, repo_type))
         return str(archive)
 
-    monkeypatch.setattr(longbench.huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(hub.huggingface_hub, "hf_hub_download", download)
     local = [s.input_ids for s in make_task(tokenizer, datasets=["trec"]).samples()]
-    hub = [s.input_ids for s in make_task(tokenizer, datasets=["trec"], data_dir=None).samples()]
-    assert hub == local and calls == [("THUDM/LongBench", "data.zip", "dataset")]
+    hub_ids = [s.input_ids for s in make_task(tokenizer, datasets=["trec"], data_dir=None).samples()]
+    assert hub_ids == local and calls == [("THUDM/LongBench", "data.zip", "dataset")]
     e_ids = [s.id for s in make_task(tokenizer, config="longbench_e", datasets=["qasper"], data_dir=None).samples()]
     assert e_ids == ["fixture-qasper-e-0", "fixture-qasper-e-1", "fixture-qasper-e-2"]
     with pytest.raises(KVBenchError, match="cannot read data/hotpotqa.jsonl from .*data.zip"):
@@ -547,10 +548,11 @@ def test_hub_archive_is_read(tokenizer, tmp_path, monkeypatch):
 
 
 def test_hub_failure_is_a_one_line_error(tokenizer, monkeypatch):
-    def download(repo_id, filename, repo_type):
+    def download(repo_id, filename, repo_type, local_files_only=False):
         raise OSError("connection refused\nTraceback details")
 
-    monkeypatch.setattr(longbench.huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(hub.huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(hub, "hub_online", lambda: True)
     with pytest.raises(KVBenchError) as error:
         list(make_task(tokenizer, datasets=["trec"], data_dir=None).samples())
     message = str(error.value)

@@ -6,11 +6,11 @@ import random
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench import PROJECT_ROOT
+from kvbench import PROJECT_ROOT, hub
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
 from kvbench.metrics.needlebench import levenshtein, multi_reasoning_score, multi_retrieval_score, single_needle_score
-from kvbench.tasks import hub, needlebench
+from kvbench.tasks import needlebench
 from kvbench.tasks.base import ModelInfo
 from kvbench.tasks.needlebench import NeedleBenchTask, guided_question, linear_depths, retrieval_question
 

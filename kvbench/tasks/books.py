@@ -20,10 +20,11 @@ from typing import Iterator
 
 from omegaconf import DictConfig
 
+from kvbench import resolve_path
 from kvbench.errors import KVBenchError
+from kvbench.hub import hub_rows
 from kvbench.tasks.base import ModelInfo, Sample, Task
-from kvbench.tasks.hub import hub_rows
-from kvbench.tasks.ppl import PerplexityTask, read_text, resolve_path, strip_gutenberg
+from kvbench.tasks.ppl import PerplexityTask, read_text, strip_gutenberg
 
 CHARS_PER_TOKEN_BOUND = 12  # tokenizing this many characters per wanted token always yields enough tokens
 

@@ -33,13 +33,13 @@ import random
 import zipfile
 from typing import Any, Iterable, Iterator
 
-import huggingface_hub
 from omegaconf import DictConfig
 
+from kvbench import resolve_path
 from kvbench.errors import KVBenchError, choose
+from kvbench.hub import hub_file
 from kvbench.metrics.longbench import length_bucket, score_sample
 from kvbench.tasks.base import ModelInfo, Sample, Task
-from kvbench.tasks.ppl import resolve_path
 
 HUB_REPO = "THUDM/LongBench"
 HUB_ARCHIVE = "data.zip"
@@ -265,14 +265,8 @@ def _parse_records(lines: Iterable[str], source: str) -> list[dict[str, Any]]:
 
 def _hub_records(file_name: str) -> list[dict[str, Any]]:
     """One jsonl file from the hub dataset's ``data.zip`` (cached by huggingface_hub)."""
-    try:
-        archive = huggingface_hub.hf_hub_download(HUB_REPO, HUB_ARCHIVE, repo_type="dataset")
-    except Exception as error:
-        reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-        raise KVBenchError(
-            f"cannot download {HUB_ARCHIVE} of the hub dataset {HUB_REPO} ({reason}); unzip its data/*.jsonl "
-            "into a folder and set task.data_dir=FOLDER"
-        ) from None
+    how = f"unzip data/*.jsonl of {HUB_ARCHIVE} into a folder and set task.data_dir=FOLDER"
+    archive = hub_file(HUB_REPO, HUB_ARCHIVE, how)
     member = HUB_MEMBER_DIR + file_name
     try:
         with zipfile.ZipFile(archive) as zipped, zipped.open(member) as raw:

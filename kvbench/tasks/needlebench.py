@@ -48,11 +48,11 @@ from typing import Any, Iterator
 
 from omegaconf import DictConfig
 
+from kvbench import resolve_path
 from kvbench.errors import KVBenchError, choose
+from kvbench.hub import hub_file
 from kvbench.metrics.needlebench import multi_reasoning_score, multi_retrieval_score, single_needle_score
 from kvbench.tasks.base import ModelInfo, Sample, Task
-from kvbench.tasks.hub import hub_file
-from kvbench.tasks.ppl import resolve_path
 
 HUB_REPO = "opencompass/NeedleBench"
 LANGUAGES = {"en": "English", "zh": "Chinese"}

@@ -8,28 +8,18 @@ A Project Gutenberg header and license footer are stripped.
 from __future__ import annotations
 
 import math
-import os
 import re
 from pathlib import Path
 from typing import Any, Iterator
 
 from omegaconf import DictConfig
 
-import kvbench
+from kvbench import resolve_path
 from kvbench.errors import KVBenchError
 from kvbench.tasks.base import ModelInfo, Sample, Task
 
 GUTENBERG_START = re.compile(r"^\*\*\* ?START OF.*$", re.MULTILINE)
 GUTENBERG_END = re.compile(r"^\*\*\* ?END OF", re.MULTILINE)
-
-
-def resolve_path(path: str | os.PathLike) -> Path:
-    """``~`` expanded; a relative path is taken from the working directory if it exists there, else from
-    the project root (so the default ``../shared/data/...`` works from anywhere)."""
-    candidate = Path(path).expanduser()
-    if candidate.is_absolute() or candidate.exists():
-        return candidate
-    return kvbench.PROJECT_ROOT / candidate
 
 
 def strip_gutenberg(text: str) -> str:

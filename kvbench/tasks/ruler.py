@@ -42,11 +42,11 @@ from typing import Any, Callable, Iterator
 
 from omegaconf import DictConfig
 
+from kvbench import resolve_path
 from kvbench.errors import KVBenchError, choose
+from kvbench.hub import hub_rows
 from kvbench.metrics.ruler import string_match_all, string_match_part
 from kvbench.tasks.base import ModelInfo, Sample, Task
-from kvbench.tasks.hub import hub_rows
-from kvbench.tasks.ppl import resolve_path
 from kvbench.tasks.resources import paul_graham_essays, wonderwords_list
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."

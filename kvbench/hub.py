@@ -1,30 +1,50 @@
-"""Hub access for the tasks' data: fail fast offline, with one line saying how to provide the data.
+"""Hugging Face hub access: a quick reachability probe, and dataset files and rows that fail fast offline.
 
 ``huggingface_hub`` retries an unreachable hub for about 25 seconds before it gives up, and the
-``datasets`` library longer; these helpers look in the local cache first and only contact the hub
-when downloading is allowed and the hub (or the proxy) accepts a connection.
+``datasets`` library longer. Models (``kvbench.engine.models``) and the tasks' data look in the local
+cache first and contact the hub only when downloading is allowed and the hub (or the proxy) accepts a
+connection; every failure is one line saying how to provide the files instead.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import huggingface_hub
 
 from kvbench.errors import KVBenchError
 
-
-def hub_online() -> bool:
-    """Whether downloading is allowed (``HF_HUB_OFFLINE`` unset) and the hub answers a quick probe."""
-    from kvbench.engine.models import _hub_online  # the engine's probe, shared rather than duplicated
-
-    return _hub_online()
+HUB_PROBE_TIMEOUT_S = 3.0
+TRUE_VALUES = ("1", "true", "yes", "on")
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """The first non-empty line of an exception message (its type name when there is none)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__
+
+
+def hub_online() -> bool:
+    """Whether downloading is allowed (``HF_HUB_OFFLINE`` unset) and the hub, or the proxy, accepts a connection."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in TRUE_VALUES:
+        return False
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    return accepts_connection(proxy or huggingface_hub.constants.ENDPOINT)
+
+
+def accepts_connection(url: str) -> bool:
+    """Whether a TCP connection to the URL's host opens within ``HUB_PROBE_TIMEOUT_S``."""
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname, port), timeout=HUB_PROBE_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
 
 
 def hub_file(repo: str, filename: str, how_to_provide: str) -> Path:
@@ -41,7 +61,7 @@ def hub_file(repo: str, filename: str, how_to_provide: str) -> Path:
     try:
         return Path(huggingface_hub.hf_hub_download(repo, filename, repo_type="dataset"))
     except Exception as error:
-        raise KVBenchError(f"cannot download {filename} of the hub dataset {repo} ({_first_line(error)}); {how_to_provide}") from None
+        raise KVBenchError(f"cannot download {filename} of the hub dataset {repo} ({first_line(error)}); {how_to_provide}") from None
 
 
 def hub_rows(repo: str, split: str, how_to_provide: str, name: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
@@ -60,4 +80,4 @@ def hub_rows(repo: str, split: str, how_to_provide: str, name: str | None = None
             rows.append(dict(row))
         return rows
     except Exception as error:
-        raise KVBenchError(f"cannot load the hub dataset {repo} ({split} split: {_first_line(error)}); {how_to_provide}") from None
+        raise KVBenchError(f"cannot load the hub dataset {repo} ({split} split: {first_line(error)}); {how_to_provide}") from None
