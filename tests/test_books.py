@@ -12,7 +12,7 @@ from kvbench.tasks import books
 from kvbench.tasks.base import ModelInfo
 from kvbench.tasks.books import BooksumTask, PG19Task
 
-MODEL = ModelInfo("tiny_llama", byte_tokenizer(4096), 4096, chat_template=False)
+MODEL = ModelInfo("tiny_llama", byte_tokenizer(4096), 4096)
 BOOK_A = "*** START OF THIS PROJECT GUTENBERG EBOOK A ***\n" + "The river ran north past the mill. " * 60 + "\n*** END OF THIS PROJECT GUTENBERG EBOOK A ***\nlicense"
 BOOK_B = "Chapter one. " + "She opened the letter and read it twice. " * 40
 BOOK_C = "Tiny."
@@ -110,7 +110,7 @@ def test_smollm2_perplexity_on_a_local_book():
     from kvbench.policies import build_policy
 
     loaded = load_model(model_config("smollm2_135m"))
-    task = PG19Task(task_cfg("pg19", path=str(path), max_tokens=512), ModelInfo("smollm2_135m", loaded.tokenizer, 8192, True))
+    task = PG19Task(task_cfg("pg19", path=str(path), max_tokens=512), ModelInfo("smollm2_135m", loaded.tokenizer, 8192))
     [sample] = list(task.samples())
     engine = Engine(loaded.model, build_policy("full", {}), "8k", regime="chunked", block_size=256,
                     attn_backend=loaded.attn_backend)

@@ -18,7 +18,7 @@ BOOK = (
     "Chapter 1\n\n" + "It was a quiet morning in the village. " * 200 + "\n\n"
     "*** END OF THIS PROJECT GUTENBERG EBOOK NOTHING ***\n\nMore license words.\n"
 )
-MODEL = ModelInfo("tiny_llama", byte_tokenizer(4096), 4096, chat_template=False)
+MODEL = ModelInfo("tiny_llama", byte_tokenizer(4096), 4096)
 
 
 def ppl_cfg(**overrides):

@@ -13,7 +13,7 @@ from kvbench.tasks.base import ModelInfo
 from kvbench.tasks.ruler import QA_ANSWER_PREFIX, RulerTask, qa_dataset, read_hotpotqa, read_squad
 
 FIXTURES = PROJECT_ROOT / "tests" / "fixtures" / "ruler_qa"
-MODEL = ModelInfo("tiny_llama", byte_tokenizer(4096), 4096, chat_template=False)
+MODEL = ModelInfo("tiny_llama", byte_tokenizer(4096), 4096)
 
 
 def qa_cfg(**overrides):

@@ -61,8 +61,7 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     name: str
-    max_context: int
-    chat_template: bool
+    context_window: int
     stop_token_ids: list[int]
     attn_backend: str
     device: torch.device
@@ -100,7 +99,7 @@ def load_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerBase:
     """The tokenizer of the model described by a model configuration."""
     choose("model.source", cfg.source, SOURCES)
     if cfg.source == "random":
-        return byte_tokenizer(int(cfg.max_context))
+        return byte_tokenizer(int(cfg.context_window))
     if cfg.source == "hub":
         return _from_hub(AutoTokenizer.from_pretrained, cfg)
     return AutoTokenizer.from_pretrained(_smollm2_dir(cfg), local_files_only=True)
@@ -113,19 +112,13 @@ def _load_uncached(cfg: DictConfig) -> LoadedModel:
     dtype = resolve_dtype(cfg.dtype, device)
     _check_attn_backend(cfg.attn_backend, device, dtype)
     tokenizer = load_tokenizer(cfg)
-    if cfg.chat_template and tokenizer.chat_template is None:
-        raise KVBenchError(
-            f"model {cfg.name} has chat_template=true but its tokenizer has no chat template; "
-            "pass model.chat_template=false"
-        )
     model = _load_weights(cfg, tokenizer, dtype, device)
     model.eval().requires_grad_(False)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         name=cfg.name,
-        max_context=int(cfg.max_context),
-        chat_template=bool(cfg.chat_template),
+        context_window=int(cfg.context_window),
         stop_token_ids=stop_token_ids(model, tokenizer),
         attn_backend=model.config._attn_implementation,
         device=model.device,

@@ -80,12 +80,12 @@ class BookPerplexityTask(PerplexityTask):
         tokenizer = self.model.tokenizer
         prefix = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
         if self.max_tokens is None:
-            return prefix + list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+            return prefix + self.model.encode(text)
         wanted = self.max_tokens - len(prefix)
         head = text[: wanted * CHARS_PER_TOKEN_BOUND + 64]  # spare the tokenizer a 400k-character book
-        ids = list(tokenizer(head, add_special_tokens=False, verbose=False)["input_ids"])
+        ids = self.model.encode(head)
         if len(ids) < wanted and len(head) < len(text):
-            ids = list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+            ids = self.model.encode(text)
         return prefix + ids[:wanted]
 
     def samples(self) -> Iterator[Sample]:

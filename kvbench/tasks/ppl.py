@@ -71,7 +71,7 @@ class PerplexityTask(Task):
     def tokens(self) -> list[int]:
         """The whole file as token ids, without special tokens."""
         text = strip_gutenberg(read_text(self.path))
-        return list(self.model.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+        return self.model.encode(text)
 
     def samples(self) -> Iterator[Sample]:
         """``num_samples`` consecutive windows of ``max_tokens`` tokens, each starting with BOS if any."""
