@@ -364,6 +364,18 @@ def test_official_files_run_as_they_are(smollm2):
     assert [(s.id, s.max_new_tokens) for s in per_task.samples()] == [("niah_single_1-0", 128), ("vt-0", 7)]
 
 
+def test_file_prompts_are_cut_in_the_middle_as_kvcache_factory():
+    """run_ruler.py: prompts longer than model2maxlen keep their decoded first and last halves, tokenized again."""
+    task = RulerTask(file_cfg(subtasks=["niah_single_1"], max_length=2000, prompt_format="kvcache_factory"), tiny_model())
+    tokenizer = task.model.tokenizer
+    for sample, record in zip(task.samples(), file_records("niah_single_1")):
+        ids = tokenizer(record["input"]).input_ids
+        kept = tokenizer.decode(ids[:1000], skip_special_tokens=True) + tokenizer.decode(ids[-1000:], skip_special_tokens=True)
+        assert sample.input_ids == tokenizer(kept).input_ids and len(sample.input_ids) == 2000
+    with pytest.raises(KVBenchError, match="task.max_length=2000 would cut prompts generated for task.context_length=4096"):
+        RulerTask(ruler_cfg(max_length=2000), tiny_model())
+
+
 def test_bad_files_and_settings_are_one_line_errors(tmp_path):
     with pytest.raises(KVBenchError, match=r"niah_single_1 sample 0 has \d+ prompt tokens \+ 128 to generate, beyond the "
                                            "context window 4096 of model tiny_llama"):

@@ -53,6 +53,16 @@ class ModelInfo:
         """Text of token ids, special tokens skipped."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def cut_middle(self, text: str, max_length: int) -> str:
+        """``text`` cut to about ``max_length`` tokens as LongBench's ``pred.py`` (and KVCache-Factory) cut it:
+        counted with the special tokens, the first and the last ``max_length // 2`` tokens decoded on their
+        own and joined (tokenized again, the cut can merge or split a token)."""
+        ids = self.prompt_ids("raw", text)
+        if len(ids) <= max_length:
+            return text
+        half = max_length // 2
+        return self.decode(ids[:half]) + self.decode(ids[-half:])
+
     def template(self, prompt_format: str, valid: tuple[str, ...]) -> str:
         """The template a task's prompt format (one of ``valid``) uses for this model, checked usable here."""
         template = prompts.template_for(prompt_format, valid, self.hf_id)

@@ -253,15 +253,8 @@ class LongBenchTask(Task):
 
     def prompt_ids(self, dataset: str, record: dict[str, Any]) -> list[int]:
         """The official prompt, cut in the middle to ``max_length`` tokens as ``pred.py``, in the prompt format."""
-        prompt = PROMPTS[dataset].format(**record)
-        ids = self.model.prompt_ids("raw", prompt)
-        max_length, template = self.max_length(dataset), self.template(dataset)
-        if len(ids) > max_length:
-            half = max_length // 2
-            prompt = self.model.decode(ids[:half]) + self.model.decode(ids[-half:])
-        elif template == "raw":
-            return ids
-        return self.model.prompt_ids(template, prompt)
+        prompt = self.model.cut_middle(PROMPTS[dataset].format(**record), self.max_length(dataset))
+        return self.model.prompt_ids(self.template(dataset), prompt)
 
     def score(self, sample: Sample, prediction: str) -> float:
         """The official metric of the sample's dataset, 0-1."""

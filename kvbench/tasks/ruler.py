@@ -17,7 +17,9 @@ Prompt formats (``task.prompt_format``, :mod:`kvbench.tasks.prompts`): ``ruler_o
 template for the model (``scripts/config_models.sh``: "meta-llama3" for Llama-3.1, "meta-chat" for
 Llama-2 chat, "base" for the models it does not list) with the answer prefix after it, as
 ``call_api.py`` joins them; ``kvcache_factory`` -- KVCache-Factory's ``run_ruler.py``: the ``input``
-alone (it never appends the answer prefix), raw with BOS; ``hf_chat``; ``raw``.
+alone (it never appends the answer prefix), raw with BOS; ``hf_chat``; ``raw``. KVCache-Factory also cuts
+prompts longer than its ``model2maxlen`` in the middle as LongBench does: ``task.max_length`` (null: no cut,
+as RULER).
 
 Configurations, templates and answer prefixes follow RULER's ``scripts/synthetic.yaml`` and
 ``scripts/data/synthetic/constants.py``. Deliberate differences from RULER's generator scripts:
@@ -580,6 +582,10 @@ class RulerTask(Task):
                 f"of model {model.name}; lower task.context_length"
             )
         self.num_samples = None if cfg.num_samples is None else int(cfg.num_samples)
+        self.max_length = None if cfg.max_length is None else int(cfg.max_length)
+        if self.max_length is not None and cfg.data_dir is None and self.max_length < self.context_length:
+            raise KVBenchError(f"task.max_length={self.max_length} would cut prompts generated for task.context_length="
+                               f"{self.context_length}; lower task.context_length instead")
         self.template = model.template(cfg.prompt_format, PROMPT_FORMATS)
         self.answer_prefix = cfg.prompt_format != "kvcache_factory"
         self.min_new_tokens = int(cfg.min_new_tokens)
@@ -631,6 +637,8 @@ class RulerTask(Task):
                 raise KVBenchError(f"{path}:{position + 1} is not a RULER record with input and outputs "
                                    f"({type(error).__name__}: {error})") from None
             prefix = record.get("answer_prefix", "") if self.answer_prefix else ""
+            if self.max_length is not None:
+                text = self.model.cut_middle(text, self.max_length)
             ids = self.model.prompt_ids(self.template, text, prefix)
             yield self._sample(subtask, position, ids, [str(answer) for answer in answers],
                                {"index": record.get("index"), "length": record.get("length"), "source": str(path)})
