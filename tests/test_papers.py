@@ -359,3 +359,14 @@ def test_load_all_concatenates_everything():
     df = papers.load_all()
     assert len(df) == sum(EXPECTED_ROWS.values())
     assert isinstance(df, pd.DataFrame) and list(df.columns) == COLUMNS
+
+
+def test_every_bracketed_setting_has_a_main_value():
+    """compare-paper matches unbracketed rows by MAIN_SETTINGS: a key bracketed in a table without a main value
+    would let runs with any value of it fill the paper's default rows."""
+    bracketed = {}
+    for paper, table in list_tables():
+        for method in load_table(paper, table)["method"]:
+            bracketed.setdefault(paper, set()).update(split_method(method)[1])
+    assert {paper: keys for paper, keys in bracketed.items() if keys} == {
+        paper: set(values) for paper, values in papers.MAIN_SETTINGS.items()}
