@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import huggingface_hub
+import huggingface_hub.constants
 
 from kvbench.errors import KVBenchError
 
