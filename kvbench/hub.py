@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 from urllib.parse import urlparse
 
 import huggingface_hub
@@ -65,20 +65,15 @@ def hub_file(repo: str, filename: str, how_to_provide: str) -> Path:
         raise KVBenchError(f"cannot download {filename} of the hub dataset {repo} ({first_line(error)}); {how_to_provide}") from None
 
 
-def hub_rows(repo: str, split: str, how_to_provide: str, name: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
-    """The first ``limit`` rows (all when None) of ``split`` of the hub dataset ``repo`` via ``datasets``
-    (streamed, so a large dataset such as PG19 is not downloaded whole)."""
+def hub_rows(repo: str, split: str, how_to_provide: str, name: str | None = None) -> Iterator[dict[str, Any]]:
+    """The rows of ``split`` of the hub dataset ``repo`` via ``datasets``, streamed: rows are read as the caller
+    takes them, so a large dataset such as PG19 is not downloaded whole."""
     if not hub_online():
         raise KVBenchError(f"the hub dataset {repo} ({split} split) cannot be loaded: the hub is unreachable; {how_to_provide}")
     try:
         import datasets
 
-        stream = datasets.load_dataset(repo, name, split=split, streaming=True)
-        rows = []
-        for row in stream:
-            if limit is not None and len(rows) >= limit:
-                break
-            rows.append(dict(row))
-        return rows
+        for row in datasets.load_dataset(repo, name, split=split, streaming=True):
+            yield dict(row)
     except Exception as error:
         raise KVBenchError(f"cannot load the hub dataset {repo} ({split} split: {first_line(error)}); {how_to_provide}") from None

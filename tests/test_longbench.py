@@ -7,7 +7,6 @@ import copy
 import dataclasses
 import difflib
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -32,15 +31,14 @@ from kvbench.tasks import longbench
 from kvbench.tasks.base import ModelInfo
 from kvbench.run import run_sample
 from kvbench.tasks.longbench import DATASETS, E_DATASETS, MAX_NEW_TOKENS, PROMPTS, LongBenchTask
-from tests.helpers import engine, random_prompt, tiny_model
+from tests.helpers import engine, local_data, random_prompt, tiny_model
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "Using slow pure-python SequenceMatcher": the backend the official scorer ran
     from fuzzywuzzy import fuzz
 
 FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
-# Official LongBench files for the real-record test: KVBENCH_LONGBENCH_DIR, else the workplace's shared copy.
-REAL_DATA = Path(os.environ.get("KVBENCH_LONGBENCH_DIR") or kvbench.PROJECT_ROOT.parent / "shared" / "data" / "longbench")
+REAL_DATA = local_data("KVBENCH_LONGBENCH_DIR", "data", "longbench")
 TREC_CLASSES = ["Abbreviation", "City", "Date", "Other location", "Other number", "Reason"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|user|>\n{{ m['content'] }}\n{% endfor %}"

@@ -451,7 +451,7 @@ def qa_dataset(dataset: str, qa_dir: str | None) -> tuple[list[dict[str, Any]], 
             raise KVBenchError(f"cannot read {path} ({type(error).__name__}); {how}") from None
     else:
         repo, config = QA_HUB[dataset]
-        rows = hub_rows(repo, "validation", f"RULER {dataset} needs {names[0]}: {how}", name=config)
+        rows = list(hub_rows(repo, "validation", f"RULER {dataset} needs {names[0]}: {how}", name=config))
         data = _squad_from_rows(rows) if dataset == "squad" else _hotpot_from_rows(rows)
     try:
         qas, docs = read_squad(data) if dataset == "squad" else read_hotpotqa(data)
