@@ -226,6 +226,17 @@ def test_defaults_of_obcache_and_slake_tables(tmp_path):
     assert partial.loc[("cake", "ours"), "Avg."] == "15.00*"
 
 
+def test_calidrop_needle_text_compares_with_the_overall_needle_score(tmp_path):
+    """The H2O 48.5 -> 83.8 quoted at KV 96 and 128: a niah run's overall score fills the row of its budget."""
+    for policy, budget, overall in (("h2o", "96", 50.0), ("h2o+calidrop", "128", 80.0)):
+        write_run(tmp_path / f"{policy}-{budget}", "llama3_8b", policy, budget, "niah", {"overall": overall, "8000": overall})
+    assert parse_spec("calidrop:niah_text") == ("calidrop", "niah_text")
+    frame = Comparison("calidrop", "niah_text", load_runs([tmp_path])).frame.set_index(["method", "budget", "row"])
+    assert frame.loc[("h2o", "96", "ours"), "niah"] == "50.00" and frame.loc[("h2o", "96", "Δ"), "niah"] == "+1.50"
+    assert frame.loc[("h2o+calidrop", "128", "Δ"), "niah"] == "-3.80"
+    assert frame.loc[("h2o", "128", "ours"), "niah"] == "not run"
+
+
 def test_compare_bad_table_is_one_line(capsys):
     with pytest.raises(SystemExit):
         main(["compare-paper", "caote:table99"])

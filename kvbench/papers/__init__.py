@@ -67,6 +67,9 @@ CAPTIONS: dict[tuple[str, str], str] = {
                             "512, LLaMA-3-70B-Instruct at KV 64",
     ("calidrop", "table5"): "RULER (11 tasks + Avg.), LLaMA-3-8B-Instruct, KV size 64-512",
     ("calidrop", "table6"): "RULER (11 tasks + Avg.), Mistral-7B-Instruct, KV size 64-512",
+    ("calidrop", "niah_text"): "Needle-in-a-haystack accuracy (%) quoted in the text for the heatmaps of Figs. 2 and "
+                               "9-11, LLaMA-3-8B-Instruct at 8k: H2O and SnapKV with(out) CaliDrop; the H2O pair is "
+                               "stated at KV 128 (§4.2.3) and at KV 96 (App. G), stored at both",
     ("slake", "table1"): "LongBench (16 tasks + Avg.), Llama2-7B-chat / Llama3.1-8B / Mistral-7B-v0.3, average "
                          "per-layer budget 128 and 256; H2O, PyramidKV, CAKE, SLAKE (CAKE eviction + PTAA + VABS); "
                          "Falcon Mamba-7B as a linear-complexity baseline",
