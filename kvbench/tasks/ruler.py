@@ -581,9 +581,13 @@ class RulerTask(Task):
                 f"task.context_length={self.context_length} exceeds the context window {model.context_window} "
                 f"of model {model.name}; lower task.context_length"
             )
+        self.data_dir = None if cfg.data_dir is None else resolve_path(cfg.data_dir)
         self.num_samples = None if cfg.num_samples is None else int(cfg.num_samples)
+        if self.num_samples is None and self.data_dir is None:
+            raise KVBenchError("task.num_samples=null reads every record of task.data_dir; generated RULER samples need "
+                               "a number (RULER's default: 500)")
         self.max_length = None if cfg.max_length is None else int(cfg.max_length)
-        if self.max_length is not None and cfg.data_dir is None and self.max_length < self.context_length:
+        if self.max_length is not None and self.data_dir is None and self.max_length < self.context_length:
             raise KVBenchError(f"task.max_length={self.max_length} would cut prompts generated for task.context_length="
                                f"{self.context_length}; lower task.context_length instead")
         self.template = model.template(cfg.prompt_format, PROMPT_FORMATS)
@@ -609,14 +613,10 @@ class RulerTask(Task):
         """``num_samples`` samples per subtask (null: every record of a ``data_dir`` file), subtask by
         subtask; ids ``<subtask>-<index>`` (generated) or ``<subtask>-<line>`` (files)."""
         for subtask in self.subtasks:
-            if self.cfg.get("data_dir") is not None:
+            if self.data_dir is not None:
                 yield from self.file_samples(subtask)
-                continue
-            if self.num_samples is None:
-                raise KVBenchError("task.num_samples=null reads every record of task.data_dir; generated RULER "
-                                   "samples need a number (RULER's default: 500)")
-            for index in range(self.num_samples):
-                yield self.sample(subtask, index)
+            else:
+                yield from (self.sample(subtask, index) for index in range(self.num_samples))
 
     def file_samples(self, subtask: str) -> Iterator[Sample]:
         """The first ``num_samples`` records of ``<data_dir>/<subtask>.jsonl``, in file order.
@@ -624,7 +624,7 @@ class RulerTask(Task):
         Records are RULER's (``input``, ``outputs``, and ``answer_prefix`` where the generator split one off)
         as its scripts write them; ``index`` is only kept as metadata: RULER's niah generator has written a
         character offset there since its commit d4293b9, so the sample id is the record's position."""
-        path = resolve_path(self.cfg.data_dir) / f"{subtask}.jsonl"
+        path = self.data_dir / f"{subtask}.jsonl"
         if not path.is_file():
             raise KVBenchError(f"RULER file {path} not found; task.data_dir must hold <subtask>.jsonl files written by "
                                "RULER's scripts/data/prepare.py (or set task.data_dir=null to generate samples)")
