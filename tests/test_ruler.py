@@ -192,6 +192,23 @@ def test_too_short_a_context_and_unknown_subtasks_are_one_line_errors():
         RulerTask(ruler_cfg(context_length=8192), tiny_model())
 
 
+@pytest.mark.parametrize("prompt_format, hf_id, before, after", [
+    # RULER's template.py for config_models.sh's models, the answer prefix after it (call_api.py)
+    ("ruler_official", "meta-llama/Llama-3.1-8B-Instruct", "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n",
+     "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n{prefix}"),
+    ("ruler_official", "meta-llama/Llama-2-7b-chat-hf", "[INST] ", " [/INST]{prefix}"),
+    ("ruler_official", "Qwen/Qwen2.5-7B-Instruct", "", "{prefix}"),
+    # KVCache-Factory's run_ruler.py: the input alone
+    ("kvcache_factory", "meta-llama/Meta-Llama-3-8B-Instruct", "", ""),
+])
+def test_generated_prompts_in_each_pipelines_template(prompt_format, hf_id, before, after):
+    task = RulerTask(ruler_cfg(subtasks=["niah_single_1"], context_length=1024, prompt_format=prompt_format),
+                     ModelInfo("m", byte_tokenizer(4096), 4096, hf_id))
+    generated = task.generate("niah_single_1", 0)
+    expected = "<bos>" + before + generated.prompt.text + after.format(prefix=generated.prompt.answer_prefix)
+    assert generated.text == expected and len(generated.input_ids) <= 1024 - 128
+
+
 def test_the_defaults_are_rulers_own():
     """null = RULER's 11 synthetic tasks; 500 samples, 4096 tokens, its per-task generation lengths and template."""
     default = OmegaConf.load(PROJECT_ROOT / "conf" / "task" / "ruler.yaml")

@@ -69,8 +69,8 @@ def _cake(hf_id: str | None) -> str:
 
 
 def _ruler_official(hf_id: str | None) -> str:
-    """RULER ``scripts/config_models.sh``: ``meta-llama3`` for Llama-3.1, ``meta-chat`` for Llama-2 chat,
-    ``base`` (the raw prompt) for models it does not list."""
+    """RULER ``scripts/config_models.sh``: ``meta-llama3`` for Llama-3.1 (here the whole Llama-3 family),
+    ``meta-chat`` for Llama-2 chat, ``base`` (the raw prompt) for the models it does not list."""
     if _family(hf_id, "llama-3"):
         return "llama3_header"
     return "inst" if _family(hf_id, "llama-2", "chat") else "raw"
