@@ -20,8 +20,8 @@ class Sample:
 
     ``mode="generate"``: greedy-decode up to ``max_new_tokens`` after ``input_ids`` (the prompt, already
     templated and truncated by the task); no stop token may end it before ``min_new_tokens`` new tokens
-    (Hugging Face's ``min_length = prompt + min_new_tokens``). ``mode="perplexity"``: score every token of ``input_ids``
-    after the first ``context_tokens`` (0 = the whole stream, StreamingLLM protocol).
+    (Hugging Face's ``min_length = prompt + min_new_tokens``). ``mode="perplexity"``: score every token of
+    ``input_ids`` after the first ``context_tokens`` (0 = the whole stream, StreamingLLM protocol).
     """
 
     id: str
