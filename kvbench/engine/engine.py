@@ -91,7 +91,9 @@ class Engine:
 
     # -- public API ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, input_ids: list[int], max_new_tokens: int, stop_token_ids=(), min_new_tokens: int = 0) -> GenerationOutput:
+    def generate(
+        self, input_ids: list[int], max_new_tokens: int, stop_token_ids=(), min_new_tokens: int = 0
+    ) -> GenerationOutput:
         """Greedy decoding of up to ``max_new_tokens`` after the prompt; stops at any of ``stop_token_ids``, which
         cannot be chosen among the first ``min_new_tokens`` (Hugging Face's ``min_length``: their logits are
         masked, the best other token is taken)."""

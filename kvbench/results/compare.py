@@ -90,14 +90,15 @@ def method_fit(method: str, policy: str, settings: dict[str, Any], main: dict[st
 
 def own_method(policy: str, settings: dict[str, Any], main: dict[str, str]) -> str:
     """A run's policy spec with, in brackets, the paper's varied settings where the run differs from the main ones."""
-    differ = [f"{key}={settings[key]}" for key, value in main.items() if key in settings and not same_setting(settings[key], value)]
+    differ = [f"{key}={settings[key]}" for key, value in main.items()
+              if key in settings and not same_setting(settings[key], value)]
     return f"{policy}[{','.join(differ)}]" if differ else policy
 
 
 def setting_difference(first: str, second: str) -> str:
     """``window=32 vs 64`` for the settings (JSON) in which two runs differ."""
     a, b = json.loads(first), json.loads(second)
-    return ", ".join(f"{key}={a.get(key)} vs {b.get(key)}" for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key))
+    return ", ".join(f"{key}={a.get(key)} vs {b.get(key)}" for key in sorted({*a, *b}) if a.get(key) != b.get(key))
 
 
 def budget_fits(paper_budget: str, policy: str, budget: str) -> bool:
