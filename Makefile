@@ -66,12 +66,14 @@ RUN := $(if $(SMOKE),OMP_NUM_THREADS=$(SMOKE_THREADS)) $(KVBENCH) run -m
 FULL_CACHE := policy=full budget=128k
 CAOTE_TABLES := table2 table3 table10 table11 table4 table12 table5 table13
 OBCACHE_TABLES := table1 table3 table4 table5
-CALIDROP_TABLES := table1 table2 table4 table5 table6
+CALIDROP_TABLES := table1 table2 table4 table5 table6 niah_text
 SLAKE_TABLES := table1 table2 table4
 
 # $(call sweep,EXPERIMENT): the experiment's multirun, then its full-cache runs (one per model, task and context).
 sweep = $(RUN) +experiment=$(1)$(if $(SMOKE),_smoke) $(LAUNCH) && \
 	$(RUN) +experiment=$(1)$(if $(SMOKE),_smoke) $(FULL_CACHE) $(LAUNCH)
+# $(call extra,EXPERIMENT): a sweep whose table takes its full-cache rows from the main sweep (no full-cache runs).
+extra = $(RUN) +experiment=$(1)$(if $(SMOKE),_smoke) $(LAUNCH)
 # $(call report,PAPER,TABLES): benchmark tables and plots, then the paper's tables beside ours, all in report/.
 report = $(KVBENCH) table $(RESULTS)/$(1) --output-dir $(RESULTS)/$(1)/report && \
 	$(KVBENCH) plot $(RESULTS)/$(1) --output-dir $(RESULTS)/$(1)/report && \
@@ -87,19 +89,29 @@ reproduce-caote: setup
 	$(call sweep,caote_booksum)
 	$(call report,caote,$(CAOTE_TABLES))
 
+# Table 3's GQA-aware half: obcache_gqa (LongBench) and obcache_niah_gqa (NIAH 8k).
 reproduce-obcache: setup
 	$(call sweep,obcache)
 	$(call sweep,obcache_niah)
+	$(call extra,obcache_gqa)
+	$(call extra,obcache_niah_gqa)
 	$(call sweep,obcache_pg19)
 	$(call report,obcache,$(OBCACHE_TABLES))
 
+# Table 2's θ grid: calidrop_theta; the needle figures: calidrop_needle (LLaMA-3, 8k) and calidrop_needle_mistral
+# (32k, which the smoke run leaves out).
 reproduce-calidrop: setup
 	$(call sweep,calidrop)
+	$(call extra,calidrop_theta)
 	$(call sweep,calidrop_ruler)
+	$(call sweep,calidrop_needle)
+	$(if $(SMOKE),,$(call sweep,calidrop_needle_mistral))
 	$(call report,calidrop,$(CALIDROP_TABLES))
 
-# NeedleBench (Table 4) needs its data from the hub, so the offline smoke run leaves it out.
+# Table 2's ablation run: slake_ablation. NeedleBench (Table 4) needs its data from the hub, so the offline smoke run
+# leaves it out.
 reproduce-slake: setup
 	$(call sweep,slake)
+	$(call extra,slake_ablation)
 	$(if $(SMOKE),,$(call sweep,slake_needlebench))
 	$(call report,slake,$(SLAKE_TABLES))

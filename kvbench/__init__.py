@@ -9,6 +9,15 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = PROJECT_ROOT / "conf"
 
 
+def resolve_path(path: str | os.PathLike) -> Path:
+    """A user-given file or folder: ``~`` expanded; a relative path is taken from the working directory if
+    it exists there, else from the project root (where ``make`` and the tests run)."""
+    candidate = Path(path).expanduser()
+    if candidate.is_absolute() or candidate.exists():
+        return candidate
+    return PROJECT_ROOT / candidate
+
+
 def cache_dir() -> Path:
     """The kvbench cache root (converted models, essays): ``$KVBENCH_CACHE`` or ``~/.cache/kvbench``."""
     return Path(os.environ.get("KVBENCH_CACHE") or Path.home() / ".cache" / "kvbench").expanduser()

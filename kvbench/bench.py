@@ -247,8 +247,8 @@ class Bench:
         self.memory = PeakMemory(loaded.device)
         text, self.prompt_source = prompt_text(self.bench.prompt_source)
         longest = max([*self._lengths(), 1])
-        if longest > loaded.max_context:
-            raise KVBenchError(f"bench prompt length {longest} exceeds {loaded.name}'s context of {loaded.max_context}")
+        if longest > loaded.context_window:
+            raise KVBenchError(f"bench prompt length {longest} exceeds {loaded.name}'s context of {loaded.context_window}")
         self.tokens = prompt_tokens(loaded.tokenizer, text, longest)
         self._engines: dict[tuple[str, str, str], Engine] = {}
 

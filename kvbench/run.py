@@ -25,12 +25,12 @@ log = logging.getLogger(__name__)
 
 
 def build_task(cfg: DictConfig, tokenizer) -> Task:
-    """Instantiate the task class named by ``task._target_`` for this model's tokenizer and limits."""
+    """Instantiate the task class named by ``task._target_`` for this model's tokenizer, window and id."""
     try:
         task_class = get_class(cfg.task._target_)
     except Exception as error:
         raise KVBenchError(f"task {cfg.task.name!r}: cannot import {cfg.task._target_}: {error}") from None
-    info = ModelInfo(cfg.model.name, tokenizer, cfg.model.max_context, cfg.model.chat_template)
+    info = ModelInfo(cfg.model.name, tokenizer, int(cfg.model.context_window), cfg.model.hf_id)
     return task_class(cfg.task, info)
 
 
@@ -64,7 +64,7 @@ def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) 
         output = engine.perplexity(sample.input_ids, sample.context_tokens)
         result = output.nlls
     else:
-        output = engine.generate(sample.input_ids, sample.max_new_tokens, stop_ids(sample, loaded))
+        output = engine.generate(sample.input_ids, sample.max_new_tokens, stop_ids(sample, loaded), sample.min_new_tokens)
         result = loaded.tokenizer.decode(output.token_ids, skip_special_tokens=True)
     record = {"id": sample.id, "subtask": sample.subtask, **task.evaluate(sample, result), "answers": sample.answers}
     record["prompt_tokens"] = len(sample.input_ids)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from kvbench import PROJECT_ROOT
 from kvbench.engine import Engine
 from kvbench.policies import build_policy
 
@@ -41,3 +45,9 @@ def random_prompt(length: int, vocab: int = 300, seed: int = 1) -> list[int]:
 def engine(model, spec="full", budget=64, regime="oneshot", **params) -> Engine:
     """An engine for ``spec`` (its parameters as keywords) with 16-token chunks."""
     return Engine(model, build_policy(spec, params), budget, regime=regime, block_size=16)
+
+
+def local_data(variable: str, *shared: str) -> Path:
+    """Test data the user points to with the environment ``variable`` (as kvbench's task files read it), else
+    the workplace's copy beside the project (``../shared/<shared...>``); callers skip when it is absent."""
+    return Path(os.environ.get(variable) or PROJECT_ROOT.parent.joinpath("shared", *shared))

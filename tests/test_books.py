@@ -5,14 +5,15 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench import PROJECT_ROOT
+from kvbench import PROJECT_ROOT, hub
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
-from kvbench.tasks import books, hub
+from kvbench.tasks import books
 from kvbench.tasks.base import ModelInfo
 from kvbench.tasks.books import BooksumTask, PG19Task
+from tests.helpers import local_data
 
-MODEL = ModelInfo("tiny_llama", byte_tokenizer(4096), 4096, chat_template=False)
+MODEL = ModelInfo("tiny_llama", byte_tokenizer(4096), 4096)
 BOOK_A = "*** START OF THIS PROJECT GUTENBERG EBOOK A ***\n" + "The river ran north past the mill. " * 60 + "\n*** END OF THIS PROJECT GUTENBERG EBOOK A ***\nlicense"
 BOOK_B = "Chapter one. " + "She opened the letter and read it twice. " * 40
 BOOK_C = "Tiny."
@@ -62,21 +63,39 @@ def test_booksum_from_a_single_file(book_dir):
 
 
 def test_hub_rows_use_the_configured_text_column(monkeypatch):
-    calls = []
+    calls, taken = [], []
 
-    def fake_rows(repo, split, how, name=None, limit=None):
-        calls.append((repo, split, name, limit))
-        return [{"chapter": BOOK_B, "book_id": "Emma.chapter 1"}, {"chapter": BOOK_A, "book_id": "Emma.chapter 2"}]
+    def fake_rows(repo, split, how, name=None):
+        calls.append((repo, split, name))
+        for row in ({"chapter": BOOK_B, "book_id": "Emma.chapter 1"}, {"chapter": BOOK_A, "book_id": "Emma.chapter 2"},
+                    {"chapter": BOOK_A, "book_id": "never read"}):
+            taken.append(row["book_id"])
+            yield row
 
     monkeypatch.setattr(books, "hub_rows", fake_rows)
     task = BooksumTask(task_cfg("booksum", num_samples=2, max_tokens=100), MODEL)
     samples = list(task.samples())
-    assert calls == [("kmfoda/booksum", "test", None, 2)]
+    assert calls == [("kmfoda/booksum", "test", None)] and taken == ["Emma.chapter 1", "Emma.chapter 2"]  # streamed
     assert [s.metadata["book"] for s in samples] == ["Emma.chapter 1", "Emma.chapter 2"]
     assert MODEL.tokenizer.decode(samples[0].input_ids[1:]) == BOOK_B[:99]
     task = BooksumTask(task_cfg("booksum", text_field="text"), MODEL)
     with pytest.raises(KVBenchError, match="has no column 'text'"):
         list(task.samples())
+
+
+def test_min_tokens_skips_short_texts_and_a_text_is_scored_once(monkeypatch):
+    """CAOTE Table 4: chapters longer than the largest budget only; Booksum repeats a chapter per summary source."""
+    short, long_a, long_b = "Short chapter. " * 4, "A" * 500, "B" * 400
+    rows = [("one", long_a), ("two", short), ("three", long_a), ("four", long_b), ("five", "C" * 600)]
+    monkeypatch.setattr(books, "hub_rows", lambda *args, **kwargs: iter({"chapter": text, "book_id": title} for title, text in rows))
+    task = BooksumTask(task_cfg("booksum", num_samples=2, max_tokens=300, min_tokens=300), MODEL)
+    samples = list(task.samples())
+    assert [(s.id, s.metadata["book"], len(s.input_ids)) for s in samples] == [("booksum-0", "one", 300), ("booksum-3", "four", 300)]
+    assert len(list(BooksumTask(task_cfg("booksum", num_samples=9, max_tokens=300, min_tokens=300), MODEL).samples())) == 3
+    with pytest.raises(KVBenchError, match="task.min_tokens=301 is above task.max_tokens=300"):
+        BooksumTask(task_cfg("booksum", max_tokens=300, min_tokens=301), MODEL)
+    with pytest.raises(KVBenchError, match="no Booksum chapters with more than task.context_tokens=0 and at least task.min_tokens=700"):
+        list(BooksumTask(task_cfg("booksum", max_tokens=None, min_tokens=700), MODEL).samples())
 
 
 def test_missing_data_is_a_one_line_error(tmp_path, monkeypatch):
@@ -101,16 +120,16 @@ def test_missing_data_is_a_one_line_error(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.model
 def test_smollm2_perplexity_on_a_local_book():
-    """End to end through the engine on the shared Gutenberg book, when it is present."""
-    path = PROJECT_ROOT.parent / "shared" / "data" / "gutenberg" / "pride_and_prejudice.txt"
+    """End to end through the engine on a local book (KVBENCH_PPL_FILE), when it is present."""
+    path = local_data("KVBENCH_PPL_FILE", "data", "gutenberg", "pride_and_prejudice.txt")
     if not path.is_file():
-        pytest.skip(f"{path} is absent")
+        pytest.skip(f"{path} is absent (set KVBENCH_PPL_FILE to a UTF-8 book)")
     from kvbench.engine import Engine
     from kvbench.engine.models import load_model, model_config
     from kvbench.policies import build_policy
 
     loaded = load_model(model_config("smollm2_135m"))
-    task = PG19Task(task_cfg("pg19", path=str(path), max_tokens=512), ModelInfo("smollm2_135m", loaded.tokenizer, 8192, True))
+    task = PG19Task(task_cfg("pg19", path=str(path), max_tokens=512), ModelInfo("smollm2_135m", loaded.tokenizer, 8192))
     [sample] = list(task.samples())
     engine = Engine(loaded.model, build_policy("full", {}), "8k", regime="chunked", block_size=256,
                     attn_backend=loaded.attn_backend)

@@ -4,6 +4,7 @@ prompt building, truncation, chat templates, data loading and aggregation."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import json
 import subprocess
@@ -15,25 +16,29 @@ from pathlib import Path
 
 import jieba
 import pytest
+import torch
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 from rouge import Rouge
 
 import kvbench
-from kvbench.engine.models import load_tokenizer, model_config
+from kvbench import hub
+from kvbench.engine.models import load_model, load_tokenizer, model_config
 from kvbench.errors import KVBenchError
 from kvbench.metrics import longbench as metrics
 from kvbench.metrics.longbench import DATASET_METRIC, length_bucket, normalize_answer, normalize_zh_answer, score_sample
 from kvbench.tasks import longbench
 from kvbench.tasks.base import ModelInfo
+from kvbench.run import run_sample
 from kvbench.tasks.longbench import DATASETS, E_DATASETS, MAX_NEW_TOKENS, PROMPTS, LongBenchTask
+from tests.helpers import engine, local_data, random_prompt, tiny_model
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "Using slow pure-python SequenceMatcher": the backend the official scorer ran
     from fuzzywuzzy import fuzz
 
 FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
-REAL_DATA = kvbench.PROJECT_ROOT.parent / "shared" / "data" / "longbench"
+REAL_DATA = local_data("KVBENCH_LONGBENCH_DIR", "data", "longbench")
 TREC_CLASSES = ["Abbreviation", "City", "Date", "Other location", "Other number", "Reason"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|user|>\n{{ m['content'] }}\n{% endfor %}"
@@ -369,12 +374,12 @@ def chat_tokenizer(tokenizer):
     return chat
 
 
-def make_task(tokenizer, chat=False, max_context=4096, config="longbench", **overrides):
+def make_task(tokenizer, window=4096, hf_id=None, config="longbench", **overrides):
     cfg = OmegaConf.load(kvbench.CONF_DIR / "task" / f"{config}.yaml")
     cfg.data_dir = str(FIXTURES)
     for key, value in overrides.items():
         cfg[key] = value
-    return LongBenchTask(cfg, ModelInfo("test", tokenizer, max_context, chat))
+    return LongBenchTask(cfg, ModelInfo("test", tokenizer, window, hf_id))
 
 
 def fixture_records(name):
@@ -384,9 +389,11 @@ def fixture_records(name):
 def test_config_files_instantiate_the_task(tokenizer):
     for config, datasets in (("longbench", 16), ("longbench_e", 13)):
         cfg = OmegaConf.load(kvbench.CONF_DIR / "task" / f"{config}.yaml")
-        assert {"name", "_target_", "datasets", "data_dir", "num_samples", "max_length", "seed", "subtasks", "e"} <= set(cfg)
-        task = get_class(cfg._target_)(cfg, ModelInfo("test", tokenizer, 4096, False))
-        assert len(task.datasets) == datasets and task.max_length == 4096
+        assert {"name", "_target_", "datasets", "data_dir", "num_samples", "prompt_format", "max_length",
+                "min_length_datasets", "seed", "subtasks", "e"} <= set(cfg)
+        task = get_class(cfg._target_)(cfg, ModelInfo("test", tokenizer, 4096))
+        assert len(task.datasets) == datasets and task.prompt_format == "longbench_official"
+        assert task.max_length("qasper") == 4096 - 128 and task.min_length_datasets == {"samsum"}
     assert make_task(tokenizer, config="longbench_e").datasets == list(E_DATASETS)
 
 
@@ -405,7 +412,17 @@ def test_prompt_uses_the_official_template(tokenizer):
     assert tokenizer.decode(sample.input_ids, skip_special_tokens=True) == expected
     assert sample.id == "fixture-hotpotqa-0" and sample.subtask == "hotpotqa"
     assert sample.answers == ["Tarvik"] and sample.max_new_tokens == 32 and sample.mode == "generate"
-    assert sample.metadata == {"all_classes": None, "length": 31}
+    assert sample.min_new_tokens == 0 and sample.metadata == {"all_classes": None, "length": 31}
+
+
+def official_cut(tokenizer, prompt, max_length):
+    """pred.py's truncation: measure with special tokens, decode each half on its own, join, tokenize again."""
+    ids = tokenizer(prompt, truncation=False).input_ids
+    if len(ids) <= max_length:
+        return ids
+    half = int(max_length / 2)
+    kept = tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(ids[-half:], skip_special_tokens=True)
+    return tokenizer(kept, truncation=False).input_ids
 
 
 def test_truncation_keeps_the_first_and_last_halves(tokenizer):
@@ -416,22 +433,51 @@ def test_truncation_keeps_the_first_and_last_halves(tokenizer):
         task = make_task(tokenizer, datasets=["hotpotqa"], max_length=max_length)
         ids = task.prompt_ids("hotpotqa", record)
         half = max_length // 2
-        assert ids == full[:half] + full[-half:]
+        assert ids == full[:half] + full[-half:]  # ASCII bytes: decoding and re-tokenizing changes nothing
         assert len(ids) == 2 * half and ids[0] == tokenizer.bos_token_id
     short = make_task(tokenizer, datasets=["hotpotqa"], max_length=len(full))
     assert short.prompt_ids("hotpotqa", record) == full  # at the limit: untouched
 
 
-def test_max_length_defaults_to_the_model_context(tokenizer):
+def test_truncation_decodes_each_half_and_tokenizes_again(tokenizer, tmp_path):
+    """pred.py re-tokenizes the decoded halves: a cut through a character is not the join of the id halves."""
+    record = {"input": "问题？", "context": "长文本" * 40, "answers": ["长"], "length": 1, "all_classes": None, "_id": "zh-0"}
+    (tmp_path / "multifieldqa_zh.jsonl").write_text(json.dumps(record, ensure_ascii=False) + "\n", encoding="utf-8")
+    prompt = PROMPTS["multifieldqa_zh"].format(**record)
+    full = tokenizer(prompt).input_ids
+    task = make_task(tokenizer, datasets=["multifieldqa_zh"], data_dir=str(tmp_path), max_length=101)
+    [sample] = task.samples()
+    assert sample.input_ids == official_cut(tokenizer, prompt, 101)
+    assert sample.input_ids != full[:50] + full[-50:]  # the halves end inside three-byte characters
+    assert "\ufffd" in tokenizer.decode(sample.input_ids)
+
+
+@pytest.mark.parametrize(
+    "hf_id, window, expected",
+    [
+        ("meta-llama/Llama-2-7b-chat-hf", 4096, 3500),  # official model2maxlen
+        ("meta-llama/Meta-Llama-3-8B-Instruct", 8192, 7950),  # KVCache-Factory
+        ("mistralai/Mistral-7B-Instruct-v0.2", 32768, 31500),  # KVCache-Factory
+        ("meta-llama/Llama-3.1-8B-Instruct", 131072, 127500),  # CAKE
+        ("Qwen/Qwen2.5-3B-Instruct", 32768, 32768 - 32),  # in no table: the window less hotpotqa's 32 new tokens
+        (None, 50, 50 - 32),
+    ],
+)
+def test_max_length_comes_from_the_model_table_or_its_window(tokenizer, hf_id, window, expected):
+    task = make_task(tokenizer, window=window, hf_id=hf_id, datasets=["hotpotqa"], prompt_format="raw")
+    assert task.max_length("hotpotqa") == expected
+    assert make_task(tokenizer, window=window, hf_id=hf_id, max_length=77).max_length("hotpotqa") == 77
+
+
+def test_max_length_null_cuts_to_the_window_less_the_generation(tokenizer):
     record = fixture_records("hotpotqa.jsonl")[0]
     full = tokenizer(PROMPTS["hotpotqa"].format(**record)).input_ids
-    task = make_task(tokenizer, max_context=50, datasets=["hotpotqa"])
-    assert task.max_length == 50
-    assert task.prompt_ids("hotpotqa", record) == full[:25] + full[-25:]
+    task = make_task(tokenizer, window=82, datasets=["hotpotqa"])
+    assert task.prompt_ids("hotpotqa", record) == full[:25] + full[-25:]  # 82 - 32 new tokens = 50
 
 
 def test_chat_template_applied_except_on_the_official_exceptions(chat_tokenizer):
-    task = make_task(chat_tokenizer, chat=True, datasets=["hotpotqa", "trec", "samsum"])
+    task = make_task(chat_tokenizer, prompt_format="hf_chat", datasets=["hotpotqa", "trec", "samsum"])
     by_dataset = {}
     for sample in task.samples():
         by_dataset.setdefault(sample.subtask, sample)
@@ -443,12 +489,12 @@ def test_chat_template_applied_except_on_the_official_exceptions(chat_tokenizer)
     for dataset, name in (("trec", "trec.jsonl"), ("samsum", "samsum.jsonl")):
         plain = chat_tokenizer(PROMPTS[dataset].format(**fixture_records(name)[0])).input_ids
         assert by_dataset[dataset].input_ids == plain
-    assert task.uses_chat_template("hotpotqa")
-    assert not any(task.uses_chat_template(d) for d in ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"))
+    assert task.template("hotpotqa") == "hf_chat"
+    assert {task.template(d) for d in ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")} == {"raw"}
 
 
-def test_no_chat_template_for_models_without_one(chat_tokenizer):
-    task = make_task(chat_tokenizer, chat=False, datasets=["hotpotqa"])
+def test_raw_format_never_templates(chat_tokenizer):
+    task = make_task(chat_tokenizer, prompt_format="raw", datasets=["hotpotqa"])
     record = fixture_records("hotpotqa.jsonl")[0]
     assert task.prompt_ids("hotpotqa", record) == chat_tokenizer(PROMPTS["hotpotqa"].format(**record)).input_ids
 
@@ -456,11 +502,52 @@ def test_no_chat_template_for_models_without_one(chat_tokenizer):
 def test_chat_template_wraps_the_truncated_prompt(chat_tokenizer):
     record = fixture_records("hotpotqa.jsonl")[0]
     full = chat_tokenizer(PROMPTS["hotpotqa"].format(**record)).input_ids
-    task = make_task(chat_tokenizer, chat=True, datasets=["hotpotqa"], max_length=64)
+    task = make_task(chat_tokenizer, prompt_format="hf_chat", datasets=["hotpotqa"], max_length=64)
     ids = task.prompt_ids("hotpotqa", record)
     kept = chat_tokenizer.decode(full[:32], skip_special_tokens=True) + chat_tokenizer.decode(full[-32:], skip_special_tokens=True)
     assert chat_tokenizer.decode(ids) == f"<bos><|user|>\n{kept}\n<|assistant|>\n"
     assert kept.startswith("Answer the question") and kept.endswith("Answer:")
+
+
+LLAMA2 = "meta-llama/Llama-2-7b-chat-hf"
+LLAMA3 = "meta-llama/Meta-Llama-3-8B-Instruct"
+LLAMA31 = "meta-llama/Llama-3.1-8B-Instruct"
+MISTRAL = "mistralai/Mistral-7B-Instruct-v0.3"
+LLAMA3_TURN = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
+@pytest.mark.parametrize(
+    "prompt_format, hf_id, hotpotqa, trec",
+    [
+        # LongBench pred.py build_chat: Llama-2 only, not on the few-shot / code datasets
+        ("longbench_official", LLAMA2, "[INST]{}[/INST]", "{}"),
+        ("longbench_official", LLAMA3, "{}", "{}"),
+        ("longbench_official", MISTRAL, "{}", "{}"),
+        # KVCache-Factory run_longbench.py: [INST] only for "llama2" in the path (on every dataset)
+        ("kvcache_factory", LLAMA2, "{}", "{}"),
+        ("kvcache_factory", "/models/llama2-7b-chat", "[INST] {} [/INST]", "[INST] {} [/INST]"),
+        ("kvcache_factory", LLAMA3, "{}", "{}"),
+        # CAKE pred_cake.py build_chat: its own strings, written before the tokenizer's BOS is added
+        ("cake", LLAMA31, LLAMA3_TURN, "{}"),
+        ("cake", LLAMA2, "[INST]{}[/INST]", "{}"),
+        ("cake", MISTRAL, "<s>[INST] {} [/INST]", "{}"),
+    ],
+)
+def test_pipeline_formats_wrap_as_their_code(tokenizer, prompt_format, hf_id, hotpotqa, trec):
+    task = make_task(tokenizer, hf_id=hf_id, prompt_format=prompt_format, datasets=["hotpotqa", "trec"])
+    samples = {sample.id: sample for sample in task.samples()}
+    samples = {dataset: samples[f"fixture-{dataset}-0"] for dataset in ("hotpotqa", "trec")}
+    for dataset, wrapper in (("hotpotqa", hotpotqa), ("trec", trec)):
+        prompt = PROMPTS[dataset].format(**fixture_records(f"{dataset}.jsonl")[0])
+        assert tokenizer.decode(samples[dataset].input_ids) == "<bos>" + wrapper.format(prompt)
+
+
+def test_unknown_prompt_format_and_chat_without_template_are_one_line_errors(tokenizer):
+    with pytest.raises(KVBenchError, match=r"unknown prompt format \(task.prompt_format\) 'chat'; valid choices: cake, hf_chat, "
+                                           "kvcache_factory, longbench_official, raw"):
+        make_task(tokenizer, prompt_format="chat")
+    with pytest.raises(KVBenchError, match="task.prompt_format=hf_chat needs a chat template but the tokenizer of model test has none"):
+        make_task(tokenizer, prompt_format="hf_chat")
 
 
 def test_samsum_stops_at_newline(tokenizer):
@@ -470,6 +557,52 @@ def test_samsum_stops_at_newline(tokenizer):
     assert samples["samsum"].max_new_tokens == 128
     assert "stop_strings" not in samples["trec"].metadata
     assert samples["trec"].metadata["all_classes"] == TREC_CLASSES and samples["trec"].max_new_tokens == 64
+
+
+def test_min_length_datasets_set_one_new_token(tokenizer):
+    samples = lambda **options: {s.subtask: s.min_new_tokens for s in make_task(tokenizer, datasets=["samsum", "trec"], **options).samples()}
+    assert samples() == {"samsum": 1, "trec": 0}  # pred.py: min_length = context + 1 on samsum only
+    assert samples(min_length_datasets="all") == {"samsum": 1, "trec": 1}  # KVCache-Factory: every dataset
+    assert samples(min_length_datasets=[]) == {"samsum": 0, "trec": 0}
+    with pytest.raises(KVBenchError, match=r"unknown LongBench dataset in task.min_length_datasets \(or all\) 'sam'"):
+        make_task(tokenizer, min_length_datasets=["sam"])
+
+
+def test_engine_min_new_tokens_is_hf_min_new_tokens():
+    """A stop token cannot come first: the same tokens as transformers' generate(min_new_tokens=1)."""
+    model = tiny_model("llama")
+    prompt = random_prompt(40)
+    first = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
+    reference = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=1,
+                               eos_token_id=[first], pad_token_id=first)[0, len(prompt):].tolist()
+    runner = engine(model, "full", 64)
+    assert runner.generate(prompt, 8, [first]).token_ids == []
+    output = runner.generate(prompt, 8, [first], min_new_tokens=1).token_ids
+    assert output and first not in output
+    assert output == (reference[: reference.index(first)] if first in reference else reference)
+
+
+def test_samsum_prediction_is_not_empty_when_the_first_greedy_token_is_a_newline():
+    """pred.py's min_length on samsum: the newline stop cannot end the answer before it starts."""
+    loaded = load_model(model_config("tiny_llama"))
+    model = copy.deepcopy(loaded.model)
+    newline = loaded.tokenizer.encode("\n", add_special_tokens=False)[-1]
+    task = make_task(loaded.tokenizer, datasets=["samsum"])
+    [sample] = task.samples()
+    runner = engine(model, "full", 4096)
+    first = runner.generate(sample.input_ids, 1).token_ids[0]
+    assert first < 256 and first != newline  # a byte: it decodes to a non-empty string
+    head = model.lm_head.weight.detach().clone()
+    assert float(model(torch.tensor([sample.input_ids])).logits[0, -1, first]) > 0
+    head[newline] = 2 * head[first]  # the newline now outscores the model's own first token
+    model.lm_head.weight = torch.nn.Parameter(head)
+    assert runner.generate(sample.input_ids, 1).token_ids == [newline]
+    newline_first = dataclasses.replace(loaded, model=model)
+    record, _ = run_sample(runner, task, sample, newline_first)
+    assert record["prediction"] != "" and record["prediction"][0] == loaded.tokenizer.decode([first])
+    no_rule = make_task(loaded.tokenizer, datasets=["samsum"], min_length_datasets=[])
+    [unruled] = no_rule.samples()
+    assert run_sample(runner, no_rule, unruled, newline_first)[0]["prediction"] == ""
 
 
 def test_score_and_evaluate(tokenizer):
@@ -529,14 +662,14 @@ def test_hub_archive_is_read(tokenizer, tmp_path, monkeypatch):
         zipped.write(FIXTURES / "qasper_e.jsonl", "data/qasper_e.jsonl")
     calls = []
 
-    def download(repo_id, filename, repo_type):
+    def download(repo_id, filename, repo_type, local_files_only=False):
         calls.append((repo_id, filename, repo_type))
         return str(archive)
 
-    monkeypatch.setattr(longbench.huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(hub.huggingface_hub, "hf_hub_download", download)
     local = [s.input_ids for s in make_task(tokenizer, datasets=["trec"]).samples()]
-    hub = [s.input_ids for s in make_task(tokenizer, datasets=["trec"], data_dir=None).samples()]
-    assert hub == local and calls == [("THUDM/LongBench", "data.zip", "dataset")]
+    hub_ids = [s.input_ids for s in make_task(tokenizer, datasets=["trec"], data_dir=None).samples()]
+    assert hub_ids == local and calls == [("THUDM/LongBench", "data.zip", "dataset")]
     e_ids = [s.id for s in make_task(tokenizer, config="longbench_e", datasets=["qasper"], data_dir=None).samples()]
     assert e_ids == ["fixture-qasper-e-0", "fixture-qasper-e-1", "fixture-qasper-e-2"]
     with pytest.raises(KVBenchError, match="cannot read data/hotpotqa.jsonl from .*data.zip"):
@@ -547,10 +680,11 @@ def test_hub_archive_is_read(tokenizer, tmp_path, monkeypatch):
 
 
 def test_hub_failure_is_a_one_line_error(tokenizer, monkeypatch):
-    def download(repo_id, filename, repo_type):
+    def download(repo_id, filename, repo_type, local_files_only=False):
         raise OSError("connection refused\nTraceback details")
 
-    monkeypatch.setattr(longbench.huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(hub.huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(hub, "hub_online", lambda: True)
     with pytest.raises(KVBenchError) as error:
         list(make_task(tokenizer, datasets=["trec"], data_dir=None).samples())
     message = str(error.value)
@@ -577,16 +711,21 @@ def test_longbench_e_reads_e_files_and_buckets(tokenizer):
     assert task.aggregate(records) == {"qasper@0-4k": 100.0, "qasper@4-8k": 100.0, "qasper@8k+": 100.0}
 
 
-@pytest.mark.skipif(not REAL_DATA.is_dir(), reason="no ../shared/data/longbench")
 @pytest.mark.parametrize("dataset", ["multi_news", "multifieldqa_zh"])
-def test_real_records(tokenizer, dataset):
+def test_real_records(tokenizer, dataset, monkeypatch):
+    """Official files through ``KVBENCH_LONGBENCH_DIR`` (the task file's data_dir), when they are present."""
     if not (REAL_DATA / f"{dataset}.jsonl").is_file():
-        pytest.skip(f"no {dataset}.jsonl")
-    task = make_task(tokenizer, datasets=[dataset], data_dir=str(REAL_DATA), num_samples=25, max_length=2048)
+        pytest.skip(f"no {dataset}.jsonl in {REAL_DATA} (set KVBENCH_LONGBENCH_DIR to a folder of LongBench files)")
+    monkeypatch.setenv("KVBENCH_LONGBENCH_DIR", str(REAL_DATA))
+    cfg = OmegaConf.load(kvbench.CONF_DIR / "task" / "longbench.yaml")
+    cfg.merge_with({"datasets": [dataset], "num_samples": 25, "max_length": 2048})
+    task = LongBenchTask(cfg, ModelInfo("test", tokenizer, 4096))
     samples = list(task.samples())
     assert len(samples) == 25 and len({s.id for s in samples}) == 25
+    records = {record["_id"]: record for record in task.records(dataset)}
     for sample in samples:
-        assert 0 < len(sample.input_ids) <= 2048
+        prompt = PROMPTS[dataset].format(**records[sample.id])
+        assert sample.input_ids == official_cut(tokenizer, prompt, 2048)
         assert sample.max_new_tokens == MAX_NEW_TOKENS[dataset] and sample.answers
         assert task.score(sample, sample.answers[0]) == pytest.approx(1.0, abs=1e-6)
-    assert all(len(record["answers"]) >= 1 for record in task.records(dataset))
+    assert all(len(record["answers"]) >= 1 for record in records.values())

@@ -22,7 +22,7 @@ from kvbench.errors import KVBenchError
 TINY_MODELS = ["tiny_llama", "tiny_qwen2", "tiny_mistral"]
 SCHEMA_KEYS = {
     "name", "source", "hf_id", "path", "dtype", "attn_backend", "device",
-    "max_context", "chat_template", "random", "seed",
+    "context_window", "random", "seed",
 }
 
 
@@ -112,7 +112,7 @@ def test_tiny_model_has_gqa_shapes_and_its_settings(name):
     assert not loaded.model.training
     assert not any(parameter.requires_grad for parameter in loaded.model.parameters())
     assert (loaded.attn_backend, loaded.device, loaded.dtype) == ("sdpa", torch.device("cpu"), torch.float32)
-    assert (loaded.max_context, loaded.chat_template) == (4096, False)
+    assert loaded.context_window == 4096
     assert loaded.stop_token_ids == [loaded.tokenizer.eos_token_id]
 
 
@@ -211,7 +211,7 @@ def smollm2():
 def test_smollm2_architecture(smollm2):
     config = smollm2.model.config
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)
-    assert (smollm2.max_context, smollm2.chat_template, smollm2.dtype) == (8192, True, torch.float32)
+    assert (smollm2.context_window, smollm2.dtype) == (8192, torch.float32)
     assert smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>") in smollm2.stop_token_ids
 
 

@@ -22,8 +22,9 @@ ESSAYS = {
 
 
 def niah_cfg(**overrides):
+    """niah.yaml, raw prompts (the byte tokenizer has no chat template) unless overridden."""
     cfg = OmegaConf.load(PROJECT_ROOT / "conf" / "task" / "niah.yaml")
-    return OmegaConf.merge(cfg, overrides)
+    return OmegaConf.merge(cfg, {"prompt_format": "raw", **overrides})
 
 
 @pytest.fixture
@@ -34,7 +35,7 @@ def essay_dir(tmp_path):
 
 
 def byte_model(max_context=4096):
-    return ModelInfo("tiny_llama", byte_tokenizer(max_context), max_context, chat_template=False)
+    return ModelInfo("tiny_llama", byte_tokenizer(max_context), max_context)
 
 
 @pytest.fixture
@@ -83,7 +84,7 @@ def test_needle_sits_at_the_sentence_boundary_before_the_depth(byte_task, length
 
 
 def test_the_haystack_is_the_essay_files_in_name_order_glued_and_repeated(byte_task):
-    text = byte_task.decode(byte_task.haystack_ids)
+    text = byte_task.model.decode(byte_task.haystack_ids)
     files = [ESSAYS[name] * 8 for name in sorted(ESSAYS)]
     assert text.startswith("".join(files)[:2048])
     assert len(byte_task.haystack_ids) >= 2048
@@ -102,7 +103,7 @@ def test_prompts_fit_the_length_and_end_with_the_question(essay_dir):
 
 
 def test_kvcache_factory_prompt_stops_at_a_newline(essay_dir):
-    task = NeedleTask(niah_cfg(context_lengths=[1024], depths=[50], prompt="kvcache_factory", essay_dir=essay_dir), byte_model())
+    task = NeedleTask(niah_cfg(context_lengths=[1024], depths=[50], prompt_format="kvcache_factory", essay_dir=essay_dir), byte_model())
     [sample] = list(task.samples())
     text = task.model.tokenizer.decode(sample.input_ids, skip_special_tokens=True)
     assert text.startswith("<|im_start|> This is a very long story book: <book> ")
@@ -116,7 +117,7 @@ def test_smollm2_prompts_use_the_chat_template_and_fit(tmp_path):
     from kvbench.engine.models import load_tokenizer, model_config
 
     tokenizer = load_tokenizer(model_config("smollm2_135m"))
-    task = NeedleTask(niah_cfg(context_lengths=[1024, 2048], depth_steps=3), ModelInfo("smollm2_135m", tokenizer, 8192, True))
+    task = NeedleTask(niah_cfg(context_lengths=[1024, 2048], depth_steps=3, prompt_format="hf_chat"), ModelInfo("smollm2_135m", tokenizer, 8192))
     for sample in task.samples():
         text = tokenizer.decode(sample.input_ids)
         assert len(sample.input_ids) <= sample.metadata["context_length"]
@@ -186,11 +187,12 @@ def test_records_fit_the_heatmap_of_kvbench_plot(byte_task, tmp_path):
 
 def test_bad_options_are_one_line_errors(essay_dir, tmp_path):
     cases = [
-        (dict(context_lengths=[8192]), "above the max context 4096"),
+        (dict(context_lengths=[8192]), "above the context window 4096"),
         (dict(context_lengths=[150]), "not above task.buffer=200"),
         (dict(depths=[120]), "percents in [0, 100]"),
         (dict(scorer="bleu"), "unknown needle scorer"),
-        (dict(prompt="chatty"), "unknown needle prompt"),
+        (dict(prompt_format="chatty"), "unknown prompt format (task.prompt_format) 'chatty'; valid choices: hf_chat, kvcache_factory, raw"),
+        (dict(prompt_format="hf_chat"), "task.prompt_format=hf_chat needs a chat template but the tokenizer of model tiny_llama has none"),
     ]
     for overrides, message in cases:
         with pytest.raises(KVBenchError, match=re.escape(message)) as error:
@@ -202,3 +204,10 @@ def test_bad_options_are_one_line_errors(essay_dir, tmp_path):
     with pytest.raises(KVBenchError) as error:
         list(task.samples())
     assert "\n" not in str(error.value) and "task.essay_dir=" in str(error.value)
+
+
+def test_context_lengths_as_an_inclusive_range_like_kvcache_factory(essay_dir):
+    task = NeedleTask(niah_cfg(context_range={"min": 1000, "max": 1300, "step": 100}, essay_dir=essay_dir), byte_model())
+    assert task.context_lengths == [1000, 1100, 1200, 1300]  # np.arange(s_len, e_len + 1, step)
+    with pytest.raises(KVBenchError, match="task.context_range needs min, max and a positive step"):
+        NeedleTask(niah_cfg(context_range={"min": 1000, "max": 1300}, essay_dir=essay_dir), byte_model())

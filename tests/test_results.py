@@ -221,6 +221,79 @@ def test_compare_scales_and_aggregates(tmp_path):
     assert avg == "50.00*"
 
 
+CALIDROP_TASKS = ["multifieldqa_en", "qasper", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec", "triviaqa",
+                  "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p"]
+
+
+def test_an_unbracketed_row_takes_only_the_papers_main_settings(tmp_path):
+    """CaliDrop: the default run (θ1 0.7, θ2 0.85) fills Table 1's snapkv+calidrop row and Table 2's [0.70, 0.85]
+    row; a θ-sweep run, whose directory sorts first, fills only its own Table 2 row."""
+    snap = dict(window=32, pool="avg", kernel=5)
+    sweep = write_run(tmp_path / "policy.theta1=0.6,policy.theta2=0.8,policy=snapkv+calidrop", "llama3_8b",
+                      "snapkv+calidrop", "128", "longbench", {task: 11.0 for task in CALIDROP_TASKS},
+                      policy_cfg={**snap, "theta1": 0.6, "theta2": 0.8})
+    default = write_run(tmp_path / "policy=snapkv+calidrop", "llama3_8b", "snapkv+calidrop", "128", "longbench",
+                        {task: 22.0 for task in CALIDROP_TASKS}, policy_cfg={**snap, "theta1": 0.7, "theta2": 0.85})
+    runs = load_runs([tmp_path])
+    assert [run.run_dir.path for run in runs] == [sweep, default]  # the sweep run comes first
+    table1 = Comparison("calidrop", "table1", runs).frame.set_index(["model", "method", "budget", "row"])
+    assert table1.loc[("llama3_8b", "snapkv+calidrop", "128", "ours"), "Qasper"] == "22.00"
+    assert table1.loc[("llama3_8b", "snapkv+calidrop", "128", "ours"), "Avg."] == "22.00"
+    # the sweep run fills no paper row: it follows them as a row of ours, labelled with its thresholds
+    assert table1.loc[("llama3_8b", "snapkv+calidrop[theta1=0.6,theta2=0.8]", "128", "ours"), "Qasper"] == "11.00"
+    table2 = Comparison("calidrop", "table2", runs).frame.set_index(["method", "row"])
+    assert table2.loc[("snapkv+calidrop[theta1=0.60,theta2=0.80]", "ours"), "Qasper"] == "11.00"
+    assert table2.loc[("snapkv+calidrop[theta1=0.70,theta2=0.85]", "ours"), "Qasper"] == "22.00"
+    assert table2.loc[("snapkv+calidrop[theta1=0.65,theta2=0.80]", "ours"), "Qasper"] == "not run"
+
+
+def test_runs_outside_the_papers_rows_keep_their_varied_settings_and_conflicts_are_errors(tmp_path):
+    for theta1, score in ((0.6, 1.0), (0.7, 2.0)):
+        write_run(tmp_path / f"t{theta1}", "smollm2_135m", "snapkv+calidrop", "64", "longbench", {"qasper": score},
+                  policy_cfg={"window": 32, "theta1": theta1, "theta2": 0.85})
+    own = Comparison("calidrop", "table1", load_runs([tmp_path])).frame.query("model == 'smollm2_135m'")
+    assert dict(zip(own["method"], own["Qasper"])) == {"snapkv+calidrop[theta1=0.6]": "1.00", "snapkv+calidrop": "2.00"}
+    write_run(tmp_path / "w64", "smollm2_135m", "snapkv+calidrop", "64", "longbench", {"qasper": 3.0},
+              policy_cfg={"window": 64, "theta1": 0.7, "theta2": 0.85})
+    with pytest.raises(KVBenchError, match=r"two runs fill calidrop:table1 smollm2_135m snapkv\+calidrop 64 qasper with "
+                                           r"different settings \(window=32 vs 64\)"):
+        Comparison("calidrop", "table1", load_runs([tmp_path]))
+
+
+def test_defaults_of_obcache_and_slake_tables(tmp_path):
+    """OBCache Table 4's plain rows take gqa=repeat runs only; SLAKE Table 2 (averages only) fills from the 16 tasks
+    of Table 1, the run without VABS (layer_budget=cake) in its ablation row and never in Table 1's SLAKE row."""
+    write_run(tmp_path / "ob-sum", "llama31_8b", "h2o", "10pct", "longbench", {"qasper": 5.0}, policy_cfg={"gqa": "sum"})
+    write_run(tmp_path / "ob-rep", "llama31_8b", "h2o", "10pct", "longbench", {"qasper": 7.0}, policy_cfg={"gqa": "repeat"})
+    table4 = Comparison("obcache", "table4", load_runs([tmp_path / "ob-sum", tmp_path / "ob-rep"])).frame
+    assert table4.set_index(["method", "budget", "row"]).loc[("h2o", "10pct", "ours"), "Qasper"] == "7.00"
+    for policy, layer_budget, score in (("cake", "cake", 28.0), ("cake+slake", "cake", 29.0), ("cake+slake", "vabs", 30.0)):
+        settings = {"layer_budget": {"name": layer_budget}}
+        write_run(tmp_path / "slake" / f"{policy}-{layer_budget}", "llama2_7b_chat", policy, "128", "longbench",
+                  {task: score + (1.0 if task == "qasper" else 0.0) for task in LONGBENCH}, policy_cfg=settings)
+    runs = load_runs([tmp_path / "slake"])
+    table2 = Comparison("slake", "table2", runs).frame.set_index(["method", "row"])
+    for method, score in (("cake", 28.0), ("cake+slake[layer_budget=cake]", 29.0), ("cake+slake", 30.0)):
+        assert table2.loc[(method, "ours"), "Avg."] == f"{score + 1 / 16:.2f}"  # complete: all 16 tasks
+    assert table2.loc[("cake+slake", "Δ"), "Avg."] == f"{30.0 + 1 / 16 - 29.76:+.2f}"
+    table1 = Comparison("slake", "table1", runs).frame.set_index(["model", "method", "budget", "row"])
+    assert table1.loc[("llama2_7b_chat", "cake+slake", "128", "ours"), "Qasper"] == "31.00"
+    write_run(tmp_path / "part", "llama2_7b_chat", "cake", "128", "longbench", {"qasper": 10.0, "trec": 20.0})
+    partial = Comparison("slake", "table2", load_runs([tmp_path / "part"])).frame.set_index(["method", "row"])
+    assert partial.loc[("cake", "ours"), "Avg."] == "15.00*"
+
+
+def test_calidrop_needle_text_compares_with_the_overall_needle_score(tmp_path):
+    """The H2O 48.5 -> 83.8 quoted at KV 96 and 128: a niah run's overall score fills the row of its budget."""
+    for policy, budget, overall in (("h2o", "96", 50.0), ("h2o+calidrop", "128", 80.0)):
+        write_run(tmp_path / f"{policy}-{budget}", "llama3_8b", policy, budget, "niah", {"overall": overall, "8000": overall})
+    assert parse_spec("calidrop:niah_text") == ("calidrop", "niah_text")
+    frame = Comparison("calidrop", "niah_text", load_runs([tmp_path])).frame.set_index(["method", "budget", "row"])
+    assert frame.loc[("h2o", "96", "ours"), "niah"] == "50.00" and frame.loc[("h2o", "96", "Δ"), "niah"] == "+1.50"
+    assert frame.loc[("h2o+calidrop", "128", "Δ"), "niah"] == "-3.80"
+    assert frame.loc[("h2o", "128", "ours"), "niah"] == "not run"
+
+
 def test_compare_bad_table_is_one_line(capsys):
     with pytest.raises(SystemExit):
         main(["compare-paper", "caote:table99"])

@@ -1,6 +1,7 @@
 """RULER task generation, its metrics and the essay resource."""
 
 import collections
+import json
 import re
 import subprocess
 import zipfile
@@ -30,11 +31,12 @@ NUM_SAMPLES = 3
 def ruler_cfg(**overrides):
     cfg = OmegaConf.load(PROJECT_ROOT / "conf" / "task" / "ruler.yaml")
     cfg.num_samples = NUM_SAMPLES
+    cfg.subtasks = NIAH
     return OmegaConf.merge(cfg, overrides)
 
 
-def tiny_model(max_context=4096):
-    return ModelInfo("tiny_llama", byte_tokenizer(max_context), max_context, chat_template=False)
+def tiny_model(context_window=4096):
+    return ModelInfo("tiny_llama", byte_tokenizer(context_window), context_window)
 
 
 # --- metrics ------------------------------------------------------------------------------------
@@ -139,7 +141,7 @@ def test_essay_haystack_repeats_a_short_essay_folder(tmp_path):
     generated = task.generate("niah_multivalue", 0)
     assert 0.9 * 1920 <= len(generated.input_ids) <= 1920
     assert generated.text.count("Investors like growth.") > 10  # 9 essay sentences, cycled
-    assert generated.text.startswith("Some special magic numbers are hidden within the following text.")
+    assert generated.text.startswith("<bos>Some special magic numbers are hidden within the following text.")
     needles = NEEDLE.findall(generated.text)
     assert len(needles) == 4 and len({key for _, key, _ in needles}) == 1
     assert sorted(value for _, _, value in needles) == sorted(generated.prompt.answers)
@@ -186,13 +188,34 @@ def test_too_short_a_context_and_unknown_subtasks_are_one_line_errors():
         RulerTask(ruler_cfg(subtasks=["niah_single_1"], context_length=100), tiny_model()).sample("niah_single_1", 0)
     with pytest.raises(KVBenchError, match="unknown RULER subtask"):
         RulerTask(ruler_cfg(subtasks=["niah_single_9"]), tiny_model())
-    with pytest.raises(KVBenchError, match="exceeds the max context 4096"):
+    with pytest.raises(KVBenchError, match="exceeds the context window 4096"):
         RulerTask(ruler_cfg(context_length=8192), tiny_model())
 
 
-def test_default_config_lists_the_eight_niah_tasks_and_null_means_all():
-    assert list(ruler_cfg().subtasks) == NIAH
-    assert RulerTask(ruler_cfg(subtasks=None), tiny_model()).subtasks == [*NIAH, "vt", "cwe", "fwe"]
+@pytest.mark.parametrize("prompt_format, hf_id, before, after", [
+    # RULER's template.py for config_models.sh's models, the answer prefix after it (call_api.py)
+    ("ruler_official", "meta-llama/Llama-3.1-8B-Instruct", "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n",
+     "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n{prefix}"),
+    ("ruler_official", "meta-llama/Llama-2-7b-chat-hf", "[INST] ", " [/INST]{prefix}"),
+    ("ruler_official", "Qwen/Qwen2.5-7B-Instruct", "", "{prefix}"),
+    # KVCache-Factory's run_ruler.py: the input alone
+    ("kvcache_factory", "meta-llama/Meta-Llama-3-8B-Instruct", "", ""),
+])
+def test_generated_prompts_in_each_pipelines_template(prompt_format, hf_id, before, after):
+    task = RulerTask(ruler_cfg(subtasks=["niah_single_1"], context_length=1024, prompt_format=prompt_format),
+                     ModelInfo("m", byte_tokenizer(4096), 4096, hf_id))
+    generated = task.generate("niah_single_1", 0)
+    expected = "<bos>" + before + generated.prompt.text + after.format(prefix=generated.prompt.answer_prefix)
+    assert generated.text == expected and len(generated.input_ids) <= 1024 - 128
+
+
+def test_the_defaults_are_rulers_own():
+    """null = RULER's 11 synthetic tasks; 500 samples, 4096 tokens, its per-task generation lengths and template."""
+    default = OmegaConf.load(PROJECT_ROOT / "conf" / "task" / "ruler.yaml")
+    task = RulerTask(default, tiny_model())
+    assert task.subtasks == [*NIAH, "vt", "cwe", "fwe"] and task.num_samples == 500 and task.context_length == 4096
+    assert task.tokens_to_generate == {**{name: 128 for name in NIAH}, "vt": 30, "cwe": 120, "fwe": 50}
+    assert (task.template, task.min_new_tokens) == ("raw", 0)  # RULER's "base" template for a model it does not list
 
 
 # --- generation with SmolLM2's tokenizer --------------------------------------------------------
@@ -203,12 +226,12 @@ def smollm2():
     from kvbench.engine.models import load_tokenizer, model_config
 
     cfg = model_config("smollm2_135m")
-    return ModelInfo(cfg.name, load_tokenizer(cfg), int(cfg.max_context), bool(cfg.chat_template))
+    return ModelInfo(cfg.name, load_tokenizer(cfg), int(cfg.context_window), cfg.hf_id)
 
 
 @pytest.fixture(scope="module")
 def niah_4k(smollm2):
-    task = RulerTask(ruler_cfg(), smollm2)
+    task = RulerTask(ruler_cfg(prompt_format="hf_chat"), smollm2)
     return task, {(name, i): task.generate(name, i) for name in NIAH for i in range(NUM_SAMPLES)}
 
 
@@ -219,7 +242,7 @@ def test_niah_prompts_fill_90_to_100_percent_of_the_budget(niah_4k):
     lengths = {key: len(g.input_ids) for key, g in generated.items()}
     assert all(0.9 * budget <= length <= budget for length in lengths.values()), lengths
     for g in generated.values():
-        assert g.input_ids == task.encode(g.text)
+        assert g.input_ids == task.model.tokenizer(g.text, add_special_tokens=False).input_ids
         assert g.text.startswith("<|im_start|>system") and "<|im_start|>assistant\n The special magic" in g.text
 
 
@@ -281,8 +304,8 @@ def test_niah_essay_haystack_is_paul_graham(niah_4k):
 @pytest.mark.model
 def test_generation_is_deterministic_per_seed_and_differs_across_seeds(smollm2, niah_4k):
     _, generated = niah_4k
-    again = RulerTask(ruler_cfg(), smollm2)
-    other = RulerTask(ruler_cfg(seed=7), smollm2)
+    again = RulerTask(ruler_cfg(prompt_format="hf_chat"), smollm2)
+    other = RulerTask(ruler_cfg(seed=7, prompt_format="hf_chat"), smollm2)
     for name in ("niah_single_1", "niah_multikey_3", "niah_multiquery"):
         assert again.sample(name, 1).input_ids == generated[name, 1].input_ids
         assert other.sample(name, 1).input_ids != generated[name, 1].input_ids
@@ -306,8 +329,113 @@ def test_score_uses_string_match_all(niah_4k):
 
 @pytest.mark.model
 def test_common_words_at_4k_repeat_common_words_thirty_times(smollm2):
-    task = RulerTask(ruler_cfg(subtasks=["cwe"]), smollm2)
+    task = RulerTask(ruler_cfg(subtasks=["cwe"], prompt_format="hf_chat"), smollm2)
     generated = task.generate("cwe", 1)
     check_common_words(generated, 30, 3)
     assert 0.9 * 3976 <= len(generated.input_ids) <= 3976
     assert generated.text.count("<|im_start|>user") == 2  # the worked example is an earlier turn
+
+
+# --- official files (task.data_dir) -------------------------------------------------------------
+
+FILES = PROJECT_ROOT / "tests" / "fixtures" / "ruler" / "4096"
+"""RULER files at 4096 as scripts/data/prepare.py writes them (template "base"): niah_single_1 with the
+answer prefix split off and ``index`` holding a character offset (RULER since d4293b9), vt with only
+``index``, ``input``, ``outputs`` and ``length`` (its answer prefix left in ``input``)."""
+
+
+def file_records(subtask):
+    return [json.loads(line) for line in (FILES / f"{subtask}.jsonl").read_text().splitlines()]
+
+
+def official_string_match_all(preds, refs):
+    """RULER scripts/eval/synthetic/constants.py, verbatim but for the rounding."""
+    return sum([sum([1.0 if r.lower() in pred.lower() else 0.0 for r in ref]) / len(ref) for pred, ref in zip(preds, refs)]) / len(preds) * 100
+
+
+def file_cfg(**overrides):
+    return ruler_cfg(**{"data_dir": str(FILES), "subtasks": ["niah_single_1", "vt"], "num_samples": None, **overrides})
+
+
+@pytest.mark.model
+def test_official_files_run_as_they_are(smollm2):
+    task = RulerTask(file_cfg(), smollm2)
+    samples = list(task.samples())
+    assert [s.id for s in samples] == ["niah_single_1-0", "niah_single_1-1", "vt-0"]
+    records = file_records("niah_single_1") + file_records("vt")
+    for sample, record in zip(samples, records):
+        text = record["input"] + record.get("answer_prefix", "")  # call_api.py: input + answer_prefix
+        assert sample.input_ids == smollm2.tokenizer(text).input_ids  # SmolLM2: RULER's "base" template
+        assert sample.answers == record["outputs"] and sample.metadata["index"] == record["index"]
+        assert len(sample.input_ids) + sample.max_new_tokens == record["length"]  # the generator's own count
+        assert task.score(sample, " and ".join(record["outputs"])) == 1.0
+    assert [s.max_new_tokens for s in samples] == [128, 128, 30]  # RULER's niah and vt lengths
+    vt = samples[2]
+    assert task.score(vt, f"{vt.answers[0]}, {vt.answers[3]}") == official_string_match_all(
+        [f"{vt.answers[0]}, {vt.answers[3]}"], [vt.answers]) / 100 == 0.4
+    kvcf = RulerTask(file_cfg(prompt_format="kvcache_factory", tokens_to_generate=64, min_new_tokens=1), smollm2)
+    for sample, record in zip(kvcf.samples(), records):
+        assert sample.input_ids == smollm2.tokenizer(record["input"]).input_ids  # run_ruler.py: input alone
+        assert (sample.max_new_tokens, sample.min_new_tokens) == (64, 1)
+    per_task = RulerTask(file_cfg(tokens_to_generate={"vt": 7}, num_samples=1), smollm2)
+    assert [(s.id, s.max_new_tokens) for s in per_task.samples()] == [("niah_single_1-0", 128), ("vt-0", 7)]
+
+
+def test_file_prompts_are_cut_in_the_middle_as_kvcache_factory():
+    """run_ruler.py: prompts longer than model2maxlen keep their decoded first and last halves, tokenized again."""
+    task = RulerTask(file_cfg(subtasks=["niah_single_1"], max_length=2000, prompt_format="kvcache_factory"), tiny_model())
+    tokenizer = task.model.tokenizer
+    for sample, record in zip(task.samples(), file_records("niah_single_1")):
+        ids = tokenizer(record["input"]).input_ids
+        kept = tokenizer.decode(ids[:1000], skip_special_tokens=True) + tokenizer.decode(ids[-1000:], skip_special_tokens=True)
+        assert sample.input_ids == tokenizer(kept).input_ids and len(sample.input_ids) == 2000
+    with pytest.raises(KVBenchError, match="task.max_length=2000 would cut prompts generated for task.context_length=4096"):
+        RulerTask(ruler_cfg(max_length=2000), tiny_model())
+
+
+def test_bad_files_and_settings_are_one_line_errors(tmp_path):
+    with pytest.raises(KVBenchError, match=r"niah_single_1 sample 0 has \d+ prompt tokens \+ 128 to generate, beyond the "
+                                           "context window 4096 of model tiny_llama"):
+        list(RulerTask(file_cfg(), tiny_model()).samples())  # 4k of SmolLM2's tokens are 16k bytes
+    with pytest.raises(KVBenchError, match=r"RULER file .*cwe.jsonl not found"):
+        list(RulerTask(file_cfg(subtasks=["cwe"]), tiny_model()).samples())
+    (tmp_path / "vt.jsonl").write_text('{"index": 0, "input": "x"}\n')
+    with pytest.raises(KVBenchError, match=r"vt.jsonl:1 is not a RULER record with input and outputs"):
+        list(RulerTask(file_cfg(subtasks=["vt"], data_dir=str(tmp_path)), tiny_model()).samples())
+    with pytest.raises(KVBenchError, match="task.tokens_to_generate for vt must be a positive number of tokens, got 0"):
+        RulerTask(ruler_cfg(subtasks=["vt"], tokens_to_generate={"vt": 0}), tiny_model())
+    with pytest.raises(KVBenchError, match="task.num_samples=null reads every record of task.data_dir"):
+        RulerTask(ruler_cfg(num_samples=None), tiny_model())
+
+
+def without_noise(folder):
+    """The fixture files with their noise lines dropped (needles, chains and questions kept), for a tiny model."""
+    folder.mkdir()
+    for subtask in ("niah_single_1", "vt"):
+        lines = []
+        for record in file_records(subtask):
+            kept = [line for line in record["input"].split("\n") if NOISE not in line]
+            lines.append(json.dumps({**record, "input": "\n".join(kept)}))
+        (folder / f"{subtask}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", pytest.param("smollm2_135m", marks=[pytest.mark.model, pytest.mark.slow])])
+def test_kvbench_run_scores_official_files_with_their_answers(tmp_path, model):
+    """``kvbench run task.data_dir=...``: every record run and scored by RULER's string_match_all (SmolLM2: the
+    4k files as they are; the tiny model's 4096 bytes: the same files without their noise lines)."""
+    from kvbench.cli import main
+
+    out = tmp_path / "run"
+    files = FILES if model == "smollm2_135m" else without_noise(tmp_path / "files")
+    main(["run", f"model={model}", "task=ruler", f"task.data_dir={files}", "task.subtasks=[niah_single_1,vt]",
+          "task.num_samples=null", "task.tokens_to_generate=16", "policy=full", f"output_dir={out}"])
+    metrics = json.loads((out / "metrics.json").read_text())
+    predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [p["id"] for p in predictions] == ["niah_single_1-0", "niah_single_1-1", "vt-0"]
+    for subtask in ("niah_single_1", "vt"):
+        mine = [p for p in predictions if p["subtask"] == subtask]
+        assert [p["answers"] for p in mine] == [r["outputs"] for r in file_records(subtask)]
+        expected = official_string_match_all([p["prediction"] for p in mine], [p["answers"] for p in mine])
+        assert metrics["scores"][subtask] == pytest.approx(expected)
+    assert metrics["num_samples"] == 3 and metrics["task"] == "ruler"

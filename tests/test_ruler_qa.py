@@ -5,15 +5,15 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench import PROJECT_ROOT
+from kvbench import PROJECT_ROOT, hub
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
-from kvbench.tasks import hub, ruler
+from kvbench.tasks import ruler
 from kvbench.tasks.base import ModelInfo
 from kvbench.tasks.ruler import QA_ANSWER_PREFIX, RulerTask, qa_dataset, read_hotpotqa, read_squad
 
 FIXTURES = PROJECT_ROOT / "tests" / "fixtures" / "ruler_qa"
-MODEL = ModelInfo("tiny_llama", byte_tokenizer(4096), 4096, chat_template=False)
+MODEL = ModelInfo("tiny_llama", byte_tokenizer(4096), 4096)
 
 
 def qa_cfg(**overrides):

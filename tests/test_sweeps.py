@@ -9,17 +9,21 @@ import sys
 from pathlib import Path
 
 import pytest
+from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from kvbench import PROJECT_ROOT
+from kvbench import CONF_DIR, PROJECT_ROOT
 from kvbench.cli import main
 from kvbench.config import compose as compose_run
 from kvbench.config import group_options
+from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy
 from kvbench.results.launchers import array_name, last_line, refusal
 from kvbench.results.rundir import RunDir
 from kvbench.results.sweeps import experiment_overrides, split_pending, sweep_jobs, sweeper_params
+from kvbench.tasks.base import ModelInfo
+from tests.helpers import local_data
 
 KVBENCH = str(Path(sys.executable).parent / "kvbench")
 TINY = ["model=tiny_llama", "task=ruler", "task.subtasks=[niah_single_1]", "task.context_length=512", "task.num_samples=1"]
@@ -45,6 +49,29 @@ def test_experiment_sweeps_compose_and_build(experiment):
         assert params["model"] == "smollm2_135m"
 
 
+def chat_byte_tokenizer(window: int):
+    """The offline byte tokenizer with a chat template: a stand-in for checkpoints this machine does not have."""
+    tokenizer = byte_tokenizer(window)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tokenizer
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_model_of_every_experiment_gets_a_valid_task(experiment):
+    """Each swept model (and context length) with the experiment's task settings builds its task: context windows,
+    prompt formats, truncation lengths and generation settings are checked without loading weights or data."""
+    params = sweeper_params(experiment)
+    policy, budget = params["policy"].split(",")[0], params["budget"].split(",")[0]
+    for model in params["model"].split(","):
+        for context in params.get("task.context_length", "").split(","):
+            extra = [f"task.context_length={context}"] if context else []
+            cfg = compose_run([f"+experiment={experiment}", f"model={model}", f"policy={policy}", f"budget={budget}",
+                               f"task={params['task']}", *extra])
+            info = ModelInfo(cfg.model.name, chat_byte_tokenizer(cfg.model.context_window), cfg.model.context_window,
+                             cfg.model.hf_id)
+            get_class(cfg.task._target_)(cfg.task, info)
+
+
 def test_paper_protocols_are_pinned():
     caote = compose_run(["+experiment=caote"])
     assert (caote.engine.regime, caote.engine.block_size, caote.engine.decode_evict) == ("chunked", 128, True)
@@ -61,6 +88,30 @@ def test_paper_protocols_are_pinned():
     assert (calidrop.policy.n_sink, calidrop.policy.theta1, calidrop.policy.theta2) == (32, 0.7, 0.85)
     assert compose_run(["+experiment=calidrop", "policy=snapkv"]).policy.window == 32
     assert sweeper_params("slake")["policy"] == "h2o,pyramidkv,cake,cake+slake"
+
+
+@pytest.mark.parametrize("experiment, task, expected", [
+    ("calidrop", "longbench", {"prompt_format": "kvcache_factory", "max_length": None, "min_length_datasets": "all"}),
+    ("calidrop_ruler", "ruler", {"prompt_format": "kvcache_factory", "context_length": 4096, "num_samples": 500,
+                                 "tokens_to_generate": 64, "min_new_tokens": 1}),
+    ("calidrop_needle", "niah", {"prompt_format": "kvcache_factory", "context_range": {"min": 1000, "max": 8000, "step": 100},
+                                 "depth_steps": 10, "buffer": 200}),
+    ("calidrop_needle_mistral", "niah", {"context_range": {"min": 400, "max": 32000, "step": 400}}),
+    ("caote", "longbench", {"prompt_format": "longbench_official", "max_length": None, "min_length_datasets": ["samsum"]}),
+    ("caote_niah", "niah", {"prompt_format": "hf_chat"}),
+    ("caote_booksum", "booksum", {"num_samples": 100, "max_tokens": 12288, "min_tokens": 12288}),
+    ("obcache", "longbench", {"prompt_format": "longbench_official", "max_length": 32768}),
+    ("obcache_niah", "ruler", {"prompt_format": "ruler_official", "tokens_to_generate": None, "num_samples": 250}),
+    ("slake", "longbench", {"prompt_format": "cake", "max_length": None, "min_length_datasets": ["samsum"]}),
+    ("slake_needlebench", "needlebench", {"prompt_format": "hf_chat", "max_new_tokens": 1024}),
+])
+def test_paper_task_settings_are_pinned(experiment, task, expected):
+    """The prompt format, truncation and generation settings each experiment file names, with their evidence."""
+    cfg = OmegaConf.to_container(compose_run([f"+experiment={experiment}", f"task={task}"]).task)
+    assert {key: cfg[key] for key in expected} == expected
+    text = (CONF_DIR / "experiment" / f"{experiment}.yaml").read_text()
+    if "prompt_format" in expected:
+        assert f"prompt_format: {expected['prompt_format']}" in text  # named in the file itself, not inherited
 
 
 def test_experiment_sweep_becomes_overrides_and_typed_values_win():
@@ -211,9 +262,14 @@ def test_basic_multirun_skips_finished_and_resumes_changed(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_make_reproduce_caote_smoke():
-    """The whole CAOTE reproduction path at SCALE=smoke on SmolLM2 (several minutes on a CPU)."""
+    """The whole CAOTE reproduction path at SCALE=smoke on SmolLM2 (several minutes on a CPU), on local data."""
+    data = {"KVBENCH_LONGBENCH_DIR": local_data("KVBENCH_LONGBENCH_DIR", "data", "longbench"),
+            "KVBENCH_PPL_FILE": local_data("KVBENCH_PPL_FILE", "data", "gutenberg", "pride_and_prejudice.txt")}
+    if not (data["KVBENCH_LONGBENCH_DIR"] / "multifieldqa_zh.jsonl").is_file() or not data["KVBENCH_PPL_FILE"].is_file():
+        pytest.skip("no local LongBench multifieldqa_zh.jsonl or text (KVBENCH_LONGBENCH_DIR, KVBENCH_PPL_FILE)")
     result = subprocess.run(["make", "-o", ".venv/.installed", "reproduce-caote", "SCALE=smoke"], capture_output=True,
-                            text=True, cwd=PROJECT_ROOT, timeout=3600)
+                            text=True, cwd=PROJECT_ROOT, timeout=3600,
+                            env={**os.environ, **{name: str(path) for name, path in data.items()}})
     assert result.returncode == 0, result.stderr[-3000:]
     report = PROJECT_ROOT / "results" / "smoke" / "caote" / "report"
     for name in ("compare_caote_table2.md", "compare_caote_table4.md", "compare_caote_table5.md", "longbench.md",

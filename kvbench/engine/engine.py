@@ -96,8 +96,12 @@ class Engine:
 
     # -- public API ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, input_ids: list[int], max_new_tokens: int, stop_token_ids=()) -> GenerationOutput:
-        """Greedy decoding of up to ``max_new_tokens`` after the prompt; stops at any of ``stop_token_ids``."""
+    def generate(
+        self, input_ids: list[int], max_new_tokens: int, stop_token_ids=(), min_new_tokens: int = 0
+    ) -> GenerationOutput:
+        """Greedy decoding of up to ``max_new_tokens`` after the prompt; stops at any of ``stop_token_ids``, which
+        cannot be chosen among the first ``min_new_tokens`` (Hugging Face's ``min_length``: their logits are
+        masked, the best other token is taken)."""
         cache = self.new_cache(len(input_ids))
         start = self._now()
         logits = self.prefill(cache, input_ids)
@@ -106,10 +110,14 @@ class Engine:
         kept = [positions[0].tolist() for positions in cache.kept_positions()] if self.record_kept else None
         generated: list[int] = []
         stop = set(stop_token_ids)
+        banned = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
         start = self._now()
         position = len(input_ids)
         while len(generated) < max_new_tokens:
-            token = int(logits[0, -1].argmax())
+            scores = logits[0, -1]
+            if len(generated) < min_new_tokens and len(banned):
+                scores = scores.index_fill(0, banned, float("-inf"))
+            token = int(scores.argmax())
             if token in stop:
                 break
             generated.append(token)

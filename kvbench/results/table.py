@@ -104,8 +104,14 @@ class Run:
 
     @property
     def settings(self) -> dict[str, Any]:
-        """The policy's hyper-parameters (``policy.*`` of the config, without ``name``)."""
-        return {key: value for key, value in self.config.get("policy", {}).items() if key != "name"}
+        """The policy's hyper-parameters (``policy.*`` of the config, without ``name``); the layer budget as its
+        name, its own settings as ``layer_budget.<key>``."""
+        settings = {key: value for key, value in self.config.get("policy", {}).items() if key != "name"}
+        layer_budget = settings.pop("layer_budget", None)
+        if isinstance(layer_budget, dict):
+            settings["layer_budget"] = layer_budget.get("name")
+            settings.update({f"layer_budget.{key}": value for key, value in layer_budget.items() if key != "name"})
+        return settings
 
     def identity(self) -> dict[str, Any]:
         return {key: self.metrics.get(key) for key in IDENTITY}

@@ -11,14 +11,17 @@ from typing import Any, Iterator, Literal
 
 from omegaconf import DictConfig
 
+from kvbench.tasks import prompts
+
 
 @dataclass
 class Sample:
     """One unit of work for the engine.
 
     ``mode="generate"``: greedy-decode up to ``max_new_tokens`` after ``input_ids`` (the prompt, already
-    templated and truncated by the task). ``mode="perplexity"``: score every token of ``input_ids``
-    after the first ``context_tokens`` (0 = the whole stream, StreamingLLM protocol).
+    templated and truncated by the task); no stop token may end it before ``min_new_tokens`` new tokens
+    (Hugging Face's ``min_length = prompt + min_new_tokens``). ``mode="perplexity"``: score every token of
+    ``input_ids`` after the first ``context_tokens`` (0 = the whole stream, StreamingLLM protocol).
     """
 
     id: str
@@ -27,18 +30,50 @@ class Sample:
     answers: list[str] = field(default_factory=list)
     mode: Literal["generate", "perplexity"] = "generate"
     max_new_tokens: int = 32
+    min_new_tokens: int = 0
     context_tokens: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class ModelInfo:
-    """What a task may know about the model: its tokenizer and limits, nothing about the cache."""
+    """What a task may know about the model: its tokenizer, its context window and its Hugging Face id
+    (the prompt formats pick a model family's template by it), nothing about the cache."""
 
     name: str
     tokenizer: Any
-    max_context: int
-    chat_template: bool
+    context_window: int
+    hf_id: str | None = None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text, without special tokens."""
+        return list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids, special tokens skipped."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def cut_middle(self, text: str, max_length: int) -> str:
+        """``text`` cut to about ``max_length`` tokens as LongBench's ``pred.py`` (and KVCache-Factory) cut it:
+        counted with the special tokens, the first and the last ``max_length // 2`` tokens decoded on their
+        own and joined (tokenized again, the cut can merge or split a token)."""
+        ids = self.prompt_ids("raw", text)
+        if len(ids) <= max_length:
+            return text
+        half = max_length // 2
+        return self.decode(ids[:half]) + self.decode(ids[-half:])
+
+    def template(self, prompt_format: str, valid: tuple[str, ...]) -> str:
+        """The template a task's prompt format (one of ``valid``) uses for this model, checked usable here."""
+        template = prompts.template_for(prompt_format, valid, self.hf_id)
+        if template == prompts.HF_CHAT:
+            prompts.check_chat_template(self.tokenizer, self.name)
+        return template
+
+    def prompt_ids(self, template: str, text: str, answer_prefix: str = "",
+                   messages: list[dict[str, str]] | None = None) -> list[int]:
+        """The prompt's token ids in a template of :mod:`kvbench.tasks.prompts`."""
+        return prompts.render(self.tokenizer, self.name, template, text, answer_prefix, messages)
 
 
 class Task(ABC):

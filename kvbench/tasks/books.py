@@ -7,30 +7,37 @@ and a scored continuation. Records and aggregation are :class:`~kvbench.tasks.pp
 per-book PPL and per-position-bucket NLLs, and a token-weighted PPL over all books.
 
 Sources, in order: ``task.path`` (one UTF-8 text file), ``task.data_dir`` (a folder of ``*.txt`` books,
-sorted by name), else the hub through ``datasets`` (streamed: only the first ``num_samples`` rows are
-read). PG19 defaults to ``emozilla/pg19`` (the parquet copy OBCache cites; ``deepmind/pg19`` is a
-loading script that ``datasets`` >= 4 no longer runs), Booksum to the chapter texts of ``kmfoda/booksum``.
+sorted by name), else the hub through ``datasets`` (streamed: rows are read until ``num_samples`` books
+qualify). A book qualifies with at least ``task.min_tokens`` tokens; a text met before is not scored
+again. PG19 defaults to ``emozilla/pg19`` (the parquet copy OBCache cites; ``deepmind/pg19`` is a loading
+script that ``datasets`` >= 4 no longer runs), Booksum to the chapter texts of ``kmfoda/booksum``.
 Local files lose a Project Gutenberg header and footer if they have one. PPL-vs-position curves:
 ``kvbench plot RUN_DIR... --kind ppl`` (from the records' ``buckets``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from typing import Iterator
 
 from omegaconf import DictConfig
 
+from kvbench import resolve_path
 from kvbench.errors import KVBenchError
+from kvbench.hub import hub_rows
 from kvbench.tasks.base import ModelInfo, Sample, Task
-from kvbench.tasks.hub import hub_rows
-from kvbench.tasks.ppl import PerplexityTask, read_text, resolve_path, strip_gutenberg
+from kvbench.tasks.ppl import PerplexityTask, read_text, strip_gutenberg
+
+log = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN_BOUND = 12  # tokenizing this many characters per wanted token always yields enough tokens
 
 
 class BookPerplexityTask(PerplexityTask):
     """Options: ``path``, ``data_dir``, ``hf_id``, ``hf_config``, ``hf_split``, ``text_field``, ``title_field``,
-    ``num_samples`` (books; null = all), ``max_tokens`` (per book), ``context_tokens``, ``bucket_size``."""
+    ``num_samples`` (books; null = all), ``max_tokens`` (per book), ``min_tokens`` (shorter books are skipped),
+    ``context_tokens``, ``bucket_size``."""
 
     name = "books"
     what = "books"
@@ -42,6 +49,10 @@ class BookPerplexityTask(PerplexityTask):
         self.num_samples = None if num_samples is None else int(num_samples)
         if self.num_samples is not None and self.num_samples < 1:
             raise KVBenchError(f"task.num_samples must be at least 1 (books), got {self.num_samples}")
+        self.min_tokens = 0 if cfg.min_tokens is None else int(cfg.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise KVBenchError(f"task.min_tokens={self.min_tokens} is above task.max_tokens={self.max_tokens}: no "
+                               f"{self.what} would be left; lower it")
         self.path = None if cfg.get("path") is None else resolve_path(cfg.path)
         self.data_dir = None if cfg.get("data_dir") is None else resolve_path(cfg.data_dir)
         if self.path is not None and not self.path.is_file():
@@ -55,44 +66,47 @@ class BookPerplexityTask(PerplexityTask):
     def how_to_provide(self) -> str:
         return f"put {self.what} as UTF-8 *.txt files in a folder and set task.data_dir=FOLDER (or task.path=FILE)"
 
-    def books(self) -> list[tuple[str, str]]:
-        """(title, text) of the books to score, at most ``num_samples``."""
+    def books(self) -> Iterator[tuple[str, str]]:
+        """(title, text) of every candidate book in order, read as they are taken."""
         if self.path is not None:
-            return [(self.path.stem, strip_gutenberg(read_text(self.path)))]
+            yield self.path.stem, strip_gutenberg(read_text(self.path))
+            return
         if self.data_dir is not None:
-            files = sorted(self.data_dir.glob("*.txt"))[: self.num_samples]
-            return [(path.stem, strip_gutenberg(read_text(path))) for path in files]
+            for path in sorted(self.data_dir.glob("*.txt")):
+                yield path.stem, strip_gutenberg(read_text(path))
+            return
         cfg = self.cfg
-        rows = hub_rows(cfg.hf_id, cfg.get("hf_split", "test"), self.how_to_provide(), cfg.get("hf_config"), self.num_samples)
         field, title_field = cfg.get("text_field", "text"), cfg.get("title_field")
-        books = []
-        for index, row in enumerate(rows):
+        for index, row in enumerate(hub_rows(cfg.hf_id, cfg.get("hf_split", "test"), self.how_to_provide(), cfg.get("hf_config"))):
             if field not in row:
                 raise KVBenchError(
                     f"the hub dataset {cfg.hf_id} has no column {field!r} (columns: {', '.join(row)}); set task.text_field"
                 )
-            books.append((str(row.get(title_field) or f"{self.name}-{index}"), row[field]))
-        return books
+            yield str(row.get(title_field) or f"{self.name}-{index}"), row[field]
 
     def book_ids(self, text: str) -> list[int]:
         """BOS (if the tokenizer has one) and the first ``max_tokens - 1`` tokens of the text."""
         tokenizer = self.model.tokenizer
         prefix = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
         if self.max_tokens is None:
-            return prefix + list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+            return prefix + self.model.encode(text)
         wanted = self.max_tokens - len(prefix)
         head = text[: wanted * CHARS_PER_TOKEN_BOUND + 64]  # spare the tokenizer a 400k-character book
-        ids = list(tokenizer(head, add_special_tokens=False, verbose=False)["input_ids"])
+        ids = self.model.encode(head)
         if len(ids) < wanted and len(head) < len(text):
-            ids = list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+            ids = self.model.encode(text)
         return prefix + ids[:wanted]
 
     def samples(self) -> Iterator[Sample]:
-        """One sample per book, ids ``<task>-<index>``; books too short to score are skipped."""
-        yielded = 0
+        """The first ``num_samples`` books with at least ``min_tokens`` tokens (and more than ``context_tokens``),
+        ids ``<task>-<index>`` by position among the candidates; a text seen before is skipped (Booksum lists a
+        chapter once per summary source)."""
+        yielded, seen = 0, set()
         for index, (title, text) in enumerate(self.books()):
-            ids = self.book_ids(text)
-            if len(ids) <= max(self.context_tokens, 1):
+            digest = hashlib.sha256(text.encode("utf-8")).digest()
+            ids = [] if digest in seen else self.book_ids(text)
+            seen.add(digest)
+            if len(ids) <= max(self.context_tokens, 1) or len(ids) < self.min_tokens:
                 continue
             yielded += 1
             yield Sample(
@@ -103,10 +117,15 @@ class BookPerplexityTask(PerplexityTask):
                 context_tokens=self.context_tokens,
                 metadata={"book": title},
             )
+            if yielded == self.num_samples:
+                break
         if not yielded:
             raise KVBenchError(
-                f"no {self.what} longer than task.context_tokens={self.context_tokens} tokens; lower it or add books"
+                f"no {self.what} with more than task.context_tokens={self.context_tokens} and at least "
+                f"task.min_tokens={self.min_tokens} tokens; lower them or add books"
             )
+        if self.num_samples is not None and yielded < self.num_samples:
+            log.warning("%s: only %d of task.num_samples=%d %s are long enough", self.name, yielded, self.num_samples, self.what)
 
 
 class PG19Task(BookPerplexityTask):

@@ -1,24 +1,32 @@
 """LongBench v1 and LongBench-E (Bai et al., 2023), built and scored as THUDM's ``pred.py``/``eval.py``.
 
 Prompts: the official per-dataset template (``config/dataset2prompt.json``) filled with the record,
-tokenized with the tokenizer's special tokens (as ``pred.py`` measures it), and cut in the middle to
-``max_length`` tokens when longer: the first ``max_length // 2`` and the last ``max_length // 2``
-tokens are kept. Chat models get their chat template around the (cut) prompt, except on trec,
-triviaqa, samsum, lsht, lcc and repobench-p. Generation: greedy, up to the official
-``dataset2maxlen`` new tokens. Scores: :func:`kvbench.metrics.longbench.score_sample`.
+tokenized with the tokenizer's special tokens (as ``pred.py`` measures it) and, when longer than
+``max_length`` tokens, cut in the middle as ``pred.py`` does: the first and the last ``max_length // 2``
+tokens are decoded separately (special tokens skipped), joined as text and tokenized again, which can
+merge or split a token at the cut. The prompt format (``task.prompt_format``, :mod:`kvbench.tasks.prompts`)
+then wraps the (cut) text, so a template's tokens come on top of ``max_length``:
+
+* ``longbench_official``: ``pred.py``'s ``build_chat`` (Llama-2 chat ``[INST]{prompt}[/INST]``, the raw
+  prompt for Llama-3, Mistral and Qwen, which it does not know), not on trec, triviaqa, samsum, lsht,
+  lcc and repobench-p ("chat models are better off without build prompts on these tasks");
+* ``kvcache_factory``: KVCache-Factory's ``run_longbench.py`` as the papers ran it (up to ``ffac160``):
+  the raw prompt but where ``"llama2"`` is in the model's id (never in Hugging Face's Llama-2 ids);
+* ``cake``: CAKE's ``pred_cake.py`` (Llama-3 header, ``[INST]{prompt}[/INST]`` for Llama-2,
+  ``<s>[INST] {prompt} [/INST]`` for Mistral, the chat template for Qwen), skipping the same datasets;
+* ``hf_chat``: the tokenizer's chat template, skipping the same datasets; ``raw``: the raw prompt.
+
+Truncation length ``max_length`` (null: :data:`MAX_LENGTH` by ``model.hf_id``, else the model's context
+window less the dataset's generation length). Generation: greedy, up to the official ``dataset2maxlen``
+new tokens. Scores: :func:`kvbench.metrics.longbench.score_sample`.
 
 samsum: ``pred.py`` passes ``eos_token_id=[tokenizer.eos_token_id, tokenizer.encode("\\n",
 add_special_tokens=False)[-1]]`` (models otherwise go on with another "Dialogue:" example) and
 ``min_length=context_length + 1``, so generation stops at that newline token, which can never be
 the first new token. Here samsum samples carry ``metadata["stop_strings"] = ["\\n"]``, which
-``kvbench.run`` turns into the same extra stop token; the first-token rule is not reproduced.
-
-Chat templates: the tokenizer's own (``apply_chat_template`` with one user turn and the generation
-prompt; the templated text is tokenized without adding special tokens again), where ``pred.py``
-hand-writes one per model family. A cut prompt is decoded half by half (special tokens skipped)
-and joined as text before templating, as in ``pred.py``, so the template's tokens come on top of
-``max_length``. Without a chat template the kept token ids are used as they are, where ``pred.py``
-decodes and re-tokenizes them, which can merge or split a token at the cut.
+``kvbench.run`` turns into the same extra stop token, and ``min_new_tokens = 1`` on the datasets of
+``task.min_length_datasets`` (``[samsum]`` as ``pred.py``; ``all`` as KVCache-Factory, which passes
+``min_length`` on every dataset).
 
 Data: ``data_dir`` holds the official jsonl files (``<dataset>.jsonl``, LongBench-E
 ``<dataset>_e.jsonl``); without it they are read from ``data.zip`` of the hub dataset
@@ -33,13 +41,13 @@ import random
 import zipfile
 from typing import Any, Iterable, Iterator
 
-import huggingface_hub
 from omegaconf import DictConfig
 
+from kvbench import resolve_path
 from kvbench.errors import KVBenchError, choose
+from kvbench.hub import hub_file
 from kvbench.metrics.longbench import length_bucket, score_sample
 from kvbench.tasks.base import ModelInfo, Sample, Task
-from kvbench.tasks.ppl import resolve_path
 
 HUB_REPO = "THUDM/LongBench"
 HUB_ARCHIVE = "data.zip"
@@ -140,13 +148,35 @@ E_DATASETS = (
 )  # fmt: skip
 # Datasets prompted without the chat template ("chat models are better off without" it, pred.py).
 NO_CHAT_DATASETS = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"})
+PROMPT_FORMATS = ("longbench_official", "kvcache_factory", "cake", "hf_chat", "raw")
+SKIPS_NO_CHAT = frozenset({"longbench_official", "cake", "hf_chat"})  # formats that send NO_CHAT_DATASETS raw
+
+MAX_LENGTH = {
+    # LongBench config/model2maxlen.json ("llama2-7b-chat-4k"); CAKE's model2maxlen.json agrees.
+    "meta-llama/Llama-2-7b-chat-hf": 3500,
+    # KVCache-Factory run_longbench.py model2maxlen ("llama3"/"llama-3", matched in the model path), the
+    # pipeline of CaliDrop's Llama-3 numbers; 7500 since its commit 485af3c (2026-06).
+    "meta-llama/Meta-Llama-3-8B-Instruct": 7950,
+    "meta-llama/Meta-Llama-3-70B-Instruct": 7950,
+    # CAKE experiments/LongBench/config/model2maxlen.json ("llama3.1-8b-128k"), the pipeline of SLAKE.
+    "meta-llama/Llama-3.1-8B-Instruct": 127500,
+    # KVCache-Factory model2maxlen ("mistral"), CaliDrop's Mistral numbers.
+    "mistralai/Mistral-7B-Instruct-v0.2": 31500,
+    # CAKE model2maxlen ("mistral-0.3-7b-32k"), SLAKE's Mistral numbers.
+    "mistralai/Mistral-7B-Instruct-v0.3": 31500,
+    # CAKE model2maxlen ("qwen2.5-7b-instruct").
+    "Qwen/Qwen2.5-7B-Instruct": 31500,
+}
+"""``task.max_length: null`` by ``model.hf_id``: the official value where LongBench has the model, else the
+value of the reference pipeline that ran it. Other models: the context window less the generation length."""
 RECORD_FIELDS = ("input", "context", "answers", "length", "all_classes", "_id")
 
 
 class LongBenchTask(Task):
     """Options: ``datasets`` (or its alias ``subtasks``), ``data_dir``, ``num_samples`` per dataset
-    (a seeded random subset, kept in file order), ``max_length`` (prompt tokens; null = the model's
-    context), ``seed``, and ``e`` (LongBench-E: ``*_e`` files, scores per length bucket)."""
+    (a seeded random subset, kept in file order), ``prompt_format``, ``max_length`` (prompt tokens; null =
+    :data:`MAX_LENGTH`), ``min_length_datasets``, ``seed``, and ``e`` (LongBench-E: ``*_e`` files, scores
+    per length bucket)."""
 
     name = "longbench"
 
@@ -157,12 +187,22 @@ class LongBenchTask(Task):
         self.datasets = [names] if isinstance(names, str) else list(names)
         for dataset in self.datasets:
             choose("LongBench-E dataset" if self.e else "LongBench dataset", dataset, E_DATASETS if self.e else DATASETS)
-        self.max_length = int(model.max_context if cfg.get("max_length") is None else cfg.max_length)
+        self.prompt_format = cfg.prompt_format
+        self.format_template = model.template(self.prompt_format, PROMPT_FORMATS)
+        self.fixed_max_length = None if cfg.get("max_length") is None else int(cfg.max_length)
         self.num_samples = None if cfg.get("num_samples") is None else int(cfg.num_samples)
-        for key, value, least in (("max_length", self.max_length, 2), ("num_samples", self.num_samples, 1)):
+        for key, value, least in (("max_length", self.fixed_max_length, 2), ("num_samples", self.num_samples, 1)):
             if value is not None and value < least:
                 raise KVBenchError(f"task.{key} must be at least {least}, got {value}")
+        self.min_length_datasets = _dataset_set("task.min_length_datasets", cfg.min_length_datasets)
         self.seed = int(cfg.get("seed", 42))
+
+    def max_length(self, dataset: str) -> int:
+        """Prompt tokens kept for ``dataset``: ``task.max_length``, else :data:`MAX_LENGTH`, else the context
+        window less the dataset's generation length."""
+        if self.fixed_max_length is not None:
+            return self.fixed_max_length
+        return MAX_LENGTH.get(self.model.hf_id or "", self.model.context_window - MAX_NEW_TOKENS[dataset])
 
     def samples(self) -> Iterator[Sample]:
         """Each dataset's (selected) records in file order, datasets in the configured order."""
@@ -190,7 +230,8 @@ class LongBenchTask(Task):
             return _parse_records(lines, str(path))
 
     def sample(self, dataset: str, record: dict[str, Any]) -> Sample:
-        """The engine's sample for one record; samsum carries ``stop_strings = ["\\n"]``."""
+        """The engine's sample for one record; samsum carries ``stop_strings = ["\\n"]``, the datasets of
+        ``min_length_datasets`` at least one new token."""
         metadata = {"all_classes": record["all_classes"], "length": record["length"]}
         if dataset == "samsum":
             metadata["stop_strings"] = ["\n"]
@@ -200,31 +241,20 @@ class LongBenchTask(Task):
             input_ids=self.prompt_ids(dataset, record),
             answers=list(record["answers"]),
             max_new_tokens=MAX_NEW_TOKENS[dataset],
+            min_new_tokens=int(dataset in self.min_length_datasets),
             metadata=metadata,
         )
 
-    def uses_chat_template(self, dataset: str) -> bool:
-        """Whether prompts of ``dataset`` are wrapped in the model's chat template."""
-        return self.model.chat_template and dataset not in NO_CHAT_DATASETS
+    def template(self, dataset: str) -> str:
+        """The template of :mod:`kvbench.tasks.prompts` that prompts of ``dataset`` get."""
+        if dataset in NO_CHAT_DATASETS and self.prompt_format in SKIPS_NO_CHAT:
+            return "raw"
+        return self.format_template
 
     def prompt_ids(self, dataset: str, record: dict[str, Any]) -> list[int]:
-        """The official prompt, cut in the middle to ``max_length`` tokens, templated for chat models."""
-        tokenizer = self.model.tokenizer
-        prompt = PROMPTS[dataset].format(**record)
-        ids = list(tokenizer(prompt, verbose=False)["input_ids"])
-        chat = self.uses_chat_template(dataset)
-        if len(ids) > self.max_length:
-            half = self.max_length // 2
-            if not chat:
-                return ids[:half] + ids[-half:]
-            prompt = tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(
-                ids[-half:], skip_special_tokens=True
-            )
-        if not chat:
-            return ids
-        messages = [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+        """The official prompt, cut in the middle to ``max_length`` tokens as ``pred.py``, in the prompt format."""
+        prompt = self.model.cut_middle(PROMPTS[dataset].format(**record), self.max_length(dataset))
+        return self.model.prompt_ids(self.template(dataset), prompt)
 
     def score(self, sample: Sample, prediction: str) -> float:
         """The official metric of the sample's dataset, 0-1."""
@@ -246,6 +276,16 @@ class LongBenchTask(Task):
         return super().aggregate(bucketed)
 
 
+def _dataset_set(key: str, value: Any) -> frozenset[str]:
+    """A list of LongBench datasets, or ``all``, as a set."""
+    if value == "all":
+        return frozenset(DATASETS)
+    names = [value] if isinstance(value, str) else list(value or [])
+    for name in names:
+        choose(f"LongBench dataset in {key} (or all)", name, DATASETS)
+    return frozenset(names)
+
+
 def _parse_records(lines: Iterable[str], source: str) -> list[dict[str, Any]]:
     """Records of an official jsonl file, or a one-line error naming the bad line."""
     records = []
@@ -265,14 +305,8 @@ def _parse_records(lines: Iterable[str], source: str) -> list[dict[str, Any]]:
 
 def _hub_records(file_name: str) -> list[dict[str, Any]]:
     """One jsonl file from the hub dataset's ``data.zip`` (cached by huggingface_hub)."""
-    try:
-        archive = huggingface_hub.hf_hub_download(HUB_REPO, HUB_ARCHIVE, repo_type="dataset")
-    except Exception as error:
-        reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-        raise KVBenchError(
-            f"cannot download {HUB_ARCHIVE} of the hub dataset {HUB_REPO} ({reason}); unzip its data/*.jsonl "
-            "into a folder and set task.data_dir=FOLDER"
-        ) from None
+    how = f"unzip data/*.jsonl of {HUB_ARCHIVE} into a folder and set task.data_dir=FOLDER"
+    archive = hub_file(HUB_REPO, HUB_ARCHIVE, how)
     member = HUB_MEMBER_DIR + file_name
     try:
         with zipfile.ZipFile(archive) as zipped, zipped.open(member) as raw:

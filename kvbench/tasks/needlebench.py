@@ -18,7 +18,10 @@ multi-hop question). Generation follows OpenCompass's loaders line by line:
 * insertion at token ``int(n * depth / 100)`` (no sentence snapping); reasoning needles follow each other
   at ``diff`` = 10 % of the haystack; retrieval needles go one per depth;
 * prompts: the v1 templates with the question at the end and the "guide" sentence (``guide: true`` as
-  in the official configs), sent as one user turn (chat template when the model has one).
+  in the official configs), sent as one user turn through the model's chat template (``prompt_format:
+  hf_chat``: OpenCompass's ``HuggingFacewithChatTemplate``, the type of its chat model configs such as
+  ``hf_llama3_8b_instruct.py``) or raw with BOS (``raw``);
+* generation: up to ``max_new_tokens`` (OpenCompass's model configs: ``max_out_len=1024``).
 
 Scores are the official evaluators' (:mod:`kvbench.metrics.needlebench`). ``aggregate`` follows the
 official summarizer: a dataset is one (subtask, needle count, length, depth) cell -- (subtask, length)
@@ -44,15 +47,15 @@ from collections import defaultdict
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from omegaconf import DictConfig
 
+from kvbench import resolve_path
 from kvbench.errors import KVBenchError, choose
+from kvbench.hub import hub_file
 from kvbench.metrics.needlebench import multi_reasoning_score, multi_retrieval_score, single_needle_score
 from kvbench.tasks.base import ModelInfo, Sample, Task
-from kvbench.tasks.hub import hub_file
-from kvbench.tasks.ppl import resolve_path
 
 HUB_REPO = "opencompass/NeedleBench"
 LANGUAGES = {"en": "English", "zh": "Chinese"}
@@ -63,6 +66,7 @@ KINDS = ("single", "retrieval", "reasoning")
 SUBTASKS = tuple(f"{kind}_{language}" for kind in KINDS for language in LANGUAGES)
 OVERALL_WEIGHTS = {"single": 0.4, "reasoning": 0.3, "retrieval": 0.3}
 REPEATS = {"single": 10, "retrieval": 25, "reasoning": 10}
+PROMPT_FORMATS = ("hf_chat", "raw")
 
 
 def linear_depths(intervals: int = 20) -> list[int]:
@@ -161,8 +165,8 @@ def unique_needles(lines: list[str], count: int, language: str, rng: random.Rand
 class NeedleBenchTask(Task):
     """Options: ``subtasks``, ``grid`` (4k | 8k), ``context_lengths`` / ``depths`` (override the grid),
     ``num_repeats`` (null = official per kind), ``needle_counts`` (reasoning), ``guide``, ``diff``,
-    ``length_buffer`` (null = the grid's per kind and language), ``max_new_tokens`` (per kind),
-    ``data_dir`` (null = the hub), ``seed`` (the retrieval needle draw)."""
+    ``length_buffer`` (null = the grid's per kind and language), ``max_new_tokens`` (a number, or per kind),
+    ``prompt_format``, ``data_dir`` (null = the hub), ``seed`` (the retrieval needle draw)."""
 
     name = "needlebench"
 
@@ -181,17 +185,17 @@ class NeedleBenchTask(Task):
         if not self.context_lengths or not self.depths or any(not 0 <= depth <= 100 for depth in self.depths):
             raise KVBenchError(f"task.context_lengths and task.depths (percents) must be non-empty, got "
                                f"{self.context_lengths} and {self.depths}")
-        too_long = [length for length in self.context_lengths if length > model.max_context]
+        too_long = [length for length in self.context_lengths if length > model.context_window]
         if too_long:
-            raise KVBenchError(f"task.context_lengths has {too_long[0]}, above the max context {model.max_context} "
+            raise KVBenchError(f"task.context_lengths has {too_long[0]}, above the context window {model.context_window} "
                                f"of model {model.name}; lower it or pick task.grid=4k")
         self.needle_counts = [int(value) for value in cfg.get("needle_counts", [2, 3, 4, 5])]
         self.guide = bool(cfg.get("guide", True))
         self.diff = int(cfg.get("diff", 10))
         self.seed = int(cfg.get("seed", 0))
-        max_new = cfg.get("max_new_tokens") or {}
-        self.max_new_tokens = {kind: int(max_new.get(kind, default)) for kind, default in
-                               (("single", 64), ("retrieval", 256), ("reasoning", 64))}
+        max_new = cfg.max_new_tokens
+        self.max_new_tokens = {kind: int(max_new[kind] if isinstance(max_new, Mapping) else max_new) for kind in KINDS}
+        self.template = model.template(cfg.prompt_format, PROMPT_FORMATS)
         self._line_ids: dict[tuple[str, int], list[int]] = {}
         self._orders: dict[str, list[list[int]]] = {}
 
@@ -245,12 +249,6 @@ class NeedleBenchTask(Task):
 
     # --- tokens and haystack -------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.model.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
-
-    def decode(self, ids: list[int]) -> str:
-        return self.model.tokenizer.decode(ids, skip_special_tokens=True)
-
     def order(self, lang: str, repeat: int) -> list[int]:
         """Haystack record order of repeat ``repeat``: ``Random(c).shuffle`` for c = 0..repeat in turn."""
         orders = self._orders.setdefault(lang, [])
@@ -265,7 +263,7 @@ class NeedleBenchTask(Task):
         records, tokens = self.haystack(lang), []
         for index in self.order(lang, repeat):
             if (lang, index) not in self._line_ids:
-                self._line_ids[(lang, index)] = self.encode(records[index]["text"])
+                self._line_ids[(lang, index)] = self.model.encode(records[index]["text"])
             tokens.extend(self._line_ids[(lang, index)])
             if len(tokens) >= target:
                 break
@@ -307,11 +305,7 @@ class NeedleBenchTask(Task):
             sample_id = f"{subtask}-L{length}-{repeat}"
         if self.guide:
             question = guided_question(question, language, kind)
-        text = prompt_text(context, question, language, kind)
-        if self.model.chat_template:
-            messages = [{"role": "user", "content": text}]
-            text = self.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = list(self.model.tokenizer(text, add_special_tokens=not self.model.chat_template, verbose=False)["input_ids"])
+        ids = self.model.prompt_ids(self.template, prompt_text(context, question, language, kind))
         return Sample(
             id=sample_id,
             subtask=subtask,
@@ -325,11 +319,11 @@ class NeedleBenchTask(Task):
     def _single(self, lang: str, length: int, depth: int, repeat: int):
         entry = random.Random(repeat).choice(self.needles(LANGUAGES[lang]))
         needle = "\n" + entry["needle"] + "\n"
-        needle_ids = self.encode(needle)
+        needle_ids = self.model.encode(needle)
         target = max(length - self.buffer("single", lang) - len(needle_ids), 0)
         haystack = self.haystack_ids(lang, repeat, target)
         point = int(len(haystack) * (depth / 100))
-        context = self.decode(haystack[:point] + needle_ids + haystack[point:])
+        context = self.model.decode(haystack[:point] + needle_ids + haystack[point:])
         return context, entry["retrieval_question"], [entry["arg2"]], {"needle": needle, "insertion_points": [point]}
 
     def _reasoning(self, lang: str, length: int, depth: int, repeat: int, count: int):
@@ -338,7 +332,7 @@ class NeedleBenchTask(Task):
             raise KVBenchError(f"{REASONING_FILES[lang]} has no record with derivation_count={count}; "
                                "lower task.needle_counts or check task.data_dir")
         record = random.Random(repeat).choice(matching)
-        needles = [self.encode("\n" + needle + "\n") for needle in record["derivations"]]
+        needles = [self.model.encode("\n" + needle + "\n") for needle in record["derivations"]]
         target = max(length - self.buffer("reasoning", lang) - sum(map(len, needles)), 0)
         haystack = self.haystack_ids(lang, repeat, target)
         total, points = len(haystack), []
@@ -353,7 +347,7 @@ class NeedleBenchTask(Task):
             ids = ids[: points[i]] + tokens + ids[points[i] :]
             for j in range(i + 1, len(points)):
                 points[j] += len(tokens)
-        return self.decode(ids), record["question"], [record["answer"]], {"insertion_points": points}
+        return self.model.decode(ids), record["question"], [record["answer"]], {"insertion_points": points}
 
     def _retrieval(self, lang: str, length: int, repeat: int):
         language = LANGUAGES[lang]
@@ -364,7 +358,7 @@ class NeedleBenchTask(Task):
         rng.shuffle(list(range(len(self.haystack(lang)))))  # the loader's haystack shuffle, same stream
         chosen = list(chosen)
         rng.shuffle(chosen)
-        needles = [self.encode("\n" + item["needle"] + "\n") for item in chosen]
+        needles = [self.model.encode("\n" + item["needle"] + "\n") for item in chosen]
         target = max(length - self.buffer("retrieval", lang) - sum(map(len, needles)), 0)
         haystack = self.haystack_ids(lang, repeat, target)
         points = [int(len(haystack) * (depth / 100)) for depth in self.depths]
@@ -375,7 +369,7 @@ class NeedleBenchTask(Task):
             placed.append(at)
             inserted += len(tokens)
         question = retrieval_question(chosen, language)
-        return self.decode(ids), question, [item["arg2"] for item in chosen], {"insertion_points": placed}
+        return self.model.decode(ids), question, [item["arg2"] for item in chosen], {"insertion_points": placed}
 
     # --- scoring -------------------------------------------------------------------------------
 

