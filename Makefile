@@ -44,7 +44,7 @@ clean:
 	rm -rf $(VENV) results/default results/multirun
 
 # --- Paper reproductions --------------------------------------------------------------------------------------
-# make reproduce-<paper> [SCALE=paper|smoke] [LAUNCHER=slurm|local] [LAUNCHER_ARGS="hydra.launcher.KEY=VALUE ..."]: the paper's sweeps
+# make reproduce-<paper> [SCALE=paper|smoke|plan] [LAUNCHER=slurm|local] [LAUNCHER_ARGS="hydra.launcher.KEY=VALUE ..."]: the paper's sweeps
 # (conf/experiment/<sweep>.yaml, or <sweep>_smoke.yaml), each with its full-cache baseline, then the benchmark
 # tables, the plots and the comparison with each transcribed table of the paper, written to
 # results/[smoke/]<paper>/report/. SCALE=smoke runs the same sweeps on SmolLM2-135M with one sample and short
@@ -53,16 +53,18 @@ clean:
 # (conf/hydra/launcher/slurm.yaml lists the keys).
 LAUNCHER ?=
 LAUNCHER_ARGS ?=
-ifeq ($(filter $(SCALE),paper smoke),)
-$(error SCALE must be paper or smoke, not '$(SCALE)')
+ifeq ($(filter $(SCALE),paper smoke plan),)
+$(error SCALE must be paper, smoke or plan, not '$(SCALE)')
 endif
 SMOKE := $(filter smoke,$(SCALE))
+# SCALE=plan: every job of the paper-scale sweeps resolved and validated (kvbench plan), nothing run; fails if any is invalid
+PLAN := $(filter plan,$(SCALE))
 RESULTS := results$(if $(SMOKE),/smoke)
 LAUNCH := $(if $(LAUNCHER),hydra/launcher=$(LAUNCHER)) $(LAUNCHER_ARGS)
 # Smoke runs use one torch thread: on a small shared CPU, OpenMP threads spin-waiting for each other make
 # SmolLM2 several times slower than one thread (measured 4-5x on this 2-core machine under load).
 SMOKE_THREADS ?= 1
-RUN := $(if $(SMOKE),OMP_NUM_THREADS=$(SMOKE_THREADS)) $(KVBENCH) run -m
+RUN := $(if $(SMOKE),OMP_NUM_THREADS=$(SMOKE_THREADS)) $(KVBENCH) $(if $(PLAN),plan,run) -m
 FULL_CACHE := policy=full budget=128k
 CAOTE_TABLES := table2 table3 table10 table11 table4 table12 table5 table13
 OBCACHE_TABLES := table1 table3 table4 table5
@@ -75,7 +77,8 @@ sweep = $(RUN) +experiment=$(1)$(if $(SMOKE),_smoke) $(LAUNCH) && \
 # $(call extra,EXPERIMENT): a sweep whose table takes its full-cache rows from the main sweep (no full-cache runs).
 extra = $(RUN) +experiment=$(1)$(if $(SMOKE),_smoke) $(LAUNCH)
 # $(call report,PAPER,TABLES): benchmark tables and plots, then the paper's tables beside ours, all in report/.
-report = $(KVBENCH) table $(RESULTS)/$(1) --output-dir $(RESULTS)/$(1)/report && \
+report = $(if $(PLAN),true,$(report_tables))
+report_tables = $(KVBENCH) table $(RESULTS)/$(1) --output-dir $(RESULTS)/$(1)/report && \
 	$(KVBENCH) plot $(RESULTS)/$(1) --output-dir $(RESULTS)/$(1)/report && \
 	for table in $(2); do \
 		$(KVBENCH) compare-paper $(1):$$table $(RESULTS)/$(1) --output-dir $(RESULTS)/$(1)/report || exit 1; \

@@ -2,6 +2,7 @@
 
     kvbench run model=smollm2_135m policy=snapkv+caote budget=128 task=ruler   # Hydra overrides; -m sweeps
     kvbench run -m +experiment=caote [hydra/launcher=slurm|local]             # a paper's sweep (conf/experiment)
+    kvbench plan -m +experiment=caote                                        # every job resolved and validated, as JSON
     kvbench policies                                                          # every policy and its parameters
     kvbench prepare task=ruler task.context_length=4096 output_dir=DIR       # write the generated samples
     kvbench table RUN_DIR... [--layout L] [--format F] [--output-dir DIR]    # benchmark-layout tables
@@ -117,6 +118,13 @@ def command_prepare(args: list[str]) -> None:
         print(f"{out_dir / (subtask + '.jsonl')}: {count} samples")
 
 
+def command_plan(args: list[str]) -> None:
+    """Resolve and validate every job ``kvbench run ARGS`` would launch; one JSON line per job (kvbench/plan.py)."""
+    from kvbench.plan import main as plan_main
+
+    plan_main(args)
+
+
 def command_table(args: list[str]) -> None:
     from kvbench.results.table import main as table_main
 
@@ -159,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     command, args = argv[0], argv[1:]
     handlers = {
         "run": command_run,
+        "plan": command_plan,
         "policies": command_policies,
         "prepare": command_prepare,
         "table": command_table,

@@ -16,7 +16,7 @@ from kvbench import CONF_DIR, PROJECT_ROOT
 from kvbench.cli import main
 from kvbench.config import compose as compose_run
 from kvbench.config import group_options
-from kvbench.engine.tokenizers import byte_tokenizer
+from kvbench.engine.tokenizers import stand_in_tokenizer
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy
 from kvbench.results.launchers import array_name, last_line, refusal
@@ -49,13 +49,6 @@ def test_experiment_sweeps_compose_and_build(experiment):
         assert params["model"] == "smollm2_135m"
 
 
-def chat_byte_tokenizer(window: int):
-    """The offline byte tokenizer with a chat template: a stand-in for checkpoints this machine does not have."""
-    tokenizer = byte_tokenizer(window)
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    return tokenizer
-
-
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_model_of_every_experiment_gets_a_valid_task(experiment):
     """Each swept model (and context length) with the experiment's task settings builds its task: context windows,
@@ -67,7 +60,7 @@ def test_every_model_of_every_experiment_gets_a_valid_task(experiment):
             extra = [f"task.context_length={context}"] if context else []
             cfg = compose_run([f"+experiment={experiment}", f"model={model}", f"policy={policy}", f"budget={budget}",
                                f"task={params['task']}", *extra])
-            info = ModelInfo(cfg.model.name, chat_byte_tokenizer(cfg.model.context_window), cfg.model.context_window,
+            info = ModelInfo(cfg.model.name, stand_in_tokenizer(cfg.model.context_window), cfg.model.context_window,
                              cfg.model.hf_id)
             get_class(cfg.task._target_)(cfg.task, info)
 

@@ -44,3 +44,11 @@ def byte_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
     )
+
+
+def stand_in_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
+    """The byte tokenizer with a plain chat template: it stands in for a checkpoint's tokenizer that is not on
+    this machine when a job's settings are validated without it (``kvbench plan``)."""
+    tokenizer = byte_tokenizer(model_max_length)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tokenizer

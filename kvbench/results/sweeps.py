@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import copy
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -94,10 +95,10 @@ def compose_job(config_loader: Any, master: DictConfig, overrides: list[str]) ->
     return SweepJob(overrides, cfg, output_dir, log)
 
 
-def expand_sweep(config_loader: Any, master: DictConfig) -> list[SweepJob]:
-    """Every job of the sweep whose config is ``master`` (composed in multirun mode):
-    the cartesian product of ``hydra.sweeper.params`` and the command line's overrides (what is typed wins),
-    as Hydra's basic sweeper makes it, each job composed (:func:`compose_job`)."""
+def sweep_overrides(config_loader: Any, master: DictConfig) -> list[list[str]]:
+    """The overrides of every job of the sweep whose config is ``master`` (composed in multirun mode): the
+    cartesian product of ``hydra.sweeper.params`` and the command line's overrides (what is typed wins), as
+    Hydra's basic sweeper makes it."""
     params = [f"{key}={value}" for key, value in (master.hydra.sweeper.params or {}).items()]
     try:
         overrides = OverridesParser.create(config_loader=config_loader).parse_overrides(
@@ -105,13 +106,18 @@ def expand_sweep(config_loader: Any, master: DictConfig) -> list[SweepJob]:
         (combinations,) = BasicSweeper.split_arguments(overrides, None)
     except HydraException as error:
         raise KVBenchError(f"cannot expand the sweep: {str(error).splitlines()[0]}") from None
-    return [compose_job(config_loader, master, list(combination)) for combination in combinations]
+    return [list(combination) for combination in combinations]
 
 
-def sweep_jobs(args: list[str]) -> list[SweepJob]:
-    """The jobs of ``kvbench run -m ARGS`` (``-m`` may be left out): overrides, composed config, run directory
-    and log of each, in submission order, before anything is submitted or written. With
-    :func:`split_pending` it tells what a submission would run (for a ``kvbench plan``)."""
+def expand_sweep(config_loader: Any, master: DictConfig) -> list[SweepJob]:
+    """Every job of the sweep whose config is ``master``, composed (:func:`compose_job`)."""
+    return [compose_job(config_loader, master, overrides) for overrides in sweep_overrides(config_loader, master)]
+
+
+@contextmanager
+def sweep_loader(args: list[str]) -> Iterator[tuple[Any, DictConfig]]:
+    """Hydra's config loader and the multirun master config of ``kvbench run -m ARGS`` (``-m`` may be left
+    out), experiments' sweeps included, for composing its jobs inside the block."""
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
@@ -123,6 +129,14 @@ def sweep_jobs(args: list[str]) -> list[SweepJob]:
             master = config_loader.load_configuration("config", overrides, run_mode=RunMode.MULTIRUN)
         except HydraException as error:
             raise KVBenchError(f"cannot compose the sweep: {str(error).splitlines()[0]}") from None
+        yield config_loader, master
+
+
+def sweep_jobs(args: list[str]) -> list[SweepJob]:
+    """The jobs of ``kvbench run -m ARGS`` (``-m`` may be left out): overrides, composed config, run directory
+    and log of each, in submission order, before anything is submitted or written. With
+    :func:`split_pending` it tells what a submission would run."""
+    with sweep_loader(args) as (config_loader, master):
         return expand_sweep(config_loader, master)
 
 

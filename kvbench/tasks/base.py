@@ -101,6 +101,11 @@ class Task(ABC):
         """
         return {"prediction": output, "score": self.score(sample, output)}
 
+    def planned_tokens(self) -> tuple[int, int] | None:
+        """``(prompt tokens to prefill, tokens to generate at most)`` over every sample, where the settings alone
+        tell (``kvbench plan``); None where only the data does."""
+        return None
+
     def aggregate(self, records: list[dict]) -> dict[str, float]:
         """Subtask -> mean score on a 0-100 scale (records carry ``subtask`` and ``score``)."""
         by_subtask: dict[str, list[float]] = {}

@@ -211,6 +211,11 @@ class NeedleTask(Task):
             for depth in self.depths:
                 yield self.sample(length, depth)
 
+    def planned_tokens(self) -> tuple[int, int]:
+        """Each grid point's context length, and its new tokens."""
+        points = len(self.depths)
+        return sum(self.context_lengths) * points, len(self.context_lengths) * points * self.max_new_tokens
+
     def sample(self, length: int, depth: float) -> Sample:
         context, info = self.context(length, depth)
         ids = self.prompt_ids(context)

@@ -595,6 +595,13 @@ class RulerTask(Task):
         self.min_new_tokens = int(cfg.min_new_tokens)
         self.tokens_to_generate = {name: self._tokens_to_generate(name, cfg.tokens_to_generate) for name in self.subtasks}
 
+    def planned_tokens(self) -> tuple[int, int] | None:
+        """Generated samples fill ``context_length`` (prompt and answer); files tell their own sizes."""
+        if self.data_dir is not None or self.num_samples is None:
+            return None
+        decode = sum(self.tokens_to_generate.values()) * self.num_samples
+        return self.context_length * self.num_samples * len(self.subtasks) - decode, decode
+
     @staticmethod
     def _tokens_to_generate(subtask: str, setting: Any) -> int:
         """``task.tokens_to_generate`` for one subtask: RULER's (null), one number, or a per-subtask mapping."""

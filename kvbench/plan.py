@@ -1,0 +1,117 @@
+"""``kvbench plan``: every job a ``kvbench run`` would launch, resolved and validated, without loading weights.
+
+Takes the same overrides as ``kvbench run`` (``-m`` for sweeps, experiments included). For each job it composes
+the config, resolves it (:func:`kvbench.job.resolve`: per-model settings, unknown keys, a budget the reserved
+window would fill), builds its task for the model's tokenizer (the local one where the checkpoint is on this
+machine, else a stand-in that checks everything a tokenizer does not decide) and prints one JSON object per
+line on stdout::
+
+    {"overrides": [...], "output_dir": ..., "config": {...}, "policy": {"spec": ..., "params": {...}},
+     "error": null | "one line", "finished": bool, "tokens": {"prefill": n, "decode": n} | null}
+
+A summary goes to stderr; the exit status is 2 when any job is invalid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from omegaconf import DictConfig, OmegaConf
+
+from kvbench.errors import KVBenchError
+from kvbench.job import resolve
+from kvbench.results.rundir import RunDir
+from kvbench.results.sweeps import MULTIRUN_FLAGS, compose_job, sweep_loader, sweep_overrides
+
+
+@contextmanager
+def hub_offline() -> Iterator[None]:
+    """Local files only while planning: a checkpoint not on this machine is not downloaded to plan a job."""
+    previous = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("HF_HUB_OFFLINE")
+        else:
+            os.environ["HF_HUB_OFFLINE"] = previous
+
+
+def tokenizer_for(model: DictConfig, cache: dict[str, Any]) -> Any:
+    """The model's own tokenizer where this machine has it (loaded once per model), else the stand-in."""
+    from kvbench.engine.models import load_tokenizer
+    from kvbench.engine.tokenizers import stand_in_tokenizer
+
+    key = json.dumps(OmegaConf.to_container(model, resolve=True), sort_keys=True)
+    if key not in cache:
+        try:
+            with hub_offline():
+                cache[key] = load_tokenizer(model)
+        except (KVBenchError, OSError, ValueError):
+            cache[key] = stand_in_tokenizer(int(model.context_window))
+    return cache[key]
+
+
+def plan_job(overrides: list[str], cfg: DictConfig, output_dir: Path, tokenizers: dict[str, Any]) -> dict[str, Any]:
+    """The plan line of one composed job."""
+    from kvbench.run import build_task, finished_metrics
+
+    line: dict[str, Any] = {"overrides": overrides, "output_dir": str(output_dir), "config": None, "policy": None,
+                            "error": None, "finished": False, "tokens": None}
+    try:
+        job = resolve(cfg)
+        line["config"] = OmegaConf.to_container(job.cfg)
+        line["policy"] = {"spec": job.policy.spec, "params": job.policy.settings()}
+        task = build_task(job.cfg, tokenizer_for(job.cfg.model, tokenizers))
+        tokens = task.planned_tokens()
+        line["tokens"] = None if tokens is None else {"prefill": tokens[0], "decode": tokens[1]}
+        line["finished"] = finished_metrics(RunDir(output_dir), job.cfg) is not None
+    except KVBenchError as error:
+        line["error"] = str(error)
+    return line
+
+
+def plan_lines(args: list[str]) -> Iterator[dict[str, Any]]:
+    """The plan line of every job of ``kvbench run ARGS``."""
+    from kvbench.config import compose
+
+    tokenizers: dict[str, Any] = {}
+    if not any(arg in MULTIRUN_FLAGS for arg in args):
+        cfg = compose(args)
+        yield plan_job([arg for arg in args if not arg.startswith("-")], cfg, Path(str(cfg.output_dir)), tokenizers)
+        return
+    with sweep_loader([arg for arg in args if arg not in MULTIRUN_FLAGS]) as (config_loader, master):
+        for overrides in sweep_overrides(config_loader, master):
+            try:
+                job = compose_job(config_loader, master, overrides)
+            except KVBenchError as error:
+                yield {"overrides": overrides, "output_dir": None, "config": None, "policy": None,
+                       "error": str(error), "finished": False, "tokens": None}
+                continue
+            yield plan_job(overrides, job.cfg, job.output_dir, tokenizers)
+
+
+def main(args: list[str]) -> None:
+    """Print the plan, one JSON line per job, and a summary on stderr; exit 2 if any job is invalid."""
+    jobs = invalid = finished = unknown = 0
+    prefill = decode = 0
+    for line in plan_lines(args):
+        print(json.dumps(line, ensure_ascii=False, default=str), flush=True)
+        jobs += 1
+        invalid += line["error"] is not None
+        finished += line["finished"]
+        if line["tokens"] is None:
+            unknown += line["error"] is None and not line["finished"]
+        elif not line["finished"]:
+            prefill, decode = prefill + line["tokens"]["prefill"], decode + line["tokens"]["decode"]
+    tokens = f"{prefill} tokens to prefill, {decode} to decode in the jobs left" + (
+        f" (and {unknown} jobs whose size only their data tells)" if unknown else "")
+    print(f"kvbench plan: {jobs} jobs, {invalid} invalid, {finished} already finished; {tokens}", file=sys.stderr)
+    if invalid:
+        sys.exit(2)

@@ -1,0 +1,67 @@
+"""``kvbench plan``: every job resolved and validated before anything runs, one JSON line per job."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvbench.cli import main
+
+TINY = ["model=tiny_llama", "task=ruler", "task.subtasks=[niah_single_1]", "task.context_length=512", "task.num_samples=2"]
+
+
+def plan(capsys, *args: str) -> tuple[list[dict], str, int]:
+    try:
+        main(["plan", *args])
+        code = 0
+    except SystemExit as exit_info:
+        code = int(exit_info.code or 0)
+    captured = capsys.readouterr()
+    return [json.loads(line) for line in captured.out.splitlines()], captured.err, code
+
+
+def test_slake_plan_shows_table_3_exponents_on_every_slake_job(capsys):
+    lines, err, code = plan(capsys, "-m", "+experiment=slake")
+    assert code == 0 and len(lines) == 3 * 4 * 2 and "kvbench plan: 24 jobs, 0 invalid" in err
+    table3 = {("llama2_7b_chat", "128"): (0.5, 0.4), ("llama2_7b_chat", "256"): (0.5, 0.4),
+              ("llama31_8b", "128"): (0.4, 0.2), ("llama31_8b", "256"): (0.6, 0.5),
+              ("mistral7b_v03", "128"): (0.6, 0.5), ("mistral7b_v03", "256"): (0.4, 0.2)}
+    slake = [line for line in lines if line["policy"]["spec"] == "cake+slake"]
+    assert len(slake) == 6
+    for line in slake:
+        budget = line["policy"]["params"]["layer_budget"]
+        key = (line["config"]["model"]["name"], line["config"]["budget"]["spec"])
+        assert (budget["name"], budget["alpha"], budget["beta"]) == ("vabs", *table3[key])
+        assert line["config"]["policy"] == line["policy"]["params"] and line["error"] is None
+    pyramid = next(line for line in lines if line["policy"]["spec"] == "pyramidkv")
+    assert pyramid["policy"]["params"]["layer_budget"]["schedule"] == "kvcache_factory"
+
+
+def test_invalid_jobs_are_listed_with_their_line_and_exit_2(capsys):
+    lines, err, code = plan(capsys, "-m", *TINY, "policy=h2o,snapkv", "budget=32,64", "policy.window=32")
+    assert code == 2 and "kvbench plan: 4 jobs, 2 invalid" in err
+    errors = {(line["overrides"][-3], line["overrides"][-2]): line["error"] for line in lines}
+    assert errors["policy=snapkv", "budget='64'"] is None and errors["policy=h2o", "budget='64'"] is None
+    assert "policy snapkv reserves 32 of its 32-token budget" in errors["policy=snapkv", "budget='32'"]
+    assert "policy h2o reserves 32 of its 32-token budget" in errors["policy=h2o", "budget='32'"]
+    assert all("\n" not in (error or "") for error in errors.values())
+
+
+def test_plan_counts_tokens_and_finished_runs(tmp_path, capsys):
+    out = tmp_path / "run"
+    main(["run", *TINY, "policy=snapkv", "budget=64", f"output_dir={out}"])
+    capsys.readouterr()
+    (done,), err, code = plan(capsys, *TINY, "policy=snapkv", "budget=64", f"output_dir={out}")
+    assert code == 0 and done["finished"] and done["output_dir"] == str(out)
+    assert "1 already finished; 0 tokens to prefill" in err
+    (todo,), err, _ = plan(capsys, *TINY, "policy=tova", "budget=64", f"output_dir={tmp_path / 'other'}")
+    assert not todo["finished"] and todo["tokens"] == {"prefill": 2 * 512 - 2 * 128, "decode": 2 * 128}
+    assert "768 tokens to prefill, 256 to decode" in err
+
+
+@pytest.mark.parametrize("typo", ["+policy.score_windw=16", "+task.contxt_length=9"])
+def test_unknown_keys_are_errors_in_plan_as_in_run(typo, capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", *TINY, typo])
+    assert capsys.readouterr().err.count("\n") == 1
