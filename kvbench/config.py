@@ -50,28 +50,39 @@ def register_policies(specs: list[str], policy_settings: dict[str, dict[str, Any
         store.store(group="policy", name=spec, node=policy_node(spec, policy_settings))
 
 
+#: config groups selected with ``+GROUP=NAME`` that may bring ``policy_settings``: a paper's experiment and a
+#: reference implementation's conventions (``conf/compat``)
+SETTING_GROUPS = ("experiment", "compat")
+
+
 @lru_cache(maxsize=None)
-def _experiment_node(experiment: str) -> DictConfig:
+def _selected_node(selections: tuple[tuple[str, str], ...]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    choose("experiment", experiment, group_options("experiment"))
+    for group, name in selections:
+        choose(group, name, group_options(group))
     register_policies([])
     try:
         with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
-            return hydra_compose(config_name="config", overrides=[f"+experiment={experiment}"], return_hydra_config=True)
+            overrides = [f"+{group}={name}" for group, name in selections]
+            return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
     except HydraException as error:
-        raise KVBenchError(f"experiment {experiment!r}: {str(error).splitlines()[0]}") from None
+        names = " ".join(f"{group}={name}" for group, name in selections)
+        raise KVBenchError(f"{names}: {str(error).splitlines()[0]}") from None
 
 
 def experiment_config(experiment: str) -> DictConfig:
     """The run config that ``+experiment=NAME`` composes to (with its ``hydra`` node, for its sweep)."""
-    return _experiment_node(experiment).copy()
+    return _selected_node((("experiment", experiment),)).copy()
 
 
-def experiment_policy_settings(experiment: str) -> dict[str, dict[str, Any]]:
-    """``policy_settings`` of an experiment: base or modifier name → its settings in that experiment."""
-    node = experiment_config(experiment).get("policy_settings")
+def selected_policy_settings(selections: tuple[tuple[str, str], ...]) -> dict[str, dict[str, Any]]:
+    """``policy_settings`` of the selected experiment and compat profile (``(group, name)`` in the order given,
+    later ones winning): base, modifier or spec → its settings there."""
+    if not selections:
+        return {}
+    node = _selected_node(selections).get("policy_settings")
     settings = OmegaConf.to_container(node, resolve=True) if node is not None else {}
     assert isinstance(settings, dict)
     for part in settings:
@@ -110,8 +121,9 @@ def prepare_overrides(args: list[str]) -> list[str]:
             _check_value(key, value)
         if key in selected:
             selected[key] = values
-    experiments = [o.get_value_element_as_str() for o in overrides if o.key_or_group.lstrip("+") == "experiment"]
-    settings = experiment_policy_settings(experiments[-1]) if experiments else {}
+    selections = tuple((o.key_or_group.lstrip("+"), o.get_value_element_as_str()) for o in overrides
+                       if o.key_or_group.lstrip("+") in SETTING_GROUPS)
+    settings = selected_policy_settings(selections)
     for spec in selected["policy"]:
         parse_spec(spec)
     register_policies(selected["policy"], settings)
