@@ -86,7 +86,8 @@ def test_gqa_reductions_match_the_reference(gqa):
     heads = Q_HEADS if gqa == "repeat" else KV_HEADS
     queries, keys, values, query_positions, key_positions = forward(TOKENS, heads=heads)
     policy = build_policy("h2o+obcache_joint", {"gqa": gqa})
-    reference = policy.summed_contributions(AttentionStats(queries, keys, values, query_positions, key_positions, SCALING))
+    stats = AttentionStats(queries, keys, values, query_positions, key_positions, SCALING)
+    reference = policy.summed_contributions(stats)
     _, summed = policy.normalised_sums(normalised(queries, keys, values, "kernel"), 8)
     assert summed.shape == (1, heads, TOKENS)
     torch.testing.assert_close(summed, reference, rtol=1e-4, atol=1e-5)

@@ -73,7 +73,8 @@ def fused_attention_with_lse(query, key, value, scaling, causal: bool):
     group = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
     if query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256:
-        output, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, causal, scale=scaling)
+        flash = torch.ops.aten._scaled_dot_product_flash_attention
+        output, lse, *_ = flash(query, key, value, 0.0, causal, scale=scaling)
         return output, lse
     output, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
         query, key, value, None, True, 0.0, causal, scale=scaling

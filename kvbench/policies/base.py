@@ -301,7 +301,9 @@ class Policy:
             if type(modifier).contributions is not Modifier.contributions
         )
 
-    def normalised_sums(self, stats: NormalisedStats, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def normalised_sums(
+        self, stats: NormalisedStats, block_size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass over the query blocks of ``stats`` whose weights come from each query's normaliser: the
         attention outputs ``[B,Hq,q,D]`` and ``Σ_i contributions[i]`` reduced over each KV group ``[B,Hc,T]``
         (H2O eq. 2, or the last modifier's replacement), equal to :meth:`summed_contributions` up to rounding."""

@@ -13,12 +13,12 @@ from kvbench.policies.stats import NormalisedBlock
 def output_error_sums(
     block: NormalisedBlock, vv: torch.Tensor, vo: torch.Tensor | None = None, oo: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``Σ_i A_ip² ‖α_ip v_p − β_ip o_i‖²`` over the block's queries, summed over each KV group: ``[B,Hc,T_b]``.
+    """``Σ_i A_ip² ‖α_ip v_p − β_ip o_i‖²`` over the block's queries, summed over each KV group ``[B,Hc,T_b]``.
 
     ``−A_ip(α_ip v_p − β_ip o_i)`` is the first-order change of ``o_i`` when token ``p`` is pruned; the caller
     gives the weight tiles ``vv = A²α²``, ``vo = A²αβ``, ``oo = A²β²`` ``[B,Hc,M,T_b]`` (None: ``β = 0``) and
-    the sum expands into ``‖v_p‖² Σ_i vv − 2 v_p·Σ_i vo·o_i + Σ_i oo·‖o_i‖²``: one GEMM and one GEMV over
-    the queries, nothing of size M×T×D."""
+    the sum expands into ``‖v_p‖² Σ_i vv − 2 v_p·Σ_i vo·o_i + Σ_i oo·‖o_i‖²``: one GEMM and one GEMV
+    over the queries, nothing of size M×T×D."""
     values = block.values.float()  # [B,Hc,T_b,D]
     sums = values.square().sum(dim=-1) * vv.sum(dim=-2)
     if vo is None:

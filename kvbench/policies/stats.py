@@ -43,12 +43,15 @@ def float32_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float, sh
     batch, heads, rows, dim = queries.shape
     left = queries.reshape(batch * heads, rows, dim)
     right = keys.reshape(batch * heads, keys.shape[2], dim).transpose(1, 2)
-    bias = left.new_zeros(1, 1, 1, dtype=torch.float32) if shift is None else -shift.reshape(batch * heads, rows, 1)
-    beta = 0.0 if shift is None else 1.0
+    bias = None if shift is None else shift.reshape(batch * heads, rows, 1)
     if left.dtype != torch.float32 and left.device.type == "cuda":
-        logits = torch.baddbmm(bias, left, right, beta=beta, alpha=scaling, out_dtype=torch.float32)
+        logits = torch.bmm(left, right, out_dtype=torch.float32).mul_(scaling)
+        logits = logits if bias is None else logits.sub_(bias)
+    elif bias is None:
+        zero = left.new_zeros(1, 1, 1, dtype=torch.float32)
+        logits = torch.baddbmm(zero, left.float(), right.float(), beta=0.0, alpha=scaling)
     else:
-        logits = torch.baddbmm(bias, left.float(), right.float(), beta=beta, alpha=scaling)
+        logits = torch.baddbmm(bias.neg(), left.float(), right.float(), alpha=scaling)
     return logits.view(batch, heads, rows, -1)
 
 
@@ -153,7 +156,8 @@ class NormalisedStats:
             width, visible = end - start, past + end
             rows = (batch, heads, group * width)
             if width > 1 and width not in masks:
-                masks[width] = torch.ones(width, width, dtype=torch.bool, device=self.keys.device).triu_(1).repeat(group, 1)
+                square = torch.ones(width, width, dtype=torch.bool, device=self.keys.device)
+                masks[width] = square.triu_(1).repeat(group, 1)
             block = NormalisedBlock(
                 queries[:, :, :, start:end].reshape(*rows, dim),
                 self.keys[:, :, :visible],
