@@ -32,7 +32,7 @@ import torch
 #: float32 elements of one block of attention statistics on an accelerator (1 GiB)
 BLOCK_ELEMENTS = 2**28
 #: queries per block on CPU: a block's float32 [M,T] tiles stay near the core's cache
-CPU_BLOCK_QUERIES = 64
+CPU_BLOCK_QUERIES = 32
 LOG2E = 1.0 / math.log(2.0)
 
 
