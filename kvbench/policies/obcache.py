@@ -19,14 +19,14 @@ def output_error_sums(
     gives the weight tiles ``vv = A²α²``, ``vo = A²αβ``, ``oo = A²β²`` ``[B,Hc,M,T_b]`` (None: ``β = 0``) and
     the sum expands into ``‖v_p‖² Σ_i vv − 2 v_p·Σ_i vo·o_i + Σ_i oo·‖o_i‖²``: one GEMM and one GEMV
     over the queries, nothing of size M×T×D."""
-    values = block.values.float()  # [B,Hc,T_b,D]
-    sums = values.square().sum(dim=-1) * vv.sum(dim=-2)
+    sums = block.value_norms * vv.sum(dim=-2)  # [B,Hc,T_b]
     if vo is None:
         return sums
     outputs = block.outputs.float()  # [B,Hc,M,D]
     cross = torch.matmul(vo.transpose(-1, -2), outputs)  # [B,Hc,T_b,D]  Σ_i vo_ip o_i
     outputs_sq = outputs.square().sum(dim=-1)[..., None, :]  # [B,Hc,1,M]
-    return sums.sub_((cross * values).sum(dim=-1), alpha=2.0).add_(torch.matmul(outputs_sq, oo)[..., 0, :])
+    cross = (cross * block.values.float()).sum(dim=-1)  # [B,Hc,T_b]  v_p·Σ_i vo_ip o_i
+    return sums.sub_(cross, alpha=2.0).add_(torch.matmul(outputs_sq, oo)[..., 0, :])
 
 
 @dataclass

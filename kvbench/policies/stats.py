@@ -48,8 +48,7 @@ def float32_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float, sh
         logits = torch.bmm(left, right, out_dtype=torch.float32).mul_(scaling)
         logits = logits if bias is None else logits.sub_(bias)
     elif bias is None:
-        zero = left.new_zeros(1, 1, 1, dtype=torch.float32)
-        logits = torch.baddbmm(zero, left.float(), right.float(), beta=0.0, alpha=scaling)
+        logits = torch.bmm(left.float() * scaling, right.float())
     else:
         logits = torch.baddbmm(bias.neg(), left.float(), right.float(), alpha=scaling)
     return logits.view(batch, heads, rows, -1)
@@ -61,8 +60,10 @@ class NormalisedBlock:
 
     ``queries [B,Hc,M,D]``, ``keys``/``values [B,Hc,T_b,D]``, ``lse [B,Hc,M,1]`` float32 or None (then the
     block normalises itself and computes ``outputs``), ``outputs [B,Hc,M,D]`` when given, ``causal [M,w]``:
-    True where a row must not see one of the last ``w`` slots (None for a single query)."""
+    True where a row must not see one of the last ``w`` slots (None for a single query); ``stats`` the pass
+    it belongs to."""
 
+    stats: NormalisedStats
     queries: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
@@ -79,15 +80,17 @@ class NormalisedBlock:
 
     @cached_property
     def _softmax(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Without ``lse``: the block's masked logits (-inf above the diagonal) and their softmax ``A``."""
-        logits = self._masked(float32_logits(self.queries, self.keys, self.scaling), float("-inf"))
-        return logits, torch.softmax(logits, dim=-1)
+        """Without ``lse``: the block's logits in base 2, ``Z·log2(e)`` (-inf above the diagonal), and their
+        softmax ``A`` (``exp2`` is the cheaper exponential on CPU)."""
+        logits = self._masked(float32_logits(self.queries, self.keys, self.scaling * LOG2E), float("-inf"))
+        weights = torch.sub(logits, logits.amax(dim=-1, keepdim=True)).exp2_()
+        return logits, weights.div_(weights.sum(dim=-1, keepdim=True))
 
     @cached_property
     def logits(self) -> torch.Tensor:
         """``Z_ip = q_i·k_p/√d`` ``[B,Hc,M,T_b]`` float32, 0 where the causal mask hides ``p`` (``A_ip = 0``)."""
         if self.lse is None:
-            return self._masked(self._softmax[0], 0.0)
+            return self._masked(self._softmax[0].mul_(1.0 / LOG2E), 0.0)
         return float32_logits(self.queries, self.keys, self.scaling)
 
     @cached_property
@@ -112,6 +115,11 @@ class NormalisedBlock:
             return self.given_outputs
         return torch.matmul(self.weights, self.values.float()).to(self.queries.dtype)
 
+    @property
+    def value_norms(self) -> torch.Tensor:
+        """``‖v_p‖²`` ``[B,Hc,T_b]`` float32 (computed once per pass)."""
+        return self.stats.value_norms[..., : self.keys.shape[2]]
+
     def weight_sums(self) -> torch.Tensor:
         """H2O eq. 2 over this block: ``Σ_i A_ip`` summed over each KV group, ``[B,Hc,T_b]``."""
         return self.weights.sum(dim=-2)
@@ -129,6 +137,11 @@ class NormalisedStats:
     scaling: float
     lse: torch.Tensor | None = None
     outputs: torch.Tensor | None = None
+
+    @cached_property
+    def value_norms(self) -> torch.Tensor:
+        """``‖v_p‖²`` over the cache ``[B,Hc,T]`` float32."""
+        return self.values.float().square().sum(dim=-1)
 
     def block_queries(self) -> int:
         """Queries per block when none is configured: ``CPU_BLOCK_QUERIES`` on CPU; on an accelerator as
@@ -159,6 +172,7 @@ class NormalisedStats:
                 square = torch.ones(width, width, dtype=torch.bool, device=self.keys.device)
                 masks[width] = square.triu_(1).repeat(group, 1)
             block = NormalisedBlock(
+                self,
                 queries[:, :, :, start:end].reshape(*rows, dim),
                 self.keys[:, :, :visible],
                 self.values[:, :, :visible],
