@@ -1,20 +1,25 @@
-"""``kvbench bench`` on a tiny model: the JSON layout and sane figures (no wall-clock assertions)."""
+"""``kvbench bench`` on a tiny model: the JSON layout, and every headline figure recomputed from the raw
+repetitions and rows stored beside it (no wall-clock assertions)."""
 
 from __future__ import annotations
 
 import json
+import re
+import statistics
 import sys
 
 import pytest
 
-from kvbench.bench import PARAGRAPH, Clock, PeakMemory, prompt_tokens, rotations, targets
+from kvbench.bench.measure import Clock, PeakMemory, rotations
+from kvbench.bench.report import targets
+from kvbench.bench.sections import PARAGRAPH, prompt_tokens
 from kvbench.cli import main
 from kvbench.engine.models import load_tokenizer, model_config
 
 TINY = [
     "model=tiny_llama",
     "budget=64",
-    "bench.repetitions=1",
+    "bench.repetitions=3",
     "bench.warmup_tokens=0",
     "bench.prompt_source=paragraph",
     "bench.prefill.policies=[sink,snapkv,h2o+obcache_joint]",
@@ -59,9 +64,91 @@ def test_ratios_are_positive(bench):
     assert all(isinstance(ratio, float) and ratio > 0 for ratio in ratios)
     assert results["decode_latency_ratio"] > 0 and results["harness_vs_generate"] > 0
     full = results["raw"]["prefill"]["full"]["160"]
-    assert len(full["wall_seconds"]) == 1 and full["median_wall_seconds"] > 0
+    assert len(full["wall_seconds"]) == 3 and full["median_wall_seconds"] > 0
     decode = results["raw"]["decode"]
-    assert decode["ratio_cpu"] > 0 and len(decode["per_token_seconds"]["160"]["cpu_seconds"]) == 3 - 1
+    assert decode["ratio_cpu"] > 0 and len(decode["per_token_seconds"]["160"]["cpu_seconds"]) == 3 * (3 - 1)
+
+
+def median_ratio(numerator: dict, denominator: dict, clock: str = "wall") -> float:
+    """Recomputed from the stored repetitions, not from the stored medians."""
+    key = f"{clock}_seconds"
+    return statistics.median(numerator[key]) / statistics.median(denominator[key])
+
+
+def test_prefill_overhead_is_each_policy_over_full(bench):
+    results, _ = bench
+    raw = results["raw"]["prefill"]
+    for spec, by_length in results["prefill_overhead"].items():
+        for length, ratio in by_length.items():
+            assert ratio == pytest.approx(median_ratio(raw[spec][length], raw["full"][length]))
+            cpu = results["prefill_overhead_cpu"][spec][length]
+            assert cpu == pytest.approx(median_ratio(raw[spec][length], raw["full"][length], "cpu"))
+
+
+def test_decode_ratio_is_longest_over_shortest_prompt(bench):
+    results, _ = bench
+    decode = results["raw"]["decode"]
+    rows = decode["per_token_seconds"]
+    assert results["decode_latency_ratio"] == pytest.approx(median_ratio(rows["160"], rows["96"]))
+    assert decode["ratio_cpu"] == pytest.approx(median_ratio(rows["160"], rows["96"], "cpu"))
+
+
+def test_harness_speed_is_generate_time_over_kvbench_time(bench):
+    results, _ = bench
+    generate = results["raw"]["generate"]
+    rows = generate["per_prompt"].values()
+    for clock, key in (("wall", "speed_ratio"), ("cpu", "speed_ratio_cpu")):
+        total = {variant: sum(statistics.median(row[variant][f"{clock}_seconds"]) for row in rows)
+                 for variant in ("kvbench", "generate")}
+        assert generate[key] == pytest.approx(total["generate"] / total["kvbench"])
+        for row in rows:
+            assert row[key] == pytest.approx(median_ratio(row["generate"], row["kvbench"], clock))
+    assert results["harness_vs_generate"] == generate["speed_ratio"]
+
+
+def test_kv_bytes_are_tokens_times_bytes_per_token(bench):
+    results, _ = bench
+    layers = 3
+    for by_length in results["kv_bytes"].values():
+        for length, row in by_length.items():
+            per_token_and_layer = row["full_bytes"] / (int(length) * layers)
+            assert row["after_prefill_bytes"] == sum(row["after_prefill_tokens_per_layer"]) * per_token_and_layer
+            assert row["after_prefill_ratio"] == pytest.approx(row["after_prefill_bytes"] / row["full_bytes"])
+            assert row["peak_ratio"] == pytest.approx(row["peak_bytes"] / row["full_bytes"])
+
+
+def test_memory_growth_is_longest_over_shortest_prompt(bench):
+    results, _ = bench
+    memory = results["memory"]
+    for spec, rows in memory["policies"].items():
+        growth, shortest, longest = memory["growth"][spec], rows["96"], rows["160"]
+        assert growth["peak_bytes"] == pytest.approx(longest["peak_bytes"] / shortest["peak_bytes"])
+        assert growth["peak_rss_delta_bytes"] == pytest.approx(
+            longest["peak_rss_delta_bytes"] / shortest["peak_rss_delta_bytes"]
+        )
+        assert growth["peak_rss_added_bytes"] == longest["peak_rss_delta_bytes"] - shortest["peak_rss_delta_bytes"]
+
+
+def test_targets_hold_the_figures_they_name(bench):
+    results, out = bench
+    found = results["targets"]
+    assert set(found) == {
+        "prefill_overhead[sink]@160", "prefill_overhead[snapkv]@160", "prefill_overhead[h2o+obcache_joint]@160",
+        "decode_latency_ratio", "harness_vs_generate",
+    }
+    for name, row in found.items():
+        prefill = re.fullmatch(r"prefill_overhead\[(.+)\]@(\d+)", name)
+        value = results["prefill_overhead"][prefill[1]][prefill[2]] if prefill else results[name]
+        assert row["value"] == value
+        assert row["met"] == (value >= row["limit"] if name == "harness_vs_generate" else value <= row["limit"])
+    assert found["prefill_overhead[sink]@160"]["limit"] == 1.05
+    assert found["prefill_overhead[h2o+obcache_joint]@160"]["limit"] == 1.5
+    markdown = (out / "bench.md").read_text()
+    for spec, by_length in results["prefill_overhead"].items():
+        cpu = results["prefill_overhead_cpu"][spec]
+        cells = " | ".join(f"{ratio:.3f} ({cpu[n]:.3f})" for n, ratio in by_length.items())
+        assert f"| {spec} | {cells} |" in markdown
+    assert f"**{results['decode_latency_ratio']:.3f}**" in markdown
 
 
 def test_eviction_shrinks_the_kv_cache(bench):
@@ -158,15 +245,30 @@ def test_peak_memory_sees_an_allocation():
         assert figures["peak_rss_delta_bytes"] >= 8 * 2**20
 
 
-def test_targets_use_issue_7_limits():
+def test_targets_hold_each_kind_of_policy_to_its_limit():
     results = {
-        "prefill_overhead": {"snapkv": {"1024": 1.2, "4096": 1.04}, "snapkv+obcache_joint": {"4096": 1.08}},
+        "prefill_overhead": {
+            "snapkv": {"1024": 1.2, "4096": 1.04},
+            "snapkv+obcache_value": {"4096": 1.07},
+            "snapkv+obcache_joint": {"4096": 1.08},
+            "h2o": {"4096": 1.12},
+            "h2o+obcache_value": {"4096": 1.4},
+        },
         "decode_latency_ratio": 1.2,
         "harness_vs_generate": 0.97,
     }
     found = targets(results)
-    assert found["prefill_overhead[snapkv]@4096"]["met"] and found["prefill_overhead[snapkv+obcache_joint]@4096"]["met"]
-    assert not found["decode_latency_ratio"]["met"] and found["harness_vs_generate"]["met"]
+    limits = {name: row["limit"] for name, row in found.items() if name.startswith("prefill")}
+    assert limits == {
+        "prefill_overhead[snapkv]@4096": 1.05,
+        "prefill_overhead[snapkv+obcache_value]@4096": 1.05,
+        "prefill_overhead[snapkv+obcache_joint]@4096": 1.10,
+        "prefill_overhead[h2o]@4096": 1.10,
+        "prefill_overhead[h2o+obcache_value]@4096": 1.5,
+    }
+    assert [name for name, row in found.items() if not row["met"]] == [
+        "prefill_overhead[snapkv+obcache_value]@4096", "prefill_overhead[h2o]@4096", "decode_latency_ratio"
+    ]
     assert "kvpress_speed_ratio" not in found
 
 
@@ -174,7 +276,7 @@ def test_plain_generate_ignores_the_eos_token():
     import torch
     import transformers
 
-    from kvbench.bench import generation_config
+    from kvbench.bench.sections import generation_config
     from tests.helpers import tiny_model
 
     model = tiny_model()

@@ -2,10 +2,10 @@
 
 Models loaded by kvbench run with ``attn_implementation="kvbench"``: this function computes attention with
 the model's backend (SDPA, eager or FlashAttention-2) over the budgeted cache (or, for H2O-style policies
-that sum every query's weights, blockwise from those same weights, instead of a fused kernel plus a
-second pass), lets the cache's attending
-modifiers (CaliDrop, SLAKE) replace the output of single-query forwards, then hands the queries to the
-cache, which scores and evicts. No model class is patched.
+that sum a term of every query, through the cache, which takes each query's normaliser from a fused
+kernel that returns it, ``attention_with_lse``, or computes attention and sums in one blockwise pass),
+lets the cache's attending modifiers (CaliDrop, SLAKE) replace the output of single-query forwards, then
+hands the queries to the cache, which scores and evicts. No model class is patched.
 
 The new queries are always the last ``q`` tokens of the cache, so causality is "bottom-right aligned":
 query ``i`` sees cache slots ``0 .. T-q+i``. Positions of evicted caches no longer equal slot indices,
@@ -20,6 +20,10 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 ATTENTION_NAME = "kvbench"
+#: devices where H2O-style sums take the normaliser of a fused kernel (``attention_with_lse``) and add one
+#: Q·Kᵀ pass; elsewhere (CPU) that pass costs more than a fused kernel saves over one blockwise pass
+#: that computes attention and sums together (README, Benchmarks)
+NORMALISER_KERNEL_DEVICES = {"cuda"}
 
 
 def bottom_right_causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
@@ -58,6 +62,41 @@ def eager_attention(query, key, value, scaling):
     weights = torch.softmax(logits, dim=-1).to(value.dtype)
     output = torch.einsum("bhgqt,bhtd->bhgqd", weights, value).reshape(batch, q_heads, q_len, dim)
     return output.transpose(1, 2).contiguous()
+
+
+def fused_attention_with_lse(query, key, value, scaling, causal: bool):
+    """One fused kernel call: ``query [B,Hq,q,D]`` over ``key/value [B,Hc,T,D]``, unmasked or top-left causal
+    (``q == T``) → ``(output [B,Hq,q,D], lse [B,Hq,q] float32)``. CPU's flash kernel groups query heads
+    itself; on CUDA the KV heads are repeated for the flash (16-bit) or memory-efficient kernel."""
+    if query.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, scale=scaling)
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    if query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention
+        output, lse, *_ = flash(query, key, value, 0.0, causal, scale=scaling)
+        return output, lse
+    output, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, None, True, 0.0, causal, scale=scaling
+    )
+    return output, lse[..., : query.shape[2]]  # the efficient kernel pads lse's query axis
+
+
+def attention_with_lse(query, key, value, scaling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query [B,Hq,q,D]`` over ``key/value [B,Hc,T,D]`` (bottom-right causal) with each query's
+    log-sum-exp of its logits: ``(output [B,Hq,q,D], lse [B,Hq,q] float32)``, from fused kernels.
+
+    With earlier slots (chunked prefill: ``1 < q < T``) the queries attend to them unmasked and to their own
+    block causally; the two parts merge by their log-sum-exps (no mask tensor, no bottom-right kernel)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if q_len == 1 or q_len == kv_len:
+        return fused_attention_with_lse(query, key, value, scaling, causal=q_len > 1)
+    past = kv_len - q_len
+    old, old_lse = fused_attention_with_lse(query, key[:, :, :past], value[:, :, :past], scaling, causal=False)
+    new, new_lse = fused_attention_with_lse(query, key[:, :, past:], value[:, :, past:], scaling, causal=True)
+    lse = torch.logaddexp(old_lse, new_lse)  # [B,Hq,q]
+    output = old.float() * (old_lse - lse).exp()[..., None] + new.float() * (new_lse - lse).exp()[..., None]
+    return output.to(query.dtype), lse
 
 
 def flash_attention(module, query, key, value, scaling):

@@ -19,8 +19,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kvbench.engine import attention
 from kvbench.policies.base import AttentionStats, Evicted, Modifier, Policy
 from kvbench.policies.layer_budgets import CascadingAllocation
+from kvbench.policies.stats import NormalisedStats
 
 
 class EvictionLayer(DynamicLayer):
@@ -193,19 +195,21 @@ class EvictionCache(Cache):
 
     def accumulates_in_attention(self) -> bool:
         """Whether this forward's attention should come from :meth:`attend_and_accumulate`: an accumulating
-        policy scored by plain attention weights (H2O) whose running score this forward feeds."""
+        policy (H2O, ``h2o+obcache_*``) whose running score this forward feeds, with sums from the normaliser."""
         policy = self.policy
-        return policy.needs_attention and policy.accumulates and self.track_scores and policy.scores_plain_weights
+        return policy.needs_attention and policy.accumulates and self.track_scores and policy.sums_from_normaliser
 
     def attend_and_accumulate(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Attention output ``[B,q,Hq,D]`` of ``queries [B,Hq,q,D]`` over the layer's cache, computed blockwise
-        from float32 weights whose column sums are added to the running score in the same pass."""
+        """Attention output ``[B,q,Hq,D]`` of ``queries [B,Hq,q,D]`` over the layer's cache, and the policy's sums
+        from each query's normaliser added to the running score: the normaliser and output of a fused kernel
+        on ``NORMALISER_KERNEL_DEVICES``, else of the same blockwise pass (``kvbench.policies.stats``)."""
         layer = self.layers[layer_idx]
-        positions = self.new_positions.to(queries.device)
-        stats = AttentionStats(queries, layer.keys, layer.values, positions, layer.positions, scaling)
-        outputs, summed = self.policy.attend_and_sum(stats, self.score_block)  # [B,Hq,q,D], [B,Hc,T]
+        stats = NormalisedStats(queries, layer.keys, layer.values, scaling)
+        if queries.device.type in attention.NORMALISER_KERNEL_DEVICES:
+            stats.outputs, stats.lse = attention.attention_with_lse(queries, layer.keys, layer.values, scaling)
+        outputs, summed = self.policy.normalised_sums(stats, self.score_block)  # [B,Hq,q,D], [B,Hc,T]
         layer.accumulated += summed
-        return outputs.to(queries.dtype).transpose(1, 2).contiguous()
+        return outputs.transpose(1, 2).contiguous()
 
     def after_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float, accumulated: bool = False):
         """Gather this forward's scoring statistics (``queries [B,Hq,q,D]``) unless the attention already

@@ -27,12 +27,9 @@ from kvbench.errors import KVBenchError, choose
 from kvbench.policies.budgets import Budget
 from kvbench.policies.layer_budgets import LayerBudget, Uniform
 from kvbench.policies.scores import reduce_gqa
+from kvbench.policies.stats import BLOCK_ELEMENTS, NormalisedBlock, NormalisedStats
 
 GQA_MODES = ("sum", "mean", "repeat")
-
-
-#: float32 elements of one block of attention statistics on an accelerator (1 GiB)
-BLOCK_ELEMENTS = 2**28
 
 
 @dataclass
@@ -190,6 +187,11 @@ class Modifier:
         """Per-query contributions ``[B,Hq,W,T]`` replacing the base's attention weights, or None."""
         return None
 
+    def normalised_sums(self, block: NormalisedBlock) -> torch.Tensor | None:
+        """``Σ_i`` of :meth:`contributions` over one block of a normalised pass (``kvbench.policies.stats``),
+        summed over each KV group ``[B,Hc,T_b]``; None where this modifier does not replace the weights."""
+        return None
+
     def transform(self, scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Re-weight summed per-KV-head scores ``[B,Hkv,T]`` given the cached ``values [B,Hkv,T,D]``."""
         return scores
@@ -294,23 +296,37 @@ class Policy:
         return reduce_gqa(total, stats.keys.shape[1], mode=self.gqa)
 
     @property
-    def scores_plain_weights(self) -> bool:
-        """Whether the per-query contributions are the attention weights themselves (no modifier replaces them)."""
-        return all(type(modifier).contributions is Modifier.contributions for modifier in self.modifiers)
+    def sums_from_normaliser(self) -> bool:
+        """Whether the summed contributions have a form from the per-query normaliser (``normalised_sums``):
+        every modifier that replaces the weights gives one."""
+        return all(
+            type(modifier).normalised_sums is not Modifier.normalised_sums
+            for modifier in self.modifiers
+            if type(modifier).contributions is not Modifier.contributions
+        )
 
-    def attend_and_sum(self, stats: AttentionStats, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One blockwise pass giving the attention outputs ``o_i = Σ_p A_ip v_p [B,Hq,W,D]`` and the summed
-        weights ``Σ_i A_ip`` reduced over each KV group ``[B,Hkv,T]`` from the same float32 ``A``: an
-        accumulating policy scored by plain weights (H2O eq. 2) then needs no second pass over the queries."""
-        batch, q_heads, window, dim = stats.queries.shape
-        outputs = stats.queries.new_empty(batch, q_heads, window, dim, dtype=torch.float32)
-        total = outputs.new_zeros(batch, q_heads, stats.keys.shape[2])  # [B,Hq,T]
-        start = 0
+    def normalised_sums(
+        self, stats: NormalisedStats, block_size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass over the query blocks of ``stats`` whose weights come from each query's normaliser: the
+        attention outputs ``[B,Hq,q,D]`` and ``Σ_i contributions[i]`` reduced over each KV group ``[B,Hc,T]``
+        (H2O eq. 2, or the last modifier's replacement), equal to :meth:`summed_contributions` up to rounding."""
+        batch, heads, tokens, _ = stats.keys.shape
+        total = torch.zeros(batch, heads, tokens, device=stats.keys.device)  # [B,Hc,T]
         for block in stats.blocks(block_size):
-            total[..., : block.keys.shape[2]] += block.weights.sum(dim=-2)
-            outputs[:, :, start : start + block.queries.shape[2]] = block.outputs
-            start += block.queries.shape[2]
-        return outputs, reduce_gqa(total, stats.keys.shape[1], mode=self.gqa)
+            part = self.block_sums(block)  # [B,Hc,T_b]
+            total[..., : part.shape[-1]] += part
+        group = stats.queries.shape[1] // heads
+        return stats.outputs, total / group if self.gqa == "mean" else total
+
+    def block_sums(self, block: NormalisedBlock) -> torch.Tensor:
+        """``Σ_i contributions[i]`` over one normalised block ``[B,Hc,T_b]``: the last modifier's that replaces
+        the weights, else H2O eq. 2's ``Σ_i A_ip``."""
+        for modifier in reversed(self.modifiers):
+            sums = modifier.normalised_sums(block)
+            if sums is not None:
+                return sums
+        return block.weight_sums()
 
     def rank(self, summed: torch.Tensor, values: torch.Tensor, recent: int) -> torch.Tensor:
         """Post-process summed per-KV-head scores ``[B,Hkv,T]`` (pooling, then modifiers) into the ranking.

@@ -1,0 +1,149 @@
+"""Measuring: wall and CPU clocks (CUDA events on CUDA), peak process memory, and the interleaving and
+medians every comparison of ``kvbench bench`` is made of.
+
+The machines are shared, so every comparison is a ratio of medians over repetitions taken in one run, with
+the compared variants interleaved (in a rotating order) within every repetition. CPU time
+(``time.process_time``) is recorded beside wall time: another job on the cores inflates wall time, not
+the CPU time this process spends.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvbench.errors import KVBenchError
+
+
+class Clock:
+    """Wall and process CPU time of a callable. On CUDA the wall time comes from CUDA events recorded on
+    the current stream (``elapsed_time`` after synchronising), so it is the device's time for the work."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> tuple[Any, float]:
+        """A started reading: ``(wall clock or CUDA event, CPU clock)``."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event, time.process_time()
+        return time.perf_counter(), time.process_time()
+
+    def stop(self, started: tuple[Any, float]) -> tuple[float, float]:
+        """``(wall_seconds, cpu_seconds)`` since ``started``."""
+        wall_start, cpu_start = started
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return wall_start.elapsed_time(end) / 1000.0, time.process_time() - cpu_start
+        return time.perf_counter() - wall_start, time.process_time() - cpu_start
+
+    def measure(self, function: Callable[[], Any]) -> tuple[float, float, Any]:
+        """``(wall_seconds, cpu_seconds, result)`` of ``function()``."""
+        started = self.start()
+        result = function()
+        return *self.stop(started), result
+
+    @contextmanager
+    def forwards(self, model: torch.nn.Module) -> Iterator[list[tuple[float, float]]]:
+        """Yield a list that receives ``(wall_seconds, cpu_seconds)`` of every forward of ``model`` (through
+        PyTorch module hooks: the engine's own loop is untouched)."""
+        times: list[tuple[float, float]] = []
+        started: list[tuple[Any, float]] = []
+
+        def before(*_):
+            started.append(self.start())
+
+        def after(*_):
+            times.append(self.stop(started.pop()))
+
+        handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+        try:
+            yield times
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+class PeakMemory:
+    """The process's peak memory during a block: peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs``),
+    else ``getrusage``'s lifetime maximum (cannot be reset: only growth shows), plus CUDA's peak allocation."""
+
+    STATUS, CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.resettable = self.STATUS.exists() and os.access(self.CLEAR_REFS, os.W_OK)
+        self.method = "VmHWM after clear_refs" if self.resettable else "getrusage ru_maxrss (lifetime peak)"
+
+    def _status(self, field: str) -> int:
+        for line in self.STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise KVBenchError(f"{self.STATUS} has no {field}")
+
+    def _peak_rss(self) -> int:
+        if self.resettable:
+            return self._status("VmHWM")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+    @contextmanager
+    def track(self) -> Iterator[dict[str, int]]:
+        """Yield a dict that is filled, on exit, with ``rss_before_bytes``, ``peak_rss_bytes``,
+        ``peak_rss_delta_bytes`` (and on CUDA ``cuda_before_bytes``, ``cuda_peak_bytes``, ``cuda_peak_delta_bytes``:
+        the allocator's live bytes before the block, its peak during it, and the difference)."""
+        gc.collect()
+        if self.resettable:
+            self.CLEAR_REFS.write_text("5")
+        before = self._status("VmRSS") if self.STATUS.exists() else self._peak_rss()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            cuda_before = torch.cuda.memory_allocated(self.device)
+        figures: dict[str, int] = {}
+        yield figures
+        peak = self._peak_rss()
+        figures.update(rss_before_bytes=before, peak_rss_bytes=peak, peak_rss_delta_bytes=peak - before)
+        if cuda:
+            cuda_peak = torch.cuda.max_memory_allocated(self.device)
+            figures.update(cuda_before_bytes=cuda_before, cuda_peak_bytes=cuda_peak,
+                           cuda_peak_delta_bytes=cuda_peak - cuda_before)
+
+
+def rotations(items: Sequence, repetition: int) -> list:
+    """``items`` rotated by ``repetition``: interleaved variants take turns at every position."""
+    shift = repetition % len(items) if items else 0
+    return [*items[shift:], *items[:shift]]
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def summary(wall: list[float], cpu: list[float] | None = None) -> dict[str, Any]:
+    """Per-repetition times and their medians."""
+    result: dict[str, Any] = {"wall_seconds": wall, "median_wall_seconds": median(wall)}
+    if cpu is not None:
+        result.update(cpu_seconds=cpu, median_cpu_seconds=median(cpu))
+    return result
+
+
+def median_ratio(numerator: dict[str, Any], denominator: dict[str, Any], clock: str = "wall") -> float:
+    """The ratio of two ``summary`` rows' medians of ``clock`` (``wall`` or ``cpu``) seconds."""
+    key = f"median_{clock}_seconds"
+    return numerator[key] / denominator[key]

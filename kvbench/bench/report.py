@@ -1,0 +1,170 @@
+"""The report of ``kvbench bench``: the targets the figures are held to, where they were measured, and
+``bench.md`` (the figures of ``bench.json`` as Markdown tables)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+import torch
+import transformers
+
+from kvbench.engine.models import LoadedModel
+from kvbench.policies import build_policy, parse_spec
+
+#: prefill overhead at the longest prompt (÷ full prefill): window-scored policies score only the observation
+#: window, so eviction should cost at most 5 %; OBCache's key/joint terms add a GEMM over the window (10 %)
+WINDOW_SCORING_LIMIT, WINDOW_OBCACHE_LIMIT = 1.05, 1.10
+#: accumulating policies (H2O) score every query: one extra Q·Kᵀ pass over the normaliser; with OBCache's
+#: terms also a GEMM of the outputs (CPU figures; on a GPU at 32k: 1.5 and 2.0)
+EVERY_QUERY_LIMIT, EVERY_QUERY_OBCACHE_LIMIT = 1.10, 1.5
+#: decode latency per token at the budget, longest ÷ shortest prompt: flat when the cache is bounded
+FLAT_DECODE_LIMIT = 1.15
+#: kvbench's full-cache tokens/s ÷ ``model.generate``'s, and kvpress SnapKV's time ÷ kvbench's: at least
+HARNESS_SPEED_FLOOR, KVPRESS_SPEED_FLOOR = 0.95, 1.0
+
+
+def prefill_limit(spec: str) -> float:
+    """The prefill-overhead limit of policy ``spec``: by whether it scores every query and whether OBCache's
+    key or joint terms (or, over every query, any OBCache term) are added."""
+    _, modifiers = parse_spec(spec)
+    obcache = {name for name in modifiers if name.startswith("obcache_")}
+    if build_policy(spec).accumulates:
+        return EVERY_QUERY_OBCACHE_LIMIT if obcache else EVERY_QUERY_LIMIT
+    return WINDOW_OBCACHE_LIMIT if obcache - {"obcache_value"} else WINDOW_SCORING_LIMIT
+
+
+def targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The targets above against the measured figures: ``{name: {value, limit, met}}``."""
+    found: dict[str, dict[str, Any]] = {}
+
+    def check(name: str, value: float | None, limit: float, at_most: bool = True) -> None:
+        if value is not None:
+            found[name] = {"value": value, "limit": limit, "met": value <= limit if at_most else value >= limit}
+
+    for spec, by_length in results["prefill_overhead"].items():
+        longest = max(by_length, key=int)
+        check(f"prefill_overhead[{spec}]@{longest}", by_length[longest], prefill_limit(spec))
+    check("decode_latency_ratio", results["decode_latency_ratio"], FLAT_DECODE_LIMIT)
+    check("harness_vs_generate", results["harness_vs_generate"], HARNESS_SPEED_FLOOR, at_most=False)
+    check("kvpress_speed_ratio", results.get("kvpress", {}).get("speed_ratio"), KVPRESS_SPEED_FLOOR, at_most=False)
+    return found
+
+
+def machine(loaded: LoadedModel) -> dict[str, Any]:
+    """Where the figures were measured."""
+    device = loaded.device
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "model": loaded.name,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "attn_backend": loaded.attn_backend,
+    }
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+
+
+def _mib(value: int) -> str:
+    return f"{value / 2**20:.1f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """``bench.md``: the figures of ``bench.json`` as Markdown tables."""
+    info, config = results["machine"], results["config"]
+    lines = [
+        f"# kvbench bench — {info['model']} ({info['dtype']}, {info['attn_backend']}) on {info['device']}",
+        "",
+        (
+            f"{info['platform']}, {info['cpu_count']} CPUs ({info['torch_threads']} torch threads), torch "
+            f"{info['torch']}, transformers {info['transformers']}; load average at the end {info['load_average']}. "
+            f"Budget {config['budget']['spec']}, regime {config['engine']['regime']}, "
+            f"{config['bench']['repetitions']} repetitions (medians), prompts: {results['prompt_source']}; "
+            f"{results['elapsed_seconds']:.0f} s."
+        ),
+    ]
+    overhead, cpu = results["prefill_overhead"], results["prefill_overhead_cpu"]
+    if overhead:
+        lengths = list(next(iter(overhead.values())))
+        full = results["raw"]["prefill"]["full"]
+        lines += ["", "## Prefill with scoring + eviction ÷ full-cache prefill (wall; CPU time in brackets)", ""]
+        rows = [["full (seconds)", *(f"{full[n]['median_wall_seconds']:.2f} ({full[n]['median_cpu_seconds']:.2f})" for n in lengths)]]
+        rows += [[spec, *(f"{ratios[n]:.3f} ({cpu[spec][n]:.3f})" for n in lengths)] for spec, ratios in overhead.items()]
+        lines += _table(["policy", *(f"{n} tokens" for n in lengths)], rows)
+    if results["kv_bytes"]:
+        lines += ["", "## KV-cache bytes at the longest prefill prompt (MiB)", ""]
+        rows = []
+        for spec, by_length in results["kv_bytes"].items():
+            longest = max(by_length, key=int)
+            row = by_length[longest]
+            rows.append([spec, longest, _mib(row["after_prefill_bytes"]), _mib(row["peak_bytes"]), _mib(row["full_bytes"]),
+                         f"{row['after_prefill_ratio']:.3f}"])
+        lines += _table(["policy", "prompt", "after prefill", "peak", "full cache", "after/full"], rows)
+    decode = results["raw"].get("decode")
+    if decode:
+        lines += ["", f"## Decode latency per token, {decode['policy']} at budget {decode['budget']} ({decode['regime']})", ""]
+        rows = [[n, f"{row['median_wall_seconds'] * 1000:.2f}", f"{row['median_cpu_seconds'] * 1000:.2f}"]
+                for n, row in decode["per_token_seconds"].items()]
+        lines += _table(["prompt", "ms/token (wall)", "CPU ms/token"], rows)
+        lines += ["", f"longest / shortest: **{results['decode_latency_ratio']:.3f}** (CPU time: {decode['ratio_cpu']:.3f})"]
+    memory = results["memory"]
+    if memory:
+        lines += ["", f"## Memory, {memory['regime']} regime ({memory['method']}; MiB)", ""]
+        cuda = all("cuda_peak_bytes" in row for rows in memory["policies"].values() for row in rows.values())
+        header = ["policy", "prompt", "peak RSS", "peak RSS − before", "KV peak", "full KV"]
+        header += ["CUDA peak", "CUDA peak − before"] if cuda else []
+        rows = []
+        for spec, by_length in memory["policies"].items():
+            for n, row in by_length.items():
+                rows.append([spec, n, _mib(row["peak_rss_bytes"]), _mib(row["peak_rss_delta_bytes"]),
+                             _mib(row["peak_bytes"]), _mib(row["full_bytes"])])
+                rows[-1] += [_mib(row["cuda_peak_bytes"]), _mib(row["cuda_peak_delta_bytes"])] if cuda else []
+        lines += _table(header, rows)
+        growth = ", ".join(f"{spec} ×{row['peak_rss_delta_bytes']:.2f}, {_mib(row['peak_rss_added_bytes'])} MiB more"
+                           f" (KV peak ×{row['peak_bytes']:.2f})"
+                           for spec, row in memory["growth"].items())
+        lines += ["", f"growth from the shortest to the longest prompt, peak RSS − before: {growth}"]
+        if cuda:
+            growth = ", ".join(f"{spec} ×{row['cuda_peak_delta_bytes']:.2f}, {_mib(row['cuda_peak_added_bytes'])} MiB more"
+                               for spec, row in memory["growth"].items())
+            lines += ["", f"growth of the CUDA peak − before: {growth}"]
+    generate = results["raw"].get("generate")
+    if generate:
+        lines += ["", f"## kvbench full cache vs model.generate ({generate['new_tokens']} new tokens, seconds)", ""]
+        rows = [[n, f"{row['kvbench']['median_wall_seconds']:.2f}", f"{row['generate']['median_wall_seconds']:.2f}",
+                 f"{row['speed_ratio']:.3f}", f"{row['speed_ratio_cpu']:.3f}", generate["same_tokens"][n]]
+                for n, row in generate["per_prompt"].items()]
+        lines += _table(["prompt", "kvbench", "generate", "speed ratio", "speed ratio (CPU)", "same tokens"], rows)
+        ratio = f"**{results['harness_vs_generate']:.3f}** (CPU time: {generate['speed_ratio_cpu']:.3f})"
+        lines += ["", f"overall speed ratio (kvbench tokens/s ÷ generate tokens/s): {ratio}"]
+    if "kvpress" in results:
+        press = results["kvpress"]
+        lines += ["", "## kvbench SnapKV vs kvpress SnapKVPress", ""]
+        if "skipped" in press:
+            lines.append(f"skipped: {press['skipped']}")
+        else:
+            lines += _table(
+                ["kvpress", "prompt", "kept", "kvbench s", "kvpress s", "speed ratio", "Jaccard mean", "Jaccard min"],
+                [[press["version"], press["prompt_length"], press["kept_tokens"],
+                  f"{press['times']['kvbench']['median_wall_seconds']:.2f}",
+                  f"{press['times']['kvpress']['median_wall_seconds']:.2f}", f"{press['speed_ratio']:.3f}",
+                  f"{press['jaccard_mean']:.4f}", f"{press['jaccard_min']:.4f}"]],
+            )
+    if results["targets"]:
+        lines += ["", "## Targets", ""]
+        rows = [[name, f"{row['value']:.3f}", row["limit"], "yes" if row["met"] else "**no**"]
+                for name, row in results["targets"].items()]
+        lines += _table(["figure", "measured", "limit", "met"], rows)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,88 @@
+"""``kvbench bench``: what eviction costs and saves, measured in one process: every section of
+``kvbench.bench.sections`` and the kvpress comparison, written to ``bench.json`` and ``bench.md`` after each."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kvbench.bench import kvpress
+from kvbench.bench.report import machine, markdown, targets
+from kvbench.bench.sections import Bench
+from kvbench.engine import REGIMES
+from kvbench.engine.models import load_model
+from kvbench.errors import choose
+from kvbench.policies import parse_spec
+
+log = logging.getLogger(__name__)
+
+
+def run(bench: Bench, out: Path) -> dict[str, Any]:
+    """All sections; ``bench.json`` and ``bench.md`` in ``out`` are rewritten after each one (a long run
+    that is interrupted keeps what it measured). Returns the ``bench.json`` document."""
+    started = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"prefill_overhead": {}, "prefill_overhead_cpu": {}, "decode_latency_ratio": None}
+    results.update(harness_vs_generate=None, kv_bytes={}, memory={}, raw={})
+
+    def save() -> None:
+        results["targets"] = targets(results)
+        results["machine"] = machine(bench.loaded)
+        results["prompt_source"] = bench.prompt_source
+        results["config"] = OmegaConf.to_container(bench.cfg, resolve=True)
+        results["elapsed_seconds"] = time.perf_counter() - started
+        (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
+        (out / "bench.md").write_text(markdown(results))
+
+    bench.warm_up()
+    if bench.bench.prefill.prompt_lengths:
+        log.info("prefill overhead")
+        prefill = bench.prefill()
+        results.update(prefill_overhead=prefill["overhead"], prefill_overhead_cpu=prefill["overhead_cpu"])
+        results.update(kv_bytes=prefill["kv_bytes"])
+        results["raw"]["prefill"] = prefill["raw"]
+        save()
+    if bench.bench.decode.prompt_lengths:
+        log.info("decode latency")
+        decode = bench.decode()
+        results["decode_latency_ratio"] = decode["ratio"]
+        results["raw"]["decode"] = decode
+        save()
+    if bench.bench.memory.prompt_lengths and bench.bench.memory.policies:
+        log.info("memory")
+        results["memory"] = bench.memory_section()
+        save()
+    if bench.bench.generate.prompt_lengths:
+        log.info("kvbench vs model.generate")
+        generate = bench.generate()
+        results["harness_vs_generate"] = generate["speed_ratio"]
+        results["raw"]["generate"] = generate
+        save()
+    if bench.bench.kvpress.enabled:
+        log.info("kvpress")
+        results["kvpress"] = kvpress.compare(bench)
+    save()
+    return results
+
+
+def output_directory(cfg: DictConfig) -> Path:
+    """``output_dir``, or ``results/bench/<timestamp>``."""
+    if cfg.output_dir:
+        return Path(cfg.output_dir)
+    return Path("results") / "bench" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def run_bench(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
+    """Run the benchmark configured by ``cfg`` into ``bench.json`` and ``bench.md``; the results and their folder."""
+    for spec in [*cfg.bench.prefill.policies, *cfg.bench.memory.policies, cfg.bench.decode.policy]:
+        parse_spec(str(spec))
+    for key, regime in (("engine.regime", cfg.engine.regime), ("bench.memory.regime", cfg.bench.memory.regime)):
+        choose(key, regime, REGIMES)
+    out = output_directory(cfg)
+    return run(Bench(cfg, load_model(cfg.model)), out), out

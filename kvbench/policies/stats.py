@@ -1,0 +1,186 @@
+"""Column sums of causal attention from its per-query normaliser (H2O eq. 2; OBCache eqs. 4–6).
+
+Accumulating policies (H2O, and ``h2o+obcache_*`` over every query) add ``Σ_i f(A_ip, Z_ip, o_i)`` over all
+queries of every forward. Given the per-query log-sum-exp ``lse_i = log Σ_p exp Z_ip``, the weights are
+``A_ip = exp(Z_ip − lse_i)``: no softmax, no second attention output, one pass of ``Q·Kᵀ`` over causal
+query blocks (each block reads only the slots its queries see and masks only its diagonal square). The
+logits come from the compute dtype with float32 accumulation; sums are float32.
+
+The normaliser has two sources (``NormalisedStats.lse``):
+
+* a fused attention kernel (``kvbench.engine.attention.attention_with_lse``), whose output is the
+  attention output: the pass adds one ``Q·Kᵀ`` (on an accelerator, where fused SDPA is far faster than
+  unfused ops);
+* the block itself (``lse=None``): a block's row of logits is complete, so its softmax normalises it and
+  ``A·V`` is the block's attention output: the pass *is* the attention (on CPU, where a second ``Q·Kᵀ``
+  costs more than the fused kernel saves).
+
+The queries are the last ``q`` slots of the cache, bottom-right causal as in ``kvbench.engine.attention``:
+query ``i`` of the forward sees slots ``0 .. T−q+i``. Shapes: B batch, Hq query heads, Hc cache heads
+(``Hq = Hc·G``), M = G·w rows of a block of w queries (query head-major), T_b the slots the block sees.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+#: float32 elements of one block of attention statistics on an accelerator (1 GiB)
+BLOCK_ELEMENTS = 2**28
+#: queries per block on CPU: a block's float32 [M,T] tiles stay near the core's cache
+CPU_BLOCK_QUERIES = 32
+LOG2E = 1.0 / math.log(2.0)
+
+
+def float32_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float, shift: torch.Tensor | None = None):
+    """``scaling·q_i·k_p − shift_i`` in float32 from compute-dtype ``queries [B,Hc,M,D]`` and ``keys [B,Hc,T,D]``
+    (``shift [B,Hc,M,1]`` or None): ``[B,Hc,M,T]``. CUDA multiplies 16-bit inputs with float32 output;
+    elsewhere the inputs are taken to float32 (a no-op for float32 models)."""
+    batch, heads, rows, dim = queries.shape
+    left = queries.reshape(batch * heads, rows, dim)
+    right = keys.reshape(batch * heads, keys.shape[2], dim).transpose(1, 2)
+    bias = None if shift is None else shift.reshape(batch * heads, rows, 1)
+    if left.dtype != torch.float32 and left.device.type == "cuda":
+        logits = torch.bmm(left, right, out_dtype=torch.float32).mul_(scaling)
+        logits = logits if bias is None else logits.sub_(bias)
+    elif bias is None:
+        logits = torch.bmm(left.float() * scaling, right.float())
+    else:
+        logits = torch.baddbmm(bias.neg(), left.float(), right.float(), alpha=scaling)
+    return logits.view(batch, heads, rows, -1)
+
+
+@dataclass
+class NormalisedBlock:
+    """``w`` queries of every query head of a forward over the ``T_b`` slots they see (see the module doc).
+
+    ``queries [B,Hc,M,D]``, ``keys``/``values [B,Hc,T_b,D]``, ``lse [B,Hc,M,1]`` float32 or None (then the
+    block normalises itself and computes ``outputs``), ``outputs [B,Hc,M,D]`` when given, ``causal [M,w]``:
+    True where a row must not see one of the last ``w`` slots (None for a single query); ``stats`` the pass
+    it belongs to."""
+
+    stats: NormalisedStats
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    scaling: float
+    lse: torch.Tensor | None
+    given_outputs: torch.Tensor | None
+    causal: torch.Tensor | None
+
+    def _masked(self, tile: torch.Tensor, value: float) -> torch.Tensor:
+        """``tile [B,Hc,M,T_b]`` with its causal diagonal square set to ``value``, in place."""
+        if self.causal is not None:
+            tile[..., -self.causal.shape[1] :].masked_fill_(self.causal, value)
+        return tile
+
+    @cached_property
+    def _softmax(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Without ``lse``: the block's logits in base 2, ``Z·log2(e)`` (-inf above the diagonal), and their
+        softmax ``A`` (``exp2`` is the cheaper exponential on CPU)."""
+        logits = self._masked(float32_logits(self.queries, self.keys, self.scaling * LOG2E), float("-inf"))
+        weights = torch.sub(logits, logits.amax(dim=-1, keepdim=True)).exp2_()
+        return logits, weights.div_(weights.sum(dim=-1, keepdim=True))
+
+    @cached_property
+    def logits(self) -> torch.Tensor:
+        """``Z_ip = q_i·k_p/√d`` ``[B,Hc,M,T_b]`` float32, 0 where the causal mask hides ``p`` (``A_ip = 0``)."""
+        if self.lse is None:
+            return self._masked(self._softmax[0].mul_(1.0 / LOG2E), 0.0)
+        return float32_logits(self.queries, self.keys, self.scaling)
+
+    @cached_property
+    def weights(self) -> torch.Tensor:
+        """``A_ip = exp(Z_ip − lse_i)`` ``[B,Hc,M,T_b]`` float32 (in base 2: one fused GEMM, then ``exp2``)."""
+        if self.lse is None:
+            return self._softmax[1]
+        scaled = float32_logits(self.queries, self.keys, self.scaling * LOG2E, self.lse * LOG2E)
+        return self._masked(scaled.exp2_(), 0.0)
+
+    def squared_weights(self) -> torch.Tensor:
+        """``A_ip²`` ``[B,Hc,M,T_b]`` float32, a new tensor (callers work on it in place): from the logits and
+        the normaliser, or from the block's own weights."""
+        if self.lse is None:
+            return self.weights.square()
+        return self._masked(torch.sub(self.logits, self.lse).mul_(2.0 * LOG2E).exp2_(), 0.0)
+
+    @cached_property
+    def outputs(self) -> torch.Tensor:
+        """``o_i = Σ_p A_ip v_p`` ``[B,Hc,M,D]``: the given attention outputs, or the block's own ``A·V``."""
+        if self.given_outputs is not None:
+            return self.given_outputs
+        return torch.matmul(self.weights, self.values.float()).to(self.queries.dtype)
+
+    @property
+    def value_norms(self) -> torch.Tensor:
+        """``‖v_p‖²`` ``[B,Hc,T_b]`` float32 (computed once per pass)."""
+        return self.stats.value_norms[..., : self.keys.shape[2]]
+
+    def weight_sums(self) -> torch.Tensor:
+        """H2O eq. 2 over this block: ``Σ_i A_ip`` summed over each KV group, ``[B,Hc,T_b]``."""
+        return self.weights.sum(dim=-2)
+
+
+@dataclass
+class NormalisedStats:
+    """One forward's ``queries [B,Hq,q,D]`` over the cache ``keys``/``values [B,Hc,T,D]`` (queries = its last
+    ``q`` slots), with the kernel's ``lse [B,Hq,q]`` (float32) and ``outputs [B,Hq,q,D]``, or neither: then
+    :meth:`blocks` fills ``outputs`` from the blocks' own softmax."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    scaling: float
+    lse: torch.Tensor | None = None
+    outputs: torch.Tensor | None = None
+
+    @cached_property
+    def value_norms(self) -> torch.Tensor:
+        """``‖v_p‖²`` over the cache ``[B,Hc,T]`` float32."""
+        return self.values.float().square().sum(dim=-1)
+
+    def block_queries(self) -> int:
+        """Queries per block when none is configured: ``CPU_BLOCK_QUERIES`` on CPU; on an accelerator as
+        many as keep one float32 ``[B,Hq,block,T]`` tile within ``BLOCK_ELEMENTS``."""
+        if self.queries.device.type == "cpu":
+            return CPU_BLOCK_QUERIES
+        batch, q_heads, _, _ = self.queries.shape
+        return max(128, BLOCK_ELEMENTS // (batch * q_heads * self.keys.shape[2]))
+
+    def blocks(self, size: int | None = None) -> Iterator[NormalisedBlock]:
+        """Blocks of at most ``size`` queries (None: :meth:`block_queries`), each over the slots its queries
+        see. Without a kernel's ``lse``, each block's attention output is written into ``outputs``."""
+        batch, q_heads, q_len, dim = self.queries.shape
+        heads, tokens = self.keys.shape[1], self.keys.shape[2]
+        group, past, size = q_heads // heads, tokens - q_len, size or self.block_queries()
+        own = self.lse is None
+        if own:
+            self.outputs = self.queries.new_empty(batch, q_heads, q_len, self.values.shape[-1])
+        queries = self.queries.view(batch, heads, group, q_len, dim)
+        outputs = self.outputs.view(batch, heads, group, q_len, -1)
+        lse = None if own else self.lse.view(batch, heads, group, q_len)
+        masks: dict[int, torch.Tensor] = {}  # [G·w,w] by block width: True above each query's own slot
+        for start in range(0, q_len, size):
+            end = min(start + size, q_len)
+            width, visible = end - start, past + end
+            rows = (batch, heads, group * width)
+            if width > 1 and width not in masks:
+                square = torch.ones(width, width, dtype=torch.bool, device=self.keys.device)
+                masks[width] = square.triu_(1).repeat(group, 1)
+            block = NormalisedBlock(
+                self,
+                queries[:, :, :, start:end].reshape(*rows, dim),
+                self.keys[:, :, :visible],
+                self.values[:, :, :visible],
+                self.scaling,
+                None if own else lse[..., start:end].reshape(*rows, 1),
+                None if own else outputs[:, :, :, start:end].reshape(*rows, -1),
+                masks.get(width),
+            )
+            if own:
+                outputs[:, :, :, start:end] = block.outputs.view(batch, heads, group, width, -1)
+            yield block
