@@ -106,3 +106,14 @@ def test_cake_scores_the_current_query_alone_while_decoding():
         scores = head_scores(queries, keys, head, [TOKENS - 1])
         expected = set(range(TOKENS - window, TOKENS)) | top_positions(scores, prefix, budget - window)
         assert set(cache.layers[0].positions[0, head].tolist()) == expected
+
+
+def test_non_causal_h2o_scores_differently_but_attends_causally(llama):
+    """KVCache-Factory's pre-fix H2O (``causal=false``) changes what is kept, not the prompt's attention: the
+    first generated token (the prefill's logits, before any eviction matters) equals the full cache's."""
+    prompt = random_prompt(150)
+    full = engine(llama, "full", 4096).generate(prompt, 1).token_ids
+    non_causal = engine(llama, "h2o", 48, window=8, causal=False)
+    causal = engine(llama, "h2o", 48, window=8)
+    assert non_causal.generate(prompt, 1).token_ids == full
+    assert any(not torch.equal(a, b) for a, b in zip(kept_after_prefill(non_causal, prompt), kept_after_prefill(causal, prompt)))

@@ -277,3 +277,21 @@ def test_snapkv_max_pool_ties_break_as_the_reference_topk(seed):
         assert len(set(pooled.tolist())) < prefix  # there are ties to break
         reference = set(pooled.topk(budget - window).indices.tolist()) | set(range(prefix, TOKENS))
         assert kept[q_head] == reference
+
+
+def test_non_causal_h2o_is_kvcache_factory_before_its_causal_fix():
+    """``causal=false``: the score of KVCache-Factory's H2O before 9f9aa2e, whose mask covered only the last
+    ``window`` × ``window`` block: queries before the window weigh every key, future ones included."""
+    budget, recent, seed = 16, 6, 2
+    kept = evict_with_cache("h2o", {"window": recent, "causal": False}, budget, seed)
+    queries, keys, _ = random_layer(seed)
+    rows = [*([TOKENS - 1] * (TOKENS - recent)), *range(TOKENS - recent, TOKENS)]  # the position each query sees up to
+    for head in range(KV_HEADS):
+        scores = [0.0] * TOKENS
+        for q_head in range(head * 2, head * 2 + 2):
+            for i, upto in enumerate(rows):
+                row = attention_row(queries[0, q_head, i].tolist(), keys[0, head].tolist(), upto)
+                scores = [s + a for s, a in zip(scores, row)]
+        expected = set(range(TOKENS - recent, TOKENS)) | top_positions(scores, list(range(TOKENS - recent)), budget - recent)
+        assert kept[head] == expected
+    assert kept != evict_with_cache("h2o", {"window": recent}, budget, seed)

@@ -197,7 +197,8 @@ class EvictionCache(Cache):
         """Whether this forward's attention should come from :meth:`attend_and_accumulate`: an accumulating
         policy (H2O, ``h2o+obcache_*``) whose running score this forward feeds, with sums from the normaliser."""
         policy = self.policy
-        return policy.needs_attention and policy.accumulates and self.track_scores and policy.sums_from_normaliser
+        return (policy.needs_attention and policy.accumulates and self.track_scores and policy.sums_from_normaliser
+                and policy.scores_causally)
 
     def attend_and_accumulate(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention output ``[B,q,Hq,D]`` of ``queries [B,Hq,q,D]`` over the layer's cache, and the policy's sums
@@ -220,7 +221,8 @@ class EvictionCache(Cache):
         if self.attending:
             layer.last_query = queries[:, :, -1].clone()
         if policy.needs_attention and policy.accumulates and self.track_scores and not accumulated:
-            stats = AttentionStats(queries, layer.keys, layer.values, positions, layer.positions, scaling)
+            seen = policy.scoring_positions(positions, budget, self.prompt_len)
+            stats = AttentionStats(queries, layer.keys, layer.values, seen, layer.positions, scaling)
             layer.accumulated += policy.summed_contributions(stats, self.score_block)
         window = self._query_window(budget)
         if window:

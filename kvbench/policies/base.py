@@ -259,6 +259,16 @@ class Policy:
         """How many of the most recent tokens are always kept."""
         return 0
 
+    @property
+    def scores_causally(self) -> bool:
+        """Whether each query's scores see only the keys up to its own position (its attention's mask)."""
+        return True
+
+    def scoring_positions(self, query_positions: torch.Tensor, budget: int, prompt_len: int) -> torch.Tensor:
+        """The positions the queries of one forward ``[q]`` score from: a query sees the keys at positions up to
+        its own; a policy that scores non-causally moves them (the attention output stays causal)."""
+        return query_positions
+
     def reserved_sinks(self) -> int:
         """How many of the first tokens (attention sinks) are always kept."""
         return 0

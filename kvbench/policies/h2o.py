@@ -3,6 +3,8 @@
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kvbench.policies.base import Policy, window_tokens
 from kvbench.policies.registry import register
 
@@ -26,6 +28,11 @@ class H2O(Policy):
     score_window: Any = None
     #: attention sinks kept besides the heavy hitters (OBCache App. C.2.2 keeps 4 in every method)
     n_sink: int = 0
+    #: false: KVCache-Factory's H2O before its commit 9f9aa2e ("Fix H2O causal masking", 2026-06-22), whose
+    #: score masked only the last ``window`` × ``window`` block of the prompt's attention, so every earlier
+    #: query also weighed the keys after it; H2O rows produced with KVCache-Factory before then (papers of
+    #: 2024–25 that took their baselines from it) ran this score. The attention itself stays causal.
+    causal: bool = True
 
     @property
     def accumulates(self) -> bool:
@@ -39,3 +46,14 @@ class H2O(Policy):
 
     def reserved_sinks(self) -> int:
         return self.n_sink
+
+    @property
+    def scores_causally(self) -> bool:
+        return self.causal
+
+    def scoring_positions(self, query_positions: torch.Tensor, budget: int, prompt_len: int) -> torch.Tensor:
+        """Non-causal (``causal=false``): the queries before the last ``window`` of the forward see every key."""
+        if self.causal:
+            return query_positions
+        before = max(0, query_positions.shape[0] - self.reserved_recent(budget, prompt_len))
+        return torch.cat([query_positions[-1:].expand(before), query_positions[before:]])
