@@ -75,15 +75,23 @@ def command_policies(args: list[str]) -> None:
         return ", ".join(f"{key}={value!r}" for key, value in settings.items() if key != "name")
 
     rows = [(name, "base", cls.paper, listed(build_policy(name).settings())) for name, cls in sorted(BASES.items())]
-    rows += [(name, "modifier", cls.paper, listed({f.name: getattr(cls(), f.name) for f in fields(cls)}))
-             for name, cls in sorted(MODIFIERS.items())]
-    rows += [(name, "layer budget", cls.paper, listed(cls().parameters())) for name, cls in sorted(LAYER_BUDGETS.items())]
+    rows += [
+        (name, "modifier", cls.paper, listed({f.name: getattr(cls(), f.name) for f in fields(cls)}))
+        for name, cls in sorted(MODIFIERS.items())
+    ]
+    rows += [
+        (name, "layer budget", cls.paper, listed(cls().parameters())) for name, cls in sorted(LAYER_BUDGETS.items())
+    ]
     width = [max(len(row[column]) for row in rows) for column in range(3)]
-    print(f"{'name':<{width[0]}}  {'kind':<{width[1]}}  {'paper':<{width[2]}}  settings (policy.<key>=..., policy.layer_budget.<key>=...)")
+    print(
+        f"{'name':<{width[0]}}  {'kind':<{width[1]}}  {'paper':<{width[2]}}  settings (policy.<key>=..., policy.layer_budget.<key>=...)"
+    )
     for row in rows:
         print(f"{row[0]:<{width[0]}}  {row[1]:<{width[1]}}  {row[2]:<{width[2]}}  {row[3]}")
-    print("\ncompose as base+modifier+...: e.g. policy=h2o+obcache_joint, policy=snapkv+caote; "
-          "policy.layer_budget=NAME picks a layer budget with its defaults")
+    print(
+        "\ncompose as base+modifier+...: e.g. policy=h2o+obcache_joint, policy=snapkv+caote; "
+        "policy.layer_budget=NAME picks a layer budget with its defaults"
+    )
 
 
 def command_prepare(args: list[str]) -> None:
@@ -143,7 +151,9 @@ def command_bench(args: list[str]) -> None:
     except HydraException as error:
         raise KVBenchError(f"bench: {str(error).splitlines()[0]}") from None
     results, out = run_bench(cfg)
-    print(json.dumps({key: results[key] for key in ("prefill_overhead", "decode_latency_ratio", "harness_vs_generate")}))
+    print(
+        json.dumps({key: results[key] for key in ("prefill_overhead", "decode_latency_ratio", "harness_vs_generate")})
+    )
     print(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
 
 

@@ -11,7 +11,7 @@ here with one line instead of a Hydra traceback.
 from __future__ import annotations
 
 from dataclasses import fields
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from kvbench.errors import KVBenchError, choose
 from kvbench.policies import BASES, MODIFIERS, build_policy, parse_spec, policy_keys
 from kvbench.policies.budgets import Budget
 from kvbench.policies.layer_budgets import LAYER_BUDGETS
+
 
 def group_options(group: str) -> list[str]:
     """The YAML options of a config group (``conf/<group>/*.yaml``)."""
@@ -55,7 +56,7 @@ def register_policies(specs: list[str], policy_settings: dict[str, dict[str, Any
 SETTING_GROUPS = ("experiment", "compat")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _selected_node(selections: tuple[tuple[str, str], ...]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -116,13 +117,18 @@ def prepare_overrides(args: list[str]) -> list[str]:
         else:
             rewritten.append(override.input_line)
         if key.split(".")[0] == "policy_settings":
-            raise KVBenchError(f"{key} is an experiment's per-policy setting (conf/experiment); set policy.<key>=VALUE instead")
+            raise KVBenchError(
+                f"{key} is an experiment's per-policy setting (conf/experiment); set policy.<key>=VALUE instead"
+            )
         for value in values:
             _check_value(key, value)
         if key in selected:
             selected[key] = values
-    selections = tuple((o.key_or_group.lstrip("+"), o.get_value_element_as_str()) for o in overrides
-                       if o.key_or_group.lstrip("+") in SETTING_GROUPS)
+    selections = tuple(
+        (o.key_or_group.lstrip("+"), o.get_value_element_as_str())
+        for o in overrides
+        if o.key_or_group.lstrip("+") in SETTING_GROUPS
+    )
     settings = selected_policy_settings(selections)
     for spec in selected["policy"]:
         parse_spec(spec)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlparse
 
 import huggingface_hub
@@ -58,22 +59,30 @@ def hub_file(repo: str, filename: str, how_to_provide: str) -> Path:
     except Exception:  # not cached (or a broken cache entry): try the hub
         pass
     if not hub_online():
-        raise KVBenchError(f"{filename} of the hub dataset {repo} is not cached and the hub is unreachable; {how_to_provide}")
+        raise KVBenchError(
+            f"{filename} of the hub dataset {repo} is not cached and the hub is unreachable; {how_to_provide}"
+        )
     try:
         return Path(huggingface_hub.hf_hub_download(repo, filename, repo_type="dataset"))
     except Exception as error:
-        raise KVBenchError(f"cannot download {filename} of the hub dataset {repo} ({first_line(error)}); {how_to_provide}") from None
+        raise KVBenchError(
+            f"cannot download {filename} of the hub dataset {repo} ({first_line(error)}); {how_to_provide}"
+        ) from None
 
 
 def hub_rows(repo: str, split: str, how_to_provide: str, name: str | None = None) -> Iterator[dict[str, Any]]:
     """The rows of ``split`` of the hub dataset ``repo`` via ``datasets``, streamed: rows are read as the caller
     takes them, so a large dataset such as PG19 is not downloaded whole."""
     if not hub_online():
-        raise KVBenchError(f"the hub dataset {repo} ({split} split) cannot be loaded: the hub is unreachable; {how_to_provide}")
+        raise KVBenchError(
+            f"the hub dataset {repo} ({split} split) cannot be loaded: the hub is unreachable; {how_to_provide}"
+        )
     try:
         import datasets
 
         for row in datasets.load_dataset(repo, name, split=split, streaming=True):
             yield dict(row)
     except Exception as error:
-        raise KVBenchError(f"cannot load the hub dataset {repo} ({split} split: {first_line(error)}); {how_to_provide}") from None
+        raise KVBenchError(
+            f"cannot load the hub dataset {repo} ({split} split: {first_line(error)}); {how_to_provide}"
+        ) from None

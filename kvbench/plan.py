@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -62,8 +63,15 @@ def plan_job(overrides: list[str], cfg: DictConfig, output_dir: Path, tokenizers
     """The plan line of one composed job."""
     from kvbench.run import build_task, finished_metrics
 
-    line: dict[str, Any] = {"overrides": overrides, "output_dir": str(output_dir), "config": None, "policy": None,
-                            "error": None, "finished": False, "tokens": None}
+    line: dict[str, Any] = {
+        "overrides": overrides,
+        "output_dir": str(output_dir),
+        "config": None,
+        "policy": None,
+        "error": None,
+        "finished": False,
+        "tokens": None,
+    }
     try:
         job = resolve(cfg)
         line["config"] = OmegaConf.to_container(job.cfg)
@@ -91,8 +99,15 @@ def plan_lines(args: list[str]) -> Iterator[dict[str, Any]]:
             try:
                 job = compose_job(config_loader, master, overrides)
             except KVBenchError as error:
-                yield {"overrides": overrides, "output_dir": None, "config": None, "policy": None,
-                       "error": str(error), "finished": False, "tokens": None}
+                yield {
+                    "overrides": overrides,
+                    "output_dir": None,
+                    "config": None,
+                    "policy": None,
+                    "error": str(error),
+                    "finished": False,
+                    "tokens": None,
+                }
                 continue
             yield plan_job(overrides, job.cfg, job.output_dir, tokenizers)
 
@@ -111,7 +126,8 @@ def main(args: list[str]) -> None:
         elif not line["finished"]:
             prefill, decode = prefill + line["tokens"]["prefill"], decode + line["tokens"]["decode"]
     tokens = f"{prefill} tokens to prefill, {decode} to decode in the jobs left" + (
-        f" (and {unknown} jobs whose size only their data tells)" if unknown else "")
+        f" (and {unknown} jobs whose size only their data tells)" if unknown else ""
+    )
     print(f"kvbench plan: {jobs} jobs, {invalid} invalid, {finished} already finished; {tokens}", file=sys.stderr)
     if invalid:
         sys.exit(2)

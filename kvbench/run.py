@@ -52,7 +52,9 @@ def build_engine(job: Job, loaded: LoadedModel) -> Engine:
 
 def stop_ids(sample: Sample, loaded: LoadedModel) -> list[int]:
     """The model's stop tokens plus the last token of each of the sample's stop strings (LongBench samsum)."""
-    extra = [loaded.tokenizer.encode(text, add_special_tokens=False)[-1] for text in sample.metadata.get("stop_strings", [])]
+    extra = [
+        loaded.tokenizer.encode(text, add_special_tokens=False)[-1] for text in sample.metadata.get("stop_strings", [])
+    ]
     return [*loaded.stop_token_ids, *extra]
 
 
@@ -64,7 +66,9 @@ def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) 
         output = engine.perplexity(sample.input_ids, sample.context_tokens)
         result = output.nlls
     else:
-        output = engine.generate(sample.input_ids, sample.max_new_tokens, stop_ids(sample, loaded), sample.min_new_tokens)
+        output = engine.generate(
+            sample.input_ids, sample.max_new_tokens, stop_ids(sample, loaded), sample.min_new_tokens
+        )
         result = loaded.tokenizer.decode(output.token_ids, skip_special_tokens=True)
     record = {"id": sample.id, "subtask": sample.subtask, **task.evaluate(sample, result), "answers": sample.answers}
     record["prompt_tokens"] = len(sample.input_ids)
@@ -106,7 +110,9 @@ def summarize(cfg: DictConfig, task: Task, records: list[dict[str, Any]]) -> dic
         "average": average,
         "num_samples": len(records),
         "kv_cache": {
-            "after_prefill_tokens_per_layer": [max(column) for column in zip(*(k["after_prefill_tokens_per_layer"] for k in kv))],
+            "after_prefill_tokens_per_layer": [
+                max(column) for column in zip(*(k["after_prefill_tokens_per_layer"] for k in kv))
+            ],
             "peak_tokens_per_layer": [max(column) for column in zip(*(k["peak_tokens_per_layer"] for k in kv))],
             "peak_bytes": max((k["peak_bytes"] for k in kv), default=0),
             "full_bytes": max((k["full_bytes"] for k in kv), default=0),

@@ -98,8 +98,10 @@ def test_harness_speed_is_generate_time_over_kvbench_time(bench):
     generate = results["raw"]["generate"]
     rows = generate["per_prompt"].values()
     for clock, key in (("wall", "speed_ratio"), ("cpu", "speed_ratio_cpu")):
-        total = {variant: sum(statistics.median(row[variant][f"{clock}_seconds"]) for row in rows)
-                 for variant in ("kvbench", "generate")}
+        total = {
+            variant: sum(statistics.median(row[variant][f"{clock}_seconds"]) for row in rows)
+            for variant in ("kvbench", "generate")
+        }
         assert generate[key] == pytest.approx(total["generate"] / total["kvbench"])
         for row in rows:
             assert row[key] == pytest.approx(median_ratio(row["generate"], row["kvbench"], clock))
@@ -133,8 +135,11 @@ def test_targets_hold_the_figures_they_name(bench):
     results, out = bench
     found = results["targets"]
     assert set(found) == {
-        "prefill_overhead[sink]@160", "prefill_overhead[snapkv]@160", "prefill_overhead[h2o+obcache_joint]@160",
-        "decode_latency_ratio", "harness_vs_generate",
+        "prefill_overhead[sink]@160",
+        "prefill_overhead[snapkv]@160",
+        "prefill_overhead[h2o+obcache_joint]@160",
+        "decode_latency_ratio",
+        "harness_vs_generate",
     }
     for name, row in found.items():
         prefill = re.fullmatch(r"prefill_overhead\[(.+)\]@(\d+)", name)
@@ -267,7 +272,9 @@ def test_targets_hold_each_kind_of_policy_to_its_limit():
         "prefill_overhead[h2o+obcache_value]@4096": 1.5,
     }
     assert [name for name, row in found.items() if not row["met"]] == [
-        "prefill_overhead[snapkv+obcache_value]@4096", "prefill_overhead[h2o]@4096", "decode_latency_ratio"
+        "prefill_overhead[snapkv+obcache_value]@4096",
+        "prefill_overhead[h2o]@4096",
+        "decode_latency_ratio",
     ]
     assert "kvpress_speed_ratio" not in found
 

@@ -14,7 +14,11 @@ from kvbench.tasks.books import BooksumTask, PG19Task
 from tests.helpers import local_data
 
 MODEL = ModelInfo("tiny_llama", byte_tokenizer(4096), 4096)
-BOOK_A = "*** START OF THIS PROJECT GUTENBERG EBOOK A ***\n" + "The river ran north past the mill. " * 60 + "\n*** END OF THIS PROJECT GUTENBERG EBOOK A ***\nlicense"
+BOOK_A = (
+    "*** START OF THIS PROJECT GUTENBERG EBOOK A ***\n"
+    + "The river ran north past the mill. " * 60
+    + "\n*** END OF THIS PROJECT GUTENBERG EBOOK A ***\nlicense"
+)
 BOOK_B = "Chapter one. " + "She opened the letter and read it twice. " * 40
 BOOK_C = "Tiny."
 
@@ -46,14 +50,19 @@ def test_pg19_books_from_a_folder_in_name_order(book_dir):
 
 
 def test_whole_books_short_books_and_the_continuation_mode(book_dir):
-    task = PG19Task(task_cfg("pg19", data_dir=str(book_dir), num_samples=None, max_tokens=None, context_tokens=100), MODEL)
+    task = PG19Task(
+        task_cfg("pg19", data_dir=str(book_dir), num_samples=None, max_tokens=None, context_tokens=100), MODEL
+    )
     samples = list(task.samples())
     assert [s.metadata["book"] for s in samples] == ["a", "b"]  # c.txt (6 tokens) is too short to score
     assert len(samples[1].input_ids) == 1 + len(BOOK_B.strip())
     assert all(s.context_tokens == 100 for s in samples)
     record = task.evaluate(samples[1], [2.0] * (len(samples[1].input_ids) - 100))
     assert record["score"] == pytest.approx(math.exp(2.0)) and record["num_tokens"] == len(samples[1].input_ids) - 100
-    assert task.aggregate([record, {**record, "nll": 1.0}]) == {"ppl": pytest.approx(math.exp(1.5)), "nll": pytest.approx(1.5)}
+    assert task.aggregate([record, {**record, "nll": 1.0}]) == {
+        "ppl": pytest.approx(math.exp(1.5)),
+        "nll": pytest.approx(1.5),
+    }
 
 
 def test_booksum_from_a_single_file(book_dir):
@@ -67,8 +76,11 @@ def test_hub_rows_use_the_configured_text_column(monkeypatch):
 
     def fake_rows(repo, split, how, name=None):
         calls.append((repo, split, name))
-        for row in ({"chapter": BOOK_B, "book_id": "Emma.chapter 1"}, {"chapter": BOOK_A, "book_id": "Emma.chapter 2"},
-                    {"chapter": BOOK_A, "book_id": "never read"}):
+        for row in (
+            {"chapter": BOOK_B, "book_id": "Emma.chapter 1"},
+            {"chapter": BOOK_A, "book_id": "Emma.chapter 2"},
+            {"chapter": BOOK_A, "book_id": "never read"},
+        ):
             taken.append(row["book_id"])
             yield row
 
@@ -87,14 +99,23 @@ def test_min_tokens_skips_short_texts_and_a_text_is_scored_once(monkeypatch):
     """CAOTE Table 4: chapters longer than the largest budget only; Booksum repeats a chapter per summary source."""
     short, long_a, long_b = "Short chapter. " * 4, "A" * 500, "B" * 400
     rows = [("one", long_a), ("two", short), ("three", long_a), ("four", long_b), ("five", "C" * 600)]
-    monkeypatch.setattr(books, "hub_rows", lambda *args, **kwargs: iter({"chapter": text, "book_id": title} for title, text in rows))
+    monkeypatch.setattr(
+        books, "hub_rows", lambda *args, **kwargs: iter({"chapter": text, "book_id": title} for title, text in rows)
+    )
     task = BooksumTask(task_cfg("booksum", num_samples=2, max_tokens=300, min_tokens=300), MODEL)
     samples = list(task.samples())
-    assert [(s.id, s.metadata["book"], len(s.input_ids)) for s in samples] == [("booksum-0", "one", 300), ("booksum-3", "four", 300)]
-    assert len(list(BooksumTask(task_cfg("booksum", num_samples=9, max_tokens=300, min_tokens=300), MODEL).samples())) == 3
+    assert [(s.id, s.metadata["book"], len(s.input_ids)) for s in samples] == [
+        ("booksum-0", "one", 300),
+        ("booksum-3", "four", 300),
+    ]
+    assert (
+        len(list(BooksumTask(task_cfg("booksum", num_samples=9, max_tokens=300, min_tokens=300), MODEL).samples())) == 3
+    )
     with pytest.raises(KVBenchError, match="task.min_tokens=301 is above task.max_tokens=300"):
         BooksumTask(task_cfg("booksum", max_tokens=300, min_tokens=301), MODEL)
-    with pytest.raises(KVBenchError, match="no Booksum chapters with more than task.context_tokens=0 and at least task.min_tokens=700"):
+    with pytest.raises(
+        KVBenchError, match="no Booksum chapters with more than task.context_tokens=0 and at least task.min_tokens=700"
+    ):
         list(BooksumTask(task_cfg("booksum", max_tokens=None, min_tokens=700), MODEL).samples())
 
 
@@ -131,7 +152,8 @@ def test_smollm2_perplexity_on_a_local_book():
     loaded = load_model(model_config("smollm2_135m"))
     task = PG19Task(task_cfg("pg19", path=str(path), max_tokens=512), ModelInfo("smollm2_135m", loaded.tokenizer, 8192))
     [sample] = list(task.samples())
-    engine = Engine(loaded.model, build_policy("full", {}), "8k", regime="chunked", block_size=256,
-                    attn_backend=loaded.attn_backend)
+    engine = Engine(
+        loaded.model, build_policy("full", {}), "8k", regime="chunked", block_size=256, attn_backend=loaded.attn_backend
+    )
     record = task.evaluate(sample, engine.perplexity(sample.input_ids, sample.context_tokens).nlls)
     assert 5 < record["score"] < 100

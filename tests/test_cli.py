@@ -12,7 +12,13 @@ import pytest
 
 from kvbench.cli import main
 
-RULER = ["model=tiny_llama", "task=ruler", "task.subtasks=[niah_single_1]", "task.context_length=640", "task.num_samples=2"]
+RULER = [
+    "model=tiny_llama",
+    "task=ruler",
+    "task.subtasks=[niah_single_1]",
+    "task.context_length=640",
+    "task.num_samples=2",
+]
 
 
 def kvbench(*args: str) -> None:
@@ -28,7 +34,15 @@ def read_run(path: Path) -> tuple[dict, list[dict]]:
 @pytest.mark.parametrize("regime", ["oneshot", "chunked", "streaming"])
 def test_run_writes_run_directory(tmp_path, regime):
     out = tmp_path / regime
-    kvbench("run", *RULER, "policy=h2o+obcache_joint", "budget=64", f"engine.regime={regime}", "engine.block_size=64", f"output_dir={out}")
+    kvbench(
+        "run",
+        *RULER,
+        "policy=h2o+obcache_joint",
+        "budget=64",
+        f"engine.regime={regime}",
+        "engine.block_size=64",
+        f"output_dir={out}",
+    )
     metrics, records = read_run(out)
     assert (out / "config.yaml").exists()
     assert metrics["policy"] == "h2o+obcache_joint" and metrics["budget"] == "64" and metrics["task"] == "ruler"
@@ -67,7 +81,17 @@ def test_perplexity_task(tmp_path):
     text = tmp_path / "book.txt"
     text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 20)
     out = tmp_path / "ppl"
-    kvbench("run", "model=tiny_llama", "task=ppl", f"task.path={text}", "task.max_tokens=120", "policy=sink", "budget=32", "engine.regime=streaming", f"output_dir={out}")
+    kvbench(
+        "run",
+        "model=tiny_llama",
+        "task=ppl",
+        f"task.path={text}",
+        "task.max_tokens=120",
+        "policy=sink",
+        "budget=32",
+        "engine.regime=streaming",
+        f"output_dir={out}",
+    )
     metrics, records = read_run(out)
     assert set(metrics["scores"]) == {"ppl", "nll"} and metrics["scores"]["ppl"] > 1
     assert metrics["kv_cache"]["peak_tokens_per_layer"] == [33, 33, 33]
@@ -83,13 +107,19 @@ def test_perplexity_task(tmp_path):
         ("engine.regime=batched", "unknown engine.regime 'batched'; valid choices: chunked, oneshot, streaming"),
         ("budget=0", "invalid budget '0'"),
         ("budget=-3", "invalid budget '-3'"),
-        ("+policy.score_windw=16", "unknown key policy.score_windw for policy snapkv; valid keys: gqa, kernel, "
-         "layer_budget, name, pool, window"),
+        (
+            "+policy.score_windw=16",
+            "unknown key policy.score_windw for policy snapkv; valid keys: gqa, kernel, "
+            "layer_budget, name, pool, window",
+        ),
         ("policy.score_windw=16", "unknown key policy.score_windw for policy snapkv; valid keys: "),
         ("+task.contxt_length=8", "unknown key task.contxt_length for task ruler; valid keys: "),
         ("engine.regme=oneshot", "unknown key engine.regme for the engine; valid keys: block_size, decode_evict, "),
         ("+model.dtyp=float32", "unknown key model.dtyp for model smollm2_135m; valid keys: "),
-        ("policy.layer_budget.betta=2", "unknown key policy.layer_budget.betta for layer budget uniform; valid keys: name"),
+        (
+            "policy.layer_budget.betta=2",
+            "unknown key policy.layer_budget.betta for layer budget uniform; valid keys: name",
+        ),
     ],
 )
 def test_bad_values_exit_with_one_line(override, message, capsys):
@@ -143,17 +173,34 @@ def test_metrics_are_the_per_sample_records_aggregated(tmp_path):
     assert metrics["timing"]["total_seconds"] == pytest.approx(sum(r["timing"]["total_seconds"] for r in records))
     assert metrics["scores"]["niah_single_1"] == pytest.approx(100 * sum(r["score"] for r in records) / len(records))
 
-    small = {"after_prefill_tokens_per_layer": [30, 30], "peak_tokens_per_layer": [31, 31], "peak_bytes": 10, "full_bytes": 10}
-    large = {"after_prefill_tokens_per_layer": [64, 50], "peak_tokens_per_layer": [65, 51], "peak_bytes": 90, "full_bytes": 200}
+    small = {
+        "after_prefill_tokens_per_layer": [30, 30],
+        "peak_tokens_per_layer": [31, 31],
+        "peak_bytes": 10,
+        "full_bytes": 10,
+    }
+    large = {
+        "after_prefill_tokens_per_layer": [64, 50],
+        "peak_tokens_per_layer": [65, 51],
+        "peak_bytes": 90,
+        "full_bytes": 200,
+    }
     timing = {"prefill_seconds": 1.0, "decode_seconds": 2.0, "total_seconds": 3.0}
-    synthetic = [{"id": str(i), "subtask": "s", "score": i, "kv": kv, "timing": timing} for i, kv in enumerate((small, large))]
+    synthetic = [
+        {"id": str(i), "subtask": "s", "score": i, "kv": kv, "timing": timing} for i, kv in enumerate((small, large))
+    ]
     job = resolve(compose([*RULER, "policy=snapkv", "budget=64"]))
+
     class Scored(Task):
         samples = score = None  # type: ignore[assignment]
 
     summary = summarize(job.cfg, Scored(job.cfg.task, None), synthetic)
-    assert summary["kv_cache"] == {"after_prefill_tokens_per_layer": [64, 50], "peak_tokens_per_layer": [65, 51],
-                                   "peak_bytes": 90, "full_bytes": 200}
+    assert summary["kv_cache"] == {
+        "after_prefill_tokens_per_layer": [64, 50],
+        "peak_tokens_per_layer": [65, 51],
+        "peak_bytes": 90,
+        "full_bytes": 200,
+    }
     assert summary["timing"]["total_seconds"] == 6.0 and summary["scores"] == {"s": 50.0}
 
 
@@ -165,13 +212,23 @@ def test_save_kept_writes_the_positions_each_head_keeps(tmp_path):
     from kvbench.policies import build_policy
 
     out = tmp_path / "run"
-    kvbench("run", *RULER, "policy=snapkv", "policy.window=8", "policy.gqa=repeat", "budget=64", "engine.save_kept=true",
-            f"output_dir={out}")
+    kvbench(
+        "run",
+        *RULER,
+        "policy=snapkv",
+        "policy.window=8",
+        "policy.gqa=repeat",
+        "budget=64",
+        "engine.save_kept=true",
+        f"output_dir={out}",
+    )
     _, records = read_run(out)
     files = sorted((out / "kept").glob("*.json"))
     assert [json.loads(path.read_text())["id"] for path in files] == sorted(record["id"] for record in records)
     saved = json.loads(files[0].read_text())
-    engine = Engine(load_model(model_config("tiny_llama")).model, build_policy("snapkv", {"window": 8, "gqa": "repeat"}), 64)
+    engine = Engine(
+        load_model(model_config("tiny_llama")).model, build_policy("snapkv", {"window": 8, "gqa": "repeat"}), 64
+    )
     cache = engine.new_cache(len(saved["prompt_ids"]))
     engine.prefill(cache, saved["prompt_ids"])
     assert saved["kept"] == [positions[0].tolist() for positions in cache.kept_positions()]

@@ -36,8 +36,12 @@ def kept_positions(model, spec: str, prompt: list[int], budget: int) -> list[set
     with torch.inference_mode():
         runner.prefill(cache, prompt)
     return [
-        {(batch, head, position) for batch, rows in enumerate(layer.positions.tolist())
-         for head, positions in enumerate(rows) for position in positions}
+        {
+            (batch, head, position)
+            for batch, rows in enumerate(layer.positions.tolist())
+            for head, positions in enumerate(rows)
+            for position in positions
+        }
         for layer in cache.layers
     ]
 
@@ -82,7 +86,9 @@ def test_cache_shrinks_on_the_device(cuda_model, spec):
     assert sum(cache.layer_budgets) == 48 * 3
 
 
-@pytest.mark.parametrize("spec", ["h2o", "tova", "snapkv", "snapkv+caote", "snapkv+obcache_value", "snapkv+obcache_key"])
+@pytest.mark.parametrize(
+    "spec", ["h2o", "tova", "snapkv", "snapkv+caote", "snapkv+obcache_value", "snapkv+obcache_key"]
+)
 def test_float32_on_cuda_keeps_the_cpu_tokens(spec):
     """Same weights, float32 on both devices (TF32 off): the kept token sets agree with the CPU's almost
     everywhere (summation order differs between devices, so an exact tie may break the other way)."""
@@ -146,11 +152,23 @@ def test_flash_attention_2_full_cache_equals_sdpa():
 
 def test_bench_on_cuda_times_with_events_and_reports_cuda_memory(tmp_path):
     overrides = [
-        "model=tiny_llama", "model.device=cuda", "model.dtype=bfloat16", "budget=64", "bench.repetitions=1",
-        "bench.warmup_tokens=0", "bench.prompt_source=paragraph", "bench.prefill.policies=[snapkv]",
-        "bench.prefill.prompt_lengths=[160]", "bench.decode.prompt_lengths=[96,160]", "bench.decode.new_tokens=3",
-        "bench.memory.policies=[full,snapkv]", "bench.memory.prompt_lengths=[96,160]", "bench.memory.new_tokens=2",
-        "bench.generate.prompt_lengths=[32]", "bench.generate.new_tokens=4", "bench.kvpress.enabled=false",
+        "model=tiny_llama",
+        "model.device=cuda",
+        "model.dtype=bfloat16",
+        "budget=64",
+        "bench.repetitions=1",
+        "bench.warmup_tokens=0",
+        "bench.prompt_source=paragraph",
+        "bench.prefill.policies=[snapkv]",
+        "bench.prefill.prompt_lengths=[160]",
+        "bench.decode.prompt_lengths=[96,160]",
+        "bench.decode.new_tokens=3",
+        "bench.memory.policies=[full,snapkv]",
+        "bench.memory.prompt_lengths=[96,160]",
+        "bench.memory.new_tokens=2",
+        "bench.generate.prompt_lengths=[32]",
+        "bench.generate.new_tokens=4",
+        "bench.kvpress.enabled=false",
     ]
     main(["bench", *overrides, f"output_dir={tmp_path}"])
     results = json.loads((tmp_path / "bench.json").read_text())

@@ -64,7 +64,9 @@ def test_stop_tokens_end_generation(llama):
 
 
 def test_unknown_regime_is_one_line_error(llama):
-    with pytest.raises(KVBenchError, match=r"unknown engine.regime 'batched'; valid choices: chunked, oneshot, streaming"):
+    with pytest.raises(
+        KVBenchError, match=r"unknown engine.regime 'batched'; valid choices: chunked, oneshot, streaming"
+    ):
         engine(llama, regime="batched")
 
 

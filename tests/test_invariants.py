@@ -25,7 +25,14 @@ from kvbench.policies import BASES, MODIFIERS, build_policy
 from kvbench.policies.budgets import Budget
 from tests.helpers import random_prompt, tiny_model
 
-SPECS = ["full", *(f"{base}{suffix}" for base in sorted(set(BASES) - {"full"}) for suffix in ["", *(f"+{m}" for m in sorted(MODIFIERS))])]
+SPECS = [
+    "full",
+    *(
+        f"{base}{suffix}"
+        for base in sorted(set(BASES) - {"full"})
+        for suffix in ["", *(f"+{m}" for m in sorted(MODIFIERS))]
+    ),
+]
 BARE = sorted(BASES)
 REGIMES = ["oneshot", "chunked", "streaming"]
 LAYERS, BLOCK = 3, 16

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
+from kvbench.config import compose
 from kvbench.engine import Engine
 from kvbench.engine.cache import EvictionCache
 from kvbench.errors import KVBenchError
-from kvbench.policies import build_policy
-from kvbench.config import compose
 from kvbench.job import resolve
+from kvbench.policies import build_policy
 from kvbench.policies.budgets import Budget
 from kvbench.policies.cake import CAKE_TAU, cake_preference
 from kvbench.policies.layer_budgets import CascadingAllocation, build_layer_budget, conserve_total
@@ -131,7 +131,12 @@ VABS = {"name": "vabs", "alpha": 0.5, "beta": 0.4}
 
 @pytest.mark.parametrize(
     "spec,params",
-    [("cake", {}), ("cake+slake", {"layer_budget": VABS}), ("snapkv", {"layer_budget": VABS}), ("h2o", {"layer_budget": "cake"})],
+    [
+        ("cake", {}),
+        ("cake+slake", {"layer_budget": VABS}),
+        ("snapkv", {"layer_budget": VABS}),
+        ("h2o", {"layer_budget": "cake"}),
+    ],
 )
 def test_dynamic_budgets_differ_per_layer_and_conserve_the_total(llama, spec, params):
     budget = 40
@@ -166,7 +171,9 @@ def test_unknown_layer_budget_is_one_line_error():
         KVBenchError, match=r"unknown policy.layer_budget 'adaptive'; valid choices: cake, pyramid, uniform, vabs"
     ):
         build_layer_budget("adaptive")
-    with pytest.raises(KVBenchError, match=r"unknown key policy.layer_budget.tau1 for layer budget 'vabs'; valid keys: "):
+    with pytest.raises(
+        KVBenchError, match=r"unknown key policy.layer_budget.tau1 for layer budget 'vabs'; valid keys: "
+    ):
         build_layer_budget({"name": "vabs", "tau1": 1.0})
 
 
@@ -183,9 +190,16 @@ def test_slake_experiment_runs_table_3_exponents(model, budget):
     }  # fmt: skip
     job = resolve(compose(settings))
     assert (job.policy.layer_budget.name, job.policy.layer_budget.alpha, job.policy.layer_budget.beta) == (
-        "vabs", *table3[model, budget])
-    assert dict(job.cfg.policy.layer_budget) == {"name": "vabs", "alpha": table3[model, budget][0],
-                                                 "beta": table3[model, budget][1], "gamma": 0.1, "stand_in": {}}
+        "vabs",
+        *table3[model, budget],
+    )
+    assert dict(job.cfg.policy.layer_budget) == {
+        "name": "vabs",
+        "alpha": table3[model, budget][0],
+        "beta": table3[model, budget][1],
+        "gamma": 0.1,
+        "stand_in": {},
+    }
     explicit = resolve(compose([*settings, "policy.layer_budget.alpha=0.9"])).policy.layer_budget
     assert (explicit.alpha, explicit.beta) == (0.9, table3[model, budget][1])
 
@@ -209,7 +223,9 @@ def test_cake_takes_the_released_tau_per_model_and_budget():
     ablation = resolve(compose(["model=mistral7b_v03", "policy=cake+slake", "budget=128", "policy.layer_budget=cake"]))
     assert (ablation.policy.layer_budget.name, ablation.policy.layer_budget.tau1) == ("cake", 1.0)
     assert ablation.policy.spec == "cake+slake"
-    explicit = build_layer_budget({"name": "cake", "tau1": 2.0}).for_model("meta-llama/Llama-3.1-8B-Instruct", Budget.parse("128"))
+    explicit = build_layer_budget({"name": "cake", "tau1": 2.0}).for_model(
+        "meta-llama/Llama-3.1-8B-Instruct", Budget.parse("128")
+    )
     assert (explicit.tau1, explicit.tau2) == (2.0, 0.6)
 
 

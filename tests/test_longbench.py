@@ -27,9 +27,8 @@ from kvbench.engine.models import load_model, load_tokenizer, model_config
 from kvbench.errors import KVBenchError
 from kvbench.metrics import longbench as metrics
 from kvbench.metrics.longbench import DATASET_METRIC, length_bucket, normalize_answer, normalize_zh_answer, score_sample
-from kvbench.tasks import longbench
-from kvbench.tasks.base import ModelInfo
 from kvbench.run import run_sample
+from kvbench.tasks.base import ModelInfo
 from kvbench.tasks.longbench import DATASETS, E_DATASETS, MAX_NEW_TOKENS, PROMPTS, LongBenchTask
 from tests.helpers import engine, local_data, random_prompt, tiny_model
 
@@ -99,7 +98,9 @@ QA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dataset", ["narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "triviaqa"])
+@pytest.mark.parametrize(
+    "dataset", ["narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "triviaqa"]
+)
 @pytest.mark.parametrize("prediction, answers, expected", QA_CASES)
 def test_qa_f1(dataset, prediction, answers, expected):
     assert score_sample(dataset, prediction, answers) == pytest.approx(expected)
@@ -124,7 +125,10 @@ def test_qa_f1_zh(prediction, answers, expected):
 
 ROUGE_CASES = [
     ("the cat sat", ["the cat sat on the mat"]),
-    ("The report finds costs rose. Funding fell in 2020.", ["Costs rose sharply. The report says funding fell in 2020."]),
+    (
+        "The report finds costs rose. Funding fell in 2020.",
+        ["Costs rose sharply. The report says funding fell in 2020."],
+    ),
     ("", ["anything at all"]),  # empty hypothesis: rouge raises, the official scorer gives 0
     ("...", ["a b c"]),  # no sentence left after splitting at "."
     ("a b c", ["a b c", "x y z"]),  # the best reference counts
@@ -201,7 +205,13 @@ def test_rouge_recursion_limit_matches_the_official_scorer_at_any_call_depth():
     a script with the official call structure (module -> scorer -> metric) gets 0."""
     # One reference word against an n-word prediction: the LCS walk recurses about n deep.
     pairs = [[" ".join(f"w{i}" for i in range(n)), "w0"] for n in range(984, 996)]
-    run = subprocess.run([sys.executable, "-c", OFFICIAL_STACK_SCRIPT], input=json.dumps(pairs), capture_output=True, text=True, check=True)
+    run = subprocess.run(
+        [sys.executable, "-c", OFFICIAL_STACK_SCRIPT],
+        input=json.dumps(pairs),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     official = json.loads(run.stdout)
     limit = sys.getrecursionlimit()
     for scores in official.values():  # the threshold lies inside the range
@@ -341,7 +351,18 @@ def test_fuzz_ratio_is_fuzzywuzzy_on_difflib():
         warnings.simplefilter("ignore")
         from fuzzywuzzy import fuzz as fuzz_module
     assert fuzz_module.SequenceMatcher is difflib.SequenceMatcher, "python-Levenshtein must not be installed"
-    words = ["", "a", "ab", "abc", "x = 1", "x=1", "for i in range(10):", "for j in range(100):", "返回值", "return None"]
+    words = [
+        "",
+        "a",
+        "ab",
+        "abc",
+        "x = 1",
+        "x=1",
+        "for i in range(10):",
+        "for j in range(100):",
+        "返回值",
+        "return None",
+    ]
     for a in words:
         for b in words:
             assert metrics._fuzz_ratio(a, b) == fuzz.ratio(a, b), (a, b)
@@ -353,7 +374,9 @@ def test_score_sample_edge_cases():
         score_sample("nq", "x", ["x"])
 
 
-@pytest.mark.parametrize("length, bucket", [(0, "0-4k"), (3999, "0-4k"), (4000, "4-8k"), (7999, "4-8k"), (8000, "8k+"), (31000, "8k+")])
+@pytest.mark.parametrize(
+    "length, bucket", [(0, "0-4k"), (3999, "0-4k"), (4000, "4-8k"), (7999, "4-8k"), (8000, "8k+"), (31000, "8k+")]
+)
 def test_length_bucket(length, bucket):
     assert length_bucket(length) == bucket
 
@@ -389,8 +412,19 @@ def fixture_records(name):
 def test_config_files_instantiate_the_task(tokenizer):
     for config, datasets in (("longbench", 16), ("longbench_e", 13)):
         cfg = OmegaConf.load(kvbench.CONF_DIR / "task" / f"{config}.yaml")
-        assert {"name", "_target_", "datasets", "data_dir", "num_samples", "prompt_format", "max_length",
-                "min_length_datasets", "seed", "subtasks", "e"} <= set(cfg)
+        assert {
+            "name",
+            "_target_",
+            "datasets",
+            "data_dir",
+            "num_samples",
+            "prompt_format",
+            "max_length",
+            "min_length_datasets",
+            "seed",
+            "subtasks",
+            "e",
+        } <= set(cfg)
         task = get_class(cfg._target_)(cfg, ModelInfo("test", tokenizer, 4096))
         assert len(task.datasets) == datasets and task.prompt_format == "longbench_official"
         assert task.max_length("qasper") == 4096 - 128 and task.min_length_datasets == {"samsum"}
@@ -421,7 +455,9 @@ def official_cut(tokenizer, prompt, max_length):
     if len(ids) <= max_length:
         return ids
     half = int(max_length / 2)
-    kept = tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(ids[-half:], skip_special_tokens=True)
+    kept = tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(
+        ids[-half:], skip_special_tokens=True
+    )
     return tokenizer(kept, truncation=False).input_ids
 
 
@@ -441,7 +477,14 @@ def test_truncation_keeps_the_first_and_last_halves(tokenizer):
 
 def test_truncation_decodes_each_half_and_tokenizes_again(tokenizer, tmp_path):
     """pred.py re-tokenizes the decoded halves: a cut through a character is not the join of the id halves."""
-    record = {"input": "问题？", "context": "长文本" * 40, "answers": ["长"], "length": 1, "all_classes": None, "_id": "zh-0"}
+    record = {
+        "input": "问题？",
+        "context": "长文本" * 40,
+        "answers": ["长"],
+        "length": 1,
+        "all_classes": None,
+        "_id": "zh-0",
+    }
     (tmp_path / "multifieldqa_zh.jsonl").write_text(json.dumps(record, ensure_ascii=False) + "\n", encoding="utf-8")
     prompt = PROMPTS["multifieldqa_zh"].format(**record)
     full = tokenizer(prompt).input_ids
@@ -504,7 +547,9 @@ def test_chat_template_wraps_the_truncated_prompt(chat_tokenizer):
     full = chat_tokenizer(PROMPTS["hotpotqa"].format(**record)).input_ids
     task = make_task(chat_tokenizer, prompt_format="hf_chat", datasets=["hotpotqa"], max_length=64)
     ids = task.prompt_ids("hotpotqa", record)
-    kept = chat_tokenizer.decode(full[:32], skip_special_tokens=True) + chat_tokenizer.decode(full[-32:], skip_special_tokens=True)
+    kept = chat_tokenizer.decode(full[:32], skip_special_tokens=True) + chat_tokenizer.decode(
+        full[-32:], skip_special_tokens=True
+    )
     assert chat_tokenizer.decode(ids) == f"<bos><|user|>\n{kept}\n<|assistant|>\n"
     assert kept.startswith("Answer the question") and kept.endswith("Answer:")
 
@@ -543,10 +588,15 @@ def test_pipeline_formats_wrap_as_their_code(tokenizer, prompt_format, hf_id, ho
 
 
 def test_unknown_prompt_format_and_chat_without_template_are_one_line_errors(tokenizer):
-    with pytest.raises(KVBenchError, match=r"unknown prompt format \(task.prompt_format\) 'chat'; valid choices: cake, hf_chat, "
-                                           "kvcache_factory, longbench_official, raw"):
+    with pytest.raises(
+        KVBenchError,
+        match=r"unknown prompt format \(task.prompt_format\) 'chat'; valid choices: cake, hf_chat, "
+        "kvcache_factory, longbench_official, raw",
+    ):
         make_task(tokenizer, prompt_format="chat")
-    with pytest.raises(KVBenchError, match="task.prompt_format=hf_chat needs a chat template but the tokenizer of model test has none"):
+    with pytest.raises(
+        KVBenchError, match="task.prompt_format=hf_chat needs a chat template but the tokenizer of model test has none"
+    ):
         make_task(tokenizer, prompt_format="hf_chat")
 
 
@@ -560,7 +610,9 @@ def test_samsum_stops_at_newline(tokenizer):
 
 
 def test_min_length_datasets_set_one_new_token(tokenizer):
-    samples = lambda **options: {s.subtask: s.min_new_tokens for s in make_task(tokenizer, datasets=["samsum", "trec"], **options).samples()}
+    samples = lambda **options: {
+        s.subtask: s.min_new_tokens for s in make_task(tokenizer, datasets=["samsum", "trec"], **options).samples()
+    }
     assert samples() == {"samsum": 1, "trec": 0}  # pred.py: min_length = context + 1 on samsum only
     assert samples(min_length_datasets="all") == {"samsum": 1, "trec": 1}  # KVCache-Factory: every dataset
     assert samples(min_length_datasets=[]) == {"samsum": 0, "trec": 0}
@@ -573,8 +625,14 @@ def test_engine_min_new_tokens_is_hf_min_new_tokens():
     model = tiny_model("llama")
     prompt = random_prompt(40)
     first = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
-    reference = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=1,
-                               eos_token_id=[first], pad_token_id=first)[0, len(prompt):].tolist()
+    reference = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=8,
+        do_sample=False,
+        min_new_tokens=1,
+        eos_token_id=[first],
+        pad_token_id=first,
+    )[0, len(prompt) :].tolist()
     runner = engine(model, "full", 64)
     assert runner.generate(prompt, 8, [first]).token_ids == []
     output = runner.generate(prompt, 8, [first], min_new_tokens=1).token_ids
@@ -616,7 +674,10 @@ def test_score_and_evaluate(tokenizer):
 
 
 def test_num_samples_draws_a_seeded_subset_in_file_order(tokenizer):
-    ids = [[s.id for s in make_task(tokenizer, datasets=["hotpotqa"], num_samples=2, seed=seed).samples()] for seed in (1, 1, 7)]
+    ids = [
+        [s.id for s in make_task(tokenizer, datasets=["hotpotqa"], num_samples=2, seed=seed).samples()]
+        for seed in (1, 1, 7)
+    ]
     assert ids[0] == ids[1] and len(ids[0]) == 2
     order = [r["_id"] for r in fixture_records("hotpotqa.jsonl")]
     for chosen in ids:

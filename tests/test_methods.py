@@ -51,15 +51,28 @@ def test_tova_layer_mode_keeps_one_token_set_per_layer(llama):
 
 def test_a_window_filling_the_budget_is_an_error():
     with pytest.raises(KVBenchError, match=r"policy h2o reserves 5000 of its 5000-token budget .* no heavy hitters"):
-        resolve(compose(["+experiment=obcache", "model=llama31_8b", "task=longbench", "policy=h2o", "budget=5pct",
-                         "policy.window=5pct", "policy.score_window=5pct"]))
+        resolve(
+            compose(
+                [
+                    "+experiment=obcache",
+                    "model=llama31_8b",
+                    "task=longbench",
+                    "policy=h2o",
+                    "budget=5pct",
+                    "policy.window=5pct",
+                    "policy.score_window=5pct",
+                ]
+            )
+        )
     with pytest.raises(KVBenchError, match="no heavy hitters"):
         engine(tiny_model("llama"), "snapkv", 32, window=32).generate(random_prompt(100), 2)
 
 
 @pytest.mark.parametrize("budget", ["5pct", "10pct", "20pct"])
 def test_obcache_experiment_leaves_heavy_hitter_slots(budget):
-    job = resolve(compose(["+experiment=obcache", "model=llama31_8b", "task=longbench", "policy=h2o", f"budget={budget}"]))
+    job = resolve(
+        compose(["+experiment=obcache", "model=llama31_8b", "task=longbench", "policy=h2o", f"budget={budget}"])
+    )
     prompt = 10_000
     tokens = job.budget.resolve(prompt)
     assert 0 < job.policy.reserved_recent(tokens, prompt) < tokens
@@ -78,8 +91,17 @@ def test_obcache_h2o_and_snapkv_keep_different_tokens_on_a_real_prompt():
     for budget in ("5pct", "10pct", "20pct"):
         kept = {}
         for spec in ("h2o", "snapkv"):
-            job = resolve(compose(["+experiment=obcache", "model=smollm2_135m", "task=longbench", f"policy={spec}",
-                                   f"budget={budget}"]))
+            job = resolve(
+                compose(
+                    [
+                        "+experiment=obcache",
+                        "model=smollm2_135m",
+                        "task=longbench",
+                        f"policy={spec}",
+                        f"budget={budget}",
+                    ]
+                )
+            )
             kept[spec] = kept_after_prefill(Engine(loaded.model, job.policy, job.budget), prompt)
         assert any(not torch.equal(a, b) for a, b in zip(kept["h2o"], kept["snapkv"])), budget
 
@@ -116,4 +138,7 @@ def test_non_causal_h2o_scores_differently_but_attends_causally(llama):
     non_causal = engine(llama, "h2o", 48, window=8, causal=False)
     causal = engine(llama, "h2o", 48, window=8)
     assert non_causal.generate(prompt, 1).token_ids == full
-    assert any(not torch.equal(a, b) for a, b in zip(kept_after_prefill(non_causal, prompt), kept_after_prefill(causal, prompt)))
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(kept_after_prefill(non_causal, prompt), kept_after_prefill(causal, prompt))
+    )

@@ -21,8 +21,16 @@ from kvbench.errors import KVBenchError
 
 TINY_MODELS = ["tiny_llama", "tiny_qwen2", "tiny_mistral"]
 SCHEMA_KEYS = {
-    "name", "source", "hf_id", "path", "dtype", "attn_backend", "device",
-    "context_window", "random", "seed",
+    "name",
+    "source",
+    "hf_id",
+    "path",
+    "dtype",
+    "attn_backend",
+    "device",
+    "context_window",
+    "random",
+    "seed",
 }
 
 

@@ -86,7 +86,9 @@ def test_h2o_caote_ranks_the_normalised_accumulated_score(settings, power):
     queries, keys, values = random_layer(seed)
     _, weights, _, _ = full_attention(queries, keys, values, list(range(TOKENS)))
     accumulated = group_sum(weights.sum(dim=2))
-    expected = kept_by_scores(caote(accumulated, values.double(), power), budget, reserved=range(TOKENS - recent, TOKENS))
+    expected = kept_by_scores(
+        caote(accumulated, values.double(), power), budget, reserved=range(TOKENS - recent, TOKENS)
+    )
     assert kept == expected
 
 

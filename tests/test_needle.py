@@ -55,12 +55,20 @@ def test_depths_are_the_testers_rounded_linspace():
 def test_the_grid_is_lengths_times_depths_with_stable_ids(byte_task):
     samples = list(byte_task.samples())
     assert len(samples) == 2 * 5
-    assert [s.id for s in samples[:5]] == ["niah-1024-0", "niah-1024-25", "niah-1024-50", "niah-1024-75", "niah-1024-100"]
+    assert [s.id for s in samples[:5]] == [
+        "niah-1024-0",
+        "niah-1024-25",
+        "niah-1024-50",
+        "niah-1024-75",
+        "niah-1024-100",
+    ]
     assert samples[5].id == "niah-2048-0"
     assert [s.metadata["context_length"] for s in samples] == [1024] * 5 + [2048] * 5
     assert all(s.mode == "generate" and s.max_new_tokens == 300 for s in samples)
     assert samples[0].answers == [NEEDLE.strip()]
-    explicit = NeedleTask(niah_cfg(context_lengths=[1024], depths=[10, 90], essay_dir=byte_task.cfg.essay_dir), byte_model())
+    explicit = NeedleTask(
+        niah_cfg(context_lengths=[1024], depths=[10, 90], essay_dir=byte_task.cfg.essay_dir), byte_model()
+    )
     assert [s.id for s in explicit.samples()] == ["niah-1024-10", "niah-1024-90"]
 
 
@@ -92,22 +100,31 @@ def test_the_haystack_is_the_essay_files_in_name_order_glued_and_repeated(byte_t
 
 def test_prompts_fit_the_length_and_end_with_the_question(essay_dir):
     # the 200-token buffer covers the template in real tokens; bytes need more room
-    task = NeedleTask(niah_cfg(context_lengths=[1024, 2048], depth_steps=5, buffer=300, essay_dir=essay_dir), byte_model())
+    task = NeedleTask(
+        niah_cfg(context_lengths=[1024, 2048], depth_steps=5, buffer=300, essay_dir=essay_dir), byte_model()
+    )
     byte_task = task
     for sample in task.samples():
         assert len(sample.input_ids) <= sample.metadata["context_length"]
         text = byte_task.model.tokenizer.decode(sample.input_ids, skip_special_tokens=True)
         assert text.startswith("You are a helpful AI bot that answers questions for a user.")
-        assert text.endswith("What is the best thing to do in San Francisco? Don't give information outside "
-                             "the document or repeat your findings\n")
+        assert text.endswith(
+            "What is the best thing to do in San Francisco? Don't give information outside "
+            "the document or repeat your findings\n"
+        )
 
 
 def test_kvcache_factory_prompt_stops_at_a_newline(essay_dir):
-    task = NeedleTask(niah_cfg(context_lengths=[1024], depths=[50], prompt_format="kvcache_factory", essay_dir=essay_dir), byte_model())
+    task = NeedleTask(
+        niah_cfg(context_lengths=[1024], depths=[50], prompt_format="kvcache_factory", essay_dir=essay_dir),
+        byte_model(),
+    )
     [sample] = list(task.samples())
     text = task.model.tokenizer.decode(sample.input_ids, skip_special_tokens=True)
     assert text.startswith("<|im_start|> This is a very long story book: <book> ")
-    assert text.endswith("</book>.\n Based on the content of the book, Question: The best thing to do in San Francisco is: \nAnswer:")
+    assert text.endswith(
+        "</book>.\n Based on the content of the book, Question: The best thing to do in San Francisco is: \nAnswer:"
+    )
     assert sample.max_new_tokens == 30 and sample.metadata["stop_strings"] == ["\n"]
     assert sample.input_ids[0] == task.model.tokenizer.bos_token_id
 
@@ -117,7 +134,10 @@ def test_smollm2_prompts_use_the_chat_template_and_fit(tmp_path):
     from kvbench.engine.models import load_tokenizer, model_config
 
     tokenizer = load_tokenizer(model_config("smollm2_135m"))
-    task = NeedleTask(niah_cfg(context_lengths=[1024, 2048], depth_steps=3, prompt_format="hf_chat"), ModelInfo("smollm2_135m", tokenizer, 8192))
+    task = NeedleTask(
+        niah_cfg(context_lengths=[1024, 2048], depth_steps=3, prompt_format="hf_chat"),
+        ModelInfo("smollm2_135m", tokenizer, 8192),
+    )
     for sample in task.samples():
         text = tokenizer.decode(sample.input_ids)
         assert len(sample.input_ids) <= sample.metadata["context_length"]
@@ -162,7 +182,11 @@ def test_task_scores_records_and_aggregates(byte_task, essay_dir):
         {"context_length": 2048, "depth": 0, "score": 0.0},
         {"context_length": 2048, "depth": 100, "score": 0.25},
     ]
-    assert byte_task.aggregate(records) == {"overall": pytest.approx(43.75), "1024": pytest.approx(75.0), "2048": pytest.approx(12.5)}
+    assert byte_task.aggregate(records) == {
+        "overall": pytest.approx(43.75),
+        "1024": pytest.approx(75.0),
+        "2048": pytest.approx(12.5),
+    }
     assert byte_task.aggregate([]) == {}
 
 
@@ -172,7 +196,12 @@ def test_records_fit_the_heatmap_of_kvbench_plot(byte_task, tmp_path):
     samples = list(byte_task.samples())
     answers = {0: NEEDLE, 25: "", 50: NEEDLE, 75: "nothing", 100: NEEDLE}
     records = [
-        {"id": s.id, "subtask": s.subtask, **byte_task.evaluate(s, answers[int(s.metadata["depth"])]), "answers": s.answers}
+        {
+            "id": s.id,
+            "subtask": s.subtask,
+            **byte_task.evaluate(s, answers[int(s.metadata["depth"])]),
+            "answers": s.answers,
+        }
         for s in samples
     ]
     matrix = niah_grid(json.loads(json.dumps(records)))  # as read back from predictions.jsonl
@@ -191,8 +220,14 @@ def test_bad_options_are_one_line_errors(essay_dir, tmp_path):
         (dict(context_lengths=[150]), "not above task.buffer=200"),
         (dict(depths=[120]), "percents in [0, 100]"),
         (dict(scorer="bleu"), "unknown needle scorer"),
-        (dict(prompt_format="chatty"), "unknown prompt format (task.prompt_format) 'chatty'; valid choices: hf_chat, kvcache_factory, raw"),
-        (dict(prompt_format="hf_chat"), "task.prompt_format=hf_chat needs a chat template but the tokenizer of model tiny_llama has none"),
+        (
+            dict(prompt_format="chatty"),
+            "unknown prompt format (task.prompt_format) 'chatty'; valid choices: hf_chat, kvcache_factory, raw",
+        ),
+        (
+            dict(prompt_format="hf_chat"),
+            "task.prompt_format=hf_chat needs a chat template but the tokenizer of model tiny_llama has none",
+        ),
     ]
     for overrides, message in cases:
         with pytest.raises(KVBenchError, match=re.escape(message)) as error:
@@ -207,7 +242,9 @@ def test_bad_options_are_one_line_errors(essay_dir, tmp_path):
 
 
 def test_context_lengths_as_an_inclusive_range_like_kvcache_factory(essay_dir):
-    task = NeedleTask(niah_cfg(context_range={"min": 1000, "max": 1300, "step": 100}, essay_dir=essay_dir), byte_model())
+    task = NeedleTask(
+        niah_cfg(context_range={"min": 1000, "max": 1300, "step": 100}, essay_dir=essay_dir), byte_model()
+    )
     assert task.context_lengths == [1000, 1100, 1200, 1300]  # np.arange(s_len, e_len + 1, step)
     with pytest.raises(KVBenchError, match="task.context_range needs min, max and a positive step"):
         NeedleTask(niah_cfg(context_range={"min": 1000, "max": 1300}, essay_dir=essay_dir), byte_model())

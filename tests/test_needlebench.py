@@ -55,7 +55,9 @@ def test_levenshtein():
 def test_single_needle_score_is_keyword_or_a_fifth_of_the_similarity():
     needle = "\nThe vault holds the Silver Compass.\n"
     assert single_needle_score("It keeps the Silver Compass.", needle, "Silver Compass") == 1.0
-    assert single_needle_score("It keeps the silver compass.", needle, "Silver Compass") != 1.0  # case-sensitive keyword
+    assert (
+        single_needle_score("It keeps the silver compass.", needle, "Silver Compass") != 1.0
+    )  # case-sensitive keyword
     # whitespace removed: "Thevaultholds" vs "ThevaultholdstheSilverCompass." (30 chars): 17 insertions
     assert single_needle_score("The vault holds", needle, "Silver Compass") == pytest.approx(0.2 * (1 - 17 / 30))
     assert single_needle_score("", needle, "Silver Compass") == 0.0
@@ -85,14 +87,17 @@ def test_haystack_order_applies_the_loaders_cumulative_shuffles():
 
 
 def test_single_needle_samples_follow_the_official_draw_and_insertion():
-    task = NeedleBenchTask(nb_cfg(context_lengths=[1000], depths=[0, 50, 100], num_repeats=2, subtasks=["single_en", "single_zh"]), MODEL)
+    task = NeedleBenchTask(
+        nb_cfg(context_lengths=[1000], depths=[0, 50, 100], num_repeats=2, subtasks=["single_en", "single_zh"]), MODEL
+    )
     samples = list(task.samples())
     assert [s.id for s in samples[:3]] == ["single_en-L1000-D0-0", "single_en-L1000-D0-1", "single_en-L1000-D50-0"]
     assert len(samples) == 2 * 3 * 2
     for sample in samples:
         language = sample.metadata["language"]
         entry = random.Random(sample.metadata["repeat"]).choice(
-            [line for line in fixture_lines("needles.jsonl") if line["language"] == language])
+            [line for line in fixture_lines("needles.jsonl") if line["language"] == language]
+        )
         needle = "\n" + entry["needle"] + "\n"
         assert sample.answers == [entry["arg2"]] and sample.metadata["needle"] == needle
         text = text_of(sample)
@@ -101,7 +106,10 @@ def test_single_needle_samples_follow_the_official_draw_and_insertion():
         assert sample.metadata["insertion_points"] == [int(haystack_tokens * sample.metadata["depth"] / 100)]
     english = text_of(samples[0])
     assert english.startswith("You are an intelligent AI assistant skilled in answering user questions.\n")
-    assert "Before answering, please consider what in the document is most relevant to this question. Please answer in the format of '" in english
+    assert (
+        "Before answering, please consider what in the document is most relevant to this question. Please answer in the format of '"
+        in english
+    )
     chinese = text_of(samples[-1])
     assert chinese.startswith("你是一个善于回答用户问题的智能AI助手\n") and "现在请问：" in chinese
     assert "在回答之前，请思考文档中与此问题最相关的内容是什么。请按照'" in chinese
@@ -121,7 +129,9 @@ def test_single_needle_depth_places_the_needle_at_that_token():
 
 
 def test_multi_needle_retrieval_puts_one_needle_per_depth():
-    task = NeedleBenchTask(nb_cfg(context_lengths=[2000], depths=[10, 50, 90], num_repeats=2, subtasks=["retrieval_en"]), MODEL)
+    task = NeedleBenchTask(
+        nb_cfg(context_lengths=[2000], depths=[10, 50, 90], num_repeats=2, subtasks=["retrieval_en"]), MODEL
+    )
     samples = list(task.samples())
     assert [s.id for s in samples] == ["retrieval_en-L2000-0", "retrieval_en-L2000-1"]
     english = {line["arg2"]: line for line in fixture_lines("needles.jsonl") if line["language"] == "English"}
@@ -138,13 +148,27 @@ def test_multi_needle_retrieval_puts_one_needle_per_depth():
 
 
 def test_multi_needle_reasoning_spaces_needles_by_diff():
-    task = NeedleBenchTask(nb_cfg(context_lengths=[2000], depths=[20], num_repeats=1, needle_counts=[2, 3],
-                                  subtasks=["reasoning_en", "reasoning_zh"]), MODEL)
+    task = NeedleBenchTask(
+        nb_cfg(
+            context_lengths=[2000],
+            depths=[20],
+            num_repeats=1,
+            needle_counts=[2, 3],
+            subtasks=["reasoning_en", "reasoning_zh"],
+        ),
+        MODEL,
+    )
     samples = list(task.samples())
-    assert [s.id for s in samples] == ["reasoning_en-2needle-L2000-D20-0", "reasoning_en-3needle-L2000-D20-0",
-                                       "reasoning_zh-2needle-L2000-D20-0", "reasoning_zh-3needle-L2000-D20-0"]
+    assert [s.id for s in samples] == [
+        "reasoning_en-2needle-L2000-D20-0",
+        "reasoning_en-3needle-L2000-D20-0",
+        "reasoning_zh-2needle-L2000-D20-0",
+        "reasoning_zh-3needle-L2000-D20-0",
+    ]
     three = samples[1]
-    record = next(r for r in json.loads((FIXTURES / "multi_needle_reasoning_en.json").read_text()) if r["derivation_count"] == 3)
+    record = next(
+        r for r in json.loads((FIXTURES / "multi_needle_reasoning_en.json").read_text()) if r["derivation_count"] == 3
+    )
     assert three.answers == ["Douro River"]
     needle_lengths = [len(task.model.encode("\n" + d + "\n")) for d in record["derivations"]]
     total = 2000 - 600 - sum(needle_lengths)  # available haystack (the fixture holds more)
@@ -155,7 +179,9 @@ def test_multi_needle_reasoning_spaces_needles_by_diff():
     assert second - first == 2 * needle_lengths[0] + int(total * 0.1)
     assert third - second == 2 * needle_lengths[1] + int(total * 0.1)
     text = text_of(three)
-    assert text.endswith(record["question"] + "Before answering, please consider what in the document is most relevant to this question.")
+    assert text.endswith(
+        record["question"] + "Before answering, please consider what in the document is most relevant to this question."
+    )
     assert task.score(three, "It lies on the douro river") == 1.0
 
 
@@ -164,8 +190,10 @@ def test_chat_models_get_one_user_turn():
     from kvbench.engine.models import load_tokenizer, model_config
 
     tokenizer = load_tokenizer(model_config("smollm2_135m"))
-    task = NeedleBenchTask(nb_cfg(context_lengths=[1000], depths=[50], num_repeats=1, subtasks=["single_zh"],
-                                  prompt_format="hf_chat"), ModelInfo("smollm2_135m", tokenizer, 8192))
+    task = NeedleBenchTask(
+        nb_cfg(context_lengths=[1000], depths=[50], num_repeats=1, subtasks=["single_zh"], prompt_format="hf_chat"),
+        ModelInfo("smollm2_135m", tokenizer, 8192),
+    )
     [sample] = list(task.samples())
     text = tokenizer.decode(sample.input_ids)
     assert text.count("<|im_start|>user\n你是一个善于回答用户问题的智能AI助手") == 1
@@ -180,10 +208,16 @@ def test_aggregate_follows_the_official_summarizer():
         return {"subtask": subtask, "score": score, "context_length": length, "depth": depth, "needle_count": count}
 
     records = [
-        rec("single_en", 1.0), rec("single_en", 0.0), rec("single_en", 1.0, depth=50), rec("single_en", 1.0, depth=50),
+        rec("single_en", 1.0),
+        rec("single_en", 0.0),
+        rec("single_en", 1.0, depth=50),
+        rec("single_en", 1.0, depth=50),
         rec("single_zh", 0.5),
-        rec("retrieval_en", 1.0, depth=None), rec("retrieval_zh", 0.0, depth=None),
-        rec("reasoning_en", 1.0, count=2), rec("reasoning_en", 0.0, count=3), rec("reasoning_zh", 0.5, count=2),
+        rec("retrieval_en", 1.0, depth=None),
+        rec("retrieval_zh", 0.0, depth=None),
+        rec("reasoning_en", 1.0, count=2),
+        rec("reasoning_en", 0.0, count=3),
+        rec("reasoning_zh", 0.5, count=2),
     ]
     scores = NeedleBenchTask(nb_cfg(), MODEL).aggregate(records)
     assert scores["single_en"] == pytest.approx(75.0)  # datasets (L1000, D0) = 50 and (L1000, D50) = 100
@@ -193,7 +227,14 @@ def test_aggregate_follows_the_official_summarizer():
     assert scores["reasoning_en"] == pytest.approx(50.0) and scores["reasoning"] == pytest.approx(50.0)
     assert scores["overall"] == pytest.approx(0.4 * 200 / 3 + 0.3 * 50 + 0.3 * 50)
     only = NeedleBenchTask(nb_cfg(), MODEL).aggregate(records[-3:])
-    assert "overall" not in only and set(only) == {"reasoning_en", "reasoning_zh", "reasoning2_en", "reasoning3_en", "reasoning2_zh", "reasoning"}
+    assert "overall" not in only and set(only) == {
+        "reasoning_en",
+        "reasoning_zh",
+        "reasoning2_en",
+        "reasoning3_en",
+        "reasoning2_zh",
+        "reasoning",
+    }
 
 
 # --- missing data --------------------------------------------------------------------------------
@@ -201,7 +242,9 @@ def test_aggregate_follows_the_official_summarizer():
 
 def test_missing_files_are_one_line_errors(tmp_path, monkeypatch):
     (tmp_path / "needles.jsonl").write_text((FIXTURES / "needles.jsonl").read_text(encoding="utf-8"), encoding="utf-8")
-    task = NeedleBenchTask(nb_cfg(data_dir=str(tmp_path), subtasks=["single_zh"], context_lengths=[1000], depths=[0], num_repeats=1), MODEL)
+    task = NeedleBenchTask(
+        nb_cfg(data_dir=str(tmp_path), subtasks=["single_zh"], context_lengths=[1000], depths=[0], num_repeats=1), MODEL
+    )
     with pytest.raises(KVBenchError) as error:
         list(task.samples())
     message = str(error.value)
@@ -212,14 +255,21 @@ def test_missing_files_are_one_line_errors(tmp_path, monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
-    task = NeedleBenchTask(nb_cfg(data_dir=None, subtasks=["reasoning_en"], context_lengths=[1000], depths=[0], num_repeats=1), MODEL)
+    task = NeedleBenchTask(
+        nb_cfg(data_dir=None, subtasks=["reasoning_en"], context_lengths=[1000], depths=[0], num_repeats=1), MODEL
+    )
     with pytest.raises(KVBenchError) as error:
         list(task.samples())
     message = str(error.value)
     assert "\n" not in message and "opencompass/NeedleBench" in message and "task.data_dir=" in message
 
     with pytest.raises(KVBenchError, match="derivation_count=5") as error:
-        list(NeedleBenchTask(nb_cfg(subtasks=["reasoning_en"], needle_counts=[5], context_lengths=[1000], depths=[0], num_repeats=1), MODEL).samples())
+        list(
+            NeedleBenchTask(
+                nb_cfg(subtasks=["reasoning_en"], needle_counts=[5], context_lengths=[1000], depths=[0], num_repeats=1),
+                MODEL,
+            ).samples()
+        )
     with pytest.raises(KVBenchError, match="unknown NeedleBench subtask"):
         NeedleBenchTask(nb_cfg(subtasks=["single_fr"]), MODEL)
     with pytest.raises(KVBenchError, match="above the context window 4096"):

@@ -15,31 +15,89 @@ from kvbench.papers import AVG_MISMATCH, COLUMNS, list_tables, load_table, split
 
 PAPERS_DIR = Path(papers.__file__).parent
 
-EXPECTED_TABLES = {
-    ("caote", t) for t in ["table2", "table3", "table4", "table5", "table6", "table10", "table11", "table12", "table13"]
-} | {("obcache", t) for t in ["table1", "table3", "table4", "table5"]} | {
-    ("calidrop", t) for t in ["table1", "table2", "table4", "table5", "table6", "niah_text"]
-} | {("slake", t) for t in ["table1", "table2", "table4"]}
+EXPECTED_TABLES = (
+    {
+        ("caote", t)
+        for t in ["table2", "table3", "table4", "table5", "table6", "table10", "table11", "table12", "table13"]
+    }
+    | {("obcache", t) for t in ["table1", "table3", "table4", "table5"]}
+    | {("calidrop", t) for t in ["table1", "table2", "table4", "table5", "table6", "niah_text"]}
+    | {("slake", t) for t in ["table1", "table2", "table4"]}
+)
 
 # Row counts as transcribed (guards against silent loss or duplication of rows).
 EXPECTED_ROWS = {
-    ("caote", "table2"): 646, ("caote", "table3"): 285, ("caote", "table4"): 65, ("caote", "table5"): 63,
-    ("caote", "table6"): 10, ("caote", "table10"): 714, ("caote", "table11"): 680, ("caote", "table12"): 20,
-    ("caote", "table13"): 18, ("obcache", "table1"): 204, ("obcache", "table3"): 150,
-    ("obcache", "table4"): 592, ("obcache", "table5"): 592, ("calidrop", "table1"): 364,
-    ("calidrop", "table2"): 210, ("calidrop", "table4"): 462, ("calidrop", "table5"): 300,
-    ("calidrop", "table6"): 300, ("calidrop", "niah_text"): 6, ("slake", "table1"): 476, ("slake", "table2"): 3, ("slake", "table4"): 18,
+    ("caote", "table2"): 646,
+    ("caote", "table3"): 285,
+    ("caote", "table4"): 65,
+    ("caote", "table5"): 63,
+    ("caote", "table6"): 10,
+    ("caote", "table10"): 714,
+    ("caote", "table11"): 680,
+    ("caote", "table12"): 20,
+    ("caote", "table13"): 18,
+    ("obcache", "table1"): 204,
+    ("obcache", "table3"): 150,
+    ("obcache", "table4"): 592,
+    ("obcache", "table5"): 592,
+    ("calidrop", "table1"): 364,
+    ("calidrop", "table2"): 210,
+    ("calidrop", "table4"): 462,
+    ("calidrop", "table5"): 300,
+    ("calidrop", "table6"): 300,
+    ("calidrop", "niah_text"): 6,
+    ("slake", "table1"): 476,
+    ("slake", "table2"): 3,
+    ("slake", "table4"): 18,
 }
 
-MODELS = {"llama31_8b", "llama32_3b", "llama3_8b", "llama3_70b", "llama2_7b_chat", "mistral7b_instruct",
-          "mistral7b_v03", "qwen25_3b", "qwen25_7b", "falcon_mamba_7b"}
+MODELS = {
+    "llama31_8b",
+    "llama32_3b",
+    "llama3_8b",
+    "llama3_70b",
+    "llama2_7b_chat",
+    "mistral7b_instruct",
+    "mistral7b_v03",
+    "qwen25_3b",
+    "qwen25_7b",
+    "falcon_mamba_7b",
+}
 BASES = {"full", "sink", "h2o", "tova", "snapkv", "pyramidkv", "cake", "caote", "fastcaote"}
 MODIFIERS = {"caote", "fastcaote", "obcache_value", "obcache_key", "obcache_joint", "calidrop", "slake"}
-LONGBENCH = {"narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
-             "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc",
-             "repobench-p"}
-RULER = {"niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
-         "niah_multikey_3", "niah_multiquery", "niah_multivalue", "vt", "cwe", "fwe", "qa_1", "qa_2"}
+LONGBENCH = {
+    "narrativeqa",
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "musique",
+    "gov_report",
+    "qmsum",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+}
+RULER = {
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "niah_multiquery",
+    "niah_multivalue",
+    "vt",
+    "cwe",
+    "fwe",
+    "qa_1",
+    "qa_2",
+}
 OTHER_TASKS = {"avg", "ppl", "ppl_gap", "niah"}
 TASK_AT = re.compile(r"^(?P<task>[a-z0-9_]+)@(?P<len>\d+k?)$")
 BUDGET = re.compile(r"^(full|all|na|\d+k?|\d+pct)$")
@@ -52,11 +110,18 @@ BUDGET = re.compile(r"^(full|all|na|\d+k?|\d+pct)$")
 # A small epsilon absorbs float error only.
 EPS = 1e-9
 AVG_TOL = {
-    ("caote", "table2"): 0.01, ("caote", "table3"): 0.01, ("caote", "table10"): 0.01, ("caote", "table11"): 0.01,
+    ("caote", "table2"): 0.01,
+    ("caote", "table3"): 0.01,
+    ("caote", "table10"): 0.01,
+    ("caote", "table11"): 0.01,
     ("obcache", "table1"): 0.005,
-    ("calidrop", "table1"): 0.01, ("calidrop", "table2"): 0.01, ("calidrop", "table4"): 0.01,
-    ("calidrop", "table5"): 0.01, ("calidrop", "table6"): 0.01,
-    ("slake", "table1"): 0.01, ("slake", "table4"): 0.01,
+    ("calidrop", "table1"): 0.01,
+    ("calidrop", "table2"): 0.01,
+    ("calidrop", "table4"): 0.01,
+    ("calidrop", "table5"): 0.01,
+    ("calidrop", "table6"): 0.01,
+    ("slake", "table1"): 0.01,
+    ("slake", "table4"): 0.01,
 }
 
 # Row groups whose printed average does not equal the mean of the printed task values
@@ -88,6 +153,7 @@ def _avg_groups(paper: str, table: str):
 
 
 # ------------------------------------------------------------------ structure
+
 
 def test_list_tables_matches_files_and_expectations():
     tables = list_tables()
@@ -121,8 +187,11 @@ def test_table_loads_clean(paper, table):
     for task in set(df.task):
         m = TASK_AT.match(task)
         name = m.group("task") if m else task
-        assert (name in LONGBENCH | RULER | OTHER_TASKS or name.startswith("needlebench_")
-                or name.startswith("flops_ratio_")), task
+        assert (
+            name in LONGBENCH | RULER | OTHER_TASKS
+            or name.startswith("needlebench_")
+            or name.startswith("flops_ratio_")
+        ), task
     assert table_caption(paper, table)
 
 
@@ -140,6 +209,7 @@ def test_full_cache_rows_use_budget_full():
 
 
 # ------------------------------------------------------------------ printed averages
+
 
 def test_every_table_with_averages_has_a_tolerance():
     with_avg = {(p, t) for p, t in list_tables() if any(True for _ in _avg_groups(p, t))}
@@ -173,10 +243,20 @@ def test_avg_mismatch_marks_are_exact():
 
 
 def test_averages_over_the_expected_number_of_tasks():
-    expected_n = {("caote", "table2"): 16, ("caote", "table3"): 16, ("caote", "table10"): 16,
-                  ("caote", "table11"): 16, ("obcache", "table1"): 16, ("calidrop", "table1"): 13,
-                  ("calidrop", "table2"): 13, ("calidrop", "table4"): 13, ("calidrop", "table5"): 11,
-                  ("calidrop", "table6"): 11, ("slake", "table1"): 16, ("slake", "table4"): 2}
+    expected_n = {
+        ("caote", "table2"): 16,
+        ("caote", "table3"): 16,
+        ("caote", "table10"): 16,
+        ("caote", "table11"): 16,
+        ("obcache", "table1"): 16,
+        ("calidrop", "table1"): 13,
+        ("calidrop", "table2"): 13,
+        ("calidrop", "table4"): 13,
+        ("calidrop", "table5"): 11,
+        ("calidrop", "table6"): 11,
+        ("slake", "table1"): 16,
+        ("slake", "table4"): 2,
+    }
     for (paper, table), n_tasks in expected_n.items():
         for key, mean, n, avg in _avg_groups(paper, table):
             if key == ("caote", "table3", "qwen25_7b", "h2o", "4k"):
@@ -186,6 +266,7 @@ def test_averages_over_the_expected_number_of_tasks():
 
 
 # ------------------------------------------------------------------ spot checks (read off the text)
+
 
 def _value(paper, table, model, method, budget, task):
     df = load_table(paper, table)
@@ -278,6 +359,7 @@ def test_calidrop_threshold_gain_quoted_in_text():
 
 # ------------------------------------------------------------------ cross-table consistency
 
+
 def _group(paper, table, model, method, budget):
     df = load_table(paper, table)
     df = df[(df.model == model) & (df.method == method) & (df.budget == budget)]
@@ -306,10 +388,14 @@ def test_shared_rows_agree_across_tables():
         (("caote", "table2", "llama32_3b", "full", "full"), ("caote", "table10", "llama32_3b", "full", "full")),
         (("caote", "table3", "qwen25_7b", "full", "full"), ("caote", "table11", "qwen25_7b", "full", "full")),
         (("calidrop", "table1", "llama3_8b", "full", "full"), ("calidrop", "table4", "llama3_8b", "full", "full")),
-        (("calidrop", "table1", "mistral7b_instruct", "full", "full"),
-         ("calidrop", "table4", "mistral7b_instruct", "full", "full")),
-        (("calidrop", "table1", "llama3_8b", "snapkv+calidrop", "128"),
-         ("calidrop", "table2", "llama3_8b", "snapkv+calidrop[theta1=0.70,theta2=0.85]", "128")),
+        (
+            ("calidrop", "table1", "mistral7b_instruct", "full", "full"),
+            ("calidrop", "table4", "mistral7b_instruct", "full", "full"),
+        ),
+        (
+            ("calidrop", "table1", "llama3_8b", "snapkv+calidrop", "128"),
+            ("calidrop", "table2", "llama3_8b", "snapkv+calidrop[theta1=0.70,theta2=0.85]", "128"),
+        ),
     ]
     for a, b in pairs:
         ga, gb = _group(*a), _group(*b)
@@ -325,6 +411,7 @@ def test_slake_table4_overall_is_mean_of_en_and_zh():
 
 
 # ------------------------------------------------------------------ API errors and helpers
+
 
 def test_unknown_paper_raises_with_choices():
     with pytest.raises(KVBenchError) as e:
@@ -346,7 +433,9 @@ def test_unknown_table_raises_with_choices():
 
 def test_split_method():
     assert split_method("snapkv+calidrop[theta1=0.60,theta2=0.80]") == (
-        "snapkv+calidrop", {"theta1": "0.60", "theta2": "0.80"})
+        "snapkv+calidrop",
+        {"theta1": "0.60", "theta2": "0.80"},
+    )
     assert split_method("h2o+obcache_key[gqa=sum]") == ("h2o+obcache_key", {"gqa": "sum"})
     assert split_method("cake+slake") == ("cake+slake", {})
     with pytest.raises(KVBenchError):
@@ -369,4 +458,5 @@ def test_every_bracketed_setting_has_a_main_value():
         for method in load_table(paper, table)["method"]:
             bracketed.setdefault(paper, set()).update(split_method(method)[1])
     assert {paper: keys for paper, keys in bracketed.items() if keys} == {
-        paper: {key.partition(":")[2] or key for key in values} for paper, values in papers.MAIN_SETTINGS.items()}
+        paper: {key.partition(":")[2] or key for key in values} for paper, values in papers.MAIN_SETTINGS.items()
+    }

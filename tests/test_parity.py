@@ -11,7 +11,7 @@ generations of the first record of each method too, the others with the slow tes
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 
 import pytest
 
@@ -27,21 +27,35 @@ METHODS = {"snapkv": "snapkv", "pyramidkv": "pyramidkv", "h2o": "h2o", "streamin
 
 pytestmark = [
     pytest.mark.model,
-    pytest.mark.skipif(not (FIXTURES.is_dir() and LONGBENCH.is_file()), reason="KVCache-Factory fixtures or LongBench data absent"),
+    pytest.mark.skipif(
+        not (FIXTURES.is_dir() and LONGBENCH.is_file()), reason="KVCache-Factory fixtures or LongBench data absent"
+    ),
 ]
 
 
-@lru_cache(maxsize=None)
+@cache
 def fixture(method: str) -> dict:
     return json.loads((FIXTURES / f"{method}_multi_news.json").read_text())
 
 
-@lru_cache(maxsize=None)
+@cache
 def prepared(method: str, data_dir: str):
     """The engine, task and samples of the fixture's records under ``+compat=kvcache_factory``."""
-    job = resolve(compose(["+compat=kvcache_factory", "model=smollm2_135m", f"policy={METHODS[method]}", "budget=128",
-                           "task=longbench", "task.datasets=[multi_news]", f"task.data_dir={data_dir}",
-                           "task.max_length=1800", "engine.save_kept=true"]))
+    job = resolve(
+        compose(
+            [
+                "+compat=kvcache_factory",
+                "model=smollm2_135m",
+                f"policy={METHODS[method]}",
+                "budget=128",
+                "task=longbench",
+                "task.datasets=[multi_news]",
+                f"task.data_dir={data_dir}",
+                "task.max_length=1800",
+                "engine.save_kept=true",
+            ]
+        )
+    )
     loaded = load_model(job.cfg.model)
     task = build_task(job.cfg, loaded.tokenizer)
     return build_engine(job, loaded), task, loaded, list(task.samples())

@@ -8,7 +8,13 @@ import pytest
 
 from kvbench.cli import main
 
-TINY = ["model=tiny_llama", "task=ruler", "task.subtasks=[niah_single_1]", "task.context_length=512", "task.num_samples=2"]
+TINY = [
+    "model=tiny_llama",
+    "task=ruler",
+    "task.subtasks=[niah_single_1]",
+    "task.context_length=512",
+    "task.num_samples=2",
+]
 
 
 def plan(capsys, *args: str) -> tuple[list[dict], str, int]:
@@ -24,9 +30,14 @@ def plan(capsys, *args: str) -> tuple[list[dict], str, int]:
 def test_slake_plan_shows_table_3_exponents_on_every_slake_job(capsys):
     lines, err, code = plan(capsys, "-m", "+experiment=slake")
     assert code == 0 and len(lines) == 3 * 4 * 2 and "kvbench plan: 24 jobs, 0 invalid" in err
-    table3 = {("llama2_7b_chat", "128"): (0.5, 0.4), ("llama2_7b_chat", "256"): (0.5, 0.4),
-              ("llama31_8b", "128"): (0.4, 0.2), ("llama31_8b", "256"): (0.6, 0.5),
-              ("mistral7b_v03", "128"): (0.6, 0.5), ("mistral7b_v03", "256"): (0.4, 0.2)}
+    table3 = {
+        ("llama2_7b_chat", "128"): (0.5, 0.4),
+        ("llama2_7b_chat", "256"): (0.5, 0.4),
+        ("llama31_8b", "128"): (0.4, 0.2),
+        ("llama31_8b", "256"): (0.6, 0.5),
+        ("mistral7b_v03", "128"): (0.6, 0.5),
+        ("mistral7b_v03", "256"): (0.4, 0.2),
+    }
     slake = [line for line in lines if line["policy"]["spec"] == "cake+slake"]
     assert len(slake) == 6
     for line in slake:

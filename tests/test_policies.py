@@ -116,7 +116,8 @@ def test_h2o_scored_over_a_window_is_snapkv_without_pooling():
         windowed = evict_with_cache("h2o", {"window": window, "score_window": window}, budget, seed)
         assert windowed == evict_with_cache("snapkv", {"window": window, "pool": "none"}, budget, seed)
     assert any(
-        evict_with_cache("h2o", {"window": window}, budget, seed) != evict_with_cache("h2o", {"window": window, "score_window": window}, budget, seed)
+        evict_with_cache("h2o", {"window": window}, budget, seed)
+        != evict_with_cache("h2o", {"window": window, "score_window": window}, budget, seed)
         for seed in range(3)
     )
 
@@ -224,7 +225,9 @@ def gappy_stats() -> AttentionStats:
     """A evicted-looking cache (sorted, gappy positions that differ per head) and a causal block of queries
     whose positions overlap the cache's: some queries see only part of it."""
     generator = torch.Generator().manual_seed(5)
-    key_positions = torch.stack([torch.randperm(60, generator=generator)[:TOKENS].sort().values for _ in range(KV_HEADS)])
+    key_positions = torch.stack(
+        [torch.randperm(60, generator=generator)[:TOKENS].sort().values for _ in range(KV_HEADS)]
+    )
     return AttentionStats(
         queries=torch.randn(1, Q_HEADS, 17, DIM, generator=generator) * 2,
         keys=torch.randn(1, KV_HEADS, TOKENS, DIM, generator=generator) * 2,
@@ -255,8 +258,12 @@ def test_blockwise_statistics_equal_one_masked_softmax(block_size, spec):
 def test_accelerator_blocks_are_sized_by_memory():
     stats = gappy_stats()
     assert stats.block_queries() == 128
-    on_meta = AttentionStats(*(tensor.to("meta") for tensor in (stats.queries, stats.keys, stats.values)),
-                             stats.query_positions, stats.key_positions, SCALING)
+    on_meta = AttentionStats(
+        *(tensor.to("meta") for tensor in (stats.queries, stats.keys, stats.values)),
+        stats.query_positions,
+        stats.key_positions,
+        SCALING,
+    )
     assert on_meta.block_queries() == BLOCK_ELEMENTS // (Q_HEADS * TOKENS)
     assert score_block_size("auto") is None and score_block_size(64) == 64
     with pytest.raises(KVBenchError, match="engine.score_block must be a positive number of queries or auto, got 0"):
@@ -268,7 +275,9 @@ def test_snapkv_max_pool_ties_break_as_the_reference_topk(seed):
     """Max pooling copies one value onto up to ``kernel`` neighbours; kvbench picks among such exact ties as
     KVCache-Factory does: ``topk(capacity − window)`` over the pooled prefix alone, then the window."""
     budget, window, kernel = 18, 8, 7
-    kept = evict_with_cache("snapkv", {"window": window, "pool": "max", "kernel": kernel, "gqa": "repeat"}, budget, seed)
+    kept = evict_with_cache(
+        "snapkv", {"window": window, "pool": "max", "kernel": kernel, "gqa": "repeat"}, budget, seed
+    )
     queries, keys, _ = random_layer(seed)
     prefix = TOKENS - window
     for q_head in range(Q_HEADS):
@@ -292,6 +301,8 @@ def test_non_causal_h2o_is_kvcache_factory_before_its_causal_fix():
             for i, upto in enumerate(rows):
                 row = attention_row(queries[0, q_head, i].tolist(), keys[0, head].tolist(), upto)
                 scores = [s + a for s, a in zip(scores, row)]
-        expected = set(range(TOKENS - recent, TOKENS)) | top_positions(scores, list(range(TOKENS - recent)), budget - recent)
+        expected = set(range(TOKENS - recent, TOKENS)) | top_positions(
+            scores, list(range(TOKENS - recent)), budget - recent
+        )
         assert kept[head] == expected
     assert kept != evict_with_cache("h2o", {"window": recent}, budget, seed)

@@ -19,25 +19,67 @@ from kvbench.results.plots import make_plots, niah_grid
 from kvbench.results.rundir import RunDir
 from kvbench.results.table import benchmark_tables, load_runs, render
 
-LONGBENCH = ["narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
-             "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p"]
+LONGBENCH = [
+    "narrativeqa",
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "musique",
+    "gov_report",
+    "qmsum",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+]
 
 
-def write_run(path: Path, model: str, policy: str, budget: str, task: str, scores: dict[str, float],
-              task_cfg: dict | None = None, policy_cfg: dict | None = None, records: list[dict] | None = None,
-              regime: str = "oneshot") -> Path:
+def write_run(
+    path: Path,
+    model: str,
+    policy: str,
+    budget: str,
+    task: str,
+    scores: dict[str, float],
+    task_cfg: dict | None = None,
+    policy_cfg: dict | None = None,
+    records: list[dict] | None = None,
+    regime: str = "oneshot",
+) -> Path:
     """A finished run directory as ``kvbench run`` writes it (config.yaml, metrics.json, predictions.jsonl)."""
     path.mkdir(parents=True)
-    config = {"model": {"name": model}, "policy": {"name": policy, **(policy_cfg or {})}, "budget": {"spec": budget},
-              "task": {"name": task, **(task_cfg or {})}, "engine": {"regime": regime}}
+    config = {
+        "model": {"name": model},
+        "policy": {"name": policy, **(policy_cfg or {})},
+        "budget": {"spec": budget},
+        "task": {"name": task, **(task_cfg or {})},
+        "engine": {"regime": regime},
+    }
     (path / "config.yaml").write_text(json.dumps(config))  # JSON is YAML
     average = scores["ppl"] if "ppl" in scores else sum(scores.values()) / len(scores)
     records = records or [{"id": f"{name}-0", "subtask": name, "score": value / 100} for name, value in scores.items()]
-    metrics = {"model": model, "policy": policy, "budget": budget, "task": task, "regime": regime, "scores": scores,
-               "average": average, "num_samples": len(records),
-               "kv_cache": {"after_prefill_tokens_per_layer": [64, 64], "peak_tokens_per_layer": [80, 80],
-                            "peak_bytes": 100, "full_bytes": 400},
-               "timing": {"prefill_seconds": 1.0, "decode_seconds": 2.0, "total_seconds": 3.0}}
+    metrics = {
+        "model": model,
+        "policy": policy,
+        "budget": budget,
+        "task": task,
+        "regime": regime,
+        "scores": scores,
+        "average": average,
+        "num_samples": len(records),
+        "kv_cache": {
+            "after_prefill_tokens_per_layer": [64, 64],
+            "peak_tokens_per_layer": [80, 80],
+            "peak_bytes": 100,
+            "full_bytes": 400,
+        },
+        "timing": {"prefill_seconds": 1.0, "decode_seconds": 2.0, "total_seconds": 3.0},
+    }
     (path / "metrics.json").write_text(json.dumps(metrics))
     (path / "predictions.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
     return path
@@ -47,8 +89,18 @@ def write_run(path: Path, model: str, policy: str, budget: str, task: str, score
 
 
 def test_longbench_category_table_averages(tmp_path):
-    scores = {"narrativeqa": 10.0, "qasper": 20.0, "hotpotqa": 30.0, "2wikimqa": 50.0, "gov_report": 40.0,
-              "trec": 60.0, "triviaqa": 80.0, "passage_count": 5.0, "lcc": 70.0, "repobench-p": 50.0}
+    scores = {
+        "narrativeqa": 10.0,
+        "qasper": 20.0,
+        "hotpotqa": 30.0,
+        "2wikimqa": 50.0,
+        "gov_report": 40.0,
+        "trec": 60.0,
+        "triviaqa": 80.0,
+        "passage_count": 5.0,
+        "lcc": 70.0,
+        "repobench-p": 50.0,
+    }
     write_run(tmp_path / "a", "smollm2_135m", "snapkv", "128", "longbench", scores)
     write_run(tmp_path / "b", "smollm2_135m", "full", "128", "longbench", {"narrativeqa": 30.0, "lcc": 90.0})
     tables = benchmark_tables(load_runs([tmp_path]))
@@ -65,19 +117,53 @@ def test_longbench_category_table_averages(tmp_path):
     assert by_category.loc["full", "Avg."] == pytest.approx(60.0)
     assert list(tables["longbench"]["policy"]) == ["full", "snapkv"]  # full cache first
     by_task = tables["longbench"]
-    assert list(by_task.columns[4:]) == ["NrtvQA", "Qasper", "HotpotQA", "2WikiMQA", "GovReport", "TREC", "TriviaQA",
-                                         "PCount", "Lcc", "RB-P", "Avg."]
+    assert list(by_task.columns[4:]) == [
+        "NrtvQA",
+        "Qasper",
+        "HotpotQA",
+        "2WikiMQA",
+        "GovReport",
+        "TREC",
+        "TriviaQA",
+        "PCount",
+        "Lcc",
+        "RB-P",
+        "Avg.",
+    ]
 
 
 def test_ruler_niah_and_ppl_layouts(tmp_path):
     for context in (4096, 8192):
         for budget, value in (("80", 40.0), ("160", 60.0)):
-            write_run(tmp_path / f"r{context}-{budget}", "llama31_8b", "h2o", budget, "ruler",
-                      {"niah_single_2": value + context / 1024}, task_cfg={"context_length": context})
-    write_run(tmp_path / "full", "smollm2_135m", "full", "128", "ppl", {"ppl": 10.0, "nll": 2.3},
-              task_cfg={"path": "/data/book.txt", "max_tokens": 512}, regime="streaming")
-    write_run(tmp_path / "sink", "smollm2_135m", "sink", "64", "ppl", {"ppl": 12.5, "nll": 2.5},
-              task_cfg={"path": "/data/book.txt", "max_tokens": 512}, regime="streaming")
+            write_run(
+                tmp_path / f"r{context}-{budget}",
+                "llama31_8b",
+                "h2o",
+                budget,
+                "ruler",
+                {"niah_single_2": value + context / 1024},
+                task_cfg={"context_length": context},
+            )
+    write_run(
+        tmp_path / "full",
+        "smollm2_135m",
+        "full",
+        "128",
+        "ppl",
+        {"ppl": 10.0, "nll": 2.3},
+        task_cfg={"path": "/data/book.txt", "max_tokens": 512},
+        regime="streaming",
+    )
+    write_run(
+        tmp_path / "sink",
+        "smollm2_135m",
+        "sink",
+        "64",
+        "ppl",
+        {"ppl": 12.5, "nll": 2.5},
+        task_cfg={"path": "/data/book.txt", "max_tokens": 512},
+        regime="streaming",
+    )
     tables = benchmark_tables(load_runs([tmp_path]))
     assert set(tables) == {"ruler", "niah", "ppl"}
     niah = tables["niah"].iloc[0]
@@ -92,8 +178,15 @@ def test_ruler_niah_and_ppl_layouts(tmp_path):
 
 
 def test_table_command_writes_files(tmp_path, capsys):
-    write_run(tmp_path / "runs" / "a", "smollm2_135m", "snapkv", "128", "ruler", {"niah_single_1": 50.0},
-              task_cfg={"context_length": 1024})
+    write_run(
+        tmp_path / "runs" / "a",
+        "smollm2_135m",
+        "snapkv",
+        "128",
+        "ruler",
+        {"niah_single_1": 50.0},
+        task_cfg={"context_length": 1024},
+    )
     main(["table", str(tmp_path / "runs"), "--format", "latex", "--output-dir", str(tmp_path / "out")])
     assert "\\begin{tabular}" in capsys.readouterr().out
     assert "50.00" in (tmp_path / "out" / "ruler.tex").read_text()
@@ -106,8 +199,15 @@ def test_table_command_writes_files(tmp_path, capsys):
 def test_table_lists_run_dirs_it_leaves_out(tmp_path, capsys):
     """Finished runs go into the tables; a run without metrics.json and one whose metrics.json cannot be read are
     listed below them with the reason (hidden folders and a run directory's wandb/ are not run directories)."""
-    write_run(tmp_path / "a", "smollm2_135m", "snapkv", "128", "ruler", {"niah_single_1": 50.0},
-              task_cfg={"context_length": 1024})
+    write_run(
+        tmp_path / "a",
+        "smollm2_135m",
+        "snapkv",
+        "128",
+        "ruler",
+        {"niah_single_1": 50.0},
+        task_cfg={"context_length": 1024},
+    )
     (tmp_path / "a" / "wandb" / "files").mkdir(parents=True)
     (tmp_path / "a" / "wandb" / "files" / "config.yaml").write_text("{}")
     (tmp_path / "failed").mkdir()
@@ -118,11 +218,13 @@ def test_table_lists_run_dirs_it_leaves_out(tmp_path, capsys):
     (tmp_path / ".submitit" / "1_0" / "config.yaml").write_text("{}")
     main(["table", str(tmp_path)])
     out = capsys.readouterr().out
-    below = out[out.index("not in the tables"):].splitlines()
-    assert below == ["not in the tables: 2 run directories",
-                     f"  {tmp_path / 'broken'}: cannot read metrics.json (JSONDecodeError: Expecting property name "
-                     f"enclosed in double quotes: line 1 column 2 (char 1))",
-                     f"  {tmp_path / 'failed'}: no metrics.json (unfinished or failed)"]
+    below = out[out.index("not in the tables") :].splitlines()
+    assert below == [
+        "not in the tables: 2 run directories",
+        f"  {tmp_path / 'broken'}: cannot read metrics.json (JSONDecodeError: Expecting property name "
+        f"enclosed in double quotes: line 1 column 2 (char 1))",
+        f"  {tmp_path / 'failed'}: no metrics.json (unfinished or failed)",
+    ]
     assert "50.00" in out
 
 
@@ -138,9 +240,18 @@ def test_records_are_read_by_id(tmp_path):
 
 
 def test_run_dir_lock_refuses_a_second_writer_and_dies_with_its_holder(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom kvbench.results.rundir import RunDir\n"
-                               f"with RunDir({str(tmp_path)!r}).lock():\n    print('locked', flush=True)\n"
-                               "    time.sleep(600)"], stdout=subprocess.PIPE, text=True, env=os.environ)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom kvbench.results.rundir import RunDir\n"
+            f"with RunDir({str(tmp_path)!r}).lock():\n    print('locked', flush=True)\n"
+            "    time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ,
+    )
     assert holder.stdout.readline() == "locked\n"
     run_dir = RunDir(tmp_path)
     assert run_dir.locked()
@@ -187,13 +298,32 @@ def test_compare_matches_model_method_budget_and_settings(tmp_path):
     assert list(rows["row"]) == ["paper", "ours", "Δ"]
     ours, delta = rows.iloc[1], rows.iloc[2]
     assert ours["NrtvQA"] == f"{h2o_2k['narrativeqa'] + 1:.2f}" and delta["NrtvQA"] == "+1.00"
-    assert ours["Avg."] == f"{sum(scores.values()) / 16:.2f}" and delta["Avg."] == f"{sum(scores.values()) / 16 - 16.89:+.2f}"
+    assert (
+        ours["Avg."] == f"{sum(scores.values()) / 16:.2f}"
+        and delta["Avg."] == f"{sum(scores.values()) / 16 - 16.89:+.2f}"
+    )
 
     # OBCache Table 3: a gqa=sum run fills the "[gqa=sum]" row, a gqa=repeat run the plain (SnapKV-layout) row
-    write_run(tmp_path / "sum", "llama31_8b", "h2o", "80", "ruler", {"niah_single_2": 70.0},
-              task_cfg={"context_length": 8192}, policy_cfg={"gqa": "sum"})
-    write_run(tmp_path / "rep", "llama31_8b", "h2o", "80", "ruler", {"niah_single_2": 11.0},
-              task_cfg={"context_length": 8192}, policy_cfg={"gqa": "repeat"})
+    write_run(
+        tmp_path / "sum",
+        "llama31_8b",
+        "h2o",
+        "80",
+        "ruler",
+        {"niah_single_2": 70.0},
+        task_cfg={"context_length": 8192},
+        policy_cfg={"gqa": "sum"},
+    )
+    write_run(
+        tmp_path / "rep",
+        "llama31_8b",
+        "h2o",
+        "80",
+        "ruler",
+        {"niah_single_2": 11.0},
+        task_cfg={"context_length": 8192},
+        policy_cfg={"gqa": "repeat"},
+    )
     frame = Comparison("obcache", "table3", load_runs([tmp_path / "sum", tmp_path / "rep"])).frame
     frame = frame[frame["budget"] == "80"].set_index(["method", "row"])
     assert frame.loc[("h2o[gqa=sum]", "ours"), "niah_single_2@8k"] == "70.00"
@@ -209,31 +339,66 @@ def test_compare_scales_and_aggregates(tmp_path):
     assert row.iloc[1]["niah"] == "0.400"
     # CAOTE Table 4: the PPL gap to the full cache of the same model and text
     for policy, ppl in (("full", 8.0), ("tova", 8.75)):
-        write_run(tmp_path / f"ppl-{policy}", "llama31_8b", policy, "4k", "booksum", {"ppl": ppl, "nll": 2.0},
-                  task_cfg={"max_tokens": 8192})
+        write_run(
+            tmp_path / f"ppl-{policy}",
+            "llama31_8b",
+            policy,
+            "4k",
+            "booksum",
+            {"ppl": ppl, "nll": 2.0},
+            task_cfg={"max_tokens": 8192},
+        )
     frame = Comparison("caote", "table4", load_runs([tmp_path / "ppl-full", tmp_path / "ppl-tova"])).frame
     tova = frame[(frame["model"] == "llama31_8b") & (frame["method"] == "tova") & (frame["budget"] == "4k")]
     assert tova.iloc[1]["ppl_gap"] == "0.75"
     # OBCache Table 1: the Avg. over all budgets (budget "all") is the mean of every cell, "*" when partial
-    write_run(tmp_path / "t1", "llama31_8b", "tova", "80", "ruler", {"niah_single_2": 50.0}, task_cfg={"context_length": 4096})
+    write_run(
+        tmp_path / "t1", "llama31_8b", "tova", "80", "ruler", {"niah_single_2": 50.0}, task_cfg={"context_length": 4096}
+    )
     frame = Comparison("obcache", "table1", load_runs([tmp_path / "t1"])).frame
     avg = frame[(frame["method"] == "tova") & (frame["budget"] == "all")].iloc[1]["Avg."]
     assert avg == "50.00*"
 
 
-CALIDROP_TASKS = ["multifieldqa_en", "qasper", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec", "triviaqa",
-                  "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p"]
+CALIDROP_TASKS = [
+    "multifieldqa_en",
+    "qasper",
+    "hotpotqa",
+    "2wikimqa",
+    "gov_report",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+]
 
 
 def test_an_unbracketed_row_takes_only_the_papers_main_settings(tmp_path):
     """CaliDrop: the default run (θ1 0.7, θ2 0.85) fills Table 1's snapkv+calidrop row and Table 2's [0.70, 0.85]
     row; a θ-sweep run, whose directory sorts first, fills only its own Table 2 row."""
     snap = dict(window=32, pool="avg", kernel=5)
-    sweep = write_run(tmp_path / "policy.theta1=0.6,policy.theta2=0.8,policy=snapkv+calidrop", "llama3_8b",
-                      "snapkv+calidrop", "128", "longbench", {task: 11.0 for task in CALIDROP_TASKS},
-                      policy_cfg={**snap, "theta1": 0.6, "theta2": 0.8})
-    default = write_run(tmp_path / "policy=snapkv+calidrop", "llama3_8b", "snapkv+calidrop", "128", "longbench",
-                        {task: 22.0 for task in CALIDROP_TASKS}, policy_cfg={**snap, "theta1": 0.7, "theta2": 0.85})
+    sweep = write_run(
+        tmp_path / "policy.theta1=0.6,policy.theta2=0.8,policy=snapkv+calidrop",
+        "llama3_8b",
+        "snapkv+calidrop",
+        "128",
+        "longbench",
+        {task: 11.0 for task in CALIDROP_TASKS},
+        policy_cfg={**snap, "theta1": 0.6, "theta2": 0.8},
+    )
+    default = write_run(
+        tmp_path / "policy=snapkv+calidrop",
+        "llama3_8b",
+        "snapkv+calidrop",
+        "128",
+        "longbench",
+        {task: 22.0 for task in CALIDROP_TASKS},
+        policy_cfg={**snap, "theta1": 0.7, "theta2": 0.85},
+    )
     runs = load_runs([tmp_path])
     assert [run.run_dir.path for run in runs] == [sweep, default]  # the sweep run comes first
     table1 = Comparison("calidrop", "table1", runs).frame.set_index(["model", "method", "budget", "row"])
@@ -249,28 +414,60 @@ def test_an_unbracketed_row_takes_only_the_papers_main_settings(tmp_path):
 
 def test_runs_outside_the_papers_rows_keep_their_varied_settings_and_conflicts_are_errors(tmp_path):
     for theta1, score in ((0.6, 1.0), (0.7, 2.0)):
-        write_run(tmp_path / f"t{theta1}", "smollm2_135m", "snapkv+calidrop", "64", "longbench", {"qasper": score},
-                  policy_cfg={"window": 32, "theta1": theta1, "theta2": 0.85})
+        write_run(
+            tmp_path / f"t{theta1}",
+            "smollm2_135m",
+            "snapkv+calidrop",
+            "64",
+            "longbench",
+            {"qasper": score},
+            policy_cfg={"window": 32, "theta1": theta1, "theta2": 0.85},
+        )
     own = Comparison("calidrop", "table1", load_runs([tmp_path])).frame.query("model == 'smollm2_135m'")
     assert dict(zip(own["method"], own["Qasper"])) == {"snapkv+calidrop[theta1=0.6]": "1.00", "snapkv+calidrop": "2.00"}
-    write_run(tmp_path / "w64", "smollm2_135m", "snapkv+calidrop", "64", "longbench", {"qasper": 3.0},
-              policy_cfg={"window": 64, "theta1": 0.7, "theta2": 0.85})
-    with pytest.raises(KVBenchError, match=r"two runs fill calidrop:table1 smollm2_135m snapkv\+calidrop 64 qasper with "
-                                           r"different settings \(window=32 vs 64\)"):
+    write_run(
+        tmp_path / "w64",
+        "smollm2_135m",
+        "snapkv+calidrop",
+        "64",
+        "longbench",
+        {"qasper": 3.0},
+        policy_cfg={"window": 64, "theta1": 0.7, "theta2": 0.85},
+    )
+    with pytest.raises(
+        KVBenchError,
+        match=r"two runs fill calidrop:table1 smollm2_135m snapkv\+calidrop 64 qasper with "
+        r"different settings \(window=32 vs 64\)",
+    ):
         Comparison("calidrop", "table1", load_runs([tmp_path]))
 
 
 def test_defaults_of_obcache_and_slake_tables(tmp_path):
     """OBCache Table 4's plain rows take gqa=repeat runs only; SLAKE Table 2 (averages only) fills from the 16 tasks
     of Table 1, the run without VABS (layer_budget=cake) in its ablation row and never in Table 1's SLAKE row."""
-    write_run(tmp_path / "ob-sum", "llama31_8b", "h2o", "10pct", "longbench", {"qasper": 5.0}, policy_cfg={"gqa": "sum"})
-    write_run(tmp_path / "ob-rep", "llama31_8b", "h2o", "10pct", "longbench", {"qasper": 7.0}, policy_cfg={"gqa": "repeat"})
+    write_run(
+        tmp_path / "ob-sum", "llama31_8b", "h2o", "10pct", "longbench", {"qasper": 5.0}, policy_cfg={"gqa": "sum"}
+    )
+    write_run(
+        tmp_path / "ob-rep", "llama31_8b", "h2o", "10pct", "longbench", {"qasper": 7.0}, policy_cfg={"gqa": "repeat"}
+    )
     table4 = Comparison("obcache", "table4", load_runs([tmp_path / "ob-sum", tmp_path / "ob-rep"])).frame
     assert table4.set_index(["method", "budget", "row"]).loc[("h2o", "10pct", "ours"), "Qasper"] == "7.00"
-    for policy, layer_budget, score in (("cake", "cake", 28.0), ("cake+slake", "cake", 29.0), ("cake+slake", "vabs", 30.0)):
+    for policy, layer_budget, score in (
+        ("cake", "cake", 28.0),
+        ("cake+slake", "cake", 29.0),
+        ("cake+slake", "vabs", 30.0),
+    ):
         settings = {"layer_budget": {"name": layer_budget}}
-        write_run(tmp_path / "slake" / f"{policy}-{layer_budget}", "llama2_7b_chat", policy, "128", "longbench",
-                  {task: score + (1.0 if task == "qasper" else 0.0) for task in LONGBENCH}, policy_cfg=settings)
+        write_run(
+            tmp_path / "slake" / f"{policy}-{layer_budget}",
+            "llama2_7b_chat",
+            policy,
+            "128",
+            "longbench",
+            {task: score + (1.0 if task == "qasper" else 0.0) for task in LONGBENCH},
+            policy_cfg=settings,
+        )
     runs = load_runs([tmp_path / "slake"])
     table2 = Comparison("slake", "table2", runs).frame.set_index(["method", "row"])
     for method, score in (("cake", 28.0), ("cake+slake[layer_budget=cake]", 29.0), ("cake+slake", 30.0)):
@@ -286,7 +483,9 @@ def test_defaults_of_obcache_and_slake_tables(tmp_path):
 def test_calidrop_needle_text_compares_with_the_overall_needle_score(tmp_path):
     """The H2O 48.5 -> 83.8 quoted at KV 96 and 128: a niah run's overall score fills the row of its budget."""
     for policy, budget, overall in (("h2o", "96", 50.0), ("h2o+calidrop", "128", 80.0)):
-        write_run(tmp_path / f"{policy}-{budget}", "llama3_8b", policy, budget, "niah", {"overall": overall, "8000": overall})
+        write_run(
+            tmp_path / f"{policy}-{budget}", "llama3_8b", policy, budget, "niah", {"overall": overall, "8000": overall}
+        )
     assert parse_spec("calidrop:niah_text") == ("calidrop", "niah_text")
     frame = Comparison("calidrop", "niah_text", load_runs([tmp_path])).frame.set_index(["method", "budget", "row"])
     assert frame.loc[("h2o", "96", "ours"), "niah"] == "50.00" and frame.loc[("h2o", "96", "Δ"), "niah"] == "+1.50"
@@ -306,8 +505,10 @@ def test_compare_bad_table_is_one_line(capsys):
 
 
 def needle_records(scores: dict[tuple[int, int], float]) -> list[dict]:
-    return [{"id": f"niah-{length}-{depth}", "subtask": "niah", "score": score, "context_length": length, "depth": depth}
-            for (length, depth), score in scores.items()]
+    return [
+        {"id": f"niah-{length}-{depth}", "subtask": "niah", "score": score, "context_length": length, "depth": depth}
+        for (length, depth), score in scores.items()
+    ]
 
 
 def test_niah_grid_and_heatmap(tmp_path):
@@ -315,8 +516,15 @@ def test_niah_grid_and_heatmap(tmp_path):
     grid = niah_grid(needle_records(cells))
     assert list(grid.columns) == [1024, 2048] and list(grid.index) == [0.0, 50.0]
     assert grid.loc[50.0, 1024] == 0.0 and grid.loc[0.0, 2048] == 50.0
-    write_run(tmp_path / "runs" / "niah", "smollm2_135m", "snapkv", "128", "niah", {"overall": 62.5},
-              records=needle_records(cells))
+    write_run(
+        tmp_path / "runs" / "niah",
+        "smollm2_135m",
+        "snapkv",
+        "128",
+        "niah",
+        {"overall": 62.5},
+        records=needle_records(cells),
+    )
     paths = make_plots(load_runs([tmp_path / "runs"]), "heatmap", tmp_path / "plots")
     assert [path.name for path in paths] == ["heatmap_smollm2_135m_snapkv@128.png"]
     assert paths[0].read_bytes()[:4] == b"\x89PNG"
@@ -325,15 +533,42 @@ def test_niah_grid_and_heatmap(tmp_path):
 
 def test_budget_and_ppl_plots(tmp_path, capsys):
     for budget, value in (("64", 20.0), ("128", 40.0), ("256", 55.0)):
-        write_run(tmp_path / f"snap{budget}", "smollm2_135m", "snapkv", budget, "ruler", {"niah_single_1": value},
-                  task_cfg={"context_length": 1024})
-    write_run(tmp_path / "full", "smollm2_135m", "full", "64", "ruler", {"niah_single_1": 60.0},
-              task_cfg={"context_length": 1024})
+        write_run(
+            tmp_path / f"snap{budget}",
+            "smollm2_135m",
+            "snapkv",
+            budget,
+            "ruler",
+            {"niah_single_1": value},
+            task_cfg={"context_length": 1024},
+        )
+    write_run(
+        tmp_path / "full",
+        "smollm2_135m",
+        "full",
+        "64",
+        "ruler",
+        {"niah_single_1": 60.0},
+        task_cfg={"context_length": 1024},
+    )
     for policy, shift in (("full", 0.0), ("sink", 0.3)):
-        write_run(tmp_path / f"ppl-{policy}", "smollm2_135m", policy, "64", "ppl", {"ppl": 9.0, "nll": 2.2},
-                  task_cfg={"path": "book.txt", "max_tokens": 256},
-                  records=[{"id": "book-0", "subtask": "book", "score": 9.0,
-                            "buckets": {"0": 2.5 + shift, "64": 2.2 + shift, "128": 2.1 + shift}}])
+        write_run(
+            tmp_path / f"ppl-{policy}",
+            "smollm2_135m",
+            policy,
+            "64",
+            "ppl",
+            {"ppl": 9.0, "nll": 2.2},
+            task_cfg={"path": "book.txt", "max_tokens": 256},
+            records=[
+                {
+                    "id": "book-0",
+                    "subtask": "book",
+                    "score": 9.0,
+                    "buckets": {"0": 2.5 + shift, "64": 2.2 + shift, "128": 2.1 + shift},
+                }
+            ],
+        )
     main(["plot", str(tmp_path), "--output-dir", str(tmp_path / "plots")])
     out = capsys.readouterr().out
     assert "budget_curves.png" in out and "ppl_vs_length.png" in out and "heatmap" not in out
@@ -358,8 +593,8 @@ def offline_records(path: Path) -> list:
         if left < 7:  # block trailer
             position += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
-        pending += data[position + 7:position + 7 + length]
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        pending += data[position + 7 : position + 7 + length]
         position += 7 + length
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
@@ -374,8 +609,20 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     out = tmp_path / "run"
-    main(["run", "model=tiny_llama", "task=ruler", "task.subtasks=[niah_single_1]", "task.context_length=640",
-          "task.num_samples=1", "policy=tova", "budget=64", "logger=wandb", f"output_dir={out}"])
+    main(
+        [
+            "run",
+            "model=tiny_llama",
+            "task=ruler",
+            "task.subtasks=[niah_single_1]",
+            "task.context_length=640",
+            "task.num_samples=1",
+            "policy=tova",
+            "budget=64",
+            "logger=wandb",
+            f"output_dir={out}",
+        ]
+    )
     offline = list((out / "wandb").glob("offline-run-*"))
     assert len(offline) == 1 and list(offline[0].glob("run-*.wandb"))
     saved = json.loads((offline[0] / "files" / "kvbench-metrics.json").read_text())
@@ -389,8 +636,21 @@ def test_wandb_offline_log_holds_summary_config_and_tags(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     out = tmp_path / "run"
-    main(["run", "model=tiny_llama", "task=ruler", "task.subtasks=[niah_single_1]", "task.context_length=640",
-          "task.num_samples=1", "policy=snapkv", "budget=64", "logger=wandb", "logger.tags=[test]", f"output_dir={out}"])
+    main(
+        [
+            "run",
+            "model=tiny_llama",
+            "task=ruler",
+            "task.subtasks=[niah_single_1]",
+            "task.context_length=640",
+            "task.num_samples=1",
+            "policy=snapkv",
+            "budget=64",
+            "logger=wandb",
+            "logger.tags=[test]",
+            f"output_dir={out}",
+        ]
+    )
     metrics = json.loads((out / "metrics.json").read_text())
     offline = list((out / "wandb").glob("offline-run-*"))
     assert len(offline) == 1
@@ -398,7 +658,9 @@ def test_wandb_offline_log_holds_summary_config_and_tags(tmp_path, monkeypatch):
     summary = {}
     for record in records:
         if record.WhichOneof("record_type") == "summary":
-            summary.update({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.summary.update})
+            summary.update(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.summary.update}
+            )
     assert summary["scores/niah_single_1"] == metrics["scores"]["niah_single_1"]
     assert summary["average"] == metrics["average"]
     assert summary["kv_cache/peak_bytes"] == metrics["kv_cache"]["peak_bytes"]
@@ -429,6 +691,17 @@ def test_wandb_mode_without_key_is_offline(monkeypatch, tmp_path):
 
 def test_logger_none_writes_no_wandb_dir(tmp_path):
     out = tmp_path / "run"
-    main(["run", "model=tiny_llama", "task=ruler", "task.subtasks=[niah_single_1]", "task.context_length=640",
-          "task.num_samples=1", "policy=tova", "budget=64", f"output_dir={out}"])
+    main(
+        [
+            "run",
+            "model=tiny_llama",
+            "task=ruler",
+            "task.subtasks=[niah_single_1]",
+            "task.context_length=640",
+            "task.num_samples=1",
+            "policy=tova",
+            "budget=64",
+            f"output_dir={out}",
+        ]
+    )
     assert (out / "metrics.json").exists() and not (out / "wandb").exists()

@@ -19,8 +19,14 @@ from kvbench.tasks.base import ModelInfo
 from kvbench.tasks.ruler import NOISE, RulerTask
 
 NIAH = [
-    "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1",
-    "niah_multikey_2", "niah_multikey_3", "niah_multivalue", "niah_multiquery",
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "niah_multivalue",
+    "niah_multiquery",
 ]
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
 WORDS = r"[\w' ]+-[\w' -]+"  # adjective-noun from wonderwords ("ad hoc-dump truck", "Early-tam-o'-shanter")
@@ -118,8 +124,9 @@ def test_a_failed_download_is_a_one_line_error(tmp_path, monkeypatch):
 
 
 def test_noise_and_needle_haystacks_fit_the_budget_with_the_byte_tokenizer():
-    task = RulerTask(ruler_cfg(subtasks=["niah_single_1", "niah_multikey_2", "niah_multikey_3"],
-                               context_length=2048), tiny_model())
+    task = RulerTask(
+        ruler_cfg(subtasks=["niah_single_1", "niah_multikey_2", "niah_multikey_3"], context_length=2048), tiny_model()
+    )
     samples = list(task.samples())
     assert [s.id for s in samples] == [f"{name}-{i}" for name in task.subtasks for i in range(NUM_SAMPLES)]
     budget = 2048 - 128
@@ -136,8 +143,9 @@ def test_noise_and_needle_haystacks_fit_the_budget_with_the_byte_tokenizer():
 
 def test_essay_haystack_repeats_a_short_essay_folder(tmp_path):
     (tmp_path / "essay.txt").write_text("Startups grow fast. Investors like growth. Founders work hard. " * 3)
-    task = RulerTask(ruler_cfg(subtasks=["niah_multivalue"], context_length=2048, essay_dir=str(tmp_path)),
-                     tiny_model())
+    task = RulerTask(
+        ruler_cfg(subtasks=["niah_multivalue"], context_length=2048, essay_dir=str(tmp_path)), tiny_model()
+    )
     generated = task.generate("niah_multivalue", 0)
     assert 0.9 * 1920 <= len(generated.input_ids) <= 1920
     assert generated.text.count("Investors like growth.") > 10  # 9 essay sentences, cycled
@@ -192,18 +200,27 @@ def test_too_short_a_context_and_unknown_subtasks_are_one_line_errors():
         RulerTask(ruler_cfg(context_length=8192), tiny_model())
 
 
-@pytest.mark.parametrize("prompt_format, hf_id, before, after", [
-    # RULER's template.py for config_models.sh's models, the answer prefix after it (call_api.py)
-    ("ruler_official", "meta-llama/Llama-3.1-8B-Instruct", "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n",
-     "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n{prefix}"),
-    ("ruler_official", "meta-llama/Llama-2-7b-chat-hf", "[INST] ", " [/INST]{prefix}"),
-    ("ruler_official", "Qwen/Qwen2.5-7B-Instruct", "", "{prefix}"),
-    # KVCache-Factory's run_ruler.py: the input alone
-    ("kvcache_factory", "meta-llama/Meta-Llama-3-8B-Instruct", "", ""),
-])
+@pytest.mark.parametrize(
+    "prompt_format, hf_id, before, after",
+    [
+        # RULER's template.py for config_models.sh's models, the answer prefix after it (call_api.py)
+        (
+            "ruler_official",
+            "meta-llama/Llama-3.1-8B-Instruct",
+            "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n",
+            "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n{prefix}",
+        ),
+        ("ruler_official", "meta-llama/Llama-2-7b-chat-hf", "[INST] ", " [/INST]{prefix}"),
+        ("ruler_official", "Qwen/Qwen2.5-7B-Instruct", "", "{prefix}"),
+        # KVCache-Factory's run_ruler.py: the input alone
+        ("kvcache_factory", "meta-llama/Meta-Llama-3-8B-Instruct", "", ""),
+    ],
+)
 def test_generated_prompts_in_each_pipelines_template(prompt_format, hf_id, before, after):
-    task = RulerTask(ruler_cfg(subtasks=["niah_single_1"], context_length=1024, prompt_format=prompt_format),
-                     ModelInfo("m", byte_tokenizer(4096), 4096, hf_id))
+    task = RulerTask(
+        ruler_cfg(subtasks=["niah_single_1"], context_length=1024, prompt_format=prompt_format),
+        ModelInfo("m", byte_tokenizer(4096), 4096, hf_id),
+    )
     generated = task.generate("niah_single_1", 0)
     expected = "<bos>" + before + generated.prompt.text + after.format(prefix=generated.prompt.answer_prefix)
     assert generated.text == expected and len(generated.input_ids) <= 1024 - 128
@@ -350,7 +367,13 @@ def file_records(subtask):
 
 def official_string_match_all(preds, refs):
     """RULER scripts/eval/synthetic/constants.py, verbatim but for the rounding."""
-    return sum([sum([1.0 if r.lower() in pred.lower() else 0.0 for r in ref]) / len(ref) for pred, ref in zip(preds, refs)]) / len(preds) * 100
+    return (
+        sum(
+            [sum([1.0 if r.lower() in pred.lower() else 0.0 for r in ref]) / len(ref) for pred, ref in zip(preds, refs)]
+        )
+        / len(preds)
+        * 100
+    )
 
 
 def file_cfg(**overrides):
@@ -371,8 +394,11 @@ def test_official_files_run_as_they_are(smollm2):
         assert task.score(sample, " and ".join(record["outputs"])) == 1.0
     assert [s.max_new_tokens for s in samples] == [128, 128, 30]  # RULER's niah and vt lengths
     vt = samples[2]
-    assert task.score(vt, f"{vt.answers[0]}, {vt.answers[3]}") == official_string_match_all(
-        [f"{vt.answers[0]}, {vt.answers[3]}"], [vt.answers]) / 100 == 0.4
+    assert (
+        task.score(vt, f"{vt.answers[0]}, {vt.answers[3]}")
+        == official_string_match_all([f"{vt.answers[0]}, {vt.answers[3]}"], [vt.answers]) / 100
+        == 0.4
+    )
     kvcf = RulerTask(file_cfg(prompt_format="kvcache_factory", tokens_to_generate=64, min_new_tokens=1), smollm2)
     for sample, record in zip(kvcf.samples(), records):
         assert sample.input_ids == smollm2.tokenizer(record["input"]).input_ids  # run_ruler.py: input alone
@@ -383,19 +409,28 @@ def test_official_files_run_as_they_are(smollm2):
 
 def test_file_prompts_are_cut_in_the_middle_as_kvcache_factory():
     """run_ruler.py: prompts longer than model2maxlen keep their decoded first and last halves, tokenized again."""
-    task = RulerTask(file_cfg(subtasks=["niah_single_1"], max_length=2000, prompt_format="kvcache_factory"), tiny_model())
+    task = RulerTask(
+        file_cfg(subtasks=["niah_single_1"], max_length=2000, prompt_format="kvcache_factory"), tiny_model()
+    )
     tokenizer = task.model.tokenizer
     for sample, record in zip(task.samples(), file_records("niah_single_1")):
         ids = tokenizer(record["input"]).input_ids
-        kept = tokenizer.decode(ids[:1000], skip_special_tokens=True) + tokenizer.decode(ids[-1000:], skip_special_tokens=True)
+        kept = tokenizer.decode(ids[:1000], skip_special_tokens=True) + tokenizer.decode(
+            ids[-1000:], skip_special_tokens=True
+        )
         assert sample.input_ids == tokenizer(kept).input_ids and len(sample.input_ids) == 2000
-    with pytest.raises(KVBenchError, match="task.max_length=2000 would cut prompts generated for task.context_length=4096"):
+    with pytest.raises(
+        KVBenchError, match="task.max_length=2000 would cut prompts generated for task.context_length=4096"
+    ):
         RulerTask(ruler_cfg(max_length=2000), tiny_model())
 
 
 def test_bad_files_and_settings_are_one_line_errors(tmp_path):
-    with pytest.raises(KVBenchError, match=r"niah_single_1 sample 0 has \d+ prompt tokens \+ 128 to generate, beyond the "
-                                           "context window 4096 of model tiny_llama"):
+    with pytest.raises(
+        KVBenchError,
+        match=r"niah_single_1 sample 0 has \d+ prompt tokens \+ 128 to generate, beyond the "
+        "context window 4096 of model tiny_llama",
+    ):
         list(RulerTask(file_cfg(), tiny_model()).samples())  # 4k of SmolLM2's tokens are 16k bytes
     with pytest.raises(KVBenchError, match=r"RULER file .*cwe.jsonl not found"):
         list(RulerTask(file_cfg(subtasks=["cwe"]), tiny_model()).samples())
@@ -420,7 +455,9 @@ def without_noise(folder):
     return folder
 
 
-@pytest.mark.parametrize("model", ["tiny_llama", pytest.param("smollm2_135m", marks=[pytest.mark.model, pytest.mark.slow])])
+@pytest.mark.parametrize(
+    "model", ["tiny_llama", pytest.param("smollm2_135m", marks=[pytest.mark.model, pytest.mark.slow])]
+)
 def test_kvbench_run_scores_official_files_with_their_answers(tmp_path, model):
     """``kvbench run task.data_dir=...``: every record run and scored by RULER's string_match_all (SmolLM2: the
     4k files as they are; the tiny model's 4096 bytes: the same files without their noise lines)."""
@@ -428,8 +465,19 @@ def test_kvbench_run_scores_official_files_with_their_answers(tmp_path, model):
 
     out = tmp_path / "run"
     files = FILES if model == "smollm2_135m" else without_noise(tmp_path / "files")
-    main(["run", f"model={model}", "task=ruler", f"task.data_dir={files}", "task.subtasks=[niah_single_1,vt]",
-          "task.num_samples=null", "task.tokens_to_generate=16", "policy=full", f"output_dir={out}"])
+    main(
+        [
+            "run",
+            f"model={model}",
+            "task=ruler",
+            f"task.data_dir={files}",
+            "task.subtasks=[niah_single_1,vt]",
+            "task.num_samples=null",
+            "task.tokens_to_generate=16",
+            "policy=full",
+            f"output_dir={out}",
+        ]
+    )
     metrics = json.loads((out / "metrics.json").read_text())
     predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert [p["id"] for p in predictions] == ["niah_single_1-0", "niah_single_1-1", "vt-0"]

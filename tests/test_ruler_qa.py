@@ -26,11 +26,16 @@ def qa_cfg(**overrides):
 def test_read_squad_keeps_answerable_questions_and_article_paragraphs():
     qas, docs = read_squad(json.loads((FIXTURES / "squad.json").read_text()))
     assert len(docs) == 5 and docs == sorted(docs)
-    assert [qa["query"] for qa in qas][:2] == ["In what country is Normandy located?", "What did the Norman dynasty have a major impact on?"]
+    assert [qa["query"] for qa in qas][:2] == [
+        "In what country is Normandy located?",
+        "What did the Norman dynasty have a major impact on?",
+    ]
     assert len(qas) == 5  # the impossible question is dropped
     first = qas[0]
     assert first["outputs"] == ["France"] and docs[first["context"][0]].startswith("The Normans were")
-    assert [docs[i] for i in first["more_context"]] == ["The Norman dynasty had a major political, cultural and military impact on medieval Europe."]
+    assert [docs[i] for i in first["more_context"]] == [
+        "The Norman dynasty had a major political, cultural and military impact on medieval Europe."
+    ]
     assert qas[1]["outputs"] == ["medieval Europe", "Europe"]
 
 
@@ -49,7 +54,9 @@ def test_qa_samples_hold_the_gold_documents_template_and_prefix(subtask, dataset
     for sample in task.samples():
         assert len(sample.input_ids) <= 2048 - 32 and sample.max_new_tokens == 32
         text = MODEL.tokenizer.decode(sample.input_ids, skip_special_tokens=True)
-        assert text.startswith("Answer the question based on the given documents. Only give me the answer and do not output any other words.\n\nThe following are given documents.\n\nDocument 1:\n")
+        assert text.startswith(
+            "Answer the question based on the given documents. Only give me the answer and do not output any other words.\n\nThe following are given documents.\n\nDocument 1:\n"
+        )
         assert text.endswith(QA_ANSWER_PREFIX) and "\n\nQuestion: " in text
         qa = next(q for q in qas if f"Question: {q['query']} Answer:" in text)
         assert sample.answers == qa["outputs"]
@@ -83,4 +90,9 @@ def test_qa_is_named_explicitly_and_missing_data_is_one_line(tmp_path, monkeypat
     with pytest.raises(KVBenchError) as error:
         list(task.samples())
     message = str(error.value)
-    assert "\n" not in message and "squad.json" in message and "rajpurkar/squad_v2" in message and "task.qa_dir=" in message
+    assert (
+        "\n" not in message
+        and "squad.json" in message
+        and "rajpurkar/squad_v2" in message
+        and "task.qa_dir=" in message
+    )

@@ -127,7 +127,9 @@ def test_decode_with_ptaa_is_close_to_full():
     prompt, budget = random_prompt(120), 32
     logits = {}
     for spec in ("full", "snapkv", "snapkv+slake"):
-        runner = Engine(model, build_policy(spec, {} if spec == "full" else {"window": 8}), budget if spec != "full" else 4096)
+        runner = Engine(
+            model, build_policy(spec, {} if spec == "full" else {"window": 8}), budget if spec != "full" else 4096
+        )
         cache = runner.new_cache(len(prompt))
         runner.prefill(cache, prompt)
         logits[spec] = runner.step(cache, [7], len(prompt), evict=False)[0, -1]

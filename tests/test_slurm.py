@@ -17,8 +17,13 @@ import pytest
 from tests.test_sweeps import TINY, submitit_job_folders
 
 KVBENCH = str(Path(sys.executable).parent / "kvbench")
-CPU = ["hydra/launcher=slurm", "hydra.launcher.partition=cpu", "hydra.launcher.gpus_per_node=0",
-       "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=4"]
+CPU = [
+    "hydra/launcher=slurm",
+    "hydra.launcher.partition=cpu",
+    "hydra.launcher.gpus_per_node=0",
+    "hydra.launcher.cpus_per_task=1",
+    "hydra.launcher.mem_gb=4",
+]
 
 
 def cluster_answers() -> bool:
@@ -30,14 +35,17 @@ def cluster_answers() -> bool:
         return False
 
 
-pytestmark = [pytest.mark.slurm,
-              pytest.mark.skipif(not cluster_answers(), reason="no Slurm cluster answers (make test-slurm starts one)")]
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.skipif(not cluster_answers(), reason="no Slurm cluster answers (make test-slurm starts one)"),
+]
 
 
 def sweep(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """``kvbench run -m ARGS`` in ``cwd``, as a user types it."""
-    return subprocess.run([KVBENCH, "run", "-m", *args], capture_output=True, text=True, cwd=cwd, env=os.environ,
-                          timeout=900)
+    return subprocess.run(
+        [KVBENCH, "run", "-m", *args], capture_output=True, text=True, cwd=cwd, env=os.environ, timeout=900
+    )
 
 
 def run_dir_name(**values: str) -> str:
@@ -73,9 +81,11 @@ def test_every_failed_job_is_reported_and_the_fixed_one_alone_resubmitted(tmp_pa
     assert result.returncode == 1
     run_dir = Path("results/multirun") / run_dir_name(budget="'64'", policy="snapkv", **{"task.context_length": "-1"})
     failures = [line for line in result.stderr.splitlines() if line.startswith("kvbench: failed:")]
-    assert failures == [f"kvbench: failed: {' '.join(tiny)} policy=snapkv budget='64' task.context_length=-1 | "
-                        f"run dir: {run_dir} | task.context_length must be a positive token count, got -1 | "
-                        f"log: {run_dir / 'kvbench.log'}"]
+    assert failures == [
+        f"kvbench: failed: {' '.join(tiny)} policy=snapkv budget='64' task.context_length=-1 | "
+        f"run dir: {run_dir} | task.context_length must be a positive token count, got -1 | "
+        f"log: {run_dir / 'kvbench.log'}"
+    ]
     assert "got -1" in (tmp_path / run_dir / "kvbench.log").read_text()
     good = tmp_path / "results/multirun" / run_dir_name(budget="'64'", policy="snapkv")
     assert (good / "metrics.json").exists()
@@ -86,13 +96,16 @@ def test_every_failed_job_is_reported_and_the_fixed_one_alone_resubmitted(tmp_pa
 
 def test_sbatch_refusal_is_one_line_naming_the_launcher_keys(tmp_path):
     """The defaults ask for a GPU, which the cpu partition has not."""
-    result = sweep(*TINY, "policy=snapkv", "budget=64", "hydra/launcher=slurm", "hydra.launcher.partition=cpu",
-                   cwd=tmp_path)
+    result = sweep(
+        *TINY, "policy=snapkv", "budget=64", "hydra/launcher=slurm", "hydra.launcher.partition=cpu", cwd=tmp_path
+    )
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1
     assert result.stderr.startswith("kvbench: error: sbatch refused the jobs (sbatch: error: Invalid generic resource")
-    assert "hydra.launcher.partition=cpu hydra.launcher.account=null hydra.launcher.qos=null " \
-           "hydra.launcher.gpus_per_node=1 hydra.launcher.cpus_per_task=8 hydra.launcher.mem_gb=64" in result.stderr
+    assert (
+        "hydra.launcher.partition=cpu hydra.launcher.account=null hydra.launcher.qos=null "
+        "hydra.launcher.gpus_per_node=1 hydra.launcher.cpus_per_task=8 hydra.launcher.mem_gb=64" in result.stderr
+    )
 
 
 def wait_for_predictions(path: Path, count: int, timeout_s: float = 300) -> None:
@@ -107,10 +120,19 @@ def test_running_job_is_not_submitted_twice_and_a_cancelled_one_resumes(tmp_path
     is reported failed with Slurm's line; submitted again, it resumes: one prediction per id, none redone."""
     tiny = [arg for arg in TINY if not arg.startswith(("task.context_length", "task.num_samples"))]
     args = [*tiny, "task.context_length=2048", "task.num_samples=200", "policy=snapkv", "budget=64", *CPU]
-    run_dir = tmp_path / "results/multirun" / run_dir_name(
-        budget="'64'", policy="snapkv", **{"task.context_length": "2048", "task.num_samples": "200"})
-    with subprocess.Popen([KVBENCH, "run", "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          cwd=tmp_path, env=os.environ) as first:
+    run_dir = (
+        tmp_path
+        / "results/multirun"
+        / run_dir_name(budget="'64'", policy="snapkv", **{"task.context_length": "2048", "task.num_samples": "200"})
+    )
+    with subprocess.Popen(
+        [KVBENCH, "run", "-m", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=os.environ,
+    ) as first:
         try:
             wait_for_predictions(run_dir / "predictions.jsonl", 2)
             second = sweep(*args, cwd=tmp_path)
@@ -128,7 +150,10 @@ def test_running_job_is_not_submitted_twice_and_a_cancelled_one_resumes(tmp_path
     resumed = sweep(*args, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "1 jobs, 0 skipped (0 finished, 0 running), 1 submitted" in resumed.stdout
-    assert f"resuming {run_dir}: {len(done)} samples done, {200 - len(done)} to go" in (run_dir / "kvbench.log").read_text()
+    assert (
+        f"resuming {run_dir}: {len(done)} samples done, {200 - len(done)} to go"
+        in (run_dir / "kvbench.log").read_text()
+    )
     ids = [json.loads(line)["id"] for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
-    assert len(ids) == len(set(ids)) == 200 and ids[:len(done)] == done
+    assert len(ids) == len(set(ids)) == 200 and ids[: len(done)] == done
     assert json.loads((run_dir / "metrics.json").read_text())["num_samples"] == 200

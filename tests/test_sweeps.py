@@ -26,7 +26,13 @@ from kvbench.tasks.base import ModelInfo
 from tests.helpers import local_data
 
 KVBENCH = str(Path(sys.executable).parent / "kvbench")
-TINY = ["model=tiny_llama", "task=ruler", "task.subtasks=[niah_single_1]", "task.context_length=512", "task.num_samples=1"]
+TINY = [
+    "model=tiny_llama",
+    "task=ruler",
+    "task.subtasks=[niah_single_1]",
+    "task.context_length=512",
+    "task.num_samples=1",
+]
 EXPERIMENTS = group_options("experiment")
 
 
@@ -58,10 +64,19 @@ def test_every_model_of_every_experiment_gets_a_valid_task(experiment):
     for model in params["model"].split(","):
         for context in params.get("task.context_length", "").split(","):
             extra = [f"task.context_length={context}"] if context else []
-            cfg = compose_run([f"+experiment={experiment}", f"model={model}", f"policy={policy}", f"budget={budget}",
-                               f"task={params['task']}", *extra])
-            info = ModelInfo(cfg.model.name, stand_in_tokenizer(cfg.model.context_window), cfg.model.context_window,
-                             cfg.model.hf_id)
+            cfg = compose_run(
+                [
+                    f"+experiment={experiment}",
+                    f"model={model}",
+                    f"policy={policy}",
+                    f"budget={budget}",
+                    f"task={params['task']}",
+                    *extra,
+                ]
+            )
+            info = ModelInfo(
+                cfg.model.name, stand_in_tokenizer(cfg.model.context_window), cfg.model.context_window, cfg.model.hf_id
+            )
             get_class(cfg.task._target_)(cfg.task, info)
 
 
@@ -70,10 +85,17 @@ def test_paper_protocols_are_pinned():
     assert (caote.engine.regime, caote.engine.block_size, caote.engine.decode_evict) == ("chunked", 128, True)
     assert sweeper_params("caote")["budget"] == "2k,4k,6k,8k"
     obcache = compose_run(["+experiment=obcache_niah", "policy=snapkv"])
-    assert (obcache.engine.regime, obcache.policy.window, obcache.policy.pool, obcache.policy.kernel) == ("oneshot", 16, "max", 7)
+    assert (obcache.engine.regime, obcache.policy.window, obcache.policy.pool, obcache.policy.kernel) == (
+        "oneshot",
+        16,
+        "max",
+        7,
+    )
     h2o = compose_run(["+experiment=obcache", "policy=h2o"]).policy
     assert (h2o.window, h2o.score_window, h2o.gqa) == (0.05, 0.05, "repeat")  # 5% of the budget (obcache.yaml)
-    pg19 = {spec: compose_run(["+experiment=obcache_pg19", f"policy={spec}"]).policy for spec in ("sink", "h2o", "tova")}
+    pg19 = {
+        spec: compose_run(["+experiment=obcache_pg19", f"policy={spec}"]).policy for spec in ("sink", "h2o", "tova")
+    }
     assert [pg19[spec].n_sink for spec in pg19] == [4, 4, 4] and pg19["h2o"].window == 256
     caote_node = compose_run(["+experiment=caote", "policy=snapkv+caote"]).policy
     assert (caote_node.power, caote_node.window, caote_node.pool) == (1.0, 32, "avg")
@@ -83,21 +105,49 @@ def test_paper_protocols_are_pinned():
     assert sweeper_params("slake")["policy"] == "h2o,pyramidkv,cake,cake+slake"
 
 
-@pytest.mark.parametrize("experiment, task, expected", [
-    ("calidrop", "longbench", {"prompt_format": "kvcache_factory", "max_length": None, "min_length_datasets": "all"}),
-    ("calidrop_ruler", "ruler", {"prompt_format": "kvcache_factory", "context_length": 4096, "num_samples": 500,
-                                 "tokens_to_generate": 64, "min_new_tokens": 1}),
-    ("calidrop_needle", "niah", {"prompt_format": "kvcache_factory", "context_range": {"min": 1000, "max": 8000, "step": 100},
-                                 "depth_steps": 10, "buffer": 200}),
-    ("calidrop_needle_mistral", "niah", {"context_range": {"min": 400, "max": 32000, "step": 400}}),
-    ("caote", "longbench", {"prompt_format": "longbench_official", "max_length": None, "min_length_datasets": ["samsum"]}),
-    ("caote_niah", "niah", {"prompt_format": "hf_chat"}),
-    ("caote_booksum", "booksum", {"num_samples": 100, "max_tokens": 12288, "min_tokens": 12288}),
-    ("obcache", "longbench", {"prompt_format": "longbench_official", "max_length": 32768}),
-    ("obcache_niah", "ruler", {"prompt_format": "ruler_official", "tokens_to_generate": None, "num_samples": 250}),
-    ("slake", "longbench", {"prompt_format": "cake", "max_length": None, "min_length_datasets": ["samsum"]}),
-    ("slake_needlebench", "needlebench", {"prompt_format": "hf_chat", "max_new_tokens": 1024}),
-])
+@pytest.mark.parametrize(
+    "experiment, task, expected",
+    [
+        (
+            "calidrop",
+            "longbench",
+            {"prompt_format": "kvcache_factory", "max_length": None, "min_length_datasets": "all"},
+        ),
+        (
+            "calidrop_ruler",
+            "ruler",
+            {
+                "prompt_format": "kvcache_factory",
+                "context_length": 4096,
+                "num_samples": 500,
+                "tokens_to_generate": 64,
+                "min_new_tokens": 1,
+            },
+        ),
+        (
+            "calidrop_needle",
+            "niah",
+            {
+                "prompt_format": "kvcache_factory",
+                "context_range": {"min": 1000, "max": 8000, "step": 100},
+                "depth_steps": 10,
+                "buffer": 200,
+            },
+        ),
+        ("calidrop_needle_mistral", "niah", {"context_range": {"min": 400, "max": 32000, "step": 400}}),
+        (
+            "caote",
+            "longbench",
+            {"prompt_format": "longbench_official", "max_length": None, "min_length_datasets": ["samsum"]},
+        ),
+        ("caote_niah", "niah", {"prompt_format": "hf_chat"}),
+        ("caote_booksum", "booksum", {"num_samples": 100, "max_tokens": 12288, "min_tokens": 12288}),
+        ("obcache", "longbench", {"prompt_format": "longbench_official", "max_length": 32768}),
+        ("obcache_niah", "ruler", {"prompt_format": "ruler_official", "tokens_to_generate": None, "num_samples": 250}),
+        ("slake", "longbench", {"prompt_format": "cake", "max_length": None, "min_length_datasets": ["samsum"]}),
+        ("slake_needlebench", "needlebench", {"prompt_format": "hf_chat", "max_new_tokens": 1024}),
+    ],
+)
 def test_paper_task_settings_are_pinned(experiment, task, expected):
     """The prompt format, truncation and generation settings each experiment file names, with their evidence."""
     cfg = OmegaConf.to_container(compose_run([f"+experiment={experiment}", f"task={task}"]).task)
@@ -122,39 +172,63 @@ def test_launcher_configs_compose():
     local = compose_run(["hydra/launcher=local"], return_hydra_config=True)
     launcher = slurm.hydra.launcher
     assert launcher._target_ == "hydra_plugins.kvbench.SlurmLauncher"
-    assert (launcher.partition, launcher.gpus_per_node, launcher.timeout_min, launcher.array_parallelism) == ("gpu", 1, 720, 16)
+    assert (launcher.partition, launcher.gpus_per_node, launcher.timeout_min, launcher.array_parallelism) == (
+        "gpu",
+        1,
+        720,
+        16,
+    )
     assert local.hydra.launcher._target_ == "hydra_plugins.kvbench.LocalLauncher"
     assert slurm.hydra.sweeper._target_ == "hydra_plugins.kvbench.Sweeper"
 
 
 def test_array_name_says_what_runs():
-    labels = [{"model": "llama3_8b", "policy": policy, "budget": budget, "task": "ruler"}
-              for policy in ("snapkv", "h2o") for budget in ("64", "128", "256", "512")]
+    labels = [
+        {"model": "llama3_8b", "policy": policy, "budget": budget, "task": "ruler"}
+        for policy in ("snapkv", "h2o")
+        for budget in ("64", "128", "256", "512")
+    ]
     assert array_name(labels) == "kvbench-llama3_8b-snapkv,h2o-4budgets-ruler"
     assert array_name(labels[:1]) == "kvbench-llama3_8b-snapkv-64-ruler"
-    assert array_name([{**label, "policy": str(n)} for n, label in enumerate(labels)]) == \
-        "kvbench-llama3_8b-8policies-4budgets-ruler"
+    assert (
+        array_name([{**label, "policy": str(n)} for n, label in enumerate(labels)])
+        == "kvbench-llama3_8b-8policies-4budgets-ruler"
+    )
 
 
 def test_sbatch_refusal_names_the_launcher_keys():
-    line = refusal({"partition": None, "gpus_per_node": 1, "cpus_per_task": 8, "mem_gb": 64, "timeout_min": 720},
-                   RuntimeError("sbatch: error: Invalid generic resource (gres) specification\n"))
+    line = refusal(
+        {"partition": None, "gpus_per_node": 1, "cpus_per_task": 8, "mem_gb": 64, "timeout_min": 720},
+        RuntimeError("sbatch: error: Invalid generic resource (gres) specification\n"),
+    )
     assert "\n" not in line
     assert line.startswith("sbatch refused the jobs (sbatch: error: Invalid generic resource (gres) specification)")
-    assert "hydra.launcher.partition=null hydra.launcher.account=null hydra.launcher.qos=null " \
-           "hydra.launcher.gpus_per_node=1 hydra.launcher.cpus_per_task=8 hydra.launcher.mem_gb=64" in line
+    assert (
+        "hydra.launcher.partition=null hydra.launcher.account=null hydra.launcher.qos=null "
+        "hydra.launcher.gpus_per_node=1 hydra.launcher.cpus_per_task=8 hydra.launcher.mem_gb=64" in line
+    )
     assert last_line("a\n  b  \n\n") == "b" and last_line("") == ""
 
 
 def test_sweep_jobs_compose_every_job_before_submission(tmp_path):
     """sweep_jobs: each job's overrides, config, run directory and log, as the sweeper submits them."""
     jobs = sweep_jobs([*TINY, "policy=snapkv,h2o+caote", "budget=32,64", f"hydra.sweep.dir={tmp_path}"])
-    assert [(job.label["policy"], job.label["budget"]) for job in jobs] == \
-        [("snapkv", "32"), ("snapkv", "64"), ("h2o+caote", "32"), ("h2o+caote", "64")]
+    assert [(job.label["policy"], job.label["budget"]) for job in jobs] == [
+        ("snapkv", "32"),
+        ("snapkv", "64"),
+        ("h2o+caote", "32"),
+        ("h2o+caote", "64"),
+    ]
     first = jobs[0]
-    assert first.output_dir == tmp_path / ("budget='32',model=tiny_llama,policy=snapkv,task.context_length=512,"
-                                           "task.num_samples=1,task.subtasks=[niah_single_1],task=ruler")
-    assert first.log == first.output_dir / "kvbench.log" and first.cfg.model.name == "tiny_llama" and "hydra" not in first.cfg
+    assert first.output_dir == tmp_path / (
+        "budget='32',model=tiny_llama,policy=snapkv,task.context_length=512,"
+        "task.num_samples=1,task.subtasks=[niah_single_1],task=ruler"
+    )
+    assert (
+        first.log == first.output_dir / "kvbench.log"
+        and first.cfg.model.name == "tiny_llama"
+        and "hydra" not in first.cfg
+    )
     assert split_pending(jobs) == ([], [], jobs)
     smoke = sweep_jobs(["+experiment=caote_smoke"])
     params = sweeper_params("caote_smoke")
@@ -165,8 +239,9 @@ def test_sweep_jobs_compose_every_job_before_submission(tmp_path):
 
 
 def run_kvbench(*args: str) -> subprocess.CompletedProcess:
-    result = subprocess.run([KVBENCH, "run", *args], capture_output=True, text=True, cwd=PROJECT_ROOT, env=os.environ,
-                            timeout=900)
+    result = subprocess.run(
+        [KVBENCH, "run", *args], capture_output=True, text=True, cwd=PROJECT_ROOT, env=os.environ, timeout=900
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -184,11 +259,16 @@ def test_local_launcher_multirun_completes_then_submits_nothing(tmp_path):
     args = ["-m", "hydra/launcher=local", *TINY, "policy=snapkv,h2o+caote", "budget=64", f"hydra.sweep.dir={sweep}"]
     assert f"kvbench: {sweep}: 2 jobs, 0 skipped (0 finished, 0 running), 2 submitted" in run_kvbench(*args).stdout
     jobs = sorted(path.name for path in sweep.iterdir() if (path / "metrics.json").exists())
-    assert jobs == [f"budget='64',model=tiny_llama,policy={policy},task.context_length=512,task.num_samples=1,"
-                    f"task.subtasks=[niah_single_1],task=ruler" for policy in ("h2o+caote", "snapkv")]
+    assert jobs == [
+        f"budget='64',model=tiny_llama,policy={policy},task.context_length=512,task.num_samples=1,"
+        f"task.subtasks=[niah_single_1],task=ruler"
+        for policy in ("h2o+caote", "snapkv")
+    ]
     metrics = {job: json.loads((sweep / job / "metrics.json").read_text()) for job in jobs}
     assert {m["policy"] for m in metrics.values()} == {"snapkv", "h2o+caote"}
-    assert all(m["num_samples"] == 1 and m["kv_cache"]["after_prefill_tokens_per_layer"] == [64] * 3 for m in metrics.values())
+    assert all(
+        m["num_samples"] == 1 and m["kv_cache"]["after_prefill_tokens_per_layer"] == [64] * 3 for m in metrics.values()
+    )
     folders = submitit_job_folders(sweep)
     assert len(folders) == 2
     stamps = {job: (sweep / job / "predictions.jsonl").stat().st_mtime_ns for job in jobs}
@@ -212,27 +292,40 @@ def test_every_failed_job_is_reported_and_only_unfinished_ones_resubmitted(tmp_p
     failures = [line for line in captured.err.splitlines() if line.startswith("kvbench: failed:")]
     assert len(failures) == 2
     for value, line in zip(("-1", "-2"), failures):
-        run_dir = Path("results/multirun") / (f"budget='32',model=tiny_llama,policy=tova,task.context_length={value},"
-                                              "task.num_samples=1,task.subtasks=[niah_single_1],task=ruler")
-        assert line == (f"kvbench: failed: {' '.join(tiny)} policy=tova budget='32' task.context_length={value} | "
-                        f"run dir: {run_dir} | task.context_length must be a positive token count, got {value} | "
-                        f"log: {run_dir / 'kvbench.log'}")
+        run_dir = Path("results/multirun") / (
+            f"budget='32',model=tiny_llama,policy=tova,task.context_length={value},"
+            "task.num_samples=1,task.subtasks=[niah_single_1],task=ruler"
+        )
+        assert line == (
+            f"kvbench: failed: {' '.join(tiny)} policy=tova budget='32' task.context_length={value} | "
+            f"run dir: {run_dir} | task.context_length must be a positive token count, got {value} | "
+            f"log: {run_dir / 'kvbench.log'}"
+        )
         assert "got " + value in (run_dir / "kvbench.log").read_text()
     assert "kvbench: 2 of 3 submitted jobs failed" in captured.err
     main(["run", "-m", *tiny, "policy=tova", "budget=32", "task.context_length=512,600"])
-    assert "kvbench: results/multirun: 2 jobs, 1 skipped (1 finished, 0 running), 1 submitted" in capsys.readouterr().out
+    assert (
+        "kvbench: results/multirun: 2 jobs, 1 skipped (1 finished, 0 running), 1 submitted" in capsys.readouterr().out
+    )
 
 
 def test_a_locked_run_dir_refuses_a_second_kvbench_in_one_line(tmp_path):
     """While one process writes a run directory, ``kvbench run`` on it exits 2 with one line; a sweep skips it."""
     run_dir = RunDir(tmp_path / "run")
     with run_dir.lock():
-        result = subprocess.run([KVBENCH, "run", *TINY, f"hydra.run.dir={run_dir.path}"], capture_output=True,
-                                text=True, env=os.environ, timeout=600)
+        result = subprocess.run(
+            [KVBENCH, "run", *TINY, f"hydra.run.dir={run_dir.path}"],
+            capture_output=True,
+            text=True,
+            env=os.environ,
+            timeout=600,
+        )
         assert result.returncode == 2
-        assert result.stderr.splitlines() == [f"kvbench: error: run directory {run_dir.path} is being written by "
-                                              f"process {os.getpid()} on {os.uname().nodename}; wait for it to end or "
-                                              f"stop it (its lock {run_dir.lock_path} goes with it)"]
+        assert result.stderr.splitlines() == [
+            f"kvbench: error: run directory {run_dir.path} is being written by "
+            f"process {os.getpid()} on {os.uname().nodename}; wait for it to end or "
+            f"stop it (its lock {run_dir.lock_path} goes with it)"
+        ]
         jobs = sweep_jobs([*TINY, f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=run"])
         assert split_pending(jobs) == ([], jobs, [])
     assert not run_dir.predictions_path.exists()
@@ -241,7 +334,10 @@ def test_a_locked_run_dir_refuses_a_second_kvbench_in_one_line(tmp_path):
 def test_basic_multirun_skips_finished_and_resumes_changed(tmp_path, capsys):
     sweep = tmp_path / "sweep"
     main(["run", "-m", *TINY, "policy=tova", "budget=32,64", f"hydra.sweep.dir={sweep}"])
-    job = sweep / "budget='32',model=tiny_llama,policy=tova,task.context_length=512,task.num_samples=1,task.subtasks=[niah_single_1],task=ruler"
+    job = (
+        sweep
+        / "budget='32',model=tiny_llama,policy=tova,task.context_length=512,task.num_samples=1,task.subtasks=[niah_single_1],task=ruler"
+    )
     first = (job / "predictions.jsonl").read_text()
     stamp = (job / "metrics.json").stat().st_mtime_ns
     main(["run", "-m", *TINY, "policy=tova", "budget=32,64", f"hydra.sweep.dir={sweep}"])
@@ -256,17 +352,35 @@ def test_basic_multirun_skips_finished_and_resumes_changed(tmp_path, capsys):
 @pytest.mark.slow
 def test_make_reproduce_caote_smoke():
     """The whole CAOTE reproduction path at SCALE=smoke on SmolLM2 (several minutes on a CPU), on local data."""
-    data = {"KVBENCH_LONGBENCH_DIR": local_data("KVBENCH_LONGBENCH_DIR", "data", "longbench"),
-            "KVBENCH_PPL_FILE": local_data("KVBENCH_PPL_FILE", "data", "gutenberg", "pride_and_prejudice.txt")}
-    if not (data["KVBENCH_LONGBENCH_DIR"] / "multifieldqa_zh.jsonl").is_file() or not data["KVBENCH_PPL_FILE"].is_file():
+    data = {
+        "KVBENCH_LONGBENCH_DIR": local_data("KVBENCH_LONGBENCH_DIR", "data", "longbench"),
+        "KVBENCH_PPL_FILE": local_data("KVBENCH_PPL_FILE", "data", "gutenberg", "pride_and_prejudice.txt"),
+    }
+    if (
+        not (data["KVBENCH_LONGBENCH_DIR"] / "multifieldqa_zh.jsonl").is_file()
+        or not data["KVBENCH_PPL_FILE"].is_file()
+    ):
         pytest.skip("no local LongBench multifieldqa_zh.jsonl or text (KVBENCH_LONGBENCH_DIR, KVBENCH_PPL_FILE)")
-    result = subprocess.run(["make", "-o", ".venv/.installed", "reproduce-caote", "SCALE=smoke"], capture_output=True,
-                            text=True, cwd=PROJECT_ROOT, timeout=3600,
-                            env={**os.environ, **{name: str(path) for name, path in data.items()}})
+    result = subprocess.run(
+        ["make", "-o", ".venv/.installed", "reproduce-caote", "SCALE=smoke"],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        timeout=3600,
+        env={**os.environ, **{name: str(path) for name, path in data.items()}},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = PROJECT_ROOT / "results" / "smoke" / "caote" / "report"
-    for name in ("compare_caote_table2.md", "compare_caote_table4.md", "compare_caote_table5.md", "longbench.md",
-                 "niah.md", "ppl.md", "budget_curves.png", "ppl_vs_length.png"):
+    for name in (
+        "compare_caote_table2.md",
+        "compare_caote_table4.md",
+        "compare_caote_table5.md",
+        "longbench.md",
+        "niah.md",
+        "ppl.md",
+        "budget_curves.png",
+        "ppl_vs_length.png",
+    ):
         assert (report / name).exists(), name
     assert list(report.glob("heatmap_*.png"))
     table2 = (report / "compare_caote_table2.md").read_text()

@@ -10,7 +10,8 @@ The classes only delegate, importing kvbench when used: Hydra imports this modul
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.utils import JobReturn

@@ -121,8 +121,9 @@ class PeakMemory:
         figures.update(rss_before_bytes=before, peak_rss_bytes=peak, peak_rss_delta_bytes=peak - before)
         if cuda:
             cuda_peak = torch.cuda.max_memory_allocated(self.device)
-            figures.update(cuda_before_bytes=cuda_before, cuda_peak_bytes=cuda_peak,
-                           cuda_peak_delta_bytes=cuda_peak - cuda_before)
+            figures.update(
+                cuda_before_bytes=cuda_before, cuda_peak_bytes=cuda_peak, cuda_peak_delta_bytes=cuda_peak - cuda_before
+            )
 
 
 def rotations(items: Sequence, repetition: int) -> list:

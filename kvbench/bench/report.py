@@ -100,8 +100,15 @@ def markdown(results: dict[str, Any]) -> str:
         lengths = list(next(iter(overhead.values())))
         full = results["raw"]["prefill"]["full"]
         lines += ["", "## Prefill with scoring + eviction ÷ full-cache prefill (wall; CPU time in brackets)", ""]
-        rows = [["full (seconds)", *(f"{full[n]['median_wall_seconds']:.2f} ({full[n]['median_cpu_seconds']:.2f})" for n in lengths)]]
-        rows += [[spec, *(f"{ratios[n]:.3f} ({cpu[spec][n]:.3f})" for n in lengths)] for spec, ratios in overhead.items()]
+        rows = [
+            [
+                "full (seconds)",
+                *(f"{full[n]['median_wall_seconds']:.2f} ({full[n]['median_cpu_seconds']:.2f})" for n in lengths),
+            ]
+        ]
+        rows += [
+            [spec, *(f"{ratios[n]:.3f} ({cpu[spec][n]:.3f})" for n in lengths)] for spec, ratios in overhead.items()
+        ]
         lines += _table(["policy", *(f"{n} tokens" for n in lengths)], rows)
     if results["kv_bytes"]:
         lines += ["", "## KV-cache bytes at the longest prefill prompt (MiB)", ""]
@@ -109,16 +116,33 @@ def markdown(results: dict[str, Any]) -> str:
         for spec, by_length in results["kv_bytes"].items():
             longest = max(by_length, key=int)
             row = by_length[longest]
-            rows.append([spec, longest, _mib(row["after_prefill_bytes"]), _mib(row["peak_bytes"]), _mib(row["full_bytes"]),
-                         f"{row['after_prefill_ratio']:.3f}"])
+            rows.append(
+                [
+                    spec,
+                    longest,
+                    _mib(row["after_prefill_bytes"]),
+                    _mib(row["peak_bytes"]),
+                    _mib(row["full_bytes"]),
+                    f"{row['after_prefill_ratio']:.3f}",
+                ]
+            )
         lines += _table(["policy", "prompt", "after prefill", "peak", "full cache", "after/full"], rows)
     decode = results["raw"].get("decode")
     if decode:
-        lines += ["", f"## Decode latency per token, {decode['policy']} at budget {decode['budget']} ({decode['regime']})", ""]
-        rows = [[n, f"{row['median_wall_seconds'] * 1000:.2f}", f"{row['median_cpu_seconds'] * 1000:.2f}"]
-                for n, row in decode["per_token_seconds"].items()]
+        lines += [
+            "",
+            f"## Decode latency per token, {decode['policy']} at budget {decode['budget']} ({decode['regime']})",
+            "",
+        ]
+        rows = [
+            [n, f"{row['median_wall_seconds'] * 1000:.2f}", f"{row['median_cpu_seconds'] * 1000:.2f}"]
+            for n, row in decode["per_token_seconds"].items()
+        ]
         lines += _table(["prompt", "ms/token (wall)", "CPU ms/token"], rows)
-        lines += ["", f"longest / shortest: **{results['decode_latency_ratio']:.3f}** (CPU time: {decode['ratio_cpu']:.3f})"]
+        lines += [
+            "",
+            f"longest / shortest: **{results['decode_latency_ratio']:.3f}** (CPU time: {decode['ratio_cpu']:.3f})",
+        ]
     memory = results["memory"]
     if memory:
         lines += ["", f"## Memory, {memory['regime']} regime ({memory['method']}; MiB)", ""]
@@ -128,24 +152,44 @@ def markdown(results: dict[str, Any]) -> str:
         rows = []
         for spec, by_length in memory["policies"].items():
             for n, row in by_length.items():
-                rows.append([spec, n, _mib(row["peak_rss_bytes"]), _mib(row["peak_rss_delta_bytes"]),
-                             _mib(row["peak_bytes"]), _mib(row["full_bytes"])])
+                rows.append(
+                    [
+                        spec,
+                        n,
+                        _mib(row["peak_rss_bytes"]),
+                        _mib(row["peak_rss_delta_bytes"]),
+                        _mib(row["peak_bytes"]),
+                        _mib(row["full_bytes"]),
+                    ]
+                )
                 rows[-1] += [_mib(row["cuda_peak_bytes"]), _mib(row["cuda_peak_delta_bytes"])] if cuda else []
         lines += _table(header, rows)
-        growth = ", ".join(f"{spec} ×{row['peak_rss_delta_bytes']:.2f}, {_mib(row['peak_rss_added_bytes'])} MiB more"
-                           f" (KV peak ×{row['peak_bytes']:.2f})"
-                           for spec, row in memory["growth"].items())
+        growth = ", ".join(
+            f"{spec} ×{row['peak_rss_delta_bytes']:.2f}, {_mib(row['peak_rss_added_bytes'])} MiB more"
+            f" (KV peak ×{row['peak_bytes']:.2f})"
+            for spec, row in memory["growth"].items()
+        )
         lines += ["", f"growth from the shortest to the longest prompt, peak RSS − before: {growth}"]
         if cuda:
-            growth = ", ".join(f"{spec} ×{row['cuda_peak_delta_bytes']:.2f}, {_mib(row['cuda_peak_added_bytes'])} MiB more"
-                               for spec, row in memory["growth"].items())
+            growth = ", ".join(
+                f"{spec} ×{row['cuda_peak_delta_bytes']:.2f}, {_mib(row['cuda_peak_added_bytes'])} MiB more"
+                for spec, row in memory["growth"].items()
+            )
             lines += ["", f"growth of the CUDA peak − before: {growth}"]
     generate = results["raw"].get("generate")
     if generate:
         lines += ["", f"## kvbench full cache vs model.generate ({generate['new_tokens']} new tokens, seconds)", ""]
-        rows = [[n, f"{row['kvbench']['median_wall_seconds']:.2f}", f"{row['generate']['median_wall_seconds']:.2f}",
-                 f"{row['speed_ratio']:.3f}", f"{row['speed_ratio_cpu']:.3f}", generate["same_tokens"][n]]
-                for n, row in generate["per_prompt"].items()]
+        rows = [
+            [
+                n,
+                f"{row['kvbench']['median_wall_seconds']:.2f}",
+                f"{row['generate']['median_wall_seconds']:.2f}",
+                f"{row['speed_ratio']:.3f}",
+                f"{row['speed_ratio_cpu']:.3f}",
+                generate["same_tokens"][n],
+            ]
+            for n, row in generate["per_prompt"].items()
+        ]
         lines += _table(["prompt", "kvbench", "generate", "speed ratio", "speed ratio (CPU)", "same tokens"], rows)
         ratio = f"**{results['harness_vs_generate']:.3f}** (CPU time: {generate['speed_ratio_cpu']:.3f})"
         lines += ["", f"overall speed ratio (kvbench tokens/s ÷ generate tokens/s): {ratio}"]
@@ -157,14 +201,24 @@ def markdown(results: dict[str, Any]) -> str:
         else:
             lines += _table(
                 ["kvpress", "prompt", "kept", "kvbench s", "kvpress s", "speed ratio", "Jaccard mean", "Jaccard min"],
-                [[press["version"], press["prompt_length"], press["kept_tokens"],
-                  f"{press['times']['kvbench']['median_wall_seconds']:.2f}",
-                  f"{press['times']['kvpress']['median_wall_seconds']:.2f}", f"{press['speed_ratio']:.3f}",
-                  f"{press['jaccard_mean']:.4f}", f"{press['jaccard_min']:.4f}"]],
+                [
+                    [
+                        press["version"],
+                        press["prompt_length"],
+                        press["kept_tokens"],
+                        f"{press['times']['kvbench']['median_wall_seconds']:.2f}",
+                        f"{press['times']['kvpress']['median_wall_seconds']:.2f}",
+                        f"{press['speed_ratio']:.3f}",
+                        f"{press['jaccard_mean']:.4f}",
+                        f"{press['jaccard_min']:.4f}",
+                    ]
+                ],
             )
     if results["targets"]:
         lines += ["", "## Targets", ""]
-        rows = [[name, f"{row['value']:.3f}", row["limit"], "yes" if row["met"] else "**no**"]
-                for name, row in results["targets"].items()]
+        rows = [
+            [name, f"{row['value']:.3f}", row["limit"], "yes" if row["met"] else "**no**"]
+            for name, row in results["targets"].items()
+        ]
         lines += _table(["figure", "measured", "limit", "met"], rows)
     return "\n".join(lines) + "\n"

@@ -45,6 +45,8 @@ PARAGRAPH = (
     "down to the quay to count the boats, the ferry sounded its horn twice, and the clock above the town "
     "hall, which was always four minutes fast, struck the hour while the market stalls went up one by one."
 )
+
+
 @contextmanager
 def native_attention(model, backend: str) -> Iterator[None]:
     """Run ``model`` with transformers' own ``backend`` attention (kvbench engines switch it to theirs)."""
@@ -106,7 +108,9 @@ class Bench:
         text, self.prompt_source = prompt_text(self.bench.prompt_source)
         longest = max([*self._lengths(), 1])
         if longest > loaded.context_window:
-            raise KVBenchError(f"bench prompt length {longest} exceeds {loaded.name}'s context window of {loaded.context_window}")
+            raise KVBenchError(
+                f"bench prompt length {longest} exceeds {loaded.name}'s context window of {loaded.context_window}"
+            )
         self.tokens = prompt_tokens(loaded.tokenizer, text, longest)
         self._engines: dict[tuple[str, str, str], Engine] = {}
 
@@ -245,7 +249,10 @@ class Bench:
                 with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
                     canonical, rows[str(length)] = pool.submit(memory_row, config, str(spec), length).result()
             result["policies"][canonical] = rows
-        process_peaks = {"peak_rss_delta_bytes": "peak_rss_added_bytes", "cuda_peak_delta_bytes": "cuda_peak_added_bytes"}
+        process_peaks = {
+            "peak_rss_delta_bytes": "peak_rss_added_bytes",
+            "cuda_peak_delta_bytes": "cuda_peak_added_bytes",
+        }
         result["growth"] = {}
         for spec, rows in result["policies"].items():
             shortest, longest = rows[str(lengths[0])], rows[str(lengths[-1])]
@@ -276,7 +283,11 @@ class Bench:
 
         def run_generate(ids: list[int]) -> list[int]:
             prompt = torch.tensor([ids], device=self.loaded.device)
-            with native_attention(model, self.loaded.attn_backend), generation_config(model, config), torch.inference_mode():
+            with (
+                native_attention(model, self.loaded.attn_backend),
+                generation_config(model, config),
+                torch.inference_mode(),
+            ):
                 output = model.generate(prompt)
             return output[0, len(ids) :].tolist()
 

@@ -187,9 +187,7 @@ class EvictionCache(Cache):
         """Let attending modifiers replace a single-query forward's ``output [B,1,Hq,D]`` (in turn)."""
         layer = self.layers[layer_idx]
         for modifier in self.attending:
-            replaced = modifier.attend(
-                self._state(layer, modifier), query, keys, values, output, scaling
-            )
+            replaced = modifier.attend(self._state(layer, modifier), query, keys, values, output, scaling)
             output = output if replaced is None else replaced
         return output
 
@@ -197,8 +195,13 @@ class EvictionCache(Cache):
         """Whether this forward's attention should come from :meth:`attend_and_accumulate`: an accumulating
         policy (H2O, ``h2o+obcache_*``) whose running score this forward feeds, with sums from the normaliser."""
         policy = self.policy
-        return (policy.needs_attention and policy.accumulates and self.track_scores and policy.sums_from_normaliser
-                and policy.scores_causally)
+        return (
+            policy.needs_attention
+            and policy.accumulates
+            and self.track_scores
+            and policy.sums_from_normaliser
+            and policy.scores_causally
+        )
 
     def attend_and_accumulate(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention output ``[B,q,Hq,D]`` of ``queries [B,Hq,q,D]`` over the layer's cache, and the policy's sums

@@ -182,7 +182,12 @@ class Engine:
 
     @torch.inference_mode()
     def step(
-        self, cache: EvictionCache, token_ids: list[int], start: int, evict: bool | None = None, all_logits: bool = False
+        self,
+        cache: EvictionCache,
+        token_ids: list[int],
+        start: int,
+        evict: bool | None = None,
+        all_logits: bool = False,
     ) -> torch.Tensor:
         """One model forward over ``token_ids`` at absolute positions ``start..`` (``evict``: whether the cache
         evicts after it; default the regime's decode setting); returns the logits ``[1,q|1,V]``."""

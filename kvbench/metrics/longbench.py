@@ -14,7 +14,7 @@ import re
 import string
 import sys
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import jieba
 from rouge import Rouge
@@ -39,6 +39,7 @@ _ALL_PUNCTUATION = frozenset(string.punctuation + _ZH_PUNCTUATION)
 # Datasets whose prediction is cut to its first line before scoring (few-shot tasks, whose
 # models tend to continue with another example).
 FIRST_LINE_DATASETS = frozenset({"trec", "triviaqa", "samsum", "lsht"})
+
 
 def normalize_answer(text: str) -> str:
     """English answer normalisation: lower case, drop ASCII punctuation, articles, extra spaces."""

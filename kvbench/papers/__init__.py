@@ -36,47 +36,47 @@ PAPERS = ("caote", "obcache", "calidrop", "slake")
 
 CAPTIONS: dict[tuple[str, str], str] = {
     ("caote", "table2"): "LongBench (16 tasks + Avg.), Llama 3.1-8B / 3.2-3B-Instruct, budgets 2k and 4k, "
-                         "block-wise prefill (block 128); H2O/TOVA/SnapKV with(out) CAOTE / FastCAOTE",
+    "block-wise prefill (block 128); H2O/TOVA/SnapKV with(out) CAOTE / FastCAOTE",
     ("caote", "table3"): "LongBench, Qwen 2.5-7B-Instruct, budgets 2k and 4k (the extraction lost the 4k SnapKV "
-                         "+CAOTE/+FastCAOTE rows and all Qwen 2.5-3B rows; see README)",
+    "+CAOTE/+FastCAOTE rows and all Qwen 2.5-3B rows; see README)",
     ("caote", "table4"): "Booksum perplexity gap to the dense model (lower is better), Llama 3.1-8B / 3.2-3B-Instruct, "
-                         "budgets 2k-8k; dense PPL from the caption stored as method=full task=ppl",
+    "budgets 2k-8k; dense PPL from the caption stored as method=full task=ppl",
     ("caote", "table5"): "Needle-in-a-haystack accuracy (0-1 scale), Llama 3.1-8B / 3.2-3B-Instruct, budgets 2k-8k",
     ("caote", "table6"): "Compute-overhead ratio of CAOTE / FastCAOTE FLOPs to model FLOPs (Llama 3.1-8B, "
-                         "Appendix E), prefill by sequence length and generation by sequence length; no budget",
+    "Appendix E), prefill by sequence length and generation by sequence length; no budget",
     ("caote", "table10"): "LongBench, Llama 3.1-8B / 3.2-3B-Instruct, budgets 6k and 8k, incl. Sink "
-                          "(budget labels lost in the extraction; 6k then 8k per Appendix F.2)",
+    "(budget labels lost in the extraction; 6k then 8k per Appendix F.2)",
     ("caote", "table11"): "LongBench, Qwen 2.5-7B / 2.5-3B-Instruct, budgets 6k and 8k (Sink only at 6k)",
     ("caote", "table12"): "Booksum perplexity gap to the dense model, Qwen 2.5-7B / 2.5-3B-Instruct, budget 2k; "
-                          "dense PPL from the caption stored as method=full task=ppl",
+    "dense PPL from the caption stored as method=full task=ppl",
     ("caote", "table13"): "Needle-in-a-haystack accuracy (0-1 scale), Qwen 2.5-7B / 2.5-3B-Instruct, budget 6k",
     ("obcache", "table1"): "Needle-in-a-haystack (RULER niah_single_2, exact match over 250 samples, %), "
-                           "Llama-3.1-8B-Instruct, 4k-32k contexts x 80-400 token budgets; Avg. over all 16 cells "
-                           "(budget=all); KV stored per query head (SnapKV layout)",
+    "Llama-3.1-8B-Instruct, 4k-32k contexts x 80-400 token budgets; Avg. over all 16 cells "
+    "(budget=all); KV stored per query head (SnapKV layout)",
     ("obcache", "table3"): "GQA-aware OBCache scores (method suffix [gqa=sum]) vs storing KV for all query heads "
-                           "(plain spec, as in Tables 1/4/5), Llama-3.1-8B-Instruct; NIAH 8k @ 80 tokens, "
-                           "LongBench tasks @ 10% budget",
+    "(plain spec, as in Tables 1/4/5), Llama-3.1-8B-Instruct; NIAH 8k @ 80 tokens, "
+    "LongBench tasks @ 10% budget",
     ("obcache", "table4"): "LongBench (16 tasks, no Avg. printed), Llama-3.1-8B-Instruct, 5/10/20% KV budgets, "
-                           "one-shot prefill eviction; H2O/TOVA/SnapKV with OBCache value/key/joint scores",
+    "one-shot prefill eviction; H2O/TOVA/SnapKV with OBCache value/key/joint scores",
     ("obcache", "table5"): "LongBench (16 tasks, no Avg. printed), Qwen-2.5-7B-Instruct, 5/10/20% KV budgets",
     ("calidrop", "table1"): "LongBench (13 tasks + Avg.), Mistral-7B-Instruct and LLaMA-3-8B-Instruct, KV size 64 "
-                            "and 128; StreamingLLM (sink)/H2O/SnapKV with(out) CaliDrop (theta1=0.7, theta2=0.85)",
+    "and 128; StreamingLLM (sink)/H2O/SnapKV with(out) CaliDrop (theta1=0.7, theta2=0.85)",
     ("calidrop", "table2"): "CaliDrop threshold sweep: theta1 (left, L) x theta2 (right, R), LongBench 13 tasks, "
-                            "LLaMA-3-8B-Instruct, SnapKV, KV size 128",
+    "LLaMA-3-8B-Instruct, SnapKV, KV size 128",
     ("calidrop", "table4"): "LongBench (13 tasks + Avg.), Mistral-7B-Instruct / LLaMA-3-8B-Instruct at KV 256 and "
-                            "512, LLaMA-3-70B-Instruct at KV 64",
+    "512, LLaMA-3-70B-Instruct at KV 64",
     ("calidrop", "table5"): "RULER (11 tasks + Avg.), LLaMA-3-8B-Instruct, KV size 64-512",
     ("calidrop", "table6"): "RULER (11 tasks + Avg.), Mistral-7B-Instruct, KV size 64-512",
     ("calidrop", "niah_text"): "Needle-in-a-haystack accuracy (%) quoted in the text for the heatmaps of Figs. 2 and "
-                               "9-11, LLaMA-3-8B-Instruct at 8k: H2O and SnapKV with(out) CaliDrop; the H2O pair is "
-                               "stated at KV 128 (§4.2.3) and at KV 96 (App. G), stored at both",
+    "9-11, LLaMA-3-8B-Instruct at 8k: H2O and SnapKV with(out) CaliDrop; the H2O pair is "
+    "stated at KV 128 (§4.2.3) and at KV 96 (App. G), stored at both",
     ("slake", "table1"): "LongBench (16 tasks + Avg.), Llama2-7B-chat / Llama3.1-8B / Mistral-7B-v0.3, average "
-                         "per-layer budget 128 and 256; H2O, PyramidKV, CAKE, SLAKE (CAKE eviction + PTAA + VABS); "
-                         "Falcon Mamba-7B as a linear-complexity baseline",
+    "per-layer budget 128 and 256; H2O, PyramidKV, CAKE, SLAKE (CAKE eviction + PTAA + VABS); "
+    "Falcon Mamba-7B as a linear-complexity baseline",
     ("slake", "table2"): "Ablation, LongBench Avg., Llama2-7B: CAKE eviction only, + PTAA, + PTAA + VABS "
-                         "(budget not printed; 128 inferred)",
+    "(budget not printed; 128 inferred)",
     ("slake", "table4"): "NeedleBench multi-needle reasoning at 8k context, EN / ZH / Overall (avg), "
-                         "full KV vs SLAKE at budgets 128 and 256",
+    "full KV vs SLAKE at budgets 128 and 256",
 }
 
 MAIN_SETTINGS: dict[str, dict[str, str]] = {
@@ -116,7 +116,7 @@ def table_caption(paper: str, table: str) -> str:
     return CAPTIONS[(paper, table)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _read(paper: str, table: str) -> pd.DataFrame:
     name = f"{paper}_{table}.csv"
     try:
@@ -169,5 +169,15 @@ def split_method(method: str) -> tuple[str, dict[str, str]]:
     return m.group("spec"), params
 
 
-__all__ = ["AVG_MISMATCH", "CAPTIONS", "COLUMNS", "MAIN_SETTINGS", "PAPERS", "list_tables", "load_all", "load_table",
-           "split_method", "table_caption"]
+__all__ = [
+    "AVG_MISMATCH",
+    "CAPTIONS",
+    "COLUMNS",
+    "MAIN_SETTINGS",
+    "PAPERS",
+    "list_tables",
+    "load_all",
+    "load_table",
+    "split_method",
+    "table_caption",
+]

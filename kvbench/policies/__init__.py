@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Mapping
 from dataclasses import fields
-from typing import Any, Mapping
+from typing import Any
 
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies.base import Modifier, Policy

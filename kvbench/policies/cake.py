@@ -54,7 +54,6 @@ class CakeBudget(DynamicLayerBudget):
         return cake_preference(stats.weights, tau1, tau2)  # CAKE eq. (6)
 
 
-
 def cake_preference(weights: torch.Tensor, tau1: float, tau2: float) -> float:
     """CAKE's layer preference ``P = H^(1/τ1) · V^(1/τ2)`` from the window attention ``weights [B,Hq,W,T]``.
 

@@ -168,7 +168,9 @@ class Vabs(DynamicLayerBudget):
                 f"{listed}); set policy.layer_budget.alpha=A policy.layer_budget.beta=B"
             )
         alpha, beta = table[budget.tokens]
-        return replace(self, alpha=alpha if self.alpha is None else self.alpha, beta=beta if self.beta is None else self.beta)
+        return replace(
+            self, alpha=alpha if self.alpha is None else self.alpha, beta=beta if self.beta is None else self.beta
+        )
 
     def preference(self, stats: AttentionStats, evicted: torch.Tensor) -> float:
         if self.alpha is None or self.beta is None:
@@ -176,7 +178,6 @@ class Vabs(DynamicLayerBudget):
         approximate = ptaa_weights(stats.logits, stats.per_query_head(evicted)[:, :, None])
         values = stats.per_query_head(stats.values)
         return vabs_preference(stats.weights, approximate, values, self.alpha, self.beta, self.gamma)
-
 
 
 def vabs_preference(

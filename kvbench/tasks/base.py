@@ -6,8 +6,9 @@ A task never imports a policy and the engine never imports a task; ``kvbench.run
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from omegaconf import DictConfig
 
@@ -70,8 +71,9 @@ class ModelInfo:
             prompts.check_chat_template(self.tokenizer, self.name)
         return template
 
-    def prompt_ids(self, template: str, text: str, answer_prefix: str = "",
-                   messages: list[dict[str, str]] | None = None) -> list[int]:
+    def prompt_ids(
+        self, template: str, text: str, answer_prefix: str = "", messages: list[dict[str, str]] | None = None
+    ) -> list[int]:
         """The prompt's token ids in a template of :mod:`kvbench.tasks.prompts`."""
         return prompts.render(self.tokenizer, self.name, template, text, answer_prefix, messages)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 from omegaconf import DictConfig
 
@@ -51,12 +51,16 @@ class BookPerplexityTask(PerplexityTask):
             raise KVBenchError(f"task.num_samples must be at least 1 (books), got {self.num_samples}")
         self.min_tokens = 0 if cfg.min_tokens is None else int(cfg.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise KVBenchError(f"task.min_tokens={self.min_tokens} is above task.max_tokens={self.max_tokens}: no "
-                               f"{self.what} would be left; lower it")
+            raise KVBenchError(
+                f"task.min_tokens={self.min_tokens} is above task.max_tokens={self.max_tokens}: no "
+                f"{self.what} would be left; lower it"
+            )
         self.path = None if cfg.get("path") is None else resolve_path(cfg.path)
         self.data_dir = None if cfg.get("data_dir") is None else resolve_path(cfg.data_dir)
         if self.path is not None and not self.path.is_file():
-            raise KVBenchError(f"task.path {self.path} is not a file; set task.path=FILE (a UTF-8 text file) or task.path=null")
+            raise KVBenchError(
+                f"task.path {self.path} is not a file; set task.path=FILE (a UTF-8 text file) or task.path=null"
+            )
         if self.path is None and self.data_dir is not None and not sorted(self.data_dir.glob("*.txt")):
             raise KVBenchError(
                 f"task.data_dir {self.data_dir} holds no *.txt {self.what}; put one UTF-8 text file per book there "
@@ -77,7 +81,9 @@ class BookPerplexityTask(PerplexityTask):
             return
         cfg = self.cfg
         field, title_field = cfg.get("text_field", "text"), cfg.get("title_field")
-        for index, row in enumerate(hub_rows(cfg.hf_id, cfg.get("hf_split", "test"), self.how_to_provide(), cfg.get("hf_config"))):
+        for index, row in enumerate(
+            hub_rows(cfg.hf_id, cfg.get("hf_split", "test"), self.how_to_provide(), cfg.get("hf_config"))
+        ):
             if field not in row:
                 raise KVBenchError(
                     f"the hub dataset {cfg.hf_id} has no column {field!r} (columns: {', '.join(row)}); set task.text_field"
@@ -125,7 +131,9 @@ class BookPerplexityTask(PerplexityTask):
                 f"task.min_tokens={self.min_tokens} tokens; lower them or add books"
             )
         if self.num_samples is not None and yielded < self.num_samples:
-            log.warning("%s: only %d of task.num_samples=%d %s are long enough", self.name, yielded, self.num_samples, self.what)
+            log.warning(
+                "%s: only %d of task.num_samples=%d %s are long enough", self.name, yielded, self.num_samples, self.what
+            )
 
 
 class PG19Task(BookPerplexityTask):
@@ -140,4 +148,3 @@ class BooksumTask(BookPerplexityTask):
 
     name = "booksum"
     what = "Booksum chapters"
-

@@ -39,7 +39,8 @@ from __future__ import annotations
 import json
 import random
 import zipfile
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -186,7 +187,9 @@ class LongBenchTask(Task):
         names = cfg.get("subtasks") or cfg.datasets
         self.datasets = [names] if isinstance(names, str) else list(names)
         for dataset in self.datasets:
-            choose("LongBench-E dataset" if self.e else "LongBench dataset", dataset, E_DATASETS if self.e else DATASETS)
+            choose(
+                "LongBench-E dataset" if self.e else "LongBench dataset", dataset, E_DATASETS if self.e else DATASETS
+            )
         self.prompt_format = cfg.prompt_format
         self.format_template = model.template(self.prompt_format, PROMPT_FORMATS)
         self.fixed_max_length = None if cfg.get("max_length") is None else int(cfg.max_length)
@@ -272,7 +275,9 @@ class LongBenchTask(Task):
         """
         if not self.e:
             return super().aggregate(records)
-        bucketed = [{**record, "subtask": f"{record['subtask']}@{length_bucket(record['length'])}"} for record in records]
+        bucketed = [
+            {**record, "subtask": f"{record['subtask']}@{length_bucket(record['length'])}"} for record in records
+        ]
         return super().aggregate(bucketed)
 
 
@@ -295,7 +300,9 @@ def _parse_records(lines: Iterable[str], source: str) -> list[dict[str, Any]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise KVBenchError(f"{source}:{number} is not valid JSON ({error.msg}); expected official LongBench jsonl") from None
+            raise KVBenchError(
+                f"{source}:{number} is not valid JSON ({error.msg}); expected official LongBench jsonl"
+            ) from None
         missing = [name for name in RECORD_FIELDS if name not in record]
         if missing:
             raise KVBenchError(f"{source}:{number} lacks {', '.join(missing)}; expected official LongBench jsonl")
@@ -312,4 +319,6 @@ def _hub_records(file_name: str) -> list[dict[str, Any]]:
         with zipfile.ZipFile(archive) as zipped, zipped.open(member) as raw:
             return _parse_records((line.decode("utf-8") for line in raw), f"{archive}:{member}")
     except (KeyError, zipfile.BadZipFile) as error:
-        raise KVBenchError(f"cannot read {member} from {archive} ({error}); set task.data_dir=FOLDER holding {file_name}") from None
+        raise KVBenchError(
+            f"cannot read {member} from {archive} ({error}); set task.data_dir=FOLDER holding {file_name}"
+        ) from None

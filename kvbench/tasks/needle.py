@@ -37,10 +37,11 @@ The depth x length heatmap of a run: ``kvbench plot RUN_DIR --kind heatmap`` (re
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig
@@ -72,7 +73,11 @@ class PromptStyle:
 
 
 KAMRADT = PromptStyle(QUESTION, 300)
-PROMPT_STYLES = {"hf_chat": KAMRADT, "raw": KAMRADT, "kvcache_factory": PromptStyle(KVCACHE_FACTORY_QUESTION, 30, ("\n",))}
+PROMPT_STYLES = {
+    "hf_chat": KAMRADT,
+    "raw": KAMRADT,
+    "kvcache_factory": PromptStyle(KVCACHE_FACTORY_QUESTION, 30, ("\n",)),
+}
 """``task.prompt_format`` -> its question, generation length and stop strings."""
 
 
@@ -196,14 +201,18 @@ class NeedleTask(Task):
     def prompt_ids(self, context: str) -> list[int]:
         """The prompt's token ids in the prompt format."""
         if self.prompt_format == "kvcache_factory":
-            return self.model.prompt_ids("raw", KVCACHE_FACTORY_TEMPLATE.format(context=context, question=self.question))
+            return self.model.prompt_ids(
+                "raw", KVCACHE_FACTORY_TEMPLATE.format(context=context, question=self.question)
+            )
         question = self.question + QUESTION_SUFFIX
         messages = [
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": context},
             {"role": "user", "content": question},
         ]
-        return self.model.prompt_ids(self.prompt_format, f"{SYSTEM_PROMPT}\n\n{context}\n\n{question}\n", messages=messages)
+        return self.model.prompt_ids(
+            self.prompt_format, f"{SYSTEM_PROMPT}\n\n{context}\n\n{question}\n", messages=messages
+        )
 
     def samples(self) -> Iterator[Sample]:
         """Lengths in order, depths in order within a length; ids ``niah-<length>-<depth>``."""
@@ -260,4 +269,3 @@ class NeedleTask(Task):
         for length in sorted(by_length):
             scores[str(length)] = 100.0 * sum(by_length[length]) / len(by_length[length])
         return scores
-

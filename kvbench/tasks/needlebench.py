@@ -44,10 +44,11 @@ from __future__ import annotations
 import json
 import random
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -84,10 +85,14 @@ class Grid:
 
 
 GRIDS = {
-    "4k": Grid((1000, 2000, 3000, 4000), {"single": {"en": 600, "zh": 200}, "retrieval": {"en": 1000, "zh": 200},
-                                          "reasoning": {"en": 600, "zh": 200}}),
-    "8k": Grid((5000, 6000, 7000, 8000), {"single": {"en": 800, "zh": 200}, "retrieval": {"en": 1300, "zh": 200},
-                                          "reasoning": {"en": 1000, "zh": 200}}),
+    "4k": Grid(
+        (1000, 2000, 3000, 4000),
+        {"single": {"en": 600, "zh": 200}, "retrieval": {"en": 1000, "zh": 200}, "reasoning": {"en": 600, "zh": 200}},
+    ),
+    "8k": Grid(
+        (5000, 6000, 7000, 8000),
+        {"single": {"en": 800, "zh": 200}, "retrieval": {"en": 1300, "zh": 200}, "reasoning": {"en": 1000, "zh": 200}},
+    ),
 }
 
 _GUIDE = {
@@ -183,12 +188,16 @@ class NeedleBenchTask(Task):
         depths = cfg.get("depths")
         self.depths = linear_depths(20) if depths is None else [int(value) for value in depths]
         if not self.context_lengths or not self.depths or any(not 0 <= depth <= 100 for depth in self.depths):
-            raise KVBenchError(f"task.context_lengths and task.depths (percents) must be non-empty, got "
-                               f"{self.context_lengths} and {self.depths}")
+            raise KVBenchError(
+                f"task.context_lengths and task.depths (percents) must be non-empty, got "
+                f"{self.context_lengths} and {self.depths}"
+            )
         too_long = [length for length in self.context_lengths if length > model.context_window]
         if too_long:
-            raise KVBenchError(f"task.context_lengths has {too_long[0]}, above the context window {model.context_window} "
-                               f"of model {model.name}; lower it or pick task.grid=4k")
+            raise KVBenchError(
+                f"task.context_lengths has {too_long[0]}, above the context window {model.context_window} "
+                f"of model {model.name}; lower it or pick task.grid=4k"
+            )
         self.needle_counts = [int(value) for value in cfg.get("needle_counts", [2, 3, 4, 5])]
         self.guide = bool(cfg.get("guide", True))
         self.diff = int(cfg.get("diff", 10))
@@ -204,8 +213,10 @@ class NeedleBenchTask(Task):
     def data_file(self, name: str) -> Path:
         """A NeedleBench file from ``task.data_dir`` or the hub dataset, or a one-line error."""
         data_dir = self.cfg.get("data_dir")
-        how = (f"download {name} (and the other files of the hub dataset {HUB_REPO}) into a folder and set "
-               "task.data_dir=FOLDER")
+        how = (
+            f"download {name} (and the other files of the hub dataset {HUB_REPO}) into a folder and set "
+            "task.data_dir=FOLDER"
+        )
         if data_dir is None:
             return hub_file(HUB_REPO, name, how)
         path = resolve_path(data_dir) / name
@@ -240,7 +251,9 @@ class NeedleBenchTask(Task):
         if name not in cache:
             path = self.data_file(name)
             try:
-                cache[name] = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+                cache[name] = [
+                    json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
+                ]
             except json.JSONDecodeError as error:
                 raise KVBenchError(f"{path} is not valid jsonl ({error.msg}); expected NeedleBench's {name}") from None
             if not cache[name]:
@@ -312,8 +325,15 @@ class NeedleBenchTask(Task):
             input_ids=ids,
             answers=answers,
             max_new_tokens=self.max_new_tokens[kind],
-            metadata={"kind": kind, "language": language, "context_length": length, "depth": depth,
-                      "repeat": repeat, "needle_count": count, **info},
+            metadata={
+                "kind": kind,
+                "language": language,
+                "context_length": length,
+                "depth": depth,
+                "repeat": repeat,
+                "needle_count": count,
+                **info,
+            },
         )
 
     def _single(self, lang: str, length: int, depth: int, repeat: int):
@@ -329,8 +349,10 @@ class NeedleBenchTask(Task):
     def _reasoning(self, lang: str, length: int, depth: int, repeat: int, count: int):
         matching = [record for record in self.reasoning_records(lang) if record.get("derivation_count") == count]
         if not matching:
-            raise KVBenchError(f"{REASONING_FILES[lang]} has no record with derivation_count={count}; "
-                               "lower task.needle_counts or check task.data_dir")
+            raise KVBenchError(
+                f"{REASONING_FILES[lang]} has no record with derivation_count={count}; "
+                "lower task.needle_counts or check task.data_dir"
+            )
         record = random.Random(repeat).choice(matching)
         needles = [self.model.encode("\n" + needle + "\n") for needle in record["derivations"]]
         target = max(length - self.buffer("reasoning", lang) - sum(map(len, needles)), 0)
@@ -408,7 +430,9 @@ class NeedleBenchTask(Task):
                 scores[subtask] = average(keys)
         for subtask in ("reasoning_en", "reasoning_zh"):
             for count in sorted({key[1] for key in means if key[0] == subtask}):
-                scores[f"reasoning{count}_{subtask[-2:]}"] = average([key for key in means if key[:2] == (subtask, count)])
+                scores[f"reasoning{count}_{subtask[-2:]}"] = average(
+                    [key for key in means if key[:2] == (subtask, count)]
+                )
         for kind in KINDS:
             keys = [key for key in means if key[0].startswith(kind + "_")]
             if keys:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -85,8 +86,11 @@ class PerplexityTask(Task):
         prefix = [] if bos is None else [bos]
         window = len(tokens) if self.max_tokens is None else self.max_tokens - len(prefix)
         windows = [tokens[start : start + window] for start in range(0, len(tokens), max(window, 1))]
-        windows = [chunk for chunk in windows[: int(self.cfg.get("num_samples", 1))]
-                   if len(prefix) + len(chunk) > max(self.context_tokens, 1)]
+        windows = [
+            chunk
+            for chunk in windows[: int(self.cfg.get("num_samples", 1))]
+            if len(prefix) + len(chunk) > max(self.context_tokens, 1)
+        ]
         source = ESSAYS if self.path is None else str(self.path)
         if not windows:
             raise KVBenchError(f"task.path {source} has only {len(tokens)} tokens: nothing to score")

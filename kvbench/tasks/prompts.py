@@ -22,7 +22,8 @@ text holds its special tokens already and is tokenized without adding them again
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvbench.errors import KVBenchError, choose
 
@@ -61,8 +62,12 @@ def _kvcache_factory(hf_id: str | None) -> str:
 def _cake(hf_id: str | None) -> str:
     """CAKE ``experiments/LongBench/pred_cake.py`` ``build_chat``: by family, Qwen through its chat template
     (CAKE's system message is Qwen2.5's default one)."""
-    for names, template in ((("llama-3",), "llama3_header"), (("llama-2",), "inst_tight"),
-                            (("mistral",), "mistral_inst"), (("qwen",), HF_CHAT)):
+    for names, template in (
+        (("llama-3",), "llama3_header"),
+        (("llama-2",), "inst_tight"),
+        (("mistral",), "mistral_inst"),
+        (("qwen",), HF_CHAT),
+    ):
         if _family(hf_id, *names):
             return template
     return "raw"
@@ -102,8 +107,14 @@ def check_chat_template(tokenizer: Any, model_name: str) -> None:
         )
 
 
-def render(tokenizer: Any, model_name: str, template: str, text: str, answer_prefix: str = "",
-           messages: list[dict[str, str]] | None = None) -> list[int]:
+def render(
+    tokenizer: Any,
+    model_name: str,
+    template: str,
+    text: str,
+    answer_prefix: str = "",
+    messages: list[dict[str, str]] | None = None,
+) -> list[int]:
     """Token ids of ``text`` in ``template``, with ``answer_prefix`` after it (after the generation prompt).
 
     ``messages`` are the chat turns for ``hf_chat`` (default: ``text`` as one user turn); a chat template

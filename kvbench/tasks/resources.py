@@ -76,4 +76,3 @@ def wonderwords_list(name: str) -> tuple[str, ...]:
     """The sorted, de-duplicated words of a wonderwords asset (``nounlist``, ``adjectivelist``, ``verblist``)."""
     text = (importlib.resources.files("wonderwords.assets") / f"{name}.txt").read_text(encoding="utf-8")
     return tuple(sorted({line.strip() for line in text.splitlines() if line.strip()}))
-

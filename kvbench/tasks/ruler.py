@@ -51,9 +51,10 @@ import random
 import re
 import string
 import uuid
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -226,9 +227,7 @@ class Niah:
         )
 
     @staticmethod
-    def _essay_context(
-        rng: random.Random, words: list[str], size: int, needles: list[str]
-    ) -> tuple[str, list[float]]:
+    def _essay_context(rng: random.Random, words: list[str], size: int, needles: list[str]) -> tuple[str, list[float]]:
         """The first ``size`` essay words (repeated if needed), needles between sentences at RULER depths."""
         text = " ".join(itertools.islice(itertools.cycle(words), size))
         sentences = SENTENCE_END.split(text) if text else []
@@ -350,9 +349,7 @@ class FreqWords:
         ]
         vocabulary[0] = "..."
         norm = _zeta(self.alpha)
-        words = [
-            word for rank, word in enumerate(vocabulary, 1) for _ in range(int(size * rank**-self.alpha / norm))
-        ]
+        words = [word for rank, word in enumerate(vocabulary, 1) for _ in range(int(size * rank**-self.alpha / norm))]
         rng.shuffle(words)
         return Prompt(
             text=FWE_TEMPLATE.format(context=" ".join(words)),
@@ -387,12 +384,14 @@ def read_squad(data: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
             own = index[paragraph["context"]]
             for qa in paragraph["qas"]:
                 if not qa.get("is_impossible", False):
-                    qas.append({
-                        "query": qa["question"],
-                        "outputs": [answer["text"] for answer in qa["answers"]],
-                        "context": [own],
-                        "more_context": [doc for doc in article_docs if doc != own],
-                    })
+                    qas.append(
+                        {
+                            "query": qa["question"],
+                            "outputs": [answer["text"] for answer in qa["answers"]],
+                            "context": [own],
+                            "more_context": [doc for doc in article_docs if doc != own],
+                        }
+                    )
     return qas, docs
 
 
@@ -417,20 +416,29 @@ def _squad_from_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     articles: dict[str, dict[str, list]] = {}
     for row in rows:
         paragraphs = articles.setdefault(row["title"], {})
-        paragraphs.setdefault(row["context"], []).append({
-            "question": row["question"],
-            "answers": [{"text": text} for text in row["answers"]["text"]],
-            "is_impossible": not row["answers"]["text"],
-        })
-    return {"data": [{"title": title, "paragraphs": [{"context": context, "qas": qas} for context, qas in paragraphs.items()]}
-                     for title, paragraphs in articles.items()]}
+        paragraphs.setdefault(row["context"], []).append(
+            {
+                "question": row["question"],
+                "answers": [{"text": text} for text in row["answers"]["text"]],
+                "is_impossible": not row["answers"]["text"],
+            }
+        )
+    return {
+        "data": [
+            {"title": title, "paragraphs": [{"context": context, "qas": qas} for context, qas in paragraphs.items()]}
+            for title, paragraphs in articles.items()
+        ]
+    }
 
 
 def _hotpot_from_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The official HotpotQA json layout rebuilt from ``hotpotqa/hotpot_qa`` rows."""
     return [
-        {"question": row["question"], "answer": row["answer"],
-         "context": [list(pair) for pair in zip(row["context"]["title"], row["context"]["sentences"])]}
+        {
+            "question": row["question"],
+            "answer": row["answer"],
+            "context": [list(pair) for pair in zip(row["context"]["title"], row["context"]["sentences"])],
+        }
         for row in rows
     ]
 
@@ -439,12 +447,14 @@ def _hotpot_from_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def qa_dataset(dataset: str, qa_dir: str | None) -> tuple[list[dict[str, Any]], list[str]]:
     """(questions, documents) of ``squad`` or ``hotpotqa`` from ``qa_dir`` or the hub, as RULER reads them."""
     names = QA_FILES[dataset]
-    how = (f"download {QA_SOURCE[dataset]} as {names[0]} (or {names[1]}) into a folder and set task.qa_dir=FOLDER")
+    how = f"download {QA_SOURCE[dataset]} as {names[0]} (or {names[1]}) into a folder and set task.qa_dir=FOLDER"
     if qa_dir is not None:
         folder = resolve_path(qa_dir)
         path = next((folder / name for name in names if (folder / name).is_file()), None)
         if path is None:
-            raise KVBenchError(f"RULER {dataset} data not found: no {names[0]} or {names[1]} in task.qa_dir={qa_dir}; {how}")
+            raise KVBenchError(
+                f"RULER {dataset} data not found: no {names[0]} or {names[1]} in task.qa_dir={qa_dir}; {how}"
+            )
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -584,16 +594,22 @@ class RulerTask(Task):
         self.data_dir = None if cfg.data_dir is None else resolve_path(cfg.data_dir)
         self.num_samples = None if cfg.num_samples is None else int(cfg.num_samples)
         if self.num_samples is None and self.data_dir is None:
-            raise KVBenchError("task.num_samples=null reads every record of task.data_dir; generated RULER samples need "
-                               "a number (RULER's default: 500)")
+            raise KVBenchError(
+                "task.num_samples=null reads every record of task.data_dir; generated RULER samples need "
+                "a number (RULER's default: 500)"
+            )
         self.max_length = None if cfg.max_length is None else int(cfg.max_length)
         if self.max_length is not None and self.data_dir is None and self.max_length < self.context_length:
-            raise KVBenchError(f"task.max_length={self.max_length} would cut prompts generated for task.context_length="
-                               f"{self.context_length}; lower task.context_length instead")
+            raise KVBenchError(
+                f"task.max_length={self.max_length} would cut prompts generated for task.context_length="
+                f"{self.context_length}; lower task.context_length instead"
+            )
         self.template = model.template(cfg.prompt_format, PROMPT_FORMATS)
         self.answer_prefix = cfg.prompt_format != "kvcache_factory"
         self.min_new_tokens = int(cfg.min_new_tokens)
-        self.tokens_to_generate = {name: self._tokens_to_generate(name, cfg.tokens_to_generate) for name in self.subtasks}
+        self.tokens_to_generate = {
+            name: self._tokens_to_generate(name, cfg.tokens_to_generate) for name in self.subtasks
+        }
 
     def planned_tokens(self) -> tuple[int, int] | None:
         """Generated samples fill ``context_length`` (prompt and answer); files tell their own sizes."""
@@ -608,7 +624,9 @@ class RulerTask(Task):
         value = setting.get(subtask) if isinstance(setting, Mapping) else setting
         value = SUBTASKS[subtask].tokens_to_generate if value is None else value
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise KVBenchError(f"task.tokens_to_generate for {subtask} must be a positive number of tokens, got {value!r}")
+            raise KVBenchError(
+                f"task.tokens_to_generate for {subtask} must be a positive number of tokens, got {value!r}"
+            )
         return value
 
     @cached_property
@@ -633,22 +651,31 @@ class RulerTask(Task):
         character offset there since its commit d4293b9, so the sample id is the record's position."""
         path = self.data_dir / f"{subtask}.jsonl"
         if not path.is_file():
-            raise KVBenchError(f"RULER file {path} not found; task.data_dir must hold <subtask>.jsonl files written by "
-                               "RULER's scripts/data/prepare.py (or set task.data_dir=null to generate samples)")
+            raise KVBenchError(
+                f"RULER file {path} not found; task.data_dir must hold <subtask>.jsonl files written by "
+                "RULER's scripts/data/prepare.py (or set task.data_dir=null to generate samples)"
+            )
         lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         for position, line in enumerate(lines[: self.num_samples]):
             try:
                 record = json.loads(line)
                 text, answers = record["input"], list(record["outputs"])
             except (json.JSONDecodeError, KeyError, TypeError) as error:
-                raise KVBenchError(f"{path}:{position + 1} is not a RULER record with input and outputs "
-                                   f"({type(error).__name__}: {error})") from None
+                raise KVBenchError(
+                    f"{path}:{position + 1} is not a RULER record with input and outputs "
+                    f"({type(error).__name__}: {error})"
+                ) from None
             prefix = record.get("answer_prefix", "") if self.answer_prefix else ""
             if self.max_length is not None:
                 text = self.model.cut_middle(text, self.max_length)
             ids = self.model.prompt_ids(self.template, text, prefix)
-            yield self._sample(subtask, position, ids, [str(answer) for answer in answers],
-                               {"index": record.get("index"), "length": record.get("length"), "source": str(path)})
+            yield self._sample(
+                subtask,
+                position,
+                ids,
+                [str(answer) for answer in answers],
+                {"index": record.get("index"), "length": record.get("length"), "source": str(path)},
+            )
 
     def sample(self, subtask: str, index: int) -> Sample:
         """Generated sample ``index`` of ``subtask`` (the same for the same seed, tokenizer and context length)."""
