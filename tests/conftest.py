@@ -34,3 +34,17 @@ def pytest_runtest_setup(item):
         problem = offline_model_problem()
         if problem is not None:
             pytest.skip(f"the offline model smollm2_135m is not available: {problem}")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def absl_handler_on_the_real_stderr():
+    """absl (imported by rouge-score) builds its logging handler on the ``sys.stderr`` of the moment, which under
+    pytest is the capture file, and closes that stream when Hydra's ``logging.config.dictConfig`` shuts every
+    handler down (an in-process ``kvbench run``); pytest then fails on its own closed capture file."""
+    import sys
+
+    try:
+        from absl import logging as absl_logging
+    except ImportError:
+        return
+    absl_logging.get_absl_handler().python_handler.stream = sys.__stderr__
