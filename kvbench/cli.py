@@ -84,7 +84,8 @@ def command_policies(args: list[str]) -> None:
     ]
     width = [max(len(row[column]) for row in rows) for column in range(3)]
     print(
-        f"{'name':<{width[0]}}  {'kind':<{width[1]}}  {'paper':<{width[2]}}  settings (policy.<key>=..., policy.layer_budget.<key>=...)"
+        f"{'name':<{width[0]}}  {'kind':<{width[1]}}  {'paper':<{width[2]}}  "
+        "settings (policy.<key>=..., policy.layer_budget.<key>=...)"
     )
     for row in rows:
         print(f"{row[0]:<{width[0]}}  {row[1]:<{width[1]}}  {row[2]:<{width[2]}}  {row[3]}")

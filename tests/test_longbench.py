@@ -558,7 +558,10 @@ LLAMA2 = "meta-llama/Llama-2-7b-chat-hf"
 LLAMA3 = "meta-llama/Meta-Llama-3-8B-Instruct"
 LLAMA31 = "meta-llama/Llama-3.1-8B-Instruct"
 MISTRAL = "mistralai/Mistral-7B-Instruct-v0.3"
-LLAMA3_TURN = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+LLAMA3_TURN = (
+    "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n"
+)
 
 
 @pytest.mark.parametrize(
@@ -610,9 +613,11 @@ def test_samsum_stops_at_newline(tokenizer):
 
 
 def test_min_length_datasets_set_one_new_token(tokenizer):
-    samples = lambda **options: {
-        s.subtask: s.min_new_tokens for s in make_task(tokenizer, datasets=["samsum", "trec"], **options).samples()
-    }
+    def samples(**options):
+        return {
+            s.subtask: s.min_new_tokens for s in make_task(tokenizer, datasets=["samsum", "trec"], **options).samples()
+        }
+
     assert samples() == {"samsum": 1, "trec": 0}  # pred.py: min_length = context + 1 on samsum only
     assert samples(min_length_datasets="all") == {"samsum": 1, "trec": 1}  # KVCache-Factory: every dataset
     assert samples(min_length_datasets=[]) == {"samsum": 0, "trec": 0}

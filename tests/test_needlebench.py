@@ -107,8 +107,8 @@ def test_single_needle_samples_follow_the_official_draw_and_insertion():
     english = text_of(samples[0])
     assert english.startswith("You are an intelligent AI assistant skilled in answering user questions.\n")
     assert (
-        "Before answering, please consider what in the document is most relevant to this question. Please answer in the format of '"
-        in english
+        "Before answering, please consider what in the document is most relevant to this question. "
+        "Please answer in the format of '" in english
     )
     chinese = text_of(samples[-1])
     assert chinese.startswith("你是一个善于回答用户问题的智能AI助手\n") and "现在请问：" in chinese

@@ -235,7 +235,7 @@ def test_avg_mismatch_marks_are_exact():
         df = load_table(paper, table)
         # the marker is used on avg rows only
         assert not df.loc[df.task != "avg", "note"].str.contains(AVG_MISMATCH, regex=False).any()
-        for key, mean, n, avg in _avg_groups(paper, table):
+        for key, mean, _n, avg in _avg_groups(paper, table):
             if AVG_MISMATCH in avg.note:
                 marked.add(key)
                 assert abs(mean - avg.value) > AVG_TOL[(paper, table)] + EPS, key
@@ -258,7 +258,7 @@ def test_averages_over_the_expected_number_of_tasks():
         ("slake", "table4"): 2,
     }
     for (paper, table), n_tasks in expected_n.items():
-        for key, mean, n, avg in _avg_groups(paper, table):
+        for key, _mean, n, _avg in _avg_groups(paper, table):
             if key == ("caote", "table3", "qwen25_7b", "h2o", "4k"):
                 assert n == 15  # one cell lost by the extraction (README)
             else:
@@ -404,7 +404,7 @@ def test_shared_rows_agree_across_tables():
 
 def test_slake_table4_overall_is_mean_of_en_and_zh():
     df = load_table("slake", "table4")
-    for (model, method, budget), g in df.groupby(["model", "method", "budget"]):
+    for (_model, _method, _budget), g in df.groupby(["model", "method", "budget"]):
         v = dict(zip(g.task, g.value))
         en, zh = v["needlebench_multi_reasoning_en@8k"], v["needlebench_multi_reasoning_zh@8k"]
         assert abs((en + zh) / 2 - v["avg"]) <= 0.005 + EPS

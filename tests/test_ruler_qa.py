@@ -55,7 +55,8 @@ def test_qa_samples_hold_the_gold_documents_template_and_prefix(subtask, dataset
         assert len(sample.input_ids) <= 2048 - 32 and sample.max_new_tokens == 32
         text = MODEL.tokenizer.decode(sample.input_ids, skip_special_tokens=True)
         assert text.startswith(
-            "Answer the question based on the given documents. Only give me the answer and do not output any other words.\n\nThe following are given documents.\n\nDocument 1:\n"
+            "Answer the question based on the given documents. Only give me the answer and do not output any other "
+            "words.\n\nThe following are given documents.\n\nDocument 1:\n"
         )
         assert text.endswith(QA_ANSWER_PREFIX) and "\n\nQuestion: " in text
         qa = next(q for q in qas if f"Question: {q['query']} Answer:" in text)

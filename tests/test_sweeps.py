@@ -334,9 +334,9 @@ def test_a_locked_run_dir_refuses_a_second_kvbench_in_one_line(tmp_path):
 def test_basic_multirun_skips_finished_and_resumes_changed(tmp_path, capsys):
     sweep = tmp_path / "sweep"
     main(["run", "-m", *TINY, "policy=tova", "budget=32,64", f"hydra.sweep.dir={sweep}"])
-    job = (
-        sweep
-        / "budget='32',model=tiny_llama,policy=tova,task.context_length=512,task.num_samples=1,task.subtasks=[niah_single_1],task=ruler"
+    job = sweep / (
+        "budget='32',model=tiny_llama,policy=tova,task.context_length=512,task.num_samples=1,"
+        "task.subtasks=[niah_single_1],task=ruler"
     )
     first = (job / "predictions.jsonl").read_text()
     stamp = (job / "metrics.json").stat().st_mtime_ns

@@ -86,7 +86,8 @@ class BookPerplexityTask(PerplexityTask):
         ):
             if field not in row:
                 raise KVBenchError(
-                    f"the hub dataset {cfg.hf_id} has no column {field!r} (columns: {', '.join(row)}); set task.text_field"
+                    f"the hub dataset {cfg.hf_id} has no column {field!r} (columns: {', '.join(row)}); "
+                    "set task.text_field"
                 )
             yield str(row.get(title_field) or f"{self.name}-{index}"), row[field]
 

@@ -88,7 +88,9 @@ PROMPTS = {
     "hotpotqa": _MULTI_DOC,
     "2wikimqa": _MULTI_DOC,
     "musique": _MULTI_DOC,
-    "dureader": "请基于给定的文章回答下述问题。\n\n文章：{context}\n\n请基于上述文章回答下面的问题。\n\n问题：{input}\n回答：",
+    "dureader": (
+        "请基于给定的文章回答下述问题。\n\n文章：{context}\n\n请基于上述文章回答下面的问题。\n\n问题：{input}\n回答："
+    ),
     "gov_report": (
         "You are given a report by a government agency. Write a one-page summary of the report.\n\n"
         "Report:\n{context}\n\nNow, write a one-page summary of the report.\n\nSummary:"
@@ -104,12 +106,16 @@ PROMPTS = {
         "Now, write a one-page summary of all the news.\n\nSummary:"
     ),
     "vcsum": "下面有一段会议记录，请你阅读后，写一段总结，总结会议的内容。\n会议记录：\n{context}\n\n会议总结：",
-    "trec": "Please determine the type of the question below. Here are some examples of questions.\n\n{context}\n{input}",
+    "trec": (
+        "Please determine the type of the question below. Here are some examples of questions.\n\n{context}\n{input}"
+    ),
     "triviaqa": (
         "Answer the question based on the given passage. Only give me the answer and do not output any "
         "other words. The following are some examples.\n\n{context}\n\n{input}"
     ),
-    "samsum": "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}",
+    "samsum": (
+        "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}"
+    ),
     "lsht": "请判断给定新闻的类别，下面是一些例子。\n\n{context}\n{input}",
     "passage_count": (
         "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please "

