@@ -9,7 +9,7 @@ KVBENCH := $(VENV)/bin/kvbench
 PYTEST_ARGS ?= -m "not slow"
 SCALE ?= paper
 
-.PHONY: setup run test test-all test-slurm clean
+.PHONY: setup run test test-all lint test-slurm clean
 
 setup: $(VENV)/.installed
 
@@ -31,6 +31,12 @@ test: setup
 
 test-all: setup
 	$(PY) -m pytest -q -m ""
+
+# ruff (lint and format) and mypy, as configured in pyproject.toml; CI runs it before the tests
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # The sweeps against a real scheduler: a throw-away single-node Slurm (LOCAL_SLURM start|stop|env; the default
 # needs root the first time, to install Debian's slurm-wlm and munge), tests/test_slurm.py on it, then stopped.

@@ -2,6 +2,7 @@
 
 import os
 from pathlib import Path
+from typing import Any, cast
 
 __version__ = "0.1.0"
 
@@ -21,3 +22,13 @@ def resolve_path(path: str | os.PathLike) -> Path:
 def cache_dir() -> Path:
     """The kvbench cache root (converted models, essays): ``$KVBENCH_CACHE`` or ``~/.cache/kvbench``."""
     return Path(os.environ.get("KVBENCH_CACHE") or Path.home() / ".cache" / "kvbench").expanduser()
+
+
+def config_dict(node: Any, resolve: bool = False) -> dict[str, Any]:
+    """``OmegaConf.to_container`` of a mapping node (a ``DictConfig``, whose keys are strings), typed as the
+    dict it is (omegaconf types the container as any dict, list or scalar)."""
+    from omegaconf import OmegaConf
+
+    container = OmegaConf.to_container(node, resolve=resolve)
+    assert isinstance(container, dict)
+    return cast(dict[str, Any], container)

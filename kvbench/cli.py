@@ -19,6 +19,7 @@ import logging
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import IO, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -31,7 +32,7 @@ from kvbench.errors import KVBenchError
 log = logging.getLogger(__name__)
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     print(f"kvbench: error: {message}", file=sys.stderr)
     sys.exit(2)
 
@@ -106,7 +107,7 @@ def command_prepare(args: list[str]) -> None:
     tokenizer = load_tokenizer(cfg.model)
     task = build_task(cfg, tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
-    handles: dict[str, object] = {}
+    handles: dict[str, IO[str]] = {}
     counts: dict[str, int] = {}
     for sample in task.samples():
         if sample.subtask not in handles:

@@ -21,7 +21,7 @@ from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench import CONF_DIR
+from kvbench import CONF_DIR, config_dict
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies import BASES, MODIFIERS, build_policy, parse_spec, policy_keys
 from kvbench.policies.budgets import Budget
@@ -84,8 +84,7 @@ def selected_policy_settings(selections: tuple[tuple[str, str], ...]) -> dict[st
     if not selections:
         return {}
     node = _selected_node(selections).get("policy_settings")
-    settings = OmegaConf.to_container(node, resolve=True) if node is not None else {}
-    assert isinstance(settings, dict)
+    settings = config_dict(node, resolve=True) if node is not None else {}
     for part in settings:
         if part not in BASES and part not in MODIFIERS:
             parse_spec(part)  # a whole spec, e.g. cake+slake
@@ -115,6 +114,7 @@ def prepare_overrides(args: list[str]) -> list[str]:
         elif key == "policy.layer_budget" and isinstance(override.value(), dict):  # replace the node, not merge
             rewritten += ["~policy.layer_budget", f"+policy.layer_budget={override.get_value_element_as_str()}"]
         else:
+            assert override.input_line is not None  # set by the parser
             rewritten.append(override.input_line)
         if key.split(".")[0] == "policy_settings":
             raise KVBenchError(
@@ -139,7 +139,7 @@ def prepare_overrides(args: list[str]) -> list[str]:
 
 #: the default option of each group (conf/config.yaml's defaults list)
 DEFAULTS: dict[str, str] = {
-    group: str(option)
+    str(group): str(option)
     for entry in OmegaConf.load(CONF_DIR / "config.yaml").defaults
     if isinstance(entry, DictConfig)
     for group, option in entry.items()

@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench import CONF_DIR
+from kvbench import CONF_DIR, config_dict
 from kvbench.config import engine_keys, group_keys
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy
@@ -41,8 +41,7 @@ class Job:
 
 def resolve(cfg: DictConfig) -> Job:
     """Validate every setting of the composed run config and resolve its per-model settings."""
-    settings = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(settings, dict)
+    settings = config_dict(cfg, resolve=True)
     settings.pop("hydra", None)
     check_settings(settings)
     budget = Budget.parse(settings["budget"]["spec"])
@@ -63,7 +62,7 @@ def check_settings(settings: dict[str, Any]) -> None:
     _unknown("engine.", settings["engine"], engine_keys(), "the engine")
     for group in GROUPS:
         name = settings[group].get("name") if group != "budget" else None
-        valid = ["spec"] if group == "budget" else group_keys(group, name)
+        valid = ["spec"] if name is None else group_keys(group, str(name))
         _unknown(f"{group}.", settings[group], valid, f"{group} {name}" if name else group)
 
 

@@ -13,7 +13,9 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from kvbench import config_dict
 from kvbench.engine import Engine
+from kvbench.engine.engine import GenerationOutput, PerplexityOutput
 from kvbench.engine.models import LoadedModel, load_model
 from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
@@ -52,9 +54,7 @@ def build_engine(job: Job, loaded: LoadedModel) -> Engine:
 
 def stop_ids(sample: Sample, loaded: LoadedModel) -> list[int]:
     """The model's stop tokens plus the last token of each of the sample's stop strings (LongBench samsum)."""
-    extra = [
-        loaded.tokenizer.encode(text, add_special_tokens=False)[-1] for text in sample.metadata.get("stop_strings", [])
-    ]
+    extra = [loaded.tokenizer.encode(text, add_special_tokens=False)[-1] for text in sample.stop_strings]
     return [*loaded.stop_token_ids, *extra]
 
 
@@ -62,6 +62,8 @@ def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) 
     """Run one sample through the engine and score it: the record written to predictions.jsonl, and the
     engine's output."""
     started = time.perf_counter()
+    output: PerplexityOutput | GenerationOutput
+    result: list[float] | str  # the perplexity task's NLLs, or the decoded text
     if sample.mode == "perplexity":
         output = engine.perplexity(sample.input_ids, sample.context_tokens)
         result = output.nlls
@@ -69,7 +71,7 @@ def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) 
         output = engine.generate(
             sample.input_ids, sample.max_new_tokens, stop_ids(sample, loaded), sample.min_new_tokens
         )
-        result = loaded.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        result = str(loaded.tokenizer.decode(output.token_ids, skip_special_tokens=True))
     record = {"id": sample.id, "subtask": sample.subtask, **task.evaluate(sample, result), "answers": sample.answers}
     record["prompt_tokens"] = len(sample.input_ids)
     record["kv"] = asdict(output.kv)
@@ -131,8 +133,8 @@ def finished_metrics(run_dir: RunDir, cfg: DictConfig) -> dict[str, Any] | None:
     resubmitted sweep skips its finished jobs without loading the model."""
     if not (run_dir.metrics_path.exists() and run_dir.config_path.exists()):
         return None
-    saved = OmegaConf.to_container(OmegaConf.load(run_dir.config_path))
-    current = OmegaConf.to_container(cfg, resolve=True)
+    saved = config_dict(OmegaConf.load(run_dir.config_path))
+    current = config_dict(cfg, resolve=True)
     if {k: v for k, v in saved.items() if k != "logger"} != {k: v for k, v in current.items() if k != "logger"}:
         return None
     metrics = run_dir.metrics()

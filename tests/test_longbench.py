@@ -606,9 +606,9 @@ def test_unknown_prompt_format_and_chat_without_template_are_one_line_errors(tok
 def test_samsum_stops_at_newline(tokenizer):
     task = make_task(tokenizer, datasets=["samsum", "trec"])
     samples = {sample.subtask: sample for sample in task.samples()}
-    assert samples["samsum"].metadata["stop_strings"] == ["\n"]
+    assert samples["samsum"].stop_strings == ["\n"]
     assert samples["samsum"].max_new_tokens == 128
-    assert "stop_strings" not in samples["trec"].metadata
+    assert samples["trec"].stop_strings == []
     assert samples["trec"].metadata["all_classes"] == TREC_CLASSES and samples["trec"].max_new_tokens == 64
 
 

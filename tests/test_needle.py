@@ -125,7 +125,7 @@ def test_kvcache_factory_prompt_stops_at_a_newline(essay_dir):
     assert text.endswith(
         "</book>.\n Based on the content of the book, Question: The best thing to do in San Francisco is: \nAnswer:"
     )
-    assert sample.max_new_tokens == 30 and sample.metadata["stop_strings"] == ["\n"]
+    assert sample.max_new_tokens == 30 and sample.stop_strings == ["\n"]
     assert sample.input_ids[0] == task.model.tokenizer.bos_token_id
 
 

@@ -22,12 +22,13 @@ import multiprocessing
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import transformers
 from omegaconf import DictConfig, OmegaConf
 
+from kvbench import config_dict
 from kvbench.bench.measure import Clock, PeakMemory, median_ratio, rotations, summary
 from kvbench.engine import Engine
 from kvbench.engine.models import LoadedModel, load_model
@@ -132,7 +133,7 @@ class Bench:
         regime = regime or self.cfg.engine.regime
         key = (spec, regime, json.dumps(params, sort_keys=True))
         if key not in self._engines:
-            overrides = OmegaConf.to_container(self.bench.policy_params, resolve=True).get(spec, {})
+            overrides = config_dict(self.bench.policy_params, resolve=True).get(spec, {})
             self._engines[key] = Engine(
                 self.loaded.model,
                 build_policy(spec, {**overrides, **params}),
@@ -158,8 +159,8 @@ class Bench:
         section = self.bench.prefill
         policies = ["full", *[str(spec) for spec in section.policies if str(spec) != "full"]]
         lengths = [int(length) for length in section.prompt_lengths]
-        wall = {spec: {length: [] for length in lengths} for spec in policies}
-        cpu = {spec: {length: [] for length in lengths} for spec in policies}
+        wall: dict[str, dict[int, list[float]]] = {spec: {length: [] for length in lengths} for spec in policies}
+        cpu: dict[str, dict[int, list[float]]] = {spec: {length: [] for length in lengths} for spec in policies}
         kv: dict[str, dict[str, Any]] = {spec: {} for spec in policies}
         for repetition in range(self.repetitions):
             for length in lengths:
@@ -211,7 +212,9 @@ class Bench:
         if new_tokens < 2:
             raise KVBenchError(f"bench.decode.new_tokens must be >= 2 (one decode step), got {new_tokens}")
         engine = self.engine(str(section.policy))
-        steps = {length: {"wall": [], "cpu": [], "generate": []} for length in lengths}
+        steps: dict[int, dict[str, list[float]]] = {
+            length: {"wall": [], "cpu": [], "generate": []} for length in lengths
+        }
         for repetition in range(self.repetitions):
             for length in rotations(lengths, repetition):
                 with self.clock.forwards(self.loaded.model) as forwards:
@@ -242,7 +245,7 @@ class Bench:
         lengths = sorted(int(length) for length in section.prompt_lengths)
         method = f"{self.memory.method}, one fresh process per row"
         result: dict[str, Any] = {"regime": str(section.regime), "method": method, "policies": {}}
-        config = OmegaConf.to_container(self.cfg, resolve=True)
+        config = config_dict(self.cfg, resolve=True)
         for spec in section.policies:
             rows = {}
             for length in lengths:
@@ -274,8 +277,8 @@ class Bench:
         config = transformers.GenerationConfig(
             max_new_tokens=new_tokens, do_sample=False, pad_token_id=self.loaded.tokenizer.pad_token_id
         )
-        times = {(variant, n): [] for variant in ("kvbench", "generate") for n in lengths}
-        cpu_times = {(variant, n): [] for variant in ("kvbench", "generate") for n in lengths}
+        times: dict[tuple[str, int], list[float]] = {(v, n): [] for v in ("kvbench", "generate") for n in lengths}
+        cpu_times: dict[tuple[str, int], list[float]] = {(v, n): [] for v in ("kvbench", "generate") for n in lengths}
         match = {}
 
         def run_kvbench(ids: list[int]) -> list[int]:
@@ -288,7 +291,7 @@ class Bench:
                 generation_config(model, config),
                 torch.inference_mode(),
             ):
-                output = model.generate(prompt)
+                output = cast(Any, model).generate(prompt)  # a causal LM (transformers types generate oddly)
             return output[0, len(ids) :].tolist()
 
         variants = {"kvbench": run_kvbench, "generate": run_generate}
@@ -303,7 +306,9 @@ class Bench:
                     times[variant, length].append(seconds)
                     cpu_times[variant, length].append(cpu_seconds)
                 match[str(length)] = tokens["kvbench"] == tokens["generate"]
-        raw = {str(n): {v: summary(times[v, n], cpu_times[v, n]) for v in variants} for n in lengths}
+        raw: dict[str, dict[str, Any]] = {
+            str(n): {v: summary(times[v, n], cpu_times[v, n]) for v in variants} for n in lengths
+        }
 
         def speed_ratio(rows: list[dict[str, Any]], clock: str) -> float:
             """Generate's summed median time ÷ kvbench's: kvbench tokens/s ÷ generate tokens/s."""

@@ -14,7 +14,7 @@ manner while the first evicting forward passes through the layers (:meth:`Evicti
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -35,7 +35,13 @@ class EvictionLayer(DynamicLayer):
     ``ranking [B,Hc,T]`` the scores of the last eviction (re-used when cascading shrinks the layer again).
     """
 
-    def __init__(self):
+    # DynamicLayer's keys/values are None until the first ``append`` initialises them; an EvictionLayer is only
+    # read once it holds tokens (EvictionCache.update appends before the attention reads the layer). ``positions``
+    # and the scoring state stay Optional: they are checked where they are read.
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def __init__(self) -> None:
         super().__init__()
         self.positions: torch.Tensor | None = None
         self.accumulated: torch.Tensor | None = None
@@ -46,7 +52,7 @@ class EvictionLayer(DynamicLayer):
         self.modifier_state: dict[str, Any] = {}
         self.peak_tokens = 0
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Append this forward's tokens (``positions [q]``) and grow the per-token state to match."""
         super().update(keys, values)
         batch, heads, new_tokens, _ = keys.shape
@@ -58,17 +64,19 @@ class EvictionLayer(DynamicLayer):
         self.ranking = None
         self.peak_tokens = max(self.peak_tokens, self.get_seq_length())
 
-    def remember_queries(self, queries: torch.Tensor, positions: torch.Tensor, window: int):
+    def remember_queries(self, queries: torch.Tensor, positions: torch.Tensor, window: int) -> None:
         """Keep the last ``window`` queries ``[B,Hq,W,D]`` (and their positions), copied so that the
         forward's full query tensor is not held."""
         if self.recent_queries is not None:
+            assert self.recent_query_positions is not None  # set together with recent_queries
             queries = torch.cat([self.recent_queries, queries], dim=2)
             positions = torch.cat([self.recent_query_positions, positions])
         self.recent_queries = queries[:, :, -window:].clone()
         self.recent_query_positions = positions[-window:].clone()
 
-    def keep(self, kept: torch.Tensor):
+    def keep(self, kept: torch.Tensor) -> None:
         """Gather the kept slots ``kept [B,Hc,K]`` (sorted) into new, smaller tensors."""
+        assert self.positions is not None
         slots = kept[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, slots)
         self.values = self.values.gather(2, slots)
@@ -79,6 +87,7 @@ class EvictionLayer(DynamicLayer):
 
     def dropped_by(self, kept: torch.Tensor) -> Evicted:
         """The entries that keeping ``kept [B,Hc,K]`` evicts, in position order, scored by ``ranking``."""
+        assert self.positions is not None and self.ranking is not None
         batch, heads, tokens = self.positions.shape
         dropped = torch.ones(batch, heads, tokens, dtype=torch.bool, device=kept.device).scatter_(-1, kept, False)
         # a stable sort puts the dropped slots first, in slot order, with no host synchronisation
@@ -121,7 +130,7 @@ class EvictionCache(Cache):
         num_kv_heads: int,
         attn_backend: str = "sdpa",
         score_block: int | None = None,
-    ):
+    ) -> None:
         super().__init__(layers=[EvictionLayer() for _ in layer_budgets])
         self.policy = policy
         self.layer_budgets = list(layer_budgets)
@@ -140,8 +149,14 @@ class EvictionCache(Cache):
         self.live_bytes = [0] * len(layer_budgets)
         self.peak_bytes = 0
 
+    @property
+    def eviction_layers(self) -> list[EvictionLayer]:
+        """``layers``, typed as what they are: ``__init__`` builds every layer as an :class:`EvictionLayer`
+        (transformers types ``Cache.layers`` as a list of its own layer classes)."""
+        return cast(list[EvictionLayer], self.layers)
+
     # -- called by the engine --------------------------------------------------------------------------
-    def begin_forward(self, positions: torch.Tensor, evict: bool, track_scores: bool, decoding: bool = False):
+    def begin_forward(self, positions: torch.Tensor, evict: bool, track_scores: bool, decoding: bool = False) -> None:
         """Declare the next forward: ``positions [q]`` of its tokens, whether to evict after it, whether
         accumulating policies must add its queries' contributions (i.e. eviction may follow), and whether
         it generates (after the prompt) rather than prefills."""
@@ -152,40 +167,55 @@ class EvictionCache(Cache):
 
     def tokens_per_layer(self) -> list[int]:
         """Cached tokens per cache head, for every layer."""
-        return [layer.get_seq_length() for layer in self.layers]
+        return [layer.get_seq_length() for layer in self.eviction_layers]
 
     def kept_positions(self) -> list[torch.Tensor]:
         """The absolute token positions each layer holds, ``[B,Hc,T_l]`` per layer, sorted within a head."""
-        return [layer.positions for layer in self.layers]
+        kept = []
+        for layer in self.eviction_layers:
+            assert layer.positions is not None  # every layer holds tokens after a forward
+            kept.append(layer.positions)
+        return kept
 
-    def policy_stats(self) -> dict:
+    def policy_stats(self) -> dict[str, Any]:
         """Per-sample statistics of the attending modifiers (CaliDrop's recomputation rate) and, with a
         dynamic layer budget, each layer's ``layer_preference``."""
-        stats = {}
+        stats: dict[str, Any] = {}
         for modifier in self.attending:
-            stats.update(modifier.stats([self._state(layer, modifier) for layer in self.layers]))
+            stats.update(modifier.stats([self._state(layer, modifier) for layer in self.eviction_layers]))
         if self.allocation is not None:
             stats["layer_preference"] = list(self.allocation.preferences)
         return stats
 
     # -- called by the model / attention function ------------------------------------------------------
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new keys/values ``[B,Hkv,q,D]`` (repeated to query heads in the repeat layout)."""
         if self.repeat_layout:
             group = self.num_query_heads // key_states.shape[1]
             key_states = key_states.repeat_interleave(group, dim=1)
             value_states = value_states.repeat_interleave(group, dim=1)
-        layer: EvictionLayer = self.layers[layer_idx]
+        layer = self.eviction_layers[layer_idx]
         if self.policy.accumulates and self.track_scores and layer.accumulated is None:
             batch, heads, _, _ = key_states.shape
             layer.accumulated = key_states.new_zeros(batch, heads, 0, dtype=torch.float32)
+        assert self.new_positions is not None  # begin_forward comes before the model's forward
         layer.append(key_states, value_states, self.new_positions)
         self._account(layer_idx)
         return layer.keys, layer.values
 
-    def attend(self, layer_idx: int, query, keys, values, output: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        output: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
         """Let attending modifiers replace a single-query forward's ``output [B,1,Hq,D]`` (in turn)."""
-        layer = self.layers[layer_idx]
+        layer = self.eviction_layers[layer_idx]
         for modifier in self.attending:
             replaced = modifier.attend(self._state(layer, modifier), query, keys, values, output, scaling)
             output = output if replaced is None else replaced
@@ -207,25 +237,28 @@ class EvictionCache(Cache):
         """Attention output ``[B,q,Hq,D]`` of ``queries [B,Hq,q,D]`` over the layer's cache, and the policy's sums
         from each query's normaliser added to the running score: the normaliser and output of a fused kernel
         on ``NORMALISER_KERNEL_DEVICES``, else of the same blockwise pass (``kvbench.policies.stats``)."""
-        layer = self.layers[layer_idx]
+        layer = self.eviction_layers[layer_idx]
         stats = NormalisedStats(queries, layer.keys, layer.values, scaling)
         if queries.device.type in attention.NORMALISER_KERNEL_DEVICES:
             stats.outputs, stats.lse = attention.attention_with_lse(queries, layer.keys, layer.values, scaling)
         outputs, summed = self.policy.normalised_sums(stats, self.score_block)  # [B,Hq,q,D], [B,Hc,T]
+        assert layer.accumulated is not None  # created by update when scores are tracked
         layer.accumulated += summed
         return outputs.transpose(1, 2).contiguous()
 
-    def after_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float, accumulated: bool = False):
+    def after_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float, accumulated: bool = False) -> None:
         """Gather this forward's scoring statistics (``queries [B,Hq,q,D]``) unless the attention already
         ``accumulated`` them, and evict if due."""
-        policy, layer = self.policy, self.layers[layer_idx]
+        policy, layer = self.policy, self.eviction_layers[layer_idx]
         budget = self.layer_budgets[layer_idx]
+        assert self.new_positions is not None and layer.positions is not None  # set by begin_forward and update
         positions = self.new_positions.to(queries.device)
         if self.attending:
             layer.last_query = queries[:, :, -1].clone()
         if policy.needs_attention and policy.accumulates and self.track_scores and not accumulated:
             seen = policy.scoring_positions(positions, budget, self.prompt_len)
             stats = AttentionStats(queries, layer.keys, layer.values, seen, layer.positions, scaling)
+            assert layer.accumulated is not None  # created by update when scores are tracked
             layer.accumulated += policy.summed_contributions(stats, self.score_block)
         window = self._query_window(budget)
         if window:
@@ -259,13 +292,16 @@ class EvictionCache(Cache):
 
     def _scores(self, layer_idx: int, budget: int, scaling: float) -> torch.Tensor:
         """The policy's ranking of every cached slot ``[B,Hc,T]`` (before reserving) for ``budget``."""
-        policy, layer = self.policy, self.layers[layer_idx]
+        policy, layer = self.policy, self.eviction_layers[layer_idx]
+        assert layer.positions is not None
         if not policy.needs_attention:
             return policy.position_scores(layer.positions)
         if policy.accumulates:
+            assert layer.accumulated is not None  # accumulating policies evict only after tracked forwards
             summed = layer.accumulated
         else:
             window = policy.scoring_window(budget, self.prompt_len, self.decoding)
+            assert layer.recent_queries is not None and layer.recent_query_positions is not None
             stats = AttentionStats(
                 layer.recent_queries[:, :, -window:],
                 layer.keys,
@@ -283,44 +319,52 @@ class EvictionCache(Cache):
         slots) and recent window (the last), plus the top-scored of the slots between them by ``scores
         [B,Hc,T]``. The top-k runs over exactly those slots, as the reference implementations select heavy
         hitters (KVCache-Factory: ``topk(capacity − window)`` over the prefix), so ties break as there."""
-        policy, tokens = self.policy, self.layers[layer_idx].get_seq_length()
+        policy, tokens = self.policy, self.eviction_layers[layer_idx].get_seq_length()
         recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
         sinks = max(0, min(policy.reserved_sinks(), budget - recent, tokens - recent))
         heavy = scores[..., sinks : tokens - recent].float().topk(budget - recent - sinks, dim=-1).indices + sinks
         reserved = torch.cat([torch.arange(sinks), torch.arange(tokens - recent, tokens)]).to(heavy.device)
         return torch.cat([heavy, reserved.expand(*heavy.shape[:-1], -1)], dim=-1).sort(dim=-1).values
 
-    def _evict(self, layer_idx: int, budget: int, scores: torch.Tensor, scaling: float):
+    def _evict(self, layer_idx: int, budget: int, scores: torch.Tensor, scaling: float) -> None:
         """Keep the top ``budget`` slots per cache head by ``scores [B,Hc,T]``, reserved slots first; hand
         the evicted entries to the attending modifiers."""
-        layer = self.layers[layer_idx]
+        layer = self.eviction_layers[layer_idx]
         layer.ranking = scores.float()
         kept = self._select(layer_idx, budget, scores)
         evicted = layer.dropped_by(kept) if self.attending else None
         layer.keep(kept)
-        for modifier in self.attending:
-            modifier.on_evict(self._state(layer, modifier), evicted, layer.last_query, scaling)
+        if evicted is not None:  # i.e. there are attending modifiers
+            assert layer.last_query is not None  # after_attention keeps it when modifiers attend
+            for modifier in self.attending:
+                modifier.on_evict(self._state(layer, modifier), evicted, layer.last_query, scaling)
         self._account(layer_idx)
 
-    def _allocate(self, layer_idx: int, scaling: float):
+    def _allocate(self, layer_idx: int, scaling: float) -> None:
         """Stage ``layer_idx`` of CAKE's cascading allocation (CAKE Alg. 1): score this layer's preference,
         re-share the total over layers ``0..layer_idx``, evict earlier layers further where their share
         shrank (by their stored ranking) and this layer to its share (ranked once, at the average budget)."""
-        allocation, layer = self.allocation, self.layers[layer_idx]
+        allocation, layer = self.allocation, self.eviction_layers[layer_idx]
+        assert allocation is not None  # only called with a dynamic layer budget
         scores = layer.ranking = self._scores(layer_idx, allocation.budget, scaling).float()
-        sizes = [self.layers[index].get_seq_length() for index in range(layer_idx + 1)]
+        sizes = [self.eviction_layers[index].get_seq_length() for index in range(layer_idx + 1)]
         budgets = allocation.stage(self._preference(layer_idx, scores, scaling), sizes)
         self.layer_budgets[: layer_idx + 1] = budgets
         for index, budget in enumerate(budgets[:-1]):
             if sizes[index] > budget:
-                self._evict(index, budget, self.layers[index].ranking, scaling)
+                ranking = self.eviction_layers[index].ranking
+                assert ranking is not None  # ranked at its own stage of this forward
+                self._evict(index, budget, ranking, scaling)
         if sizes[-1] > budgets[-1]:
             self._evict(layer_idx, budgets[-1], scores, scaling)
 
     def _preference(self, layer_idx: int, scores: torch.Tensor, scaling: float) -> float:
         """The layer's preference from its observation window's attention and the slots that the average
         budget would evict by ``scores [B,Hc,T]`` (the layer budget strategy decides what it uses)."""
-        policy, layer, budget = self.policy, self.layers[layer_idx], self.allocation.budget
+        assert self.allocation is not None  # only called with a dynamic layer budget
+        policy, layer, budget = self.policy, self.eviction_layers[layer_idx], self.allocation.budget
+        assert layer.positions is not None
+        assert layer.recent_queries is not None and layer.recent_query_positions is not None
         window = policy.layer_budget.observation_window(policy.scoring_window(budget, self.prompt_len))
         stats = AttentionStats(
             layer.recent_queries[:, :, -window:],
@@ -341,11 +385,11 @@ class EvictionCache(Cache):
             layer.modifier_state[modifier.name] = modifier.new_state()
         return layer.modifier_state[modifier.name]
 
-    def _account(self, layer_idx: int):
-        layer = self.layers[layer_idx]
+    def _account(self, layer_idx: int) -> None:
+        layer = self.eviction_layers[layer_idx]
         self.live_bytes[layer_idx] = layer.keys.numel() * layer.keys.element_size() * 2
         self.peak_bytes = max(self.peak_bytes, sum(self.live_bytes))
 
     # -- transformers Cache API --------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+        return self.eviction_layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0

@@ -146,6 +146,7 @@ class Engine:
         start = self._now()
         nlls: list[torch.Tensor] = []
         step = self.block_size if self.regime == "chunked" else 1
+        assert step is not None  # the chunked regime always has a block size
         targets = torch.tensor(input_ids, device=self.device)
         for begin in range(context_tokens, len(input_ids), step):
             block = input_ids[begin : begin + step]
@@ -212,11 +213,11 @@ class Engine:
 
     def _kv_stats(self, cache: EvictionCache, after_prefill: list[int], total_tokens: int) -> KVStats:
         bytes_per_token = sum(
-            2 * self.num_kv_heads * layer.keys.shape[-1] * layer.keys.element_size() for layer in cache.layers
+            2 * self.num_kv_heads * layer.keys.shape[-1] * layer.keys.element_size() for layer in cache.eviction_layers
         )
         return KVStats(
             after_prefill_tokens_per_layer=after_prefill,
-            peak_tokens_per_layer=[layer.peak_tokens for layer in cache.layers],
+            peak_tokens_per_layer=[layer.peak_tokens for layer in cache.eviction_layers],
             peak_bytes=cache.peak_bytes,
             full_bytes=bytes_per_token * total_tokens,
         )

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvbench import CONF_DIR, cache_dir
+from kvbench import CONF_DIR, cache_dir, config_dict
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError, choose
 from kvbench.hub import first_line, hub_online
@@ -76,7 +76,9 @@ def available_models() -> list[str]:
 def model_config(name: str) -> DictConfig:
     """The configuration conf/model/<name>.yaml."""
     choose("model", name, available_models())
-    return OmegaConf.load(MODEL_CONF_DIR / f"{name}.yaml")
+    cfg = OmegaConf.load(MODEL_CONF_DIR / f"{name}.yaml")
+    assert isinstance(cfg, DictConfig)
+    return cfg
 
 
 _LOADED: dict[str, LoadedModel] = {}
@@ -354,7 +356,7 @@ def _random_model(cfg: DictConfig, tokenizer, dtype: torch.dtype, device: torch.
     (they are drawn where they live): tiny ones for unit tests, published shapes for benchmarks."""
     if cfg.random is None:
         raise KVBenchError(f"model {cfg.name} has source=random but no 'random:' architecture block")
-    spec = OmegaConf.to_container(cfg.random, resolve=True)
+    spec = config_dict(cfg.random, resolve=True)
     architecture = spec.pop("architecture")
     choose("model.random.architecture", architecture, RANDOM_ARCHITECTURES)
     config_class = getattr(transformers, RANDOM_ARCHITECTURES[architecture])

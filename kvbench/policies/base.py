@@ -26,7 +26,7 @@ import torch
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies.budgets import Budget
 from kvbench.policies.layer_budgets import LayerBudget, Uniform
-from kvbench.policies.scores import reduce_gqa
+from kvbench.policies.scores import GqaMode, reduce_gqa
 from kvbench.policies.stats import BLOCK_ELEMENTS, NormalisedBlock, NormalisedStats
 
 GQA_MODES = ("sum", "mean", "repeat")
@@ -236,7 +236,7 @@ class Policy:
 
     #: GQA: sum the scores of a KV head's query heads (OBCache App. B.5), average them, or ``repeat``
     #: (KV stored per query head, each choosing its own tokens: the SnapKV / KVCache-Factory layout)
-    gqa: str = "sum"
+    gqa: GqaMode = "sum"
     #: how layers share the budget (``kvbench.policies.layer_budgets``)
     layer_budget: LayerBudget = field(default_factory=Uniform)
     modifiers: list[Modifier] = field(default_factory=list, repr=False)
@@ -327,6 +327,7 @@ class Policy:
             part = self.block_sums(block)  # [B,Hc,T_b]
             total[..., : part.shape[-1]] += part
         group = stats.queries.shape[1] // heads
+        assert stats.outputs is not None  # the kernel's, or written by the blocks
         return stats.outputs, total / group if self.gqa == "mean" else total
 
     def block_sums(self, block: NormalisedBlock) -> torch.Tensor:
@@ -367,7 +368,8 @@ class Policy:
         """Every setting of this policy as its Hydra node holds it: ``name`` (the spec), the base's fields,
         ``layer_budget`` as ``{name: ..., ...}`` and each modifier's fields."""
         node: dict[str, Any] = {"name": self.spec}
-        for part in (self, *self.modifiers):
+        parts: list[Policy | Modifier] = [self, *self.modifiers]
+        for part in parts:
             for item in fields(part):
                 value = getattr(part, item.name)
                 if item.name != "modifiers":

@@ -43,4 +43,5 @@ class Budget:
         """Tokens per layer for a prompt of ``prompt_len`` tokens (at least 1)."""
         if self.tokens is not None:
             return self.tokens
+        assert self.fraction is not None  # parse gives a budget its tokens or its fraction
         return max(1, round(self.fraction * prompt_len))

@@ -91,7 +91,9 @@ class Cake(SnapKV):
     def summed_contributions(self, stats: AttentionStats, block_size: int | None = None) -> torch.Tensor:
         """``mean + γ·var`` over the window of each query head's contributions (block by block, merged
         with Chan's parallel variance), reduced over each KV group: ``[B,Hkv,T]``."""
-        count, mean, squares = 0, 0.0, 0.0
+        count = 0
+        mean: torch.Tensor | float = 0.0
+        squares: torch.Tensor | float = 0.0
         for block in stats.blocks(block_size):
             part = self.contributions(block)  # [B,Hq,w,T_b]: zero weight on the unseen slots
             part = F.pad(part, (0, stats.keys.shape[2] - part.shape[-1]))
@@ -102,4 +104,5 @@ class Cake(SnapKV):
             squares = squares + part_squares + delta.square() * count * size / total
             count = total
         indicator = mean + self.gamma * squares / max(count - 1, 1)  # CAKE's indicator (mean + γ·var)
+        assert isinstance(indicator, torch.Tensor)  # the stats have at least one block
         return reduce_gqa(indicator, stats.keys.shape[1], mode=self.gqa)

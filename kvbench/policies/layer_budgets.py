@@ -93,6 +93,7 @@ def build_layer_budget(spec: LayerBudget | str | Mapping[str, Any]) -> LayerBudg
     node = {"name": spec} if isinstance(spec, str) else dict(spec)
     name = node.pop("name", None)
     choose("policy.layer_budget", name, LAYER_BUDGETS)
+    assert isinstance(name, str)  # one of LAYER_BUDGETS
     cls = LAYER_BUDGETS[name]
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(node) - known)

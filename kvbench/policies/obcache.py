@@ -22,6 +22,7 @@ def output_error_sums(
     sums = block.value_norms * vv.sum(dim=-2)  # [B,Hc,T_b]
     if vo is None:
         return sums
+    assert oo is not None  # given with vo
     outputs = block.outputs.float()  # [B,Hc,M,D]
     cross = torch.matmul(vo.transpose(-1, -2), outputs)  # [B,Hc,T_b,D]  Σ_i vo_ip o_i
     outputs_sq = outputs.square().sum(dim=-1)[..., None, :]  # [B,Hc,1,M]

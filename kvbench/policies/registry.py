@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-BASES: dict[str, type] = {}
-MODIFIERS: dict[str, type] = {}
+from typing import Any
+
+BASES: dict[str, Any] = {}  # name -> Policy subclass
+MODIFIERS: dict[str, Any] = {}  # name -> Modifier subclass
 
 
-def register(cls: type) -> type:
+def register(cls: Any) -> Any:
     """Class decorator: a ``Policy`` subclass goes to ``BASES``, a ``Modifier`` subclass to ``MODIFIERS``."""
     from kvbench.policies.base import Modifier
 

@@ -102,7 +102,11 @@ def obcache(attn: torch.Tensor, logits: torch.Tensor, outputs: torch.Tensor, val
     return OBCacheScores(value=value, key=key, joint=cross + value + key)  # OBCache eq. (6)
 
 
-def reduce_gqa(scores: torch.Tensor, num_kv_heads: int, mode: Literal["sum", "mean", "repeat"] = "sum") -> torch.Tensor:
+#: how per-query-head scores fold onto KV heads (:func:`reduce_gqa`)
+GqaMode = Literal["sum", "mean", "repeat"]
+
+
+def reduce_gqa(scores: torch.Tensor, num_kv_heads: int, mode: GqaMode = "sum") -> torch.Tensor:
     """Fold per-query-head scores ``[..., Hq, T]`` onto KV heads ``[..., Hkv, T]``.
 
     Query head ``h`` belongs to KV head ``h // (Hq / Hkv)`` (transformers' ``repeat_kv`` layout). ``sum`` is

@@ -160,9 +160,10 @@ class NormalisedStats:
         own = self.lse is None
         if own:
             self.outputs = self.queries.new_empty(batch, q_heads, q_len, self.values.shape[-1])
+        assert self.outputs is not None  # a kernel's lse comes with its outputs
         queries = self.queries.view(batch, heads, group, q_len, dim)
         outputs = self.outputs.view(batch, heads, group, q_len, -1)
-        lse = None if own else self.lse.view(batch, heads, group, q_len)
+        lse = None if self.lse is None else self.lse.view(batch, heads, group, q_len)
         masks: dict[int, torch.Tensor] = {}  # [G·w,w] by block width: True above each query's own slot
         for start in range(0, q_len, size):
             end = min(start + size, q_len)
@@ -177,7 +178,7 @@ class NormalisedStats:
                 self.keys[:, :, :visible],
                 self.values[:, :, :visible],
                 self.scaling,
-                None if own else lse[..., start:end].reshape(*rows, 1),
+                None if lse is None else lse[..., start:end].reshape(*rows, 1),
                 None if own else outputs[:, :, :, start:end].reshape(*rows, -1),
                 masks.get(width),
             )

@@ -122,7 +122,7 @@ def measured_cells(runs: list[Run]) -> pd.DataFrame:
     """Everything our runs measured, by the names paper tables use: one row per (run key, cell)."""
     full_ppl = {(run.metrics["model"], run.data, run.context): run.metrics["scores"]["ppl"]
                 for run in runs if run.metrics["policy"] == "full" and "ppl" in run.metrics["scores"]}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for run in runs:
         key = {"model": run.metrics["model"], "policy": run.metrics["policy"], "budget": run.metrics["budget"],
                "settings": json.dumps(run.settings, sort_keys=True, default=str)}

@@ -84,6 +84,7 @@ def budget_value(spec: str) -> tuple[str, float]:
     budget = Budget.parse(spec)
     if budget.tokens is not None:
         return "KV budget (tokens)", budget.tokens
+    assert budget.fraction is not None  # parse gives a budget its tokens or its fraction
     return "KV budget (% of prompt)", 100 * budget.fraction
 
 

@@ -175,18 +175,21 @@ def failure_line(job: SweepJob, returned: JobReturn) -> str:
 def launch_pending(sweeper: BasicSweeper) -> list[list[JobReturn]]:
     """Submit the sweep's jobs that are not finished nor running, in batches of ``max_batch_size``; say how
     many were skipped and submitted, then report every failure and exit 1 if any failed."""
-    jobs = expand_sweep(sweeper.hydra_context.config_loader, sweeper.config)
+    context, config, launcher = sweeper.hydra_context, sweeper.config, sweeper.launcher
+    assert context is not None and config is not None and launcher is not None  # set by Hydra's setup()
+    jobs = expand_sweep(context.config_loader, config)
     finished, running, todo = split_pending(jobs)
-    sweep_dir = Path(str(sweeper.config.hydra.sweep.dir))
+    sweep_dir = Path(str(config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(sweeper.config, sweep_dir / "multirun.yaml")
+    OmegaConf.save(config, sweep_dir / "multirun.yaml")
     print(f"kvbench: {sweep_dir}: {len(jobs)} jobs, {len(finished) + len(running)} skipped ({len(finished)} finished, "
           f"{len(running)} running), {len(todo)} submitted", flush=True)
     returns: list[list[JobReturn]] = []
-    for batch in BasicSweeper.split_overrides_to_chunks(todo, sweeper.max_batch_size) if todo else []:
-        if hasattr(sweeper.launcher, "array_name"):
-            sweeper.launcher.array_name = array_name(job.label for job in batch)
-        returns.append(sweeper.launcher.launch([job.overrides for job in batch], sum(map(len, returns))))
+    size = max(1, len(todo) if sweeper.max_batch_size in (None, -1) else sweeper.max_batch_size)  # Hydra's -1: all
+    for batch in (todo[start : start + size] for start in range(0, len(todo), size)):
+        if hasattr(launcher, "array_name"):
+            launcher.array_name = array_name(job.label for job in batch)
+        returns.append(list(launcher.launch([job.overrides for job in batch], sum(map(len, returns)))))
     outcomes = [returned for batch in returns for returned in batch]
     failures = [failure_line(job, r) for job, r in zip(todo, outcomes) if r.status != JobStatus.COMPLETED]
     for line in failures:

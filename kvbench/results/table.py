@@ -27,6 +27,7 @@ from typing import Any, Callable
 import pandas as pd
 from omegaconf import OmegaConf
 
+from kvbench import config_dict
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies.budgets import Budget
 from kvbench.results.rundir import RunDir, find_run_dirs, scan_run_dirs
@@ -75,7 +76,7 @@ class Run:
     def config(self) -> dict[str, Any]:
         if not self.run_dir.config_path.exists():
             return {}
-        return OmegaConf.to_container(OmegaConf.load(self.run_dir.config_path))
+        return config_dict(OmegaConf.load(self.run_dir.config_path))
 
     @cached_property
     def records(self) -> list[dict[str, Any]]:
@@ -128,7 +129,10 @@ def budget_key(spec: str) -> tuple[int, float]:
         budget = Budget.parse(spec)
     except KVBenchError:
         return (2, 0.0)
-    return (0, float(budget.tokens)) if budget.tokens is not None else (1, budget.fraction)
+    if budget.tokens is not None:
+        return (0, float(budget.tokens))
+    assert budget.fraction is not None  # parse gives a budget its tokens or its fraction
+    return (1, budget.fraction)
 
 
 def policy_key(spec: str) -> tuple[int, str, int, str]:
@@ -337,7 +341,7 @@ def benchmark_tables(runs: list[Run], layout: str = "auto") -> dict[str, pd.Data
             raise KVBenchError(f"no runs fit the {layout!r} layout; valid choices for these runs: "
                                f"{', '.join(name for name in LAYOUTS if name == 'runs' or LAYOUTS[name](runs))}")
         return tables
-    tables: dict[str, pd.DataFrame] = {}
+    tables = {}
     for name in ("longbench", "ruler", "niah", "ppl"):
         tables.update(LAYOUTS[name](runs))
     others = [run for run in runs

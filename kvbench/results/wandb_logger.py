@@ -17,12 +17,15 @@ import json
 import netrc
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
+from kvbench import config_dict
 from kvbench.results.rundir import RunDir
+
+WandbMode = Literal["online", "offline", "disabled", "shared"]
 
 PREDICTION_COLUMNS = ["id", "subtask", "prediction", "answers", "score", "prompt_tokens", "total_seconds"]
 METRICS_FILE = "kvbench-metrics.json"
@@ -32,19 +35,19 @@ def api_key_configured() -> bool:
     """Whether W&B could log in without asking: ``WANDB_API_KEY`` or a netrc entry for the W&B host."""
     if os.environ.get("WANDB_API_KEY"):
         return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
     try:
         return netrc.netrc().authenticators(host) is not None
     except (FileNotFoundError, netrc.NetrcParseError):
         return False
 
 
-def wandb_mode(configured: str | None) -> str:
+def wandb_mode(configured: str | None) -> WandbMode:
     """``logger.mode`` if set, else ``WANDB_MODE``, else online with an API key and offline without."""
     if configured:
-        return configured
+        return cast(WandbMode, configured)
     if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
+        return cast(WandbMode, os.environ["WANDB_MODE"])
     return "online" if api_key_configured() else "offline"
 
 
@@ -91,13 +94,13 @@ def log_run(cfg: DictConfig, run_dir: RunDir, metrics: dict[str, Any], records: 
     tags = [*(logger.get("tags") or []), metrics["model"], metrics["task"], metrics["policy"]]
     with wandb.init(
         project=logger.get("project"), entity=logger.get("entity"), mode=wandb_mode(logger.get("mode")),
-        name=name, tags=tags, dir=str(run_dir.path), config=OmegaConf.to_container(cfg, resolve=True),
+        name=name, tags=tags, dir=str(run_dir.path), config=config_dict(cfg, resolve=True),
         reinit="finish_previous", settings=wandb.Settings(console="off", silent=True),
     ) as run:
         values = summary(metrics)
         run.log(values)
         run.summary.update(values)
-        run.log({"predictions": wandb.Table(columns=PREDICTION_COLUMNS, data=prediction_rows(records))})
+        run.log({"predictions": wandb.Table(columns=list[str | int](PREDICTION_COLUMNS), data=prediction_rows(records))})
         needles = [record for record in records
                    if record_value(record, "depth") is not None and record_value(record, "context_length") is not None]
         if needles:

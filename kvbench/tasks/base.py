@@ -21,7 +21,8 @@ class Sample:
 
     ``mode="generate"``: greedy-decode up to ``max_new_tokens`` after ``input_ids`` (the prompt, already
     templated and truncated by the task); no stop token may end it before ``min_new_tokens`` new tokens
-    (Hugging Face's ``min_length = prompt + min_new_tokens``). ``mode="perplexity"``: score every token of
+    (Hugging Face's ``min_length = prompt + min_new_tokens``); the last token of each of ``stop_strings`` also
+    stops it (LongBench samsum's newline). ``mode="perplexity"``: score every token of
     ``input_ids`` after the first ``context_tokens`` (0 = the whole stream, StreamingLLM protocol).
     """
 
@@ -32,6 +33,7 @@ class Sample:
     mode: Literal["generate", "perplexity"] = "generate"
     max_new_tokens: int = 32
     min_new_tokens: int = 0
+    stop_strings: list[str] = field(default_factory=list)
     context_tokens: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
 

@@ -23,7 +23,7 @@ new tokens. Scores: :func:`kvbench.metrics.longbench.score_sample`.
 samsum: ``pred.py`` passes ``eos_token_id=[tokenizer.eos_token_id, tokenizer.encode("\\n",
 add_special_tokens=False)[-1]]`` (models otherwise go on with another "Dialogue:" example) and
 ``min_length=context_length + 1``, so generation stops at that newline token, which can never be
-the first new token. Here samsum samples carry ``metadata["stop_strings"] = ["\\n"]``, which
+the first new token. Here samsum samples carry ``stop_strings = ["\\n"]``, which
 ``kvbench.run`` turns into the same extra stop token, and ``min_new_tokens = 1`` on the datasets of
 ``task.min_length_datasets`` (``[samsum]`` as ``pred.py``; ``all`` as KVCache-Factory, which passes
 ``min_length`` on every dataset).
@@ -241,9 +241,6 @@ class LongBenchTask(Task):
     def sample(self, dataset: str, record: dict[str, Any]) -> Sample:
         """The engine's sample for one record; samsum carries ``stop_strings = ["\\n"]``, the datasets of
         ``min_length_datasets`` at least one new token."""
-        metadata = {"all_classes": record["all_classes"], "length": record["length"]}
-        if dataset == "samsum":
-            metadata["stop_strings"] = ["\n"]
         return Sample(
             id=record["_id"],
             subtask=dataset,
@@ -251,7 +248,8 @@ class LongBenchTask(Task):
             answers=list(record["answers"]),
             max_new_tokens=MAX_NEW_TOKENS[dataset],
             min_new_tokens=int(dataset in self.min_length_datasets),
-            metadata=metadata,
+            stop_strings=["\n"] if dataset == "samsum" else [],
+            metadata={"all_classes": record["all_classes"], "length": record["length"]},
         )
 
     def template(self, dataset: str) -> str:

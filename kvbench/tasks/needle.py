@@ -169,7 +169,8 @@ class NeedleTask(Task):
     def haystack_ids(self) -> list[int]:
         """The essays concatenated as files, repeated until they hold ``max(context_lengths)`` tokens."""
         texts = [path.read_text(encoding="utf-8") for path in essay_files(self.cfg.get("essay_dir"))]
-        context, ids = "", []
+        context = ""
+        ids: list[int] = []
         while len(ids) < max(self.context_lengths):
             context += "".join(texts)
             ids = self.model.encode(context)
@@ -228,16 +229,14 @@ class NeedleTask(Task):
     def sample(self, length: int, depth: float) -> Sample:
         context, info = self.context(length, depth)
         ids = self.prompt_ids(context)
-        metadata: dict[str, Any] = {"context_length": length, "depth": depth, **info}
-        if self.style.stop_strings:
-            metadata["stop_strings"] = list(self.style.stop_strings)
         return Sample(
             id=f"niah-{length}-{depth_label(depth)}",
             subtask="niah",
             input_ids=ids,
             answers=[self.needle.strip()],
             max_new_tokens=self.max_new_tokens,
-            metadata=metadata,
+            stop_strings=list(self.style.stop_strings),
+            metadata={"context_length": length, "depth": depth, **info},
         )
 
     # --- scoring -------------------------------------------------------------------------------

@@ -319,9 +319,11 @@ class NeedleBenchTask(Task):
         kind, lang = subtask.split("_")
         language = LANGUAGES[lang]
         if kind == "single":
+            assert depth is not None  # samples() gives single and reasoning needles a depth
             context, question, answers, info = self._single(lang, length, depth, repeat)
             sample_id = f"{subtask}-L{length}-D{depth}-{repeat}"
         elif kind == "reasoning":
+            assert depth is not None and count is not None  # and reasoning a needle count
             context, question, answers, info = self._reasoning(lang, length, depth, repeat, count)
             sample_id = f"{subtask}-{count}needle-L{length}-D{depth}-{repeat}"
         else:
@@ -368,7 +370,8 @@ class NeedleBenchTask(Task):
         needles = [self.model.encode("\n" + needle + "\n") for needle in record["derivations"]]
         target = max(length - self.buffer("reasoning", lang) - sum(map(len, needles)), 0)
         haystack = self.haystack_ids(lang, repeat, target)
-        total, points = len(haystack), []
+        total = len(haystack)
+        points: list[int] = []
         for i, _tokens in enumerate(needles):
             if i == 0:
                 point = int(total * (depth / 100))

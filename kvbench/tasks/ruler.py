@@ -54,6 +54,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -639,17 +640,18 @@ class RulerTask(Task):
         subtask; ids ``<subtask>-<index>`` (generated) or ``<subtask>-<line>`` (files)."""
         for subtask in self.subtasks:
             if self.data_dir is not None:
-                yield from self.file_samples(subtask)
+                yield from self.file_samples(self.data_dir, subtask)
             else:
+                assert self.num_samples is not None  # __init__ requires it without a data_dir
                 yield from (self.sample(subtask, index) for index in range(self.num_samples))
 
-    def file_samples(self, subtask: str) -> Iterator[Sample]:
+    def file_samples(self, data_dir: Path, subtask: str) -> Iterator[Sample]:
         """The first ``num_samples`` records of ``<data_dir>/<subtask>.jsonl``, in file order.
 
         Records are RULER's (``input``, ``outputs``, and ``answer_prefix`` where the generator split one off)
         as its scripts write them; ``index`` is only kept as metadata: RULER's niah generator has written a
         character offset there since its commit d4293b9, so the sample id is the record's position."""
-        path = self.data_dir / f"{subtask}.jsonl"
+        path = data_dir / f"{subtask}.jsonl"
         if not path.is_file():
             raise KVBenchError(
                 f"RULER file {path} not found; task.data_dir must hold <subtask>.jsonl files written by "
