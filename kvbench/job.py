@@ -3,8 +3,8 @@
 :func:`resolve` is the one place on the run path where per-model settings are applied: it checks that every
 setting of the composed config is read by some part of the job (a typo is a one-line error naming the valid
 keys), builds the policy and fills in its per-model values (CAKE's τ, SLAKE's VABS α/β, keyed by the
-model's Hugging Face id), and returns the config as it runs. ``kvbench run`` writes that config to the run
-directory's ``config.yaml``.
+model's Hugging Face id) and the task's (LongBench's truncation length), and returns the config as it runs.
+``kvbench run`` writes that config to the run directory's ``config.yaml``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import CONF_DIR, config_dict
@@ -20,6 +21,7 @@ from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy
 from kvbench.policies.base import Policy
 from kvbench.policies.budgets import Budget
+from kvbench.tasks.base import Task
 
 #: the prompt length against which a fraction budget is checked before any prompt exists (an int budget is
 #: checked against a prompt of ten times it); the engine checks every real prompt again
@@ -50,6 +52,8 @@ def resolve(cfg: DictConfig) -> Job:
     nominal = NOMINAL_PROMPT if budget.tokens is None else 10 * budget.tokens
     policy.check_budget(budget.resolve(nominal), nominal)
     settings["policy"] = policy.settings()
+    task_class: type[Task] = get_class(settings["task"]["_target_"])
+    settings["task"] = task_class.for_model(settings["task"], settings["model"])
     return Job(OmegaConf.create(settings), policy, budget)
 
 

@@ -795,3 +795,17 @@ def test_real_records(tokenizer, dataset, monkeypatch):
         assert sample.max_new_tokens == MAX_NEW_TOKENS[dataset] and sample.answers
         assert task.score(sample, sample.answers[0]) == pytest.approx(1.0, abs=1e-6)
     assert all(len(record["answers"]) >= 1 for record in records.values())
+
+
+def test_the_printed_config_holds_the_models_truncation_length():
+    """job.resolve fills in task.max_length from the table for a model it has, so config.yaml shows what runs."""
+    from kvbench.config import compose
+    from kvbench.job import resolve
+    from kvbench.tasks.longbench import MAX_LENGTH
+
+    def resolved(*overrides: str):
+        return resolve(compose(["task=longbench", "policy=snapkv", "budget=128", *overrides])).cfg.task.max_length
+
+    assert resolved("model=llama31_8b") == MAX_LENGTH["meta-llama/Llama-3.1-8B-Instruct"]
+    assert resolved("model=llama31_8b", "task.max_length=1800") == 1800
+    assert resolved("model=smollm2_135m") is None  # not in the table: per dataset, the window less its answer

@@ -89,6 +89,12 @@ class Task(ABC):
         self.cfg = cfg
         self.model = model
 
+    @classmethod
+    def for_model(cls, settings: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
+        """The task's ``settings`` with its per-model values filled in, before anything is loaded (the config
+        that runs and is printed, ``kvbench.job.resolve``); ``model`` is the model's node. None here."""
+        return settings
+
     @abstractmethod
     def samples(self) -> Iterator[Sample]:
         """Yield samples in a deterministic order (ids must be stable across runs for resuming)."""

@@ -206,6 +206,14 @@ class LongBenchTask(Task):
         self.min_length_datasets = _dataset_set("task.min_length_datasets", cfg.min_length_datasets)
         self.seed = int(cfg.get("seed", 42))
 
+    @classmethod
+    def for_model(cls, settings: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
+        """``max_length: null`` becomes the model's entry of :data:`MAX_LENGTH` where it has one (the models
+        of the official table and of the papers); otherwise it stays per dataset (the window less its answer)."""
+        if settings.get("max_length") is None and model.get("hf_id") in MAX_LENGTH:
+            return {**settings, "max_length": MAX_LENGTH[model["hf_id"]]}
+        return settings
+
     def max_length(self, dataset: str) -> int:
         """Prompt tokens kept for ``dataset``: ``task.max_length``, else :data:`MAX_LENGTH`, else the context
         window less the dataset's generation length."""
