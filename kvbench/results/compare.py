@@ -35,14 +35,25 @@ import pandas as pd
 from kvbench.errors import KVBenchError, choose
 from kvbench.papers import MAIN_SETTINGS, list_tables, load_table, split_method, table_caption
 from kvbench.policies.budgets import Budget
-from kvbench.results.table import (FORMATS, LONGBENCH_SHORT, Run, budget_key, context_label, load_runs, policy_key,
-                                   render, write_tables)
+from kvbench.results.table import (
+    FORMATS,
+    LONGBENCH_SHORT,
+    Run,
+    budget_key,
+    context_label,
+    load_runs,
+    policy_key,
+    render,
+    write_tables,
+)
 
 SCALES = {("caote", "table5"): 0.01, ("caote", "table13"): 0.01}
 """Tables printed on another scale than our 0–100 scores (CAOTE's needle accuracy is 0–1)."""
 
-ALIASES = {("needlebench", "reasoning_en"): "needlebench_multi_reasoning_en",
-           ("needlebench", "reasoning_zh"): "needlebench_multi_reasoning_zh"}
+ALIASES = {
+    ("needlebench", "reasoning_en"): "needlebench_multi_reasoning_en",
+    ("needlebench", "reasoning_zh"): "needlebench_multi_reasoning_zh",
+}
 """(task, score) → the name a paper table uses for it."""
 
 AVERAGED_TASKS = {("slake", "table2"): ("slake", "table1")}
@@ -60,8 +71,10 @@ def parse_spec(spec: str) -> tuple[str, str]:
     transcribed tables."""
     paper, sep, table = spec.partition(":")
     if not sep or not table:
-        raise KVBenchError(f"bad table {spec!r}; use PAPER:TABLE, e.g. caote:table2; valid choices: "
-                           + ", ".join(f"{p}:{t}" for p, t in list_tables()))
+        raise KVBenchError(
+            f"bad table {spec!r}; use PAPER:TABLE, e.g. caote:table2; valid choices: "
+            + ", ".join(f"{p}:{t}" for p, t in list_tables())
+        )
     table = table if table.startswith("table") or (paper, table) in list_tables() else f"table{table}"
     table_caption(paper, table)
     return paper, table
@@ -96,8 +109,11 @@ def main_for(main: dict[str, str], policy: str) -> dict[str, str]:
 
 def own_method(policy: str, settings: dict[str, Any], main: dict[str, str]) -> str:
     """A run's policy spec with, in brackets, the paper's varied settings where the run differs from the main ones."""
-    differ = [f"{key}={settings[key]}" for key, value in main_for(main, policy).items()
-              if key in settings and not same_setting(settings[key], value)]
+    differ = [
+        f"{key}={settings[key]}"
+        for key, value in main_for(main, policy).items()
+        if key in settings and not same_setting(settings[key], value)
+    ]
     return f"{policy}[{','.join(differ)}]" if differ else policy
 
 
@@ -120,12 +136,19 @@ def budget_fits(paper_budget: str, policy: str, budget: str) -> bool:
 
 def measured_cells(runs: list[Run]) -> pd.DataFrame:
     """Everything our runs measured, by the names paper tables use: one row per (run key, cell)."""
-    full_ppl = {(run.metrics["model"], run.data, run.context): run.metrics["scores"]["ppl"]
-                for run in runs if run.metrics["policy"] == "full" and "ppl" in run.metrics["scores"]}
+    full_ppl = {
+        (run.metrics["model"], run.data, run.context): run.metrics["scores"]["ppl"]
+        for run in runs
+        if run.metrics["policy"] == "full" and "ppl" in run.metrics["scores"]
+    }
     rows: list[dict[str, Any]] = []
     for run in runs:
-        key = {"model": run.metrics["model"], "policy": run.metrics["policy"], "budget": run.metrics["budget"],
-               "settings": json.dumps(run.settings, sort_keys=True, default=str)}
+        key = {
+            "model": run.metrics["model"],
+            "policy": run.metrics["policy"],
+            "budget": run.metrics["budget"],
+            "settings": json.dumps(run.settings, sort_keys=True, default=str),
+        }
         scores = run.metrics["scores"]
         cells = {ALIASES.get((run.task, name), name): value for name, value in scores.items()}
         if run.metrics.get("average") is not None:
@@ -136,16 +159,20 @@ def measured_cells(runs: list[Run]) -> pd.DataFrame:
             cells.update({f"{name}@{context_label(run.context)}": value for name, value in list(cells.items())})
         rows.extend({**key, "task": task, "value": value} for task, value in cells.items() if value is not None)
     return pd.DataFrame(rows, columns=["model", "policy", "budget", "settings", "task", "value"]).drop_duplicates(
-        ["model", "policy", "budget", "settings", "task"])
+        ["model", "policy", "budget", "settings", "task"]
+    )
 
 
-def assign_rows(paper: pd.DataFrame, ours: pd.DataFrame, main: dict[str, str]) -> dict[tuple[str, str, str, str], tuple | None]:
+def assign_rows(
+    paper: pd.DataFrame, ours: pd.DataFrame, main: dict[str, str]
+) -> dict[tuple[str, str, str, str], tuple | None]:
     """Each of our run keys (model, policy, budget, settings) → the paper row (model, method, budget) it fits
     most specifically (:func:`method_fit` with the paper's ``main`` settings), or None."""
     rows = list(paper[KEY].drop_duplicates().itertuples(index=False, name=None))
     assignment = {}
-    for model, policy, budget, settings in ours[["model", "policy", "budget", "settings"]].drop_duplicates().itertuples(
-            index=False, name=None):
+    for model, policy, budget, settings in (
+        ours[["model", "policy", "budget", "settings"]].drop_duplicates().itertuples(index=False, name=None)
+    ):
         fits = []
         for row in rows:
             if row[0] != model or not budget_fits(row[2], policy, budget):
@@ -181,8 +208,9 @@ class Comparison:
         source = AVERAGED_TASKS.get((paper, table))
         averaged = load_table(*source)["task"] if source else pd.Series(self.tasks)
         self.averaged = [task for task in dict.fromkeys(averaged) if task not in AGGREGATES]
-        self.printed = {(m, me, b, t): v for m, me, b, t, v in
-                        self.rows[[*KEY, "task", "value"]].itertuples(index=False, name=None)}
+        self.printed = {
+            (m, me, b, t): v for m, me, b, t, v in self.rows[[*KEY, "task", "value"]].itertuples(index=False, name=None)
+        }
         cells = measured_cells(runs)
         cells = cells[cells["task"].isin({*self.tasks, *self.averaged})]
         main = MAIN_SETTINGS.get(paper, {})
@@ -205,9 +233,14 @@ class Comparison:
         for a row that prints only averages, each averaged task (itself only, for an ordinary cell)."""
         if task not in AGGREGATES and budget != "all":
             return [(model, method, budget, task)]
-        printed = [cell for cell in self.printed
-                   if cell[0] == model and cell[1] == method and cell[3] not in AGGREGATES
-                   and (budget == "all" or cell[2] == budget)]
+        printed = [
+            cell
+            for cell in self.printed
+            if cell[0] == model
+            and cell[1] == method
+            and cell[3] not in AGGREGATES
+            and (budget == "all" or cell[2] == budget)
+        ]
         return printed or [(model, method, budget, averaged) for averaged in self.averaged]
 
     def measured(self, model: str, method: str, budget: str, task: str) -> tuple[float | None, bool]:
@@ -235,8 +268,11 @@ class Comparison:
                     ours[task] = "–" if paper_value is None else NOT_RUN
                 else:
                     ours[task] = f"{value:.{self.places}f}" + ("" if complete else PARTIAL)
-                delta[task] = (f"{value - paper_value:+.{self.places}f}"
-                               if value is not None and complete and paper_value is not None else "")
+                delta[task] = (
+                    f"{value - paper_value:+.{self.places}f}"
+                    if value is not None and complete and paper_value is not None
+                    else ""
+                )
             key = {"model": model, "method": method, "budget": budget}
             lines += [{**key, "row": "paper", **printed}, {**key, "row": "ours", **ours}]
             if any(cell not in (NOT_RUN, "–") for cell in ours.values()):
@@ -267,13 +303,15 @@ class Comparison:
 
 
 def main(args: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="kvbench compare-paper", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvbench compare-paper", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("table", help="PAPER:TABLE, e.g. caote:table2 (see kvbench/papers/README.md)")
     parser.add_argument("run_dirs", nargs="*", help="run directories, or folders holding them")
     parser.add_argument("--format", default="markdown", help="markdown (default), csv, latex")
-    parser.add_argument("--output-dir", type=Path,
-                        help="also write the comparison to DIR/compare_<paper>_<table>.<md|csv|tex>")
+    parser.add_argument(
+        "--output-dir", type=Path, help="also write the comparison to DIR/compare_<paper>_<table>.<md|csv|tex>"
+    )
     options = parser.parse_args(args)
     choose("format", options.format, FORMATS)
     paper, table = parse_spec(options.table)

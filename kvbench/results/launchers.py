@@ -67,10 +67,13 @@ def array_name(labels: Iterable[dict[str, str]]) -> str:
 
 def refusal(params: dict[str, Any], error: Exception) -> str:
     """One line for a submission that ``sbatch`` refused: its reason and the launcher keys to change."""
-    keys = " ".join(f"hydra.launcher.{key}={'null' if params.get(key) is None else params.get(key)}"
-                    for key in CLUSTER_KEYS)
-    return (f"sbatch refused the jobs ({last_line(str(error))}); set the launcher keys to what this cluster has "
-            f"(`sinfo` lists partitions; defaults in conf/hydra/launcher/slurm.yaml), now: {keys}")
+    keys = " ".join(
+        f"hydra.launcher.{key}={'null' if params.get(key) is None else params.get(key)}" for key in CLUSTER_KEYS
+    )
+    return (
+        f"sbatch refused the jobs ({last_line(str(error))}); set the launcher keys to what this cluster has "
+        f"(`sinfo` lists partitions; defaults in conf/hydra/launcher/slurm.yaml), now: {keys}"
+    )
 
 
 def make_executor(launcher: Any) -> Any:
@@ -105,8 +108,10 @@ def submit(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
         with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's error before raising it
             return executor.map_array(launcher, *zip(*calls))
     except FileNotFoundError as error:
-        raise KVBenchError(f"{error.filename or 'sbatch'} is not on PATH: submit from a machine of the Slurm "
-                           f"cluster, or run the sweep here with hydra/launcher=local") from None
+        raise KVBenchError(
+            f"{error.filename or 'sbatch'} is not on PATH: submit from a machine of the Slurm "
+            f"cluster, or run the sweep here with hydra/launcher=local"
+        ) from None
     except (FailedJobError, FailedSubmissionError) as error:
         raise KVBenchError(refusal(launcher.params, error)) from None
 

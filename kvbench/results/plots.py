@@ -41,11 +41,13 @@ def slug(text: str) -> str:
 
 def niah_grid(records: list[dict[str, Any]]) -> pd.DataFrame:
     """Mean score (0–100) per depth (rows, %) and context length (columns, tokens)."""
-    frame = pd.DataFrame({
-        "depth": [float(record_value(record, "depth")) for record in records],
-        "context_length": [int(record_value(record, "context_length")) for record in records],
-        "score": [100.0 * float(record["score"]) for record in records],
-    })
+    frame = pd.DataFrame(
+        {
+            "depth": [float(record_value(record, "depth")) for record in records],
+            "context_length": [int(record_value(record, "context_length")) for record in records],
+            "score": [100.0 * float(record["score"]) for record in records],
+        }
+    )
     return frame.pivot_table(index="depth", columns="context_length", values="score", aggfunc="mean").sort_index()
 
 
@@ -98,8 +100,17 @@ def budget_frame(runs: list[Run]) -> pd.DataFrame:
         if len(scores) > 1:  # a panel for the run's overall score (the needle task's) or its average
             scores = {"average": scores.get("overall", run.metrics["average"])}
         for name, value in scores.items():
-            rows.append({"model": run.metrics["model"], "task": run.task, "score": name, "context": run.context,
-                         "policy": run.metrics["policy"], "budget": run.metrics["budget"], "value": value})
+            rows.append(
+                {
+                    "model": run.metrics["model"],
+                    "task": run.task,
+                    "score": name,
+                    "context": run.context,
+                    "policy": run.metrics["policy"],
+                    "budget": run.metrics["budget"],
+                    "value": value,
+                }
+            )
     return pd.DataFrame(rows, columns=["model", "task", "score", "context", "policy", "budget", "value"])
 
 
@@ -124,7 +135,7 @@ def budget_figure(frame: pd.DataFrame) -> Figure:
         axis.set_ylabel("score")
         axis.grid(alpha=0.3)
         axis.legend(fontsize="small")
-    for axis in list(axes.flat)[len(panels):]:
+    for axis in list(axes.flat)[len(panels) :]:
         axis.set_visible(False)
     figure.tight_layout()
     return figure
@@ -159,8 +170,14 @@ def ppl_figure(runs: list[Run]) -> Figure:
             curve = ppl_curve(run)
             full = run.metrics["policy"] == "full"
             label = "full" if full else f"{run.metrics['policy']}@{run.metrics['budget']}"
-            axis.plot(curve.index, curve.values, label=label, color="black" if full else None,
-                      linestyle="--" if full else "-", zorder=3 if full else 2)
+            axis.plot(
+                curve.index,
+                curve.values,
+                label=label,
+                color="black" if full else None,
+                linestyle="--" if full else "-",
+                zorder=3 if full else 2,
+            )
         axis.set_title(f"{model} {data}")
         axis.set_xlabel("token position")
         axis.set_ylabel("perplexity")
@@ -203,8 +220,9 @@ def make_plots(runs: list[Run], kind: str, output_dir: Path) -> list[Path]:
 
 
 def main(args: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="kvbench plot", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvbench plot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run_dirs", nargs="+", help="run directories, or folders holding them")
     parser.add_argument("--kind", default="all", help="heatmap, budget, ppl or all (default)")
     parser.add_argument("--output-dir", type=Path, help="where to write the PNGs (default: the first RUN_DIR)")

@@ -40,8 +40,10 @@ class RunDir:
             except BlockingIOError:
                 handle.seek(0)
                 holder = handle.read().strip() or "another process"
-                raise KVBenchError(f"run directory {self.path} is being written by {holder}; wait for it to end "
-                                   f"or stop it (its lock {self.lock_path} goes with it)") from None
+                raise KVBenchError(
+                    f"run directory {self.path} is being written by {holder}; wait for it to end "
+                    f"or stop it (its lock {self.lock_path} goes with it)"
+                ) from None
             handle.truncate(0)
             handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
             handle.flush()

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from hydra import compose, initialize_config_dir
+from hydra import initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
@@ -77,8 +78,12 @@ class SweepJob:
     @property
     def label(self) -> dict[str, str]:
         """What the job runs: its model, policy, budget and task."""
-        return {"model": str(self.cfg.model.name), "policy": str(self.cfg.policy.name),
-                "budget": str(self.cfg.budget.spec), "task": str(self.cfg.task.name)}
+        return {
+            "model": str(self.cfg.model.name),
+            "policy": str(self.cfg.policy.name),
+            "budget": str(self.cfg.budget.spec),
+            "task": str(self.cfg.task.name),
+        }
 
 
 def compose_job(config_loader: Any, master: DictConfig, overrides: list[str]) -> SweepJob:
@@ -102,7 +107,8 @@ def sweep_overrides(config_loader: Any, master: DictConfig) -> list[list[str]]:
     params = [f"{key}={value}" for key, value in (master.hydra.sweeper.params or {}).items()]
     try:
         overrides = OverridesParser.create(config_loader=config_loader).parse_overrides(
-            [*params, *master.hydra.overrides.task])
+            [*params, *master.hydra.overrides.task]
+        )
         (combinations,) = BasicSweeper.split_arguments(overrides, None)
     except HydraException as error:
         raise KVBenchError(f"cannot expand the sweep: {str(error).splitlines()[0]}") from None
@@ -121,8 +127,9 @@ def sweep_loader(args: list[str]) -> Iterator[tuple[Any, DictConfig]]:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
-    overrides = [arg for arg in prepare_overrides(experiment_overrides([MULTIRUN_FLAGS[0], *args]))
-                 if not arg.startswith("-")]
+    overrides = [
+        arg for arg in prepare_overrides(experiment_overrides([MULTIRUN_FLAGS[0], *args])) if not arg.startswith("-")
+    ]
     with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
         config_loader = GlobalHydra.instance().config_loader()
         try:
@@ -182,8 +189,11 @@ def launch_pending(sweeper: BasicSweeper) -> list[list[JobReturn]]:
     sweep_dir = Path(str(config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(config, sweep_dir / "multirun.yaml")
-    print(f"kvbench: {sweep_dir}: {len(jobs)} jobs, {len(finished) + len(running)} skipped ({len(finished)} finished, "
-          f"{len(running)} running), {len(todo)} submitted", flush=True)
+    print(
+        f"kvbench: {sweep_dir}: {len(jobs)} jobs, {len(finished) + len(running)} skipped ({len(finished)} finished, "
+        f"{len(running)} running), {len(todo)} submitted",
+        flush=True,
+    )
     returns: list[list[JobReturn]] = []
     size = max(1, len(todo) if sweeper.max_batch_size in (None, -1) else sweeper.max_batch_size)  # Hydra's -1: all
     for batch in (todo[start : start + size] for start in range(0, len(todo), size)):
@@ -195,8 +205,11 @@ def launch_pending(sweeper: BasicSweeper) -> list[list[JobReturn]]:
     for line in failures:
         print(line, file=sys.stderr)
     if failures:
-        print(f"kvbench: {len(failures)} of {len(todo)} submitted jobs failed; fix them and submit the sweep "
-              f"again: only the unfinished jobs are submitted", file=sys.stderr)
+        print(
+            f"kvbench: {len(failures)} of {len(todo)} submitted jobs failed; fix them and submit the sweep "
+            f"again: only the unfinished jobs are submitted",
+            file=sys.stderr,
+        )
         sys.exit(1)
     if todo:
         print(f"kvbench: {len(todo)} jobs done")
@@ -214,5 +227,12 @@ def run_sweep(sweeper: BasicSweeper) -> list[list[JobReturn]] | None:
         fail(str(error))
 
 
-__all__ = ["SweepJob", "expand_sweep", "experiment_overrides", "run_sweep", "split_pending",
-           "sweep_jobs", "sweeper_params"]
+__all__ = [
+    "SweepJob",
+    "expand_sweep",
+    "experiment_overrides",
+    "run_sweep",
+    "split_pending",
+    "sweep_jobs",
+    "sweeper_params",
+]

@@ -19,10 +19,11 @@ failed, being written) are listed below the tables, each with the reason.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 from omegaconf import OmegaConf
@@ -45,18 +46,44 @@ LONGBENCH_CATEGORIES = {
 """LongBench's six task categories (Bai et al., 2023, Table 1), in the order the papers print them."""
 
 LONGBENCH_SHORT = {
-    "narrativeqa": "NrtvQA", "qasper": "Qasper", "multifieldqa_en": "MF-en", "multifieldqa_zh": "MF-zh",
-    "hotpotqa": "HotpotQA", "2wikimqa": "2WikiMQA", "musique": "Musique", "dureader": "DuReader",
-    "gov_report": "GovReport", "qmsum": "QMSum", "multi_news": "MultiNews", "vcsum": "VCSUM",
-    "trec": "TREC", "triviaqa": "TriviaQA", "samsum": "SAMSum", "lsht": "LSHT",
-    "passage_count": "PCount", "passage_retrieval_en": "PRe", "passage_retrieval_zh": "PRe-zh",
-    "lcc": "Lcc", "repobench-p": "RB-P",
+    "narrativeqa": "NrtvQA",
+    "qasper": "Qasper",
+    "multifieldqa_en": "MF-en",
+    "multifieldqa_zh": "MF-zh",
+    "hotpotqa": "HotpotQA",
+    "2wikimqa": "2WikiMQA",
+    "musique": "Musique",
+    "dureader": "DuReader",
+    "gov_report": "GovReport",
+    "qmsum": "QMSum",
+    "multi_news": "MultiNews",
+    "vcsum": "VCSUM",
+    "trec": "TREC",
+    "triviaqa": "TriviaQA",
+    "samsum": "SAMSum",
+    "lsht": "LSHT",
+    "passage_count": "PCount",
+    "passage_retrieval_en": "PRe",
+    "passage_retrieval_zh": "PRe-zh",
+    "lcc": "Lcc",
+    "repobench-p": "RB-P",
 }
 """The column headers the papers use for LongBench datasets."""
 
 RULER_ORDER = [
-    "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
-    "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2",
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "cwe",
+    "fwe",
+    "qa_1",
+    "qa_2",
 ]
 LONGBENCH_TASKS = ("longbench", "longbench_e")
 AVG = "Avg."
@@ -152,8 +179,11 @@ def sort_rows(frame: pd.DataFrame) -> pd.DataFrame:
     """Rows in the papers' order: by model, then full cache first and each base before its modifiers, budgets
     ascending; contexts ascending where the frame has them."""
     keys = {"policy": policy_key, "budget": budget_key}
-    columns = [column for column in ("model", "data", "context", "benchmark", "policy", "budget", "regime", "bucket")
-               if column in frame.columns]
+    columns = [
+        column
+        for column in ("model", "data", "context", "benchmark", "policy", "budget", "regime", "bucket")
+        if column in frame.columns
+    ]
     ordered = frame.sort_values(
         columns,
         key=lambda column: column.map(keys[column.name]) if column.name in keys else column,
@@ -196,11 +226,17 @@ def runs_table(runs: list[Run]) -> pd.DataFrame:
     for run in runs:
         kv = run.metrics.get("kv_cache", {})
         after = kv.get("after_prefill_tokens_per_layer") or [0]
-        rows.append({
-            **run.identity(), "task": run.task, "context": run.context, **run.metrics["scores"],
-            "average": run.metrics.get("average"), "kv_tokens": sum(after) / len(after),
-            "seconds": run.metrics.get("timing", {}).get("total_seconds"),
-        })
+        rows.append(
+            {
+                **run.identity(),
+                "task": run.task,
+                "context": run.context,
+                **run.metrics["scores"],
+                "average": run.metrics.get("average"),
+                "kv_tokens": sum(after) / len(after),
+                "seconds": run.metrics.get("timing", {}).get("total_seconds"),
+            }
+        )
     return sort_rows(pd.DataFrame(rows))
 
 
@@ -257,16 +293,23 @@ def needle_records(run: Run) -> list[dict[str, Any]]:
     """The run's records that carry a ``depth`` and a ``context_length`` (the needle task's grid)."""
     if run.task in (*LONGBENCH_TASKS, "ruler") or "ppl" in run.metrics["scores"]:
         return []
-    return [record for record in run.records
-            if record_value(record, "depth") is not None and record_value(record, "context_length") is not None]
+    return [
+        record
+        for record in run.records
+        if record_value(record, "depth") is not None and record_value(record, "context_length") is not None
+    ]
 
 
 def niah_frame(runs: list[Run]) -> pd.DataFrame:
     """Needle accuracy (0–100) per model, policy, regime, benchmark, context length and budget."""
     rows = []
     for run in runs:
-        base = {"model": run.metrics["model"], "policy": run.metrics["policy"], "regime": run.metrics.get("regime"),
-                "budget": run.metrics["budget"]}
+        base = {
+            "model": run.metrics["model"],
+            "policy": run.metrics["policy"],
+            "regime": run.metrics.get("regime"),
+            "budget": run.metrics["budget"],
+        }
         if run.task == "ruler" and run.context is not None:
             for name, value in run.metrics["scores"].items():
                 if name.startswith("niah"):
@@ -289,12 +332,17 @@ def niah_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
     frame = frame.drop_duplicates(["model", "policy", "regime", "benchmark", "context", "budget"])
     evicting = frame[frame["policy"] != "full"]
     if not evicting.empty:  # the full cache ignores its budget: its accuracy goes under every budget run
-        full = frame[frame["policy"] == "full"].drop(columns="budget").drop_duplicates(
-            ["model", "regime", "benchmark", "context"])
+        full = (
+            frame[frame["policy"] == "full"]
+            .drop(columns="budget")
+            .drop_duplicates(["model", "regime", "benchmark", "context"])
+        )
         budgets = evicting[["model", "benchmark", "context", "budget"]].drop_duplicates()
         frame = pd.concat([evicting, full.merge(budgets, on=["model", "benchmark", "context"])], ignore_index=True)
-    cells = sorted({(context, budget) for context, budget in zip(frame["context"], frame["budget"])},
-                   key=lambda cell: (cell[0], budget_key(cell[1])))
+    cells = sorted(
+        {(context, budget) for context, budget in zip(frame["context"], frame["budget"])},
+        key=lambda cell: (cell[0], budget_key(cell[1])),
+    )
     frame["cell"] = [f"{context_label(c)}/{b}" for c, b in zip(frame["context"], frame["budget"])]
     index = ["model", "benchmark", "policy", "regime"]
     table = frame.pivot_table(index=index, columns="cell", values="value", aggfunc="first")
@@ -338,14 +386,15 @@ def benchmark_tables(runs: list[Run], layout: str = "auto") -> dict[str, pd.Data
     if layout != "auto":
         tables = LAYOUTS[layout](runs)
         if not tables:
-            raise KVBenchError(f"no runs fit the {layout!r} layout; valid choices for these runs: "
-                               f"{', '.join(name for name in LAYOUTS if name == 'runs' or LAYOUTS[name](runs))}")
+            raise KVBenchError(
+                f"no runs fit the {layout!r} layout; valid choices for these runs: "
+                f"{', '.join(name for name in LAYOUTS if name == 'runs' or LAYOUTS[name](runs))}"
+            )
         return tables
     tables = {}
     for name in ("longbench", "ruler", "niah", "ppl"):
         tables.update(LAYOUTS[name](runs))
-    others = [run for run in runs
-              if run.task not in (*LONGBENCH_TASKS, "ruler") and "ppl" not in run.metrics["scores"]]
+    others = [run for run in runs if run.task not in (*LONGBENCH_TASKS, "ruler") and "ppl" not in run.metrics["scores"]]
     if others:  # tasks without a layout of their own (the needle tasks): one row per run
         tables.update(LAYOUTS["runs"](others))
     return tables
@@ -377,15 +426,20 @@ def write_tables(tables: dict[str, str], output_dir: Path, fmt: str) -> list[Pat
 
 
 TITLES = {
-    "longbench": "LongBench by task", "longbench_categories": "LongBench by category", "longbench_e": "LongBench-E",
-    "ruler": "RULER by task", "niah": "Needle accuracy by context × budget", "ppl": "Perplexity and gap to full cache",
+    "longbench": "LongBench by task",
+    "longbench_categories": "LongBench by category",
+    "longbench_e": "LongBench-E",
+    "ruler": "RULER by task",
+    "niah": "Needle accuracy by context × budget",
+    "ppl": "Perplexity and gap to full cache",
     "runs": "Runs",
 }
 
 
 def main(args: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="kvbench table", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvbench table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run_dirs", nargs="+", help="run directories, or folders holding them (a sweep directory)")
     parser.add_argument("--layout", default="auto", help=f"auto (default), {', '.join(LAYOUTS)}")
     parser.add_argument("--format", default="markdown", help="markdown (default), csv, latex")

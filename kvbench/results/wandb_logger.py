@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 from urllib.parse import urlparse
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from kvbench import config_dict
 from kvbench.results.rundir import RunDir
@@ -73,11 +73,18 @@ def summary(metrics: dict[str, Any]) -> dict[str, float]:
 
 def prediction_rows(records: list[dict[str, Any]]) -> list[list[Any]]:
     """One table row per record (answers joined, time from the record's timing)."""
-    return [[
-        record.get("id"), record.get("subtask"), record.get("prediction"),
-        " | ".join(map(str, record.get("answers") or [])), record.get("score"), record.get("prompt_tokens"),
-        (record.get("timing") or {}).get("total_seconds"),
-    ] for record in records]
+    return [
+        [
+            record.get("id"),
+            record.get("subtask"),
+            record.get("prediction"),
+            " | ".join(map(str, record.get("answers") or [])),
+            record.get("score"),
+            record.get("prompt_tokens"),
+            (record.get("timing") or {}).get("total_seconds"),
+        ]
+        for record in records
+    ]
 
 
 def log_run(cfg: DictConfig, run_dir: RunDir, metrics: dict[str, Any], records: list[dict[str, Any]]) -> None:
@@ -93,16 +100,27 @@ def log_run(cfg: DictConfig, run_dir: RunDir, metrics: dict[str, Any], records: 
     name = f"{metrics['model']}/{metrics['task']}/{metrics['policy']}@{metrics['budget']}"
     tags = [*(logger.get("tags") or []), metrics["model"], metrics["task"], metrics["policy"]]
     with wandb.init(
-        project=logger.get("project"), entity=logger.get("entity"), mode=wandb_mode(logger.get("mode")),
-        name=name, tags=tags, dir=str(run_dir.path), config=config_dict(cfg, resolve=True),
-        reinit="finish_previous", settings=wandb.Settings(console="off", silent=True),
+        project=logger.get("project"),
+        entity=logger.get("entity"),
+        mode=wandb_mode(logger.get("mode")),
+        name=name,
+        tags=tags,
+        dir=str(run_dir.path),
+        config=config_dict(cfg, resolve=True),
+        reinit="finish_previous",
+        settings=wandb.Settings(console="off", silent=True),
     ) as run:
         values = summary(metrics)
         run.log(values)
         run.summary.update(values)
-        run.log({"predictions": wandb.Table(columns=list[str | int](PREDICTION_COLUMNS), data=prediction_rows(records))})
-        needles = [record for record in records
-                   if record_value(record, "depth") is not None and record_value(record, "context_length") is not None]
+        run.log(
+            {"predictions": wandb.Table(columns=list[str | int](PREDICTION_COLUMNS), data=prediction_rows(records))}
+        )
+        needles = [
+            record
+            for record in records
+            if record_value(record, "depth") is not None and record_value(record, "context_length") is not None
+        ]
         if needles:
             figure = niah_figure(needles, name)
             run.log({"niah_heatmap": wandb.Image(figure)})
