@@ -24,6 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kvbench import config_dict
 from kvbench.errors import KVBenchError
 from kvbench.job import resolve
 from kvbench.results.rundir import RunDir
@@ -59,23 +60,29 @@ def tokenizer_for(model: DictConfig, cache: dict[str, Any]) -> Any:
     return cache[key]
 
 
+def empty_line(overrides: list[str], output_dir: Path | None, error: str | None = None) -> dict[str, Any]:
+    """A plan line with only what is known before the job is resolved."""
+    directory = None if output_dir is None else str(output_dir)
+    return {
+        "overrides": overrides,
+        "output_dir": directory,
+        "config": None,
+        "policy": None,
+        "error": error,
+        "finished": False,
+        "tokens": None,
+    }
+
+
 def plan_job(overrides: list[str], cfg: DictConfig, output_dir: Path, tokenizers: dict[str, Any]) -> dict[str, Any]:
     """The plan line of one composed job."""
     from kvbench.run import build_task, finished_metrics
 
-    line: dict[str, Any] = {
-        "overrides": overrides,
-        "output_dir": str(output_dir),
-        "config": None,
-        "policy": None,
-        "error": None,
-        "finished": False,
-        "tokens": None,
-    }
+    line = empty_line(overrides, output_dir)
     try:
         job = resolve(cfg)
-        line["config"] = OmegaConf.to_container(job.cfg)
-        line["policy"] = {"spec": job.policy.spec, "params": job.policy.settings()}
+        line["config"] = config_dict(job.cfg)
+        line["policy"] = {"spec": job.policy.spec, "params": line["config"]["policy"]}  # policy.settings()
         task = build_task(job.cfg, tokenizer_for(job.cfg.model, tokenizers))
         tokens = task.planned_tokens()
         line["tokens"] = None if tokens is None else {"prefill": tokens[0], "decode": tokens[1]}
@@ -99,15 +106,7 @@ def plan_lines(args: list[str]) -> Iterator[dict[str, Any]]:
             try:
                 job = compose_job(config_loader, master, overrides)
             except KVBenchError as error:
-                yield {
-                    "overrides": overrides,
-                    "output_dir": None,
-                    "config": None,
-                    "policy": None,
-                    "error": str(error),
-                    "finished": False,
-                    "tokens": None,
-                }
+                yield empty_line(overrides, None, str(error))
                 continue
             yield plan_job(overrides, job.cfg, job.output_dir, tokenizers)
 
