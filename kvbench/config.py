@@ -10,7 +10,6 @@ here with one line instead of a Hydra traceback.
 
 from __future__ import annotations
 
-from dataclasses import fields
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,10 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import CONF_DIR, config_dict
-from kvbench.errors import KVBenchError, choose
+from kvbench.errors import KVBenchError, check_keys, choose
 from kvbench.policies import BASES, MODIFIERS, build_policy, parse_spec, policy_keys
 from kvbench.policies.budgets import Budget
-from kvbench.policies.layer_budgets import LAYER_BUDGETS
+from kvbench.policies.layer_budgets import layer_budget_keys
 
 
 def group_options(group: str) -> list[str]:
@@ -184,9 +183,7 @@ def _check_keys(overrides: list[Override], selected: dict[str, list[str]]) -> No
         name, _, deeper = key.partition(".")
         for option in selected.get(group, ["engine"]):
             valid = engine_keys() if group == "engine" else group_keys(group, option)
-            if name not in valid:
-                where = "the engine" if group == "engine" else f"{group} {option}"
-                raise KVBenchError(f"unknown key {group}.{name} for {where}; valid keys: {', '.join(valid)}")
+            check_keys([name], valid, f"{group}.", "the engine" if group == "engine" else f"{group} {option}")
             if group == "policy" and name == "layer_budget" and deeper:
                 _check_layer_budget_key(deeper.split(".")[0], option, overrides)
 
@@ -196,11 +193,7 @@ def _check_layer_budget_key(key: str, spec: str, overrides: list[Override]) -> N
     named by ``policy.layer_budget=NAME`` in the same overrides, else the policy's own."""
     named = [o.value() for o in overrides if o.key_or_group.lstrip("+~") == "policy.layer_budget"]
     strategy = named[-1] if named and isinstance(named[-1], str) else build_policy(spec).layer_budget.name
-    valid = sorted(["name", *(f.name for f in fields(LAYER_BUDGETS[strategy]))])
-    if key not in valid:
-        raise KVBenchError(
-            f"unknown key policy.layer_budget.{key} for layer budget {strategy}; valid keys: {', '.join(valid)}"
-        )
+    check_keys([key], layer_budget_keys(strategy), "policy.layer_budget.", f"layer budget {strategy}")
 
 
 def compose(overrides: list[str], config_name: str = "config", return_hydra_config: bool = False) -> DictConfig:

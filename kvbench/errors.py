@@ -10,3 +10,11 @@ def choose(kind: str, value, choices) -> None:
     choices = sorted(choices)
     if value not in choices:
         raise KVBenchError(f"unknown {kind} {value!r}; valid choices: {', '.join(map(str, choices))}")
+
+
+def check_keys(given, valid: list[str], prefix: str, where: str) -> None:
+    """Raise a one-line error naming the first (sorted) key of ``given`` that is not in ``valid``, as
+    ``unknown key <prefix><key> for <where>; valid keys: <valid, in the order given>``."""
+    unknown = sorted(set(map(str, given)) - set(valid))
+    if unknown:
+        raise KVBenchError(f"unknown key {prefix}{unknown[0]} for {where}; valid keys: {', '.join(valid)}")

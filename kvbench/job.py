@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench import CONF_DIR, config_dict
 from kvbench.config import engine_keys, group_keys
-from kvbench.errors import KVBenchError
+from kvbench.errors import check_keys
 from kvbench.policies import build_policy
 from kvbench.policies.base import Policy
 from kvbench.policies.budgets import Budget
@@ -62,15 +62,9 @@ def check_settings(settings: dict[str, Any]) -> None:
     file): top-level keys, ``engine.*`` and each group's keys against its YAML. Policy keys are checked
     when the policy is built."""
     top = [str(key) for key in OmegaConf.load(CONF_DIR / "config.yaml") if key != "defaults"]
-    _unknown("", settings, [*top, *GROUPS, "policy"], "the run config")
-    _unknown("engine.", settings["engine"], engine_keys(), "the engine")
+    check_keys(settings, sorted([*top, *GROUPS, "policy"]), "", "the run config")
+    check_keys(settings["engine"], engine_keys(), "engine.", "the engine")
     for group in GROUPS:
         name = settings[group].get("name") if group != "budget" else None
         valid = ["spec"] if name is None else group_keys(group, str(name))
-        _unknown(f"{group}.", settings[group], valid, f"{group} {name}" if name else group)
-
-
-def _unknown(prefix: str, node: dict[str, Any], valid: list[str], where: str) -> None:
-    unknown = sorted(set(map(str, node)) - set(valid))
-    if unknown:
-        raise KVBenchError(f"unknown key {prefix}{unknown[0]} for {where}; valid keys: {', '.join(sorted(valid))}")
+        check_keys(settings[group], valid, f"{group}.", f"{group} {name}" if name else group)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from kvbench.errors import KVBenchError, choose
+from kvbench.errors import KVBenchError, check_keys, choose
 from kvbench.policies.base import Modifier, Policy
 from kvbench.policies.layer_budgets import build_layer_budget
 from kvbench.policies.registry import BASES, MODIFIERS
@@ -47,10 +47,7 @@ def build_policy(spec: str, params: Mapping[str, Any] | None = None) -> Policy:
     :func:`policy_keys`; a key no part reads is a one-line error). ``layer_budget`` is a strategy name or
     node; without one, a modifier may bring its own (:meth:`Modifier.default_layer_budget`)."""
     settings = {key: value for key, value in (params or {}).items() if key != "name"}
-    valid = policy_keys(spec)
-    unknown = sorted(set(settings) - set(valid))
-    if unknown:
-        raise KVBenchError(f"unknown key policy.{unknown[0]} for policy {spec}; valid keys: {', '.join(valid)}")
+    check_keys(settings, policy_keys(spec), "policy.", f"policy {spec}")
     base, modifier_names = parse_spec(spec)
     layer_budget = settings.pop("layer_budget", None)
     modifiers: list[Modifier] = [_instantiate(MODIFIERS[name], settings) for name in modifier_names]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kvbench.errors import KVBenchError, choose
+from kvbench.errors import check_keys, choose
 from kvbench.policies.budgets import Budget
 
 if TYPE_CHECKING:
@@ -94,15 +94,13 @@ def build_layer_budget(spec: LayerBudget | str | Mapping[str, Any]) -> LayerBudg
     name = node.pop("name", None)
     choose("policy.layer_budget", name, LAYER_BUDGETS)
     assert isinstance(name, str)  # one of LAYER_BUDGETS
-    cls = LAYER_BUDGETS[name]
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(node) - known)
-    if unknown:
-        raise KVBenchError(
-            f"unknown key policy.layer_budget.{unknown[0]} for layer budget {name!r}; valid keys: "
-            + ", ".join(["name", *sorted(known)])
-        )
-    return cls(**node)
+    check_keys(node, layer_budget_keys(name), "policy.layer_budget.", f"layer budget {name!r}")
+    return LAYER_BUDGETS[name](**node)
+
+
+def layer_budget_keys(name: str) -> list[str]:
+    """The settings of layer budget ``name`` (``policy.layer_budget.<key>``): ``name`` and its fields."""
+    return ["name", *sorted(f.name for f in fields(LAYER_BUDGETS[name]))]
 
 
 def conserve_total(raw: list[float], total: int, caps: list[int] | None = None) -> list[int]:
