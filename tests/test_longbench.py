@@ -801,6 +801,7 @@ def test_the_printed_config_holds_the_models_truncation_length():
     """job.resolve fills in task.max_length from the table for a model it has, so config.yaml shows what runs."""
     from kvbench.config import compose
     from kvbench.job import resolve
+
     def resolved(*overrides: str):
         return resolve(compose(["task=longbench", "policy=snapkv", "budget=128", *overrides])).cfg.task.max_length
 
