@@ -28,6 +28,9 @@ from omegaconf import DictConfig
 
 from kvbench import CONF_DIR
 from kvbench.errors import KVBenchError
+from kvbench.results.rundir import RunDir, register_run_name
+
+register_run_name()  # conf/config.yaml's ${run_name:}, also in a sweep's job processes (they import this module)
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +47,12 @@ def hydra_run(cfg: DictConfig) -> float | None:
     from kvbench.run import run
 
     in_sweep = HydraConfig.get().mode == RunMode.MULTIRUN
+    output_dir = HydraConfig.get().runtime.output_dir
     try:
-        metrics = run(cfg, HydraConfig.get().runtime.output_dir)
+        metrics = run(cfg, output_dir)
     except KVBenchError as error:
-        if not in_sweep:
+        if not in_sweep:  # (a sweep's job keeps its directory: its log there tells the error)
+            RunDir(output_dir).discard_if_unused()
             fail(str(error))
         log.error("kvbench: error: %s", error)
         raise

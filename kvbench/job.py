@@ -17,10 +17,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench import CONF_DIR, config_dict
 from kvbench.config import engine_keys, group_keys
-from kvbench.errors import check_keys
+from kvbench.errors import check_keys, choose
 from kvbench.policies import build_policy
 from kvbench.policies.base import Policy
 from kvbench.policies.budgets import Budget
+from kvbench.results.rundir import RESUME_MODES
 from kvbench.tasks.base import Task
 
 #: the prompt length against which a fraction budget is checked before any prompt exists (an int budget is
@@ -46,6 +47,7 @@ def resolve(cfg: DictConfig) -> Job:
     settings = config_dict(cfg, resolve=True)
     settings.pop("hydra", None)
     check_settings(settings)
+    choose("resume", settings["resume"], RESUME_MODES)
     budget = Budget.parse(settings["budget"]["spec"])
     policy = build_policy(settings["policy"]["name"], settings["policy"])
     policy.for_model(settings["model"].get("hf_id"), budget)

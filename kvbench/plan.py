@@ -86,7 +86,9 @@ def plan_job(overrides: list[str], cfg: DictConfig, output_dir: Path, tokenizers
         task = build_task(job.cfg, tokenizer_for(job.cfg.model, tokenizers))
         tokens = task.planned_tokens()
         line["tokens"] = None if tokens is None else {"prefill": tokens[0], "decode": tokens[1]}
-        line["finished"] = finished_metrics(RunDir(output_dir), job.cfg) is not None
+        if job.cfg.resume != "restart":
+            RunDir(output_dir).check_same_run(line["config"])
+            line["finished"] = finished_metrics(RunDir(output_dir), job.cfg) is not None
     except KVBenchError as error:
         line["error"] = str(error)
     return line

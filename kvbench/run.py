@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -10,7 +11,7 @@ from statistics import mean
 from typing import Any
 
 from hydra.utils import get_class
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from kvbench import config_dict
@@ -129,13 +130,9 @@ def summarize(cfg: DictConfig, task: Task, records: list[dict[str, Any]]) -> dic
 
 def finished_metrics(run_dir: RunDir, cfg: DictConfig) -> dict[str, Any] | None:
     """The metrics of a finished run of this same (resolved) config in ``run_dir`` (metrics.json written,
-    config.yaml unchanged but for the logger, a prediction for every sample counted), else None: a
-    resubmitted sweep skips its finished jobs without loading the model."""
-    if not (run_dir.metrics_path.exists() and run_dir.config_path.exists()):
-        return None
-    saved = config_dict(OmegaConf.load(run_dir.config_path))
-    current = config_dict(cfg, resolve=True)
-    if {k: v for k, v in saved.items() if k != "logger"} != {k: v for k, v in current.items() if k != "logger"}:
+    the same identity in config.yaml, a prediction for every sample counted), else None: a resubmitted sweep
+    skips its finished jobs without loading the model."""
+    if not run_dir.metrics_path.exists() or run_dir.conflict(config_dict(cfg, resolve=True)) is not None:
         return None
     metrics = run_dir.metrics()
     done = {record["id"] for record in run_dir.records()}
@@ -144,30 +141,42 @@ def finished_metrics(run_dir: RunDir, cfg: DictConfig) -> dict[str, Any] | None:
 
 def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
     """Run (or resume) the configured job into ``output_dir``; returns the metrics. The job is resolved
-    first (:func:`kvbench.job.resolve`); a finished run of the same resolved config is not run again; the run
-    holds the directory's lock (:meth:`RunDir.lock`): a second process on it refuses."""
+    first (:func:`kvbench.job.resolve`); the run holds the directory's lock (:meth:`RunDir.lock`: a second
+    process on it refuses); a directory holding other settings is refused (unless ``resume=restart``); a
+    finished run of the same settings is not run again. Nothing is written to the directory before the
+    task's samples are built: a job that fails before that leaves it as it was."""
     job = resolve(cfg)
     run_dir = RunDir(output_dir)
+    job.cfg.output_dir = str(run_dir.path)  # the directory it is written to, whatever named it
     with run_dir.lock():
         return run_locked(job, run_dir)
 
 
 def run_locked(job: Job, run_dir: RunDir) -> dict[str, Any]:
     """:func:`run`, its run directory's lock held."""
-    finished_before = finished_metrics(run_dir, job.cfg)
-    if finished_before is not None:
-        log.info("skipping %s: finished with this config", run_dir.path)
-        return finished_before
-    run_dir.write_config(job.cfg)
-    run_dir.repair()
+    restart = job.cfg.resume == "restart"
+    if not restart:
+        run_dir.check_same_run(config_dict(job.cfg, resolve=True))
+        finished_before = finished_metrics(run_dir, job.cfg)
+        if finished_before is not None:
+            print(f"kvbench: {run_dir.path}: finished with these settings, nothing to run", file=sys.stderr)
+            return finished_before
     loaded = load_model(job.cfg.model)
     engine = build_engine(job, loaded)
     task = build_task(job.cfg, loaded.tokenizer)
+    samples = list(task.samples())
+    if not samples:
+        raise KVBenchError(f"task {job.cfg.task.name} has no samples with these settings")
+    if restart:
+        moved = run_dir.move_aside()
+        if moved is not None:
+            log.info("resume=restart: the earlier files of %s moved to %s", run_dir.path, moved)
+    run_dir.start(job.cfg)
     records = run_dir.records()
     finished = {record["id"] for record in records}
-    samples = [sample for sample in task.samples() if sample.id not in finished]
-    if finished:
-        log.info("resuming %s: %d samples done, %d to go", run_dir.path, len(finished), len(samples))
+    samples = [sample for sample in samples if sample.id not in finished]
+    state = f"resuming, {len(finished)} samples done" if finished else "new run"
+    log.info("writing %s (%s, %d to go)", run_dir.path, state, len(samples))
     cfg = job.cfg
     for sample in tqdm(samples, desc=f"{cfg.task.name} {cfg.policy.name}@{cfg.budget.spec}", disable=None):
         record, output = run_sample(engine, task, sample, loaded)

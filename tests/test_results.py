@@ -197,8 +197,9 @@ def test_table_command_writes_files(tmp_path, capsys):
 
 
 def test_table_lists_run_dirs_it_leaves_out(tmp_path, capsys):
-    """Finished runs go into the tables; a run without metrics.json and one whose metrics.json cannot be read are
-    listed below them with the reason (hidden folders and a run directory's wandb/ are not run directories)."""
+    """Finished runs go into the tables; a run without metrics.json, one whose metrics.json cannot be read, one
+    whose config.yaml or predictions contradict its metrics are listed below them with the reason (hidden folders
+    and a run directory's wandb/ are not run directories)."""
     write_run(
         tmp_path / "a",
         "smollm2_135m",
@@ -216,14 +217,21 @@ def test_table_lists_run_dirs_it_leaves_out(tmp_path, capsys):
     (tmp_path / "broken" / "metrics.json").write_text("{")
     (tmp_path / ".submitit" / "1_0").mkdir(parents=True)
     (tmp_path / ".submitit" / "1_0" / "config.yaml").write_text("{}")
+    relabelled = write_run(tmp_path / "relabelled", "smollm2_135m", "snapkv", "128", "ruler", {"niah_single_1": 50.0})
+    config = json.loads((relabelled / "config.yaml").read_text())
+    (relabelled / "config.yaml").write_text(json.dumps({**config, "budget": {"spec": "256"}}))
+    short = write_run(tmp_path / "short", "smollm2_135m", "h2o", "128", "ruler", {"niah_single_1": 50.0})
+    (short / "predictions.jsonl").write_text("")
     main(["table", str(tmp_path)])
     out = capsys.readouterr().out
     below = out[out.index("not in the tables") :].splitlines()
     assert below == [
-        "not in the tables: 2 run directories",
-        f"  {tmp_path / 'broken'}: cannot read metrics.json (JSONDecodeError: Expecting property name "
+        "not in the tables: 4 run directories",
+        f"  {tmp_path / 'broken'}: cannot read its files (JSONDecodeError: Expecting property name "
         f"enclosed in double quotes: line 1 column 2 (char 1))",
         f"  {tmp_path / 'failed'}: no metrics.json (unfinished or failed)",
+        f"  {relabelled}: metrics.json is of budget 128, config.yaml of budget 256",
+        f"  {short}: metrics.json counts 1 samples, predictions.jsonl holds 0",
     ]
     assert "50.00" in out
 
@@ -245,7 +253,8 @@ def test_run_dir_lock_refuses_a_second_writer_and_dies_with_its_holder(tmp_path)
             sys.executable,
             "-c",
             "import sys, time\nfrom kvbench.results.rundir import RunDir\n"
-            f"with RunDir({str(tmp_path)!r}).lock():\n    print('locked', flush=True)\n"
+            f"run_dir = RunDir({str(tmp_path)!r})\n"
+            "with run_dir.lock():\n    run_dir.claim()\n    print('locked', flush=True)\n"
             "    time.sleep(600)",
         ],
         stdout=subprocess.PIPE,
@@ -263,7 +272,9 @@ def test_run_dir_lock_refuses_a_second_writer_and_dies_with_its_holder(tmp_path)
     assert not run_dir.locked()
     with run_dir.lock():
         assert run_dir.locked()  # flock is per open file: this process's probe sees its own lock
-    assert run_dir.lock_path.read_text().startswith(f"process {os.getpid()} on ")
+        run_dir.claim()
+        assert run_dir.lock_path.read_text().startswith(f"process {os.getpid()} on ")
+    assert run_dir.lock_path.read_text() == ""  # the name goes with the lock
 
 
 # --- paper comparison --------------------------------------------------------------------------------------

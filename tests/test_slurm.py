@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvbench.results.sweeps import sweep_jobs
 from tests.test_sweeps import TINY, submitit_job_folders
 
 KVBENCH = str(Path(sys.executable).parent / "kvbench")
@@ -48,10 +49,11 @@ def sweep(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
-def run_dir_name(**values: str) -> str:
-    """The run directory of a TINY job with ``values`` set (Hydra's sorted ``key=value`` list)."""
-    overrides = dict(arg.split("=", 1) for arg in TINY) | values
-    return ",".join(sorted(f"{key}={value}" for key, value in overrides.items()))
+def run_dir_name(*overrides: str) -> Path:
+    """The run directory of a TINY job with ``overrides`` in an ad-hoc sweep (relative to where it runs)."""
+    keys = {override.split("=")[0] for override in overrides}
+    (job,) = sweep_jobs([*(arg for arg in TINY if arg.split("=")[0] not in keys), *overrides])
+    return job.output_dir
 
 
 def test_sweep_finishes_then_resubmitting_submits_nothing(tmp_path):
@@ -61,7 +63,7 @@ def test_sweep_finishes_then_resubmitting_submits_nothing(tmp_path):
     assert "kvbench: results/multirun: 3 jobs, 0 skipped (0 finished, 0 running), 3 submitted" in result.stdout
     sweep_dir = tmp_path / "results" / "multirun"
     for policy in ("snapkv", "h2o", "tova"):
-        metrics = json.loads((sweep_dir / run_dir_name(budget="'64'", policy=policy) / "metrics.json").read_text())
+        metrics = json.loads((tmp_path / run_dir_name("budget=64", f"policy={policy}") / "metrics.json").read_text())
         assert (metrics["policy"], metrics["num_samples"]) == (policy, 1)
     folders = submitit_job_folders(sweep_dir)
     assert len(folders) == 3
@@ -79,7 +81,7 @@ def test_every_failed_job_is_reported_and_the_fixed_one_alone_resubmitted(tmp_pa
     tiny = [arg for arg in TINY if not arg.startswith("task.context_length")]
     result = sweep(*tiny, "policy=snapkv", "budget=64", "task.context_length=512,-1", *CPU, cwd=tmp_path)
     assert result.returncode == 1
-    run_dir = Path("results/multirun") / run_dir_name(budget="'64'", policy="snapkv", **{"task.context_length": "-1"})
+    run_dir = run_dir_name("budget=64", "policy=snapkv", "task.context_length=-1")
     failures = [line for line in result.stderr.splitlines() if line.startswith("kvbench: failed:")]
     assert failures == [
         f"kvbench: failed: {' '.join(tiny)} policy=snapkv budget='64' task.context_length=-1 | "
@@ -87,7 +89,7 @@ def test_every_failed_job_is_reported_and_the_fixed_one_alone_resubmitted(tmp_pa
         f"log: {run_dir / 'kvbench.log'}"
     ]
     assert "got -1" in (tmp_path / run_dir / "kvbench.log").read_text()
-    good = tmp_path / "results/multirun" / run_dir_name(budget="'64'", policy="snapkv")
+    good = tmp_path / run_dir_name("budget=64", "policy=snapkv")
     assert (good / "metrics.json").exists()
     fixed = sweep(*tiny, "policy=snapkv", "budget=64", "task.context_length=512,600", *CPU, cwd=tmp_path)
     assert fixed.returncode == 0, fixed.stderr[-3000:]
@@ -120,11 +122,7 @@ def test_running_job_is_not_submitted_twice_and_a_cancelled_one_resumes(tmp_path
     is reported failed with Slurm's line; submitted again, it resumes: one prediction per id, none redone."""
     tiny = [arg for arg in TINY if not arg.startswith(("task.context_length", "task.num_samples"))]
     args = [*tiny, "task.context_length=2048", "task.num_samples=200", "policy=snapkv", "budget=64", *CPU]
-    run_dir = (
-        tmp_path
-        / "results/multirun"
-        / run_dir_name(budget="'64'", policy="snapkv", **{"task.context_length": "2048", "task.num_samples": "200"})
-    )
+    run_dir = tmp_path / run_dir_name("budget=64", "policy=snapkv", "task.context_length=2048", "task.num_samples=200")
     with subprocess.Popen(
         [KVBENCH, "run", "-m", *args],
         stdout=subprocess.PIPE,
@@ -151,7 +149,7 @@ def test_running_job_is_not_submitted_twice_and_a_cancelled_one_resumes(tmp_path
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "1 jobs, 0 skipped (0 finished, 0 running), 1 submitted" in resumed.stdout
     assert (
-        f"resuming {run_dir}: {len(done)} samples done, {200 - len(done)} to go"
+        f"writing {run_dir} (resuming, {len(done)} samples done, {200 - len(done)} to go)"
         in (run_dir / "kvbench.log").read_text()
     )
     ids = [json.loads(line)["id"] for line in (run_dir / "predictions.jsonl").read_text().splitlines()]

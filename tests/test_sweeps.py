@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from kvbench.engine.tokenizers import stand_in_tokenizer
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy
 from kvbench.results.launchers import array_name, last_line, refusal
-from kvbench.results.rundir import RunDir
+from kvbench.results.rundir import RunDir, run_dirs_below
 from kvbench.results.sweeps import experiment_overrides, split_pending, sweep_jobs, sweeper_params
 from kvbench.tasks.base import ModelInfo
 from tests.helpers import local_data
@@ -220,10 +221,8 @@ def test_sweep_jobs_compose_every_job_before_submission(tmp_path):
         ("h2o+caote", "64"),
     ]
     first = jobs[0]
-    assert first.output_dir == tmp_path / (
-        "budget='32',model=tiny_llama,policy=snapkv,task.context_length=512,"
-        "task.num_samples=1,task.subtasks=[niah_single_1],task=ruler"
-    )
+    assert re.fullmatch(r"tiny_llama/ruler/snapkv-32-oneshot-[0-9a-f]{8}", str(first.output_dir.relative_to(tmp_path)))
+    assert len({job.output_dir for job in jobs}) == 4
     assert (
         first.log == first.output_dir / "kvbench.log"
         and first.cfg.model.name == "tiny_llama"
@@ -233,7 +232,7 @@ def test_sweep_jobs_compose_every_job_before_submission(tmp_path):
     smoke = sweep_jobs(["+experiment=caote_smoke"])
     params = sweeper_params("caote_smoke")
     assert len(smoke) == len(params["policy"].split(",")) * len(params["budget"].split(","))
-    assert all(job.output_dir.parent == Path("results/smoke/caote/longbench") for job in smoke)
+    assert all(job.output_dir.parents[2] == Path("results/smoke/caote/longbench") for job in smoke)
     with pytest.raises(KVBenchError, match="^unknown key task.nope for task ruler; valid keys: "):
         sweep_jobs([*TINY, "task.nope=1,2"])
 
@@ -258,11 +257,9 @@ def test_local_launcher_multirun_completes_then_submits_nothing(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", "hydra/launcher=local", *TINY, "policy=snapkv,h2o+caote", "budget=64", f"hydra.sweep.dir={sweep}"]
     assert f"kvbench: {sweep}: 2 jobs, 0 skipped (0 finished, 0 running), 2 submitted" in run_kvbench(*args).stdout
-    jobs = sorted(path.name for path in sweep.iterdir() if (path / "metrics.json").exists())
-    assert jobs == [
-        f"budget='64',model=tiny_llama,policy={policy},task.context_length=512,task.num_samples=1,"
-        f"task.subtasks=[niah_single_1],task=ruler"
-        for policy in ("h2o+caote", "snapkv")
+    jobs = [str(path.relative_to(sweep)) for path in run_dirs_below(sweep)]
+    assert [job[: -len("-0123abcd")] for job in jobs] == [
+        f"tiny_llama/ruler/{policy}-64-oneshot" for policy in ("h2o+caote", "snapkv")
     ]
     metrics = {job: json.loads((sweep / job / "metrics.json").read_text()) for job in jobs}
     assert {m["policy"] for m in metrics.values()} == {"snapkv", "h2o+caote"}
@@ -279,7 +276,7 @@ def test_local_launcher_multirun_completes_then_submits_nothing(tmp_path):
 
 
 def test_every_failed_job_is_reported_and_only_unfinished_ones_resubmitted(tmp_path, monkeypatch, capsys):
-    """An ad-hoc sweep (no hydra.sweep.dir: results/multirun, run directories named after each job's overrides)
+    """An ad-hoc sweep (no hydra.sweep.dir: results/multirun, run directories named after each job's settings)
     with two bad values: both reported, one line each, exit status 1, the good job finished; the sweep with the
     values fixed runs only the jobs not finished."""
     monkeypatch.chdir(tmp_path)
@@ -292,10 +289,8 @@ def test_every_failed_job_is_reported_and_only_unfinished_ones_resubmitted(tmp_p
     failures = [line for line in captured.err.splitlines() if line.startswith("kvbench: failed:")]
     assert len(failures) == 2
     for value, line in zip(("-1", "-2"), failures):
-        run_dir = Path("results/multirun") / (
-            f"budget='32',model=tiny_llama,policy=tova,task.context_length={value},"
-            "task.num_samples=1,task.subtasks=[niah_single_1],task=ruler"
-        )
+        run_dir = Path(line.split(" | ")[1].removeprefix("run dir: "))
+        assert re.fullmatch(r"results/multirun/tiny_llama/ruler/tova-32-oneshot-[0-9a-f]{8}", str(run_dir))
         assert line == (
             f"kvbench: failed: {' '.join(tiny)} policy=tova budget='32' task.context_length={value} | "
             f"run dir: {run_dir} | task.context_length must be a positive token count, got {value} | "
@@ -313,6 +308,7 @@ def test_a_locked_run_dir_refuses_a_second_kvbench_in_one_line(tmp_path):
     """While one process writes a run directory, ``kvbench run`` on it exits 2 with one line; a sweep skips it."""
     run_dir = RunDir(tmp_path / "run")
     with run_dir.lock():
+        run_dir.claim()
         result = subprocess.run(
             [KVBENCH, "run", *TINY, f"hydra.run.dir={run_dir.path}"],
             capture_output=True,
@@ -331,22 +327,34 @@ def test_a_locked_run_dir_refuses_a_second_kvbench_in_one_line(tmp_path):
     assert not run_dir.predictions_path.exists()
 
 
-def test_basic_multirun_skips_finished_and_resumes_changed(tmp_path, capsys):
+def test_basic_multirun_skips_finished_and_refuses_other_settings(tmp_path, capsys):
     sweep = tmp_path / "sweep"
     main(["run", "-m", *TINY, "policy=tova", "budget=32,64", f"hydra.sweep.dir={sweep}"])
-    job = sweep / (
-        "budget='32',model=tiny_llama,policy=tova,task.context_length=512,task.num_samples=1,"
-        "task.subtasks=[niah_single_1],task=ruler"
-    )
-    first = (job / "predictions.jsonl").read_text()
+    job = next(path for path in run_dirs_below(sweep) if path.name.startswith("tova-32-"))
     stamp = (job / "metrics.json").stat().st_mtime_ns
     main(["run", "-m", *TINY, "policy=tova", "budget=32,64", f"hydra.sweep.dir={sweep}"])
     assert (job / "metrics.json").stat().st_mtime_ns == stamp
-    # the same job directory with another config is not skipped: it resumes (finished samples kept)
-    main(["run", *TINY[:-1], "task.num_samples=2", "policy=tova", "budget=32", f'hydra.run.dir="{job}"'])
-    records = (job / "predictions.jsonl").read_text().splitlines()
-    assert len(records) == 2 and records[0] + "\n" == first
-    assert json.loads((job / "metrics.json").read_text())["num_samples"] == 2
+    # another config into the same job directory is refused, in a single run and in a sweep, nothing written
+    before = {path: path.read_bytes() for path in job.rglob("*") if path.is_file()}
+    other = [*TINY[:-1], "task.num_samples=2", "policy=tova", "budget=32"]
+    capsys.readouterr()
+    for args in (["run", *other, f'hydra.run.dir="{job}"'], ["run", "-m", *other, f"hydra.sweep.dir={sweep}"]):
+        if args[1] == "-m":
+            args.append(f"hydra.sweep.subdir={job.relative_to(sweep)}")
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err == (
+            f"kvbench: error: run directory {job} holds a run of other settings: task.num_samples=1 there, 2 here"
+            + (
+                "; run into another output_dir=DIR, or pass resume=restart to move its files into "
+                f"{job}/superseded-<time>/ and start again\n"
+                if args[1] != "-m"
+                else "; nothing submitted: give the sweep another hydra.sweep.dir, or pass resume=restart to move "
+                "their files into superseded-<time>/ sub-folders\n"
+            )
+        )
+        assert {path: path.read_bytes() for path in job.rglob("*") if path.is_file()} == before
 
 
 @pytest.mark.slow

@@ -1,20 +1,82 @@
 """A run directory: ``config.yaml``, ``predictions.jsonl`` (appended per sample), ``metrics.json`` and
-``run.lock``, which the one process writing the directory holds."""
+``run.lock``, which the one process writing the directory holds.
+
+A run directory holds one configuration, its *identity*: every setting of the resolved config except those
+in :data:`NOT_IDENTITY`, which change no prediction. A run resumes a directory only when the saved identity
+equals its own (:meth:`RunDir.check_same_run`); the default directory names carry the identity's digest
+(:func:`run_name`), so runs with different settings never meet in one directory.
+"""
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
+import shutil
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kvbench import config_dict
 from kvbench.errors import KVBenchError
+
+#: top-level settings that change no prediction, left out of a run's identity: where its files go, how it
+#: resumes and logs, and an experiment's per-policy table (already applied to the ``policy`` node)
+NOT_IDENTITY = ("hydra", "logger", "output_dir", "policy_settings", "resume")
+
+#: ``resume=``: ``auto`` resumes a directory holding the same settings and refuses one holding others;
+#: ``restart`` moves the directory's files into a dated ``superseded-*`` sub-folder and starts afresh
+RESUME_MODES = ("auto", "restart")
+
+
+def identity(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings that make a run what it is (a plain config dict without :data:`NOT_IDENTITY`)."""
+    return {str(key): value for key, value in settings.items() if key not in NOT_IDENTITY}
+
+
+def flatten(settings: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"task.context_length": 1024, ...}``: the leaves of nested dicts, by dotted key."""
+    if not isinstance(settings, Mapping) or not settings:
+        return {prefix.rstrip("."): settings}
+    return {key: value for name, node in settings.items() for key, value in flatten(node, f"{prefix}{name}.").items()}
+
+
+def differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """``key=saved there, current here`` for each identity setting that differs, sorted by key."""
+    before, after = flatten(identity(saved)), flatten(identity(current))
+    missing = "(unset)"
+    return [
+        f"{key}={before.get(key, missing)} there, {after.get(key, missing)} here"
+        for key in sorted(set(before) | set(after))
+        if before.get(key, missing) != after.get(key, missing)
+    ]
+
+
+def run_name(*, _root_: DictConfig) -> str:
+    """The default run directory below ``results/`` (the ``${run_name:}`` resolver of conf/config.yaml):
+    ``<model>/<task>/<policy>-<budget>-<regime>-<digest>``, the digest the first 8 hex digits of the SHA-256
+    of the composed config's identity, so runs whose settings differ land in different directories and a
+    rerun of the same settings (a single run or a job of a sweep) finds its own."""
+    settings = {
+        str(key): OmegaConf.to_container(_root_[key], resolve=True) if OmegaConf.is_config(_root_[key]) else _root_[key]
+        for key in _root_
+        if key not in NOT_IDENTITY
+    }
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    model, task, policy, budget, engine = (_root_[key] for key in ("model", "task", "policy", "budget", "engine"))
+    return f"{model.name}/{task.name}/{policy.name}-{budget.spec}-{engine.regime}-{digest}"
+
+
+def register_run_name() -> None:
+    """Make ``${run_name:}`` resolvable in configs (conf/config.yaml's ``output_dir`` and sweep subdirectory)."""
+    if not OmegaConf.has_resolver("run_name"):
+        OmegaConf.register_new_resolver("run_name", run_name)
 
 
 class RunDir:
@@ -26,14 +88,18 @@ class RunDir:
         self.predictions_path = self.path / "predictions.jsonl"
         self.metrics_path = self.path / "metrics.json"
         self.lock_path = self.path / "run.lock"
+        self.claimed = False  # whether this process has named itself in the held lock (claim)
 
     @contextmanager
     def lock(self) -> Iterator[None]:
         """Hold the directory's lock while writing it: a second process refuses with one line.
 
         An exclusive ``flock`` on ``run.lock``, which the kernel releases when the holder ends, however it
-        ends (a cancelled or killed job leaves no stale lock). The file names the holder for the message."""
+        ends (a cancelled or killed job leaves no stale lock). Taking it changes no byte of the directory: the
+        holder is named in the file (for the message) by :meth:`claim`, once the job is known to be valid, and
+        the name is cleared when the lock is let go; a lock file made for a job that ran nothing is removed."""
         self.path.mkdir(parents=True, exist_ok=True)
+        created = not self.lock_path.exists()
         with self.lock_path.open("a+", encoding="utf-8") as handle:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -44,10 +110,79 @@ class RunDir:
                     f"run directory {self.path} is being written by {holder}; wait for it to end "
                     f"or stop it (its lock {self.lock_path} goes with it)"
                 ) from None
-            handle.truncate(0)
-            handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-            handle.flush()
-            yield
+            try:
+                yield
+            finally:
+                if self.claimed:
+                    handle.truncate(0)  # the holder's name, written by claim(), goes with the lock
+                    self.claimed = False
+                elif created:  # nothing was run: the directory is left as it was found
+                    self.lock_path.unlink(missing_ok=True)
+
+    def claim(self) -> None:
+        """Name this process in the held lock file, for the message of a second process."""
+        self.lock_path.write_text(f"process {os.getpid()} on {socket.gethostname()}\n", encoding="utf-8")
+        self.claimed = True
+
+    def discard_if_unused(self) -> None:
+        """Remove the directory if it is empty (made for a job that failed before writing anything)."""
+        if self.path.is_dir() and not any(self.path.iterdir()):
+            self.path.rmdir()
+
+    def saved_config(self) -> dict[str, Any] | None:
+        """``config.yaml`` as a plain dict, or None when there is none."""
+        if not self.config_path.exists():
+            return None
+        return config_dict(OmegaConf.load(self.config_path))
+
+    def holds_results(self) -> bool:
+        """Whether any result file (config, predictions, metrics, kept sets) is in the directory."""
+        return any(path.exists() for path in (*self.result_paths(), self.path / "kept"))
+
+    def result_paths(self) -> tuple[Path, ...]:
+        return (self.config_path, self.predictions_path, self.metrics_path)
+
+    def conflict(self, settings: Mapping[str, Any]) -> str | None:
+        """Why this directory cannot be resumed by a run of ``settings`` (a resolved config dict), else None."""
+        saved = self.saved_config()
+        if saved is None:
+            if not self.holds_results():
+                return None
+            return f"run directory {self.path} holds results but no config.yaml"
+        changed = differences(saved, settings)
+        if not changed:
+            return None
+        more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+        return f"run directory {self.path} holds a run of other settings: {'; '.join(changed[:3])}{more}"
+
+    def check_same_run(self, settings: Mapping[str, Any]) -> None:
+        """Refuse, in one line, to resume a directory that holds a run of other settings; say the ways out."""
+        reason = self.conflict(settings)
+        if reason is not None:
+            raise KVBenchError(
+                f"{reason}; run into another output_dir=DIR, or pass resume=restart to move its files into "
+                f"{self.path}/superseded-<time>/ and start again"
+            )
+
+    def move_aside(self) -> Path | None:
+        """``resume=restart``: move the result files into ``superseded-<UTC time>/`` (nothing is deleted);
+        the folder, or None when there was nothing to move."""
+        present = [path for path in (*self.result_paths(), self.path / "kept") if path.exists()]
+        if not present:
+            return None
+        folder = self.path / time.strftime("superseded-%Y%m%dT%H%M%SZ", time.gmtime())
+        folder.mkdir()
+        for path in present:
+            shutil.move(path, folder / path.name)
+        return folder
+
+    def start(self, cfg: DictConfig) -> None:
+        """The job is valid: name this process in the held lock file, write ``config.yaml`` and repair
+        ``predictions.jsonl`` for appending."""
+        self.claim()
+        if self.saved_config() != config_dict(cfg, resolve=True):
+            self.write_config(cfg)
+        self.repair()
 
     def locked(self) -> bool:
         """Whether a process holds the directory's lock now (is writing it)."""
@@ -129,17 +264,34 @@ def run_dirs_below(path: Path) -> list[Path]:
     return found
 
 
+LABELS = ("model", "policy", "budget", "task")
+"""What metrics.json says a run is, each read from config.yaml as ``<group>.name`` (the budget's ``spec``)."""
+
+
 def unfinished_reason(run_dir: RunDir) -> str | None:
-    """Why ``run_dir`` cannot go into a table (no or unreadable metrics.json), else None."""
+    """Why ``run_dir`` cannot go into a table (no or unreadable metrics.json, metrics that its config.yaml or
+    its predictions contradict), else None."""
     if not run_dir.metrics_path.exists():
         state = "being written now" if run_dir.locked() else "unfinished or failed"
         return f"no metrics.json ({state})"
     try:
         metrics = run_dir.metrics()
-        missing = [key for key in ("model", "policy", "budget", "task", "scores") if key not in metrics]
+        missing = [key for key in (*LABELS, "scores") if key not in metrics]
+        saved = run_dir.saved_config()
+        done = len(run_dir.records())
     except (OSError, ValueError, TypeError) as error:
-        return f"cannot read metrics.json ({type(error).__name__}: {error})"
-    return f"metrics.json has no {', '.join(missing)}" if missing else None
+        return f"cannot read its files ({type(error).__name__}: {error})"
+    if missing:
+        return f"metrics.json has no {', '.join(missing)}"
+    if saved is None:
+        return "no config.yaml"
+    for label in LABELS:
+        configured = saved.get(label, {}).get("spec" if label == "budget" else "name")
+        if str(configured) != str(metrics[label]):
+            return f"metrics.json is of {label} {metrics[label]}, config.yaml of {label} {configured}"
+    if done != metrics.get("num_samples"):
+        return f"metrics.json counts {metrics.get('num_samples')} samples, predictions.jsonl holds {done}"
+    return None
 
 
 def scan_run_dirs(paths: list[str | Path]) -> tuple[list[RunDir], list[tuple[RunDir, str]]]:

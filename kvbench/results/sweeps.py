@@ -11,7 +11,7 @@ A sweep runs through kvbench's sweeper (``conf/hydra/sweeper/kvbench.yaml``, cla
 ``hydra_plugins/kvbench``): Hydra's basic sweeper, but before any job is submitted it composes every job
 (:func:`expand_sweep`), drops those whose run directory is finished with the same config or is being
 written now, and after the launcher returns it reports every failed job in one line (:func:`run_sweep`).
-A job's run directory is named after its overrides (``hydra.sweep.subdir``), so a later sweep finds it.
+A job's run directory is named after its settings (``hydra.sweep.subdir``: ``${run_name:}``), so a later sweep finds it.
 """
 
 from __future__ import annotations
@@ -148,23 +148,38 @@ def sweep_jobs(args: list[str]) -> list[SweepJob]:
 
 
 def split_pending(jobs: list[SweepJob]) -> tuple[list[SweepJob], list[SweepJob], list[SweepJob]]:
-    """``jobs`` as (finished with the same config, being written by a process now, to submit)."""
+    """``jobs`` as (finished with the same config, being written by a process now, to submit). A job whose
+    run directory holds a run of other settings is refused before anything is submitted (one line, naming the
+    first such directory), unless it runs with ``resume=restart``."""
+    from kvbench import config_dict
     from kvbench.job import resolve
     from kvbench.run import finished_metrics
 
-    finished, running, todo = [], [], []
+    finished, running, todo, conflicts = [], [], [], []
     for job in jobs:
         run_dir = RunDir(job.output_dir)
         try:
             resolved = resolve(job.cfg).cfg
         except KVBenchError:  # submitted, and reported as it fails
             resolved = None
-        if resolved is not None and finished_metrics(run_dir, resolved) is not None:
+        restart = resolved is not None and resolved.resume == "restart"
+        if resolved is not None and not restart:
+            conflict = run_dir.conflict(config_dict(resolved))
+            if conflict is not None:
+                conflicts.append(conflict)
+                continue
+        if resolved is not None and not restart and finished_metrics(run_dir, resolved) is not None:
             finished.append(job)
         elif run_dir.locked():
             running.append(job)
         else:
             todo.append(job)
+    if conflicts:
+        others = f" (and {len(conflicts) - 1} other jobs' directories)" if len(conflicts) > 1 else ""
+        raise KVBenchError(
+            f"{conflicts[0]}{others}; nothing submitted: give the sweep another hydra.sweep.dir, or pass "
+            f"resume=restart to move their files into superseded-<time>/ sub-folders"
+        )
     return finished, running, todo
 
 

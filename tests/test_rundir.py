@@ -1,0 +1,182 @@
+"""A run directory holds one configuration: resumed only by the same settings, refused by others (exit 2, one
+line, not a byte changed), default directories that never collide, nothing written by a job that fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvbench.cli import main
+from kvbench.results.rundir import RunDir, differences, run_dirs_below
+
+RULER = ["task=ruler", "task.subtasks=[niah_single_1]", "task.num_samples=2"]
+BASE = ["model=tiny_llama", *RULER, "task.context_length=640", "policy=snapkv", "policy.window=8", "budget=64"]
+
+#: a change of each kind of setting: (the override that changes it, the key the refusal names)
+CHANGES = {
+    "task": ("task.context_length=700", "task.context_length=640 there, 700 here"),
+    "policy": ("policy.window=16", "policy.window=8 there, 16 here"),
+    "budget": ("budget=32", "budget.spec=64 there, 32 here"),
+    "engine": ("engine.block_size=32", "engine.block_size=128 there, 32 here"),
+    "model": ("model=tiny_mistral", "model.name=tiny_llama there, tiny_mistral here"),
+}
+
+
+def changed(override: str) -> list[str]:
+    key = override.split("=")[0]
+    return [arg for arg in BASE if arg.split("=")[0] != key] + [override]
+
+
+def snapshot(path: Path) -> dict[str, bytes]:
+    """Every file below ``path`` (relative name → bytes)."""
+    return {str(file.relative_to(path)): file.read_bytes() for file in sorted(path.rglob("*")) if file.is_file()}
+
+
+def refused(args: list[str], capsys) -> str:
+    """Run ``kvbench run ARGS``, expecting exit 2; the one line it printed."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", *args])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("kvbench: error: ") and error.count("\n") == 1 and "Traceback" not in error
+    return error
+
+
+@pytest.mark.parametrize("kind", list(CHANGES))
+def test_other_settings_are_refused_and_default_directories_differ(kind, tmp_path, monkeypatch, capsys):
+    """A run of other settings into a finished directory: exit 2, one line naming the key with both values,
+    every file byte-identical; with the default output_dir both runs land apart and both finish."""
+    monkeypatch.chdir(tmp_path)
+    override, named = CHANGES[kind]
+    main(["run", *BASE])
+    (first,) = run_dirs_below(tmp_path / "results")
+    main(["run", *changed(override)])
+    (second,) = set(run_dirs_below(tmp_path / "results")) - {first}
+    for path in (first, second):
+        assert (path / "metrics.json").exists()
+        assert Path(yaml.safe_load((path / "config.yaml").read_text())["output_dir"]).resolve() == path.resolve()
+    before = snapshot(first)
+    error = refused([*changed(override), f"output_dir={first}"], capsys)
+    assert named in error and f"run directory {first} holds a run of other settings" in error
+    assert "resume=restart" in error and "output_dir=" in error
+    assert snapshot(first) == before
+
+
+def test_same_settings_resume_and_a_finished_run_is_not_rerun(tmp_path, capsys):
+    out = tmp_path / "run"
+    main(["run", *BASE, f"output_dir={out}"])
+    before = snapshot(out)
+    capsys.readouterr()
+    main(["run", *BASE, f"output_dir={out}", "logger=none"])
+    assert f"kvbench: {out}: finished with these settings, nothing to run" in capsys.readouterr().err
+    assert snapshot(out) == before
+
+
+def test_restart_moves_the_old_files_aside(tmp_path, capsys):
+    out = tmp_path / "run"
+    main(["run", *BASE, f"output_dir={out}"])
+    before = snapshot(out)
+    main(["run", *changed("budget=32"), f"output_dir={out}", "resume=restart"])
+    (aside,) = [path for path in out.iterdir() if path.name.startswith("superseded-")]
+    assert re.fullmatch(r"superseded-\d{8}T\d{6}Z", aside.name)
+    kept = {name: data for name, data in before.items() if name not in ("run.lock", "kvbench.log")}  # they stay
+    assert snapshot(aside) == kept
+    assert json.loads((out / "metrics.json").read_text())["budget"] == "32"
+    assert yaml.safe_load((out / "config.yaml").read_text())["budget"]["spec"] == "32"
+    assert run_dirs_below(tmp_path) == [out]  # the superseded files are not a second run in the tables
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["task.subtasks=[niah_sngle_1]"],  # unknown subtask
+        ["task.subtasks=[niah_sngle_1]", "resume=restart"],  # ... when asked to start again: nothing moved
+        ["resume=sometimes"],  # bad value
+        ["task.num_samples=0", "resume=restart"],  # no samples
+        ["task=ppl", "task.path=/nonexistent/book.txt", "resume=restart"],  # missing data
+    ],
+)
+def test_a_failing_job_leaves_a_finished_directory_untouched(args, tmp_path, capsys):
+    out = tmp_path / "run"
+    main(["run", *BASE, f"output_dir={out}"])
+    before = snapshot(out)
+    overrides = [arg for arg in BASE if arg.split("=")[0] not in {a.split("=")[0] for a in args}]
+    if "task=ppl" in args:
+        overrides = [arg for arg in overrides if not arg.startswith("task.")]
+    refused([*overrides, *args, f"output_dir={out}"], capsys)
+    assert snapshot(out) == before
+    new = tmp_path / "new"
+    refused([*overrides, *args, f"output_dir={new}"], capsys)
+    assert not new.exists()
+
+
+def test_a_killed_run_resumes_without_losing_or_repeating_a_sample(tmp_path):
+    """kill -9 in the middle of a run; the rerun with the same settings keeps every line written, redoes the
+    sample cut short (if any) and writes each id once."""
+    out = tmp_path / "run"
+    args = ["run", "model=tiny_llama", *RULER[:-1], "task.num_samples=40", "task.context_length=640"]
+    args += ["policy=h2o", "budget=64", f"output_dir={out}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-c", "import sys; from kvbench.cli import main; main(sys.argv[1:])", *args]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    predictions = out / "predictions.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        if predictions.exists() and predictions.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.05)
+    assert process.poll() is None, "the run ended before it could be killed"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    written = [line for line in predictions.read_text().splitlines(keepends=True) if line.endswith("\n")]
+    assert 3 <= len(written) < 40 and not (out / "metrics.json").exists()
+    subprocess.run(command, env=env, check=True, capture_output=True)
+    lines = predictions.read_text().splitlines(keepends=True)
+    ids = [json.loads(line)["id"] for line in lines]
+    assert len(ids) == len(set(ids)) == 40
+    assert lines[: len(written)] == written  # not recomputed
+    assert json.loads((out / "metrics.json").read_text())["num_samples"] == 40
+
+
+def test_differences_name_every_changed_leaf():
+    saved = {"task": {"n": 1, "sub": ["a"]}, "logger": {"name": "none"}, "output_dir": "x", "seed": 0}
+    current = {"task": {"n": 2, "sub": ["a"]}, "logger": {"name": "wandb"}, "output_dir": "y", "extra": {"k": 1}}
+    assert differences(saved, current) == [
+        "extra.k=(unset) there, 1 here",
+        "seed=0 there, (unset) here",
+        "task.n=1 there, 2 here",
+    ]
+
+
+def test_a_directory_with_results_but_no_config_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "predictions.jsonl").write_text('{"id": "x"}\n')
+    error = refused([*BASE, f"output_dir={out}"], capsys)
+    assert f"run directory {out} holds results but no config.yaml" in error
+    assert snapshot(out) == {"predictions.jsonl": b'{"id": "x"}\n'}
+    assert RunDir(out).conflict({}) is not None
+
+
+def test_plan_reports_a_directory_of_other_settings_as_invalid(tmp_path, capsys):
+    out = tmp_path / "run"
+    main(["run", *BASE, f"output_dir={out}"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *changed("budget=32"), f"output_dir={out}"])
+    assert exit_info.value.code == 2
+    (line,) = [json.loads(text) for text in capsys.readouterr().out.splitlines()]
+    assert line["error"].startswith(f"run directory {out} holds a run of other settings: budget.spec=64 there, 32 here")
+    main(["plan", *BASE, f"output_dir={out}"])
+    (line,) = [json.loads(text) for text in capsys.readouterr().out.splitlines()]
+    assert line["error"] is None and line["finished"]
