@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from dataclasses import fields
+from dataclasses import asdict
 from pathlib import Path
-from typing import IO, NoReturn
+from typing import IO, Any, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -73,28 +73,30 @@ def command_run(args: list[str]) -> None:
 
 
 def command_policies(args: list[str]) -> None:
-    """Print every base policy, modifier and layer budget with its own settings and source paper."""
+    """Print every base policy, modifier and layer budget with its source paper, then each of its settings
+    with its default and its domain (what values it takes)."""
+    from kvbench.domains import domains_of, shown
     from kvbench.policies import BASES, MODIFIERS, build_policy
     from kvbench.policies.layer_budgets import LAYER_BUDGETS
 
-    def listed(settings: dict) -> str:
-        return ", ".join(f"{key}={value!r}" for key, value in settings.items() if key != "name")
-
-    rows = [(name, "base", cls.paper, listed(build_policy(name).settings())) for name, cls in sorted(BASES.items())]
-    rows += [
-        (name, "modifier", cls.paper, listed({f.name: getattr(cls(), f.name) for f in fields(cls)}))
-        for name, cls in sorted(MODIFIERS.items())
+    strategies = ", ".join(sorted(LAYER_BUDGETS))
+    layer_budget_text = f"a layer budget (below) by name or {{name: ..., <key>: ...}}: {strategies}"
+    parts: list[tuple[str, str, Any, dict[str, Any]]] = [
+        (name, "base", cls, {**build_policy(name).settings(), "layer_budget": build_policy(name).layer_budget.name})
+        for name, cls in sorted(BASES.items())
     ]
-    rows += [
-        (name, "layer budget", cls.paper, listed(cls().parameters())) for name, cls in sorted(LAYER_BUDGETS.items())
-    ]
-    width = [max(len(row[column]) for row in rows) for column in range(3)]
-    print(
-        f"{'name':<{width[0]}}  {'kind':<{width[1]}}  {'paper':<{width[2]}}  "
-        "settings (policy.<key>=..., policy.layer_budget.<key>=...)"
-    )
-    for row in rows:
-        print(f"{row[0]:<{width[0]}}  {row[1]:<{width[1]}}  {row[2]:<{width[2]}}  {row[3]}")
+    parts += [(name, "modifier", cls, asdict(cls())) for name, cls in sorted(MODIFIERS.items())]
+    parts += [(name, "layer budget", cls, cls().parameters()) for name, cls in sorted(LAYER_BUDGETS.items())]
+    width = max(len(f"{key}={shown(value)}") for *_, settings in parts for key, value in settings.items())
+    print("settings: policy.<key>=VALUE (a base's or a modifier's), policy.layer_budget.<key>=VALUE (a layer budget's)")
+    print()
+    for name, kind, cls, settings in parts:
+        print(f"{name}  ({kind}; {cls.paper})")
+        domains = domains_of(cls)
+        for key, value in settings.items():
+            if key != "name":
+                text = layer_budget_text if key == "layer_budget" else domains[key].text
+                print(f"    {f'{key}={shown(value)}':<{width}}  {text}")
     print(
         "\ncompose as base+modifier+...: e.g. policy=h2o+obcache_joint, policy=snapkv+caote; "
         "policy.layer_budget=NAME picks a layer budget with its defaults"

@@ -113,8 +113,12 @@ def prepare_overrides(args: list[str]) -> list[str]:
         key, values = override.key_or_group.lstrip("+~"), _values(override)
         if key == "budget":
             rewritten.append(f"{override.get_key_element()}=" + ",".join(f"'{value}'" for value in values))
-        elif key == "policy.layer_budget" and isinstance(override.value(), dict):  # replace the node, not merge
-            rewritten += ["~policy.layer_budget", f"+policy.layer_budget={override.get_value_element_as_str()}"]
+        elif key == "policy.layer_budget" and isinstance(override.value(), (dict, str)):  # replace the node
+            node = override.value()
+            text = override.get_value_element_as_str() if isinstance(node, dict) else f"{{name: {node}}}"
+            rewritten += ["~policy.layer_budget", f"+policy.layer_budget={text}"]
+        elif key.startswith("policy.layer_budget.") and override.input_line is not None:  # a key of that node
+            rewritten.append("++" + override.input_line.lstrip("+"))
         else:
             assert override.input_line is not None  # set by the parser
             rewritten.append(override.input_line)
@@ -149,17 +153,14 @@ DEFAULTS: dict[str, str] = {
 
 
 def _check_value(key: str, value: str) -> None:
-    """A one-line error for an unknown option of a group (model, task, budget, engine.regime)."""
+    """A one-line error for an unknown option of a group (model, task, budget); every other value is checked
+    against its domain when the job is resolved (:func:`kvbench.job.resolve`)."""
     if key in ("model", "task"):
         choose(key, value, group_options(key))
     elif key == "budget":
         Budget.parse(value)
         if value not in group_options("budget"):
             ConfigStore.instance().store(group="budget", name=value, node={"spec": value})
-    elif key == "engine.regime":
-        from kvbench.engine import REGIMES
-
-        choose("engine.regime", value, REGIMES)
 
 
 def group_keys(group: str, option: str) -> list[str]:

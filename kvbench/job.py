@@ -16,7 +16,10 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import CONF_DIR, config_dict
-from kvbench.config import engine_keys, group_keys
+from kvbench.config import engine_keys, group_keys, group_options
+from kvbench.domains import Domain, check_table, choice, integer
+from kvbench.engine import ENGINE_SETTINGS
+from kvbench.engine.models import MODEL_SETTINGS
 from kvbench.errors import check_keys, choose
 from kvbench.policies import build_policy
 from kvbench.policies.base import Policy
@@ -30,6 +33,13 @@ NOMINAL_PROMPT = 100_000
 
 #: the config groups of a run and their settings files (conf/<group>/<option>.yaml)
 GROUPS = ("model", "task", "budget", "logger")
+
+#: the top-level settings of a run (conf/config.yaml) that take a value of their own, and their domains
+RUN_SETTINGS: dict[str, Domain] = {
+    "seed": integer(0),
+    "resume": choice(*RESUME_MODES),
+    "output_dir": Domain("a directory", lambda value: isinstance(value, str) and value != ""),
+}
 
 
 @dataclass
@@ -47,7 +57,6 @@ def resolve(cfg: DictConfig) -> Job:
     settings = config_dict(cfg, resolve=True)
     settings.pop("hydra", None)
     check_settings(settings)
-    choose("resume", settings["resume"], RESUME_MODES)
     budget = Budget.parse(settings["budget"]["spec"])
     policy = build_policy(settings["policy"]["name"], settings["policy"])
     policy.for_model(settings["model"].get("hf_id"), budget)
@@ -55,6 +64,7 @@ def resolve(cfg: DictConfig) -> Job:
     policy.check_budget(budget.resolve(nominal), nominal)
     settings["policy"] = policy.settings()
     task_class: type[Task] = get_class(settings["task"]["_target_"])
+    task_class.check(settings["task"])
     settings["task"] = task_class.for_model(settings["task"], settings["model"])
     return Job(OmegaConf.create(settings), policy, budget)
 
@@ -66,7 +76,12 @@ def check_settings(settings: dict[str, Any]) -> None:
     top = [str(key) for key in OmegaConf.load(CONF_DIR / "config.yaml") if key != "defaults"]
     check_keys(settings, sorted([*top, *GROUPS, "policy"]), "", "the run config")
     check_keys(settings["engine"], engine_keys(), "engine.", "the engine")
+    check_table(settings, RUN_SETTINGS, "")
+    check_table(settings["engine"], ENGINE_SETTINGS, "engine.")
+    check_table(settings["model"], MODEL_SETTINGS, "model.")
     for group in GROUPS:
         name = settings[group].get("name") if group != "budget" else None
+        if name is not None:
+            choose(f"{group}.name", name, group_options(group))
         valid = ["spec"] if name is None else group_keys(group, str(name))
         check_keys(settings[group], valid, f"{group}.", f"{group} {name}" if name else group)

@@ -81,6 +81,7 @@ def plan_job(overrides: list[str], cfg: DictConfig, output_dir: Path, tokenizers
     line = empty_line(overrides, output_dir)
     try:
         job = resolve(cfg)
+        job.cfg.output_dir = str(output_dir)  # as kvbench run writes it to config.yaml
         line["config"] = config_dict(job.cfg)
         line["policy"] = {"spec": job.policy.spec, "params": line["config"]["policy"]}  # policy.settings()
         task = build_task(job.cfg, tokenizer_for(job.cfg.model, tokenizers))

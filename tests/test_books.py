@@ -134,8 +134,8 @@ def test_missing_data_is_a_one_line_error(tmp_path, monkeypatch):
         list(PG19Task(task_cfg("pg19"), MODEL).samples())
     message = str(error.value)
     assert "\n" not in message and "emozilla/pg19" in message and "task.data_dir=FOLDER" in message
-    with pytest.raises(KVBenchError, match="task.num_samples must be at least 1"):
-        PG19Task(task_cfg("pg19", num_samples=0), MODEL)
+    with pytest.raises(KVBenchError, match=r"^task.num_samples=0: must be null \(every text\) or a sample count ≥ 1$"):
+        PG19Task.check(dict(task_cfg("pg19", num_samples=0)))
 
 
 @pytest.mark.slow

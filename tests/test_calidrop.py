@@ -148,7 +148,8 @@ def test_never_calibrating_equals_the_base(llama):
 
 
 def test_bad_calib_size_is_one_line_error():
-    with pytest.raises(KVBenchError, match=r"^invalid policy.calib_size 0: use a positive token count or null$"):
+    message = r"^policy.calib_size=0: must be null \(every evicted entry\) or a token count ≥ 1$"
+    with pytest.raises(KVBenchError, match=message):
         build_policy("snapkv+calidrop", {"calib_size": 0})
 
 

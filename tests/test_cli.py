@@ -104,7 +104,7 @@ def test_perplexity_task(tmp_path):
         ("policy=h2o+nope", "unknown policy modifier 'nope'; valid choices: "),
         ("model=gpt5", "unknown model 'gpt5'; valid choices: "),
         ("task=mmlu", "unknown task 'mmlu'; valid choices: "),
-        ("engine.regime=batched", "unknown engine.regime 'batched'; valid choices: chunked, oneshot, streaming"),
+        ("engine.regime=batched", "engine.regime=batched: must be one of oneshot, chunked, streaming"),
         ("budget=0", "invalid budget '0'"),
         ("budget=-3", "invalid budget '-3'"),
         (
@@ -145,14 +145,27 @@ def test_console_script_reports_errors_without_traceback(tmp_path):
 
 
 def test_policies_lists_every_policy(capsys):
+    """Each part with its kind and paper, then each of its settings with its default and its domain."""
     kvbench("policies")
     listing = capsys.readouterr().out
     for name in ["full", "sink", "h2o", "tova", "snapkv", "pyramidkv", "caote", "fastcaote", "obcache_joint"]:
-        assert f"\n{name} " in listing
-    assert "window=32" in listing and "n_sink=4" in listing
-    rows = {line.split()[0]: line for line in listing.splitlines() if " base " in line}
-    assert "tau" not in rows["h2o"] and "vabs" not in rows["h2o"] and "beta" not in rows["snapkv"]
-    assert "'name': 'pyramid', 'beta': 20.0" in rows["pyramidkv"] and "gamma=200.0" in rows["cake"]
+        assert f"\n{name}  (" in listing, name
+    lines = listing.splitlines()
+
+    def settings_of(name: str, kind: str) -> list[str]:
+        start = lines.index(next(line for line in lines if line.startswith(f"{name}  ({kind};")))
+        rest = lines[start + 1 :]
+        return [line.split() for line in rest[: next(i for i, line in enumerate(rest) if not line.startswith(" "))]]
+
+    snapkv = {words[0]: " ".join(words[1:]) for words in settings_of("snapkv", "base")}
+    assert snapkv["window=32"].startswith("a token count ≥ 1, a fraction of the budget in (0, 1) or Npct")
+    assert snapkv["pool=avg"] == "one of avg, max, none" and snapkv["kernel=5"] == "a kernel width ≥ 1"
+    h2o = {words[0]: " ".join(words[1:]) for words in settings_of("h2o", "base")}
+    assert h2o["score_window=null"].startswith("null (every query seen) or a token count ≥ 1")
+    assert "causal=true" in h2o and "n_sink=0" in h2o and not any("tau" in key for key in h2o)
+    assert [words[0] for words in settings_of("pyramid", "layer budget")] == ["beta=20.0", "schedule=exact"]
+    assert ["gamma=200.0", "a", "number", "≥", "0"] in settings_of("cake", "base")
+    assert settings_of("obcache_joint", "modifier") == []
 
 
 def test_metrics_are_the_per_sample_records_aggregated(tmp_path):

@@ -21,7 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from kvbench.engine import Engine
 from kvbench.errors import KVBenchError
-from kvbench.policies import BASES, MODIFIERS, build_policy
+from kvbench.policies import BASES, MODIFIERS, build_policy, composable
 from kvbench.policies.budgets import Budget
 from tests.helpers import random_prompt, tiny_model
 
@@ -30,7 +30,7 @@ SPECS = [
     *(
         f"{base}{suffix}"
         for base in sorted(set(BASES) - {"full"})
-        for suffix in ["", *(f"+{m}" for m in sorted(MODIFIERS))]
+        for suffix in ["", *(f"+{m}" for m in sorted(MODIFIERS) if composable(base, m))]
     ),
 ]
 BARE = sorted(BASES)

@@ -182,7 +182,7 @@ def test_unknown_layer_budget_is_one_line_error():
 def test_slake_experiment_runs_table_3_exponents(model, budget):
     """The policy that ``+experiment=slake`` builds for cake+slake carries SLAKE Table 3's α, β for the model
     and budget (checked on the built object), and an explicit value still wins."""
-    settings = ["+experiment=slake", f"model={model}", "policy=cake+slake", f"budget={budget}"]
+    settings = ["+experiment=slake", f"model={model}", "policy=cake+slake", f"budget={budget}", "task=longbench"]
     table3 = {
         ("llama2_7b_chat", 128): (0.5, 0.4), ("llama2_7b_chat", 256): (0.5, 0.4),
         ("llama31_8b", 128): (0.4, 0.2), ("llama31_8b", 256): (0.6, 0.5),

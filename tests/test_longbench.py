@@ -697,8 +697,9 @@ def test_subtasks_alias_and_validation(tokenizer):
         make_task(tokenizer, datasets=["hotpot"])
     with pytest.raises(KVBenchError, match="unknown LongBench-E dataset 'narrativeqa'"):
         make_task(tokenizer, config="longbench_e", datasets=["narrativeqa"])
-    with pytest.raises(KVBenchError, match="task.num_samples must be at least 1"):
-        make_task(tokenizer, num_samples=0)
+    message = r"^task.num_samples=0: must be null \(every record\) or a sample count ≥ 1$"
+    with pytest.raises(KVBenchError, match=message):
+        LongBenchTask.check({"num_samples": 0})
 
 
 def test_missing_file_is_a_one_line_error(tokenizer):

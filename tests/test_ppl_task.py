@@ -104,10 +104,10 @@ def test_an_undecodable_file_is_a_one_line_error_naming_the_path(tmp_path):
 
 
 def test_bad_window_options_are_one_line_errors(book):
-    with pytest.raises(KVBenchError, match="task.context_tokens=2048 must be >= 0 and below task.max_tokens=2048"):
+    with pytest.raises(KVBenchError, match="task.context_tokens=2048 must be below task.max_tokens=2048"):
         PerplexityTask(ppl_cfg(path=str(book), context_tokens=2048), MODEL)
-    with pytest.raises(KVBenchError, match="task.bucket_size must be at least 1"):
-        PerplexityTask(ppl_cfg(path=str(book), bucket_size=0), MODEL)
+    with pytest.raises(KVBenchError, match="^task.bucket_size=0: must be a token count ≥ 1$"):
+        PerplexityTask.check(dict(ppl_cfg(path=str(book), bucket_size=0)))
 
 
 def test_the_default_path_follows_kvbench_ppl_file(book, monkeypatch):

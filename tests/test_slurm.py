@@ -85,10 +85,10 @@ def test_every_failed_job_is_reported_and_the_fixed_one_alone_resubmitted(tmp_pa
     failures = [line for line in result.stderr.splitlines() if line.startswith("kvbench: failed:")]
     assert failures == [
         f"kvbench: failed: {' '.join(tiny)} policy=snapkv budget='64' task.context_length=-1 | "
-        f"run dir: {run_dir} | task.context_length must be a positive token count, got -1 | "
+        f"run dir: {run_dir} | task.context_length=-1: must be a token count ≥ 1 | "
         f"log: {run_dir / 'kvbench.log'}"
     ]
-    assert "got -1" in (tmp_path / run_dir / "kvbench.log").read_text()
+    assert "task.context_length=-1: must be" in (tmp_path / run_dir / "kvbench.log").read_text()
     good = tmp_path / run_dir_name("budget=64", "policy=snapkv")
     assert (good / "metrics.json").exists()
     fixed = sweep(*tiny, "policy=snapkv", "budget=64", "task.context_length=512,600", *CPU, cwd=tmp_path)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvbench.domains import FLAG, Domain, choice, integer, is_int, optional
 from kvbench.engine import attention
 from kvbench.engine.cache import EvictionCache, KVStats
 from kvbench.errors import KVBenchError, choose
@@ -25,6 +26,15 @@ from kvbench.policies.budgets import Budget
 from kvbench.policies.full import Full
 
 REGIMES = ["oneshot", "chunked", "streaming"]
+
+#: the engine settings (``engine.<key>``, defaults in conf/config.yaml) and their domains
+ENGINE_SETTINGS: dict[str, Domain] = {
+    "regime": choice(*REGIMES),
+    "block_size": integer(1, "a token count"),
+    "decode_evict": optional(FLAG, "the regime's: false for oneshot, true for chunked and streaming"),
+    "score_block": Domain("auto or a query count ≥ 1", lambda value: value == "auto" or (is_int(value) and value >= 1)),
+    "save_kept": FLAG,
+}
 
 
 @dataclass

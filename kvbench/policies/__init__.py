@@ -25,14 +25,32 @@ for _module in pkgutil.iter_modules(__path__):
 
 
 def parse_spec(spec: str) -> tuple[str, list[str]]:
-    """``'snapkv+caote'`` → ``('snapkv', ['caote'])``, with one-line errors for unknown parts."""
+    """``'snapkv+caote'`` → ``('snapkv', ['caote'])``, with one-line errors for unknown parts, a modifier named
+    twice, a modifier that does not apply to the base, and two modifiers that each replace the per-query
+    contributions (only the last would count)."""
     base, *modifiers = [part.strip() for part in str(spec).split("+")]
     if base in MODIFIERS:
         raise KVBenchError(f"policy {spec!r} starts with the modifier {base!r}; use base+{base}, e.g. snapkv+{base}")
     choose("policy", base, BASES)
     for modifier in modifiers:
         choose("policy modifier", modifier, MODIFIERS)
+        if modifiers.count(modifier) > 1:
+            raise KVBenchError(f"policy {spec!r} names the modifier {modifier!r} twice; name it once")
+        reason = MODIFIERS[modifier].inapplicable(BASES[base])
+        if reason is not None:
+            raise KVBenchError(f"policy {spec!r}: the modifier {modifier!r} does not apply to {base!r} ({reason})")
+    replacing = [name for name in modifiers if MODIFIERS[name].contributions is not Modifier.contributions]
+    if len(replacing) > 1:
+        raise KVBenchError(
+            f"policy {spec!r}: {' and '.join(replacing)} each replace the per-query contributions and only the last "
+            f"would count; use one of them"
+        )
     return base, modifiers
+
+
+def composable(base: str, modifier: str) -> bool:
+    """Whether ``base+modifier`` is a policy (:func:`parse_spec` accepts it)."""
+    return MODIFIERS[modifier].inapplicable(BASES[base]) is None
 
 
 def policy_keys(spec: str) -> list[str]:
@@ -67,4 +85,4 @@ def _instantiate(cls: type, settings: Mapping[str, Any], **extra):
     return cls(**{key: value for key, value in settings.items() if key in names}, **extra)
 
 
-__all__ = ["BASES", "MODIFIERS", "Modifier", "Policy", "build_policy", "parse_spec", "policy_keys"]
+__all__ = ["BASES", "MODIFIERS", "Modifier", "Policy", "build_policy", "composable", "parse_spec", "policy_keys"]

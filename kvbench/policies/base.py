@@ -23,7 +23,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.errors import KVBenchError, choose
+from kvbench.domains import check_fields, choice, setting
+from kvbench.errors import KVBenchError
 from kvbench.policies.budgets import Budget
 from kvbench.policies.layer_budgets import LayerBudget, Uniform
 from kvbench.policies.scores import GqaMode, reduce_gqa
@@ -175,6 +176,19 @@ class Modifier:
     #: receives evicted entries (``on_evict``) and may replace single-query attention (``attend``)
     attends: ClassVar[bool] = False
 
+    def __post_init__(self):
+        check_fields(self, "policy.")
+
+    @classmethod
+    def inapplicable(cls, base: type[Policy]) -> str | None:
+        """Why this modifier cannot modify the base policy class ``base``, or None: nothing is evicted from a
+        base that never evicts; a base that ranks by position has no attention score to re-rank."""
+        if not base.evicts:
+            return f"{base.name} evicts nothing"
+        if not cls.attends and not base.needs_attention:
+            return f"{base.name} ranks tokens by position, with no attention score for {cls.name} to re-rank"
+        return None
+
     def bind(self, base: Policy) -> None:
         """Adapt to the base policy it modifies (e.g. CAOTE's per-base norm exponent); default nothing."""
 
@@ -236,13 +250,13 @@ class Policy:
 
     #: GQA: sum the scores of a KV head's query heads (OBCache App. B.5), average them, or ``repeat``
     #: (KV stored per query head, each choosing its own tokens: the SnapKV / KVCache-Factory layout)
-    gqa: GqaMode = "sum"
+    gqa: GqaMode = setting(choice(*GQA_MODES), "sum")
     #: how layers share the budget (``kvbench.policies.layer_budgets``)
     layer_budget: LayerBudget = field(default_factory=Uniform)
     modifiers: list[Modifier] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
-        choose("policy.gqa", self.gqa, GQA_MODES)
+        check_fields(self, "policy.")
 
     # -- hooks ---------------------------------------------------------------------------------------
     @property

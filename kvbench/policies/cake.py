@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from kvbench.domains import number, optional, setting
 from kvbench.policies.base import AttentionStats
 from kvbench.policies.budgets import Budget
 from kvbench.policies.layer_budgets import DynamicLayerBudget, LayerBudget, register_layer_budget
@@ -38,8 +39,8 @@ class CakeBudget(DynamicLayerBudget):
     name = "cake"
     paper = "CAKE (arXiv 2503.12491)"
 
-    tau1: float | None = None
-    tau2: float | None = None
+    tau1: float | None = setting(optional(number(0, low_open=True), "CAKE's released value for the model"), None)
+    tau2: float | None = setting(optional(number(0, low_open=True), "CAKE's released value for the model"), None)
 
     def for_model(self, model_id: str | None, budget: Budget) -> CakeBudget:
         released = CAKE_TAU.get(model_id or "", {}).get(budget.tokens or -1, (1.0, 1.0))
@@ -81,7 +82,7 @@ class Cake(SnapKV):
     paper = "CAKE (arXiv 2503.12491)"
 
     layer_budget: LayerBudget = field(default_factory=CakeBudget)
-    gamma: float = 200.0
+    gamma: float = setting(number(0), 200.0)
 
     def scoring_window(self, budget: int, prompt_len: int, decoding: bool = False) -> int:
         """The observation window in prefill; while decoding, only the current query (CAKE's released

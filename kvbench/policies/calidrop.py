@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvbench.errors import KVBenchError
+from kvbench.domains import FLAG, Domain, integer, is_number, optional, setting
 from kvbench.policies.base import Evicted, Modifier, by_kv_head
 from kvbench.policies.registry import register
 
@@ -71,14 +71,13 @@ class CaliDrop(Modifier):
     paper = "CaliDrop: KV Cache Compression with Query-Based Calibration"
     attends = True
 
-    theta1: float = 0.7
-    theta2: float = 0.85
-    calib_size: int | None = None
-    offload: bool = False
-
-    def __post_init__(self):
-        if self.calib_size is not None and self.calib_size < 1:
-            raise KVBenchError(f"invalid policy.calib_size {self.calib_size!r}: use a positive token count or null")
+    #: the cosine similarity of the current query to the calibration query below which the evicted entries'
+    #: attention is recomputed (above 1: at every step; below -1: never)
+    theta1: float = setting(Domain("a number (a cosine similarity threshold)", is_number), 0.7)
+    #: ... above which the stored state calibrates the output without recomputing (above 1: never)
+    theta2: float = setting(Domain("a number (a cosine similarity threshold)", is_number), 0.85)
+    calib_size: int | None = setting(optional(integer(1, "a token count"), "every evicted entry"), None)
+    offload: bool = setting(FLAG, False)
 
     def new_state(self) -> Calibration:
         return Calibration()

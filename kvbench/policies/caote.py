@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.domains import number, setting
 from kvbench.policies.base import Modifier
 from kvbench.policies.registry import register
 from kvbench.policies.scores import caote, fast_caote
@@ -23,7 +24,7 @@ class CAOTE(Modifier):
     name = "caote"
     paper = "CAOTE (Goel et al., 2025)"
 
-    power: float = 1.0
+    power: float = setting(number(0, low_open=True), 1.0)
 
     def transform(self, scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return caote(scores, values.float(), self.power)  # CAOTE eq. (6) (power=2: eq. (7) as printed)

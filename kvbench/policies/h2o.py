@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from kvbench.domains import FLAG, integer, optional, setting, token_window
 from kvbench.policies.base import Policy, window_tokens
 from kvbench.policies.registry import register
 
@@ -23,16 +24,16 @@ class H2O(Policy):
     name = "h2o"
     paper = "H2O (arXiv 2306.14048)"
 
-    window: Any = 0.5
+    window: Any = setting(token_window(0), 0.5)
     #: queries whose attention is summed: null = every query seen (H2O), else the most recent ones
-    score_window: Any = None
+    score_window: Any = setting(optional(token_window(1), "every query seen"), None)
     #: attention sinks kept besides the heavy hitters (OBCache App. C.2.2 keeps 4 in every method)
-    n_sink: int = 0
+    n_sink: int = setting(integer(0, "a token count"), 0)
     #: false: KVCache-Factory's H2O before its commit 9f9aa2e ("Fix H2O causal masking", 2026-06-22), whose
     #: score masked only the last ``window`` × ``window`` block of the prompt's attention, so every earlier
     #: query also weighed the keys after it; H2O rows produced with KVCache-Factory before then (papers of
     #: 2024–25 that took their baselines from it) ran this score. The attention itself stays causal.
-    causal: bool = True
+    causal: bool = setting(FLAG, True)
 
     @property
     def accumulates(self) -> bool:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from kvbench.domains import check_fields
 from kvbench.errors import check_keys, choose
 from kvbench.policies.budgets import Budget
 
@@ -46,6 +47,9 @@ class LayerBudget:
     paper: ClassVar[str]
     #: allocated during prefill from the layers' attention (the cache calls :meth:`preference`)
     dynamic: ClassVar[bool] = False
+
+    def __post_init__(self):
+        check_fields(self, "policy.layer_budget.")
 
     def allocate(self, budget: int, num_layers: int, reserved: int, prompt_len: int) -> list[int]:
         """Per-layer budgets before the prompt is seen; dynamic strategies start uniform."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvbench.errors import choose
+from kvbench.domains import choice, number, setting
 from kvbench.policies.layer_budgets import LayerBudget, conserve_total, register_layer_budget
 from kvbench.policies.registry import register
 from kvbench.policies.snapkv import SnapKV
@@ -27,11 +27,8 @@ class Pyramid(LayerBudget):
     name = "pyramid"
     paper = "PyramidKV (arXiv 2406.02069)"
 
-    beta: float = 20.0
-    schedule: str = "exact"
-
-    def __post_init__(self):
-        choose("policy.layer_budget.schedule", self.schedule, PYRAMID_SCHEDULES)
+    beta: float = setting(number(0, low_open=True), 20.0)
+    schedule: str = setting(choice(*PYRAMID_SCHEDULES), "exact")
 
     def allocate(self, budget: int, num_layers: int, reserved: int, prompt_len: int) -> list[int]:
         free = budget - reserved

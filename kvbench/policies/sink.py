@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from kvbench.domains import integer, setting
 from kvbench.policies.base import Policy
 from kvbench.policies.registry import register
 
@@ -15,7 +16,7 @@ class Sink(Policy):
     paper = "StreamingLLM (arXiv 2309.17453)"
     needs_attention = False
 
-    n_sink: int = 4
+    n_sink: int = setting(integer(0, "a token count"), 4)
 
     def reserved_sinks(self) -> int:
         return self.n_sink

@@ -23,10 +23,11 @@ attention only; multi-token prefill blocks attend to the kept cache alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
+from kvbench.domains import mapping, number, optional, setting
 from kvbench.errors import KVBenchError
 from kvbench.policies.base import AttentionStats, Evicted, Modifier, Policy, by_kv_head
 from kvbench.policies.budgets import Budget
@@ -150,12 +151,14 @@ class Vabs(DynamicLayerBudget):
     name = "vabs"
     paper = "SLAKE (Softmax-Approximated Training-Free Linear Attention with KV-Cache Eviction)"
 
-    alpha: float | None = None
-    beta: float | None = None
-    gamma: float = 0.1
+    alpha: float | None = setting(optional(number(0), "SLAKE Table 3's value for the model"), None)
+    beta: float | None = setting(optional(number(0), "SLAKE Table 3's value for the model"), None)
+    gamma: float = setting(number(0), 0.1)
     #: model id → the model whose Table 3 row it borrows (an experiment's documented stand-in, e.g. Table 4's
     #: Llama-3-8B, which Table 3 lacks)
-    stand_in: dict[str, str] = field(default_factory=dict)
+    stand_in: dict[str, str] = setting(
+        mapping("a mapping of model ids to model ids", lambda key, value: isinstance(value, str)), default_factory=dict
+    )
 
     def for_model(self, model_id: str | None, budget: Budget) -> Vabs:
         if self.alpha is not None and self.beta is not None:

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvbench.errors import choose
+from kvbench.domains import choice, integer, setting, token_window
 from kvbench.policies.base import Policy, window_tokens
 from kvbench.policies.registry import register
 
@@ -19,13 +19,11 @@ class SnapKV(Policy):
     name = "snapkv"
     paper = "SnapKV (arXiv 2404.14469)"
 
-    window: Any = 32
-    pool: str = "avg"
-    kernel: int = 5
-
-    def __post_init__(self):
-        super().__post_init__()
-        choose("policy.pool", self.pool, ["avg", "max", "none"])
+    #: the observation window: its queries score, its tokens are kept
+    window: Any = setting(token_window(1), 32)
+    pool: str = setting(choice("avg", "max", "none"), "avg")
+    #: pooling kernel over tokens (1: no pooling)
+    kernel: int = setting(integer(1, "a kernel width"), 5)
 
     def scoring_window(self, budget: int, prompt_len: int, decoding: bool = False) -> int:
         return max(1, window_tokens(self.window, budget, prompt_len))

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.errors import choose
+from kvbench.domains import choice, integer, setting
 from kvbench.policies.base import Policy
 from kvbench.policies.registry import register
 
@@ -26,12 +26,8 @@ class TOVA(Policy):
     name = "tova"
     paper = "TOVA (arXiv 2401.06104)"
 
-    heads: str = "layer"
-    n_sink: int = 0
-
-    def __post_init__(self):
-        super().__post_init__()
-        choose("policy.heads", self.heads, TOVA_MODES)
+    heads: str = setting(choice(*TOVA_MODES), "layer")
+    n_sink: int = setting(integer(0, "a token count"), 0)
 
     def scoring_window(self, budget: int, prompt_len: int, decoding: bool = False) -> int:
         return 1

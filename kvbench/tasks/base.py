@@ -8,10 +8,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from omegaconf import DictConfig
 
+from kvbench.domains import Domain, check_table
 from kvbench.tasks import prompts
 
 
@@ -84,10 +85,17 @@ class Task(ABC):
     """Build samples for one benchmark and score the engine's outputs."""
 
     name: str
+    #: the domain of each of the task's settings (``task.<key>``, conf/task/<name>.yaml)
+    domains: ClassVar[dict[str, Domain]] = {}
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         self.cfg = cfg
         self.model = model
+
+    @classmethod
+    def check(cls, settings: dict[str, Any]) -> None:
+        """A one-line error for a setting outside its domain (before anything is loaded)."""
+        check_table(settings, cls.domains, "task.")
 
     @classmethod
     def for_model(cls, settings: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:

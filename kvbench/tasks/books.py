@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from omegaconf import DictConfig
 
 from kvbench import resolve_path
+from kvbench.domains import PATH, SAMPLES, SEED, TEXT, TOKENS, integer, optional
 from kvbench.errors import KVBenchError
 from kvbench.hub import hub_rows
 from kvbench.tasks.base import ModelInfo, Sample, Task
@@ -41,14 +42,28 @@ class BookPerplexityTask(PerplexityTask):
 
     name = "books"
     what = "books"
+    domains = {
+        "subtasks": optional(TEXT, "one subtask, the task's name"),
+        "path": optional(PATH, "the dataset"),
+        "data_dir": optional(PATH, "the hub"),
+        "hf_id": TEXT,
+        "hf_config": optional(TEXT, "the dataset's default"),
+        "hf_split": TEXT,
+        "text_field": TEXT,
+        "title_field": TEXT,
+        "num_samples": optional(SAMPLES, "every text"),
+        "max_tokens": optional(integer(2, "a token count"), "the whole text"),
+        "min_tokens": optional(TOKENS, "any length"),
+        "context_tokens": integer(0, "a token count"),
+        "bucket_size": TOKENS,
+        "seed": SEED,
+    }
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         Task.__init__(self, cfg, model)
         self.read_window_options(cfg)
         num_samples = cfg.get("num_samples")
         self.num_samples = None if num_samples is None else int(num_samples)
-        if self.num_samples is not None and self.num_samples < 1:
-            raise KVBenchError(f"task.num_samples must be at least 1 (books), got {self.num_samples}")
         self.min_tokens = 0 if cfg.min_tokens is None else int(cfg.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise KVBenchError(

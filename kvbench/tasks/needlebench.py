@@ -53,6 +53,22 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kvbench import resolve_path
+from kvbench.domains import (
+    FLAG,
+    PATH,
+    PERCENT,
+    SAMPLES,
+    SEED,
+    TOKENS,
+    choice,
+    integer,
+    list_of,
+    mapping,
+    name_list,
+    number,
+    one_of,
+    optional,
+)
 from kvbench.errors import KVBenchError, choose
 from kvbench.hub import hub_file
 from kvbench.metrics.needlebench import multi_reasoning_score, multi_retrieval_score, single_needle_score
@@ -185,6 +201,26 @@ class NeedleBenchTask(Task):
     ``prompt_format``, ``data_dir`` (null = the hub), ``seed`` (the retrieval needle draw)."""
 
     name = "needlebench"
+    domains = {
+        "subtasks": optional(name_list(SUBTASKS), "all six"),
+        "grid": choice(*GRIDS),
+        "context_lengths": optional(list_of(TOKENS, "token counts ≥ 1"), "the grid's"),
+        "depths": optional(list_of(PERCENT, "percents"), "the grid's 20 depths"),
+        "num_repeats": optional(SAMPLES, "the official count per kind"),
+        "needle_counts": list_of(integer(2, "a needle count"), "needle counts ≥ 2"),
+        "length_buffer": optional(integer(0, "a token count"), "the grid's per kind and language"),
+        "guide": FLAG,
+        "diff": number(0, 100, low_open=True),
+        "max_new_tokens": one_of(
+            TOKENS,
+            mapping(
+                "a mapping of kinds to token counts ≥ 1", lambda key, value: key in KINDS and TOKENS.accepts(value)
+            ),
+        ),
+        "prompt_format": choice(*PROMPT_FORMATS),
+        "data_dir": optional(PATH, "the hub's opencompass/NeedleBench"),
+        "seed": SEED,
+    }
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         super().__init__(cfg, model)

