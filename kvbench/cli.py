@@ -8,6 +8,10 @@
     kvbench table RUN_DIR... [--layout L] [--format F] [--output-dir DIR]    # benchmark-layout tables
     kvbench compare-paper caote:table2 RUN_DIR... [--output-dir DIR]           # a paper's table beside ours
     kvbench plot RUN_DIR... --kind heatmap|budget|ppl|all [--output-dir DIR]   # NIAH heatmaps, curves
+    kvbench bench [overrides]                                                 # overhead, latency, memory (JSON)
+    kvbench --version
+
+    -v / --verbose (before the command): third-party INFO lines too (quiet by default).
 
 Errors in what the user typed are printed as one line (``kvbench: error: ...``) with exit status 2.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -26,13 +31,25 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from kvbench import CONF_DIR
+from kvbench import CONF_DIR, __version__
 from kvbench.errors import KVBenchError
 from kvbench.results.rundir import RunDir, register_run_name
 
 register_run_name()  # conf/config.yaml's ${run_name:}, also in a sweep's job processes (they import this module)
 
 log = logging.getLogger(__name__)
+
+
+#: loggers of the libraries kvbench uses whose INFO lines are noise in a run (shown with -v)
+NOISY_LOGGERS = ("absl", "datasets", "filelock", "fsspec", "httpx", "huggingface_hub", "matplotlib", "urllib3")
+VERBOSE_ENV = "KVBENCH_VERBOSE"  # set by -v; inherited by a sweep's job processes
+
+
+def quiet_libraries() -> None:
+    """Third-party loggers at WARNING unless ``-v`` (after Hydra configured logging in a job)."""
+    level = logging.INFO if os.environ.get(VERBOSE_ENV) else logging.WARNING
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(level)
 
 
 def fail(message: str) -> NoReturn:
@@ -46,6 +63,7 @@ def hydra_run(cfg: DictConfig) -> float | None:
     fails writes its error to its log and raises it: the sweeper reports every failed job at the end."""
     from kvbench.run import run
 
+    quiet_libraries()
     in_sweep = HydraConfig.get().mode == RunMode.MULTIRUN
     output_dir = HydraConfig.get().runtime.output_dir
     try:
@@ -60,8 +78,18 @@ def hydra_run(cfg: DictConfig) -> float | None:
         if in_sweep:
             log.exception("job failed")
         raise
-    print(json.dumps({key: metrics[key] for key in ("model", "policy", "budget", "task", "scores", "average")}))
+    shown = {key: metrics[key] for key in ("model", "policy", "budget", "task", "scores", "average")}
+    print(json.dumps(rounded(shown)))
     return metrics["average"]
+
+
+def rounded(value: Any) -> Any:
+    """Scores as printed: 2 decimals (metrics.json keeps full precision)."""
+    if isinstance(value, float):
+        return round(value, 2)
+    if isinstance(value, dict):
+        return {key: rounded(item) for key, item in value.items()}
+    return value
 
 
 def command_run(args: list[str]) -> None:
@@ -159,6 +187,8 @@ def command_bench(args: list[str]) -> None:
         cfg = compose(args, config_name="bench")
     except HydraException as error:
         raise KVBenchError(f"bench: {str(error).splitlines()[0]}") from None
+    logging.basicConfig(level=logging.INFO, format="kvbench bench: %(message)s", stream=sys.stderr)
+    quiet_libraries()
     results, out = run_bench(cfg)
     print(
         json.dumps({key: results[key] for key in ("prefill_overhead", "decode_latency_ratio", "harness_vs_generate")})
@@ -178,26 +208,34 @@ def command_plot(args: list[str]) -> None:
     plot_main(args)
 
 
+COMMANDS = {
+    "run": command_run,
+    "plan": command_plan,
+    "policies": command_policies,
+    "prepare": command_prepare,
+    "table": command_table,
+    "compare-paper": command_compare_paper,
+    "plot": command_plot,
+    "bench": command_bench,
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-v", "--verbose"):
+        os.environ[VERBOSE_ENV] = "1"
+        argv = argv[1:]
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return
+    if argv[0] == "--version":
+        print(f"kvbench {__version__}")
+        return
     command, args = argv[0], argv[1:]
-    handlers = {
-        "run": command_run,
-        "plan": command_plan,
-        "policies": command_policies,
-        "prepare": command_prepare,
-        "table": command_table,
-        "compare-paper": command_compare_paper,
-        "plot": command_plot,
-        "bench": command_bench,
-    }
     try:
-        if command not in handlers:
-            raise KVBenchError(f"unknown command {command!r}; valid choices: {', '.join(handlers)}")
-        handlers[command](args)
+        if command not in COMMANDS:
+            raise KVBenchError(f"unknown command {command!r}; valid choices: {', '.join(COMMANDS)}")
+        COMMANDS[command](args)
     except KVBenchError as error:
         fail(str(error))
 

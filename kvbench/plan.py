@@ -105,7 +105,9 @@ def plan_lines(args: list[str]) -> Iterator[dict[str, Any]]:
         yield plan_job([arg for arg in args if not arg.startswith("-")], cfg, Path(str(cfg.output_dir)), tokenizers)
         return
     with sweep_loader([arg for arg in args if arg not in MULTIRUN_FLAGS]) as (config_loader, master):
-        for overrides in sweep_overrides(config_loader, master):
+        jobs = sweep_overrides(config_loader, master)
+        print(f"kvbench plan: resolving {len(jobs)} jobs", file=sys.stderr, flush=True)
+        for overrides in jobs:
             try:
                 job = compose_job(config_loader, master, overrides)
             except KVBenchError as error:

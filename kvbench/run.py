@@ -27,6 +27,40 @@ from kvbench.tasks.base import ModelInfo, Sample, Task
 log = logging.getLogger(__name__)
 
 
+class Progress:
+    """Per-sample progress: tqdm's bar in a terminal; without one (a pipe, a Slurm log) a log line after the
+    first sample, then every ``every`` seconds and at the end, with the rate and the time left."""
+
+    def __init__(self, total: int, label: str, every: float = 30.0):
+        self.total, self.label, self.every = total, label, every
+        self.done = 0
+        self.started = self.last = time.monotonic()
+        self.bar = tqdm(total=total, desc=label) if sys.stderr.isatty() else None
+
+    def advance(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update()
+            return
+        now = time.monotonic()
+        if self.done == 1 or self.done == self.total or now - self.last >= self.every:
+            self.last = now
+            per_sample = (now - self.started) / self.done
+            left = per_sample * (self.total - self.done)
+            log.info(
+                "%s: %d/%d samples, %.2f s/sample, about %s left",
+                self.label,
+                self.done,
+                self.total,
+                per_sample,
+                time.strftime("%H:%M:%S", time.gmtime(left)),
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def build_task(cfg: DictConfig, tokenizer) -> Task:
     """Instantiate the task class named by ``task._target_`` for this model's tokenizer, window and id."""
     try:
@@ -178,12 +212,15 @@ def run_locked(job: Job, run_dir: RunDir) -> dict[str, Any]:
     state = f"resuming, {len(finished)} samples done" if finished else "new run"
     log.info("writing %s (%s, %d to go)", run_dir.path, state, len(samples))
     cfg = job.cfg
-    for sample in tqdm(samples, desc=f"{cfg.task.name} {cfg.policy.name}@{cfg.budget.spec}", disable=None):
+    progress = Progress(len(samples), f"{cfg.task.name} {cfg.policy.name}@{cfg.budget.spec}")
+    for sample in samples:
         record, output = run_sample(engine, task, sample, loaded)
         if getattr(output, "kept", None) is not None:
             run_dir.write_kept(sample.id, sample.input_ids, output.kept)
         run_dir.append(record)
         records.append(record)
+        progress.advance()
+    progress.close()
     metrics = summarize(job.cfg, task, records)
     run_dir.write_metrics(metrics)
     log_run(job.cfg, run_dir, metrics, records)

@@ -246,3 +246,43 @@ def test_save_kept_writes_the_positions_each_head_keeps(tmp_path):
     engine.prefill(cache, saved["prompt_ids"])
     assert saved["kept"] == [positions[0].tolist() for positions in cache.kept_positions()]
     assert len(saved["kept"]) == 3 and len(saved["kept"][0]) == 4 and all(len(head) == 64 for head in saved["kept"][0])
+
+
+def test_a_run_under_a_pipe_shows_progress_without_noise(tmp_path):
+    """No terminal (a pipe, a Slurm log): a progress line per sample at first and at the end; no FutureWarning,
+    no absl INFO line (ROUGE scoring), scores printed with 2 decimals; ``-v`` lets the library INFO lines through."""
+    essays = tmp_path / "essays"
+    essays.mkdir()
+    (essays / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    args = ["model=tiny_llama", "task=niah", "task.context_lengths=[512]", "task.depths=[25,75]"]
+    args += ["task.prompt_format=raw", f"task.essay_dir={essays}", "policy=snapkv", "budget=64"]
+    script = str(Path(sys.executable).parent / "kvbench")
+
+    def run(*extra: str) -> str:
+        result = subprocess.run(
+            [script, *extra, "run", *args, f"output_dir={tmp_path / '-'.join(extra or ('quiet',))}"],
+            capture_output=True,
+            text=True,
+            env=os.environ,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout + result.stderr
+
+    output = run()
+    assert "niah snapkv@64: 1/2 samples, " in output and "niah snapkv@64: 2/2 samples, " in output
+    assert "Warning" not in output and "absl" not in output
+    (printed,) = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    assert all(round(value, 2) == value for value in printed["scores"].values())
+    assert "[absl][INFO]" in run("-v")
+
+
+def test_help_lists_every_command_and_version_works(capsys):
+    from kvbench import __version__
+    from kvbench.cli import COMMANDS
+
+    kvbench("--help")
+    listed = {line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("    kvbench ")}
+    assert set(COMMANDS) <= listed
+    kvbench("--version")
+    assert capsys.readouterr().out == f"kvbench {__version__}\n"

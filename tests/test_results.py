@@ -615,8 +615,9 @@ def offline_records(path: Path) -> list:
     return records
 
 
-def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
-    """``logger=wandb`` offline: the run's metrics are in the W&B run directory as a file, at once."""
+def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch, capsys):
+    """``logger=wandb`` offline: the run's metrics are in the W&B run directory as a file, at once, and the run
+    says where the W&B run went."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     out = tmp_path / "run"
@@ -639,6 +640,9 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
     saved = json.loads((offline[0] / "files" / "kvbench-metrics.json").read_text())
     assert saved == json.loads((out / "metrics.json").read_text())
     assert list((offline[0] / "files" / "media" / "table").glob("predictions_*.table.json"))
+    assert f"kvbench: W&B run tiny_llama/ruler/tova@64 logged offline in {offline[0]} (upload it with: wandb sync " in (
+        capsys.readouterr().err
+    )
 
 
 @pytest.mark.slow  # reads W&B's offline protobuf log, which is not always flushed when wandb.finish returns

@@ -12,6 +12,7 @@ The engine knows nothing about benchmarks: it takes token ids and returns token 
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -89,6 +90,8 @@ class Engine:
     ):
         choose("engine.regime", regime, REGIMES)
         self.model = model
+        #: the forward's cache argument: ``cache`` in recent transformers 5 releases, ``past_key_values`` before
+        self.cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.policy = policy
         self.budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         self.regime = regime
@@ -209,10 +212,10 @@ class Engine:
         output = self.model(
             input_ids=torch.tensor([token_ids], device=self.device),
             position_ids=positions[None],
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=0 if all_logits else 1,
             kvbench_cache=cache,
+            **{self.cache_argument: cache},
         )
         return output.logits
 

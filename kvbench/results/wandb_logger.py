@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import netrc
 import os
+import sys
 from pathlib import Path
 from typing import Any, Literal, cast
 from urllib.parse import urlparse
@@ -128,3 +129,7 @@ def log_run(cfg: DictConfig, run_dir: RunDir, metrics: dict[str, Any], records: 
         copy = Path(run.dir) / METRICS_FILE  # also a plain file in the W&B run, readable before any sync
         copy.write_text(json.dumps(metrics, indent=2, ensure_ascii=False), encoding="utf-8")
         run.save(str(copy), base_path=run.dir, policy="now")
+        offline = run.settings.mode == "offline"
+        folder = Path(run.dir).parent
+    where = f"offline in {folder} (upload it with: wandb sync {folder})" if offline else f"at {run.url}"
+    print(f"kvbench: W&B run {name} logged {where}", file=sys.stderr)
