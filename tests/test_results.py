@@ -104,7 +104,7 @@ def test_longbench_category_table_averages(tmp_path):
     write_run(tmp_path / "a", "smollm2_135m", "snapkv", "128", "longbench", scores)
     write_run(tmp_path / "b", "smollm2_135m", "full", "128", "longbench", {"narrativeqa": 30.0, "lcc": 90.0})
     tables = benchmark_tables(load_runs([tmp_path]))
-    assert set(tables) == {"longbench", "longbench_categories"}
+    assert set(tables) == {"longbench", "longbench_categories", "runs"}
     by_category = tables["longbench_categories"].set_index("policy")
     snap = by_category.loc["snapkv"]
     assert snap["Single-Doc QA"] == pytest.approx(15.0)
@@ -165,12 +165,12 @@ def test_ruler_niah_and_ppl_layouts(tmp_path):
         regime="streaming",
     )
     tables = benchmark_tables(load_runs([tmp_path]))
-    assert set(tables) == {"ruler", "niah", "ppl"}
-    niah = tables["niah"].iloc[0]
-    assert list(tables["niah"].columns[4:]) == ["4k/80", "4k/160", "8k/80", "8k/160", "Avg."]
-    assert (niah["4k/80"], niah["8k/160"]) == (44.0, 68.0)
-    assert niah["Avg."] == pytest.approx((44 + 64 + 48 + 68) / 4)
+    assert set(tables) == {"ruler", "ppl", "runs"}  # RULER's NIAH subtasks once: in the RULER table
+    ruler = tables["ruler"].set_index(["context", "budget"])["niah_single_2"]
+    assert (ruler[4096, "80"], ruler[8192, "160"]) == (44.0, 68.0)
+    assert len(tables["runs"]) == 6 and "niah_single_2" not in tables["runs"].columns
     ppl = tables["ppl"].set_index("policy")
+    assert ppl.loc["full", "budget"] == "–"
     assert ppl.loc["sink", "ppl_gap"] == pytest.approx(2.5) and ppl.loc["full", "ppl_gap"] == 0
     assert ppl.loc["sink", "data"] == "book"
     for fmt, marker in (("markdown", "| llama31_8b"), ("csv", "llama31_8b,"), ("latex", "\\begin{tabular}")):
@@ -540,6 +540,25 @@ def test_niah_grid_and_heatmap(tmp_path):
     assert [path.name for path in paths] == ["heatmap_smollm2_135m_snapkv@128.png"]
     assert paths[0].read_bytes()[:4] == b"\x89PNG"
     assert benchmark_tables(load_runs([tmp_path / "runs"]))["niah"].iloc[0]["1k/128"] == 50.0
+
+
+def test_the_full_cache_has_no_budget_and_no_cell_is_shown_that_was_not_run(tmp_path, capsys):
+    """Runs at two budgets beside the full cache (run with a budget it ignores): the full cache is labelled
+    without one, in every table and plot title, and no cell holds a value its row did not run."""
+    cells = {(1024, 0): 1.0, (1024, 50): 0.0, (2048, 0): 0.5, (2048, 50): 1.0}
+    for policy, budget in (("full", "128"), ("snapkv", "64"), ("snapkv", "128")):
+        write_run(tmp_path / f"{policy}{budget}", "smollm2_135m", policy, budget, "niah", {"overall": 62.5},
+                  records=needle_records(cells))  # fmt: skip
+    runs = load_runs([tmp_path])
+    niah = benchmark_tables(runs)["niah"].set_index("policy")
+    assert list(niah.columns[3:]) == ["1k/64", "1k/128", "1k/–", "2k/64", "2k/128", "2k/–", "Avg."]
+    assert niah.loc["full", ["1k/64", "1k/128", "2k/64", "2k/128"]].isna().all()
+    assert (niah.loc["full", "1k/–"], niah.loc["full", "2k/–"], niah.loc["full", "Avg."]) == (50.0, 75.0, 62.5)
+    assert niah[["1k/–", "2k/–"]].drop(index="full").isna().all().all()
+    main(["table", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "full@" not in out and "| full " in out
+    assert "full@" not in " ".join(path.name for path in make_plots(runs, "heatmap", tmp_path / "plots"))
 
 
 def test_budget_and_ppl_plots(tmp_path, capsys):

@@ -67,7 +67,7 @@ def niah_figure(records: list[dict[str, Any]], title: str) -> Figure:
 
 
 def run_title(run: Run) -> str:
-    return f"{run.metrics['model']} {run.metrics['policy']}@{run.metrics['budget']}"
+    return f"{run.metrics['model']} {run.label}"
 
 
 def heatmaps(runs: list[Run], output_dir: Path) -> list[Path]:
@@ -169,11 +169,12 @@ def ppl_figure(runs: list[Run]) -> Figure:
         for run in fulls[:1] + [run for run in group if run not in fulls]:  # one full-cache line per panel
             curve = ppl_curve(run)
             full = run.metrics["policy"] == "full"
-            label = "full" if full else f"{run.metrics['policy']}@{run.metrics['budget']}"
             axis.plot(
                 curve.index,
                 curve.values,
-                label=label,
+                label=run.label,
+                marker="o",  # one point per bucket: the lines only join them
+                markersize=3,
                 color="black" if full else None,
                 linestyle="--" if full else "-",
                 zorder=3 if full else 2,

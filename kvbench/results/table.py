@@ -1,16 +1,17 @@
 """``kvbench table RUN_DIR...``: run directories aggregated into the benchmarks' table layouts.
 
-Layouts (``--layout``; ``auto`` makes every benchmark layout the runs found have data for, and ``runs``
-for the runs of tasks without a layout of their own):
+Layouts (``--layout``; ``auto`` makes every benchmark layout the runs found have data for, and ``runs``):
 
 * ``longbench``  LongBench by task, grouped by category, with Avg. (the mean of the task scores, as the
   papers print it), and LongBench by category (each category the mean of its tasks);
 * ``ruler``      RULER by task with Avg., one row per run and context length;
-* ``niah``       needle accuracy by context length × budget (RULER NIAH runs at several lengths, or the
-  per-record ``context_length`` of the needle task), with Avg.;
+* ``niah``       needle accuracy of the needle tasks by context length × budget (the per-record
+  ``context_length``), the full cache in columns of its own, with Avg.;
 * ``ppl``        perplexity beside the full cache's for the same model, text and length, and the gap;
-* ``runs``       one row per run, one column per score.
+* ``runs``       one row per run (every run): its average, cache size and time, and the scores of a task
+  without a table of its own.
 
+The full cache keeps every token: its budget is shown as ``–``. A cell a row did not run is empty (``–``).
 Scores are on the 0–100 scale of ``metrics.json``; ``kv_tokens`` is the mean cache size per layer
 after prefill and ``seconds`` the run's total time. Run directories without readable metrics (unfinished,
 failed, being written) are listed below the tables, each with the reason.
@@ -34,6 +35,8 @@ from kvbench.policies.budgets import Budget
 from kvbench.results.rundir import RunDir, find_run_dirs, scan_run_dirs
 
 IDENTITY = ["model", "policy", "budget", "regime"]
+NO_BUDGET = "–"
+"""The budget column of the full cache, which keeps every token whatever budget its run was given."""
 
 LONGBENCH_CATEGORIES = {
     "Single-Doc QA": ["narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh"],
@@ -141,8 +144,16 @@ class Run:
             settings.update({f"layer_budget.{key}": value for key, value in layer_budget.items() if key != "name"})
         return settings
 
+    @property
+    def label(self) -> str:
+        """``policy@budget``; the full cache as ``full`` (it keeps every token whatever its budget)."""
+        policy = self.metrics["policy"]
+        return policy if policy == "full" else f"{policy}@{self.metrics['budget']}"
+
     def identity(self) -> dict[str, Any]:
-        return {key: self.metrics.get(key) for key in IDENTITY}
+        """Model, policy, budget (none for the full cache) and regime."""
+        identity = {key: self.metrics.get(key) for key in IDENTITY}
+        return {**identity, "budget": NO_BUDGET} if identity["policy"] == "full" else identity
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:
@@ -220,8 +231,14 @@ def _pivot(frame: pd.DataFrame, index: list[str], order: list[str]) -> pd.DataFr
     return sort_rows(table.reset_index())
 
 
+def has_layout(run: Run) -> bool:
+    """Whether a benchmark table shows the run's scores (LongBench, RULER, perplexity)."""
+    return run.task in (*LONGBENCH_TASKS, "ruler") or "ppl" in run.metrics["scores"]
+
+
 def runs_table(runs: list[Run]) -> pd.DataFrame:
-    """One row per run: every score, the run's average, its cache size and time."""
+    """One row per run: its average, cache size, time and directory, and every score of a task without a table of
+    its own (the needle tasks; the other tasks' scores are in their tables)."""
     rows = []
     for run in runs:
         kv = run.metrics.get("kv_cache", {})
@@ -231,7 +248,7 @@ def runs_table(runs: list[Run]) -> pd.DataFrame:
                 **run.identity(),
                 "task": run.task,
                 "context": run.context,
-                **run.metrics["scores"],
+                **({} if has_layout(run) else run.metrics["scores"]),
                 "average": run.metrics.get("average"),
                 "kv_tokens": sum(after) / len(after),
                 "seconds": run.metrics.get("timing", {}).get("total_seconds"),
@@ -291,7 +308,7 @@ def record_value(record: dict[str, Any], key: str) -> Any:
 
 def needle_records(run: Run) -> list[dict[str, Any]]:
     """The run's records that carry a ``depth`` and a ``context_length`` (the needle task's grid)."""
-    if run.task in (*LONGBENCH_TASKS, "ruler") or "ppl" in run.metrics["scores"]:
+    if has_layout(run):
         return []
     return [
         record
@@ -301,19 +318,12 @@ def needle_records(run: Run) -> list[dict[str, Any]]:
 
 
 def niah_frame(runs: list[Run]) -> pd.DataFrame:
-    """Needle accuracy (0–100) per model, policy, regime, benchmark, context length and budget."""
+    """Needle accuracy (0–100) of the needle tasks per model, policy, regime, benchmark, context length and
+    budget (RULER's NIAH subtasks are in the RULER table, one row per context)."""
     rows = []
     for run in runs:
-        base = {
-            "model": run.metrics["model"],
-            "policy": run.metrics["policy"],
-            "regime": run.metrics.get("regime"),
-            "budget": run.metrics["budget"],
-        }
-        if run.task == "ruler" and run.context is not None:
-            for name, value in run.metrics["scores"].items():
-                if name.startswith("niah"):
-                    rows.append({**base, "benchmark": name, "context": run.context, "value": value})
+        identity = run.identity()
+        base = {key: identity[key] for key in ("model", "policy", "regime", "budget")}
         by_context: dict[int, list[float]] = {}
         for record in needle_records(run):
             by_context.setdefault(int(record_value(record, "context_length")), []).append(float(record["score"]))
@@ -323,22 +333,14 @@ def niah_frame(runs: list[Run]) -> pd.DataFrame:
 
 
 def niah_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
-    """Needle accuracy by context × budget (columns ``<context>/<budget>``, as OBCache Table 1), with Avg.
+    """Needle accuracy by context × budget (columns ``<context>/<budget>``, as OBCache Table 1; the full cache
+    in columns ``<context>/–`` of its own), with Avg. over the cells each row ran.
 
     Made when some needle benchmark was run at more than one context length."""
     frame = niah_frame(runs)
     if frame.empty or frame.groupby(["model", "benchmark"])["context"].nunique().max() < 2:
         return {}
     frame = frame.drop_duplicates(["model", "policy", "regime", "benchmark", "context", "budget"])
-    evicting = frame[frame["policy"] != "full"]
-    if not evicting.empty:  # the full cache ignores its budget: its accuracy goes under every budget run
-        full = (
-            frame[frame["policy"] == "full"]
-            .drop(columns="budget")
-            .drop_duplicates(["model", "regime", "benchmark", "context"])
-        )
-        budgets = evicting[["model", "benchmark", "context", "budget"]].drop_duplicates()
-        frame = pd.concat([evicting, full.merge(budgets, on=["model", "benchmark", "context"])], ignore_index=True)
     cells = sorted(
         {(context, budget) for context, budget in zip(frame["context"], frame["budget"])},
         key=lambda cell: (cell[0], budget_key(cell[1])),
@@ -394,9 +396,7 @@ def benchmark_tables(runs: list[Run], layout: str = "auto") -> dict[str, pd.Data
     tables = {}
     for name in ("longbench", "ruler", "niah", "ppl"):
         tables.update(LAYOUTS[name](runs))
-    others = [run for run in runs if run.task not in (*LONGBENCH_TASKS, "ruler") and "ppl" not in run.metrics["scores"]]
-    if others:  # tasks without a layout of their own (the needle tasks): one row per run
-        tables.update(LAYOUTS["runs"](others))
+    tables.update(LAYOUTS["runs"](runs))  # every run, one row each
     return tables
 
 
