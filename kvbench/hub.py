@@ -8,6 +8,7 @@ connection; every failure is one line saying how to provide the files instead.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from collections.abc import Iterator
@@ -38,8 +39,10 @@ def hub_online() -> bool:
     return accepts_connection(proxy or huggingface_hub.constants.ENDPOINT)
 
 
+@functools.cache
 def accepts_connection(url: str) -> bool:
-    """Whether a TCP connection to the URL's host opens within ``HUB_PROBE_TIMEOUT_S``."""
+    """Whether a TCP connection to the URL's host opens within ``HUB_PROBE_TIMEOUT_S`` (probed once per process:
+    planning a sweep asks for every job)."""
     parsed = urlparse(url)
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
     try:
@@ -68,6 +71,16 @@ def hub_file(repo: str, filename: str, how_to_provide: str) -> Path:
         raise KVBenchError(
             f"cannot download {filename} of the hub dataset {repo} ({first_line(error)}); {how_to_provide}"
         ) from None
+
+
+def hub_file_available(repo: str, filename: str) -> bool:
+    """Whether :func:`hub_file` would find ``filename`` of the hub dataset ``repo`` (cached, or the hub
+    reachable), without downloading it."""
+    try:
+        huggingface_hub.hf_hub_download(repo, filename, repo_type="dataset", local_files_only=True)
+        return True
+    except Exception:
+        return hub_online()
 
 
 def hub_rows(repo: str, split: str, how_to_provide: str, name: str | None = None) -> Iterator[dict[str, Any]]:

@@ -85,6 +85,7 @@ def plan_job(overrides: list[str], cfg: DictConfig, output_dir: Path, tokenizers
         line["config"] = config_dict(job.cfg)
         line["policy"] = {"spec": job.policy.spec, "params": line["config"]["policy"]}  # policy.settings()
         task = build_task(job.cfg, tokenizer_for(job.cfg.model, tokenizers))
+        task.check_data()
         tokens = task.planned_tokens()
         line["tokens"] = None if tokens is None else {"prefill": tokens[0], "decode": tokens[1]}
         if job.cfg.resume != "restart":

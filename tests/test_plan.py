@@ -27,7 +27,18 @@ def plan(capsys, *args: str) -> tuple[list[dict], str, int]:
     return [json.loads(line) for line in captured.out.splitlines()], captured.err, code
 
 
-def test_slake_plan_shows_table_3_exponents_on_every_slake_job(capsys):
+@pytest.fixture
+def longbench_files(tmp_path, monkeypatch):
+    """A LongBench data folder (``KVBENCH_LONGBENCH_DIR``) holding a file per dataset: what plan checks."""
+    from kvbench.tasks.longbench import DATASETS
+
+    for dataset in DATASETS:
+        (tmp_path / f"{dataset}.jsonl").touch()
+    monkeypatch.setenv("KVBENCH_LONGBENCH_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_slake_plan_shows_table_3_exponents_on_every_slake_job(capsys, longbench_files):
     lines, err, code = plan(capsys, "-m", "+experiment=slake")
     assert code == 0 and len(lines) == 3 * 4 * 2 and "kvbench plan: 24 jobs, 0 invalid" in err
     table3 = {
@@ -76,3 +87,31 @@ def test_unknown_keys_are_errors_in_plan_as_in_run(typo, capsys):
     with pytest.raises(SystemExit):
         main(["plan", *TINY, typo])
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_job_whose_data_is_not_here_is_invalid_with_the_fix(tmp_path, monkeypatch, capsys):
+    """LongBench neither cached nor reachable (an empty hub cache, offline), or a data_dir without the dataset's
+    file, NeedleBench and PG19 offline without a local copy: each job is invalid, its line says how to provide
+    the data; a RULER job (generated) stays valid."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    model = ["model=tiny_llama", "policy=snapkv", "budget=64"]
+    cases = [
+        (["task=longbench", "task.datasets=[trec]", "task.data_dir=null"],
+         "LongBench's data.zip (hub dataset THUDM/LongBench) is not cached and the hub is unreachable; unzip its "
+         "data/*.jsonl into a folder and set task.data_dir=FOLDER (or KVBENCH_LONGBENCH_DIR)"),
+        (["task=longbench", "task.datasets=[trec]", f"task.data_dir={tmp_path}"],
+         f"LongBench dataset 'trec' not found: expected {tmp_path / 'trec.jsonl'}; "),
+        (["task=needlebench", "task.subtasks=[single_en]", "task.prompt_format=raw", "task.grid=4k"],
+         "NeedleBench's needles.jsonl (hub dataset opencompass/NeedleBench) is not cached and the hub is "
+         "unreachable; download the dataset's files into a folder and set task.data_dir=FOLDER"),
+        (["task=pg19"],
+         "the hub dataset emozilla/pg19 cannot be streamed: the hub is unreachable; put PG19 test books "),
+    ]  # fmt: skip
+    for args, error in cases:
+        lines, err, code = plan(capsys, *model, *args)
+        assert code == 2 and lines[0]["error"].startswith(error), lines[0]["error"]
+    lines, _, code = plan(capsys, *model, "task=ruler", "task.subtasks=[niah_single_1]", "task.num_samples=1")
+    assert code == 0 and lines[0]["error"] is None

@@ -103,6 +103,12 @@ class Task(ABC):
         that runs and is printed, ``kvbench.job.resolve``); ``model`` is the model's node. None here."""
         return settings
 
+    def check_data(self) -> None:
+        """A one-line error, with the fix, when the data this task reads is neither on this machine nor
+        downloadable now (``kvbench plan`` marks the job invalid); nothing is downloaded. None here: the task
+        generates its samples or reads files its constructor checked."""
+        return None
+
     @abstractmethod
     def samples(self) -> Iterator[Sample]:
         """Yield samples in a deterministic order (ids must be stable across runs for resuming)."""

@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from kvbench import resolve_path
 from kvbench.domains import PATH, SAMPLES, SEED, TEXT, TOKENS, integer, optional
 from kvbench.errors import KVBenchError
-from kvbench.hub import hub_rows
+from kvbench.hub import hub_online, hub_rows
 from kvbench.tasks.base import ModelInfo, Sample, Task
 from kvbench.tasks.ppl import PerplexityTask, read_text, strip_gutenberg
 
@@ -80,6 +80,13 @@ class BookPerplexityTask(PerplexityTask):
             raise KVBenchError(
                 f"task.data_dir {self.data_dir} holds no *.txt {self.what}; put one UTF-8 text file per book there "
                 "or set task.data_dir=null to load them from the hub"
+            )
+
+    def check_data(self) -> None:
+        """The hub reachable when neither ``path`` nor ``data_dir`` is given (the constructor checked those)."""
+        if self.path is None and self.data_dir is None and not hub_online():
+            raise KVBenchError(
+                f"the hub dataset {self.cfg.hf_id} cannot be streamed: the hub is unreachable; {self.how_to_provide()}"
             )
 
     def how_to_provide(self) -> str:

@@ -40,6 +40,7 @@ import json
 import random
 import zipfile
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -47,7 +48,7 @@ from omegaconf import DictConfig
 from kvbench import resolve_path
 from kvbench.domains import FLAG, PATH, SAMPLES, SEED, Domain, choice, integer, name_list, one_of, optional
 from kvbench.errors import KVBenchError, choose
-from kvbench.hub import hub_file
+from kvbench.hub import hub_file, hub_file_available
 from kvbench.metrics.longbench import length_bucket, score_sample
 from kvbench.tasks.base import ModelInfo, Sample, Task
 
@@ -246,11 +247,20 @@ class LongBenchTask(Task):
             for record in records:
                 yield self.sample(dataset, record)
 
-    def records(self, dataset: str) -> list[dict[str, Any]]:
-        """The official records of one dataset, from ``data_dir`` or the hub archive."""
+    def check_data(self) -> None:
+        """Each dataset's file in ``data_dir``, or the hub archive cached or downloadable."""
+        if self.cfg.get("data_dir") is not None:
+            for dataset in self.datasets:
+                self.local_file(dataset)
+        elif not hub_file_available(HUB_REPO, HUB_ARCHIVE):
+            raise KVBenchError(
+                f"LongBench's {HUB_ARCHIVE} (hub dataset {HUB_REPO}) is not cached and the hub is unreachable; "
+                f"unzip its data/*.jsonl into a folder and set task.data_dir=FOLDER (or KVBENCH_LONGBENCH_DIR)"
+            )
+
+    def local_file(self, dataset: str) -> Path:
+        """``<data_dir>/<dataset>[_e].jsonl``, or a one-line error saying how to provide it."""
         file_name = f"{dataset}_e.jsonl" if self.e else f"{dataset}.jsonl"
-        if self.cfg.get("data_dir") is None:
-            return _hub_records(file_name)
         path = resolve_path(self.cfg.data_dir) / file_name
         if not path.is_file():
             raise KVBenchError(
@@ -258,6 +268,13 @@ class LongBenchTask(Task):
                 f"https://huggingface.co/datasets/{HUB_REPO} and unzip its data/*.jsonl into that folder, "
                 "or set task.data_dir=DIR (null: download from the hub)"
             )
+        return path
+
+    def records(self, dataset: str) -> list[dict[str, Any]]:
+        """The official records of one dataset, from ``data_dir`` or the hub archive."""
+        if self.cfg.get("data_dir") is None:
+            return _hub_records(f"{dataset}_e.jsonl" if self.e else f"{dataset}.jsonl")
+        path = self.local_file(dataset)
         with path.open(encoding="utf-8") as lines:
             return _parse_records(lines, str(path))
 

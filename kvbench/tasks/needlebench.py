@@ -70,7 +70,7 @@ from kvbench.domains import (
     optional,
 )
 from kvbench.errors import KVBenchError, choose
-from kvbench.hub import hub_file
+from kvbench.hub import hub_file, hub_file_available
 from kvbench.metrics.needlebench import multi_reasoning_score, multi_retrieval_score, single_needle_score
 from kvbench.tasks.base import ModelInfo, Sample, Task
 
@@ -256,6 +256,20 @@ class NeedleBenchTask(Task):
         self._orders: dict[str, list[list[int]]] = {}
 
     # --- data ----------------------------------------------------------------------------------
+
+    def check_data(self) -> None:
+        """Every file the subtasks read, in ``data_dir`` or cached or downloadable from the hub."""
+        languages = sorted({subtask.split("_")[1] for subtask in self.subtasks})
+        names = [NEEDLE_FILE, *(HAYSTACK_FILES[lang] for lang in languages)]
+        names += [REASONING_FILES[lang] for lang in languages if f"reasoning_{lang}" in self.subtasks]
+        for name in names:
+            if self.cfg.get("data_dir") is not None:
+                self.data_file(name)
+            elif not hub_file_available(HUB_REPO, name):
+                raise KVBenchError(
+                    f"NeedleBench's {name} (hub dataset {HUB_REPO}) is not cached and the hub is unreachable; "
+                    f"download the dataset's files into a folder and set task.data_dir=FOLDER"
+                )
 
     def data_file(self, name: str) -> Path:
         """A NeedleBench file from ``task.data_dir`` or the hub dataset, or a one-line error."""

@@ -62,7 +62,7 @@ from omegaconf import DictConfig
 from kvbench import resolve_path
 from kvbench.domains import PATH, SAMPLES, SEED, TOKENS, choice, integer, mapping, name_list, one_of, optional
 from kvbench.errors import KVBenchError, choose
-from kvbench.hub import hub_rows
+from kvbench.hub import hub_online, hub_rows
 from kvbench.metrics.ruler import string_match_all, string_match_part
 from kvbench.tasks import prompts
 from kvbench.tasks.base import ModelInfo, Sample, Task
@@ -666,18 +666,37 @@ class RulerTask(Task):
                 assert self.num_samples is not None  # __init__ requires it without a data_dir
                 yield from (self.sample(subtask, index) for index in range(self.num_samples))
 
-    def file_samples(self, data_dir: Path, subtask: str) -> Iterator[Sample]:
-        """The first ``num_samples`` records of ``<data_dir>/<subtask>.jsonl``, in file order.
+    def check_data(self) -> None:
+        """The official file of every subtask in ``data_dir``; else the QA subtasks' data in ``qa_dir`` or the
+        hub reachable."""
+        for subtask in self.subtasks:
+            if self.data_dir is not None:
+                self.data_file(self.data_dir, subtask)
+            spec = SUBTASKS[subtask]
+            if self.data_dir is None and isinstance(spec, QA) and self.cfg.get("qa_dir") is None and not hub_online():
+                names = QA_FILES[spec.dataset]
+                raise KVBenchError(
+                    f"RULER {subtask} needs {names[0]}: the hub is unreachable; download {names[0]} into a folder "
+                    "and set task.qa_dir=FOLDER"
+                )
 
-        Records are RULER's (``input``, ``outputs``, and ``answer_prefix`` where the generator split one off)
-        as its scripts write them; ``index`` is only kept as metadata: RULER's niah generator has written a
-        character offset there since its commit d4293b9, so the sample id is the record's position."""
+    def data_file(self, data_dir: Path, subtask: str) -> Path:
+        """``<data_dir>/<subtask>.jsonl``, or a one-line error."""
         path = data_dir / f"{subtask}.jsonl"
         if not path.is_file():
             raise KVBenchError(
                 f"RULER file {path} not found; task.data_dir must hold <subtask>.jsonl files written by "
                 "RULER's scripts/data/prepare.py (or set task.data_dir=null to generate samples)"
             )
+        return path
+
+    def file_samples(self, data_dir: Path, subtask: str) -> Iterator[Sample]:
+        """The first ``num_samples`` records of ``<data_dir>/<subtask>.jsonl``, in file order.
+
+        Records are RULER's (``input``, ``outputs``, and ``answer_prefix`` where the generator split one off)
+        as its scripts write them; ``index`` is only kept as metadata: RULER's niah generator has written a
+        character offset there since its commit d4293b9, so the sample id is the record's position."""
+        path = self.data_file(data_dir, subtask)
         lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         for position, line in enumerate(lines[: self.num_samples]):
             try:
