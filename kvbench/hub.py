@@ -60,11 +60,7 @@ def hub_file(repo: str, filename: str, how_to_provide: str) -> Path:
     try:
         return Path(huggingface_hub.hf_hub_download(repo, filename, repo_type="dataset", local_files_only=True))
     except Exception:  # not cached (or a broken cache entry): try the hub
-        pass
-    if not hub_online():
-        raise KVBenchError(
-            f"{filename} of the hub dataset {repo} is not cached and the hub is unreachable; {how_to_provide}"
-        )
+        check_hub_file(repo, filename, how_to_provide)
     try:
         return Path(huggingface_hub.hf_hub_download(repo, filename, repo_type="dataset"))
     except Exception as error:
@@ -73,14 +69,16 @@ def hub_file(repo: str, filename: str, how_to_provide: str) -> Path:
         ) from None
 
 
-def hub_file_available(repo: str, filename: str) -> bool:
-    """Whether :func:`hub_file` would find ``filename`` of the hub dataset ``repo`` (cached, or the hub
-    reachable), without downloading it."""
+def check_hub_file(repo: str, filename: str, how_to_provide: str) -> None:
+    """:func:`hub_file`'s one-line error when it could neither find ``filename`` of the hub dataset ``repo`` in
+    the local cache nor download it now; nothing is downloaded."""
     try:
         huggingface_hub.hf_hub_download(repo, filename, repo_type="dataset", local_files_only=True)
-        return True
     except Exception:
-        return hub_online()
+        if not hub_online():
+            raise KVBenchError(
+                f"{filename} of the hub dataset {repo} is not cached and the hub is unreachable; {how_to_provide}"
+            ) from None
 
 
 def hub_rows(repo: str, split: str, how_to_provide: str, name: str | None = None) -> Iterator[dict[str, Any]]:

@@ -100,13 +100,13 @@ def test_a_job_whose_data_is_not_here_is_invalid_with_the_fix(tmp_path, monkeypa
     model = ["model=tiny_llama", "policy=snapkv", "budget=64"]
     cases = [
         (["task=longbench", "task.datasets=[trec]", "task.data_dir=null"],
-         "LongBench's data.zip (hub dataset THUDM/LongBench) is not cached and the hub is unreachable; unzip its "
-         "data/*.jsonl into a folder and set task.data_dir=FOLDER (or KVBENCH_LONGBENCH_DIR)"),
+         "data.zip of the hub dataset THUDM/LongBench is not cached and the hub is unreachable; unzip data/*.jsonl "
+         "of data.zip into a folder and set task.data_dir=FOLDER (or KVBENCH_LONGBENCH_DIR)"),
         (["task=longbench", "task.datasets=[trec]", f"task.data_dir={tmp_path}"],
          f"LongBench dataset 'trec' not found: expected {tmp_path / 'trec.jsonl'}; "),
         (["task=needlebench", "task.subtasks=[single_en]", "task.prompt_format=raw", "task.grid=4k"],
-         "NeedleBench's needles.jsonl (hub dataset opencompass/NeedleBench) is not cached and the hub is "
-         "unreachable; download the dataset's files into a folder and set task.data_dir=FOLDER"),
+         "needles.jsonl of the hub dataset opencompass/NeedleBench is not cached and the hub is unreachable; "
+         "download needles.jsonl (and the other files of the hub dataset opencompass/NeedleBench) into a folder"),
         (["task=pg19"],
          "the hub dataset emozilla/pg19 cannot be streamed: the hub is unreachable; put PG19 test books "),
     ]  # fmt: skip

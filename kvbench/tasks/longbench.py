@@ -48,13 +48,16 @@ from omegaconf import DictConfig
 from kvbench import resolve_path
 from kvbench.domains import FLAG, PATH, SAMPLES, SEED, Domain, choice, integer, name_list, one_of, optional
 from kvbench.errors import KVBenchError, choose
-from kvbench.hub import hub_file, hub_file_available
+from kvbench.hub import check_hub_file, hub_file
 from kvbench.metrics.longbench import length_bucket, score_sample
 from kvbench.tasks.base import ModelInfo, Sample, Task
 
 HUB_REPO = "THUDM/LongBench"
 HUB_ARCHIVE = "data.zip"
 HUB_MEMBER_DIR = "data/"
+HOW_TO_PROVIDE = (
+    f"unzip data/*.jsonl of {HUB_ARCHIVE} into a folder and set task.data_dir=FOLDER (or KVBENCH_LONGBENCH_DIR)"
+)
 
 _QA = "Answer the question based on the given passages. Only give me the answer and do not output any other words."
 _MULTI_DOC = f"{_QA}\n\nThe following are given passages.\n{{context}}\n\n{_QA}\n\nQuestion: {{input}}\nAnswer:"
@@ -252,11 +255,8 @@ class LongBenchTask(Task):
         if self.cfg.get("data_dir") is not None:
             for dataset in self.datasets:
                 self.local_file(dataset)
-        elif not hub_file_available(HUB_REPO, HUB_ARCHIVE):
-            raise KVBenchError(
-                f"LongBench's {HUB_ARCHIVE} (hub dataset {HUB_REPO}) is not cached and the hub is unreachable; "
-                f"unzip its data/*.jsonl into a folder and set task.data_dir=FOLDER (or KVBENCH_LONGBENCH_DIR)"
-            )
+        else:
+            check_hub_file(HUB_REPO, HUB_ARCHIVE, HOW_TO_PROVIDE)
 
     def local_file(self, dataset: str) -> Path:
         """``<data_dir>/<dataset>[_e].jsonl``, or a one-line error saying how to provide it."""
@@ -356,8 +356,7 @@ def _parse_records(lines: Iterable[str], source: str) -> list[dict[str, Any]]:
 
 def _hub_records(file_name: str) -> list[dict[str, Any]]:
     """One jsonl file from the hub dataset's ``data.zip`` (cached by huggingface_hub)."""
-    how = f"unzip data/*.jsonl of {HUB_ARCHIVE} into a folder and set task.data_dir=FOLDER"
-    archive = hub_file(HUB_REPO, HUB_ARCHIVE, how)
+    archive = hub_file(HUB_REPO, HUB_ARCHIVE, HOW_TO_PROVIDE)
     member = HUB_MEMBER_DIR + file_name
     try:
         with zipfile.ZipFile(archive) as zipped, zipped.open(member) as raw:

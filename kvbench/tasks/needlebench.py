@@ -70,7 +70,7 @@ from kvbench.domains import (
     optional,
 )
 from kvbench.errors import KVBenchError, choose
-from kvbench.hub import hub_file, hub_file_available
+from kvbench.hub import check_hub_file, hub_file
 from kvbench.metrics.needlebench import multi_reasoning_score, multi_retrieval_score, single_needle_score
 from kvbench.tasks.base import ModelInfo, Sample, Task
 
@@ -265,19 +265,20 @@ class NeedleBenchTask(Task):
         for name in names:
             if self.cfg.get("data_dir") is not None:
                 self.data_file(name)
-            elif not hub_file_available(HUB_REPO, name):
-                raise KVBenchError(
-                    f"NeedleBench's {name} (hub dataset {HUB_REPO}) is not cached and the hub is unreachable; "
-                    f"download the dataset's files into a folder and set task.data_dir=FOLDER"
-                )
+            else:
+                check_hub_file(HUB_REPO, name, self.how_to_provide(name))
+
+    @staticmethod
+    def how_to_provide(name: str) -> str:
+        return (
+            f"download {name} (and the other files of the hub dataset {HUB_REPO}) into a folder and set "
+            "task.data_dir=FOLDER"
+        )
 
     def data_file(self, name: str) -> Path:
         """A NeedleBench file from ``task.data_dir`` or the hub dataset, or a one-line error."""
         data_dir = self.cfg.get("data_dir")
-        how = (
-            f"download {name} (and the other files of the hub dataset {HUB_REPO}) into a folder and set "
-            "task.data_dir=FOLDER"
-        )
+        how = self.how_to_provide(name)
         if data_dir is None:
             return hub_file(HUB_REPO, name, how)
         path = resolve_path(data_dir) / name
