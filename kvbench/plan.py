@@ -7,9 +7,12 @@ machine, else a stand-in that checks everything a tokenizer does not decide) and
 line on stdout::
 
     {"overrides": [...], "output_dir": ..., "config": {...}, "policy": {"spec": ..., "params": {...}},
-     "error": null | "one line", "finished": bool, "tokens": {"prefill": n, "decode": n} | null}
+     "error": null | "one line", "finished": bool, "tokens": {"prefill": n, "decode": n} | null,
+     "seconds": estimated wall time (with --time) | null}
 
-A summary goes to stderr; the exit status is 2 when any job is invalid.
+A job is invalid for a bad value, a run directory holding other settings, or data that is neither here nor
+downloadable now. ``--time`` estimates each job's wall time on this machine (:class:`Estimator`: it loads each
+model and runs one sample of each task). A summary goes to stderr; the exit status is 2 when any job is invalid.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,9 +30,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench import config_dict
 from kvbench.errors import KVBenchError
-from kvbench.job import resolve
+from kvbench.job import Job, resolve
 from kvbench.results.rundir import RunDir
 from kvbench.results.sweeps import MULTIRUN_FLAGS, compose_job, sweep_loader, sweep_overrides
+
+TIME_FLAG = "--time"
 
 
 @contextmanager
@@ -60,6 +66,39 @@ def tokenizer_for(model: DictConfig, cache: dict[str, Any]) -> Any:
     return cache[key]
 
 
+class Estimator:
+    """``kvbench plan --time``: each job's wall time from measured throughput on this machine. Each model is
+    loaded once (its load time counts for every job: each job loads it), the first sample of each task (model and
+    task settings) is run through the engine under the first such job's policy, and a job's samples are taken
+    to cost the same per sample: ``load + samples × sample``, with ``samples = planned prompt tokens / the
+    measured sample's prompt tokens``. Jobs whose size only their data tells get no estimate."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, tuple[Any, float]] = {}
+        self.samples: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def seconds(self, job: Job, prompt_tokens: int) -> float:
+        from kvbench.engine.models import load_model
+        from kvbench.run import build_engine, build_task, run_sample
+
+        model_key = json.dumps(config_dict(job.cfg.model, resolve=True), sort_keys=True)
+        if model_key not in self.models:
+            started = time.perf_counter()
+            loaded = load_model(job.cfg.model)
+            self.models[model_key] = (loaded, time.perf_counter() - started)
+        loaded, load_seconds = self.models[model_key]
+        task_key = (model_key, json.dumps(config_dict(job.cfg.task, resolve=True), sort_keys=True))
+        if task_key not in self.samples:
+            task = build_task(job.cfg, loaded.tokenizer)
+            sample = next(iter(task.samples()))
+            print(f"kvbench plan: timing a sample of {job.cfg.task.name} on {job.cfg.model.name}", file=sys.stderr)
+            started = time.perf_counter()
+            run_sample(build_engine(job, loaded), task, sample, loaded)
+            self.samples[task_key] = (time.perf_counter() - started, len(sample.input_ids))
+        sample_seconds, sample_tokens = self.samples[task_key]
+        return load_seconds + prompt_tokens / sample_tokens * sample_seconds
+
+
 def empty_line(overrides: list[str], output_dir: Path | None, error: str | None = None) -> dict[str, Any]:
     """A plan line with only what is known before the job is resolved."""
     directory = None if output_dir is None else str(output_dir)
@@ -71,11 +110,18 @@ def empty_line(overrides: list[str], output_dir: Path | None, error: str | None 
         "error": error,
         "finished": False,
         "tokens": None,
+        "seconds": None,
     }
 
 
-def plan_job(overrides: list[str], cfg: DictConfig, output_dir: Path, tokenizers: dict[str, Any]) -> dict[str, Any]:
-    """The plan line of one composed job."""
+def plan_job(
+    overrides: list[str],
+    cfg: DictConfig,
+    output_dir: Path,
+    tokenizers: dict[str, Any],
+    estimator: Estimator | None = None,
+) -> dict[str, Any]:
+    """The plan line of one composed job (with ``estimator``, its estimated wall time)."""
     from kvbench.run import build_task, finished_metrics
 
     line = empty_line(overrides, output_dir)
@@ -91,19 +137,22 @@ def plan_job(overrides: list[str], cfg: DictConfig, output_dir: Path, tokenizers
         if job.cfg.resume != "restart":
             RunDir(output_dir).check_same_run(line["config"])
             line["finished"] = finished_metrics(RunDir(output_dir), job.cfg) is not None
+        if estimator is not None and tokens is not None and not line["finished"]:
+            line["seconds"] = round(estimator.seconds(job, tokens[0]), 1)
     except KVBenchError as error:
         line["error"] = str(error)
     return line
 
 
-def plan_lines(args: list[str]) -> Iterator[dict[str, Any]]:
+def plan_lines(args: list[str], estimator: Estimator | None = None) -> Iterator[dict[str, Any]]:
     """The plan line of every job of ``kvbench run ARGS``."""
     from kvbench.config import compose
 
     tokenizers: dict[str, Any] = {}
     if not any(arg in MULTIRUN_FLAGS for arg in args):
         cfg = compose(args)
-        yield plan_job([arg for arg in args if not arg.startswith("-")], cfg, Path(str(cfg.output_dir)), tokenizers)
+        overrides = [arg for arg in args if not arg.startswith("-")]
+        yield plan_job(overrides, cfg, Path(str(cfg.output_dir)), tokenizers, estimator)
         return
     with sweep_loader([arg for arg in args if arg not in MULTIRUN_FLAGS]) as (config_loader, master):
         jobs = sweep_overrides(config_loader, master)
@@ -114,14 +163,18 @@ def plan_lines(args: list[str]) -> Iterator[dict[str, Any]]:
             except KVBenchError as error:
                 yield empty_line(overrides, None, str(error))
                 continue
-            yield plan_job(overrides, job.cfg, job.output_dir, tokenizers)
+            yield plan_job(overrides, job.cfg, job.output_dir, tokenizers, estimator)
 
 
 def main(args: list[str]) -> None:
-    """Print the plan, one JSON line per job, and a summary on stderr; exit 2 if any job is invalid."""
+    """Print the plan, one JSON line per job, and a summary on stderr; exit 2 if any job is invalid. ``--time``:
+    each job's estimated wall time on this machine (:class:`Estimator`; it loads each model)."""
+    estimator = Estimator() if TIME_FLAG in args else None
     jobs = invalid = finished = unknown = 0
     prefill = decode = 0
-    for line in plan_lines(args):
+    seconds = 0.0
+    for line in plan_lines([arg for arg in args if arg != TIME_FLAG], estimator):
+        seconds += line["seconds"] or 0.0
         print(json.dumps(line, ensure_ascii=False, default=str), flush=True)
         jobs += 1
         invalid += line["error"] is not None
@@ -133,6 +186,8 @@ def main(args: list[str]) -> None:
     tokens = f"{prefill} tokens to prefill, {decode} to decode in the jobs left" + (
         f" (and {unknown} jobs whose size only their data tells)" if unknown else ""
     )
+    if estimator is not None and seconds > 0:
+        tokens += f"; about {time.strftime('%H:%M:%S', time.gmtime(seconds))} of wall time here, one job after another"
     print(f"kvbench plan: {jobs} jobs, {invalid} invalid, {finished} already finished; {tokens}", file=sys.stderr)
     if invalid:
         sys.exit(2)

@@ -210,7 +210,8 @@ def run_locked(job: Job, run_dir: RunDir) -> dict[str, Any]:
     finished = {record["id"] for record in records}
     samples = [sample for sample in samples if sample.id not in finished]
     state = f"resuming, {len(finished)} samples done" if finished else "new run"
-    log.info("writing %s (%s, %d to go)", run_dir.path, state, len(samples))
+    prompt_tokens = sum(len(sample.input_ids) for sample in samples)
+    log.info("writing %s (%s, %d to go: %d prompt tokens)", run_dir.path, state, len(samples), prompt_tokens)
     cfg = job.cfg
     progress = Progress(len(samples), f"{cfg.task.name} {cfg.policy.name}@{cfg.budget.spec}")
     for sample in samples:

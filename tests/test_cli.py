@@ -286,3 +286,46 @@ def test_help_lists_every_command_and_version_works(capsys):
     assert set(COMMANDS) <= listed
     kvbench("--version")
     assert capsys.readouterr().out == f"kvbench {__version__}\n"
+
+
+def readme_commands() -> list[list[str]]:
+    """Every ``kvbench ...`` command of the README: the command column of its tables and its code lines."""
+    import re
+    import shlex
+
+    from kvbench import PROJECT_ROOT
+
+    text = (PROJECT_ROOT / "README.md").read_text(encoding="utf-8")
+    found = [cell.replace("\\|", "|") for cell in re.findall(r"^\| `(kvbench [^`]*)`", text, re.MULTILINE)]
+    found += [line.split("#")[0] for line in re.findall(r"^(kvbench .*)$", text, re.MULTILINE)]
+    return [shlex.split(command)[1:] for command in found]
+
+
+def test_the_readme_commands_are_the_clis(capsys):
+    """Each README command names a command of the CLI; each ``--flag`` written with a command is in its
+    ``--help``; each ``kvbench run`` example resolves through ``kvbench plan`` without an unknown name, key or
+    value (a job may still lack its data or model on this machine)."""
+    from kvbench.cli import COMMANDS
+
+    commands = readme_commands()
+    assert len(commands) > 15
+    for args in commands:
+        args = [arg for arg in args if arg not in ("-v", "--verbose")]
+        if args[0] in ("--version", "--help"):
+            continue
+        assert args[0] in COMMANDS, args
+        flags = [arg.split("=")[0] for arg in args[1:] if arg.startswith("--")]
+        if flags and args[0] not in ("run", "plan"):
+            with pytest.raises(SystemExit):
+                kvbench(args[0], "--help")
+            usage = capsys.readouterr().out
+            assert all(flag in usage for flag in flags), (args, usage)
+        if args[0] == "run" and not any("=" not in arg and not arg.startswith("-") for arg in args[1:]):
+            try:
+                kvbench("plan", *args[1:])
+            except SystemExit:
+                pass
+            captured = capsys.readouterr()
+            assert "kvbench: error:" not in captured.err, (args, captured.err)
+            errors = [json.loads(line)["error"] for line in captured.out.splitlines()]
+            assert not [error for error in errors if error and ("unknown" in error or ": must be" in error)], args

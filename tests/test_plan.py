@@ -115,3 +115,12 @@ def test_a_job_whose_data_is_not_here_is_invalid_with_the_fix(tmp_path, monkeypa
         assert code == 2 and lines[0]["error"].startswith(error), lines[0]["error"]
     lines, _, code = plan(capsys, *model, "task=ruler", "task.subtasks=[niah_single_1]", "task.num_samples=1")
     assert code == 0 and lines[0]["error"] is None
+
+
+def test_time_estimates_each_job_from_a_measured_sample(capsys):
+    """``--time`` loads the model, times one sample per task and gives each job and the total a wall time."""
+    lines, err, code = plan(capsys, "--time", "-m", *TINY, "policy=snapkv,h2o", "budget=64")
+    assert code == 0 and len(lines) == 2 and all(line["seconds"] > 0 for line in lines)
+    assert "kvbench plan: timing a sample of ruler on tiny_llama" in err and "of wall time here" in err
+    lines, err, code = plan(capsys, *TINY, "policy=snapkv", "budget=64")
+    assert lines[0]["seconds"] is None and "wall time" not in err

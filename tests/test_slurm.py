@@ -149,7 +149,7 @@ def test_running_job_is_not_submitted_twice_and_a_cancelled_one_resumes(tmp_path
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "1 jobs, 0 skipped (0 finished, 0 running), 1 submitted" in resumed.stdout
     assert (
-        f"writing {run_dir} (resuming, {len(done)} samples done, {200 - len(done)} to go)"
+        f"writing {run_dir} (resuming, {len(done)} samples done, {200 - len(done)} to go: "
         in (run_dir / "kvbench.log").read_text()
     )
     ids = [json.loads(line)["id"] for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
