@@ -739,3 +739,20 @@ def test_logger_none_writes_no_wandb_dir(tmp_path):
         ]
     )
     assert (out / "metrics.json").exists() and not (out / "wandb").exists()
+
+
+def test_compare_prints_the_transcription_notes_beside_their_rows(capsys):
+    """CAOTE Table 2 prints the Llama 3.1-8B 4k H2O+FastCAOTE and TOVA+FastCAOTE rows identically: each paper
+    row carries its note's number, and the note is printed below the table."""
+    from kvbench.results.compare import main as compare_main
+
+    compare_main(["caote:table2"])
+    lines = capsys.readouterr().out.splitlines()
+    cells = [[cell.strip() for cell in line.split("|")] for line in lines if line.startswith("| llama31_8b")]
+    paper = {(row[2], row[3]): row[4] for row in cells if row[4].startswith("paper")}
+    h2o, tova = paper["h2o+fastcaote", "4k"], paper["tova+fastcaote", "4k"]
+    assert h2o.startswith("paper [") and tova.startswith("paper [") and paper["snapkv+fastcaote", "4k"] == "paper"
+    number = h2o.removeprefix("paper [").rstrip("]")
+    assert f"[{number}] paper prints this row identical to tova+fastcaote 4k (duplicated row; which is right " in (
+        "\n".join(lines)
+    )

@@ -334,6 +334,7 @@ def test_basic_multirun_skips_finished_and_refuses_other_settings(tmp_path, caps
     stamp = (job / "metrics.json").stat().st_mtime_ns
     main(["run", "-m", *TINY, "policy=tova", "budget=32,64", f"hydra.sweep.dir={sweep}"])
     assert (job / "metrics.json").stat().st_mtime_ns == stamp
+    assert len(list(sweep.glob("multirun-*.yaml"))) == 2 and (sweep / "multirun.yaml").exists()  # each sweep's
     # another config into the same job directory is refused, in a single run and in a sweep, nothing written
     before = {path: path.read_bytes() for path in job.rglob("*") if path.is_file()}
     other = [*TINY[:-1], "task.num_samples=2", "policy=tova", "budget=32"]

@@ -255,8 +255,24 @@ class Comparison:
         return sum(found) / len(found), len(found) == len(values)
 
     @cached_property
+    def notes(self) -> tuple[dict[tuple[str, str, str], list[int]], list[str]]:
+        """The transcription notes of the paper's rows (kvbench/papers/README.md): each row's note numbers, and
+        the texts, numbered from 1 in the order they first appear."""
+        numbered: dict[tuple[str, str, str], list[int]] = {}
+        texts: list[str] = []
+        for model, method, budget, note in self.rows[[*KEY, "note"]].itertuples(index=False, name=None):
+            if note:
+                if note not in texts:
+                    texts.append(note)
+                numbers = numbered.setdefault((model, method, budget), [])
+                if texts.index(note) + 1 not in numbers:
+                    numbers.append(texts.index(note) + 1)
+        return numbered, texts
+
+    @cached_property
     def frame(self) -> pd.DataFrame:
-        """The comparison: paper / ours / Δ rows per paper row, then rows of ours only."""
+        """The comparison: paper / ours / Δ rows per paper row (the paper row marked with its notes' numbers),
+        then rows of ours only."""
         lines = []
         for model, method, budget in dict.fromkeys(self.rows[KEY].itertuples(index=False, name=None)):
             printed, ours, delta = {}, {}, {}
@@ -274,7 +290,8 @@ class Comparison:
                     else ""
                 )
             key = {"model": model, "method": method, "budget": budget}
-            lines += [{**key, "row": "paper", **printed}, {**key, "row": "ours", **ours}]
+            marks = "".join(f" [{number}]" for number in self.notes[0].get((model, method, budget), []))
+            lines += [{**key, "row": f"paper{marks}", **printed}, {**key, "row": "ours", **ours}]
             if any(cell not in (NOT_RUN, "–") for cell in ours.values()):
                 lines.append({**key, "row": "Δ", **delta})
         order = sorted(self.own, key=lambda key: (key[0], policy_key(key[1]), budget_key(key[2])))
@@ -295,6 +312,7 @@ class Comparison:
         paper_rows = self.rows[KEY].drop_duplicates()
         matched = sum(1 for row in paper_rows.itertuples(index=False, name=None) if row in self.ours)
         lines = [f"paper rows: {len(paper_rows)}, with our values: {matched}; rows of ours only: {len(self.own)}"]
+        lines = [f"[{number}] {text}" for number, text in enumerate(self.notes[1], 1)] + lines
         if self.frame.map(lambda cell: str(cell).endswith(PARTIAL)).any(axis=None):
             lines.insert(0, f"{PARTIAL} mean over the cells we ran, not all the cells the paper averaged")
         if self.scale != 1.0:

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -203,7 +204,8 @@ def launch_pending(sweeper: BasicSweeper) -> list[list[JobReturn]]:
     finished, running, todo = split_pending(jobs)
     sweep_dir = Path(str(config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(config, sweep_dir / "multirun.yaml")
+    OmegaConf.save(config, sweep_dir / "multirun.yaml")  # the latest sweep, as Hydra writes it; and each one's:
+    OmegaConf.save(config, sweep_dir / datetime.now(timezone.utc).strftime("multirun-%Y%m%dT%H%M%S.%fZ.yaml"))
     print(
         f"kvbench: {sweep_dir}: {len(jobs)} jobs, {len(finished) + len(running)} skipped ({len(finished)} finished, "
         f"{len(running)} running), {len(todo)} submitted",
