@@ -24,7 +24,7 @@ import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import IO, Any, NoReturn
+from typing import IO, Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -32,8 +32,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from kvbench import CONF_DIR, __version__
-from kvbench.errors import KVBenchError
-from kvbench.results.rundir import RunDir, register_run_name
+from kvbench.errors import KVBenchError, fail
+from kvbench.rundir import RunDir, register_run_name
 
 register_run_name()  # conf/config.yaml's ${run_name:}, also in a sweep's job processes (they import this module)
 
@@ -50,11 +50,6 @@ def quiet_libraries() -> None:
     level = logging.INFO if os.environ.get(VERBOSE_ENV) else logging.WARNING
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(level)
-
-
-def fail(message: str) -> NoReturn:
-    print(f"kvbench: error: {message}", file=sys.stderr)
-    sys.exit(2)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
@@ -94,7 +89,7 @@ def rounded(value: Any) -> Any:
 
 def command_run(args: list[str]) -> None:
     from kvbench.config import prepare_overrides
-    from kvbench.results.sweeps import experiment_overrides
+    from kvbench.launch.sweeps import experiment_overrides
 
     sys.argv = [sys.argv[0], *prepare_overrides(experiment_overrides(args))]
     hydra_run()
@@ -134,7 +129,7 @@ def command_policies(args: list[str]) -> None:
 def command_prepare(args: list[str]) -> None:
     """Write a task's samples as ``<output_dir>/<subtask>.jsonl`` (prompt text, answers, token length)."""
     from kvbench.config import compose
-    from kvbench.engine.models import load_tokenizer
+    from kvbench.models import load_tokenizer
     from kvbench.run import build_task
 
     cfg = compose(args)

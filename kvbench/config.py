@@ -25,7 +25,7 @@ from kvbench.errors import KVBenchError, check_keys, choose
 from kvbench.policies import BASES, MODIFIERS, build_policy, parse_spec, policy_keys
 from kvbench.policies.budgets import Budget
 from kvbench.policies.layer_budgets import layer_budget_keys
-from kvbench.results.rundir import register_run_name
+from kvbench.rundir import register_run_name
 
 register_run_name()  # conf/config.yaml's ${run_name:}
 

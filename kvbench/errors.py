@@ -1,8 +1,17 @@
 """User-facing errors: the CLI prints them as one line and exits with status 2."""
 
+import sys
+from typing import NoReturn
+
 
 class KVBenchError(Exception):
     """A bad value or a missing resource, explained in one line for the user."""
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``kvbench: error: MESSAGE`` on stderr and exit with status 2."""
+    print(f"kvbench: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def choose(kind: str, value, choices) -> None:

@@ -1,7 +1,7 @@
 """Hugging Face hub access: a quick reachability probe, and dataset files and rows that fail fast offline.
 
 ``huggingface_hub`` retries an unreachable hub for about 25 seconds before it gives up, and the
-``datasets`` library longer. Models (``kvbench.engine.models``) and the tasks' data look in the local
+``datasets`` library longer. Models (``kvbench.models``) and the tasks' data look in the local
 cache first and contact the hub only when downloading is allowed and the hub (or the proxy) accepts a
 connection; every failure is one line saying how to provide the files instead.
 """

@@ -19,12 +19,12 @@ from kvbench import CONF_DIR, config_dict
 from kvbench.config import engine_keys, group_keys, group_options
 from kvbench.domains import Domain, check_table, choice, integer
 from kvbench.engine import ENGINE_SETTINGS
-from kvbench.engine.models import MODEL_SETTINGS
 from kvbench.errors import check_keys, choose
+from kvbench.models import MODEL_SETTINGS
 from kvbench.policies import build_policy
 from kvbench.policies.base import Policy
 from kvbench.policies.budgets import Budget
-from kvbench.results.rundir import RESUME_MODES
+from kvbench.rundir import RESUME_MODES
 from kvbench.tasks.base import Task
 
 #: the prompt length against which a fraction budget is checked before any prompt exists (an int budget is

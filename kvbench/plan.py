@@ -31,8 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 from kvbench import config_dict
 from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
-from kvbench.results.rundir import RunDir
-from kvbench.results.sweeps import MULTIRUN_FLAGS, compose_job, sweep_loader, sweep_overrides
+from kvbench.launch.sweeps import MULTIRUN_FLAGS, compose_job, sweep_loader, sweep_overrides
+from kvbench.rundir import RunDir, finished_metrics
 
 TIME_FLAG = "--time"
 
@@ -53,8 +53,8 @@ def hub_offline() -> Iterator[None]:
 
 def tokenizer_for(model: DictConfig, cache: dict[str, Any]) -> Any:
     """The model's own tokenizer where this machine has it (loaded once per model), else the stand-in."""
-    from kvbench.engine.models import load_tokenizer
     from kvbench.engine.tokenizers import stand_in_tokenizer
+    from kvbench.models import load_tokenizer
 
     key = json.dumps(OmegaConf.to_container(model, resolve=True), sort_keys=True)
     if key not in cache:
@@ -78,7 +78,7 @@ class Estimator:
         self.samples: dict[tuple[str, str], tuple[float, int]] = {}
 
     def seconds(self, job: Job, prompt_tokens: int) -> float:
-        from kvbench.engine.models import load_model
+        from kvbench.models import load_model
         from kvbench.run import build_engine, build_task, run_sample
 
         model_key = json.dumps(config_dict(job.cfg.model, resolve=True), sort_keys=True)
@@ -122,7 +122,7 @@ def plan_job(
     estimator: Estimator | None = None,
 ) -> dict[str, Any]:
     """The plan line of one composed job (with ``estimator``, its estimated wall time)."""
-    from kvbench.run import build_task, finished_metrics
+    from kvbench.run import build_task
 
     line = empty_line(overrides, output_dir)
     try:

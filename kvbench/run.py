@@ -17,11 +17,11 @@ from tqdm import tqdm
 from kvbench import config_dict
 from kvbench.engine import Engine
 from kvbench.engine.engine import GenerationOutput, PerplexityOutput
-from kvbench.engine.models import LoadedModel, load_model
 from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
-from kvbench.results.rundir import RunDir
+from kvbench.models import LoadedModel, load_model
 from kvbench.results.wandb_logger import log_run
+from kvbench.rundir import RunDir, finished_metrics
 from kvbench.tasks.base import ModelInfo, Sample, Task
 
 log = logging.getLogger(__name__)
@@ -160,17 +160,6 @@ def summarize(cfg: DictConfig, task: Task, records: list[dict[str, Any]]) -> dic
             for name in ("prefill_seconds", "decode_seconds", "total_seconds")
         },
     }
-
-
-def finished_metrics(run_dir: RunDir, cfg: DictConfig) -> dict[str, Any] | None:
-    """The metrics of a finished run of this same (resolved) config in ``run_dir`` (metrics.json written,
-    the same identity in config.yaml, a prediction for every sample counted), else None: a resubmitted sweep
-    skips its finished jobs without loading the model."""
-    if not run_dir.metrics_path.exists() or run_dir.conflict(config_dict(cfg, resolve=True)) is not None:
-        return None
-    metrics = run_dir.metrics()
-    done = {record["id"] for record in run_dir.records()}
-    return metrics if len(done) >= metrics.get("num_samples", len(done) + 1) else None
 
 
 def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:

@@ -19,8 +19,8 @@ def pytest_configure(config):
 @lru_cache(maxsize=1)
 def offline_model_problem() -> str | None:
     """Why the offline SmolLM2 cannot be loaded here, or None (it is then loaded once, for every test)."""
-    from kvbench.engine.models import load_model, model_config
     from kvbench.errors import KVBenchError
+    from kvbench.models import load_model, model_config
 
     try:
         load_model(model_config("smollm2_135m"))

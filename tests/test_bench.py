@@ -14,7 +14,7 @@ from kvbench.bench.measure import Clock, PeakMemory, rotations
 from kvbench.bench.report import targets
 from kvbench.bench.sections import PARAGRAPH, prompt_tokens
 from kvbench.cli import main
-from kvbench.engine.models import load_tokenizer, model_config
+from kvbench.models import load_tokenizer, model_config
 
 TINY = [
     "model=tiny_llama",

@@ -146,7 +146,7 @@ def test_smollm2_perplexity_on_a_local_book():
     if not path.is_file():
         pytest.skip(f"{path} is absent (set KVBENCH_PPL_FILE to a UTF-8 book)")
     from kvbench.engine import Engine
-    from kvbench.engine.models import load_model, model_config
+    from kvbench.models import load_model, model_config
     from kvbench.policies import build_policy
 
     loaded = load_model(model_config("smollm2_135m"))

@@ -35,7 +35,7 @@ def llama():
 
 @pytest.fixture(scope="module")
 def smollm2_needle():
-    from kvbench.engine.models import load_model, model_config
+    from kvbench.models import load_model, model_config
 
     loaded = load_model(model_config("smollm2_135m"))
     return loaded.model, needle_prompt(loaded.tokenizer, 16, 0.4, "wistful-harbor", 7301942)

@@ -221,7 +221,7 @@ def test_save_kept_writes_the_positions_each_head_keeps(tmp_path):
     """``engine.save_kept=true``: kept/<id>.json holds the prompt ids and, per layer and cache head (per query
     head in the repeated layout), the positions the cache holds after prefill — those an engine keeps."""
     from kvbench.engine import Engine
-    from kvbench.engine.models import load_model, model_config
+    from kvbench.models import load_model, model_config
     from kvbench.policies import build_policy
 
     out = tmp_path / "run"

@@ -232,7 +232,7 @@ def test_cake_takes_the_released_tau_per_model_and_budget():
 @pytest.mark.model
 @pytest.mark.parametrize("spec", ["cake", "cake+slake"])
 def test_smollm2_dynamic_budgets(spec):
-    from kvbench.engine.models import load_model, model_config
+    from kvbench.models import load_model, model_config
 
     model, budget = load_model(model_config("smollm2_135m")).model, 64
     params = {"layer_budget": VABS} if spec == "cake+slake" else {}

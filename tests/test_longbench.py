@@ -23,10 +23,10 @@ from rouge import Rouge
 
 import kvbench
 from kvbench import hub
-from kvbench.engine.models import load_model, load_tokenizer, model_config
 from kvbench.errors import KVBenchError
 from kvbench.metrics import longbench as metrics
 from kvbench.metrics.longbench import DATASET_METRIC, length_bucket, normalize_answer, normalize_zh_answer, score_sample
+from kvbench.models import load_model, load_tokenizer, model_config
 from kvbench.run import run_sample
 from kvbench.tasks.base import ModelInfo
 from kvbench.tasks.longbench import DATASETS, E_DATASETS, MAX_NEW_TOKENS, PROMPTS, LongBenchTask

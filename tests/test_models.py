@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvbench import cache_dir
-from kvbench.engine import models
-from kvbench.engine.models import (
+from kvbench import cache_dir, models
+from kvbench.errors import KVBenchError
+from kvbench.models import (
     available_models,
     clear_loaded_models,
     convert_gguf,
@@ -17,7 +17,6 @@ from kvbench.engine.models import (
     load_tokenizer,
     model_config,
 )
-from kvbench.errors import KVBenchError
 
 TINY_MODELS = ["tiny_llama", "tiny_qwen2", "tiny_mistral"]
 SCHEMA_KEYS = {

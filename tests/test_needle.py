@@ -131,7 +131,7 @@ def test_kvcache_factory_prompt_stops_at_a_newline(essay_dir):
 
 @pytest.mark.model
 def test_smollm2_prompts_use_the_chat_template_and_fit(tmp_path):
-    from kvbench.engine.models import load_tokenizer, model_config
+    from kvbench.models import load_tokenizer, model_config
 
     tokenizer = load_tokenizer(model_config("smollm2_135m"))
     task = NeedleTask(

@@ -187,7 +187,7 @@ def test_multi_needle_reasoning_spaces_needles_by_diff():
 
 @pytest.mark.model
 def test_chat_models_get_one_user_turn():
-    from kvbench.engine.models import load_tokenizer, model_config
+    from kvbench.models import load_tokenizer, model_config
 
     tokenizer = load_tokenizer(model_config("smollm2_135m"))
     task = NeedleBenchTask(

@@ -17,8 +17,8 @@ from functools import cache
 import pytest
 
 from kvbench.config import compose
-from kvbench.engine.models import load_model
 from kvbench.job import resolve
+from kvbench.models import load_model
 from kvbench.run import build_engine, build_task, run_sample
 from tests.helpers import local_data
 

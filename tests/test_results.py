@@ -16,8 +16,8 @@ from kvbench.cli import main
 from kvbench.errors import KVBenchError
 from kvbench.results.compare import Comparison, parse_spec
 from kvbench.results.plots import make_plots, niah_grid
-from kvbench.results.rundir import RunDir
 from kvbench.results.table import benchmark_tables, load_runs, render
+from kvbench.rundir import RunDir
 
 LONGBENCH = [
     "narrativeqa",
@@ -252,7 +252,7 @@ def test_run_dir_lock_refuses_a_second_writer_and_dies_with_its_holder(tmp_path)
         [
             sys.executable,
             "-c",
-            "import sys, time\nfrom kvbench.results.rundir import RunDir\n"
+            "import sys, time\nfrom kvbench.rundir import RunDir\n"
             f"run_dir = RunDir({str(tmp_path)!r})\n"
             "with run_dir.lock():\n    run_dir.claim()\n    print('locked', flush=True)\n"
             "    time.sleep(600)",

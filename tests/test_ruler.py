@@ -240,7 +240,7 @@ def test_the_defaults_are_rulers_own():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from kvbench.engine.models import load_tokenizer, model_config
+    from kvbench.models import load_tokenizer, model_config
 
     cfg = model_config("smollm2_135m")
     return ModelInfo(cfg.name, load_tokenizer(cfg), int(cfg.context_window), cfg.hf_id)

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from kvbench.cli import main
-from kvbench.results.rundir import RunDir, differences, run_dirs_below
+from kvbench.rundir import RunDir, differences, run_dirs_below
 
 RULER = ["task=ruler", "task.subtasks=[niah_single_1]", "task.num_samples=2"]
 BASE = ["model=tiny_llama", *RULER, "task.context_length=640", "policy=snapkv", "policy.window=8", "budget=64"]

@@ -22,8 +22,8 @@ from kvbench.cli import main
 from kvbench.config import compose, engine_keys, group_keys, group_options
 from kvbench.domains import Domain, domains_of, shown
 from kvbench.engine import ENGINE_SETTINGS
-from kvbench.engine.models import MODEL_SETTINGS
 from kvbench.job import RUN_SETTINGS, resolve
+from kvbench.models import MODEL_SETTINGS
 from kvbench.policies import BASES, MODIFIERS, build_policy, composable
 from kvbench.policies.layer_budgets import LAYER_BUDGETS
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.results.sweeps import sweep_jobs
+from kvbench.launch.sweeps import sweep_jobs
 from tests.test_sweeps import TINY, submitit_job_folders
 
 KVBENCH = str(Path(sys.executable).parent / "kvbench")

@@ -19,10 +19,10 @@ from kvbench.config import compose as compose_run
 from kvbench.config import group_options
 from kvbench.engine.tokenizers import stand_in_tokenizer
 from kvbench.errors import KVBenchError
+from kvbench.launch.launchers import array_name, last_line, refusal
+from kvbench.launch.sweeps import experiment_overrides, split_pending, sweep_jobs, sweeper_params
 from kvbench.policies import build_policy
-from kvbench.results.launchers import array_name, last_line, refusal
-from kvbench.results.rundir import RunDir, run_dirs_below
-from kvbench.results.sweeps import experiment_overrides, split_pending, sweep_jobs, sweeper_params
+from kvbench.rundir import RunDir, run_dirs_below
 from kvbench.tasks.base import ModelInfo
 from tests.helpers import local_data
 

@@ -1,9 +1,9 @@
 """kvbench's Hydra plugins (Hydra finds plugins only in the ``hydra_plugins`` namespace package).
 
 * ``Sweeper`` (``hydra/sweeper=kvbench``, the default of conf/config.yaml): submits only the jobs whose run
-  directory is not finished, reports every failed job (:mod:`kvbench.results.sweeps`).
+  directory is not finished, reports every failed job (:mod:`kvbench.launch.sweeps`).
 * ``SlurmLauncher`` and ``LocalLauncher`` (``hydra/launcher=slurm|local``): hydra-submitit-launcher's,
-  naming the Slurm array after what it runs and collecting every job's outcome (:mod:`kvbench.results.launchers`).
+  naming the Slurm array after what it runs and collecting every job's outcome (:mod:`kvbench.launch.launchers`).
 
 The classes only delegate, importing kvbench when used: Hydra imports this module on every start.
 """
@@ -23,18 +23,18 @@ class Sweeper(BasicSweeper):
 
     def sweep(self, arguments: list[str]) -> Any:
         """Run the sweep of this config (``arguments`` are its command-line overrides, read from the config)."""
-        from kvbench.results.sweeps import run_sweep
+        from kvbench.launch.sweeps import run_sweep
 
         return run_sweep(self)
 
 
 class KVBenchLaunch:
-    """The ``launch`` of kvbench's submitit launchers (:func:`kvbench.results.launchers.launch`)."""
+    """The ``launch`` of kvbench's submitit launchers (:func:`kvbench.launch.launchers.launch`)."""
 
     array_name: str | None = None  # the Slurm job name, set by the sweeper before each launch
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from kvbench.results.launchers import launch
+        from kvbench.launch.launchers import launch
 
         return launch(self, job_overrides, initial_job_idx)
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import transformers
 
-from kvbench.engine.models import LoadedModel
+from kvbench.models import LoadedModel
 from kvbench.policies import build_policy, parse_spec
 
 #: prefill overhead at the longest prompt (÷ full prefill): window-scored policies score only the observation

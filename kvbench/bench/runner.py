@@ -16,8 +16,8 @@ from kvbench.bench import kvpress
 from kvbench.bench.report import machine, markdown, targets
 from kvbench.bench.sections import Bench
 from kvbench.engine import REGIMES
-from kvbench.engine.models import load_model
 from kvbench.errors import choose
+from kvbench.models import load_model
 from kvbench.policies import parse_spec
 
 log = logging.getLogger(__name__)

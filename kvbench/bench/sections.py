@@ -31,8 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 from kvbench import config_dict
 from kvbench.bench.measure import Clock, PeakMemory, median_ratio, rotations, summary
 from kvbench.engine import Engine
-from kvbench.engine.models import LoadedModel, load_model
 from kvbench.errors import KVBenchError, choose
+from kvbench.models import LoadedModel, load_model
 from kvbench.policies import build_policy
 from kvbench.policies.budgets import Budget
 

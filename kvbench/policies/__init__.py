@@ -18,10 +18,8 @@ from kvbench.policies.base import Modifier, Policy
 from kvbench.policies.layer_budgets import build_layer_budget
 from kvbench.policies.registry import BASES, MODIFIERS
 
-_INFRASTRUCTURE = {"base", "registry", "budgets", "layer_budgets", "scores"}
-for _module in pkgutil.iter_modules(__path__):
-    if _module.name not in _INFRASTRUCTURE:
-        importlib.import_module(f"{__name__}.{_module.name}")
+for _module in pkgutil.iter_modules(__path__):  # each method registers itself (@register) when imported
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 
 def parse_spec(spec: str) -> tuple[str, list[str]]:

@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.domains import number, optional, setting
-from kvbench.policies.base import AttentionStats
 from kvbench.policies.budgets import Budget
-from kvbench.policies.layer_budgets import DynamicLayerBudget, LayerBudget, register_layer_budget
+from kvbench.policies.layer_budgets import DynamicLayerBudget, LayerBudget
 from kvbench.policies.registry import register
 from kvbench.policies.scores import reduce_gqa
 from kvbench.policies.snapkv import SnapKV
+from kvbench.policies.stats import AttentionStats
 
 #: CAKE's released preference exponents per model and average per-layer budget, (tau1, tau2)
 #: (antgroup/cakekv, experiments/LongBench/config/model2tau.json; its keys llama3.1-8b-128k, llama2-7b-chat-4k,
@@ -28,7 +28,7 @@ CAKE_TAU: dict[str, dict[int, tuple[float, float]]] = {
 }
 
 
-@register_layer_budget
+@register
 @dataclass
 class CakeBudget(DynamicLayerBudget):
     """CAKE's preference ``P = H^(1/τ1) · V^(1/τ2)`` (CAKE eq. 6): spatial dispersion H (entropy) and

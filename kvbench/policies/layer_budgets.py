@@ -12,7 +12,8 @@ beta: 20.0}``, or just ``policy.layer_budget=cake`` for a strategy with its defa
   (:class:`CascadingAllocation`, driven by the cache): CAKE's preference (entropy and variance of
   attention), or SLAKE's value-aware budget scores (eqs. 15–18).
 
-Each paper's strategy lives in that paper's policy file and registers itself with ``@register_layer_budget``.
+Each paper's strategy lives in that paper's policy file and registers itself with ``@register``
+(``kvbench.policies.registry``, one decorator for bases, modifiers and layer budgets).
 """
 
 from __future__ import annotations
@@ -27,22 +28,17 @@ import torch
 from kvbench.domains import check_fields
 from kvbench.errors import check_keys, choose
 from kvbench.policies.budgets import Budget
+from kvbench.policies.registry import LAYER_BUDGETS, register
 
 if TYPE_CHECKING:
-    from kvbench.policies.base import AttentionStats
-
-LAYER_BUDGETS: dict[str, type[LayerBudget]] = {}
-
-
-def register_layer_budget(cls):
-    LAYER_BUDGETS[cls.name] = cls
-    return cls
+    from kvbench.policies.stats import AttentionStats
 
 
 @dataclass
 class LayerBudget:
     """Splits ``budget × num_layers`` tokens over layers (the reserved sinks/window in every layer)."""
 
+    registry: ClassVar[str] = "layer budget"  # which registry @register adds it to (kvbench.policies.registry)
     name: ClassVar[str]
     paper: ClassVar[str]
     #: allocated during prefill from the layers' attention (the cache calls :meth:`preference`)
@@ -74,7 +70,7 @@ class LayerBudget:
         return {"name": self.name, **asdict(self)}
 
 
-@register_layer_budget
+@register
 @dataclass
 class Uniform(LayerBudget):
     """Every layer keeps the same budget."""

@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvbench.domains import choice, number, setting
-from kvbench.policies.layer_budgets import LayerBudget, conserve_total, register_layer_budget
+from kvbench.policies.layer_budgets import LayerBudget, conserve_total
 from kvbench.policies.registry import register
 from kvbench.policies.snapkv import SnapKV
 
 PYRAMID_SCHEDULES = ("exact", "kvcache_factory")
 
 
-@register_layer_budget
+@register
 @dataclass
 class Pyramid(LayerBudget):
     """PyramidKV eq. 7 on the non-reserved part ``b = budget − reserved`` (the window is kept in every layer):

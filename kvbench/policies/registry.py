@@ -1,4 +1,5 @@
-"""Name → class registries for base policies and modifiers; ``@register`` adds a class by its ``name``."""
+"""Name → class registries of the policy parts; ``@register`` adds a class by its ``name`` to the registry its
+``registry`` class variable names (a base policy, a modifier or a layer budget)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ from typing import Any
 
 BASES: dict[str, Any] = {}  # name -> Policy subclass
 MODIFIERS: dict[str, Any] = {}  # name -> Modifier subclass
+LAYER_BUDGETS: dict[str, Any] = {}  # name -> LayerBudget subclass
+
+REGISTRIES = {"base": BASES, "modifier": MODIFIERS, "layer budget": LAYER_BUDGETS}
 
 
 def register(cls: Any) -> Any:
-    """Class decorator: a ``Policy`` subclass goes to ``BASES``, a ``Modifier`` subclass to ``MODIFIERS``."""
-    from kvbench.policies.base import Modifier
-
-    table = MODIFIERS if issubclass(cls, Modifier) else BASES
-    table[cls.name] = cls
+    """Class decorator: ``cls`` goes to the registry its ``registry`` names, under its ``name``."""
+    REGISTRIES[cls.registry][cls.name] = cls
     return cls

@@ -31,7 +31,7 @@ from kvbench.domains import mapping, number, optional, setting
 from kvbench.errors import KVBenchError
 from kvbench.policies.base import AttentionStats, Evicted, Modifier, Policy, by_kv_head
 from kvbench.policies.budgets import Budget
-from kvbench.policies.layer_budgets import DynamicLayerBudget, LayerBudget, register_layer_budget
+from kvbench.policies.layer_budgets import DynamicLayerBudget, LayerBudget
 from kvbench.policies.registry import register
 
 
@@ -141,7 +141,7 @@ VABS_EXPONENTS: dict[str, dict[int, tuple[float, float]]] = {
 }
 
 
-@register_layer_budget
+@register
 @dataclass
 class Vabs(DynamicLayerBudget):
     """SLAKE's value-aware budget scores (eqs. 15–18) with PTAA standing in for the tokens the average

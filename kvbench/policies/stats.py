@@ -1,4 +1,6 @@
-"""Column sums of causal attention from its per-query normaliser (H2O eq. 2; OBCache eqs. 4–6).
+"""Attention statistics a policy scores from: :class:`AttentionStats` (float32 attention of a window of queries
+over the cache, built block by block) and the column sums of causal attention from its per-query normaliser
+(H2O eq. 2; OBCache eqs. 4–6), below.
 
 Accumulating policies (H2O, and ``h2o+obcache_*`` over every query) add ``Σ_i f(A_ip, Z_ip, o_i)`` over all
 queries of every forward. Given the per-query log-sum-exp ``lse_i = log Σ_p exp Z_ip``, the weights are
@@ -185,3 +187,96 @@ class NormalisedStats:
             if own:
                 outputs[:, :, :, start:end] = block.outputs.view(batch, heads, group, width, -1)
             yield block
+
+
+@dataclass
+class AttentionStats:
+    """Float32 attention of a window of queries over the cached tokens of one layer.
+
+    ``queries [B,Hq,W,D]`` (post-RoPE), ``keys``/``values [B,Hkv,T,D]`` (the cache), ``query_positions [W]``
+    and ``key_positions [B,Hkv,T]`` (absolute token positions: a query sees keys at positions <= its own).
+    Nothing of size T×T is built: W is the scoring window (or one block of it).
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    query_positions: torch.Tensor
+    key_positions: torch.Tensor
+    scaling: float
+    #: leading cache slots every query sees (known from ``blocks``): their logits skip the causal mask check
+    seen_by_all: int = 0
+
+    @property
+    def group_size(self) -> int:
+        return self.queries.shape[1] // self.keys.shape[1]
+
+    def per_query_head(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Repeat a per-KV-head tensor ``[B,Hkv,...]`` to query heads ``[B,Hq,...]`` (repeat_kv layout)."""
+        return tensor.repeat_interleave(self.group_size, dim=1)
+
+    @cached_property
+    def logits(self) -> torch.Tensor:
+        """``Z_ip = q_i·k_p/√d`` with the causal mask as -inf: ``[B,Hq,W,T]``."""
+        batch, q_heads, window, dim = self.queries.shape
+        kv_heads = self.keys.shape[1]
+        grouped = self.queries.float().reshape(batch, kv_heads, self.group_size * window, dim)
+        logits = torch.matmul(grouped, self.keys.float().transpose(-1, -2)).mul_(self.scaling)  # [B,Hkv,G·W,T]
+        logits = logits.view(batch, kv_heads, self.group_size, window, -1)
+        seen = self.seen_by_all  # only the slots after these can hold a query's future
+        future = self.key_positions[:, :, None, None, seen:] > self.query_positions[None, None, None, :, None]
+        logits[..., seen:].masked_fill_(future, float("-inf"))
+        return logits.view(batch, q_heads, window, -1)
+
+    @cached_property
+    def weights(self) -> torch.Tensor:
+        """``A_ip = softmax_p(Z_i)``: ``[B,Hq,W,T]``."""
+        return torch.softmax(self.logits, dim=-1)
+
+    @cached_property
+    def outputs(self) -> torch.Tensor:
+        """``o_i = Σ_p A_ip v_p``: ``[B,Hq,W,D]``."""
+        batch, q_heads, window, tokens = self.weights.shape
+        grouped = self.weights.view(batch, -1, self.group_size * window, tokens)  # [B,Hkv,G·W,T]
+        return torch.matmul(grouped, self.values.float()).view(batch, q_heads, window, -1)
+
+    def blocks(self, size: int | None):
+        """Split the query window into blocks of at most ``size`` queries (bounds the [W,T] working set);
+        ``None`` sizes them by memory (``block_queries``).
+
+        Each block keeps only the cache slots its queries can see and knows which ones all of them see:
+        the cache is position-ordered per head and queries come in position order, so both are prefixes,
+        found for every block with one host synchronisation. Causal prefill blocks so skip the masked
+        upper triangle. On an accelerator a window that fits in one block is yielded unchanged: skipping
+        the synchronisation there is worth more than the skipped mask. A block's tensors are
+        ``[..., T_b]`` with ``T_b <= T``; callers add them into ``[..., :T_b]``."""
+        size = size or self.block_queries()
+        window = self.queries.shape[2]
+        if window <= size and self.queries.device.type != "cpu":
+            yield self
+            return
+        starts = range(0, window, size)
+        firsts_and_lasts = [*starts, *(min(start + size, window) - 1 for start in starts)]
+        sorted_keys = self.key_positions.flatten(0, 1).contiguous()  # [B·Hkv,T]
+        bounds = self.query_positions[torch.tensor(firsts_and_lasts, device=sorted_keys.device)]  # [2·blocks]
+        bounds = bounds.to(sorted_keys.dtype).expand(sorted_keys.shape[0], -1).contiguous()
+        counts = torch.searchsorted(sorted_keys, bounds, right=True).view(-1, 2, len(starts))  # [B·Hkv,2,blocks]
+        seen_by_all, visible = torch.stack([counts[:, 0].amin(dim=0), counts[:, 1].amax(dim=0)]).tolist()
+        for index, start in enumerate(starts):
+            yield AttentionStats(
+                self.queries[:, :, start : start + size],
+                self.keys[:, :, : visible[index]],
+                self.values[:, :, : visible[index]],
+                self.query_positions[start : start + size],
+                self.key_positions[..., : visible[index]],
+                self.scaling,
+                seen_by_all[index],
+            )
+
+    def block_queries(self) -> int:
+        """Queries per block when none is configured: 128 on CPU (the [128,T] block stays in cache); on an
+        accelerator as many as keep one float32 ``[B,Hq,block,T]`` tensor within ``BLOCK_ELEMENTS``."""
+        if self.queries.device.type == "cpu":
+            return 128
+        batch, q_heads, _, _ = self.queries.shape
+        return max(128, BLOCK_ELEMENTS // (batch * q_heads * self.keys.shape[2]))

@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 from kvbench import config_dict
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies.budgets import Budget
-from kvbench.results.rundir import RunDir, find_run_dirs, scan_run_dirs
+from kvbench.rundir import RunDir, find_run_dirs, scan_run_dirs
 
 IDENTITY = ["model", "policy", "budget", "regime"]
 NO_BUDGET = "–"

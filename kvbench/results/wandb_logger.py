@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig
 
 from kvbench import config_dict
-from kvbench.results.rundir import RunDir
+from kvbench.rundir import RunDir
 
 WandbMode = Literal["online", "offline", "disabled", "shared"]
 

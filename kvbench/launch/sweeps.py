@@ -35,9 +35,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kvbench import CONF_DIR
 from kvbench.config import experiment_config, prepare_overrides
-from kvbench.errors import KVBenchError
-from kvbench.results.launchers import JobFailure, array_name, last_line
-from kvbench.results.rundir import RunDir
+from kvbench.errors import KVBenchError, fail
+from kvbench.launch.launchers import JobFailure, array_name, last_line
+from kvbench.rundir import RunDir
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
@@ -154,7 +154,7 @@ def split_pending(jobs: list[SweepJob]) -> tuple[list[SweepJob], list[SweepJob],
     first such directory), unless it runs with ``resume=restart``."""
     from kvbench import config_dict
     from kvbench.job import resolve
-    from kvbench.run import finished_metrics
+    from kvbench.rundir import finished_metrics
 
     finished, running, todo, conflicts = [], [], [], []
     for job in jobs:
@@ -236,8 +236,6 @@ def launch_pending(sweeper: BasicSweeper) -> list[list[JobReturn]]:
 def run_sweep(sweeper: BasicSweeper) -> list[list[JobReturn]] | None:
     """The kvbench sweeper's ``sweep``: :func:`launch_pending`, a bad value (or a submission refused) as one
     line ``kvbench: error: ...`` with exit status 2."""
-    from kvbench.cli import fail
-
     try:
         return launch_pending(sweeper)
     except KVBenchError as error:

@@ -248,6 +248,17 @@ class RunDir:
         return json.loads(self.metrics_path.read_text(encoding="utf-8"))
 
 
+def finished_metrics(run_dir: RunDir, cfg: DictConfig) -> dict[str, Any] | None:
+    """The metrics of a finished run of this same (resolved) config in ``run_dir`` (metrics.json written,
+    the same identity in config.yaml, a prediction for every sample counted), else None: a resubmitted sweep
+    skips its finished jobs without loading the model."""
+    if not run_dir.metrics_path.exists() or run_dir.conflict(config_dict(cfg, resolve=True)) is not None:
+        return None
+    metrics = run_dir.metrics()
+    done = {record["id"] for record in run_dir.records()}
+    return metrics if len(done) >= metrics.get("num_samples", len(done) + 1) else None
+
+
 RUN_FILES = ("metrics.json", "predictions.jsonl", "config.yaml", "run.lock")
 """Files only a run directory holds; a folder with any of them is one (they do not nest)."""
 

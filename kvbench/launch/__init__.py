@@ -1,0 +1,1 @@
+"""Orchestration: sweeps (expanded, checked and submitted by the kvbench sweeper) and the submitit launchers."""

@@ -1,0 +1,108 @@
+"""The package's floors: every kvbench module belongs to a declared layer and imports only from its own layer or
+below, and no modules import each other in a circle (imports inside functions and under TYPE_CHECKING count)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from kvbench import PROJECT_ROOT
+
+#: the layers, lowest first: a module may import from its own layer and those below it
+LAYERS: list[tuple[str, ...]] = [
+    ("kvbench", "kvbench.errors", "kvbench.domains", "kvbench.hub"),  # the ground: no kvbench imports above it
+    ("kvbench.metrics", "kvbench.papers"),  # official metrics, transcribed paper tables
+    ("kvbench.policies",),  # eviction methods and their machinery
+    ("kvbench.engine",),  # the eviction-aware engine (knows no policy by name, no task)
+    ("kvbench.tasks", "kvbench.models"),  # benchmarks (know no policy, no engine); model provisioning
+    ("kvbench.rundir", "kvbench.config"),  # the run-directory store; Hydra glue
+    ("kvbench.job",),  # one job resolved before anything runs
+    ("kvbench.results",),  # reports: tables, paper comparisons, plots, W&B
+    ("kvbench.run",),  # running a job into its run directory
+    ("kvbench.launch", "kvbench.bench"),  # sweeps and launchers; benchmarks
+    ("kvbench.plan",),
+    ("kvbench.cli",),
+]
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name)."""
+    found = {}
+    for path in sorted((PROJECT_ROOT / "kvbench").rglob("*.py")):
+        parts = path.relative_to(PROJECT_ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The kvbench modules a file imports (``from pkg import submodule`` counts as the submodule)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "kvbench":
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                found.add(name if name in known else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "kvbench")
+    return {name for name in found if name in known}
+
+
+def layer_of(module: str) -> int:
+    """The layer of a module: that of the longest declared name it is or lies under."""
+    matches = [
+        (len(name), index)
+        for index, names in enumerate(LAYERS)
+        for name in names
+        if module == name or module.startswith(name + ".")
+    ]
+    assert matches, f"{module} is in no declared layer (tests/test_layers.py LAYERS)"
+    return max(matches)[1]
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(path, known) - {name} for name, path in known.items()}
+
+
+def test_every_module_imports_only_from_its_layer_or_below():
+    upward = [
+        f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})"
+        for module, targets in graph().items()
+        for target in sorted(targets)
+        if layer_of(target) > layer_of(module) and not target.startswith(module + ".")
+    ]
+    assert upward == []
+
+
+def test_no_import_cycle():
+    edges = {
+        module: {target for target in targets if not target.startswith(module + ".")}  # a package's own parts
+        for module, targets in graph().items()
+    }
+    cycles, index, low, stack, on_stack = [], {}, {}, [], set()
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in edges[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in edges:
+        if node not in index:
+            visit(node)
+    assert cycles == []
