@@ -74,6 +74,19 @@ class EvictionLayer(DynamicLayer):
         self.recent_queries = queries[:, :, -window:].clone()
         self.recent_query_positions = positions[-window:].clone()
 
+    def window_stats(self, window: int, scaling: float) -> AttentionStats:
+        """The float32 attention statistics of the last ``window`` recorded queries over this layer's cache."""
+        assert self.positions is not None
+        assert self.recent_queries is not None and self.recent_query_positions is not None
+        return AttentionStats(
+            self.recent_queries[:, :, -window:],  # [B,Hq,W,D]
+            self.keys,
+            self.values,
+            self.recent_query_positions[-window:],
+            self.positions,
+            scaling,
+        )
+
     def keep(self, kept: torch.Tensor) -> None:
         """Gather the kept slots ``kept [B,Hc,K]`` (sorted) into new, smaller tensors."""
         assert self.positions is not None
@@ -273,7 +286,7 @@ class EvictionCache(Cache):
     def _allocation(self) -> CascadingAllocation | None:
         """CAKE's cascading allocation for a dynamic ``layer_budget`` (None for static ones)."""
         budget = self.layer_budgets[0]
-        reserved = self.policy.reserved_recent(budget, self.prompt_len) + self.policy.reserved_sinks()
+        reserved = self.policy.reserved(budget, self.prompt_len)
         if not self.policy.layer_budget.dynamic or not self.policy.evicts or reserved >= budget:
             return None
         return CascadingAllocation(budget, reserved, len(self.layers))
@@ -300,16 +313,7 @@ class EvictionCache(Cache):
             assert layer.accumulated is not None  # accumulating policies evict only after tracked forwards
             summed = layer.accumulated
         else:
-            window = policy.scoring_window(budget, self.prompt_len, self.decoding)
-            assert layer.recent_queries is not None and layer.recent_query_positions is not None
-            stats = AttentionStats(
-                layer.recent_queries[:, :, -window:],
-                layer.keys,
-                layer.values,
-                layer.recent_query_positions[-window:],
-                layer.positions,
-                scaling,
-            )
+            stats = layer.window_stats(policy.scoring_window(budget, self.prompt_len, self.decoding), scaling)
             summed = policy.summed_contributions(stats, self.score_block)
         recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
         return policy.rank(summed, layer.values, recent)
@@ -363,17 +367,8 @@ class EvictionCache(Cache):
         budget would evict by ``scores [B,Hc,T]`` (the layer budget strategy decides what it uses)."""
         assert self.allocation is not None  # only called with a dynamic layer budget
         policy, layer, budget = self.policy, self.eviction_layers[layer_idx], self.allocation.budget
-        assert layer.positions is not None
-        assert layer.recent_queries is not None and layer.recent_query_positions is not None
         window = policy.layer_budget.observation_window(policy.scoring_window(budget, self.prompt_len))
-        stats = AttentionStats(
-            layer.recent_queries[:, :, -window:],
-            layer.keys,
-            layer.values,
-            layer.recent_query_positions[-window:],
-            layer.positions,
-            scaling,
-        )
+        stats = layer.window_stats(window, scaling)
         kept = self._select(layer_idx, budget, scores)
         evicted = torch.ones_like(scores, dtype=torch.bool).scatter_(-1, kept, False)  # [B,Hc,T]
         return policy.layer_budget.preference(stats, evicted)

@@ -179,8 +179,7 @@ class Engine:
         budget = self.budget.resolve(prompt_len)
         policy = self.policy if budget < prompt_len else Full(gqa=self.policy.gqa)
         policy.check_budget(budget, prompt_len)
-        reserved = policy.reserved_recent(budget, prompt_len) + policy.reserved_sinks()
-        budgets = policy.layer_budget.allocate(budget, self.num_layers, reserved, prompt_len)
+        budgets = policy.layer_budget.allocate(budget, self.num_layers, policy.reserved(budget, prompt_len), prompt_len)
         return EvictionCache(
             policy, budgets, prompt_len, self.num_query_heads, self.num_kv_heads, self.attn_backend, self.score_block
         )

@@ -271,10 +271,14 @@ class Policy:
             scores = modifier.transform(scores, values)
         return scores
 
+    def reserved(self, budget: int, prompt_len: int) -> int:
+        """Slots always kept per cache head: the recent window and the sinks."""
+        return self.reserved_recent(budget, prompt_len) + self.reserved_sinks()
+
     def check_budget(self, budget: int, prompt_len: int) -> None:
         """A one-line error when the reserved sinks and recent window fill the whole ``budget`` for a prompt
         of ``prompt_len`` tokens: a scoring policy would keep no heavy hitter and become a recency policy."""
-        reserved = self.reserved_recent(budget, prompt_len) + self.reserved_sinks()
+        reserved = self.reserved(budget, prompt_len)
         if self.evicts and self.needs_attention and budget < prompt_len and reserved >= budget:
             raise KVBenchError(
                 f"policy {self.spec} reserves {reserved} of its {budget}-token budget (window/sinks) for a "
