@@ -7,12 +7,15 @@ A *base* policy (``h2o``, ``tova``, ``snapkv`` ...) says which queries feed the 
 ``slake``) instead receive every evicted entry (``on_evict``) and may replace the attention output of
 single-query forwards (``attend``), keeping per-layer state in a slot the cache gives them.
 
-Ranking pipeline for one layer (shapes: B batch, Hq query heads, Hkv KV heads, W scoring queries, T cached
-tokens, D head dim)::
+Ranking pipeline for one layer (shapes: B batch, Hq query heads, Hc cache heads — the KV heads, or the query
+heads with ``gqa=repeat`` —, W scoring queries, T cached tokens)::
 
-    contributions [B,Hq,W,T] --sum over W--> [B,Hq,T] --GQA reduce (sum over the group)--> [B,Hkv,T]
+    contributions [B,Hq,W,T] --sum over W--> [B,Hq,T] --GQA: sum | mean over the group, or repeat--> [B,Hc,T]
       (accumulating policies add this to a running score) --base.pool_scores--> --modifier.transform...-->
-      --reserved = +inf--> topk(budget) per KV head
+      ranking [B,Hc,T]
+
+The cache then selects once per cache head (``kvbench.engine.cache``): the reserved slots (the first
+``reserved_sinks()``, the last ``reserved_recent()``) and the top-ranked of the slots between them.
 """
 
 from __future__ import annotations
