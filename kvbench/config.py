@@ -127,7 +127,9 @@ def prepare_overrides(args: list[str]) -> list[str]:
                 f"{key} is an experiment's per-policy setting (conf/experiment); set policy.<key>=VALUE instead"
             )
         for value in values:
-            _check_value(key, value)
+            _check_option(key, value)
+            if key == "budget":
+                register_budget(value)
         if key in selected:
             selected[key] = values
     selections = tuple(
@@ -139,28 +141,35 @@ def prepare_overrides(args: list[str]) -> list[str]:
     for spec in selected["policy"]:
         parse_spec(spec)
     register_policies(selected["policy"], settings)
-    _check_keys(overrides, {group: values or [DEFAULTS[group]] for group, values in selected.items()})
+    defaults = default_options()
+    _check_keys(overrides, {group: values or [defaults[group]] for group, values in selected.items()})
     return rewritten
 
 
-#: the default option of each group (conf/config.yaml's defaults list)
-DEFAULTS: dict[str, str] = {
-    str(group): str(option)
-    for entry in OmegaConf.load(CONF_DIR / "config.yaml").defaults
-    if isinstance(entry, DictConfig)
-    for group, option in entry.items()
-}
+@cache
+def default_options() -> dict[str, str]:
+    """The default option of each group (conf/config.yaml's defaults list)."""
+    return {
+        str(group): str(option)
+        for entry in OmegaConf.load(CONF_DIR / "config.yaml").defaults
+        if isinstance(entry, DictConfig)
+        for group, option in entry.items()
+    }
 
 
-def _check_value(key: str, value: str) -> None:
-    """A one-line error for an unknown option of a group (model, task, budget); every other value is checked
-    against its domain when the job is resolved (:func:`kvbench.job.resolve`)."""
+def _check_option(key: str, value: str) -> None:
+    """A one-line error for an unknown option of a group (model, task) or a budget that does not parse; every
+    other value is checked against its domain when the job is resolved (:func:`kvbench.job.resolve`)."""
     if key in ("model", "task"):
         choose(key, value, group_options(key))
     elif key == "budget":
         Budget.parse(value)
-        if value not in group_options("budget"):
-            ConfigStore.instance().store(group="budget", name=value, node={"spec": value})
+
+
+def register_budget(spec: str) -> None:
+    """Make a budget without a YAML of its own (``budget=3k``) an option of Hydra's ``budget`` group."""
+    if spec not in group_options("budget"):
+        ConfigStore.instance().store(group="budget", name=spec, node={"spec": spec})
 
 
 def group_keys(group: str, option: str) -> list[str]:
