@@ -25,10 +25,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.domains import check_fields, choice, setting
+from kvbench.domains import choice, setting
 from kvbench.errors import KVBenchError
 from kvbench.policies.budgets import Budget
 from kvbench.policies.layer_budgets import LayerBudget, Uniform
+from kvbench.policies.registry import Registered
 from kvbench.policies.scores import GqaMode, reduce_gqa
 from kvbench.policies.stats import AttentionStats, NormalisedBlock, NormalisedStats
 
@@ -77,17 +78,12 @@ def by_kv_head(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 @dataclass
-class Modifier:
+class Modifier(Registered):
     """Re-weights a base policy's ranking (CAOTE, OBCache) or changes decode attention (CaliDrop, SLAKE)."""
 
-    registry: ClassVar[str] = "modifier"  # which registry @register adds it to (kvbench.policies.registry)
-    name: ClassVar[str]
-    paper: ClassVar[str]
+    registry = "modifier"
     #: receives evicted entries (``on_evict``) and may replace single-query attention (``attend``)
     attends: ClassVar[bool] = False
-
-    def __post_init__(self):
-        check_fields(self, "policy.")
 
     @classmethod
     def inapplicable(cls, base: type[Policy]) -> str | None:
@@ -148,12 +144,10 @@ class Modifier:
 
 
 @dataclass
-class Policy:
+class Policy(Registered):
     """A base eviction policy. Subclasses set the class variables and override the hooks they need."""
 
-    registry: ClassVar[str] = "base"  # which registry @register adds it to (kvbench.policies.registry)
-    name: ClassVar[str]
-    paper: ClassVar[str]
+    registry = "base"
     #: ``full`` never evicts, whatever the budget
     evicts: ClassVar[bool] = True
     #: whether scores need attention statistics at all (``full`` and ``sink`` do not)
@@ -165,9 +159,6 @@ class Policy:
     #: how layers share the budget (``kvbench.policies.layer_budgets``)
     layer_budget: LayerBudget = field(default_factory=Uniform)
     modifiers: list[Modifier] = field(default_factory=list, repr=False)
-
-    def __post_init__(self):
-        check_fields(self, "policy.")
 
     # -- hooks ---------------------------------------------------------------------------------------
     @property

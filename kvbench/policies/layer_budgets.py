@@ -25,27 +25,22 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kvbench.domains import check_fields
 from kvbench.errors import check_keys, choose
 from kvbench.policies.budgets import Budget
-from kvbench.policies.registry import LAYER_BUDGETS, register
+from kvbench.policies.registry import LAYER_BUDGETS, Registered, register
 
 if TYPE_CHECKING:
     from kvbench.policies.stats import AttentionStats
 
 
 @dataclass
-class LayerBudget:
+class LayerBudget(Registered):
     """Splits ``budget × num_layers`` tokens over layers (the reserved sinks/window in every layer)."""
 
-    registry: ClassVar[str] = "layer budget"  # which registry @register adds it to (kvbench.policies.registry)
-    name: ClassVar[str]
-    paper: ClassVar[str]
+    registry = "layer budget"
+    settings_prefix = "policy.layer_budget."
     #: allocated during prefill from the layers' attention (the cache calls :meth:`preference`)
     dynamic: ClassVar[bool] = False
-
-    def __post_init__(self):
-        check_fields(self, "policy.layer_budget.")
 
     def allocate(self, budget: int, num_layers: int, reserved: int, prompt_len: int) -> list[int]:
         """Per-layer budgets before the prompt is seen; dynamic strategies start uniform."""

@@ -3,13 +3,29 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
+
+from kvbench.domains import check_fields
 
 BASES: dict[str, Any] = {}  # name -> Policy subclass
 MODIFIERS: dict[str, Any] = {}  # name -> Modifier subclass
 LAYER_BUDGETS: dict[str, Any] = {}  # name -> LayerBudget subclass
 
 REGISTRIES = {"base": BASES, "modifier": MODIFIERS, "layer budget": LAYER_BUDGETS}
+
+
+class Registered:
+    """What every policy part (base, modifier, layer budget) shares: the registry ``@register`` adds it to, its
+    name and paper, and its settings — dataclass fields declared with ``kvbench.domains.setting`` — checked
+    against their domains when it is built, each named ``<settings_prefix><field>`` in the error."""
+
+    registry: ClassVar[str]
+    name: ClassVar[str]
+    paper: ClassVar[str]
+    settings_prefix: ClassVar[str] = "policy."
+
+    def __post_init__(self) -> None:
+        check_fields(self, self.settings_prefix)
 
 
 def register(cls: Any) -> Any:
