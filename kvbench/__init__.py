@@ -24,6 +24,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVBENCH_CACHE") or Path.home() / ".cache" / "kvbench").expanduser()
 
 
+def duration(seconds: float) -> str:
+    """``H:MM:SS`` with as many hours as it takes (a paper-scale plan runs for days)."""
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+
+
 def config_dict(node: Any, resolve: bool = False) -> dict[str, Any]:
     """``OmegaConf.to_container`` of a mapping node (a ``DictConfig``, whose keys are strings), typed as the
     dict it is (omegaconf types the container as any dict, list or scalar)."""

@@ -104,9 +104,10 @@ def command_policies(args: list[str]) -> None:
 
     strategies = ", ".join(sorted(LAYER_BUDGETS))
     layer_budget_text = f"a layer budget (below) by name or {{name: ..., <key>: ...}}: {strategies}"
+    bases = {name: build_policy(name) for name in sorted(BASES)}
     parts: list[tuple[str, str, Any, dict[str, Any]]] = [
-        (name, "base", cls, {**build_policy(name).settings(), "layer_budget": build_policy(name).layer_budget.name})
-        for name, cls in sorted(BASES.items())
+        (name, "base", BASES[name], {**policy.settings(), "layer_budget": policy.layer_budget.name})
+        for name, policy in bases.items()
     ]
     parts += [(name, "modifier", cls, asdict(cls())) for name, cls in sorted(MODIFIERS.items())]
     parts += [(name, "layer budget", cls, cls().parameters()) for name, cls in sorted(LAYER_BUDGETS.items())]

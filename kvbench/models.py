@@ -50,10 +50,17 @@ RANDOM_ARCHITECTURES = {
     "Qwen2ForCausalLM": "Qwen2Config",
     "MistralForCausalLM": "MistralConfig",
 }
+
+
+def available_models() -> list[str]:
+    """Names of the model configurations in conf/model."""
+    return sorted(path.stem for path in MODEL_CONF_DIR.glob("*.yaml"))
+
+
 DEVICE = r"auto|cpu|cuda(:\d+)?"
 #: the model settings (``model.<key>``, conf/model/*.yaml) and their domains
 MODEL_SETTINGS: dict[str, Domain] = {
-    "name": choice(*sorted(path.stem for path in MODEL_CONF_DIR.glob("*.yaml"))),  # its option's, model=NAME
+    "name": choice(*available_models()),  # its option's name (model=NAME)
     "source": choice(*SOURCES),
     "hf_id": optional(Domain("a Hugging Face model id", lambda value: isinstance(value, str)), "none"),
     "path": optional(Domain("a local path", lambda value: isinstance(value, str)), "the source's own checkpoint"),
@@ -81,11 +88,6 @@ class LoadedModel:
     attn_backend: str
     device: torch.device
     dtype: torch.dtype
-
-
-def available_models() -> list[str]:
-    """Names of the model configurations in conf/model."""
-    return sorted(path.stem for path in MODEL_CONF_DIR.glob("*.yaml"))
 
 
 def model_config(name: str) -> DictConfig:

@@ -26,9 +26,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from kvbench import config_dict
+from kvbench import config_dict, duration
 from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
 from kvbench.launch.sweeps import MULTIRUN_FLAGS, compose_job, sweep_loader, sweep_overrides
@@ -51,12 +51,17 @@ def hub_offline() -> Iterator[None]:
             os.environ["HF_HUB_OFFLINE"] = previous
 
 
+def settings_key(node: DictConfig) -> str:
+    """A config node's settings as one string: a key for what was loaded or measured for them."""
+    return json.dumps(config_dict(node, resolve=True), sort_keys=True)
+
+
 def tokenizer_for(model: DictConfig, cache: dict[str, Any]) -> Any:
     """The model's own tokenizer where this machine has it (loaded once per model), else the stand-in."""
     from kvbench.engine.tokenizers import stand_in_tokenizer
     from kvbench.models import load_tokenizer
 
-    key = json.dumps(OmegaConf.to_container(model, resolve=True), sort_keys=True)
+    key = settings_key(model)
     if key not in cache:
         try:
             with hub_offline():
@@ -81,13 +86,13 @@ class Estimator:
         from kvbench.models import load_model
         from kvbench.run import build_engine, build_task, run_sample
 
-        model_key = json.dumps(config_dict(job.cfg.model, resolve=True), sort_keys=True)
+        model_key = settings_key(job.cfg.model)
         if model_key not in self.models:
             started = time.perf_counter()
             loaded = load_model(job.cfg.model)
             self.models[model_key] = (loaded, time.perf_counter() - started)
         loaded, load_seconds = self.models[model_key]
-        task_key = (model_key, json.dumps(config_dict(job.cfg.task, resolve=True), sort_keys=True))
+        task_key = (model_key, settings_key(job.cfg.task))
         if task_key not in self.samples:
             task = build_task(job.cfg, loaded.tokenizer)
             sample = next(iter(task.samples()))
@@ -187,7 +192,7 @@ def main(args: list[str]) -> None:
         f" (and {unknown} jobs whose size only their data tells)" if unknown else ""
     )
     if estimator is not None and seconds > 0:
-        tokens += f"; about {time.strftime('%H:%M:%S', time.gmtime(seconds))} of wall time here, one job after another"
+        tokens += f"; about {duration(seconds)} of wall time here, one job after another"
     print(f"kvbench plan: {jobs} jobs, {invalid} invalid, {finished} already finished; {tokens}", file=sys.stderr)
     if invalid:
         sys.exit(2)

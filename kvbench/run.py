@@ -14,7 +14,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from kvbench import config_dict
+from kvbench import config_dict, duration
 from kvbench.engine import Engine
 from kvbench.engine.engine import GenerationOutput, PerplexityOutput
 from kvbench.errors import KVBenchError
@@ -53,7 +53,7 @@ class Progress:
                 self.done,
                 self.total,
                 per_sample,
-                time.strftime("%H:%M:%S", time.gmtime(left)),
+                duration(left),
             )
 
     def close(self) -> None:

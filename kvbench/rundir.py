@@ -137,10 +137,11 @@ class RunDir:
 
     def holds_results(self) -> bool:
         """Whether any result file (config, predictions, metrics, kept sets) is in the directory."""
-        return any(path.exists() for path in (*self.result_paths(), self.path / "kept"))
+        return any(path.exists() for path in self.result_paths())
 
     def result_paths(self) -> tuple[Path, ...]:
-        return (self.config_path, self.predictions_path, self.metrics_path)
+        """The run's result files and its folder of kept sets (not its lock nor its log)."""
+        return (self.config_path, self.predictions_path, self.metrics_path, self.path / "kept")
 
     def conflict(self, settings: Mapping[str, Any]) -> str | None:
         """Why this directory cannot be resumed by a run of ``settings`` (a resolved config dict), else None."""
@@ -167,7 +168,7 @@ class RunDir:
     def move_aside(self) -> Path | None:
         """``resume=restart``: move the result files into ``superseded-<UTC time>/`` (nothing is deleted);
         the folder, or None when there was nothing to move."""
-        present = [path for path in (*self.result_paths(), self.path / "kept") if path.exists()]
+        present = [path for path in self.result_paths() if path.exists()]
         if not present:
             return None
         folder = self.path / time.strftime("superseded-%Y%m%dT%H%M%SZ", time.gmtime())

@@ -124,3 +124,15 @@ def test_time_estimates_each_job_from_a_measured_sample(capsys):
     assert "kvbench plan: timing a sample of ruler on tiny_llama" in err and "of wall time here" in err
     lines, err, code = plan(capsys, *TINY, "policy=snapkv", "budget=64")
     assert lines[0]["seconds"] is None and "wall time" not in err
+
+
+def test_durations_count_hours_past_a_day():
+    """A paper-scale plan runs for days: the hours are not wrapped at 24."""
+    from kvbench import duration
+
+    assert [duration(0), duration(59.6), duration(15 * 3600 + 42 * 60 + 57), duration(30 * 3600 + 61)] == [
+        "0:00:00",
+        "0:01:00",
+        "15:42:57",
+        "30:01:01",
+    ]

@@ -33,11 +33,12 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench import CONF_DIR
+from kvbench import CONF_DIR, config_dict
 from kvbench.config import experiment_config, prepare_overrides
 from kvbench.errors import KVBenchError, fail
+from kvbench.job import resolve
 from kvbench.launch.launchers import JobFailure, array_name, last_line
-from kvbench.rundir import RunDir
+from kvbench.rundir import RunDir, finished_metrics
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
@@ -152,10 +153,6 @@ def split_pending(jobs: list[SweepJob]) -> tuple[list[SweepJob], list[SweepJob],
     """``jobs`` as (finished with the same config, being written by a process now, to submit). A job whose
     run directory holds a run of other settings is refused before anything is submitted (one line, naming the
     first such directory), unless it runs with ``resume=restart``."""
-    from kvbench import config_dict
-    from kvbench.job import resolve
-    from kvbench.rundir import finished_metrics
-
     finished, running, todo, conflicts = [], [], [], []
     for job in jobs:
         run_dir = RunDir(job.output_dir)
@@ -163,13 +160,14 @@ def split_pending(jobs: list[SweepJob]) -> tuple[list[SweepJob], list[SweepJob],
             resolved = resolve(job.cfg).cfg
         except KVBenchError:  # submitted, and reported as it fails
             resolved = None
-        restart = resolved is not None and resolved.resume == "restart"
-        if resolved is not None and not restart:
+        done = None
+        if resolved is not None and resolved.resume != "restart":
             conflict = run_dir.conflict(config_dict(resolved))
             if conflict is not None:
                 conflicts.append(conflict)
                 continue
-        if resolved is not None and not restart and finished_metrics(run_dir, resolved) is not None:
+            done = finished_metrics(run_dir, resolved)
+        if done is not None:
             finished.append(job)
         elif run_dir.locked():
             running.append(job)
