@@ -100,7 +100,7 @@ def command_policies(args: list[str]) -> None:
     with its default and its domain (what values it takes)."""
     from kvbench.domains import domains_of, shown
     from kvbench.policies import BASES, MODIFIERS, build_policy
-    from kvbench.policies.layer_budgets import LAYER_BUDGETS
+    from kvbench.policies.layer_budget import LAYER_BUDGETS
 
     strategies = ", ".join(sorted(LAYER_BUDGETS))
     layer_budget_text = f"a layer budget (below) by name or {{name: ..., <key>: ...}}: {strategies}"

@@ -16,15 +16,13 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import CONF_DIR, config_dict
-from kvbench.errors import KVBenchError, check_keys, choose
+from kvbench.errors import KVBenchError, choose
 from kvbench.policies import BASES, MODIFIERS, build_policy, parse_spec, policy_keys
 from kvbench.policies.budgets import Budget
-from kvbench.policies.layer_budgets import layer_budget_keys
 from kvbench.rundir import register_run_name
 
 register_run_name()  # conf/config.yaml's ${run_name:}
@@ -117,8 +115,9 @@ def prepare_overrides(args: list[str]) -> list[str]:
             node = override.value()
             text = override.get_value_element_as_str() if isinstance(node, dict) else f"{{name: {node}}}"
             rewritten += ["~policy.layer_budget", f"+policy.layer_budget={text}"]
-        elif key.startswith("policy.layer_budget.") and override.input_line is not None:  # a key of that node
-            rewritten.append("++" + override.input_line.lstrip("+"))
+        elif key.split(".")[0] in ("policy", "task", "model", "engine") and "." in key and not override.is_delete():
+            assert override.input_line is not None  # set by the parser
+            rewritten.append("++" + override.input_line.lstrip("+"))  # checked once composed (kvbench.job)
         else:
             assert override.input_line is not None  # set by the parser
             rewritten.append(override.input_line)
@@ -141,20 +140,7 @@ def prepare_overrides(args: list[str]) -> list[str]:
     for spec in selected["policy"]:
         parse_spec(spec)
     register_policies(selected["policy"], settings)
-    defaults = default_options()
-    _check_keys(overrides, {group: values or [defaults[group]] for group, values in selected.items()})
     return rewritten
-
-
-@cache
-def default_options() -> dict[str, str]:
-    """The default option of each group (conf/config.yaml's defaults list)."""
-    return {
-        str(group): str(option)
-        for entry in OmegaConf.load(CONF_DIR / "config.yaml").defaults
-        if isinstance(entry, DictConfig)
-        for group, option in entry.items()
-    }
 
 
 def _check_option(key: str, value: str) -> None:
@@ -184,29 +170,6 @@ def group_keys(group: str, option: str) -> list[str]:
 def engine_keys() -> list[str]:
     """The engine settings (conf/config.yaml's ``engine`` node)."""
     return sorted(str(key) for key in OmegaConf.load(CONF_DIR / "config.yaml").engine)
-
-
-def _check_keys(overrides: list[Override], selected: dict[str, list[str]]) -> None:
-    """A one-line error for a ``policy.``/``task.``/``model.``/``engine.`` setting that the selected option
-    (every one, in a sweep) does not read; Hydra would otherwise advise ``+key=`` and run with it ignored."""
-    for override in overrides:
-        group, _, key = override.key_or_group.lstrip("+~").partition(".")
-        if not key or group not in (*selected, "engine"):
-            continue
-        name, _, deeper = key.partition(".")
-        for option in selected.get(group, ["engine"]):
-            valid = engine_keys() if group == "engine" else group_keys(group, option)
-            check_keys([name], valid, f"{group}.", "the engine" if group == "engine" else f"{group} {option}")
-            if group == "policy" and name == "layer_budget" and deeper:
-                _check_layer_budget_key(deeper.split(".")[0], option, overrides)
-
-
-def _check_layer_budget_key(key: str, spec: str, overrides: list[Override]) -> None:
-    """``policy.layer_budget.<key>`` must be a setting of the layer budget the policy runs with: the one
-    named by ``policy.layer_budget=NAME`` in the same overrides, else the policy's own."""
-    named = [o.value() for o in overrides if o.key_or_group.lstrip("+~") == "policy.layer_budget"]
-    strategy = named[-1] if named and isinstance(named[-1], str) else build_policy(spec).layer_budget.name
-    check_keys([key], layer_budget_keys(strategy), "policy.layer_budget.", f"layer budget {strategy}")
 
 
 def compose(overrides: list[str], config_name: str = "config", return_hydra_config: bool = False) -> DictConfig:

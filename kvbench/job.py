@@ -9,6 +9,7 @@ model's Hugging Face id) and the task's (LongBench's truncation length), and ret
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from kvbench.models import MODEL_SETTINGS
 from kvbench.policies import build_policy
 from kvbench.policies.base import Policy
 from kvbench.policies.budgets import Budget
+from kvbench.policies.layer_budget import check_layer_budget_keys
 from kvbench.rundir import RESUME_MODES
 from kvbench.tasks.base import Task
 
@@ -70,12 +72,8 @@ def resolve(cfg: DictConfig) -> Job:
 
 
 def check_settings(settings: dict[str, Any]) -> None:
-    """A one-line error for a setting no part of the job reads (added with ``+key=`` or by an experiment
-    file): top-level keys, ``engine.*`` and each group's keys against its YAML. Policy keys are checked
-    when the policy is built."""
-    top = [str(key) for key in OmegaConf.load(CONF_DIR / "config.yaml") if key != "defaults"]
-    check_keys(settings, sorted([*top, *GROUPS, "policy"]), "", "the run config")
-    check_keys(settings["engine"], engine_keys(), "engine.", "the engine")
+    """Every key known (:func:`check_known_keys`) and every top-level, engine and model value in its domain;
+    policy and task values are checked when they are built."""
     check_table(settings, RUN_SETTINGS, "")
     check_table(settings["engine"], ENGINE_SETTINGS, "engine.")
     check_table(settings["model"], MODEL_SETTINGS, "model.")
@@ -83,5 +81,22 @@ def check_settings(settings: dict[str, Any]) -> None:
         name = settings[group].get("name") if group != "budget" else None
         if name is not None:
             choose(f"{group}.name", name, group_options(group))
+    check_known_keys(settings)
+
+
+def check_known_keys(settings: dict[str, Any]) -> None:
+    """The one check of a composed config's keys: a one-line error for a setting no part of the job reads
+    (added with ``+key=``, ``key=`` or by an experiment file): top-level keys, ``engine.*``, each group's keys
+    against its YAML, the policy's against its parts and ``policy.layer_budget.*`` against its strategy. A
+    sweep runs it on every job before submitting any (a typed key is wrong in every job)."""
+    top = [str(key) for key in OmegaConf.load(CONF_DIR / "config.yaml") if key != "defaults"]
+    check_keys(settings, sorted([*top, *GROUPS, "policy"]), "", "the run config")
+    check_keys(settings["engine"], engine_keys(), "engine.", "the engine")
+    for group in (*GROUPS, "policy"):
+        name = settings[group].get("name") if group != "budget" else None
+        if group != "policy" and name is not None and name not in group_options(group):
+            continue  # an unknown option: check_settings names it
         valid = ["spec"] if name is None else group_keys(group, str(name))
         check_keys(settings[group], valid, f"{group}.", f"{group} {name}" if name else group)
+    if isinstance(settings["policy"].get("layer_budget"), Mapping):
+        check_layer_budget_keys(settings["policy"]["layer_budget"])

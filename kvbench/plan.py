@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 from kvbench import config_dict, duration
 from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
+from kvbench.launch.launchers import typed
 from kvbench.launch.sweeps import MULTIRUN_FLAGS, compose_job, sweep_loader, sweep_overrides
 from kvbench.rundir import RunDir, finished_metrics
 
@@ -108,7 +109,7 @@ def empty_line(overrides: list[str], output_dir: Path | None, error: str | None 
     """A plan line with only what is known before the job is resolved."""
     directory = None if output_dir is None else str(output_dir)
     return {
-        "overrides": overrides,
+        "overrides": typed(overrides),
         "output_dir": directory,
         "config": None,
         "policy": None,

@@ -14,9 +14,9 @@ from kvbench.errors import KVBenchError
 from kvbench.job import resolve
 from kvbench.policies import build_policy
 from kvbench.policies.budgets import Budget
-from kvbench.policies.cake import CAKE_TAU, cake_preference
-from kvbench.policies.layer_budgets import CascadingAllocation, build_layer_budget, conserve_total
-from kvbench.policies.slake import ptaa_weights, vabs_preference
+from kvbench.policies.layer_budget import CascadingAllocation, build_layer_budget, conserve_total
+from kvbench.policies.methods.cake import CAKE_TAU, cake_preference
+from kvbench.policies.methods.slake import ptaa_weights, vabs_preference
 from tests.helpers import random_prompt, tiny_model
 from tests.test_policies import KV_HEADS, Q_HEADS, SCALING, TOKENS, random_layer, top_positions
 
@@ -171,9 +171,7 @@ def test_unknown_layer_budget_is_one_line_error():
         KVBenchError, match=r"unknown policy.layer_budget 'adaptive'; valid choices: cake, pyramid, uniform, vabs"
     ):
         build_layer_budget("adaptive")
-    with pytest.raises(
-        KVBenchError, match=r"unknown key policy.layer_budget.tau1 for layer budget 'vabs'; valid keys: "
-    ):
+    with pytest.raises(KVBenchError, match=r"unknown key policy.layer_budget.tau1 for layer budget vabs; valid keys: "):
         build_layer_budget({"name": "vabs", "tau1": 1.0})
 
 

@@ -12,7 +12,7 @@ from kvbench.engine.engine import score_block_size
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy, parse_spec
 from kvbench.policies.budgets import Budget
-from kvbench.policies.pyramidkv import Pyramid
+from kvbench.policies.methods.pyramidkv import Pyramid
 from kvbench.policies.stats import BLOCK_ELEMENTS, AttentionStats
 
 Q_HEADS, KV_HEADS, DIM, TOKENS = 4, 2, 8, 40

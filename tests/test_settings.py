@@ -25,7 +25,7 @@ from kvbench.engine import ENGINE_SETTINGS
 from kvbench.job import RUN_SETTINGS, resolve
 from kvbench.models import MODEL_SETTINGS
 from kvbench.policies import BASES, MODIFIERS, build_policy, composable
-from kvbench.policies.layer_budgets import LAYER_BUDGETS
+from kvbench.policies.layer_budget import LAYER_BUDGETS
 
 RUN = ["model=tiny_llama", "budget=64"]
 RULER = ["task=ruler", "task.subtasks=[niah_single_1]", "task.num_samples=1"]

@@ -10,7 +10,7 @@ import torch
 from kvbench.engine import Engine
 from kvbench.engine.cache import EvictionCache
 from kvbench.policies import build_policy
-from kvbench.policies.slake import LinearState, ptaa_attention, ptaa_weights
+from kvbench.policies.methods.slake import LinearState, ptaa_attention, ptaa_weights
 from tests.helpers import random_prompt, tiny_model
 from tests.test_policies import KV_HEADS, Q_HEADS, SCALING, TOKENS, random_layer
 

@@ -41,32 +41,20 @@ def run(bench: Bench, out: Path) -> dict[str, Any]:
         (out / "bench.md").write_text(markdown(results))
 
     bench.warm_up()
-    if bench.bench.prefill.prompt_lengths:
-        log.info("prefill overhead")
-        prefill = bench.prefill()
-        results.update(prefill_overhead=prefill["overhead"], prefill_overhead_cpu=prefill["overhead_cpu"])
-        results.update(kv_bytes=prefill["kv_bytes"])
-        results["raw"]["prefill"] = prefill["raw"]
-        save()
-    if bench.bench.decode.prompt_lengths:
-        log.info("decode latency")
-        decode = bench.decode()
-        results["decode_latency_ratio"] = decode["ratio"]
-        results["raw"]["decode"] = decode
-        save()
-    if bench.bench.memory.prompt_lengths and bench.bench.memory.policies:
-        log.info("memory")
-        results["memory"] = bench.memory_section()
-        save()
-    if bench.bench.generate.prompt_lengths:
-        log.info("kvbench vs model.generate")
-        generate = bench.generate()
-        results["harness_vs_generate"] = generate["speed_ratio"]
-        results["raw"]["generate"] = generate
-        save()
-    if bench.bench.kvpress.enabled:
-        log.info("kvpress")
-        results["kvpress"] = kvpress.compare(bench)
+    sections = bench.bench
+    for title, enabled, measure in (
+        ("prefill overhead", sections.prefill.prompt_lengths, bench.prefill),
+        ("decode latency", sections.decode.prompt_lengths, bench.decode),
+        ("memory", sections.memory.prompt_lengths and sections.memory.policies, bench.memory_section),
+        ("kvbench vs model.generate", sections.generate.prompt_lengths, bench.generate),
+        ("kvpress", sections.kvpress.enabled, lambda: {"kvpress": kvpress.compare(bench)}),
+    ):
+        if enabled:
+            log.info(title)
+            measured = measure()
+            results["raw"].update(measured.pop("raw", {}))
+            results.update(measured)
+            save()
     save()
     return results
 

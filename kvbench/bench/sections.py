@@ -95,7 +95,9 @@ def prompt_tokens(tokenizer, text: str, length: int) -> list[int]:
 
 
 class Bench:
-    """One benchmark run over one loaded model, configured by the composed ``conf/bench.yaml``."""
+    """One benchmark run over one loaded model, configured by the composed ``conf/bench.yaml``. Each section
+    (``prefill``, ``decode``, ``memory_section``, ``generate``) returns its fields of ``bench.json``, its raw
+    figures under ``raw``."""
 
     def __init__(self, cfg: DictConfig, loaded: LoadedModel):
         self.cfg, self.loaded = cfg, loaded
@@ -181,7 +183,12 @@ class Bench:
                 if spec != "full"
             }
 
-        return {"overhead": ratios("wall"), "overhead_cpu": ratios("cpu"), "raw": raw, "kv_bytes": kv}
+        return {
+            "prefill_overhead": ratios("wall"),
+            "prefill_overhead_cpu": ratios("cpu"),
+            "kv_bytes": kv,
+            "raw": {"prefill": raw},
+        }
 
     def kv_bytes(self, engine: Engine, stats, prompt_len: int) -> dict[str, Any]:
         """KV-cache bytes after prefill and at peak against the full cache of the prompt."""
@@ -228,14 +235,20 @@ class Bench:
             for n in lengths
         }
         longest, shortest = raw[str(max(lengths))], raw[str(min(lengths))]
+        ratio = median_ratio(longest, shortest)
         return {
-            "policy": engine.policy.spec,
-            "budget": str(self.budget.spec),
-            "regime": engine.regime,
-            "new_tokens": new_tokens,
-            "per_token_seconds": raw,
-            "ratio": median_ratio(longest, shortest),
-            "ratio_cpu": median_ratio(longest, shortest, "cpu"),
+            "decode_latency_ratio": ratio,
+            "raw": {
+                "decode": {
+                    "policy": engine.policy.spec,
+                    "budget": str(self.budget.spec),
+                    "regime": engine.regime,
+                    "new_tokens": new_tokens,
+                    "per_token_seconds": raw,
+                    "ratio": ratio,
+                    "ratio_cpu": median_ratio(longest, shortest, "cpu"),
+                }
+            },
         }
 
     def memory_section(self) -> dict[str, Any]:
@@ -265,7 +278,7 @@ class Bench:
                     growth[key] = longest[key] / max(shortest[key], 1)
                     growth[added] = longest[key] - shortest[key]
             result["growth"][spec] = growth
-        return result
+        return {"memory": result}
 
     def generate(self) -> dict[str, Any]:
         """kvbench's full cache against ``model.generate`` (greedy, exactly ``new_tokens`` each), interleaved."""
@@ -317,13 +330,10 @@ class Bench:
 
         for row in raw.values():
             row["speed_ratio"], row["speed_ratio_cpu"] = speed_ratio([row], "wall"), speed_ratio([row], "cpu")
-        return {
-            "new_tokens": new_tokens,
-            "per_prompt": raw,
-            "same_tokens": match,
-            "speed_ratio": speed_ratio(list(raw.values()), "wall"),
-            "speed_ratio_cpu": speed_ratio(list(raw.values()), "cpu"),
-        }
+        ratio = speed_ratio(list(raw.values()), "wall")
+        generate = {"new_tokens": new_tokens, "per_prompt": raw, "same_tokens": match, "speed_ratio": ratio}
+        generate["speed_ratio_cpu"] = speed_ratio(list(raw.values()), "cpu")
+        return {"harness_vs_generate": ratio, "raw": {"generate": generate}}
 
 
 def memory_row(config: dict[str, Any], spec: str, length: int) -> tuple[str, dict[str, Any]]:

@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvbench.engine import attention
 from kvbench.policies.base import AttentionStats, Evicted, Modifier, Policy
-from kvbench.policies.layer_budgets import CascadingAllocation
+from kvbench.policies.layer_budget import CascadingAllocation
 from kvbench.policies.stats import NormalisedStats
 
 
@@ -105,17 +105,11 @@ class EvictionLayer(DynamicLayer):
         dropped = torch.ones(batch, heads, tokens, dtype=torch.bool, device=kept.device).scatter_(-1, kept, False)
         # a stable sort puts the dropped slots first, in slot order, with no host synchronisation
         index = dropped.byte().sort(dim=-1, descending=True, stable=True).indices[..., : tokens - kept.shape[-1]]
-        slots = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        return Evicted(
-            self.keys.gather(2, slots),
-            self.values.gather(2, slots),
-            self.positions.gather(2, index),
-            self.ranking.gather(2, index),
-        )
+        return Evicted.taken(self.keys, self.values, self.positions, self.ranking, index)
 
 
 @dataclass
-class KVStats:
+class CacheSizes:
     """Cache sizes measured during one sample (tokens per KV head, bytes over all layers)."""
 
     after_prefill_tokens_per_layer: list[int] = field(default_factory=list)
@@ -195,7 +189,7 @@ class EvictionCache(Cache):
         dynamic layer budget, each layer's ``layer_preference``."""
         stats: dict[str, Any] = {}
         for modifier in self.attending:
-            stats.update(modifier.stats([self._state(layer, modifier) for layer in self.eviction_layers]))
+            stats.update(modifier.policy_stats([self._state(layer, modifier) for layer in self.eviction_layers]))
         if self.allocation is not None:
             stats["layer_preference"] = list(self.allocation.preferences)
         return stats

@@ -20,11 +20,10 @@ import torch
 
 from kvbench.domains import FLAG, Domain, choice, integer, is_int, optional
 from kvbench.engine import attention
-from kvbench.engine.cache import EvictionCache, KVStats
+from kvbench.engine.cache import CacheSizes, EvictionCache
 from kvbench.errors import KVBenchError, choose
-from kvbench.policies.base import Policy
+from kvbench.policies.base import Full, Policy
 from kvbench.policies.budgets import Budget
-from kvbench.policies.full import Full
 
 REGIMES = ["oneshot", "chunked", "streaming"]
 
@@ -49,7 +48,7 @@ class GenerationOutput:
     prompt_tokens: int
     prefill_seconds: float
     decode_seconds: float
-    kv: KVStats = field(default_factory=KVStats)
+    kv: CacheSizes = field(default_factory=CacheSizes)
     policy_stats: dict = field(default_factory=dict)
     kept: list[list[list[int]]] | None = None
 
@@ -59,7 +58,7 @@ class PerplexityOutput:
     nlls: list[float]
     prefill_seconds: float
     decode_seconds: float
-    kv: KVStats = field(default_factory=KVStats)
+    kv: CacheSizes = field(default_factory=CacheSizes)
     policy_stats: dict = field(default_factory=dict)
 
 
@@ -223,11 +222,11 @@ class Engine:
     def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
 
-    def _kv_stats(self, cache: EvictionCache, after_prefill: list[int], total_tokens: int) -> KVStats:
+    def _kv_stats(self, cache: EvictionCache, after_prefill: list[int], total_tokens: int) -> CacheSizes:
         bytes_per_token = sum(
             2 * self.num_kv_heads * layer.keys.shape[-1] * layer.keys.element_size() for layer in cache.eviction_layers
         )
-        return KVStats(
+        return CacheSizes(
             after_prefill_tokens_per_layer=after_prefill,
             peak_tokens_per_layer=[layer.peak_tokens for layer in cache.eviction_layers],
             peak_bytes=cache.peak_bytes,

@@ -44,6 +44,13 @@ class JobFailure(Exception):
         self.log = log
 
 
+def typed(overrides: Sequence[str]) -> list[str]:
+    """A job's overrides as the user typed them: without the ``++`` that :func:`kvbench.config.prepare_overrides`
+    puts before a group's key (so that composing never fails on a key and the composed config's one check names
+    it)."""
+    return [override.removeprefix("++") for override in overrides]
+
+
 def last_line(text: str) -> str:
     """The last non-blank line of ``text`` (of an error message or a log), stripped; empty if none."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -102,7 +109,7 @@ def submit(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     Path(str(launcher.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
     calls = []
     for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
-        print(f"kvbench: #{idx} {' '.join(filter_overrides(overrides))}")
+        print(f"kvbench: #{idx} {' '.join(typed(filter_overrides(overrides)))}")
         calls.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's error before raising it

@@ -36,8 +36,8 @@ from omegaconf.errors import OmegaConfBaseException
 from kvbench import CONF_DIR, config_dict
 from kvbench.config import experiment_config, prepare_overrides
 from kvbench.errors import KVBenchError, fail
-from kvbench.job import resolve
-from kvbench.launch.launchers import JobFailure, array_name, last_line
+from kvbench.job import check_known_keys, resolve
+from kvbench.launch.launchers import JobFailure, array_name, last_line, typed
 from kvbench.rundir import RunDir, finished_metrics
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
@@ -95,10 +95,11 @@ def compose_job(config_loader: Any, master: DictConfig, overrides: list[str]) ->
         output_dir = Path(str(config.hydra.sweep.dir), str(config.hydra.sweep.subdir))
         log = output_dir / f"{config.hydra.job.name}.log"
     except (HydraException, OmegaConfBaseException) as error:
-        raise KVBenchError(f"job {' '.join(overrides)}: {last_line(str(error).splitlines()[0])}") from None
+        raise KVBenchError(f"job {' '.join(typed(overrides))}: {last_line(str(error).splitlines()[0])}") from None
     cfg = copy.deepcopy(config)
     with read_write(cfg), open_dict(cfg):
         del cfg["hydra"]
+    check_known_keys(config_dict(cfg, resolve=True))
     return SweepJob(overrides, cfg, output_dir, log)
 
 
@@ -190,7 +191,7 @@ def failure_line(job: SweepJob, returned: JobReturn) -> str:
     if not isinstance(error, (KVBenchError, JobFailure)):
         message = f"{type(error).__name__}: {message}"
     log = error.log if isinstance(error, JobFailure) else job.log
-    return f"kvbench: failed: {' '.join(job.overrides)} | run dir: {job.output_dir} | {message} | log: {log}"
+    return f"kvbench: failed: {' '.join(typed(job.overrides))} | run dir: {job.output_dir} | {message} | log: {log}"
 
 
 def launch_pending(sweeper: BasicSweeper) -> list[list[JobReturn]]:

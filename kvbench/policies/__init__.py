@@ -1,25 +1,22 @@
 """Eviction policies: base rankings (``h2o``, ``snapkv`` ...) and modifiers (``caote``, ``obcache_joint`` ...).
 
-Each policy is one small module that registers its class with ``@register``; every module in this
-package is imported here, so adding a policy means adding a file. ``build_policy("h2o+obcache_joint",
-params)`` parses a spec and sets each part's dataclass fields from ``params``.
+The machinery (``base``, ``stats``, ``scores``, ``budgets``, ``layer_budget``, ``registry``) lies here; the
+methods, one small module each, in :mod:`kvbench.policies.methods`, each registering its classes with
+``@register`` when that package is imported below, so adding a method means adding a file there.
+``build_policy("h2o+obcache_joint", params)`` parses a spec and sets each part's dataclass fields from ``params``.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
+import kvbench.policies.methods  # noqa: F401  (each method registers itself when imported)
 from kvbench.errors import KVBenchError, check_keys, choose
 from kvbench.policies.base import Modifier, Policy
-from kvbench.policies.layer_budgets import build_layer_budget
+from kvbench.policies.layer_budget import build_layer_budget
 from kvbench.policies.registry import BASES, MODIFIERS
-
-for _module in pkgutil.iter_modules(__path__):  # each method registers itself (@register) when imported
-    importlib.import_module(f"{__name__}.{_module.name}")
 
 
 def parse_spec(spec: str) -> tuple[str, list[str]]:

@@ -28,8 +28,8 @@ import torch
 from kvbench.domains import choice, setting
 from kvbench.errors import KVBenchError
 from kvbench.policies.budgets import Budget
-from kvbench.policies.layer_budgets import LayerBudget, Uniform
-from kvbench.policies.registry import Registered
+from kvbench.policies.layer_budget import LayerBudget, Uniform
+from kvbench.policies.registry import Registered, register
 from kvbench.policies.scores import GqaMode, reduce_gqa
 from kvbench.policies.stats import AttentionStats, NormalisedBlock, NormalisedStats
 
@@ -62,14 +62,19 @@ class Evicted:
 
     def top(self, count: int) -> Evicted:
         """The ``count`` best-scored entries of every head."""
-        index = self.scores.topk(count, dim=-1).indices  # [B,Hc,count]
-        slots = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        return Evicted(
-            self.keys.gather(2, slots),
-            self.values.gather(2, slots),
-            self.positions.gather(2, index),
-            self.scores.gather(2, index),
+        return Evicted.taken(
+            self.keys, self.values, self.positions, self.scores, self.scores.topk(count, dim=-1).indices
         )
+
+    @staticmethod
+    def taken(
+        keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor, index: torch.Tensor
+    ) -> Evicted:
+        """The entries at ``index [B,Hc,E]`` of a layer's ``keys``/``values [B,Hc,T,D]``, ``positions`` and
+        ``scores [B,Hc,T]``."""
+        slots = index[..., None].expand(-1, -1, -1, keys.shape[-1])
+        kept_keys, kept_values = keys.gather(2, slots), values.gather(2, slots)
+        return Evicted(kept_keys, kept_values, positions.gather(2, index), scores.gather(2, index))
 
 
 def by_kv_head(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -138,7 +143,7 @@ class Modifier(Registered):
         [B,Hc,T,D]`` (its own token included) and got ``output [B,1,Hq,D]``; return a replacement or None."""
         return None
 
-    def stats(self, states: list[Any]) -> dict[str, Any]:
+    def policy_stats(self, states: list[Any]) -> dict[str, Any]:
         """Per-sample statistics from every layer's slot (e.g. CaliDrop's recomputation rate)."""
         return {}
 
@@ -156,7 +161,7 @@ class Policy(Registered):
     #: GQA: sum the scores of a KV head's query heads (OBCache App. B.5), average them, or ``repeat``
     #: (KV stored per query head, each choosing its own tokens: the SnapKV / KVCache-Factory layout)
     gqa: GqaMode = setting(choice(*GQA_MODES), "sum")
-    #: how layers share the budget (``kvbench.policies.layer_budgets``)
+    #: how layers share the budget (``kvbench.policies.layer_budget``)
     layer_budget: LayerBudget = field(default_factory=Uniform)
     modifiers: list[Modifier] = field(default_factory=list, repr=False)
 
@@ -306,3 +311,15 @@ def window_tokens(window: Any, budget: int, prompt_len: int) -> int:
     else:
         tokens = int(window)
     return max(0, min(tokens, budget))
+
+
+@register
+@dataclass
+class Full(Policy):
+    """The full cache: keeps every token (the reference every policy is compared with, and what the engine runs
+    where the budget holds the whole prompt)."""
+
+    name = "full"
+    paper = "—"
+    evicts = False
+    needs_attention = False

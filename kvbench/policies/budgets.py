@@ -1,5 +1,5 @@
 """Budgets: the ``budget=`` spec, tokens per layer per cache head (how layers share them:
-``kvbench.policies.layer_budgets``)."""
+``kvbench.policies.layer_budget``)."""
 
 from __future__ import annotations
 

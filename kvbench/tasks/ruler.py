@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
@@ -169,8 +169,29 @@ def _join_keys(keys: list[str]) -> str:
     return keys[0] if len(keys) == 1 else ", ".join(keys[:-1]) + ", and " + keys[-1]
 
 
+class Generator:
+    """What every RULER generator declares: RULER's tokens to generate, its metric and the smallest
+    haystack size (class attributes: each kind of subtask has one of each)."""
+
+    tokens_to_generate: ClassVar[int]
+    needs_data: ClassVar[bool] = False  # a QA subtask: not in the null default of task.subtasks
+
+    @property
+    def min_size(self) -> int:
+        """The smallest haystack size."""
+        return 0
+
+    def metric(self, prediction: str, answers: list[str]) -> float:
+        """RULER's metric for this kind of subtask."""
+        return string_match_all(prediction, answers)
+
+    def build(self, rng: random.Random, size: int, task: RulerTask) -> Prompt:
+        """An example whose haystack has ``size`` units."""
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class Niah:
+class Niah(Generator):
     """Needle in a haystack: ``haystack`` is ``noise`` (repeated sentences), ``essay`` or ``needle``
     (distractor needles); keys and values are ``words``, ``numbers`` or ``uuids``."""
 
@@ -180,9 +201,7 @@ class Niah:
     num_keys: int = 1
     num_values: int = 1
     num_queries: int = 1
-    tokens_to_generate: int = 128
-    metric: Callable[[str, list[str]], float] = string_match_all
-    min_size = 0  # smallest haystack size (a class attribute, not a field)
+    tokens_to_generate = 128
 
     def build(self, rng: random.Random, size: int, task: RulerTask) -> Prompt:
         """An example whose haystack has ``size`` units (noise paragraphs, essay words or distractors)."""
@@ -244,7 +263,7 @@ class Niah:
 
 
 @dataclass(frozen=True)
-class VariableTracking:
+class VariableTracking(Generator):
     """Multi-hop tracing: chains ``VAR B = VAR A`` hidden in noise; name every variable holding a value.
 
     Like RULER, the prompt starts with one worked example (3-letter names, fixed noise length).
@@ -252,9 +271,7 @@ class VariableTracking:
 
     num_chains: int = 1
     num_hops: int = 4
-    tokens_to_generate: int = 30
-    metric: Callable[[str, list[str]], float] = string_match_all
-    min_size = 0  # smallest haystack size (a class attribute, not a field)
+    tokens_to_generate = 30
 
     def build(self, rng: random.Random, size: int, task: RulerTask) -> Prompt:
         """An example with ``size`` noise paragraphs, preceded by the worked example."""
@@ -290,15 +307,14 @@ def _cwe_vocabulary() -> list[str]:
 
 
 @dataclass(frozen=True)
-class CommonWords:
+class CommonWords(Generator):
     """Aggregation: a numbered word list where ``num_cw`` words repeat ``freq_cw`` times and the rest
     ``freq_ucw`` times; name the common ones. One worked example first, as RULER (a separate turn)."""
 
     freq_cw: int = 30
     freq_ucw: int = 3
     num_cw: int = 10
-    tokens_to_generate: int = 120
-    metric: Callable[[str, list[str]], float] = string_match_all
+    tokens_to_generate = 120
 
     @property
     def min_size(self) -> int:
@@ -332,15 +348,13 @@ class CommonWords:
 
 
 @dataclass(frozen=True)
-class FreqWords:
+class FreqWords(Generator):
     """Aggregation: coded words drawn from a Zipf(``alpha``) distribution; name the three most frequent
     (the most frequent of all is the noise word ``...``). Vocabulary: ``context_length // 50`` words."""
 
     alpha: float = 2.0
     word_length: int = 6
-    tokens_to_generate: int = 50
-    metric: Callable[[str, list[str]], float] = string_match_all
-    min_size = 0  # smallest haystack size (a class attribute, not a field)
+    tokens_to_generate = 50
 
     def build(self, rng: random.Random, size: int, task: RulerTask) -> Prompt:
         """An example of about ``size`` coded words."""
@@ -475,15 +489,17 @@ def qa_dataset(dataset: str, qa_dir: str | None) -> tuple[list[dict[str, Any]], 
 
 
 @dataclass(frozen=True)
-class QA:
+class QA(Generator):
     """Question answering over distractor documents: the gold paragraph(s) first, then (SQuAD) the other
     paragraphs of the article, then random documents, shuffled with the task seed; ``size`` documents."""
 
     dataset: str
-    tokens_to_generate: int = 32
-    metric: Callable[[str, list[str]], float] = string_match_part
-    min_size = 0  # a class attribute: below the question's own documents, only those are used
-    needs_data = True  # not in the null default of task.subtasks
+    tokens_to_generate = 32
+    needs_data = True  # below the question's own documents (min_size 0), only those are used
+
+    def metric(self, prediction: str, answers: list[str]) -> float:
+        """RULER's QA metric: any answer found."""
+        return string_match_part(prediction, answers)
 
     def build(self, rng: random.Random, size: int, task: RulerTask) -> Prompt:
         qas, docs = qa_dataset(self.dataset, task.cfg.get("qa_dir"))
@@ -509,9 +525,7 @@ class QA:
         )
 
 
-Spec = Niah | VariableTracking | CommonWords | FreqWords | QA
-
-SUBTASKS: dict[str, Spec] = {
+SUBTASKS: dict[str, Generator] = {
     "niah_single_1": Niah("noise", "words", "numbers"),
     "niah_single_2": Niah("essay", "words", "numbers"),
     "niah_single_3": Niah("essay", "words", "uuids"),
@@ -601,7 +615,7 @@ class RulerTask(Task):
         super().__init__(cfg, model)
         subtasks = cfg.get("subtasks")
         if subtasks is None:  # all the synthetic ones (qa_1 / qa_2 need data: name them)
-            subtasks = [name for name, spec in SUBTASKS.items() if not getattr(spec, "needs_data", False)]
+            subtasks = [name for name, spec in SUBTASKS.items() if not spec.needs_data]
         elif isinstance(subtasks, str):
             subtasks = [subtasks]
         for subtask in subtasks:

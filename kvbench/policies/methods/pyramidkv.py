@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvbench.domains import choice, number, setting
-from kvbench.policies.layer_budgets import LayerBudget, conserve_total
+from kvbench.policies.layer_budget import LayerBudget, conserve_total
+from kvbench.policies.methods.snapkv import SnapKV
 from kvbench.policies.registry import register
-from kvbench.policies.snapkv import SnapKV
 
 PYRAMID_SCHEDULES = ("exact", "kvcache_factory")
 

@@ -86,11 +86,18 @@ def build_layer_budget(spec: LayerBudget | str | Mapping[str, Any]) -> LayerBudg
     if isinstance(spec, LayerBudget):
         return spec
     node = {"name": spec} if isinstance(spec, str) else dict(spec)
-    name = node.pop("name", None)
+    name = check_layer_budget_keys(node)
+    node.pop("name")
+    return LAYER_BUDGETS[name](**node)
+
+
+def check_layer_budget_keys(node: Mapping[str, Any]) -> str:
+    """One-line errors for an unknown strategy ``name`` or a key it does not read; returns the name."""
+    name = node.get("name")
     choose("policy.layer_budget", name, LAYER_BUDGETS)
     assert isinstance(name, str)  # one of LAYER_BUDGETS
-    check_keys(node, layer_budget_keys(name), "policy.layer_budget.", f"layer budget {name!r}")
-    return LAYER_BUDGETS[name](**node)
+    check_keys(node, layer_budget_keys(name), "policy.layer_budget.", f"layer budget {name}")
+    return name
 
 
 def layer_budget_keys(name: str) -> list[str]:

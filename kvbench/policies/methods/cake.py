@@ -9,10 +9,10 @@ import torch.nn.functional as F
 
 from kvbench.domains import number, optional, setting
 from kvbench.policies.budgets import Budget
-from kvbench.policies.layer_budgets import DynamicLayerBudget, LayerBudget
+from kvbench.policies.layer_budget import DynamicLayerBudget, LayerBudget
+from kvbench.policies.methods.snapkv import SnapKV
 from kvbench.policies.registry import register
 from kvbench.policies.scores import reduce_gqa
-from kvbench.policies.snapkv import SnapKV
 from kvbench.policies.stats import AttentionStats
 
 #: CAKE's released preference exponents per model and average per-layer budget, (tau1, tau2)

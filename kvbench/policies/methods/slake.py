@@ -31,7 +31,7 @@ from kvbench.domains import mapping, number, optional, setting
 from kvbench.errors import KVBenchError
 from kvbench.policies.base import AttentionStats, Evicted, Modifier, Policy, by_kv_head
 from kvbench.policies.budgets import Budget
-from kvbench.policies.layer_budgets import DynamicLayerBudget, LayerBudget
+from kvbench.policies.layer_budget import DynamicLayerBudget, LayerBudget
 from kvbench.policies.registry import register
 
 

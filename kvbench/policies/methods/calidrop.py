@@ -120,7 +120,7 @@ class CaliDrop(Modifier):
         merged = merged.reshape(batch, 1, q_heads, dim).to(output.dtype)
         return torch.where(calibrate.reshape(batch, 1, q_heads, 1), merged, output)
 
-    def stats(self, states: list[Calibration]) -> dict:
+    def policy_stats(self, states: list[Calibration]) -> dict:
         """``recompute_rate_per_layer`` (recomputations / calibration steps), the overall ``recompute_rate``,
         ``calibration_steps`` (summed over layers) and ``evicted_bytes`` (the kept evicted KV, all layers)."""
         steps = [state.steps for state in states]

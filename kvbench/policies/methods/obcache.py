@@ -30,6 +30,29 @@ def output_error_sums(
     return sums.sub_(cross, alpha=2.0).add_(torch.matmul(outputs_sq, oo)[..., 0, :])
 
 
+def value_tiles(block: NormalisedBlock) -> tuple[torch.Tensor, None, None]:
+    """``v_p → 0`` changes ``o_i`` by ``−A_ip v_p`` (α = 1, β = 0)."""
+    return block.squared_weights(), None, None
+
+
+def key_tiles(block: NormalisedBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``Z_ip → 0`` changes ``o_i`` by ``−A_ip Z_ip (v_p − o_i)`` (α = β = Z): every tile is ``A²Z²``."""
+    tile = block.squared_weights().mul_(block.logits).mul_(block.logits)
+    return tile, tile, tile
+
+
+def joint_tiles(block: NormalisedBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both change ``o_i`` by ``−A_ip ((1 + Z_ip) v_p − Z_ip o_i)`` (α = 1 + Z, β = Z); in place."""
+    squared, logits = block.squared_weights(), block.logits  # A², Z
+    mixed = squared * logits  # A²Z
+    crossed = mixed * logits  # A²β² = A²Z²
+    mixed.add_(crossed)  # A²αβ = A²Z(1 + Z)
+    return squared.add_(mixed, alpha=2.0).sub_(crossed), mixed, crossed  # A²α², A²αβ, A²β²
+
+
+TILES = {"value": value_tiles, "key": key_tiles, "joint": joint_tiles}
+
+
 @dataclass
 class OBCacheModifier(Modifier):
     """Replace the base's per-query ``A_ip`` by OBCache's second-order output error (Algorithm 1) over
@@ -51,46 +74,30 @@ class OBCacheModifier(Modifier):
         )
         return getattr(scores, self.kind).reshape(batch, q_heads, 1, tokens)  # [B,Hq,1,T], summed over W
 
+    def normalised_sums(self, block: NormalisedBlock) -> torch.Tensor:
+        """The kind's output error from a normalised pass (:data:`TILES`)."""
+        return output_error_sums(block, *TILES[self.kind](block))
+
 
 @register
-@dataclass
 class OBCacheValue(OBCacheModifier):
     """``S_value = Σ_i A_ip²‖v_p‖²`` (OBCache eq. 4)."""
 
     name = "obcache_value"
     kind = "value"
 
-    def normalised_sums(self, block: NormalisedBlock) -> torch.Tensor:
-        """``v_p → 0`` changes ``o_i`` by ``−A_ip v_p`` (α = 1, β = 0)."""
-        return output_error_sums(block, block.squared_weights())
-
 
 @register
-@dataclass
 class OBCacheKey(OBCacheModifier):
     """``S_key = Σ_i A_ip² Z_ip² ‖v_p − o_i‖²`` (OBCache eq. 5)."""
 
     name = "obcache_key"
     kind = "key"
 
-    def normalised_sums(self, block: NormalisedBlock) -> torch.Tensor:
-        """``Z_ip → 0`` changes ``o_i`` by ``−A_ip Z_ip (v_p − o_i)`` (α = β = Z): every tile is ``A²Z²``."""
-        tile = block.squared_weights().mul_(block.logits).mul_(block.logits)
-        return output_error_sums(block, tile, tile, tile)
-
 
 @register
-@dataclass
 class OBCacheJoint(OBCacheModifier):
     """``S_joint = 2Σ_i A_ip² Z_ip (‖v_p‖² − v_p·o_i) + S_value + S_key`` (OBCache eq. 6)."""
 
     name = "obcache_joint"
     kind = "joint"
-
-    def normalised_sums(self, block: NormalisedBlock) -> torch.Tensor:
-        """Both change ``o_i`` by ``−A_ip ((1 + Z_ip) v_p − Z_ip o_i)`` (α = 1 + Z, β = Z); in place."""
-        squared, logits = block.squared_weights(), block.logits  # A², Z
-        mixed = squared * logits  # A²Z
-        crossed = mixed * logits  # A²β² = A²Z²
-        mixed.add_(crossed)  # A²αβ = A²Z(1 + Z)
-        return output_error_sums(block, squared.add_(mixed, alpha=2.0).sub_(crossed), mixed, crossed)  # A²α²
