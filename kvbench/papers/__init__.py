@@ -100,6 +100,18 @@ def _sort_key(key: tuple[str, str]):
     return (PAPERS.index(paper) if paper in PAPERS else len(PAPERS), paper, int(m.group(1)) if m else 0, table)
 
 
+@functools.cache
+def exponents(source: str) -> dict[str, dict[int, tuple[float, float]]]:
+    """A layer-budget method's published exponent pairs per model id and average per-layer budget, from
+    ``settings/exponents.csv``: ``cake`` (CAKE's released (tau1, tau2)) or ``slake_table3`` (SLAKE's VABS (alpha, beta))."""
+    text = resources.files(__name__).joinpath("settings", "exponents.csv").read_text(encoding="utf-8")
+    rows = pd.read_csv(io.StringIO(text))
+    table: dict[str, dict[int, tuple[float, float]]] = {}
+    for row in rows[rows.source == source].itertuples():
+        table.setdefault(str(row.model_id), {})[int(row.budget)] = (float(row.first), float(row.second))
+    return table
+
+
 def list_tables() -> list[tuple[str, str]]:
     """All transcribed tables as ``(paper, table)`` pairs, in paper order then table number."""
     return sorted(CAPTIONS, key=_sort_key)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.domains import number, optional, setting
+from kvbench.papers import exponents
 from kvbench.policies.budgets import Budget
 from kvbench.policies.layer_budget import DynamicLayerBudget, LayerBudget
 from kvbench.policies.methods.snapkv import SnapKV
@@ -18,14 +19,8 @@ from kvbench.policies.stats import AttentionStats
 #: CAKE's released preference exponents per model and average per-layer budget, (tau1, tau2)
 #: (antgroup/cakekv, experiments/LongBench/config/model2tau.json; its keys llama3.1-8b-128k, llama2-7b-chat-4k,
 #: llama2-13b-chat-4k, mistral-0.3-7b-32k, qwen2.5-7b-instruct; budgets 128 and 1024 only). Elsewhere the
-#: released code falls back to 1.0, 1.0 (pred_cake.py).
-CAKE_TAU: dict[str, dict[int, tuple[float, float]]] = {
-    "meta-llama/Llama-3.1-8B-Instruct": {128: (1.6, 0.6), 1024: (1.6, 0.4)},
-    "meta-llama/Llama-2-7b-chat-hf": {128: (0.9, 2.3), 1024: (1.9, 1.8)},
-    "meta-llama/Llama-2-13b-chat-hf": {128: (1.8, 2.0), 1024: (0.5, 0.4)},
-    "mistralai/Mistral-7B-Instruct-v0.3": {128: (1.0, 0.8), 1024: (0.8, 0.5)},
-    "Qwen/Qwen2.5-7B-Instruct": {128: (0.4, 0.6), 1024: (1.5, 0.6)},
-}
+#: released code falls back to 1.0, 1.0 (pred_cake.py). Transcribed in kvbench/papers/settings/exponents.csv.
+CAKE_TAU = exponents("cake")
 
 
 @register

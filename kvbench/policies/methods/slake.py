@@ -29,6 +29,7 @@ import torch
 
 from kvbench.domains import mapping, number, optional, setting
 from kvbench.errors import KVBenchError
+from kvbench.papers import exponents
 from kvbench.policies.base import AttentionStats, Evicted, Modifier, Policy, by_kv_head
 from kvbench.policies.budgets import Budget
 from kvbench.policies.layer_budget import DynamicLayerBudget, LayerBudget
@@ -133,12 +134,8 @@ class Slake(Modifier):
         return result.reshape(batch, 1, q_heads, dim).to(output.dtype)
 
 
-#: SLAKE Table 3: VABS exponents per model and average per-layer budget: (alpha, beta)
-VABS_EXPONENTS: dict[str, dict[int, tuple[float, float]]] = {
-    "meta-llama/Llama-2-7b-chat-hf": {128: (0.5, 0.4), 256: (0.5, 0.4)},
-    "meta-llama/Llama-3.1-8B-Instruct": {128: (0.4, 0.2), 256: (0.6, 0.5)},
-    "mistralai/Mistral-7B-Instruct-v0.3": {128: (0.6, 0.5), 256: (0.4, 0.2)},
-}
+#: SLAKE Table 3: VABS exponents per model and average per-layer budget: (alpha, beta) (kvbench/papers/settings/exponents.csv)
+VABS_EXPONENTS = exponents("slake_table3")
 
 
 @register
