@@ -56,7 +56,7 @@ def quiet_libraries() -> None:
 def hydra_run(cfg: DictConfig) -> float | None:
     """The Hydra task function of ``kvbench run`` (one job of a run or a multirun sweep). A job of a sweep that
     fails writes its error to its log and raises it: the sweeper reports every failed job at the end."""
-    from kvbench.run import run
+    from kvbench.run import result_line, run
 
     quiet_libraries()
     in_sweep = HydraConfig.get().mode == RunMode.MULTIRUN
@@ -73,18 +73,8 @@ def hydra_run(cfg: DictConfig) -> float | None:
         if in_sweep:
             log.exception("job failed")
         raise
-    shown = {key: metrics[key] for key in ("model", "policy", "budget", "task", "scores", "average")}
-    print(json.dumps(rounded(shown)))
+    print(result_line(metrics))
     return metrics["average"]
-
-
-def rounded(value: Any) -> Any:
-    """Scores as printed: 2 decimals (metrics.json keeps full precision)."""
-    if isinstance(value, float):
-        return round(value, 2)
-    if isinstance(value, dict):
-        return {key: rounded(item) for key, item in value.items()}
-    return value
 
 
 def command_run(args: list[str]) -> None:

@@ -8,7 +8,10 @@ line on stdout::
 
     {"overrides": [...], "output_dir": ..., "config": {...}, "policy": {"spec": ..., "params": {...}},
      "error": null | "one line", "finished": bool, "tokens": {"prefill": n, "decode": n} | null,
-     "seconds": estimated wall time (with --time) | null}
+     "seconds": estimated wall time (with --time) | null, "group": n | null}
+
+In a grouped sweep (``hydra.sweeper.group``, the default) ``group`` numbers the process the job runs in: the jobs
+that differ only in policy and budget share one (:func:`kvbench.run.group_key`), the model loaded once.
 
 A job is invalid for a bad value, a run directory holding other settings, or data that is neither here nor
 downloadable now. ``--time`` estimates each job's wall time on this machine (:class:`Estimator`: it loads each
@@ -33,6 +36,7 @@ from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
 from kvbench.launch.launchers import typed
 from kvbench.launch.sweeps import MULTIRUN_FLAGS, compose_job, sweep_loader, sweep_overrides
+from kvbench.run import group_key
 from kvbench.rundir import RunDir, finished_metrics
 
 TIME_FLAG = "--time"
@@ -117,6 +121,7 @@ def empty_line(overrides: list[str], output_dir: Path | None, error: str | None 
         "finished": False,
         "tokens": None,
         "seconds": None,
+        "group": None,
     }
 
 
@@ -163,13 +168,17 @@ def plan_lines(args: list[str], estimator: Estimator | None = None) -> Iterator[
     with sweep_loader([arg for arg in args if arg not in MULTIRUN_FLAGS]) as (config_loader, master):
         jobs = sweep_overrides(config_loader, master)
         print(f"kvbench plan: resolving {len(jobs)} jobs", file=sys.stderr, flush=True)
+        groups: dict[str, int] = {}
         for overrides in jobs:
             try:
                 job = compose_job(config_loader, master, overrides)
             except KVBenchError as error:
                 yield empty_line(overrides, None, str(error))
                 continue
-            yield plan_job(overrides, job.cfg, job.output_dir, tokenizers, estimator)
+            line = plan_job(overrides, job.cfg, job.output_dir, tokenizers, estimator)
+            if master.hydra.sweeper.get("group"):
+                line["group"] = groups.setdefault(group_key(job.cfg), len(groups))
+            yield line
 
 
 def main(args: list[str]) -> None:
@@ -178,6 +187,7 @@ def main(args: list[str]) -> None:
     estimator = Estimator() if TIME_FLAG in args else None
     jobs = invalid = finished = unknown = 0
     prefill = decode = 0
+    groups: list[int] = []  # the group of each job left to run
     seconds = 0.0
     for line in plan_lines([arg for arg in args if arg != TIME_FLAG], estimator):
         seconds += line["seconds"] or 0.0
@@ -185,6 +195,8 @@ def main(args: list[str]) -> None:
         jobs += 1
         invalid += line["error"] is not None
         finished += line["finished"]
+        if line["group"] is not None and not line["finished"] and line["error"] is None:
+            groups.append(line["group"])
         if line["tokens"] is None:
             unknown += line["error"] is None and not line["finished"]
         elif not line["finished"]:
@@ -194,6 +206,9 @@ def main(args: list[str]) -> None:
     )
     if estimator is not None and seconds > 0:
         tokens += f"; about {duration(seconds)} of wall time here, one job after another"
+    if groups:
+        loads = len(set(groups))
+        tokens += f"; the {len(groups)} valid jobs left run in {loads} group(s): {loads} model loads, not {len(groups)}"
     print(f"kvbench plan: {jobs} jobs, {invalid} invalid, {finished} already finished; {tokens}", file=sys.stderr)
     if invalid:
         sys.exit(2)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import sys
 import time
-from dataclasses import asdict
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import mean
 from typing import Any
@@ -21,10 +24,13 @@ from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
 from kvbench.models import LoadedModel, load_model
 from kvbench.results.wandb_logger import log_run
-from kvbench.rundir import RunDir, finished_metrics
+from kvbench.rundir import RunDir, finished_metrics, identity
 from kvbench.tasks.base import ModelInfo, Sample, Task
 
 log = logging.getLogger(__name__)
+
+#: the settings the jobs of one group may differ in (:func:`group_key`)
+GROUPED = ("policy", "budget")
 
 
 class Progress:
@@ -162,20 +168,43 @@ def summarize(cfg: DictConfig, task: Task, records: list[dict[str, Any]]) -> dic
     }
 
 
-def run(cfg: DictConfig, output_dir: str | Path) -> dict[str, Any]:
+@dataclass
+class Shared:
+    """What the jobs of a group share (:func:`run_group`): the model, the task and its samples, loaded by the
+    first job that has samples to run (a group whose jobs are all finished loads nothing). A single run has
+    its own."""
+
+    loaded: LoadedModel | None = None
+    task: Task | None = None
+    samples: list[Sample] = field(default_factory=list)
+    loads: int = 0  # model loads (one per group)
+
+    def load(self, cfg: DictConfig) -> tuple[LoadedModel, Task, list[Sample]]:
+        """The model, task and samples of ``cfg`` (the first call loads them; the jobs of a group share model,
+        task and data settings, so later calls return the same)."""
+        if self.loaded is None or self.task is None:
+            self.loaded = load_model(cfg.model)
+            self.loads += 1
+            self.task = build_task(cfg, self.loaded.tokenizer)
+            self.samples = list(self.task.samples())
+        return self.loaded, self.task, self.samples
+
+
+def run(cfg: DictConfig, output_dir: str | Path, shared: Shared | None = None) -> dict[str, Any]:
     """Run (or resume) the configured job into ``output_dir``; returns the metrics. The job is resolved
     first (:func:`kvbench.job.resolve`); the run holds the directory's lock (:meth:`RunDir.lock`: a second
     process on it refuses); a directory holding other settings is refused (unless ``resume=restart``); a
     finished run of the same settings is not run again. Nothing is written to the directory before the
-    task's samples are built: a job that fails before that leaves it as it was."""
+    task's samples are built: a job that fails before that leaves it as it was. ``shared``: the model and
+    samples of the job's group, if it runs in one."""
     job = resolve(cfg)
     run_dir = RunDir(output_dir)
     job.cfg.output_dir = str(run_dir.path)  # the directory it is written to, whatever named it
     with run_dir.lock():
-        return run_locked(job, run_dir)
+        return run_locked(job, run_dir, shared or Shared())
 
 
-def run_locked(job: Job, run_dir: RunDir) -> dict[str, Any]:
+def run_locked(job: Job, run_dir: RunDir, shared: Shared) -> dict[str, Any]:
     """:func:`run`, its run directory's lock held."""
     restart = job.cfg.resume == "restart"
     if not restart:
@@ -184,10 +213,8 @@ def run_locked(job: Job, run_dir: RunDir) -> dict[str, Any]:
         if finished_before is not None:
             print(f"kvbench: {run_dir.path}: finished with these settings, nothing to run", file=sys.stderr)
             return finished_before
-    loaded = load_model(job.cfg.model)
+    loaded, task, samples = shared.load(job.cfg)
     engine = build_engine(job, loaded)
-    task = build_task(job.cfg, loaded.tokenizer)
-    samples = list(task.samples())
     if not samples:
         raise KVBenchError(f"task {job.cfg.task.name} has no samples with these settings")
     if restart:
@@ -215,3 +242,72 @@ def run_locked(job: Job, run_dir: RunDir) -> dict[str, Any]:
     run_dir.write_metrics(metrics)
     log_run(job.cfg, run_dir, metrics, records)
     return metrics
+
+
+def group_key(cfg: DictConfig) -> str:
+    """What the jobs of one group share: every identity setting but the policy and the budget (same model,
+    task, data, regime and engine settings), so one model load and one task's samples serve them all."""
+    settings = identity(config_dict(cfg, resolve=True))
+    return json.dumps(
+        {key: value for key, value in settings.items() if key not in GROUPED}, sort_keys=True, default=str
+    )
+
+
+def run_group(members: Sequence[tuple[DictConfig, str | Path]]) -> list[dict[str, Any] | Exception]:
+    """Jobs of one :func:`group_key`, run one after another in this process with the model loaded and the task's
+    samples built once (:class:`Shared`). Each job keeps all a single run has: its run directory, lock, resume,
+    ``config.yaml``, records and its log (``kvbench.log`` in its directory). A job that fails is logged there
+    and does not stop the others. Returns each job's metrics, or the error it failed with."""
+    shared = Shared()
+    outcomes: list[dict[str, Any] | Exception] = []
+    for cfg, output_dir in members:
+        with job_log(Path(output_dir) / "kvbench.log"):
+            try:
+                metrics = run(cfg, output_dir, shared)
+            except KVBenchError as error:
+                log.error("kvbench: error: %s", error)
+                outcomes.append(error)
+                continue
+            except Exception as error:
+                log.exception("job failed")
+                outcomes.append(error)
+                continue
+        print(result_line(metrics), flush=True)
+        outcomes.append(metrics)
+    return outcomes
+
+
+@contextlib.contextmanager
+def job_log(path: Path) -> Iterator[None]:
+    """Log lines at INFO and above also to ``path`` (created at its first line, its folder now), as Hydra's
+    job logging does for a job of a sweep."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, delay=True)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(min(level, logging.INFO) if level else logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        handler.close()
+
+
+def rounded(value: Any) -> Any:
+    """Scores as printed: 2 decimals (metrics.json keeps full precision)."""
+    if isinstance(value, float):
+        return round(value, 2)
+    if isinstance(value, dict):
+        return {key: rounded(item) for key, item in value.items()}
+    return value
+
+
+def result_line(metrics: dict[str, Any]) -> str:
+    """The JSON line a finished job prints: what ran and its scores, rounded."""
+    return json.dumps(
+        rounded({key: metrics[key] for key in ("model", "policy", "budget", "task", "scores", "average")})
+    )

@@ -251,11 +251,14 @@ def submitit_job_folders(sweep: Path) -> list[str]:
     return sorted(path.parent.name for path in (sweep / ".submitit").glob("*/*_submitted.pkl"))
 
 
-def test_local_launcher_multirun_completes_then_submits_nothing(tmp_path):
+@pytest.mark.parametrize("group", [True, False])
+def test_local_launcher_multirun_completes_then_submits_nothing(tmp_path, group):
     """Two jobs (one a composite policy, registered in the ConfigStore that submitit pickles to the workers)
-    through submitit's local executor; submitted again, nothing is submitted."""
+    through submitit's local executor, grouped (one process: they differ only in policy) or one process each;
+    submitted again, nothing is submitted."""
     sweep = tmp_path / "sweep"
     args = ["-m", "hydra/launcher=local", *TINY, "policy=snapkv,h2o+caote", "budget=64", f"hydra.sweep.dir={sweep}"]
+    args.append(f"hydra.sweeper.group={str(group).lower()}")
     assert f"kvbench: {sweep}: 2 jobs, 0 skipped (0 finished, 0 running), 2 submitted" in run_kvbench(*args).stdout
     jobs = [str(path.relative_to(sweep)) for path in run_dirs_below(sweep)]
     assert [job[: -len("-0123abcd")] for job in jobs] == [
@@ -267,7 +270,7 @@ def test_local_launcher_multirun_completes_then_submits_nothing(tmp_path):
         m["num_samples"] == 1 and m["kv_cache"]["after_prefill_tokens_per_layer"] == [64] * 3 for m in metrics.values()
     )
     folders = submitit_job_folders(sweep)
-    assert len(folders) == 2
+    assert len(folders) == (1 if group else 2)
     stamps = {job: (sweep / job / "predictions.jsonl").stat().st_mtime_ns for job in jobs}
     result = run_kvbench(*args)
     assert f"kvbench: {sweep}: 2 jobs, 2 skipped (2 finished, 0 running), 0 submitted" in result.stdout

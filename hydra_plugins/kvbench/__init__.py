@@ -19,7 +19,12 @@ from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 
 
 class Sweeper(BasicSweeper):
-    """Hydra's basic sweeper (same keys: ``params``, ``max_batch_size``) with kvbench's skipping and reporting."""
+    """Hydra's basic sweeper (same keys: ``params``, ``max_batch_size``) with kvbench's skipping and reporting,
+    and ``group``: the jobs that differ only in policy and budget run in one process (:func:`kvbench.run.run_group`)."""
+
+    def __init__(self, max_batch_size: int | None = None, params: dict[str, str] | None = None, group: bool = True):
+        super().__init__(max_batch_size, params)
+        self.group = group
 
     def sweep(self, arguments: list[str]) -> Any:
         """Run the sweep of this config (``arguments`` are its command-line overrides, read from the config)."""

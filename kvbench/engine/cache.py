@@ -231,14 +231,13 @@ class EvictionCache(Cache):
     def accumulates_in_attention(self) -> bool:
         """Whether this forward's attention should come from :meth:`attend_and_accumulate`: an accumulating
         policy (H2O, ``h2o+obcache_*``) whose running score this forward feeds, with sums from the normaliser."""
+        return self.track_scores and self.attends_through_policy()
+
+    def attends_through_policy(self) -> bool:
+        """Whether a scored forward's attention comes from the policy's own normalised pass
+        (:meth:`attend_and_accumulate`) rather than the backend."""
         policy = self.policy
-        return (
-            policy.needs_attention
-            and policy.accumulates
-            and self.track_scores
-            and policy.sums_from_normaliser
-            and policy.scores_causally
-        )
+        return policy.needs_attention and policy.accumulates and policy.sums_from_normaliser and policy.scores_causally
 
     def attend_and_accumulate(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention output ``[B,q,Hq,D]`` of ``queries [B,Hq,q,D]`` over the layer's cache, and the policy's sums
@@ -382,3 +381,46 @@ class EvictionCache(Cache):
     # -- transformers Cache API --------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.eviction_layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+
+
+class SharedPrefill(Cache):
+    """One oneshot prefill forward for the caches of several variants of a prompt (their own policies and budgets,
+    one head layout, attention by the backend): each layer's keys and values are computed and attended in full
+    once; after the layer's attention each variant in turn appends them, scores and evicts to its own budget, so
+    beside the shared layer at most one variant's full copy of it exists, never a full cache per variant."""
+
+    def __init__(self, caches: list[EvictionCache]) -> None:
+        lead = caches[0]
+        super().__init__(layers=[DynamicLayer() for _ in lead.layers])  # never filled: the model reads length 0
+        self.caches = caches
+        self.attn_backend = lead.attn_backend
+        self.repeat_layout, self.num_query_heads = lead.repeat_layout, lead.num_query_heads
+        self.prompt_len = lead.prompt_len
+        self.layer_states: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def begin_forward(self, positions: torch.Tensor, evict: bool, track_scores: bool, decoding: bool = False) -> None:
+        for cache in self.caches:
+            cache.begin_forward(positions, evict, track_scores, decoding)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys/values ``[B,Hkv,T,D]`` to attend (repeated to query heads in the repeat layout), kept
+        for the variants until :meth:`after_attention`."""
+        self.layer_states = (key_states, value_states)
+        if self.repeat_layout:
+            group = self.num_query_heads // key_states.shape[1]
+            return key_states.repeat_interleave(group, dim=1), value_states.repeat_interleave(group, dim=1)
+        return key_states, value_states
+
+    def accumulates_in_attention(self) -> bool:
+        return False  # variants whose policy attends itself prefill alone (Engine.shares_prefill)
+
+    def after_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float, accumulated: bool = False) -> None:
+        """Each variant in turn: append the layer's keys/values, score with ``queries [B,Hq,T,D]`` and evict."""
+        assert self.layer_states is not None  # update comes before the attention
+        key_states, value_states = self.layer_states
+        self.layer_states = None
+        for cache in self.caches:
+            cache.update(key_states, value_states, layer_idx)
+            cache.after_attention(layer_idx, queries, scaling)

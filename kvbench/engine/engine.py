@@ -20,7 +20,7 @@ import torch
 
 from kvbench.domains import FLAG, Domain, choice, integer, is_int, optional
 from kvbench.engine import attention
-from kvbench.engine.cache import CacheSizes, EvictionCache
+from kvbench.engine.cache import CacheSizes, EvictionCache, SharedPrefill
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies.base import Full, Policy
 from kvbench.policies.budgets import Budget
@@ -117,7 +117,23 @@ class Engine:
         cache = self.new_cache(len(input_ids))
         start = self._now()
         logits = self.prefill(cache, input_ids)
-        prefill_seconds = self._now() - start
+        return self.decode(
+            cache, logits, input_ids, max_new_tokens, stop_token_ids, min_new_tokens, self._now() - start
+        )
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        cache: EvictionCache,
+        logits: torch.Tensor,
+        input_ids: list[int],
+        max_new_tokens: int,
+        stop_token_ids=(),
+        min_new_tokens: int = 0,
+        prefill_seconds: float = 0.0,
+    ) -> GenerationOutput:
+        """:meth:`generate` after its prefill: greedy decoding from the prefilled ``cache`` and the prompt's last
+        ``logits [1,1,V]`` (``prefill_seconds`` is reported as the prefill's time)."""
         after_prefill = cache.tokens_per_layer()
         kept = [positions[0].tolist() for positions in cache.kept_positions()] if self.record_kept else None
         generated: list[int] = []
@@ -141,6 +157,12 @@ class Engine:
         kv = self._kv_stats(cache, after_prefill, len(input_ids) + len(generated))
         stats = cache.policy_stats()
         return GenerationOutput(generated, len(input_ids), prefill_seconds, decode_seconds, kv, stats, kept)
+
+    def shares_prefill(self, cache: EvictionCache, prompt_len: int) -> bool:
+        """Whether ``cache`` can take its prefill from :func:`generate_shared`'s one forward: oneshot, a prompt of
+        more than one token, and attention computed by the backend (not by an accumulating policy's own
+        normalised pass, whose output may round differently)."""
+        return self.regime == "oneshot" and prompt_len > 1 and not cache.attends_through_policy()
 
     @torch.inference_mode()
     def perplexity(self, input_ids: list[int], context_tokens: int = 0) -> PerplexityOutput:
@@ -184,7 +206,7 @@ class Engine:
         )
 
     @torch.inference_mode()
-    def prefill(self, cache: EvictionCache, input_ids: list[int]) -> torch.Tensor:
+    def prefill(self, cache: EvictionCache | SharedPrefill, input_ids: list[int]) -> torch.Tensor:
         """Feed the prompt into ``cache`` under the regime (one block, or blocks of ``block_size`` /
         single tokens), evicting after each; returns the last forward's logits ``[1,1,V]``."""
         block = self.block_size or len(input_ids)
@@ -195,7 +217,7 @@ class Engine:
     @torch.inference_mode()
     def step(
         self,
-        cache: EvictionCache,
+        cache: EvictionCache | SharedPrefill,
         token_ids: list[int],
         start: int,
         evict: bool | None = None,
@@ -237,3 +259,36 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+@torch.inference_mode()
+def generate_shared(
+    engines: list[Engine], input_ids: list[int], max_new_tokens: int, stop_token_ids=(), min_new_tokens: int = 0
+) -> list[GenerationOutput]:
+    """:meth:`Engine.generate` of each engine (its own policy and budget; one model, one regime) on one prompt,
+    the variants that :meth:`Engine.shares_prefill` (in the same head layout) prefilled by one forward
+    (:class:`SharedPrefill`); each then decodes from its own cache. Each output reports the shared prefill's
+    time divided among the variants that shared it. Outputs equal :meth:`Engine.generate`'s."""
+    caches = [engine.new_cache(len(input_ids)) for engine in engines]
+    logits: list[torch.Tensor | None] = [None] * len(engines)
+    prefill_seconds = [0.0] * len(engines)
+    sharing: dict[bool, list[int]] = {}  # head layout -> the variants sharing one forward
+    for index, (engine, cache) in enumerate(zip(engines, caches)):
+        if engine.shares_prefill(cache, len(input_ids)):
+            sharing.setdefault(cache.repeat_layout, []).append(index)
+        else:
+            start = engine._now()
+            logits[index] = engine.prefill(cache, input_ids)
+            prefill_seconds[index] = engine._now() - start
+    for indices in sharing.values():
+        lead = engines[indices[0]]
+        start = lead._now()
+        shared = lead.prefill(SharedPrefill([caches[index] for index in indices]), input_ids)
+        seconds = (lead._now() - start) / len(indices)
+        for index in indices:
+            logits[index], prefill_seconds[index] = shared, seconds
+    outputs = []
+    for engine, cache, last, seconds in zip(engines, caches, logits, prefill_seconds):
+        assert last is not None  # every variant was prefilled, alone or shared
+        outputs.append(engine.decode(cache, last, input_ids, max_new_tokens, stop_token_ids, min_new_tokens, seconds))
+    return outputs

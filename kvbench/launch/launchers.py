@@ -17,17 +17,20 @@ from __future__ import annotations
 import contextlib
 import getpass
 import io
+import logging
 import subprocess
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from kvbench.errors import KVBenchError
+from kvbench.run import run_group
 
 CLUSTER_KEYS = ("partition", "account", "qos", "gpus_per_node", "cpus_per_task", "mem_gb", "timeout_min", "constraint")
 """The launcher keys (``hydra.launcher.<key>``) that must fit the cluster: ``sbatch`` refuses what it cannot place."""
@@ -103,17 +106,22 @@ def make_executor(launcher: Any) -> Any:
 
 def submit(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[Any]:
     """Submit the jobs as one array; a refusal by ``sbatch`` (or no ``sbatch``) is a :class:`KVBenchError`."""
-    from submitit.core.utils import FailedJobError, FailedSubmissionError
-
-    executor = make_executor(launcher)
-    Path(str(launcher.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
     calls = []
     for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
         print(f"kvbench: #{idx} {' '.join(typed(filter_overrides(overrides)))}")
         calls.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}", Singleton.get_state()))
+    return map_array(launcher, launcher, calls)
+
+
+def map_array(launcher: Any, function: Any, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """``function`` submitted once per call (its arguments) as one array of ``launcher``'s executor."""
+    from submitit.core.utils import FailedJobError, FailedSubmissionError
+
+    executor = make_executor(launcher)
+    Path(str(launcher.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's error before raising it
-            return executor.map_array(launcher, *zip(*calls))
+            return executor.map_array(function, *zip(*calls))
     except FileNotFoundError as error:
         raise KVBenchError(
             f"{error.filename or 'sbatch'} is not on PATH: submit from a machine of the Slurm "
@@ -171,15 +179,70 @@ def outcome(job: Any, overrides: Sequence[str]) -> JobReturn:
     return failed
 
 
-def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[JobReturn]:
-    """Submit the jobs, wait for all of them, and return every job's outcome (see the module's docstring)."""
-    jobs = submit(launcher, job_overrides, initial_job_idx)
+def wait(launcher: Any, jobs: list[Any]) -> None:
+    """Wait for every submitted job (Slurm's through ``squeue``: :func:`wait_in_queue`)."""
     if launcher._EXECUTOR == "slurm":
         wait_in_queue(jobs)
     else:
         for job in jobs:
             job.wait()
+
+
+def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[JobReturn]:
+    """Submit the jobs, wait for all of them, and return every job's outcome (see the module's docstring)."""
+    jobs = submit(launcher, job_overrides, initial_job_idx)
+    wait(launcher, jobs)
     return [outcome(job, overrides) for job, overrides in zip(jobs, job_overrides)]
 
 
-__all__ = ["CLUSTER_KEYS", "JobFailure", "array_name", "last_line", "launch", "refusal"]
+#: one job of a group: its overrides, composed config (without ``hydra``) and run directory
+Member = tuple[Sequence[str], DictConfig, Path]
+
+
+def run_group_task(members: list[tuple[DictConfig, Path]]) -> list[Any]:
+    """One array task: a group of jobs run by :func:`kvbench.run.run_group` in the process submitit started,
+    its log lines on that process's stderr and in each job's ``kvbench.log``."""
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    return run_group(members)
+
+
+def group_returns(members: Sequence[Member], outcomes: Sequence[Any]) -> list[JobReturn]:
+    """Each job's ``JobReturn`` from what :func:`kvbench.run.run_group` gave back: its metrics' average, or
+    the error it failed with."""
+    returns = []
+    for (overrides, _, _), result in zip(members, outcomes):
+        failed = isinstance(result, Exception)
+        returned = JobReturn(overrides=list(overrides), status=JobStatus.FAILED if failed else JobStatus.COMPLETED)
+        returned.return_value = result if failed else result["average"]
+        returns.append(returned)
+    return returns
+
+
+def launch_groups(launcher: Any, groups: Sequence[Sequence[Member]], initial_job_idx: int) -> list[JobReturn]:
+    """Run each group of jobs as one task: in this process for Hydra's basic launcher, else one array task
+    per group of the submitit launcher (a task that ended without a result fails each of its jobs with
+    :class:`JobFailure`). Returns every job's outcome, in the groups' order."""
+    idx = initial_job_idx
+    for number, group in enumerate(groups):
+        for overrides, _, _ in group:
+            print(f"kvbench: #{idx} {' '.join(typed(filter_overrides(overrides)))} (group {number})")
+            idx += 1
+    payload = [[(cfg, output_dir) for _, cfg, output_dir in group] for group in groups]
+    if not hasattr(launcher, "array_name"):  # Hydra's basic launcher: here, one group after another
+        return [r for group, members in zip(groups, payload) for r in group_returns(group, run_group(members))]
+    jobs = map_array(launcher, run_group_task, [(members,) for members in payload])
+    wait(launcher, jobs)
+    returns = []
+    for job, group in zip(jobs, groups):
+        if job.paths.result_pickle.exists():
+            try:
+                returns += group_returns(group, job.results()[0])
+                continue
+            except Exception:  # the task raised outside run_group: each job fails with its error
+                pass
+        failed = outcome(job, [])
+        returns += [replace(failed, overrides=list(overrides)) for overrides, _, _ in group]
+    return returns
+
+
+__all__ = ["CLUSTER_KEYS", "JobFailure", "array_name", "last_line", "launch", "launch_groups", "refusal"]

@@ -37,7 +37,8 @@ from kvbench import CONF_DIR, config_dict
 from kvbench.config import experiment_config, prepare_overrides
 from kvbench.errors import KVBenchError, fail
 from kvbench.job import check_known_keys, resolve
-from kvbench.launch.launchers import JobFailure, array_name, last_line, typed
+from kvbench.launch.launchers import JobFailure, array_name, last_line, launch_groups, typed
+from kvbench.run import group_key
 from kvbench.rundir import RunDir, finished_metrics
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
@@ -183,6 +184,15 @@ def split_pending(jobs: list[SweepJob]) -> tuple[list[SweepJob], list[SweepJob],
     return finished, running, todo
 
 
+def group_jobs(jobs: list[SweepJob]) -> list[list[SweepJob]]:
+    """The jobs by :func:`kvbench.run.group_key` (those differing only in policy and budget), in order of first
+    appearance."""
+    groups: dict[str, list[SweepJob]] = {}
+    for job in jobs:
+        groups.setdefault(group_key(job.cfg), []).append(job)
+    return list(groups.values())
+
+
 def failure_line(job: SweepJob, returned: JobReturn) -> str:
     """One line for a failed job: its overrides, run directory, the last line of its error and its log (the
     job's log in its run directory, or for a job that ended without a result, its launcher's log)."""
@@ -210,12 +220,23 @@ def launch_pending(sweeper: BasicSweeper) -> list[list[JobReturn]]:
         f"{len(running)} running), {len(todo)} submitted",
         flush=True,
     )
+    grouped = getattr(sweeper, "group", False)
+    units = group_jobs(todo) if grouped else [[job] for job in todo]  # what one process (one array task) runs
+    if grouped and todo:
+        groups = f"{len(units)} group{'s' if len(units) > 1 else ''}"
+        print(f"kvbench: {len(todo)} jobs in {groups}, the model loaded once per group", flush=True)
+    todo = [job for unit in units for job in unit]  # in the groups' order
     returns: list[list[JobReturn]] = []
-    size = max(1, len(todo) if sweeper.max_batch_size in (None, -1) else sweeper.max_batch_size)  # Hydra's -1: all
-    for batch in (todo[start : start + size] for start in range(0, len(todo), size)):
+    size = max(1, len(units) if sweeper.max_batch_size in (None, -1) else sweeper.max_batch_size)  # Hydra's -1: all
+    for batch in (units[start : start + size] for start in range(0, len(units), size)):
         if hasattr(launcher, "array_name"):
-            launcher.array_name = array_name(job.label for job in batch)
-        returns.append(list(launcher.launch([job.overrides for job in batch], sum(map(len, returns)))))
+            launcher.array_name = array_name(job.label for unit in batch for job in unit)
+        done = sum(map(len, returns))
+        if grouped:
+            members = [[(job.overrides, job.cfg, job.output_dir.absolute()) for job in unit] for unit in batch]
+            returns.append(launch_groups(launcher, members, done))
+        else:
+            returns.append(list(launcher.launch([job.overrides for (job,) in batch], done)))
     outcomes = [returned for batch in returns for returned in batch]
     failures = [failure_line(job, r) for job, r in zip(todo, outcomes) if r.status != JobStatus.COMPLETED]
     for line in failures:

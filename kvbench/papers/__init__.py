@@ -103,7 +103,8 @@ def _sort_key(key: tuple[str, str]):
 @functools.cache
 def exponents(source: str) -> dict[str, dict[int, tuple[float, float]]]:
     """A layer-budget method's published exponent pairs per model id and average per-layer budget, from
-    ``settings/exponents.csv``: ``cake`` (CAKE's released (tau1, tau2)) or ``slake_table3`` (SLAKE's VABS (alpha, beta))."""
+    ``settings/exponents.csv``: ``cake`` (CAKE's released (tau1, tau2)) or ``slake_table3`` (SLAKE's VABS
+    (alpha, beta))."""
     text = resources.files(__name__).joinpath("settings", "exponents.csv").read_text(encoding="utf-8")
     rows = pd.read_csv(io.StringIO(text))
     table: dict[str, dict[int, tuple[float, float]]] = {}

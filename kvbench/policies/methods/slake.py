@@ -134,7 +134,8 @@ class Slake(Modifier):
         return result.reshape(batch, 1, q_heads, dim).to(output.dtype)
 
 
-#: SLAKE Table 3: VABS exponents per model and average per-layer budget: (alpha, beta) (kvbench/papers/settings/exponents.csv)
+#: SLAKE Table 3: VABS exponents per model and average per-layer budget: (alpha, beta)
+#: (transcribed in kvbench/papers/settings/exponents.csv)
 VABS_EXPONENTS = exponents("slake_table3")
 
 

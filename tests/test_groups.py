@@ -1,0 +1,143 @@
+"""Grouped runs (:func:`kvbench.run.run_group`): the jobs of a sweep that differ only in policy and budget share one
+model load and one task's samples, and give what the same jobs run one at a time give."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import kvbench.run
+from kvbench.config import compose
+from kvbench.engine import Engine
+from kvbench.engine.engine import generate_shared
+from kvbench.errors import KVBenchError
+from kvbench.policies import BASES, MODIFIERS, build_policy, composable
+from kvbench.run import group_key, run, run_group
+from tests.helpers import ARCHITECTURES, random_prompt, tiny_model
+
+TINY = [
+    "model=tiny_llama",
+    "task=ruler",
+    "task.subtasks=[niah_single_1]",
+    "task.context_length=512",
+    "task.num_samples=2",
+    "engine.save_kept=true",
+]
+
+#: every base alone and with every modifier that applies to it (a new policy is covered without editing this)
+VARIANTS = [spec for base in BASES for spec in [base, *(f"{base}+{m}" for m in MODIFIERS if composable(base, m))]]
+
+
+def outcome(directory: Path) -> dict[str, object]:
+    """What a job left that a faster path must not change: its predictions (less timings) and kept sets."""
+    if not (directory / "predictions.jsonl").exists():
+        return {"written": False}
+    records = [json.loads(line) for line in (directory / "predictions.jsonl").read_text().splitlines()]
+    for record in records:
+        record.pop("timing")
+    kept = {path.name: json.loads(path.read_text()) for path in sorted((directory / "kept").glob("*.json"))}
+    return {"records": records, "kept": kept}
+
+
+@pytest.fixture
+def load_count(monkeypatch) -> list[int]:
+    """How many times a model was loaded."""
+    loads = [0]
+    load = kvbench.run.load_model
+
+    def counted(cfg):
+        loads[0] += 1
+        return load(cfg)
+
+    monkeypatch.setattr(kvbench.run, "load_model", counted)
+    return loads
+
+
+def test_a_group_gives_what_separate_runs_give(tmp_path, load_count):
+    """Every base × {none, each applicable modifier}, oneshot: grouped, one model load and the same predictions,
+    kept sets and errors (a variant that cannot run fails alone, the others run) as one run each."""
+    cfgs = [compose([*TINY, "task.num_samples=1", f"policy={spec}", "budget=64"]) for spec in VARIANTS]
+    assert len({group_key(cfg) for cfg in cfgs}) == 1
+    separate: list[object] = []
+    for number, cfg in enumerate(cfgs):
+        try:
+            run(cfg, tmp_path / "separate" / str(number))
+            separate.append(None)
+        except Exception as error:
+            separate.append(str(error))
+    loads = load_count[0]
+    grouped = run_group([(cfg, tmp_path / "grouped" / str(number)) for number, cfg in enumerate(cfgs)])
+    assert load_count[0] - loads == 1
+    assert [str(result) if isinstance(result, Exception) else None for result in grouped] == separate
+    assert any(error is None for error in separate) and any(error is not None for error in separate)
+    for number, spec in enumerate(VARIANTS):
+        assert outcome(tmp_path / "grouped" / str(number)) == outcome(tmp_path / "separate" / str(number)), spec
+
+
+def test_a_finished_group_loads_nothing_and_a_resumed_one_runs_only_what_is_missing(tmp_path, load_count):
+    """Run again, a finished group loads no model; with one job's last sample removed, only that sample runs."""
+    cfgs = [compose([*TINY, f"policy={spec}", "budget=64"]) for spec in ("h2o", "tova")]
+    members = [(cfg, tmp_path / spec) for cfg, spec in zip(cfgs, ("h2o", "tova"))]
+    first = run_group(members)
+    before = outcome(tmp_path / "tova")
+    loads = load_count[0]
+    assert run_group(members) == first and load_count[0] == loads
+    predictions = tmp_path / "tova" / "predictions.jsonl"
+    lines = predictions.read_text().splitlines()
+    predictions.write_text(lines[0] + "\n")
+    (tmp_path / "tova" / "metrics.json").unlink()
+    again = run_group(members)
+    assert load_count[0] == loads + 1
+    assert predictions.read_text().splitlines()[0] == lines[0]  # the finished sample is not redone
+    assert outcome(tmp_path / "tova") == before and again[1]["scores"] == first[1]["scores"]
+
+
+def test_plan_numbers_each_jobs_group():
+    """``kvbench plan -m``: jobs differing only in policy and budget share a group; another context length is
+    another group; with ``hydra.sweeper.group=false`` no job has one."""
+    from kvbench.plan import plan_lines
+
+    sweep = ["-m", *TINY[:3], "task.num_samples=1", "policy=h2o,tova", "budget=32,64", "task.context_length=512,640"]
+    lines = list(plan_lines(sweep))
+    by_length: dict[int, set[int]] = {}
+    for line in lines:
+        by_length.setdefault(line["config"]["task"]["context_length"], set()).add(line["group"])
+    assert len(lines) == 8 and sorted(by_length) == [512, 640] and by_length[512] != by_length[640]
+    assert all(len(groups) == 1 for groups in by_length.values())
+    assert {line["group"] for line in plan_lines([*sweep, "hydra.sweeper.group=false"])} == {None}
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
+    """Every base × {none, each applicable modifier} at two budgets, both head layouts, and the full cache (budget
+    ≥ the prompt), on one prompt: :func:`generate_shared` gives each variant the tokens, kept sets, cache sizes and
+    policy statistics of its own :meth:`Engine.generate` — the variants attended by the backend from one forward,
+    those whose policy attends itself alone."""
+    model = tiny_model(architecture)
+    prompt = random_prompt(160)
+    engines = []
+    for spec in VARIANTS:
+        for budget, gqa in ((32, None), (48, None), (48, "repeat")):
+            params = {} if gqa is None else {"gqa": gqa}
+            try:
+                engine = Engine(model, build_policy(spec, params), budget, record_kept=True)
+                engine.generate(prompt, 1)
+            except KVBenchError:  # a budget the policy's reserved window fills, or settings it needs the model for
+                continue
+            engines.append(engine)
+    engines.append(Engine(model, build_policy("snapkv"), 512, record_kept=True))
+    alone = [engine.generate(prompt, 6) for engine in engines]
+    shared = generate_shared(engines, prompt, 6)
+    assert (
+        sum(engine.shares_prefill(engine.new_cache(len(prompt)), len(prompt)) for engine in engines) > len(engines) / 2
+    )
+    for engine, one, other in zip(engines, alone, shared):
+        label = f"{engine.policy.spec}@{engine.budget.spec}"
+        assert (other.token_ids, other.kept, other.kv, other.policy_stats) == (
+            one.token_ids,
+            one.kept,
+            one.kv,
+            one.policy_stats,
+        ), label
