@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kvbench import config_dict, duration
 from kvbench.engine import Engine
-from kvbench.engine.engine import GenerationOutput, PerplexityOutput
+from kvbench.engine.engine import GenerationOutput, PerplexityOutput, generate_shared
 from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
 from kvbench.models import LoadedModel, load_model
@@ -104,14 +104,23 @@ def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) 
     engine's output."""
     started = time.perf_counter()
     output: PerplexityOutput | GenerationOutput
-    result: list[float] | str  # the perplexity task's NLLs, or the decoded text
     if sample.mode == "perplexity":
         output = engine.perplexity(sample.input_ids, sample.context_tokens)
-        result = output.nlls
     else:
         output = engine.generate(
             sample.input_ids, sample.max_new_tokens, stop_ids(sample, loaded), sample.min_new_tokens
         )
+    return record_of(task, sample, output, loaded, time.perf_counter() - started), output
+
+
+def record_of(
+    task: Task, sample: Sample, output: GenerationOutput | PerplexityOutput, loaded: LoadedModel, seconds: float
+) -> dict[str, Any]:
+    """The predictions.jsonl record of ``sample`` from the engine's output (``seconds``: the sample's time)."""
+    result: list[float] | str  # the perplexity task's NLLs, or the decoded text
+    if isinstance(output, PerplexityOutput):
+        result = output.nlls
+    else:
         result = str(loaded.tokenizer.decode(output.token_ids, skip_special_tokens=True))
     record = {"id": sample.id, "subtask": sample.subtask, **task.evaluate(sample, result), "answers": sample.answers}
     record["prompt_tokens"] = len(sample.input_ids)
@@ -120,9 +129,11 @@ def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) 
     record["timing"] = {
         "prefill_seconds": output.prefill_seconds,
         "decode_seconds": output.decode_seconds,
-        "total_seconds": time.perf_counter() - started,
+        "total_seconds": seconds,
     }
-    return record, output
+    if isinstance(output, GenerationOutput) and output.prefill_shared_by > 1:  # a share of one shared forward
+        record["timing"]["prefill_shared_by"] = output.prefill_shared_by
+    return record
 
 
 def mean_policy_stats(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -206,6 +217,49 @@ def run(cfg: DictConfig, output_dir: str | Path, shared: Shared | None = None) -
 
 def run_locked(job: Job, run_dir: RunDir, shared: Shared) -> dict[str, Any]:
     """:func:`run`, its run directory's lock held."""
+    opened = open_run(job, run_dir, shared)
+    if isinstance(opened, dict):
+        return opened
+    for sample in opened.pending:
+        record, output = run_sample(opened.engine, opened.task, sample, opened.loaded)
+        opened.write(sample, record, output)
+    return opened.finish()
+
+
+@dataclass
+class OpenRun:
+    """A run whose directory is started (its lock held): what it still has to run and where it writes."""
+
+    job: Job
+    run_dir: RunDir
+    loaded: LoadedModel
+    engine: Engine
+    task: Task
+    records: list[dict[str, Any]]
+    pending: list[Sample]
+    progress: Progress
+
+    def write(self, sample: Sample, record: dict[str, Any], output: Any) -> None:
+        """One finished sample: its kept sets (``engine.save_kept``), then its line in predictions.jsonl."""
+        if getattr(output, "kept", None) is not None:
+            self.run_dir.write_kept(sample.id, sample.input_ids, output.kept)
+        self.run_dir.append(record)
+        self.records.append(record)
+        self.progress.advance()
+
+    def finish(self) -> dict[str, Any]:
+        """metrics.json from every record (and W&B, if configured); returns the metrics."""
+        self.progress.close()
+        metrics = summarize(self.job.cfg, self.task, self.records)
+        self.run_dir.write_metrics(metrics)
+        log_run(self.job.cfg, self.run_dir, metrics, self.records)
+        return metrics
+
+
+def open_run(job: Job, run_dir: RunDir, shared: Shared) -> OpenRun | dict[str, Any]:
+    """Check the directory (same settings; a finished run's metrics are returned as they are), load what the run
+    needs (from ``shared``), move an earlier run aside with ``resume=restart``, write config.yaml and read back the
+    finished samples."""
     restart = job.cfg.resume == "restart"
     if not restart:
         run_dir.check_same_run(config_dict(job.cfg, resolve=True))
@@ -230,18 +284,7 @@ def run_locked(job: Job, run_dir: RunDir, shared: Shared) -> dict[str, Any]:
     log.info("writing %s (%s, %d to go: %d prompt tokens)", run_dir.path, state, len(samples), prompt_tokens)
     cfg = job.cfg
     progress = Progress(len(samples), f"{cfg.task.name} {cfg.policy.name}@{cfg.budget.spec}")
-    for sample in samples:
-        record, output = run_sample(engine, task, sample, loaded)
-        if getattr(output, "kept", None) is not None:
-            run_dir.write_kept(sample.id, sample.input_ids, output.kept)
-        run_dir.append(record)
-        records.append(record)
-        progress.advance()
-    progress.close()
-    metrics = summarize(job.cfg, task, records)
-    run_dir.write_metrics(metrics)
-    log_run(job.cfg, run_dir, metrics, records)
-    return metrics
+    return OpenRun(job, run_dir, loaded, engine, task, records, samples, progress)
 
 
 def group_key(cfg: DictConfig) -> str:
@@ -253,28 +296,92 @@ def group_key(cfg: DictConfig) -> str:
     )
 
 
-def run_group(members: Sequence[tuple[DictConfig, str | Path]]) -> list[dict[str, Any] | Exception]:
-    """Jobs of one :func:`group_key`, run one after another in this process with the model loaded and the task's
-    samples built once (:class:`Shared`). Each job keeps all a single run has: its run directory, lock, resume,
-    ``config.yaml``, records and its log (``kvbench.log`` in its directory). A job that fails is logged there
-    and does not stop the others. Returns each job's metrics, or the error it failed with."""
+def run_group(
+    members: Sequence[tuple[DictConfig, str | Path]], share_prefill: bool = False
+) -> list[dict[str, Any] | Exception]:
+    """Jobs of one :func:`group_key` in this process, the model loaded and the task's samples built once
+    (:class:`Shared`): one after another, or with ``share_prefill`` sample by sample, every job that lacks the
+    sample generating it from one shared oneshot prefill (:func:`kvbench.engine.engine.generate_shared`). Each
+    job keeps all a single run has: its run directory, lock, resume, ``config.yaml``, records and its log
+    (``kvbench.log`` in its directory). A job that fails is logged there and does not stop the others. Returns
+    each job's metrics, or the error it failed with."""
     shared = Shared()
-    outcomes: list[dict[str, Any] | Exception] = []
-    for cfg, output_dir in members:
-        with job_log(Path(output_dir) / "kvbench.log"):
+    outcomes: list[dict[str, Any] | Exception | None] = [None] * len(members)
+    logs = [Path(output_dir) / "kvbench.log" for _, output_dir in members]
+    with contextlib.ExitStack() as locks:  # with share_prefill, every run's lock is held until the group ends
+        opened: dict[int, OpenRun] = {}
+        for index, (cfg, output_dir) in enumerate(members):
+            with job_log(logs[index]), failure(outcomes, index):
+                if not share_prefill:
+                    metrics = run(cfg, output_dir, shared)
+                    outcomes[index] = metrics
+                    print(result_line(metrics), flush=True)
+                    continue
+                job = resolve(cfg)
+                run_dir = RunDir(output_dir)
+                job.cfg.output_dir = str(run_dir.path)
+                locks.enter_context(run_dir.lock())
+                started = open_run(job, run_dir, shared)
+                if isinstance(started, dict):
+                    outcomes[index] = started
+                else:
+                    opened[index] = started
+        if opened:
+            run_shared(opened, shared.samples, outcomes, logs)
+            for index in opened:
+                outcome = outcomes[index]
+                if isinstance(outcome, dict):
+                    print(result_line(outcome), flush=True)
+    return [outcome if outcome is not None else KVBenchError("not run") for outcome in outcomes]
+
+
+def run_shared(opened: dict[int, OpenRun], samples: list[Sample], outcomes: list[Any], logs: list[Path]) -> None:
+    """The ``samples`` of the ``opened`` runs of a group, each prefilled once for every run that lacks it; a run
+    whose sample fails is logged and dropped (its outcome the error), the others go on."""
+    first = next(iter(opened.values()))
+    pending = {index: {sample.id for sample in run.pending} for index, run in opened.items()}
+    for sample in samples:
+        runs = {index: run for index, run in opened.items() if outcomes[index] is None and sample.id in pending[index]}
+        if not runs:
+            continue
+        results: dict[int, tuple[dict[str, Any], Any]] = {}
+        if sample.mode != "perplexity":  # a perplexity sample streams its text: each run alone
+            started = time.perf_counter()
             try:
-                metrics = run(cfg, output_dir, shared)
-            except KVBenchError as error:
-                log.error("kvbench: error: %s", error)
-                outcomes.append(error)
-                continue
-            except Exception as error:
-                log.exception("job failed")
-                outcomes.append(error)
-                continue
-        print(result_line(metrics), flush=True)
-        outcomes.append(metrics)
-    return outcomes
+                engines = [run.engine for run in runs.values()]
+                stops = stop_ids(sample, first.loaded)
+                outputs = generate_shared(
+                    engines, sample.input_ids, sample.max_new_tokens, stops, sample.min_new_tokens
+                )
+                seconds = (time.perf_counter() - started) / len(runs)
+                for (index, run), output in zip(runs.items(), outputs):
+                    results[index] = (record_of(run.task, sample, output, run.loaded, seconds), output)
+            except Exception:  # one variant failed the shared pass: each runs the sample alone, failing alone
+                results = {}
+        for index, run in runs.items():
+            if index not in results:
+                with job_log(logs[index]), failure(outcomes, index):
+                    results[index] = run_sample(run.engine, run.task, sample, run.loaded)
+        for index, (record, output) in results.items():
+            with job_log(logs[index]), failure(outcomes, index):
+                opened[index].write(sample, record, output)
+    for index, run in opened.items():
+        if outcomes[index] is None:
+            with job_log(logs[index]), failure(outcomes, index):
+                outcomes[index] = run.finish()
+
+
+@contextlib.contextmanager
+def failure(outcomes: list[Any], index: int) -> Iterator[None]:
+    """An error inside the block is job ``index``'s outcome, logged in its log; the group goes on."""
+    try:
+        yield
+    except KVBenchError as error:
+        log.error("kvbench: error: %s", error)
+        outcomes[index] = error
+    except Exception as error:
+        log.exception("job failed")
+        outcomes[index] = error
 
 
 @contextlib.contextmanager

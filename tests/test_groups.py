@@ -16,15 +16,9 @@ from kvbench.errors import KVBenchError
 from kvbench.policies import BASES, MODIFIERS, build_policy, composable
 from kvbench.run import group_key, run, run_group
 from tests.helpers import ARCHITECTURES, random_prompt, tiny_model
+from tests.test_plan import TINY as PLAN_TINY
 
-TINY = [
-    "model=tiny_llama",
-    "task=ruler",
-    "task.subtasks=[niah_single_1]",
-    "task.context_length=512",
-    "task.num_samples=2",
-    "engine.save_kept=true",
-]
+TINY = [*PLAN_TINY, "engine.save_kept=true"]  # two RULER samples on the tiny model
 
 #: every base alone and with every modifier that applies to it (a new policy is covered without editing this)
 VARIANTS = [spec for base in BASES for spec in [base, *(f"{base}+{m}" for m in MODIFIERS if composable(base, m))]]
@@ -55,9 +49,11 @@ def load_count(monkeypatch) -> list[int]:
     return loads
 
 
-def test_a_group_gives_what_separate_runs_give(tmp_path, load_count):
+@pytest.mark.parametrize("share_prefill", [False, True])
+def test_a_group_gives_what_separate_runs_give(tmp_path, load_count, share_prefill):
     """Every base × {none, each applicable modifier}, oneshot: grouped, one model load and the same predictions,
-    kept sets and errors (a variant that cannot run fails alone, the others run) as one run each."""
+    kept sets and errors (a variant that cannot run fails alone, the others run) as one run each; with
+    ``share_prefill``, one prefill per sample for every variant the backend attends."""
     cfgs = [compose([*TINY, "task.num_samples=1", f"policy={spec}", "budget=64"]) for spec in VARIANTS]
     assert len({group_key(cfg) for cfg in cfgs}) == 1
     separate: list[object] = []
@@ -68,27 +64,36 @@ def test_a_group_gives_what_separate_runs_give(tmp_path, load_count):
         except Exception as error:
             separate.append(str(error))
     loads = load_count[0]
-    grouped = run_group([(cfg, tmp_path / "grouped" / str(number)) for number, cfg in enumerate(cfgs)])
+    grouped = run_group([(cfg, tmp_path / "grouped" / str(number)) for number, cfg in enumerate(cfgs)], share_prefill)
     assert load_count[0] - loads == 1
     assert [str(result) if isinstance(result, Exception) else None for result in grouped] == separate
     assert any(error is None for error in separate) and any(error is not None for error in separate)
+    shared_by = [
+        json.loads(line)["timing"].get("prefill_shared_by", 1)
+        for path in (tmp_path / "grouped").glob("*/predictions.jsonl")
+        for line in path.read_text().splitlines()
+    ]
+    assert (max(shared_by) > len(VARIANTS) / 2) == share_prefill  # most variants shared one prefill
     for number, spec in enumerate(VARIANTS):
         assert outcome(tmp_path / "grouped" / str(number)) == outcome(tmp_path / "separate" / str(number)), spec
 
 
-def test_a_finished_group_loads_nothing_and_a_resumed_one_runs_only_what_is_missing(tmp_path, load_count):
+@pytest.mark.parametrize("share_prefill", [False, True])
+def test_a_finished_group_loads_nothing_and_a_resumed_one_runs_only_what_is_missing(
+    tmp_path, load_count, share_prefill
+):
     """Run again, a finished group loads no model; with one job's last sample removed, only that sample runs."""
     cfgs = [compose([*TINY, f"policy={spec}", "budget=64"]) for spec in ("h2o", "tova")]
     members = [(cfg, tmp_path / spec) for cfg, spec in zip(cfgs, ("h2o", "tova"))]
-    first = run_group(members)
+    first = run_group(members, share_prefill)
     before = outcome(tmp_path / "tova")
     loads = load_count[0]
-    assert run_group(members) == first and load_count[0] == loads
+    assert run_group(members, share_prefill) == first and load_count[0] == loads
     predictions = tmp_path / "tova" / "predictions.jsonl"
     lines = predictions.read_text().splitlines()
     predictions.write_text(lines[0] + "\n")
     (tmp_path / "tova" / "metrics.json").unlink()
-    again = run_group(members)
+    again = run_group(members, share_prefill)
     assert load_count[0] == loads + 1
     assert predictions.read_text().splitlines()[0] == lines[0]  # the finished sample is not redone
     assert outcome(tmp_path / "tova") == before and again[1]["scores"] == first[1]["scores"]

@@ -20,11 +20,18 @@ from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 
 class Sweeper(BasicSweeper):
     """Hydra's basic sweeper (same keys: ``params``, ``max_batch_size``) with kvbench's skipping and reporting,
-    and ``group``: the jobs that differ only in policy and budget run in one process (:func:`kvbench.run.run_group`)."""
+    ``group``: the jobs that differ only in policy and budget run in one process (:func:`kvbench.run.run_group`),
+    and ``share_prefill``: a group prefills each sample once for its oneshot jobs."""
 
-    def __init__(self, max_batch_size: int | None = None, params: dict[str, str] | None = None, group: bool = True):
+    def __init__(
+        self,
+        max_batch_size: int | None = None,
+        params: dict[str, str] | None = None,
+        group: bool = True,
+        share_prefill: bool = False,
+    ):
         super().__init__(max_batch_size, params)
-        self.group = group
+        self.group, self.share_prefill = group, share_prefill
 
     def sweep(self, arguments: list[str]) -> Any:
         """Run the sweep of this config (``arguments`` are its command-line overrides, read from the config)."""

@@ -51,6 +51,7 @@ class GenerationOutput:
     kv: CacheSizes = field(default_factory=CacheSizes)
     policy_stats: dict = field(default_factory=dict)
     kept: list[list[list[int]]] | None = None
+    prefill_shared_by: int = 1  # variants whose prefill was one forward (generate_shared): prefill_seconds is a share
 
 
 @dataclass
@@ -288,7 +289,9 @@ def generate_shared(
         for index in indices:
             logits[index], prefill_seconds[index] = shared, seconds
     outputs = []
-    for engine, cache, last, seconds in zip(engines, caches, logits, prefill_seconds):
+    for index, (engine, cache, last, seconds) in enumerate(zip(engines, caches, logits, prefill_seconds)):
         assert last is not None  # every variant was prefilled, alone or shared
-        outputs.append(engine.decode(cache, last, input_ids, max_new_tokens, stop_token_ids, min_new_tokens, seconds))
+        output = engine.decode(cache, last, input_ids, max_new_tokens, stop_token_ids, min_new_tokens, seconds)
+        output.prefill_shared_by = next((len(group) for group in sharing.values() if index in group), 1)
+        outputs.append(output)
     return outputs

@@ -199,11 +199,11 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
 Member = tuple[Sequence[str], DictConfig, Path]
 
 
-def run_group_task(members: list[tuple[DictConfig, Path]]) -> list[Any]:
+def run_group_task(members: list[tuple[DictConfig, Path]], share_prefill: bool) -> list[Any]:
     """One array task: a group of jobs run by :func:`kvbench.run.run_group` in the process submitit started,
     its log lines on that process's stderr and in each job's ``kvbench.log``."""
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-    return run_group(members)
+    return run_group(members, share_prefill)
 
 
 def group_returns(members: Sequence[Member], outcomes: Sequence[Any]) -> list[JobReturn]:
@@ -218,7 +218,9 @@ def group_returns(members: Sequence[Member], outcomes: Sequence[Any]) -> list[Jo
     return returns
 
 
-def launch_groups(launcher: Any, groups: Sequence[Sequence[Member]], initial_job_idx: int) -> list[JobReturn]:
+def launch_groups(
+    launcher: Any, groups: Sequence[Sequence[Member]], initial_job_idx: int, share_prefill: bool = False
+) -> list[JobReturn]:
     """Run each group of jobs as one task: in this process for Hydra's basic launcher, else one array task
     per group of the submitit launcher (a task that ended without a result fails each of its jobs with
     :class:`JobFailure`). Returns every job's outcome, in the groups' order."""
@@ -229,8 +231,12 @@ def launch_groups(launcher: Any, groups: Sequence[Sequence[Member]], initial_job
             idx += 1
     payload = [[(cfg, output_dir) for _, cfg, output_dir in group] for group in groups]
     if not hasattr(launcher, "array_name"):  # Hydra's basic launcher: here, one group after another
-        return [r for group, members in zip(groups, payload) for r in group_returns(group, run_group(members))]
-    jobs = map_array(launcher, run_group_task, [(members,) for members in payload])
+        return [
+            returned
+            for group, members in zip(groups, payload)
+            for returned in group_returns(group, run_group(members, share_prefill))
+        ]
+    jobs = map_array(launcher, run_group_task, [(members, share_prefill) for members in payload])
     wait(launcher, jobs)
     returns = []
     for job, group in zip(jobs, groups):

@@ -234,7 +234,7 @@ def launch_pending(sweeper: BasicSweeper) -> list[list[JobReturn]]:
         done = sum(map(len, returns))
         if grouped:
             members = [[(job.overrides, job.cfg, job.output_dir.absolute()) for job in unit] for unit in batch]
-            returns.append(launch_groups(launcher, members, done))
+            returns.append(launch_groups(launcher, members, done, bool(getattr(sweeper, "share_prefill", False))))
         else:
             returns.append(list(launcher.launch([job.overrides for (job,) in batch], done)))
     outcomes = [returned for batch in returns for returned in batch]
