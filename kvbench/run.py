@@ -189,15 +189,23 @@ class Shared:
     task: Task | None = None
     samples: list[Sample] = field(default_factory=list)
     loads: int = 0  # model loads (one per group)
+    error: KVBenchError | None = None  # why the task could not be built: every job of the group fails with it
 
     def load(self, cfg: DictConfig) -> tuple[LoadedModel, Task, list[Sample]]:
         """The model, task and samples of ``cfg`` (the first call loads them; the jobs of a group share model,
-        task and data settings, so later calls return the same)."""
+        task and data settings, so later calls return the same, or raise the same error)."""
+        if self.error is not None:
+            raise self.error
         if self.loaded is None or self.task is None:
-            self.loaded = load_model(cfg.model)
+            loaded = load_model(cfg.model)
             self.loads += 1
-            self.task = build_task(cfg, self.loaded.tokenizer)
-            self.samples = list(self.task.samples())
+            try:
+                task = build_task(cfg, loaded.tokenizer)
+                samples = list(task.samples())
+            except KVBenchError as error:
+                self.error = error
+                raise
+            self.loaded, self.task, self.samples = loaded, task, samples
         return self.loaded, self.task, self.samples
 
 

@@ -4,6 +4,10 @@ model load and one task's samples, and give what the same jobs run one at a time
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ from kvbench.engine.engine import generate_shared
 from kvbench.errors import KVBenchError
 from kvbench.policies import BASES, MODIFIERS, build_policy, composable
 from kvbench.run import group_key, run, run_group
+from kvbench.rundir import RunDir
 from tests.helpers import ARCHITECTURES, random_prompt, tiny_model
 from tests.test_plan import TINY as PLAN_TINY
 
@@ -146,3 +151,49 @@ def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
             one.kv,
             one.policy_stats,
         ), label
+
+
+def test_a_shared_group_killed_part_way_finishes_every_sample_once(tmp_path):
+    """``kill -9`` of a sweep whose group shares its prefills, part-way; run again, every run directory holds every
+    sample exactly once, the finished ones not redone, with the predictions of an uninterrupted sweep."""
+    kvbench_command = str(Path(sys.executable).parent / "kvbench")
+    sweep = ["run", "-m", *PLAN_TINY[:3], "task.context_length=768", "task.num_samples=40", "policy=snapkv,tova"]
+    sweep.append("budget=64")
+    sweep.append("hydra.sweeper.share_prefill=true")
+
+    def sweep_into(directory: Path) -> list[str]:
+        return [*sweep, f"hydra.sweep.dir={directory}"]
+
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([kvbench_command, *sweep_into(killed)], env=environment, cwd=tmp_path)
+    deadline = time.monotonic() + 300
+    while not any(len(path.read_text().splitlines()) >= 3 for path in killed.glob("*/*/*/predictions.jsonl")):
+        assert time.monotonic() < deadline and process.poll() is None, "no predictions before the deadline"
+        time.sleep(0.2)
+    process.kill()
+    process.wait()
+    before = {path.parent.name: path.read_text().splitlines() for path in killed.glob("*/*/*/predictions.jsonl")}
+    assert all(len(lines) < 40 for lines in before.values())
+    for directory in (killed, whole):
+        subprocess.run([kvbench_command, *sweep_into(directory)], env=environment, cwd=tmp_path, check=True)
+    runs = sorted(path.parent.name for path in whole.glob("*/*/*/predictions.jsonl"))
+    assert len(runs) == 2
+    for name in runs:
+        (finished,) = killed.glob(f"*/*/{name}/predictions.jsonl")
+        (uninterrupted,) = whole.glob(f"*/*/{name}/predictions.jsonl")
+        lines = finished.read_text().splitlines()
+        assert lines[: len(before.get(name, []))] == before.get(name, [])  # nothing finished was rewritten
+        records = RunDir(finished.parent).records()  # a line the kill cut short is not a record
+        assert len(records) == len({record["id"] for record in records}) == 40 and len(lines) <= 41
+        expected = {record["id"]: record["prediction"] for record in RunDir(uninterrupted.parent).records()}
+        assert {record["id"]: record["prediction"] for record in records} == expected
+
+
+def test_a_task_that_cannot_be_built_fails_every_job_of_its_group_with_its_error(tmp_path, load_count):
+    """The group's task is built once: when it fails, each job reports that error (not a second, misleading one)."""
+    cfgs = [compose([*TINY, "task.context_length=300", f"policy={spec}"]) for spec in ("tova", "sink")]
+    outcomes = run_group([(cfg, tmp_path / str(number)) for number, cfg in enumerate(cfgs)])
+    assert all(isinstance(outcome, KVBenchError) for outcome in outcomes)
+    assert str(outcomes[0]) == str(outcomes[1]) and "too small for RULER" in str(outcomes[0])
+    assert load_count[0] == 1
