@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import mean
-from typing import Any
+from typing import Any, cast
 
 from hydra.utils import get_class
 from omegaconf import DictConfig
@@ -28,6 +28,9 @@ from kvbench.rundir import RunDir, finished_metrics, identity
 from kvbench.tasks.base import ModelInfo, Sample, Task
 
 log = logging.getLogger(__name__)
+
+#: the format of a job's log lines (Hydra's job logging's)
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 #: the settings the jobs of one group may differ in (:func:`group_key`)
 GROUPED = ("policy", "budget")
@@ -216,11 +219,18 @@ def run(cfg: DictConfig, output_dir: str | Path, shared: Shared | None = None) -
     finished run of the same settings is not run again. Nothing is written to the directory before the
     task's samples are built: a job that fails before that leaves it as it was. ``shared``: the model and
     samples of the job's group, if it runs in one."""
-    job = resolve(cfg)
-    run_dir = RunDir(output_dir)
-    job.cfg.output_dir = str(run_dir.path)  # the directory it is written to, whatever named it
+    job, run_dir = job_and_directory(cfg, output_dir)
     with run_dir.lock():
         return run_locked(job, run_dir, shared or Shared())
+
+
+def job_and_directory(cfg: DictConfig, output_dir: str | Path) -> tuple[Job, RunDir]:
+    """The resolved job and its run directory, the job's ``output_dir`` the directory it is written to, whatever
+    named it."""
+    job = resolve(cfg)
+    run_dir = RunDir(output_dir)
+    job.cfg.output_dir = str(run_dir.path)
+    return job, run_dir
 
 
 def run_locked(job: Job, run_dir: RunDir, shared: Shared) -> dict[str, Any]:
@@ -325,9 +335,7 @@ def run_group(
                     outcomes[index] = metrics
                     print(result_line(metrics), flush=True)
                     continue
-                job = resolve(cfg)
-                run_dir = RunDir(output_dir)
-                job.cfg.output_dir = str(run_dir.path)
+                job, run_dir = job_and_directory(cfg, output_dir)
                 locks.enter_context(run_dir.lock())
                 started = open_run(job, run_dir, shared)
                 if isinstance(started, dict):
@@ -340,7 +348,8 @@ def run_group(
                 outcome = outcomes[index]
                 if isinstance(outcome, dict):
                     print(result_line(outcome), flush=True)
-    return [outcome if outcome is not None else KVBenchError("not run") for outcome in outcomes]
+    assert all(outcome is not None for outcome in outcomes)  # each job finished, was finished, or failed
+    return cast(list[dict[str, Any] | Exception], outcomes)
 
 
 def run_shared(opened: dict[int, OpenRun], samples: list[Sample], outcomes: list[Any], logs: list[Path]) -> None:
@@ -398,7 +407,7 @@ def job_log(path: Path) -> Iterator[None]:
     job logging does for a job of a sweep."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, delay=True)
-    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
     handler.setLevel(logging.INFO)
     root = logging.getLogger()
     level = root.level

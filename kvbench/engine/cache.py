@@ -108,6 +108,17 @@ class EvictionLayer(DynamicLayer):
         return Evicted.taken(self.keys, self.values, self.positions, self.ranking, index)
 
 
+def in_cache_heads(
+    keys: torch.Tensor, values: torch.Tensor, num_query_heads: int, repeat: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A forward's keys/values ``[B,Hkv,q,D]`` in the cache's heads: repeated to the query heads in the repeat
+    layout (``policy.gqa=repeat``), else as they are."""
+    if not repeat:
+        return keys, values
+    group = num_query_heads // keys.shape[1]
+    return keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+
+
 @dataclass
 class CacheSizes:
     """Cache sizes measured during one sample (tokens per KV head, bytes over all layers)."""
@@ -199,10 +210,7 @@ class EvictionCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new keys/values ``[B,Hkv,q,D]`` (repeated to query heads in the repeat layout)."""
-        if self.repeat_layout:
-            group = self.num_query_heads // key_states.shape[1]
-            key_states = key_states.repeat_interleave(group, dim=1)
-            value_states = value_states.repeat_interleave(group, dim=1)
+        key_states, value_states = in_cache_heads(key_states, value_states, self.num_query_heads, self.repeat_layout)
         layer = self.eviction_layers[layer_idx]
         if self.policy.accumulates and self.track_scores and layer.accumulated is None:
             batch, heads, _, _ = key_states.shape
@@ -408,10 +416,7 @@ class SharedPrefill(Cache):
         """The layer's keys/values ``[B,Hkv,T,D]`` to attend (repeated to query heads in the repeat layout), kept
         for the variants until :meth:`after_attention`."""
         self.layer_states = (key_states, value_states)
-        if self.repeat_layout:
-            group = self.num_query_heads // key_states.shape[1]
-            return key_states.repeat_interleave(group, dim=1), value_states.repeat_interleave(group, dim=1)
-        return key_states, value_states
+        return in_cache_heads(key_states, value_states, self.num_query_heads, self.repeat_layout)
 
     def accumulates_in_attention(self) -> bool:
         return False  # variants whose policy attends itself prefill alone (Engine.shares_prefill)

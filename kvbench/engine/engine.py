@@ -155,15 +155,15 @@ class Engine:
             logits = self.step(cache, [token], position, evict=self.decode_evict)
             position += 1
         decode_seconds = self._now() - start
-        kv = self._kv_stats(cache, after_prefill, len(input_ids) + len(generated))
+        kv = self._cache_sizes(cache, after_prefill, len(input_ids) + len(generated))
         stats = cache.policy_stats()
         return GenerationOutput(generated, len(input_ids), prefill_seconds, decode_seconds, kv, stats, kept)
 
-    def shares_prefill(self, cache: EvictionCache, prompt_len: int) -> bool:
+    def shares_prefill(self, cache: EvictionCache) -> bool:
         """Whether ``cache`` can take its prefill from :func:`generate_shared`'s one forward: oneshot, a prompt of
         more than one token, and attention computed by the backend (not by an accumulating policy's own
         normalised pass, whose output may round differently)."""
-        return self.regime == "oneshot" and prompt_len > 1 and not cache.attends_through_policy()
+        return self.regime == "oneshot" and cache.prompt_len > 1 and not cache.attends_through_policy()
 
     @torch.inference_mode()
     def perplexity(self, input_ids: list[int], context_tokens: int = 0) -> PerplexityOutput:
@@ -191,7 +191,7 @@ class Engine:
             logits = self.step(cache, block, begin, evict=self.decode_evict, all_logits=len(block) > 1)
             nlls.append(self._nll(logits[0, :-1], targets[begin + 1 : begin + len(block)]))
         decode_seconds = self._now() - start
-        kv = self._kv_stats(cache, after_prefill, len(input_ids))
+        kv = self._cache_sizes(cache, after_prefill, len(input_ids))
         values = torch.cat(nlls).tolist() if nlls else []
         return PerplexityOutput(values, prefill_seconds, decode_seconds, kv, cache.policy_stats())
 
@@ -245,7 +245,7 @@ class Engine:
     def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
 
-    def _kv_stats(self, cache: EvictionCache, after_prefill: list[int], total_tokens: int) -> CacheSizes:
+    def _cache_sizes(self, cache: EvictionCache, after_prefill: list[int], total_tokens: int) -> CacheSizes:
         bytes_per_token = sum(
             2 * self.num_kv_heads * layer.keys.shape[-1] * layer.keys.element_size() for layer in cache.eviction_layers
         )
@@ -273,9 +273,10 @@ def generate_shared(
     caches = [engine.new_cache(len(input_ids)) for engine in engines]
     logits: list[torch.Tensor | None] = [None] * len(engines)
     prefill_seconds = [0.0] * len(engines)
+    shared_by = [1] * len(engines)  # how many variants each one's prefill served
     sharing: dict[bool, list[int]] = {}  # head layout -> the variants sharing one forward
     for index, (engine, cache) in enumerate(zip(engines, caches)):
-        if engine.shares_prefill(cache, len(input_ids)):
+        if engine.shares_prefill(cache):
             sharing.setdefault(cache.repeat_layout, []).append(index)
         else:
             start = engine._now()
@@ -287,11 +288,11 @@ def generate_shared(
         shared = lead.prefill(SharedPrefill([caches[index] for index in indices]), input_ids)
         seconds = (lead._now() - start) / len(indices)
         for index in indices:
-            logits[index], prefill_seconds[index] = shared, seconds
+            logits[index], prefill_seconds[index], shared_by[index] = shared, seconds, len(indices)
     outputs = []
-    for index, (engine, cache, last, seconds) in enumerate(zip(engines, caches, logits, prefill_seconds)):
+    for engine, cache, last, seconds, count in zip(engines, caches, logits, prefill_seconds, shared_by):
         assert last is not None  # every variant was prefilled, alone or shared
         output = engine.decode(cache, last, input_ids, max_new_tokens, stop_token_ids, min_new_tokens, seconds)
-        output.prefill_shared_by = next((len(group) for group in sharing.values() if index in group), 1)
+        output.prefill_shared_by = count
         outputs.append(output)
     return outputs

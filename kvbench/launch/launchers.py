@@ -30,7 +30,7 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.errors import KVBenchError
-from kvbench.run import run_group
+from kvbench.run import LOG_FORMAT, run_group
 
 CLUSTER_KEYS = ("partition", "account", "qos", "gpus_per_node", "cpus_per_task", "mem_gb", "timeout_min", "constraint")
 """The launcher keys (``hydra.launcher.<key>``) that must fit the cluster: ``sbatch`` refuses what it cannot place."""
@@ -202,7 +202,7 @@ Member = tuple[Sequence[str], DictConfig, Path]
 def run_group_task(members: list[tuple[DictConfig, Path]], share_prefill: bool) -> list[Any]:
     """One array task: a group of jobs run by :func:`kvbench.run.run_group` in the process submitit started,
     its log lines on that process's stderr and in each job's ``kvbench.log``."""
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     return run_group(members, share_prefill)
 
 
@@ -240,14 +240,15 @@ def launch_groups(
     wait(launcher, jobs)
     returns = []
     for job, group in zip(jobs, groups):
-        if job.paths.result_pickle.exists():
-            try:
-                returns += group_returns(group, job.results()[0])
-                continue
-            except Exception:  # the task raised outside run_group: each job fails with its error
-                pass
-        failed = outcome(job, [])
-        returns += [replace(failed, overrides=list(overrides)) for overrides, _, _ in group]
+        try:
+            results = job.results()[0] if job.paths.result_pickle.exists() else None
+        except Exception:  # the task raised outside run_group
+            results = None
+        if results is not None:
+            returns += group_returns(group, results)
+        else:  # each job fails with the task's error, or the last line of its log (outcome)
+            failed = outcome(job, [])
+            returns += [replace(failed, overrides=list(overrides)) for overrides, _, _ in group]
     return returns
 
 
