@@ -8,10 +8,13 @@ line on stdout::
 
     {"overrides": [...], "output_dir": ..., "config": {...}, "policy": {"spec": ..., "params": {...}},
      "error": null | "one line", "finished": bool, "tokens": {"prefill": n, "decode": n} | null,
-     "seconds": estimated wall time (with --time) | null, "group": n | null}
+     "seconds": estimated wall time (with --time) | null, "group": n | null, "prefill_group": n | null}
 
 In a grouped sweep (``hydra.sweeper.group``, the default) ``group`` numbers the process the job runs in: the jobs
-that differ only in policy and budget share one (:func:`kvbench.run.group_key`), the model loaded once.
+that differ only in policy and budget share one (:func:`kvbench.run.group_key`), the model loaded once. Where the
+group also shares its prefills (``hydra.sweeper.share_prefill``), ``prefill_group`` numbers the oneshot jobs whose
+samples are prefilled together, by one forward each (:func:`kvbench.engine.engine.generate_shared`); the summary
+counts their prefill tokens once.
 
 A job is invalid for a bad value, a run directory holding other settings, or data that is neither here nor
 downloadable now. ``--time`` estimates each job's wall time on this machine (:class:`Estimator`: it loads each
@@ -32,12 +35,14 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kvbench import config_dict, duration
+from kvbench.engine.cache import normaliser_pass
 from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
 from kvbench.launch.launchers import typed
 from kvbench.launch.sweeps import MULTIRUN_FLAGS, compose_job, sweep_loader, sweep_overrides
 from kvbench.run import group_key
 from kvbench.rundir import RunDir, finished_metrics
+from kvbench.tasks.ppl import PerplexityTask
 
 TIME_FLAG = "--time"
 
@@ -122,6 +127,7 @@ def empty_line(overrides: list[str], output_dir: Path | None, error: str | None 
         "tokens": None,
         "seconds": None,
         "group": None,
+        "prefill_group": None,
     }
 
 
@@ -131,11 +137,15 @@ def plan_job(
     output_dir: Path,
     tokenizers: dict[str, Any],
     estimator: Estimator | None = None,
+    group: int | None = None,
+    prefill_groups: dict[tuple[int, str | None], int] | None = None,
 ) -> dict[str, Any]:
-    """The plan line of one composed job (with ``estimator``, its estimated wall time)."""
+    """The plan line of one composed job (with ``estimator``, its estimated wall time), in ``group``; with
+    ``prefill_groups`` (a sweep sharing its prefills), numbered among the jobs that prefill each sample together."""
     from kvbench.run import build_task
 
     line = empty_line(overrides, output_dir)
+    line["group"] = group
     try:
         job = resolve(cfg)
         job.cfg.output_dir = str(output_dir)  # as kvbench run writes it to config.yaml
@@ -143,6 +153,9 @@ def plan_job(
         line["policy"] = {"spec": job.policy.spec, "params": line["config"]["policy"]}  # policy.settings()
         task = build_task(job.cfg, tokenizer_for(job.cfg.model, tokenizers))
         task.check_data()
+        oneshot = job.cfg.engine.regime == "oneshot" and not isinstance(task, PerplexityTask)
+        if group is not None and prefill_groups is not None and oneshot:
+            line["prefill_group"] = prefill_groups.setdefault((group, normaliser_pass(job.policy)), len(prefill_groups))
         tokens = task.planned_tokens()
         line["tokens"] = None if tokens is None else {"prefill": tokens[0], "decode": tokens[1]}
         if job.cfg.resume != "restart":
@@ -169,16 +182,16 @@ def plan_lines(args: list[str], estimator: Estimator | None = None) -> Iterator[
         jobs = sweep_overrides(config_loader, master)
         print(f"kvbench plan: resolving {len(jobs)} jobs", file=sys.stderr, flush=True)
         groups: dict[str, int] = {}
+        sweeper = master.hydra.sweeper
+        prefill_groups: dict[tuple[int, str | None], int] | None = {} if sweeper.get("share_prefill") else None
         for overrides in jobs:
             try:
                 job = compose_job(config_loader, master, overrides)
             except KVBenchError as error:
                 yield empty_line(overrides, None, str(error))
                 continue
-            line = plan_job(overrides, job.cfg, job.output_dir, tokenizers, estimator)
-            if master.hydra.sweeper.get("group"):
-                line["group"] = groups.setdefault(group_key(job.cfg), len(groups))
-            yield line
+            group = groups.setdefault(group_key(job.cfg), len(groups)) if sweeper.get("group") else None
+            yield plan_job(overrides, job.cfg, job.output_dir, tokenizers, estimator, group, prefill_groups)
 
 
 def main(args: list[str]) -> None:
@@ -186,8 +199,9 @@ def main(args: list[str]) -> None:
     each job's estimated wall time on this machine (:class:`Estimator`; it loads each model)."""
     estimator = Estimator() if TIME_FLAG in args else None
     jobs = invalid = finished = unknown = 0
-    prefill = decode = 0
+    prefill = decode = prefilled = 0  # prefilled: the prefill tokens left once shared prefills count once
     groups: list[int] = []  # the group of each job left to run
+    prefill_groups: set[int] = set()
     seconds = 0.0
     for line in plan_lines([arg for arg in args if arg != TIME_FLAG], estimator):
         seconds += line["seconds"] or 0.0
@@ -201,6 +215,10 @@ def main(args: list[str]) -> None:
             unknown += line["error"] is None and not line["finished"]
         elif not line["finished"]:
             prefill, decode = prefill + line["tokens"]["prefill"], decode + line["tokens"]["decode"]
+            if line["prefill_group"] not in prefill_groups:
+                prefilled += line["tokens"]["prefill"]
+            if line["prefill_group"] is not None:
+                prefill_groups.add(line["prefill_group"])
     tokens = f"{prefill} tokens to prefill, {decode} to decode in the jobs left" + (
         f" (and {unknown} jobs whose size only their data tells)" if unknown else ""
     )
@@ -209,6 +227,8 @@ def main(args: list[str]) -> None:
     if groups:
         loads = len(set(groups))
         tokens += f"; the {len(groups)} valid jobs left run in {loads} group(s): {loads} model loads, not {len(groups)}"
+    if prefill_groups:
+        tokens += f"; prefills shared: {prefilled} tokens prefilled, not {prefill}"
     print(f"kvbench plan: {jobs} jobs, {invalid} invalid, {finished} already finished; {tokens}", file=sys.stderr)
     if invalid:
         sys.exit(2)

@@ -152,8 +152,12 @@ def mean_policy_stats(records: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def summarize(cfg: DictConfig, task: Task, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """metrics.json: task scores (0–100), KV-cache sizes (max over samples) and summed timings."""
+def summarize(
+    cfg: DictConfig, task: Task, records: list[dict[str, Any]], load: tuple[float, int] = (0.0, 1)
+) -> dict[str, Any]:
+    """metrics.json: task scores (0–100), KV-cache sizes (max over samples) and summed timings: the records' own
+    decode, their prefill (a shared prefill's share), and the job's share of ``load`` (the seconds this process
+    took to load the model and build the samples, and how many jobs of a group they served)."""
     scores = task.aggregate(records)
     average = scores["ppl"] if "ppl" in scores else (mean(scores.values()) if scores else None)
     kv = [record["kv"] for record in records]
@@ -176,8 +180,13 @@ def summarize(cfg: DictConfig, task: Task, records: list[dict[str, Any]]) -> dic
         },
         "policy_stats": mean_policy_stats(records),
         "timing": {
-            name: sum(record["timing"][name] for record in records)
-            for name in ("prefill_seconds", "decode_seconds", "total_seconds")
+            **{
+                name: sum(record["timing"][name] for record in records)
+                for name in ("prefill_seconds", "decode_seconds", "total_seconds")
+            },
+            "prefill_shared_by": mean([record["timing"].get("prefill_shared_by", 1) for record in records] or [1]),
+            "load_seconds": load[0] / load[1],
+            "load_shared_by": load[1],
         },
     }
 
@@ -192,6 +201,8 @@ class Shared:
     task: Task | None = None
     samples: list[Sample] = field(default_factory=list)
     loads: int = 0  # model loads (one per group)
+    load_seconds: float = 0.0  # of the model load and the samples' building
+    jobs: int = 1  # the jobs of the group, among which the load is shared
     error: KVBenchError | None = None  # why the task could not be built: every job of the group fails with it
 
     def load(self, cfg: DictConfig) -> tuple[LoadedModel, Task, list[Sample]]:
@@ -200,6 +211,7 @@ class Shared:
         if self.error is not None:
             raise self.error
         if self.loaded is None or self.task is None:
+            started = time.perf_counter()
             loaded = load_model(cfg.model)
             self.loads += 1
             try:
@@ -209,6 +221,7 @@ class Shared:
                 self.error = error
                 raise
             self.loaded, self.task, self.samples = loaded, task, samples
+            self.load_seconds = time.perf_counter() - started
         return self.loaded, self.task, self.samples
 
 
@@ -256,6 +269,7 @@ class OpenRun:
     records: list[dict[str, Any]]
     pending: list[Sample]
     progress: Progress
+    shared: Shared
 
     def write(self, sample: Sample, record: dict[str, Any], output: Any) -> None:
         """One finished sample: its kept sets (``engine.save_kept``), then its line in predictions.jsonl."""
@@ -268,7 +282,8 @@ class OpenRun:
     def finish(self) -> dict[str, Any]:
         """metrics.json from every record (and W&B, if configured); returns the metrics."""
         self.progress.close()
-        metrics = summarize(self.job.cfg, self.task, self.records)
+        load = (self.shared.load_seconds, self.shared.jobs)
+        metrics = summarize(self.job.cfg, self.task, self.records, load)
         self.run_dir.write_metrics(metrics)
         log_run(self.job.cfg, self.run_dir, metrics, self.records)
         return metrics
@@ -302,7 +317,7 @@ def open_run(job: Job, run_dir: RunDir, shared: Shared) -> OpenRun | dict[str, A
     log.info("writing %s (%s, %d to go: %d prompt tokens)", run_dir.path, state, len(samples), prompt_tokens)
     cfg = job.cfg
     progress = Progress(len(samples), f"{cfg.task.name} {cfg.policy.name}@{cfg.budget.spec}")
-    return OpenRun(job, run_dir, loaded, engine, task, records, samples, progress)
+    return OpenRun(job, run_dir, loaded, engine, task, records, samples, progress, shared)
 
 
 def group_key(cfg: DictConfig) -> str:
@@ -323,7 +338,7 @@ def run_group(
     job keeps all a single run has: its run directory, lock, resume, ``config.yaml``, records and its log
     (``kvbench.log`` in its directory). A job that fails is logged there and does not stop the others. Returns
     each job's metrics, or the error it failed with."""
-    shared = Shared()
+    shared = Shared(jobs=len(members))
     outcomes: list[dict[str, Any] | Exception | None] = [None] * len(members)
     logs = [Path(output_dir) / "kvbench.log" for _, output_dir in members]
     with contextlib.ExitStack() as locks:  # with share_prefill, every run's lock is held until the group ends

@@ -32,6 +32,11 @@ TINY = [
     "bench.generate.prompt_lengths=[32]",
     "bench.generate.new_tokens=4",
     "bench.kvpress.prompt_length=160",
+    "bench.grid.context_length=512",
+    "bench.grid.num_samples=1",
+    "bench.grid.policies=[h2o,snapkv]",
+    "bench.grid.budgets=[64]",
+    "bench.grid.new_tokens=2",
 ]
 
 
@@ -140,12 +145,15 @@ def test_targets_hold_the_figures_they_name(bench):
         "prefill_overhead[h2o+obcache_joint]@160",
         "decode_latency_ratio",
         "harness_vs_generate",
+        "grid_speed_ratio",
     }
+    floors = {"harness_vs_generate", "grid_speed_ratio"}
     for name, row in found.items():
         prefill = re.fullmatch(r"prefill_overhead\[(.+)\]@(\d+)", name)
-        value = results["prefill_overhead"][prefill[1]][prefill[2]] if prefill else results[name]
+        value = results["prefill_overhead"][prefill[1]][prefill[2]] if prefill else results.get(name)
+        value = results["grid"]["speed_ratio"] if name == "grid_speed_ratio" else value
         assert row["value"] == value
-        assert row["met"] == (value >= row["limit"] if name == "harness_vs_generate" else value <= row["limit"])
+        assert row["met"] == (value >= row["limit"] if name in floors else value <= row["limit"])
     assert found["prefill_overhead[sink]@160"]["limit"] == 1.05
     assert found["prefill_overhead[h2o+obcache_joint]@160"]["limit"] == 1.5
     markdown = (out / "bench.md").read_text()
@@ -184,10 +192,29 @@ def test_generate_comparison_makes_the_same_number_of_tokens(bench):
     assert generate["per_prompt"]["32"]["speed_ratio"] > 0
 
 
+def test_grid_is_separate_processes_over_one_grouped_sweep(bench):
+    """The grid section: each job's own process timed, their sum over the grouped sweep's time, the same
+    predictions, and the shared prefill's peak memory beside one job's with its bound."""
+    results, out = bench
+    grid = results["grid"]
+    separate = results["raw"]["grid"]["separate_seconds"]
+    assert set(separate) == {"h2o@64", "snapkv@64"} and grid["variants"] == 2 and grid["samples"] == 1
+    assert grid["separate_seconds"] == pytest.approx(sum(separate.values()))
+    assert grid["speed_ratio"] == pytest.approx(grid["separate_seconds"] / grid["grouped_seconds"])
+    assert grid["predictions_equal"] and grid["differing_runs"] == []
+    memory = grid["memory"]
+    assert memory["one_job"]["variants"] == 1 and memory["grouped"]["variants"] == 2
+    bound = memory["one_job"]["peak_rss_delta_bytes"] + memory["grouped"]["other_caches_bytes"]
+    assert memory["bound_bytes"] == bound + memory["grouped"]["layer_full_bytes"]
+    assert results["targets"]["grid_speed_ratio"]["value"] == grid["speed_ratio"]
+    assert "## A grid of 2 jobs × 1 samples" in (out / "bench.md").read_text()
+
+
 def test_kvpress_agrees_with_kvbench_snapkv(tmp_path):
     pytest.importorskip("kvpress")
     sections = ["bench.prefill.prompt_lengths=[]", "bench.decode.prompt_lengths=[]", "bench.memory.prompt_lengths=[]"]
-    main(["bench", *TINY, *sections, "bench.generate.prompt_lengths=[]", f"output_dir={tmp_path}"])
+    sections += ["bench.generate.prompt_lengths=[]", "bench.grid.policies=[]"]
+    main(["bench", *TINY, *sections, f"output_dir={tmp_path}"])
     press = json.loads((tmp_path / "bench.json").read_text())["kvpress"]
     assert "skipped" not in press, press.get("skipped")
     assert press["kept_tokens"] == press["kvpress_kept_tokens"] == 64
@@ -198,6 +225,8 @@ def test_kvpress_agrees_with_kvbench_snapkv(tmp_path):
     "override, message",
     [
         ("bench.prefill.policies=[nosuch]", "unknown policy 'nosuch'"),
+        ("bench.grid.policies=[snapkv,nosuch]", "unknown policy 'nosuch'"),
+        ("bench.grid.budgets=[64,lots]", "lots"),
         ("bench.repetitions=0", "bench.repetitions must be >= 1"),
         ("bench.memory.regime=sometimes", "unknown bench.memory.regime 'sometimes'"),
         ("bench.nosuch=1", "bench: "),

@@ -15,6 +15,7 @@ import pytest
 import kvbench.run
 from kvbench.config import compose
 from kvbench.engine import Engine
+from kvbench.engine.cache import normaliser_pass
 from kvbench.engine.engine import generate_shared
 from kvbench.errors import KVBenchError
 from kvbench.policies import BASES, MODIFIERS, build_policy, composable
@@ -79,6 +80,10 @@ def test_a_group_gives_what_separate_runs_give(tmp_path, load_count, share_prefi
         for line in path.read_text().splitlines()
     ]
     assert (max(shared_by) > len(VARIANTS) / 2) == share_prefill  # most variants shared one prefill
+    timings = [json.loads(path.read_text())["timing"] for path in (tmp_path / "grouped").glob("*/metrics.json")]
+    assert timings and all(timing["load_shared_by"] == len(VARIANTS) for timing in timings)
+    assert len({timing["load_seconds"] for timing in timings}) == 1 and timings[0]["load_seconds"] > 0
+    assert (max(timing["prefill_shared_by"] for timing in timings) > 1) == share_prefill
     for number, spec in enumerate(VARIANTS):
         assert outcome(tmp_path / "grouped" / str(number)) == outcome(tmp_path / "separate" / str(number)), spec
 
@@ -117,6 +122,25 @@ def test_plan_numbers_each_jobs_group():
     assert len(lines) == 8 and sorted(by_length) == [512, 640] and by_length[512] != by_length[640]
     assert all(len(groups) == 1 for groups in by_length.values())
     assert {line["group"] for line in plan_lines([*sweep, "hydra.sweeper.group=false"])} == {None}
+    assert {line["prefill_group"] for line in lines} == {None}
+
+
+def test_plan_counts_a_shared_prefill_once(capsys):
+    """``kvbench plan -m`` of a sweep sharing its prefills: the jobs of a group attended alike (by the backend, or
+    by one setting of H2O's own pass, whatever the budget) share a ``prefill_group``, whose prefill tokens the
+    summary counts once."""
+    from kvbench.plan import main
+
+    sweep = ["-m", *TINY[:3], "task.num_samples=1", "policy=h2o,tova,snapkv", "budget=64,96"]
+    main([*sweep, "hydra.sweeper.share_prefill=true"])
+    printed = capsys.readouterr()
+    lines = [json.loads(line) for line in printed.out.splitlines()]
+    by_policy: dict[str, set[int]] = {}
+    for line in lines:
+        by_policy.setdefault(line["policy"]["spec"], set()).add(line["prefill_group"])
+    assert len(by_policy["h2o"]) == 1 and by_policy["tova"] == by_policy["snapkv"] != by_policy["h2o"]
+    one = lines[0]["tokens"]["prefill"]
+    assert f"prefills shared: {2 * one} tokens prefilled, not {6 * one}" in printed.err
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
@@ -124,7 +148,7 @@ def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
     """Every base × {none, each applicable modifier} at two budgets, both head layouts, and the full cache (budget
     ≥ the prompt), on one prompt: :func:`generate_shared` gives each variant the tokens, kept sets, cache sizes and
     policy statistics of its own :meth:`Engine.generate` — the variants attended by the backend from one forward,
-    those whose policy attends itself alone."""
+    those whose policy attends itself from one forward per policy setting."""
     model = tiny_model(architecture)
     prompt = random_prompt(160)
     engines = []
@@ -141,6 +165,10 @@ def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
     alone = [engine.generate(prompt, 6) for engine in engines]
     shared = generate_shared(engines, prompt, 6)
     assert sum(engine.shares_prefill(engine.new_cache(len(prompt))) for engine in engines) > len(engines) / 2
+    own_pass = [
+        output for engine, output in zip(engines, shared) if normaliser_pass(engine.new_cache(len(prompt)).policy)
+    ]
+    assert own_pass and max(output.prefill_shared_by for output in own_pass) > 1  # H2O's budgets share
     for engine, one, other in zip(engines, alone, shared):
         label = f"{engine.policy.spec}@{engine.budget.spec}"
         assert (other.token_ids, other.kept, other.kv, other.policy_stats) == (
@@ -149,6 +177,34 @@ def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
             one.kv,
             one.policy_stats,
         ), label
+
+
+@pytest.mark.model
+def test_on_smollm2_one_shared_prefill_gives_what_each_variant_gives_alone():
+    """The same over the registry on the offline SmolLM2 (float32, a 384-token text prompt, budget 96): every
+    variant's tokens, kept sets, cache sizes and policy statistics from its shared prefill equal its own run's."""
+    from kvbench.bench.sections import PARAGRAPH, prompt_tokens
+    from kvbench.models import load_model, model_config
+
+    loaded = load_model(model_config("smollm2_135m"))
+    prompt = prompt_tokens(loaded.tokenizer, PARAGRAPH, 384)
+    engines, alone = [], []
+    for spec in VARIANTS:
+        try:
+            engine = Engine(loaded.model, build_policy(spec), 96, record_kept=True)
+            alone.append(engine.generate(prompt, 4))
+        except KVBenchError:  # settings the policy needs the model's run config for
+            continue
+        engines.append(engine)
+    assert len(engines) > len(VARIANTS) / 2
+    shared = generate_shared(engines, prompt, 4)
+    for engine, one, other in zip(engines, alone, shared):
+        assert (other.token_ids, other.kept, other.kv, other.policy_stats) == (
+            one.token_ids,
+            one.kept,
+            one.kv,
+            one.policy_stats,
+        ), engine.policy.spec
 
 
 def test_a_shared_group_killed_part_way_finishes_every_sample_once(tmp_path):

@@ -6,7 +6,8 @@ LongBench multi_news records, the prompt ids, the positions each layer and query
 greedy output ids. kvbench runs the same records through its run path with ``+compat=kvcache_factory`` and must
 reproduce all three exactly. The kept sets and prompts of every record are checked by default, and the 512-token
 generations of the first record for H2O (scores accumulated while decoding) and SnapKV (evicts once, after the
-prompt); the other generations (45 s each on two cores) run with the slow tests.
+prompt); the other generations (45 s each on two cores) run with the slow tests. In grouped mode, the four methods
+prefill each record together and keep the same sets.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from functools import cache
 import pytest
 
 from kvbench.config import compose
+from kvbench.engine.engine import generate_shared
 from kvbench.job import resolve
 from kvbench.models import load_model
-from kvbench.run import build_engine, build_task, run_sample
+from kvbench.run import build_engine, build_task, run_sample, stop_ids
 from tests.helpers import local_data
 
 FIXTURES = local_data("KVBENCH_PARITY_DIR", "parity") / "kvcache_factory"
@@ -107,3 +109,19 @@ def test_first_generation_equals_the_reference(method, records_dir):
 @pytest.mark.parametrize("method", METHODS)
 def test_every_generation_equals_the_reference(method, index, records_dir):
     generations_agree(method, records_dir, index)
+
+
+def test_a_grouped_sweeps_shared_prefill_gives_the_reference(records_dir):
+    """Grouped mode: the four methods prefilling each record together (``generate_shared``, as a sweep sharing its
+    prefills runs them: SnapKV, PyramidKV and StreamingLLM from one forward, H2O from its own pass) keep the
+    reference's sets and start the reference's generation."""
+    engines = [prepared(method, records_dir)[0] for method in METHODS]
+    _, _, loaded, samples = prepared("snapkv", records_dir)
+    tokens = 16
+    for index, sample in enumerate(samples):
+        outputs = generate_shared(engines, sample.input_ids, tokens, stop_ids(sample, loaded), sample.min_new_tokens)
+        assert sorted(output.prefill_shared_by for output in outputs) == [1, 3, 3, 3]
+        for method, output in zip(METHODS, outputs):
+            reference = fixture(method)["records"][index]
+            assert output.kept == reference["kept"], f"{method} {sample.id}: kept sets differ"
+            assert output.token_ids == reference["output_ids"][:tokens], f"{method} {sample.id}"

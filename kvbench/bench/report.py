@@ -23,6 +23,8 @@ EVERY_QUERY_LIMIT, EVERY_QUERY_OBCACHE_LIMIT = 1.10, 1.5
 FLAT_DECODE_LIMIT = 1.15
 #: kvbench's full-cache tokens/s ÷ ``model.generate``'s, and kvpress SnapKV's time ÷ kvbench's: at least
 HARNESS_SPEED_FLOOR, KVPRESS_SPEED_FLOOR = 0.95, 1.0
+#: a grid's jobs as one grouped sweep sharing its prefills, end to end, against one ``kvbench run`` process each
+GRID_SPEED_FLOOR = 4.0
 
 
 def prefill_limit(spec: str) -> float:
@@ -49,6 +51,7 @@ def targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     check("decode_latency_ratio", results["decode_latency_ratio"], FLAT_DECODE_LIMIT)
     check("harness_vs_generate", results["harness_vs_generate"], HARNESS_SPEED_FLOOR, at_most=False)
     check("kvpress_speed_ratio", results.get("kvpress", {}).get("speed_ratio"), KVPRESS_SPEED_FLOOR, at_most=False)
+    check("grid_speed_ratio", results.get("grid", {}).get("speed_ratio"), GRID_SPEED_FLOOR, at_most=False)
     return found
 
 
@@ -214,6 +217,33 @@ def markdown(results: dict[str, Any]) -> str:
                     ]
                 ],
             )
+    if "grid" in results:
+        grid = results["grid"]
+        lines += ["", f"## A grid of {grid['variants']} jobs × {grid['samples']} samples, end to end (seconds)", ""]
+        lines += _table(
+            ["one process per job", "one grouped sweep", "speed ratio", "same predictions"],
+            [
+                [
+                    f"{grid['separate_seconds']:.1f}",
+                    f"{grid['grouped_seconds']:.1f}",
+                    f"{grid['speed_ratio']:.2f}",
+                    grid["predictions_equal"],
+                ]
+            ],
+        )
+        memory = grid["memory"]
+        lines += ["", "peak RSS − before, one prompt (MiB):", ""]
+        lines += _table(
+            ["one job", f"{memory['grouped']['variants']} variants, one prefill", "bound", "within"],
+            [
+                [
+                    _mib(memory["one_job"]["peak_rss_delta_bytes"]),
+                    _mib(memory["grouped"]["peak_rss_delta_bytes"]),
+                    _mib(memory["bound_bytes"]),
+                    memory["within_bound"],
+                ]
+            ],
+        )
     if results["targets"]:
         lines += ["", "## Targets", ""]
         rows = [

@@ -13,12 +13,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.bench import kvpress
+from kvbench.bench.grid import grid
 from kvbench.bench.report import machine, markdown, targets
 from kvbench.bench.sections import Bench
 from kvbench.engine import REGIMES
 from kvbench.errors import choose
 from kvbench.models import load_model
 from kvbench.policies import parse_spec
+from kvbench.policies.budgets import Budget
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ def run(bench: Bench, out: Path) -> dict[str, Any]:
         ("memory", sections.memory.prompt_lengths and sections.memory.policies, bench.memory_section),
         ("kvbench vs model.generate", sections.generate.prompt_lengths, bench.generate),
         ("kvpress", sections.kvpress.enabled, lambda: {"kvpress": kvpress.compare(bench)}),
+        ("grid", sections.grid.policies and sections.grid.budgets, lambda: grid(bench)),
     ):
         if enabled:
             log.info(title)
@@ -68,8 +71,11 @@ def output_directory(cfg: DictConfig) -> Path:
 
 def run_bench(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     """Run the benchmark configured by ``cfg`` into ``bench.json`` and ``bench.md``; the results and their folder."""
-    for spec in [*cfg.bench.prefill.policies, *cfg.bench.memory.policies, cfg.bench.decode.policy]:
+    bench = cfg.bench
+    for spec in [*bench.prefill.policies, *bench.memory.policies, bench.decode.policy, *bench.grid.policies]:
         parse_spec(str(spec))
+    for budget in bench.grid.budgets:
+        Budget.parse(str(budget))
     for key, regime in (("engine.regime", cfg.engine.regime), ("bench.memory.regime", cfg.bench.memory.regime)):
         choose(key, regime, REGIMES)
     out = output_directory(cfg)

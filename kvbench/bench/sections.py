@@ -115,13 +115,15 @@ class Bench:
                 f"bench prompt length {longest} exceeds {loaded.name}'s context window of {loaded.context_window}"
             )
         self.tokens = prompt_tokens(loaded.tokenizer, text, longest)
-        self._engines: dict[tuple[str, str, str], Engine] = {}
+        self._engines: dict[tuple[str, str, str | None, str], Engine] = {}
 
     def _lengths(self) -> list[int]:
         sections = (self.bench.prefill, self.bench.decode, self.bench.memory, self.bench.generate)
         lengths = [int(length) for section in sections for length in section.prompt_lengths]
         if self.bench.kvpress.enabled:
             lengths.append(int(self.bench.kvpress.prompt_length))
+        if self.bench.grid.policies and self.bench.grid.budgets:
+            lengths.append(int(self.bench.grid.context_length))
         if any(length < 2 for length in lengths):
             raise KVBenchError(f"bench prompt lengths must be >= 2 tokens, got {sorted(set(lengths))}")
         return lengths
@@ -129,17 +131,17 @@ class Bench:
     def prompt(self, length: int) -> list[int]:
         return self.tokens[:length]
 
-    def engine(self, spec: str, regime: str | None = None, **params) -> Engine:
-        """An engine for policy ``spec`` at the budget under ``regime``: the policy's defaults, then
-        ``bench.policy_params[spec]``, then ``params``."""
+    def engine(self, spec: str, regime: str | None = None, budget: str | None = None, **params) -> Engine:
+        """An engine for policy ``spec`` at ``budget`` (default the bench's) under ``regime``: the policy's defaults,
+        then ``bench.policy_params[spec]``, then ``params``."""
         regime = regime or self.cfg.engine.regime
-        key = (spec, regime, json.dumps(params, sort_keys=True))
+        key = (spec, regime, budget, json.dumps(params, sort_keys=True))
         if key not in self._engines:
             overrides = config_dict(self.bench.policy_params, resolve=True).get(spec, {})
             self._engines[key] = Engine(
                 self.loaded.model,
                 build_policy(spec, {**overrides, **params}),
-                self.budget,
+                self.budget if budget is None else Budget.parse(budget),
                 regime=regime,
                 block_size=self.cfg.engine.block_size,
                 decode_evict=self.cfg.engine.decode_evict,

@@ -119,6 +119,19 @@ def in_cache_heads(
     return keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
 
 
+def attends_through(policy: Policy) -> bool:
+    """Whether ``policy``'s scored forwards attend through its own normalised pass, which also gives the sums of an
+    accumulating score from each query's normaliser (H2O and its OBCache terms), rather than through the backend."""
+    return policy.needs_attention and policy.accumulates and policy.sums_from_normaliser and policy.scores_causally
+
+
+def normaliser_pass(policy: Policy) -> str | None:
+    """What computes a scored prefill's attention: None for the backend, else ``policy``'s settings and modifiers' (not
+    its budget) when its own normalised pass does (:func:`attends_through`); variants with the same one attend alike,
+    so one forward can prefill them all (:class:`SharedPrefill`)."""
+    return repr((policy, policy.modifiers)) if attends_through(policy) else None
+
+
 @dataclass
 class CacheSizes:
     """Cache sizes measured during one sample (tokens per KV head, bytes over all layers)."""
@@ -239,26 +252,28 @@ class EvictionCache(Cache):
     def accumulates_in_attention(self) -> bool:
         """Whether this forward's attention should come from :meth:`attend_and_accumulate`: an accumulating
         policy (H2O, ``h2o+obcache_*``) whose running score this forward feeds, with sums from the normaliser."""
-        return self.track_scores and self.attends_through_policy()
-
-    def attends_through_policy(self) -> bool:
-        """Whether a scored forward's attention comes from the policy's own normalised pass
-        (:meth:`attend_and_accumulate`) rather than the backend."""
-        policy = self.policy
-        return policy.needs_attention and policy.accumulates and policy.sums_from_normaliser and policy.scores_causally
+        return self.track_scores and attends_through(self.policy)
 
     def attend_and_accumulate(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention output ``[B,q,Hq,D]`` of ``queries [B,Hq,q,D]`` over the layer's cache, and the policy's sums
-        from each query's normaliser added to the running score: the normaliser and output of a fused kernel
-        on ``NORMALISER_KERNEL_DEVICES``, else of the same blockwise pass (``kvbench.policies.stats``)."""
+        from each query's normaliser added to the running score (:meth:`normalised_attention`)."""
         layer = self.eviction_layers[layer_idx]
-        stats = NormalisedStats(queries, layer.keys, layer.values, scaling)
-        if queries.device.type in attention.NORMALISER_KERNEL_DEVICES:
-            stats.outputs, stats.lse = attention.attention_with_lse(queries, layer.keys, layer.values, scaling)
-        outputs, summed = self.policy.normalised_sums(stats, self.score_block)  # [B,Hq,q,D], [B,Hc,T]
+        outputs, summed = self.normalised_attention(queries, layer.keys, layer.values, scaling)
         assert layer.accumulated is not None  # created by update when scores are tracked
         layer.accumulated += summed
-        return outputs.transpose(1, 2).contiguous()
+        return outputs
+
+    def normalised_attention(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's own attention pass of ``queries [B,Hq,q,D]`` over ``keys``/``values [B,Hc,T,D]``: the output
+        ``[B,q,Hq,D]`` and the sums from each query's normaliser ``[B,Hc,T]`` — the normaliser and output of a fused
+        kernel on ``NORMALISER_KERNEL_DEVICES``, else of the same blockwise pass (``kvbench.policies.stats``)."""
+        stats = NormalisedStats(queries, keys, values, scaling)
+        if queries.device.type in attention.NORMALISER_KERNEL_DEVICES:
+            stats.outputs, stats.lse = attention.attention_with_lse(queries, keys, values, scaling)
+        outputs, summed = self.policy.normalised_sums(stats, self.score_block)  # [B,Hq,q,D], [B,Hc,T]
+        return outputs.transpose(1, 2).contiguous(), summed
 
     def after_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float, accumulated: bool = False) -> None:
         """Gather this forward's scoring statistics (``queries [B,Hq,q,D]``) unless the attention already
@@ -392,10 +407,12 @@ class EvictionCache(Cache):
 
 
 class SharedPrefill(Cache):
-    """One oneshot prefill forward for the caches of several variants of a prompt (their own policies and budgets,
-    one head layout, attention by the backend): each layer's keys and values are computed and attended in full
-    once; after the layer's attention each variant in turn appends them, scores and evicts to its own budget, so
-    beside the shared layer at most one variant's full copy of it exists, never a full cache per variant."""
+    """One oneshot prefill forward for the caches of several variants of a prompt (their own budgets; one head
+    layout and one :func:`normaliser_pass`): each layer's keys and values are computed and attended
+    in full once — by the backend, or by the policy's normalised pass whose sums every variant then adds to its
+    running score; after the layer's attention each variant in turn appends them, scores and evicts to its own
+    budget, so beside the shared layer at most one variant's full copy of it exists, never a full cache per
+    variant."""
 
     def __init__(self, caches: list[EvictionCache]) -> None:
         lead = caches[0]
@@ -405,6 +422,7 @@ class SharedPrefill(Cache):
         self.repeat_layout, self.num_query_heads = lead.repeat_layout, lead.num_query_heads
         self.prompt_len = lead.prompt_len
         self.layer_states: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.summed: torch.Tensor | None = None
 
     def begin_forward(self, positions: torch.Tensor, evict: bool, track_scores: bool, decoding: bool = False) -> None:
         for cache in self.caches:
@@ -419,13 +437,26 @@ class SharedPrefill(Cache):
         return in_cache_heads(key_states, value_states, self.num_query_heads, self.repeat_layout)
 
     def accumulates_in_attention(self) -> bool:
-        return False  # variants whose policy attends itself prefill alone (Engine.shares_prefill)
+        return self.caches[0].accumulates_in_attention()
+
+    def attend_and_accumulate(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The lead variant's normalised pass over the layer (the same for every variant): the output ``[B,T,Hq,D]``,
+        its sums kept for each variant's running score."""
+        assert self.layer_states is not None  # update comes before the attention
+        keys, values = in_cache_heads(*self.layer_states, self.num_query_heads, self.repeat_layout)
+        outputs, self.summed = self.caches[0].normalised_attention(queries, keys, values, scaling)
+        return outputs
 
     def after_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float, accumulated: bool = False) -> None:
-        """Each variant in turn: append the layer's keys/values, score with ``queries [B,Hq,T,D]`` and evict."""
+        """Each variant in turn: append the layer's keys/values (and the normalised pass's sums when
+        ``accumulated``), score with ``queries [B,Hq,T,D]`` and evict."""
         assert self.layer_states is not None  # update comes before the attention
         key_states, value_states = self.layer_states
-        self.layer_states = None
+        summed, self.layer_states, self.summed = self.summed, None, None
         for cache in self.caches:
             cache.update(key_states, value_states, layer_idx)
-            cache.after_attention(layer_idx, queries, scaling)
+            if accumulated:
+                running = cache.eviction_layers[layer_idx].accumulated
+                assert running is not None and summed is not None  # a tracked forward of an accumulating policy
+                running += summed
+            cache.after_attention(layer_idx, queries, scaling, accumulated)

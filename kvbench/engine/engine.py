@@ -20,7 +20,7 @@ import torch
 
 from kvbench.domains import FLAG, Domain, choice, integer, is_int, optional
 from kvbench.engine import attention
-from kvbench.engine.cache import CacheSizes, EvictionCache, SharedPrefill
+from kvbench.engine.cache import CacheSizes, EvictionCache, SharedPrefill, normaliser_pass
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies.base import Full, Policy
 from kvbench.policies.budgets import Budget
@@ -160,10 +160,9 @@ class Engine:
         return GenerationOutput(generated, len(input_ids), prefill_seconds, decode_seconds, kv, stats, kept)
 
     def shares_prefill(self, cache: EvictionCache) -> bool:
-        """Whether ``cache`` can take its prefill from :func:`generate_shared`'s one forward: oneshot, a prompt of
-        more than one token, and attention computed by the backend (not by an accumulating policy's own
-        normalised pass, whose output may round differently)."""
-        return self.regime == "oneshot" and cache.prompt_len > 1 and not cache.attends_through_policy()
+        """Whether ``cache`` can take its prefill from one of :func:`generate_shared`'s forwards: oneshot and a prompt
+        of more than one token (it shares with the variants of its head layout and normaliser pass)."""
+        return self.regime == "oneshot" and cache.prompt_len > 1
 
     @torch.inference_mode()
     def perplexity(self, input_ids: list[int], context_tokens: int = 0) -> PerplexityOutput:
@@ -267,17 +266,19 @@ def generate_shared(
     engines: list[Engine], input_ids: list[int], max_new_tokens: int, stop_token_ids=(), min_new_tokens: int = 0
 ) -> list[GenerationOutput]:
     """:meth:`Engine.generate` of each engine (its own policy and budget; one model, one regime) on one prompt,
-    the variants that :meth:`Engine.shares_prefill` (in the same head layout) prefilled by one forward
-    (:class:`SharedPrefill`); each then decodes from its own cache. Each output reports the shared prefill's
-    time divided among the variants that shared it. Outputs equal :meth:`Engine.generate`'s."""
+    the variants that :meth:`Engine.shares_prefill` prefilled by one forward (:class:`SharedPrefill`) per head
+    layout and :func:`~kvbench.engine.cache.normaliser_pass` (one for those the backend attends, one per setting of a
+    policy that attends itself, whatever their budgets); each then decodes from its own cache. Each output
+    reports the shared prefill's time divided among the variants that shared it.
+    Outputs equal :meth:`Engine.generate`'s."""
     caches = [engine.new_cache(len(input_ids)) for engine in engines]
     logits: list[torch.Tensor | None] = [None] * len(engines)
     prefill_seconds = [0.0] * len(engines)
     shared_by = [1] * len(engines)  # how many variants each one's prefill served
-    sharing: dict[bool, list[int]] = {}  # head layout -> the variants sharing one forward
+    sharing: dict[tuple[bool, str | None], list[int]] = {}  # head layout, normaliser pass -> variants of one forward
     for index, (engine, cache) in enumerate(zip(engines, caches)):
         if engine.shares_prefill(cache):
-            sharing.setdefault(cache.repeat_layout, []).append(index)
+            sharing.setdefault((cache.repeat_layout, normaliser_pass(cache.policy)), []).append(index)
         else:
             start = engine._now()
             logits[index] = engine.prefill(cache, input_ids)

@@ -1,0 +1,145 @@
+"""The ``grid`` section of ``kvbench bench``: what a sweep's grouping saves, end to end.
+
+The ``policies`` × ``budgets`` jobs of one task are run twice: one ``kvbench run`` process each, one after
+another (how the scripts kvbench replaces run a grid), then as one ``kvbench run -m`` sweep whose group loads the
+model once and prefills each prompt once for its variants (``hydra.sweeper.share_prefill``). Both write their run
+directories under the same names, so their predictions are compared record by record. Memory: the peak RSS of
+one prompt's shared prefill and decodes over every variant (:func:`~kvbench.engine.engine.generate_shared`)
+beside one job's, each in a fresh process, against the bound of one job plus every other variant's evicted cache
+and one layer's full keys/values.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kvbench.config import config_dict
+from kvbench.engine.engine import generate_shared
+from kvbench.errors import KVBenchError
+from kvbench.models import load_model
+from kvbench.rundir import RunDir
+
+if TYPE_CHECKING:
+    from kvbench.bench.sections import Bench
+
+
+def model_overrides(model: DictConfig) -> list[str]:
+    """The bench's model as ``kvbench run`` overrides: its group option and every scalar setting it runs with."""
+    overrides = [f"model={model.name}"]
+    for key, value in config_dict(model, resolve=True).items():
+        if key != "name" and not isinstance(value, dict | list):
+            overrides.append(f"model.{key}={'null' if value is None else value}")
+    return overrides
+
+
+def job_overrides(cfg: DictConfig) -> list[str]:
+    """The overrides every job of the grid shares: the bench's model, the section's task, length and samples."""
+    section = cfg.bench.grid
+    task = [str(override) for override in section.task]
+    return [*model_overrides(cfg.model), *task, f"task.context_length={section.context_length}"] + [
+        f"task.num_samples={section.num_samples}"
+    ]
+
+
+def kvbench(arguments: list[str], log: Path) -> float:
+    """Run ``kvbench ARGUMENTS`` in a new process (its output to ``log``); its wall seconds."""
+    start = time.perf_counter()
+    with log.open("a", encoding="utf-8") as output:
+        done = subprocess.run([sys.executable, "-m", "kvbench.cli", *arguments], stdout=output, stderr=output)
+    if done.returncode:
+        raise KVBenchError(f"bench grid: kvbench {' '.join(arguments)} failed (exit {done.returncode}); see {log}")
+    return time.perf_counter() - start
+
+
+def predictions(root: Path) -> dict[str, dict[str, str]]:
+    """Each run directory under ``root`` (by its path below it): its predictions by sample id."""
+    found = {}
+    for path in sorted(root.rglob("predictions.jsonl")):
+        found[str(path.parent.relative_to(root))] = {
+            record["id"]: record["prediction"] for record in RunDir(path.parent).records()
+        }
+    return found
+
+
+def grid(bench: Bench) -> dict[str, Any]:
+    """The grid section's fields of ``bench.json``: ``grid`` (the speed-up, the predictions' agreement, the memory
+    rows) and its raw per-job seconds."""
+    section = bench.bench.grid
+    policies, budgets = [str(spec) for spec in section.policies], [str(budget) for budget in section.budgets]
+    shared = job_overrides(bench.cfg)
+    with tempfile.TemporaryDirectory(prefix="kvbench-grid-") as folder:
+        root, log = Path(folder), Path(folder) / "kvbench.log"
+        separate: dict[str, float] = {}
+        for spec in policies:
+            for budget in budgets:
+                output = f"output_dir={root}/separate/${{run_name:}}"
+                separate[f"{spec}@{budget}"] = kvbench(
+                    ["run", *shared, f"policy={spec}", f"budget={budget}", output], log
+                )
+        sweep = ["run", "-m", *shared, f"policy={','.join(policies)}", f"budget={','.join(budgets)}"]
+        grouped = kvbench([*sweep, "hydra.sweeper.share_prefill=true", f"hydra.sweep.dir={root}/grouped"], log)
+        alone, together = predictions(root / "separate"), predictions(root / "grouped")
+    if len(alone) != len(separate) or set(alone) != set(together):
+        raise KVBenchError(f"bench grid: {len(alone)} separate and {len(together)} grouped run directories")
+    differing = sorted(name for name in alone if alone[name] != together[name])
+    separate_seconds = sum(separate.values())
+    result = {
+        "variants": len(separate),
+        "samples": int(section.num_samples),
+        "separate_seconds": separate_seconds,
+        "grouped_seconds": grouped,
+        "speed_ratio": separate_seconds / grouped,
+        "predictions_equal": not differing,
+        "differing_runs": differing,
+        "memory": grid_memory(bench),
+    }
+    return {"grid": result, "raw": {"grid": {"separate_seconds": separate}}}
+
+
+def grid_memory(bench: Bench) -> dict[str, Any]:
+    """Peak RSS added by one prompt of the section's length through every variant sharing its prefill, beside the
+    heaviest job alone (the most tokens kept), each in a fresh process, and the bound the shared one must keep."""
+    config = config_dict(bench.cfg, resolve=True)
+    rows = {}
+    for kind in ("one_job", "grouped"):
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            rows[kind] = pool.submit(memory_row, config, kind).result()
+    one, grouped = rows["one_job"], rows["grouped"]
+    bound = one["peak_rss_delta_bytes"] + grouped["other_caches_bytes"] + grouped["layer_full_bytes"]
+    return {**rows, "bound_bytes": bound, "within_bound": grouped["peak_rss_delta_bytes"] <= bound}
+
+
+def memory_row(config: dict[str, Any], kind: str) -> dict[str, Any]:
+    """One memory row, in a spawned process: the peak RSS of ``one_job`` (the variant keeping the most tokens) or
+    of the ``grouped`` variants' :func:`generate_shared` on one essay prompt of the section's length, after a
+    two-token prompt pages the weights in; the grouped row adds what its bound is made of."""
+    from kvbench.bench.sections import Bench
+
+    cfg = OmegaConf.create(config)
+    section = cfg.bench.grid
+    bench = Bench(cfg, load_model(cfg.model))
+    prompt = bench.prompt(int(section.context_length))
+    engines = [bench.engine(str(spec), budget=str(budget)) for spec in section.policies for budget in section.budgets]
+    caches = [engine.new_cache(len(prompt)) for engine in engines]
+    kept = [
+        sum(cache.layer_budgets) if cache.policy.evicts else cache.prompt_len * len(cache.layers) for cache in caches
+    ]
+    heaviest = max(range(len(engines)), key=kept.__getitem__)
+    chosen = engines if kind == "grouped" else [engines[heaviest]]
+    generate_shared(chosen, bench.prompt(2), 1)
+    with bench.memory.track() as figures:
+        outputs = generate_shared(chosen, prompt, int(section.new_tokens))
+    row: dict[str, Any] = {**figures, "variants": len(chosen), "cache_peak_bytes": [o.kv.peak_bytes for o in outputs]}
+    if kind == "grouped":
+        row["other_caches_bytes"] = sum(row["cache_peak_bytes"]) - outputs[heaviest].kv.peak_bytes
+        row["layer_full_bytes"] = outputs[heaviest].kv.full_bytes // len(caches[heaviest].layers)
+    return row
