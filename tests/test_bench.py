@@ -36,7 +36,6 @@ TINY = [
     "bench.grid.num_samples=1",
     "bench.grid.policies=[h2o,snapkv]",
     "bench.grid.budgets=[64]",
-    "bench.grid.new_tokens=2",
 ]
 
 

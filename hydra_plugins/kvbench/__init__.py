@@ -21,14 +21,11 @@ from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 class Sweeper(BasicSweeper):
     """Hydra's basic sweeper (same keys: ``params``, ``max_batch_size``) with kvbench's skipping and reporting,
     ``group``: the jobs that differ only in policy and budget run in one process (:func:`kvbench.run.run_group`),
-    and ``share_prefill``: a group prefills each sample once for its oneshot jobs."""
+    and ``share_prefill``: a group prefills each sample once for its oneshot jobs (both set in
+    ``conf/hydra/sweeper/kvbench.yaml``)."""
 
     def __init__(
-        self,
-        max_batch_size: int | None = None,
-        params: dict[str, str] | None = None,
-        group: bool = True,
-        share_prefill: bool = False,
+        self, group: bool, share_prefill: bool, max_batch_size: int | None = None, params: dict[str, str] | None = None
     ):
         super().__init__(max_batch_size, params)
         self.group, self.share_prefill = group, share_prefill

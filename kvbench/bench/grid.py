@@ -4,9 +4,9 @@ The ``policies`` × ``budgets`` jobs of one task are run twice: one ``kvbench ru
 another (how the scripts kvbench replaces run a grid), then as one ``kvbench run -m`` sweep whose group loads the
 model once and prefills each prompt once for its variants (``hydra.sweeper.share_prefill``). Both write their run
 directories under the same names, so their predictions are compared record by record. Memory: the peak RSS of
-one prompt's shared prefill and decodes over every variant (:func:`~kvbench.engine.engine.generate_shared`)
-beside one job's, each in a fresh process, against the bound of one job plus every other variant's evicted cache
-and one layer's full keys/values.
+one prompt's prefill shared by every variant (:func:`~kvbench.engine.engine.generate_shared`) beside one job's
+prefill, each in a fresh process, against the bound of one job plus every other variant's evicted cache and one
+layer's full keys/values.
 """
 
 from __future__ import annotations
@@ -106,8 +106,9 @@ def grid(bench: Bench) -> dict[str, Any]:
 
 
 def grid_memory(bench: Bench) -> dict[str, Any]:
-    """Peak RSS added by one prompt of the section's length through every variant sharing its prefill, beside the
-    heaviest job alone (the most tokens kept), each in a fresh process, and the bound the shared one must keep."""
+    """Peak RSS added by the prefill of one prompt of the section's length shared by every variant, beside the
+    heaviest job's prefill alone (the most tokens kept), each in a fresh process, and the bound the shared one must
+    keep."""
     config = config_dict(bench.cfg, resolve=True)
     rows = {}
     for kind in ("one_job", "grouped"):
@@ -119,9 +120,10 @@ def grid_memory(bench: Bench) -> dict[str, Any]:
 
 
 def memory_row(config: dict[str, Any], kind: str) -> dict[str, Any]:
-    """One memory row, in a spawned process: the peak RSS of ``one_job`` (the variant keeping the most tokens) or
-    of the ``grouped`` variants' :func:`generate_shared` on one essay prompt of the section's length, after a
-    two-token prompt pages the weights in; the grouped row adds what its bound is made of."""
+    """One memory row, in a spawned process: the peak RSS of the prefill of ``one_job`` (the variant keeping the most
+    tokens) or of the ``grouped`` variants' shared prefill (:func:`generate_shared`, no token generated) on one essay
+    prompt of the section's length, after a two-token prompt pages the weights in; the grouped row adds what its
+    bound is made of."""
     from kvbench.bench.sections import Bench
 
     cfg = OmegaConf.create(config)
@@ -137,7 +139,7 @@ def memory_row(config: dict[str, Any], kind: str) -> dict[str, Any]:
     chosen = engines if kind == "grouped" else [engines[heaviest]]
     generate_shared(chosen, bench.prompt(2), 1)
     with bench.memory.track() as figures:
-        outputs = generate_shared(chosen, prompt, int(section.new_tokens))
+        outputs = generate_shared(chosen, prompt, 0)
     row: dict[str, Any] = {**figures, "variants": len(chosen), "cache_peak_bytes": [o.kv.peak_bytes for o in outputs]}
     if kind == "grouped":
         row["other_caches_bytes"] = sum(row["cache_peak_bytes"]) - outputs[heaviest].kv.peak_bytes
