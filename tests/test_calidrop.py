@@ -101,7 +101,7 @@ def test_calib_size_keeps_the_best_scored_evicted_entries():
     kept = []
     for params in (limited, unlimited):
         cache = EvictionCache(build_policy("snapkv+calidrop", {"window": 8, **params}), [16], TOKENS, Q_HEADS, KV_HEADS)
-        cache.begin_forward(torch.arange(TOKENS), evict=True, track_scores=True)
+        cache.begin_forward(torch.arange(TOKENS), evict=True)
         cache.update(keys, values, 0)
         cache.after_attention(0, queries, SCALING)
         kept.append(cache.layers[0].modifier_state["calidrop"].store)

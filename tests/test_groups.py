@@ -122,7 +122,7 @@ def test_plan_numbers_each_jobs_group():
     assert len(lines) == 8 and sorted(by_length) == [512, 640] and by_length[512] != by_length[640]
     assert all(len(groups) == 1 for groups in by_length.values())
     assert {line["group"] for line in plan_lines([*sweep, "hydra.sweeper.group=false"])} == {None}
-    assert {line["prefill_group"] for line in lines} == {None}
+    assert {line["prefill_group"] for line in plan_lines([*sweep, "hydra.sweeper.share_prefill=false"])} == {None}
 
 
 def test_plan_counts_a_shared_prefill_once(capsys):

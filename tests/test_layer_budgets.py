@@ -105,7 +105,7 @@ def test_cake_indicator_is_window_mean_plus_gamma_variance():
     policy = build_policy("cake", {"window": window, "gamma": gamma, "pool": "none", "layer_budget": "uniform"})
     cache = EvictionCache(policy, [budget], TOKENS, Q_HEADS, KV_HEADS)
     queries, keys, values = random_layer(seed)
-    cache.begin_forward(torch.arange(TOKENS), evict=True, track_scores=True)
+    cache.begin_forward(torch.arange(TOKENS), evict=True)
     cache.update(keys, values, 0)
     cache.after_attention(0, queries, SCALING)
     logits, _ = window_weights(seed, window)

@@ -117,10 +117,10 @@ def test_cake_scores_the_current_query_alone_while_decoding():
     assert cake.scoring_window(budget, TOKENS, decoding=True) == 1 and cake.scoring_window(budget, TOKENS) == window
     cache = EvictionCache(cake, [budget], TOKENS - 1, Q_HEADS, KV_HEADS)
     queries, keys, values = random_layer(11)
-    cache.begin_forward(torch.arange(TOKENS - 1), evict=False, track_scores=True)
+    cache.begin_forward(torch.arange(TOKENS - 1), evict=False)
     cache.update(keys[:, :, :-1], values[:, :, :-1], 0)
     cache.after_attention(0, queries[:, :, :-1], SCALING)
-    cache.begin_forward(torch.tensor([TOKENS - 1]), evict=True, track_scores=True, decoding=True)
+    cache.begin_forward(torch.tensor([TOKENS - 1]), evict=True, decoding=True)
     cache.update(keys[:, :, -1:], values[:, :, -1:], 0)
     cache.after_attention(0, queries[:, :, -1:], SCALING)
     prefix = list(range(TOKENS - window))

@@ -32,7 +32,7 @@ def evict_with_cache(spec: str, params: dict, budget: int, seed: int) -> list[se
     policy = build_policy(spec, params)
     cache = EvictionCache(policy, [budget], TOKENS, Q_HEADS, KV_HEADS)
     queries, keys, values = random_layer(seed)
-    cache.begin_forward(torch.arange(TOKENS), evict=True, track_scores=True)
+    cache.begin_forward(torch.arange(TOKENS), evict=True)
     cache.update(keys, values, 0)
     cache.after_attention(0, queries, SCALING)
     layer = cache.layers[0]

@@ -91,7 +91,7 @@ def test_linear_state_folds_exactly_the_evicted_entries():
     tokens the cache no longer holds (per KV head)."""
     queries, keys, values = random_layer(5)
     cache = EvictionCache(build_policy("snapkv+slake", {"window": 8}), [16], TOKENS, Q_HEADS, KV_HEADS)
-    cache.begin_forward(torch.arange(TOKENS), evict=True, track_scores=True)
+    cache.begin_forward(torch.arange(TOKENS), evict=True)
     cache.update(keys, values, 0)
     cache.after_attention(0, queries, SCALING)
     layer = cache.layers[0]

@@ -126,7 +126,7 @@ def test_engine_keeps_the_reference_token_sets(spec, regime, monkeypatch):
         patch.setattr(attention, "NORMALISER_KERNEL_DEVICES", {"cpu"})
         kernel_run = kept_and_tokens(model, spec, regime, prompt)
     with monkeypatch.context() as patch:
-        patch.setattr(EvictionCache, "accumulates_in_attention", lambda self: False)
+        patch.setattr(EvictionCache, "scores_in_attention", lambda self: False)
         reference_run = kept_and_tokens(model, spec, regime, prompt)
     assert normalised_run == reference_run and kernel_run == reference_run
 

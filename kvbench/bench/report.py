@@ -32,7 +32,7 @@ def prefill_limit(spec: str) -> float:
     key or joint terms (or, over every query, any OBCache term) are added."""
     _, modifiers = parse_spec(spec)
     obcache = {name for name in modifiers if name.startswith("obcache_")}
-    if build_policy(spec).accumulates:
+    if build_policy(spec).running:
         return EVERY_QUERY_OBCACHE_LIMIT if obcache else EVERY_QUERY_LIMIT
     return WINDOW_OBCACHE_LIMIT if obcache - {"obcache_value"} else WINDOW_SCORING_LIMIT
 

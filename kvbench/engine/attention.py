@@ -112,9 +112,9 @@ def kvbench_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     The leading parameters are in transformers' order, for wrappers that pass them positionally (kvpress)."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     backend = kvbench_cache.attn_backend if kvbench_cache is not None else "sdpa"
-    accumulated = kvbench_cache is not None and kvbench_cache.accumulates_in_attention()
-    if accumulated:
-        output = kvbench_cache.attend_and_accumulate(module.layer_idx, query, scaling)
+    scored_in_attention = kvbench_cache is not None and kvbench_cache.scores_in_attention()
+    if scored_in_attention:
+        output = kvbench_cache.attend_and_score(module.layer_idx, query, scaling)
     elif backend == "eager":
         output = eager_attention(query, key, value, scaling)
     elif backend == "flash_attention_2":
@@ -124,7 +124,7 @@ def kvbench_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if kvbench_cache is not None:
         if query.shape[2] == 1:
             output = kvbench_cache.attend(module.layer_idx, query, key, value, output, scaling)
-        kvbench_cache.after_attention(module.layer_idx, query, scaling, accumulated)
+        kvbench_cache.after_attention(module.layer_idx, query, scaling, scored_in_attention)
     return output, None
 
 

@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvbench.engine import attention
-from kvbench.policies.base import AttentionStats, Evicted, Modifier, Policy
+from kvbench.policies.base import AttentionStats, Evicted, Modifier, Policy, ScoreContext
 from kvbench.policies.layer_budget import CascadingAllocation
 from kvbench.policies.stats import NormalisedStats
 
@@ -28,8 +28,8 @@ from kvbench.policies.stats import NormalisedStats
 class EvictionLayer(DynamicLayer):
     """One layer's cache: ``keys``/``values [B,Hc,T,D]``, ``positions [B,Hc,T]`` and scoring state.
 
-    ``Hc`` is the number of KV heads, or of query heads in the KV-repeated layout. ``accumulated [B,Hc,T]``
-    holds the running score of accumulating policies (H2O); ``recent_queries [B,Hq,W,D]`` the last
+    ``Hc`` is the number of KV heads, or of query heads in the KV-repeated layout. ``running_score [B,Hc,T]``
+    holds the running score of running policies (H2O); ``recent_queries [B,Hq,W,D]`` the last
     ``W`` queries for window policies (SnapKV's observation window, TOVA's last query) and layer
     preferences; ``last_query [B,Hq,D]`` the newest query (CaliDrop's initial calibration query);
     ``ranking [B,Hc,T]`` the scores of the last eviction (re-used when cascading shrinks the layer again).
@@ -44,7 +44,7 @@ class EvictionLayer(DynamicLayer):
     def __init__(self) -> None:
         super().__init__()
         self.positions: torch.Tensor | None = None
-        self.accumulated: torch.Tensor | None = None
+        self.running_score: torch.Tensor | None = None
         self.recent_queries: torch.Tensor | None = None
         self.recent_query_positions: torch.Tensor | None = None
         self.last_query: torch.Tensor | None = None
@@ -58,9 +58,9 @@ class EvictionLayer(DynamicLayer):
         batch, heads, new_tokens, _ = keys.shape
         new_positions = positions.to(keys.device).expand(batch, heads, new_tokens)
         self.positions = new_positions if self.positions is None else torch.cat([self.positions, new_positions], -1)
-        if self.accumulated is not None:
-            zeros = self.accumulated.new_zeros(batch, heads, new_tokens)
-            self.accumulated = torch.cat([self.accumulated, zeros], dim=-1)
+        if self.running_score is not None:
+            zeros = self.running_score.new_zeros(batch, heads, new_tokens)
+            self.running_score = torch.cat([self.running_score, zeros], dim=-1)
         self.ranking = None
         self.peak_tokens = max(self.peak_tokens, self.get_seq_length())
 
@@ -94,7 +94,7 @@ class EvictionLayer(DynamicLayer):
         self.keys = self.keys.gather(2, slots)
         self.values = self.values.gather(2, slots)
         self.positions = self.positions.gather(2, kept)
-        for name in ("accumulated", "ranking"):
+        for name in ("running_score", "ranking"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).gather(2, kept))
 
@@ -119,17 +119,11 @@ def in_cache_heads(
     return keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
 
 
-def attends_through(policy: Policy) -> bool:
-    """Whether ``policy``'s scored forwards attend through its own normalised pass, which also gives the sums of an
-    accumulating score from each query's normaliser (H2O and its OBCache terms), rather than through the backend."""
-    return policy.needs_attention and policy.accumulates and policy.sums_from_normaliser and policy.scores_causally
-
-
 def normaliser_pass(policy: Policy) -> str | None:
     """What computes a scored prefill's attention: None for the backend, else ``policy``'s settings and modifiers' (not
-    its budget) when its own normalised pass does (:func:`attends_through`); variants with the same one attend alike,
-    so one forward can prefill them all (:class:`SharedPrefill`)."""
-    return repr((policy, policy.modifiers)) if attends_through(policy) else None
+    its budget) when its own normalised pass does (the ``normalised_running`` statistic); variants with the same one
+    attend alike, so one forward can prefill them all (:class:`SharedPrefill`)."""
+    return repr((policy, policy.modifiers)) if policy.statistic == "normalised_running" else None
 
 
 @dataclass
@@ -161,6 +155,7 @@ class EvictionCache(Cache):
         num_kv_heads: int,
         attn_backend: str = "sdpa",
         score_block: int | None = None,
+        decode_evict: bool = False,
     ) -> None:
         super().__init__(layers=[EvictionLayer() for _ in layer_budgets])
         self.policy = policy
@@ -174,8 +169,9 @@ class EvictionCache(Cache):
         self.attending = [modifier for modifier in policy.modifiers if modifier.attends]
         self.allocation = self._allocation()
         self.new_positions: torch.Tensor | None = None
+        self.decode_evict = decode_evict
         self.evict_now = False
-        self.track_scores = False
+        self.scored = False
         self.decoding = False
         self.live_bytes = [0] * len(layer_budgets)
         self.peak_bytes = 0
@@ -187,13 +183,13 @@ class EvictionCache(Cache):
         return cast(list[EvictionLayer], self.layers)
 
     # -- called by the engine --------------------------------------------------------------------------
-    def begin_forward(self, positions: torch.Tensor, evict: bool, track_scores: bool, decoding: bool = False) -> None:
-        """Declare the next forward: ``positions [q]`` of its tokens, whether to evict after it, whether
-        accumulating policies must add its queries' contributions (i.e. eviction may follow), and whether
-        it generates (after the prompt) rather than prefills."""
+    def begin_forward(self, positions: torch.Tensor, evict: bool, decoding: bool = False) -> None:
+        """Declare the next forward: ``positions [q]`` of its tokens, whether to evict after it, and whether it
+        generates (after the prompt) rather than prefills. Its queries are ``scored`` (added to a running score)
+        when an eviction may follow: it evicts, or later forwards do (``decode_evict``)."""
         self.new_positions = positions
         self.evict_now = evict
-        self.track_scores = track_scores
+        self.scored = evict or self.decode_evict
         self.decoding = decoding
 
     def tokens_per_layer(self) -> list[int]:
@@ -225,9 +221,9 @@ class EvictionCache(Cache):
         """Append new keys/values ``[B,Hkv,q,D]`` (repeated to query heads in the repeat layout)."""
         key_states, value_states = in_cache_heads(key_states, value_states, self.num_query_heads, self.repeat_layout)
         layer = self.eviction_layers[layer_idx]
-        if self.policy.accumulates and self.track_scores and layer.accumulated is None:
+        if self.policy.running and self.scored and layer.running_score is None:
             batch, heads, _, _ = key_states.shape
-            layer.accumulated = key_states.new_zeros(batch, heads, 0, dtype=torch.float32)
+            layer.running_score = key_states.new_zeros(batch, heads, 0, dtype=torch.float32)
         assert self.new_positions is not None  # begin_forward comes before the model's forward
         layer.append(key_states, value_states, self.new_positions)
         self._account(layer_idx)
@@ -249,18 +245,18 @@ class EvictionCache(Cache):
             output = output if replaced is None else replaced
         return output
 
-    def accumulates_in_attention(self) -> bool:
-        """Whether this forward's attention should come from :meth:`attend_and_accumulate`: an accumulating
+    def scores_in_attention(self) -> bool:
+        """Whether this forward's attention should come from :meth:`attend_and_score`: a running
         policy (H2O, ``h2o+obcache_*``) whose running score this forward feeds, with sums from the normaliser."""
-        return self.track_scores and attends_through(self.policy)
+        return self.scored and self.policy.statistic == "normalised_running"
 
-    def attend_and_accumulate(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend_and_score(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention output ``[B,q,Hq,D]`` of ``queries [B,Hq,q,D]`` over the layer's cache, and the policy's sums
         from each query's normaliser added to the running score (:meth:`normalised_attention`)."""
         layer = self.eviction_layers[layer_idx]
         outputs, summed = self.normalised_attention(queries, layer.keys, layer.values, scaling)
-        assert layer.accumulated is not None  # created by update when scores are tracked
-        layer.accumulated += summed
+        assert layer.running_score is not None  # created by update for scored forwards
+        layer.running_score += summed
         return outputs
 
     def normalised_attention(
@@ -275,20 +271,22 @@ class EvictionCache(Cache):
         outputs, summed = self.policy.normalised_sums(stats, self.score_block)  # [B,Hq,q,D], [B,Hc,T]
         return outputs.transpose(1, 2).contiguous(), summed
 
-    def after_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float, accumulated: bool = False) -> None:
+    def after_attention(
+        self, layer_idx: int, queries: torch.Tensor, scaling: float, scored_in_attention: bool = False
+    ) -> None:
         """Gather this forward's scoring statistics (``queries [B,Hq,q,D]``) unless the attention already
-        ``accumulated`` them, and evict if due."""
+        ``scored_in_attention`` them, and evict if due."""
         policy, layer = self.policy, self.eviction_layers[layer_idx]
         budget = self.layer_budgets[layer_idx]
         assert self.new_positions is not None and layer.positions is not None  # set by begin_forward and update
         positions = self.new_positions.to(queries.device)
         if self.attending:
             layer.last_query = queries[:, :, -1].clone()
-        if policy.needs_attention and policy.accumulates and self.track_scores and not accumulated:
+        if policy.running and self.scored and not scored_in_attention:
             seen = policy.scoring_positions(positions, budget, self.prompt_len)
             stats = AttentionStats(queries, layer.keys, layer.values, seen, layer.positions, scaling)
-            assert layer.accumulated is not None  # created by update when scores are tracked
-            layer.accumulated += policy.summed_contributions(stats, self.score_block)
+            assert layer.running_score is not None  # created by update for scored forwards
+            layer.running_score += policy.summed_contributions(stats, self.score_block)
         window = self._query_window(budget)
         if window:
             layer.remember_queries(queries, positions, window)
@@ -312,7 +310,7 @@ class EvictionCache(Cache):
         layer budget."""
         policy = self.policy
         window = 0
-        if policy.needs_attention and not policy.accumulates:
+        if policy.statistic == "window":
             window = policy.scoring_window(budget, self.prompt_len)
         if self.allocation is not None:
             scoring = policy.scoring_window(self.allocation.budget, self.prompt_len)
@@ -320,19 +318,19 @@ class EvictionCache(Cache):
         return window
 
     def _scores(self, layer_idx: int, budget: int, scaling: float) -> torch.Tensor:
-        """The policy's ranking of every cached slot ``[B,Hc,T]`` (before reserving) for ``budget``."""
+        """The policy's ranking of every cached slot ``[B,Hc,T]`` (before reserving) for ``budget``, from the
+        statistic it declares (:attr:`~kvbench.policies.base.Policy.statistic`)."""
         policy, layer = self.policy, self.eviction_layers[layer_idx]
         assert layer.positions is not None
-        if not policy.needs_attention:
-            return policy.position_scores(layer.positions)
-        if policy.accumulates:
-            assert layer.accumulated is not None  # accumulating policies evict only after tracked forwards
-            summed = layer.accumulated
-        else:
+        summed = None
+        if policy.statistic == "window":
             stats = layer.window_stats(policy.scoring_window(budget, self.prompt_len, self.decoding), scaling)
             summed = policy.summed_contributions(stats, self.score_block)
+        elif policy.running:
+            assert layer.running_score is not None  # running policies evict only after scored forwards
+            summed = layer.running_score
         recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
-        return policy.rank(summed, layer.values, recent)
+        return policy.score(ScoreContext(layer.positions, layer.values, summed, recent))
 
     def _select(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor:
         """The ``budget`` slots kept per cache head, sorted ``[B,Hc,budget]``: the reserved sinks (the first
@@ -424,9 +422,9 @@ class SharedPrefill(Cache):
         self.layer_states: tuple[torch.Tensor, torch.Tensor] | None = None
         self.summed: torch.Tensor | None = None
 
-    def begin_forward(self, positions: torch.Tensor, evict: bool, track_scores: bool, decoding: bool = False) -> None:
+    def begin_forward(self, positions: torch.Tensor, evict: bool, decoding: bool = False) -> None:
         for cache in self.caches:
-            cache.begin_forward(positions, evict, track_scores, decoding)
+            cache.begin_forward(positions, evict, decoding)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -436,10 +434,10 @@ class SharedPrefill(Cache):
         self.layer_states = (key_states, value_states)
         return in_cache_heads(key_states, value_states, self.num_query_heads, self.repeat_layout)
 
-    def accumulates_in_attention(self) -> bool:
-        return self.caches[0].accumulates_in_attention()
+    def scores_in_attention(self) -> bool:
+        return self.caches[0].scores_in_attention()
 
-    def attend_and_accumulate(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend_and_score(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """The lead variant's normalised pass over the layer (the same for every variant): the output ``[B,T,Hq,D]``,
         its sums kept for each variant's running score."""
         assert self.layer_states is not None  # update comes before the attention
@@ -447,16 +445,18 @@ class SharedPrefill(Cache):
         outputs, self.summed = self.caches[0].normalised_attention(queries, keys, values, scaling)
         return outputs
 
-    def after_attention(self, layer_idx: int, queries: torch.Tensor, scaling: float, accumulated: bool = False) -> None:
+    def after_attention(
+        self, layer_idx: int, queries: torch.Tensor, scaling: float, scored_in_attention: bool = False
+    ) -> None:
         """Each variant in turn: append the layer's keys/values (and the normalised pass's sums when
-        ``accumulated``), score with ``queries [B,Hq,T,D]`` and evict."""
+        ``scored_in_attention``), score with ``queries [B,Hq,T,D]`` and evict."""
         assert self.layer_states is not None  # update comes before the attention
         key_states, value_states = self.layer_states
         summed, self.layer_states, self.summed = self.summed, None, None
         for cache in self.caches:
             cache.update(key_states, value_states, layer_idx)
-            if accumulated:
-                running = cache.eviction_layers[layer_idx].accumulated
-                assert running is not None and summed is not None  # a tracked forward of an accumulating policy
+            if scored_in_attention:
+                running = cache.eviction_layers[layer_idx].running_score
+                assert running is not None and summed is not None  # a scored forward of a running policy
                 running += summed
-            cache.after_attention(layer_idx, queries, scaling, accumulated)
+            cache.after_attention(layer_idx, queries, scaling, scored_in_attention)

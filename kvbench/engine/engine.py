@@ -201,8 +201,9 @@ class Engine:
         policy = self.policy if budget < prompt_len else Full(gqa=self.policy.gqa)
         policy.check_budget(budget, prompt_len)
         budgets = policy.layer_budget.allocate(budget, self.num_layers, policy.reserved(budget, prompt_len), prompt_len)
+        heads = (self.num_query_heads, self.num_kv_heads)
         return EvictionCache(
-            policy, budgets, prompt_len, self.num_query_heads, self.num_kv_heads, self.attn_backend, self.score_block
+            policy, budgets, prompt_len, *heads, self.attn_backend, self.score_block, self.decode_evict
         )
 
     @torch.inference_mode()
@@ -227,8 +228,7 @@ class Engine:
         evicts after it; default the regime's decode setting); returns the logits ``[1,q|1,V]``."""
         evict = self.decode_evict if evict is None else evict
         positions = torch.arange(start, start + len(token_ids), device=self.device)
-        track = evict or self.decode_evict
-        cache.begin_forward(positions, evict=evict, track_scores=track, decoding=start >= cache.prompt_len)
+        cache.begin_forward(positions, evict=evict, decoding=start >= cache.prompt_len)
         output = self.model(
             input_ids=torch.tensor([token_ids], device=self.device),
             position_ids=positions[None],

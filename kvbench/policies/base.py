@@ -11,17 +11,19 @@ Ranking pipeline for one layer (shapes: B batch, Hq query heads, Hc cache heads 
 heads with ``gqa=repeat`` —, W scoring queries, T cached tokens)::
 
     contributions [B,Hq,W,T] --sum over W--> [B,Hq,T] --GQA: sum | mean over the group, or repeat--> [B,Hc,T]
-      (accumulating policies add this to a running score) --base.pool_scores--> --modifier.transform...-->
-      ranking [B,Hc,T]
+      (running policies add this to a running score) = ScoreContext.summed --Policy.score: base.pool_scores,
+      modifier.transform...--> ranking [B,Hc,T]
 
-The cache then selects once per cache head (``kvbench.engine.cache``): the reserved slots (the first
+The contract with the cache is small: a policy declares once which attention statistic it scores from
+(:attr:`Policy.statistic`), the cache gathers that statistic and hands it to :meth:`Policy.score` in a
+:class:`ScoreContext`, then selects once per cache head (``kvbench.engine.cache``): the reserved slots (the first
 ``reserved_sinks()``, the last ``reserved_recent()``) and the top-ranked of the slots between them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -34,6 +36,27 @@ from kvbench.policies.scores import GqaMode, reduce_gqa
 from kvbench.policies.stats import AttentionStats, NormalisedBlock, NormalisedStats
 
 GQA_MODES = ("sum", "mean", "repeat")
+
+#: the attention statistic a policy scores from (:attr:`Policy.statistic`):
+#: ``positions`` none (newer ranks higher: full, sink); ``window`` the attention of the last
+#: :meth:`~Policy.scoring_window` queries over the cache, gathered when it evicts (SnapKV, TOVA, PyramidKV);
+#: ``running`` every scored query's contributions summed as it is seen (H2O eq. 2), from the attention weights;
+#: ``normalised_running`` the same sums taken from each query's normaliser in the policy's own attention pass,
+#: which then also gives the attention output (:meth:`Policy.normalised_sums`)
+Statistic = Literal["positions", "window", "running", "normalised_running"]
+RUNNING: tuple[Statistic, ...] = ("running", "normalised_running")
+
+
+@dataclass
+class ScoreContext:
+    """What :meth:`Policy.score` ranks one layer's cached slots from: their ``positions [B,Hc,T]`` and ``values
+    [B,Hc,T,D]``, the policy's statistic summed per cache head ``summed [B,Hc,T]`` (None for ``positions``), and
+    the number of ``recent`` slots at the end that the policy reserves."""
+
+    positions: torch.Tensor
+    values: torch.Tensor
+    summed: torch.Tensor | None
+    recent: int
 
 
 @dataclass
@@ -96,7 +119,7 @@ class Modifier(Registered):
         base that never evicts; a base that ranks by position has no attention score to re-rank."""
         if not base.evicts:
             return f"{base.name} evicts nothing"
-        if not cls.attends and not base.needs_attention:
+        if not cls.attends and base().statistic == "positions":
             return f"{base.name} ranks tokens by position, with no attention score for {cls.name} to re-rank"
         return None
 
@@ -155,8 +178,6 @@ class Policy(Registered):
     registry = "base"
     #: ``full`` never evicts, whatever the budget
     evicts: ClassVar[bool] = True
-    #: whether scores need attention statistics at all (``full`` and ``sink`` do not)
-    needs_attention: ClassVar[bool] = True
 
     #: GQA: sum the scores of a KV head's query heads (OBCache App. B.5), average them, or ``repeat``
     #: (KV stored per query head, each choosing its own tokens: the SnapKV / KVCache-Factory layout)
@@ -167,23 +188,18 @@ class Policy(Registered):
 
     # -- hooks ---------------------------------------------------------------------------------------
     @property
-    def accumulates(self) -> bool:
-        """H2O-style: the contributions of every query ever seen are summed into a running score."""
-        return False
+    def statistic(self) -> Statistic:
+        """The attention statistic this policy scores from (:data:`Statistic`): its one declaration to the cache."""
+        return "window"
 
     def scoring_window(self, budget: int, prompt_len: int, decoding: bool = False) -> int:
-        """How many of the most recent queries are scored at eviction time (ignored when accumulating);
+        """How many of the most recent queries are scored at eviction time (the ``window`` statistic);
         ``decoding``: an eviction during generation rather than prefill."""
         return 1
 
     def reserved_recent(self, budget: int, prompt_len: int) -> int:
         """How many of the most recent tokens are always kept."""
         return 0
-
-    @property
-    def scores_causally(self) -> bool:
-        """Whether each query's scores see only the keys up to its own position (its attention's mask)."""
-        return True
 
     def scoring_positions(self, query_positions: torch.Tensor, budget: int, prompt_len: int) -> torch.Tensor:
         """The positions the queries of one forward ``[q]`` score from: a query sees the keys at positions up to
@@ -199,14 +215,25 @@ class Policy(Registered):
         reserved window (SnapKV pools the rest); default identity."""
         return scores
 
-    def position_scores(self, key_positions: torch.Tensor) -> torch.Tensor:
-        """Scores for policies without attention statistics: newer tokens rank higher."""
-        return key_positions.float()
+    def score(self, context: ScoreContext) -> torch.Tensor:
+        """The ranking ``[B,Hc,T]`` of one layer's cached slots: by position (newer higher) for the ``positions``
+        statistic, else the summed statistic pooled (:meth:`pool_scores`), then re-weighted by each modifier."""
+        if context.summed is None:
+            return context.positions.float()
+        scores = self.pool_scores(context.summed, context.recent)
+        for modifier in self.modifiers:
+            scores = modifier.transform(scores, context.values)
+        return scores
 
     # -- shared machinery ----------------------------------------------------------------------------
     @property
     def spec(self) -> str:
         return "+".join([self.name, *(modifier.name for modifier in self.modifiers)])
+
+    @property
+    def running(self) -> bool:
+        """Whether the statistic is a running score, summed over every scored query (:data:`RUNNING`)."""
+        return self.statistic in RUNNING
 
     def contributions(self, stats: AttentionStats) -> torch.Tensor:
         """Per-query contributions ``[B,Hq,W,T]``: the last modifier that defines them wins, else ``A_ip``."""
@@ -226,10 +253,10 @@ class Policy(Registered):
             total[..., : part.shape[-1]] += part
         return reduce_gqa(total, stats.keys.shape[1], mode=self.gqa)
 
-    @property
     def sums_from_normaliser(self) -> bool:
         """Whether the summed contributions have a form from the per-query normaliser (``normalised_sums``):
-        every modifier that replaces the weights gives one."""
+        every modifier that replaces the weights gives one (a running policy may then declare
+        ``normalised_running``)."""
         return all(
             type(modifier).normalised_sums is not Modifier.normalised_sums
             for modifier in self.modifiers
@@ -260,16 +287,6 @@ class Policy(Registered):
                 return sums
         return block.weight_sums()
 
-    def rank(self, summed: torch.Tensor, values: torch.Tensor, recent: int) -> torch.Tensor:
-        """Post-process summed per-KV-head scores ``[B,Hkv,T]`` (pooling, then modifiers) into the ranking.
-
-        ``values [B,Hkv,T,D]`` are the cached values (``Hkv = Hq`` in the KV-repeated layout).
-        """
-        scores = self.pool_scores(summed, recent)
-        for modifier in self.modifiers:
-            scores = modifier.transform(scores, values)
-        return scores
-
     def reserved(self, budget: int, prompt_len: int) -> int:
         """Slots always kept per cache head: the recent window and the sinks."""
         return self.reserved_recent(budget, prompt_len) + self.reserved_sinks()
@@ -278,7 +295,7 @@ class Policy(Registered):
         """A one-line error when the reserved sinks and recent window fill the whole ``budget`` for a prompt
         of ``prompt_len`` tokens: a scoring policy would keep no heavy hitter and become a recency policy."""
         reserved = self.reserved(budget, prompt_len)
-        if self.evicts and self.needs_attention and budget < prompt_len and reserved >= budget:
+        if self.evicts and self.statistic != "positions" and budget < prompt_len and reserved >= budget:
             raise KVBenchError(
                 f"policy {self.spec} reserves {reserved} of its {budget}-token budget (window/sinks) for a "
                 f"{prompt_len}-token prompt: no heavy hitters are left; lower policy.window or raise the budget"
@@ -322,4 +339,7 @@ class Full(Policy):
     name = "full"
     paper = "—"
     evicts = False
-    needs_attention = False
+
+    @property
+    def statistic(self) -> Statistic:
+        return "positions"

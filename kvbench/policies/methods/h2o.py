@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from kvbench.domains import FLAG, integer, optional, setting, token_window
-from kvbench.policies.base import Policy, window_tokens
+from kvbench.policies.base import Policy, Statistic, window_tokens
 from kvbench.policies.registry import register
 
 
@@ -36,8 +36,12 @@ class H2O(Policy):
     causal: bool = setting(FLAG, True)
 
     @property
-    def accumulates(self) -> bool:
-        return self.score_window is None
+    def statistic(self) -> Statistic:
+        """``running`` (every query seen), from the normaliser of its own attention pass where it scores causally
+        and its modifiers have that form; ``window`` with a ``score_window``."""
+        if self.score_window is not None:
+            return "window"
+        return "normalised_running" if self.causal and self.sums_from_normaliser() else "running"
 
     def scoring_window(self, budget: int, prompt_len: int, decoding: bool = False) -> int:
         return 1 if self.score_window is None else max(1, window_tokens(self.score_window, budget, prompt_len))
@@ -47,10 +51,6 @@ class H2O(Policy):
 
     def reserved_sinks(self) -> int:
         return self.n_sink
-
-    @property
-    def scores_causally(self) -> bool:
-        return self.causal
 
     def scoring_positions(self, query_positions: torch.Tensor, budget: int, prompt_len: int) -> torch.Tensor:
         """Non-causal (``causal=false``): the queries before the last ``window`` of the forward see every key."""

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from kvbench.domains import integer, setting
-from kvbench.policies.base import Policy
+from kvbench.policies.base import Policy, Statistic
 from kvbench.policies.registry import register
 
 
@@ -14,9 +14,12 @@ class Sink(Policy):
 
     name = "sink"
     paper = "StreamingLLM (arXiv 2309.17453)"
-    needs_attention = False
 
     n_sink: int = setting(integer(0, "a token count"), 4)
+
+    @property
+    def statistic(self) -> Statistic:
+        return "positions"
 
     def reserved_sinks(self) -> int:
         return self.n_sink
