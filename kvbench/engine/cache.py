@@ -8,7 +8,9 @@ position within a head (kept indices are sorted and new tokens are appended), so
 Attending modifiers (CaliDrop, SLAKE) get every evicted entry through ``Modifier.on_evict`` and may
 replace single-query attention through ``Modifier.attend``; each keeps its state in the layer's
 ``modifier_state[name]``. Dynamic layer budgets (``cake``, ``vabs``) are allocated in CAKE's cascading
-manner while the first evicting forward passes through the layers (:meth:`EvictionCache._allocate`).
+manner while the first evicting forward passes through the layers: the strategy drives each stage
+(:meth:`~kvbench.policies.layer_budget.LayerBudget.cascade`) through the cache's ranking, eviction and window
+statistics.
 """
 
 from __future__ import annotations
@@ -214,6 +216,31 @@ class EvictionCache(Cache):
             stats["layer_preference"] = list(self.allocation.preferences)
         return stats
 
+    # -- called by a dynamic layer budget's cascade (kvbench.policies.layer_budget.CascadedCache) ---------
+    def layer_size(self, layer_idx: int) -> int:
+        return self.eviction_layers[layer_idx].get_seq_length()
+
+    def rank(self, layer_idx: int, budget: int, scaling: float) -> torch.Tensor:
+        """The layer's ranking ``[B,Hc,T]`` for ``budget``, kept as its ranking for a later :meth:`evict`."""
+        layer = self.eviction_layers[layer_idx]
+        layer.ranking = self._scores(layer_idx, budget, scaling).float()
+        return layer.ranking
+
+    def preference_stats(self, layer_idx: int, scaling: float) -> AttentionStats:
+        """The attention statistics of the layer's observation window for its preference."""
+        return self.eviction_layers[layer_idx].window_stats(self._preference_window(), scaling)
+
+    def evicted_by(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor:
+        """The slots ``[B,Hc,T]`` (True = evicted) that keeping ``budget`` by ``scores [B,Hc,T]`` would evict."""
+        kept = self._select(layer_idx, budget, scores)
+        return torch.ones_like(scores, dtype=torch.bool).scatter_(-1, kept, False)
+
+    def evict(self, layer_idx: int, budget: int, scaling: float) -> None:
+        """Evict the layer to ``budget`` by its kept ranking (:meth:`rank`, gathered by earlier evictions)."""
+        ranking = self.eviction_layers[layer_idx].ranking
+        assert ranking is not None  # ranked at its own stage of this forward
+        self._evict(layer_idx, budget, ranking, scaling)
+
     # -- called by the model / attention function ------------------------------------------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -292,7 +319,7 @@ class EvictionCache(Cache):
             layer.remember_queries(queries, positions, window)
         if self.evict_now and policy.evicts and layer.get_seq_length() > budget:
             if self.allocation is not None and layer_idx == len(self.allocation.preferences):
-                self._allocate(layer_idx, scaling)
+                policy.layer_budget.cascade(self.allocation, self, layer_idx, scaling)
             else:
                 self._evict(layer_idx, budget, self._scores(layer_idx, budget, scaling), scaling)
 
@@ -313,9 +340,14 @@ class EvictionCache(Cache):
         if policy.statistic == "window":
             window = policy.scoring_window(budget, self.prompt_len)
         if self.allocation is not None:
-            scoring = policy.scoring_window(self.allocation.budget, self.prompt_len)
-            window = max(window, policy.layer_budget.observation_window(scoring))
+            window = max(window, self._preference_window())
         return window
+
+    def _preference_window(self) -> int:
+        """The observation window of a dynamic layer budget's preference, at the average budget."""
+        assert self.allocation is not None  # only with a dynamic layer budget
+        policy = self.policy
+        return policy.layer_budget.observation_window(policy.scoring_window(self.allocation.budget, self.prompt_len))
 
     def _scores(self, layer_idx: int, budget: int, scaling: float) -> torch.Tensor:
         """The policy's ranking of every cached slot ``[B,Hc,T]`` (before reserving) for ``budget``, from the
@@ -357,35 +389,6 @@ class EvictionCache(Cache):
             for modifier in self.attending:
                 modifier.on_evict(self._state(layer, modifier), evicted, layer.last_query, scaling)
         self._account(layer_idx)
-
-    def _allocate(self, layer_idx: int, scaling: float) -> None:
-        """Stage ``layer_idx`` of CAKE's cascading allocation (CAKE Alg. 1): score this layer's preference,
-        re-share the total over layers ``0..layer_idx``, evict earlier layers further where their share
-        shrank (by their stored ranking) and this layer to its share (ranked once, at the average budget)."""
-        allocation, layer = self.allocation, self.eviction_layers[layer_idx]
-        assert allocation is not None  # only called with a dynamic layer budget
-        scores = layer.ranking = self._scores(layer_idx, allocation.budget, scaling).float()
-        sizes = [self.eviction_layers[index].get_seq_length() for index in range(layer_idx + 1)]
-        budgets = allocation.stage(self._preference(layer_idx, scores, scaling), sizes)
-        self.layer_budgets[: layer_idx + 1] = budgets
-        for index, budget in enumerate(budgets[:-1]):
-            if sizes[index] > budget:
-                ranking = self.eviction_layers[index].ranking
-                assert ranking is not None  # ranked at its own stage of this forward
-                self._evict(index, budget, ranking, scaling)
-        if sizes[-1] > budgets[-1]:
-            self._evict(layer_idx, budgets[-1], scores, scaling)
-
-    def _preference(self, layer_idx: int, scores: torch.Tensor, scaling: float) -> float:
-        """The layer's preference from its observation window's attention and the slots that the average
-        budget would evict by ``scores [B,Hc,T]`` (the layer budget strategy decides what it uses)."""
-        assert self.allocation is not None  # only called with a dynamic layer budget
-        policy, layer, budget = self.policy, self.eviction_layers[layer_idx], self.allocation.budget
-        window = policy.layer_budget.observation_window(policy.scoring_window(budget, self.prompt_len))
-        stats = layer.window_stats(window, scaling)
-        kept = self._select(layer_idx, budget, scores)
-        evicted = torch.ones_like(scores, dtype=torch.bool).scatter_(-1, kept, False)  # [B,Hc,T]
-        return policy.layer_budget.preference(stats, evicted)
 
     @staticmethod
     def _state(layer: EvictionLayer, modifier: Modifier) -> Any:

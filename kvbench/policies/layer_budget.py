@@ -9,7 +9,8 @@ beta: 20.0}``, or just ``policy.layer_budget=cake`` for a strategy with its defa
 * ``pyramid`` (``pyramidkv.py``): PyramidKV eq. 7, budgets falling linearly from the bottom layer to the top.
 * ``cake`` (``cake.py``) and ``vabs`` (``slake.py``) are *dynamic*: each layer's preference is scored from
   its observation-window attention during prefill and the total is shared in CAKE's cascading manner
-  (:class:`CascadingAllocation`, driven by the cache): CAKE's preference (entropy and variance of
+  (:meth:`LayerBudget.cascade` over :class:`CascadingAllocation`, called by the cache at each layer of the
+  first evicting forward): CAKE's preference (entropy and variance of
   attention), or SLAKE's value-aware budget scores (eqs. 15–18).
 
 Each paper's strategy lives in that paper's policy file and registers itself with ``@register``
@@ -21,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -59,6 +60,21 @@ class LayerBudget(Registered):
         """A dynamic strategy's preference of one layer from its window attention ``stats`` and the slots
         ``evicted [B,Hc,T]`` that the average budget would evict."""
         raise NotImplementedError
+
+    def cascade(self, allocation: CascadingAllocation, cache: CascadedCache, layer_idx: int, scaling: float) -> None:
+        """Stage ``layer_idx`` of CAKE Alg. 1 in ``cache``: rank the layer at the average budget, score its
+        :meth:`preference` from its observation window and the slots that budget would evict, re-share the total
+        over layers ``0..layer_idx`` (:meth:`CascadingAllocation.stage`) and evict each layer holding more than
+        its share (the earlier ones by the ranking of their own stage). Dynamic strategies only."""
+        scores = cache.rank(layer_idx, allocation.budget, scaling)  # [B,Hc,T]
+        evicted = cache.evicted_by(layer_idx, allocation.budget, scores)  # [B,Hc,T]
+        preference = self.preference(cache.preference_stats(layer_idx, scaling), evicted)
+        sizes = [cache.layer_size(index) for index in range(layer_idx + 1)]
+        budgets = allocation.stage(preference, sizes)
+        cache.layer_budgets[: layer_idx + 1] = budgets
+        for index, (size, budget) in enumerate(zip(sizes, budgets)):
+            if size > budget:
+                cache.evict(index, budget, scaling)
 
     def parameters(self) -> dict[str, Any]:
         """``{"name": ..., **fields}``: the Hydra node of this strategy."""
@@ -133,6 +149,25 @@ def conserve_total(raw: list[float], total: int, caps: list[int] | None = None) 
     for index in order[: total - sum(rounded)]:
         rounded[index] += 1
     return rounded
+
+
+class CascadedCache(Protocol):
+    """What a dynamic strategy's :meth:`~LayerBudget.cascade` sees of the cache it allocates
+    (``kvbench.engine.cache.EvictionCache``): per-layer budgets it re-shares, and per layer its size, a ranking at
+    a budget (kept as the layer's ranking), the attention of its observation window, the slots a budget would
+    evict, and eviction to a budget by the kept ranking."""
+
+    layer_budgets: list[int]
+
+    def layer_size(self, layer_idx: int) -> int: ...
+
+    def rank(self, layer_idx: int, budget: int, scaling: float) -> torch.Tensor: ...
+
+    def preference_stats(self, layer_idx: int, scaling: float) -> AttentionStats: ...
+
+    def evicted_by(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor: ...
+
+    def evict(self, layer_idx: int, budget: int, scaling: float) -> None: ...
 
 
 @dataclass
