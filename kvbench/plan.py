@@ -35,7 +35,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kvbench import config_dict, duration
-from kvbench.engine.cache import normaliser_pass
+from kvbench.engine.cache import prefill_key
 from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
 from kvbench.launch.launchers import typed
@@ -138,7 +138,7 @@ def plan_job(
     tokenizers: dict[str, Any],
     estimator: Estimator | None = None,
     group: int | None = None,
-    prefill_groups: dict[tuple[int, str | None], int] | None = None,
+    prefill_groups: dict[tuple[int, tuple[bool, str | None]], int] | None = None,
 ) -> dict[str, Any]:
     """The plan line of one composed job (with ``estimator``, its estimated wall time), in ``group``; with
     ``prefill_groups`` (a sweep sharing its prefills), numbered among the jobs that prefill each sample together."""
@@ -155,7 +155,7 @@ def plan_job(
         task.check_data()
         oneshot = job.cfg.engine.regime == "oneshot" and not isinstance(task, PerplexityTask)
         if group is not None and prefill_groups is not None and oneshot:
-            line["prefill_group"] = prefill_groups.setdefault((group, normaliser_pass(job.policy)), len(prefill_groups))
+            line["prefill_group"] = prefill_groups.setdefault((group, prefill_key(job.policy)), len(prefill_groups))
         tokens = task.planned_tokens()
         line["tokens"] = None if tokens is None else {"prefill": tokens[0], "decode": tokens[1]}
         if job.cfg.resume != "restart":
@@ -183,7 +183,9 @@ def plan_lines(args: list[str], estimator: Estimator | None = None) -> Iterator[
         print(f"kvbench plan: resolving {len(jobs)} jobs", file=sys.stderr, flush=True)
         groups: dict[str, int] = {}
         sweeper = master.hydra.sweeper
-        prefill_groups: dict[tuple[int, str | None], int] | None = {} if sweeper.get("share_prefill") else None
+        prefill_groups: dict[tuple[int, tuple[bool, str | None]], int] | None = (
+            {} if sweeper.get("share_prefill") else None
+        )
         for overrides in jobs:
             try:
                 job = compose_job(config_loader, master, overrides)

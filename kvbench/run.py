@@ -200,7 +200,6 @@ class Shared:
     loaded: LoadedModel | None = None
     task: Task | None = None
     samples: list[Sample] = field(default_factory=list)
-    loads: int = 0  # model loads (one per group)
     load_seconds: float = 0.0  # of the model load and the samples' building
     jobs: int = 1  # the jobs of the group, among which the load is shared
     error: KVBenchError | None = None  # why the task could not be built: every job of the group fails with it
@@ -213,7 +212,6 @@ class Shared:
         if self.loaded is None or self.task is None:
             started = time.perf_counter()
             loaded = load_model(cfg.model)
-            self.loads += 1
             try:
                 task = build_task(cfg, loaded.tokenizer)
                 samples = list(task.samples())
@@ -269,7 +267,7 @@ class OpenRun:
     records: list[dict[str, Any]]
     pending: list[Sample]
     progress: Progress
-    shared: Shared
+    load: tuple[float, int]  # the seconds of its process's model load and sample building, and the jobs sharing them
 
     def write(self, sample: Sample, record: dict[str, Any], output: Any) -> None:
         """One finished sample: its kept sets (``engine.save_kept``), then its line in predictions.jsonl."""
@@ -282,8 +280,7 @@ class OpenRun:
     def finish(self) -> dict[str, Any]:
         """metrics.json from every record (and W&B, if configured); returns the metrics."""
         self.progress.close()
-        load = (self.shared.load_seconds, self.shared.jobs)
-        metrics = summarize(self.job.cfg, self.task, self.records, load)
+        metrics = summarize(self.job.cfg, self.task, self.records, self.load)
         self.run_dir.write_metrics(metrics)
         log_run(self.job.cfg, self.run_dir, metrics, self.records)
         return metrics
@@ -317,7 +314,8 @@ def open_run(job: Job, run_dir: RunDir, shared: Shared) -> OpenRun | dict[str, A
     log.info("writing %s (%s, %d to go: %d prompt tokens)", run_dir.path, state, len(samples), prompt_tokens)
     cfg = job.cfg
     progress = Progress(len(samples), f"{cfg.task.name} {cfg.policy.name}@{cfg.budget.spec}")
-    return OpenRun(job, run_dir, loaded, engine, task, records, samples, progress, shared)
+    load = (shared.load_seconds, shared.jobs)
+    return OpenRun(job, run_dir, loaded, engine, task, records, samples, progress, load)
 
 
 def group_key(cfg: DictConfig) -> str:

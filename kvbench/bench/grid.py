@@ -45,12 +45,11 @@ def job_overrides(cfg: DictConfig) -> list[str]:
     """The overrides every job of the grid shares: the bench's model, the section's task, length and samples."""
     section = cfg.bench.grid
     task = [str(override) for override in section.task]
-    return [*model_overrides(cfg.model), *task, f"task.context_length={section.context_length}"] + [
-        f"task.num_samples={section.num_samples}"
-    ]
+    sizes = [f"task.context_length={section.context_length}", f"task.num_samples={section.num_samples}"]
+    return [*model_overrides(cfg.model), *task, *sizes]
 
 
-def kvbench(arguments: list[str], log: Path) -> float:
+def run_kvbench(arguments: list[str], log: Path) -> float:
     """Run ``kvbench ARGUMENTS`` in a new process (its output to ``log``); its wall seconds."""
     start = time.perf_counter()
     with log.open("a", encoding="utf-8") as output:
@@ -82,11 +81,11 @@ def grid(bench: Bench) -> dict[str, Any]:
         for spec in policies:
             for budget in budgets:
                 output = f"output_dir={root}/separate/${{run_name:}}"
-                separate[f"{spec}@{budget}"] = kvbench(
+                separate[f"{spec}@{budget}"] = run_kvbench(
                     ["run", *shared, f"policy={spec}", f"budget={budget}", output], log
                 )
         sweep = ["run", "-m", *shared, f"policy={','.join(policies)}", f"budget={','.join(budgets)}"]
-        grouped = kvbench([*sweep, "hydra.sweeper.share_prefill=true", f"hydra.sweep.dir={root}/grouped"], log)
+        grouped = run_kvbench([*sweep, "hydra.sweeper.share_prefill=true", f"hydra.sweep.dir={root}/grouped"], log)
         alone, together = predictions(root / "separate"), predictions(root / "grouped")
     if len(alone) != len(separate) or set(alone) != set(together):
         raise KVBenchError(f"bench grid: {len(alone)} separate and {len(together)} grouped run directories")

@@ -128,6 +128,12 @@ def normaliser_pass(policy: Policy) -> str | None:
     return repr((policy, policy.modifiers)) if policy.statistic == "normalised_running" else None
 
 
+def prefill_key(policy: Policy) -> tuple[bool, str | None]:
+    """The variants whose caches one :class:`SharedPrefill` forward can fill share this: the head layout
+    (``gqa=repeat`` or not) and the :func:`normaliser_pass`."""
+    return policy.gqa == "repeat", normaliser_pass(policy)
+
+
 @dataclass
 class CacheSizes:
     """Cache sizes measured during one sample (tokens per KV head, bytes over all layers)."""
@@ -422,7 +428,8 @@ class SharedPrefill(Cache):
         self.attn_backend = lead.attn_backend
         self.repeat_layout, self.num_query_heads = lead.repeat_layout, lead.num_query_heads
         self.prompt_len = lead.prompt_len
-        self.layer_states: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.layer_states: tuple[torch.Tensor, torch.Tensor] | None = None  # this layer's, as the model gave them
+        self.attended: tuple[torch.Tensor, torch.Tensor] | None = None  # the same in the cache's heads
         self.summed: torch.Tensor | None = None
 
     def begin_forward(self, positions: torch.Tensor, evict: bool, decoding: bool = False) -> None:
@@ -435,7 +442,8 @@ class SharedPrefill(Cache):
         """The layer's keys/values ``[B,Hkv,T,D]`` to attend (repeated to query heads in the repeat layout), kept
         for the variants until :meth:`after_attention`."""
         self.layer_states = (key_states, value_states)
-        return in_cache_heads(key_states, value_states, self.num_query_heads, self.repeat_layout)
+        self.attended = in_cache_heads(key_states, value_states, self.num_query_heads, self.repeat_layout)
+        return self.attended
 
     def scores_in_attention(self) -> bool:
         return self.caches[0].scores_in_attention()
@@ -443,9 +451,8 @@ class SharedPrefill(Cache):
     def attend_and_score(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
         """The lead variant's normalised pass over the layer (the same for every variant): the output ``[B,T,Hq,D]``,
         its sums kept for each variant's running score."""
-        assert self.layer_states is not None  # update comes before the attention
-        keys, values = in_cache_heads(*self.layer_states, self.num_query_heads, self.repeat_layout)
-        outputs, self.summed = self.caches[0].normalised_attention(queries, keys, values, scaling)
+        assert self.attended is not None  # update comes before the attention
+        outputs, self.summed = self.caches[0].normalised_attention(queries, *self.attended, scaling)
         return outputs
 
     def after_attention(
@@ -455,7 +462,7 @@ class SharedPrefill(Cache):
         ``scored_in_attention``), score with ``queries [B,Hq,T,D]`` and evict."""
         assert self.layer_states is not None  # update comes before the attention
         key_states, value_states = self.layer_states
-        summed, self.layer_states, self.summed = self.summed, None, None
+        summed, self.layer_states, self.attended, self.summed = self.summed, None, None, None
         for cache in self.caches:
             cache.update(key_states, value_states, layer_idx)
             if scored_in_attention:

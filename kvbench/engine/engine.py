@@ -20,7 +20,7 @@ import torch
 
 from kvbench.domains import FLAG, Domain, choice, integer, is_int, optional
 from kvbench.engine import attention
-from kvbench.engine.cache import CacheSizes, EvictionCache, SharedPrefill, normaliser_pass
+from kvbench.engine.cache import CacheSizes, EvictionCache, SharedPrefill, prefill_key
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies.base import Full, Policy
 from kvbench.policies.budgets import Budget
@@ -201,9 +201,15 @@ class Engine:
         policy = self.policy if budget < prompt_len else Full(gqa=self.policy.gqa)
         policy.check_budget(budget, prompt_len)
         budgets = policy.layer_budget.allocate(budget, self.num_layers, policy.reserved(budget, prompt_len), prompt_len)
-        heads = (self.num_query_heads, self.num_kv_heads)
         return EvictionCache(
-            policy, budgets, prompt_len, *heads, self.attn_backend, self.score_block, self.decode_evict
+            policy,
+            budgets,
+            prompt_len,
+            self.num_query_heads,
+            self.num_kv_heads,
+            self.attn_backend,
+            self.score_block,
+            decode_evict=self.decode_evict,
         )
 
     @torch.inference_mode()
@@ -267,18 +273,18 @@ def generate_shared(
 ) -> list[GenerationOutput]:
     """:meth:`Engine.generate` of each engine (its own policy and budget; one model, one regime) on one prompt,
     the variants that :meth:`Engine.shares_prefill` prefilled by one forward (:class:`SharedPrefill`) per head
-    layout and :func:`~kvbench.engine.cache.normaliser_pass` (one for those the backend attends, one per setting of a
-    policy that attends itself, whatever their budgets); each then decodes from its own cache. Each output
-    reports the shared prefill's time divided among the variants that shared it.
+    layout and attention pass (:func:`~kvbench.engine.cache.prefill_key`: one for those the backend attends, one
+    per setting of a policy that attends itself, whatever their budgets); each then decodes from its own cache.
+    Each output reports the shared prefill's time divided among the variants that shared it.
     Outputs equal :meth:`Engine.generate`'s."""
     caches = [engine.new_cache(len(input_ids)) for engine in engines]
     logits: list[torch.Tensor | None] = [None] * len(engines)
     prefill_seconds = [0.0] * len(engines)
     shared_by = [1] * len(engines)  # how many variants each one's prefill served
-    sharing: dict[tuple[bool, str | None], list[int]] = {}  # head layout, normaliser pass -> variants of one forward
+    sharing: dict[tuple[bool, str | None], list[int]] = {}  # prefill_key -> the variants of one forward
     for index, (engine, cache) in enumerate(zip(engines, caches)):
         if engine.shares_prefill(cache):
-            sharing.setdefault((cache.repeat_layout, normaliser_pass(cache.policy)), []).append(index)
+            sharing.setdefault(prefill_key(cache.policy), []).append(index)
         else:
             start = engine._now()
             logits[index] = engine.prefill(cache, input_ids)
