@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kvbench import config_dict, duration
 from kvbench.engine import Engine
-from kvbench.engine.engine import GenerationOutput, PerplexityOutput, generate_shared
+from kvbench.engine.engine import GenerationOutput, PerplexityOutput, Row, batch_rows, decode_rows, prefill_shared
 from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
 from kvbench.models import LoadedModel, load_model
@@ -116,10 +116,44 @@ def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) 
     return record_of(task, sample, output, loaded, time.perf_counter() - started), output
 
 
+def run_samples(
+    engine: Engine, task: Task, samples: list[Sample], loaded: LoadedModel, batch_size: int
+) -> list[tuple[dict[str, Any], Any]]:
+    """:func:`run_sample` of each of ``samples``, the generated ones prefilled one by one and decoded together,
+    ``batch_size`` rows at a time (:func:`~kvbench.engine.engine.decode_rows`; perplexity samples one by one)."""
+    if len(samples) == 1 or any(sample.mode == "perplexity" for sample in samples):
+        return [run_sample(engine, task, sample, loaded) for sample in samples]
+    rows = [
+        engine.prefilled_row(sample.input_ids, sample.max_new_tokens, stop_ids(sample, loaded), sample.min_new_tokens)
+        for sample in samples
+    ]
+    outputs = decode_rows(rows, batch_size)
+    return [(record_of(task, sample, output, loaded), output) for sample, output in zip(samples, outputs)]
+
+
+def samples_batch(cfg: DictConfig, engines: Sequence[Engine], samples: Sequence[Sample]) -> int:
+    """The rows decoding together (``engine.batch_size``; ``auto`` sized for the longest prompt and answer)."""
+    longest = max((len(sample.input_ids) for sample in samples), default=1)
+    answer = max((sample.max_new_tokens for sample in samples), default=0)
+    return batch_rows(cfg.engine.batch_size, engines, longest, answer)
+
+
+def chunks(samples: Sequence[Sample], size: int) -> Iterator[list[Sample]]:
+    """``samples`` in consecutive lists of ``size``."""
+    for begin in range(0, len(samples), size):
+        yield list(samples[begin : begin + size])
+
+
 def record_of(
-    task: Task, sample: Sample, output: GenerationOutput | PerplexityOutput, loaded: LoadedModel, seconds: float
+    task: Task,
+    sample: Sample,
+    output: GenerationOutput | PerplexityOutput,
+    loaded: LoadedModel,
+    seconds: float | None = None,
 ) -> dict[str, Any]:
-    """The predictions.jsonl record of ``sample`` from the engine's output (``seconds``: the sample's time)."""
+    """The predictions.jsonl record of ``sample`` from the engine's output (``seconds``: the sample's time; by default
+    its prefill and decode, shares of the forwards it shared)."""
+    seconds = output.prefill_seconds + output.decode_seconds if seconds is None else seconds
     result: list[float] | str  # the perplexity task's NLLs, or the decoded text
     if isinstance(output, PerplexityOutput):
         result = output.nlls
@@ -249,9 +283,12 @@ def run_locked(job: Job, run_dir: RunDir, shared: Shared) -> dict[str, Any]:
     opened = open_run(job, run_dir, shared)
     if isinstance(opened, dict):
         return opened
-    for sample in opened.pending:
-        record, output = run_sample(opened.engine, opened.task, sample, opened.loaded)
-        opened.write(sample, record, output)
+    batch = samples_batch(job.cfg, [opened.engine], opened.pending)
+    for chunk in chunks(opened.pending, batch):
+        for sample, (record, output) in zip(
+            chunk, run_samples(opened.engine, opened.task, chunk, opened.loaded, batch)
+        ):
+            opened.write(sample, record, output)
     return opened.finish()
 
 
@@ -366,39 +403,63 @@ def run_group(
 
 
 def run_shared(opened: dict[int, OpenRun], samples: list[Sample], outcomes: list[Any], logs: list[Path]) -> None:
-    """The ``samples`` of the ``opened`` runs of a group, each prefilled once for every run that lacks it; a run
-    whose sample fails is logged and dropped (its outcome the error), the others go on."""
+    """The ``samples`` of the ``opened`` runs of a group, each prefilled once for every run that lacks it
+    (:func:`~kvbench.engine.engine.prefill_shared`), the (sample, run) rows of as many samples as ``engine.batch_size``
+    holds decoding together (:func:`~kvbench.engine.engine.decode_rows`); a run whose sample fails is logged and
+    dropped (its outcome the error), the others go on."""
     first = next(iter(opened.values()))
     pending = {index: {sample.id for sample in run.pending} for index, run in opened.items()}
-    for sample in samples:
-        runs = {index: run for index, run in opened.items() if outcomes[index] is None and sample.id in pending[index]}
-        if not runs:
-            continue
-        results: dict[int, tuple[dict[str, Any], Any]] = {}
-        if sample.mode != "perplexity":  # a perplexity sample streams its text: each run alone
-            started = time.perf_counter()
-            try:
-                engines = [run.engine for run in runs.values()]
-                stops = stop_ids(sample, first.loaded)
-                outputs = generate_shared(
-                    engines, sample.input_ids, sample.max_new_tokens, stops, sample.min_new_tokens
-                )
-                seconds = (time.perf_counter() - started) / len(runs)
-                for (index, run), output in zip(runs.items(), outputs):
-                    results[index] = (record_of(run.task, sample, output, run.loaded, seconds), output)
-            except Exception:  # one variant failed the shared pass: each runs the sample alone, failing alone
-                results = {}
-        for index, run in runs.items():
-            if index not in results:
-                with job_log(logs[index]), failure(outcomes, index):
-                    results[index] = run_sample(run.engine, run.task, sample, run.loaded)
-        for index, (record, output) in results.items():
-            with job_log(logs[index]), failure(outcomes, index):
-                opened[index].write(sample, record, output)
+    todo = [sample for sample in samples if any(sample.id in ids for ids in pending.values())]
+    batch = samples_batch(first.job.cfg, [run.engine for run in opened.values()], todo)
+    for chunk in chunks(todo, max(1, batch // len(opened))):
+        lacking = {
+            sample.id: {
+                index: run for index, run in opened.items() if outcomes[index] is None and sample.id in pending[index]
+            }
+            for sample in chunk
+        }
+        results = decode_shared(chunk, lacking, first.loaded, batch)
+        for sample in chunk:
+            for index, run in lacking[sample.id].items():
+                if outcomes[index] is not None:  # failed on an earlier sample of the chunk
+                    continue
+                if (index, sample.id) not in results:
+                    with job_log(logs[index]), failure(outcomes, index):
+                        results[index, sample.id] = run_sample(run.engine, run.task, sample, run.loaded)
+                if (index, sample.id) in results:
+                    record, output = results[index, sample.id]
+                    with job_log(logs[index]), failure(outcomes, index):
+                        opened[index].write(sample, record, output)
     for index, run in opened.items():
         if outcomes[index] is None:
             with job_log(logs[index]), failure(outcomes, index):
                 outcomes[index] = run.finish()
+
+
+def decode_shared(
+    chunk: list[Sample], lacking: dict[str, dict[int, OpenRun]], loaded: LoadedModel, batch_size: int
+) -> dict[tuple[int, str], tuple[dict[str, Any], Any]]:
+    """The records and outputs of the generated samples of ``chunk`` for the runs that lack each, by (run, sample id):
+    each sample prefilled once for them, all the rows decoded together; none if one variant fails (each then runs
+    the sample alone, failing alone). Perplexity samples stream their text: each run alone."""
+    owners: list[tuple[int, OpenRun, Sample]] = []
+    rows: list[Row] = []
+    try:
+        for sample in chunk:
+            runs = lacking[sample.id]
+            if sample.mode == "perplexity" or not runs:
+                continue
+            engines = [run.engine for run in runs.values()]
+            stops = stop_ids(sample, loaded)
+            rows += prefill_shared(engines, sample.input_ids, sample.max_new_tokens, stops, sample.min_new_tokens)
+            owners += [(index, run, sample) for index, run in runs.items()]
+        outputs = decode_rows(rows, batch_size) if rows else []
+        return {
+            (index, sample.id): (record_of(run.task, sample, output, run.loaded), output)
+            for (index, run, sample), output in zip(owners, outputs)
+        }
+    except Exception:
+        return {}
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from kvbench.errors import KVBenchError
 
 #: top-level settings that change no prediction, left out of a run's identity: where its files go, how it
 #: resumes and logs, and an experiment's per-policy table (already applied to the ``policy`` node)
-NOT_IDENTITY = ("hydra", "logger", "output_dir", "policy_settings", "resume")
+NOT_IDENTITY = ("hydra", "logger", "output_dir", "policy_settings", "resume", "engine.batch_size")
 
 #: ``resume=``: ``auto`` resumes a directory holding the same settings and refuses one holding others;
 #: ``restart`` moves the directory's files into a dated ``superseded-*`` sub-folder and starts afresh
@@ -36,8 +36,17 @@ RESUME_MODES = ("auto", "restart")
 
 
 def identity(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings that make a run what it is (a plain config dict without :data:`NOT_IDENTITY`)."""
-    return {str(key): value for key, value in settings.items() if key not in NOT_IDENTITY}
+    """The settings that make a run what it is (a plain config dict without :data:`NOT_IDENTITY`, whose dotted
+    names are keys of a group: ``engine.batch_size``, how many rows decode together, changes no prediction)."""
+    kept = {}
+    for key, value in settings.items():
+        if key in NOT_IDENTITY:
+            continue
+        inner = {name.split(".", 1)[1] for name in NOT_IDENTITY if name.startswith(f"{key}.")}
+        if inner and isinstance(value, Mapping):
+            value = {name: setting for name, setting in value.items() if name not in inner}
+        kept[str(key)] = value
+    return kept
 
 
 def flatten(settings: Any, prefix: str = "") -> dict[str, Any]:
@@ -63,11 +72,13 @@ def run_name(*, _root_: DictConfig) -> str:
     ``<model>/<task>/<policy>-<budget>-<regime>-<digest>``, the digest the first 8 hex digits of the SHA-256
     of the composed config's identity, so runs whose settings differ land in different directories and a
     rerun of the same settings (a single run or a job of a sweep) finds its own."""
-    settings = {
-        str(key): OmegaConf.to_container(_root_[key], resolve=True) if OmegaConf.is_config(_root_[key]) else _root_[key]
-        for key in _root_
-        if key not in NOT_IDENTITY
-    }
+    nodes = {str(key): _root_[key] for key in _root_ if key not in NOT_IDENTITY}
+    settings = identity(
+        {
+            key: OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+            for key, node in nodes.items()
+        }
+    )
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
     model, task, policy, budget, engine = (_root_[key] for key in ("model", "task", "policy", "budget", "engine"))
     return f"{model.name}/{task.name}/{policy.name}-{budget.spec}-{engine.regime}-{digest}"

@@ -36,6 +36,8 @@ TINY = [
     "bench.grid.num_samples=1",
     "bench.grid.policies=[h2o,snapkv]",
     "bench.grid.budgets=[64]",
+    "bench.grid.rows=3",
+    "bench.grid.new_tokens=4",
 ]
 
 
@@ -145,12 +147,14 @@ def test_targets_hold_the_figures_they_name(bench):
         "decode_latency_ratio",
         "harness_vs_generate",
         "grid_speed_ratio",
+        "rows_decode_speed_ratio",
     }
-    floors = {"harness_vs_generate", "grid_speed_ratio"}
+    floors = {"harness_vs_generate", "grid_speed_ratio", "rows_decode_speed_ratio"}
     for name, row in found.items():
         prefill = re.fullmatch(r"prefill_overhead\[(.+)\]@(\d+)", name)
         value = results["prefill_overhead"][prefill[1]][prefill[2]] if prefill else results.get(name)
         value = results["grid"]["speed_ratio"] if name == "grid_speed_ratio" else value
+        value = results["grid"]["rows"]["speed_ratio"] if name == "rows_decode_speed_ratio" else value
         assert row["value"] == value
         assert row["met"] == (value >= row["limit"] if name in floors else value <= row["limit"])
     assert found["prefill_overhead[sink]@160"]["limit"] == 1.05
@@ -207,6 +211,11 @@ def test_grid_is_separate_processes_over_one_grouped_sweep(bench):
     assert memory["bound_bytes"] == bound + memory["grouped"]["layer_full_bytes"]
     assert results["targets"]["grid_speed_ratio"]["value"] == grid["speed_ratio"]
     assert "## A grid of 2 jobs × 1 samples" in (out / "bench.md").read_text()
+    rows = grid["rows"]
+    assert (rows["rows"], rows["new_tokens"], rows["policy"]) == (3, 4, "h2o@64") and rows["tokens_equal"]
+    ratio = rows["rows_tokens_per_second"] / rows["one_row_tokens_per_second"]
+    assert rows["speed_ratio"] == pytest.approx(ratio)
+    assert results["targets"]["rows_decode_speed_ratio"]["value"] == rows["speed_ratio"]
 
 
 def test_kvpress_agrees_with_kvbench_snapkv(tmp_path):

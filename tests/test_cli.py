@@ -114,7 +114,10 @@ def test_perplexity_task(tmp_path):
         ),
         ("policy.score_windw=16", "unknown key policy.score_windw for policy snapkv; valid keys: "),
         ("+task.contxt_length=8", "unknown key task.contxt_length for task ruler; valid keys: "),
-        ("engine.regme=oneshot", "unknown key engine.regme for the engine; valid keys: block_size, decode_evict, "),
+        (
+            "engine.regme=oneshot",
+            "unknown key engine.regme for the engine; valid keys: batch_size, block_size, decode_evict, ",
+        ),
         ("+model.dtyp=float32", "unknown key model.dtyp for model smollm2_135m; valid keys: "),
         (
             "policy.layer_budget.betta=2",

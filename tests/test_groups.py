@@ -181,8 +181,9 @@ def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
 
 @pytest.mark.model
 def test_on_smollm2_one_shared_prefill_gives_what_each_variant_gives_alone():
-    """The same over the registry on the offline SmolLM2 (float32, a 384-token text prompt, budget 96): every
-    variant's tokens, kept sets, cache sizes and policy statistics from its shared prefill equal its own run's."""
+    """The same over the registry on the offline SmolLM2 (float32, a 384-token text prompt, budget 96), the variants
+    decoded 8 rows at a time after their shared prefill (:func:`~kvbench.engine.engine.decode_rows`): every
+    variant's tokens, kept sets, cache sizes and policy statistics equal its own run's."""
     from kvbench.bench.sections import PARAGRAPH, prompt_tokens
     from kvbench.models import load_model, model_config
 
@@ -197,7 +198,7 @@ def test_on_smollm2_one_shared_prefill_gives_what_each_variant_gives_alone():
             continue
         engines.append(engine)
     assert len(engines) > len(VARIANTS) / 2
-    shared = generate_shared(engines, prompt, 4)
+    shared = generate_shared(engines, prompt, 4, batch_size=8)
     for engine, one, other in zip(engines, alone, shared):
         assert (other.token_ids, other.kept, other.kv, other.policy_stats) == (
             one.token_ids,

@@ -11,7 +11,9 @@ layer's full keys/values.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.config import config_dict
-from kvbench.engine.engine import generate_shared
+from kvbench.engine.engine import decode_rows, generate_shared
 from kvbench.errors import KVBenchError
 from kvbench.models import load_model
 from kvbench.rundir import RunDir
@@ -100,8 +102,40 @@ def grid(bench: Bench) -> dict[str, Any]:
         "predictions_equal": not differing,
         "differing_runs": differing,
         "memory": grid_memory(bench),
+        "rows": decode_rows_speed(bench),
     }
     return {"grid": result, "raw": {"grid": {"separate_seconds": separate}}}
+
+
+def decode_rows_speed(bench: Bench) -> dict[str, Any]:
+    """Decode tokens/s of ``bench.grid.rows`` rows decoding together (:func:`decode_rows`: the first policy at the
+    first budget, on prompts of the section's length starting at different essay offsets) over the same rows decoded
+    one at a time, each ``bench.grid.new_tokens`` tokens (no stop token); medians over the repetitions, and the
+    tokens equal."""
+    section = bench.bench.grid
+    count, new_tokens, length = int(section.rows), int(section.new_tokens), int(section.context_length)
+    engine = bench.engine(str(section.policies[0]), budget=str(section.budgets[0]))
+    step = max(1, (len(bench.tokens) - length) // max(count - 1, 1))
+    prompts = [bench.tokens[index * step : index * step + length] for index in range(count)]
+    seconds: dict[str, list[float]] = {"one_row": [], "rows": []}
+    tokens: dict[str, list[list[int]]] = {}
+    for _ in range(bench.repetitions):
+        for kind, batch in (("one_row", 1), ("rows", count)):
+            rows = [engine.prefilled_row(prompt, new_tokens) for prompt in prompts]
+            wall, _, outputs = bench.clock.measure(functools.partial(decode_rows, rows, batch))
+            seconds[kind].append(wall)
+            tokens[kind] = [output.token_ids for output in outputs]
+    one, together = statistics.median(seconds["one_row"]), statistics.median(seconds["rows"])
+    generated = sum(len(ids) for ids in tokens["rows"])
+    return {
+        "rows": count,
+        "new_tokens": new_tokens,
+        "policy": f"{engine.policy.spec}@{engine.budget.spec}",
+        "one_row_tokens_per_second": generated / one,
+        "rows_tokens_per_second": generated / together,
+        "speed_ratio": one / together,
+        "tokens_equal": tokens["rows"] == tokens["one_row"],
+    }
 
 
 def grid_memory(bench: Bench) -> dict[str, Any]:

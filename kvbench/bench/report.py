@@ -25,6 +25,8 @@ FLAT_DECODE_LIMIT = 1.15
 HARNESS_SPEED_FLOOR, KVPRESS_SPEED_FLOOR = 0.95, 1.0
 #: a grid's jobs as one grouped sweep sharing its prefills, end to end, against one ``kvbench run`` process each
 GRID_SPEED_FLOOR = 4.0
+#: decode tokens/s of ``bench.grid.rows`` rows decoding together against the same rows one at a time
+ROWS_SPEED_FLOOR = 3.0
 
 
 def prefill_limit(spec: str) -> float:
@@ -52,6 +54,8 @@ def targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     check("harness_vs_generate", results["harness_vs_generate"], HARNESS_SPEED_FLOOR, at_most=False)
     check("kvpress_speed_ratio", results.get("kvpress", {}).get("speed_ratio"), KVPRESS_SPEED_FLOOR, at_most=False)
     check("grid_speed_ratio", results.get("grid", {}).get("speed_ratio"), GRID_SPEED_FLOOR, at_most=False)
+    rows = results.get("grid", {}).get("rows", {}).get("speed_ratio")
+    check("rows_decode_speed_ratio", rows, ROWS_SPEED_FLOOR, at_most=False)
     return found
 
 
@@ -241,6 +245,19 @@ def markdown(results: dict[str, Any]) -> str:
                     _mib(memory["grouped"]["peak_rss_delta_bytes"]),
                     _mib(memory["bound_bytes"]),
                     memory["within_bound"],
+                ]
+            ],
+        )
+        decoding = grid["rows"]
+        lines += ["", f"decode tokens/s, {decoding['policy']}, {decoding['new_tokens']} tokens per row:", ""]
+        lines += _table(
+            ["one row at a time", f"{decoding['rows']} rows together", "speed ratio", "same tokens"],
+            [
+                [
+                    f"{decoding['one_row_tokens_per_second']:.1f}",
+                    f"{decoding['rows_tokens_per_second']:.1f}",
+                    f"{decoding['speed_ratio']:.2f}",
+                    decoding["tokens_equal"],
                 ]
             ],
         )

@@ -108,24 +108,40 @@ def flash_attention(module, query, key, value, scaling):
 
 
 def kvbench_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, kvbench_cache=None, **_):
-    """Attention over the (budgeted) cache, decode modifiers and scoring/eviction by ``kvbench_cache`` if given.
-    The leading parameters are in transformers' order, for wrappers that pass them positionally (kvpress)."""
+    """Attention over the (budgeted) cache, decode modifiers and scoring/eviction by ``kvbench_cache`` if given;
+    over a :class:`~kvbench.engine.cache.RowBatch`, each row ``query[r:r+1]`` over its own cache, at its own length
+    (no row padded: each gives what it gives alone). The leading parameters are in transformers' order, for
+    wrappers that pass them positionally (kvpress)."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    backend = kvbench_cache.attn_backend if kvbench_cache is not None else "sdpa"
-    scored_in_attention = kvbench_cache is not None and kvbench_cache.scores_in_attention()
+    if kvbench_cache is None:
+        return sdpa_attention(query, key, value, scaling), None
+    rows = getattr(kvbench_cache, "rows", None)
+    if rows is not None:
+        outputs = [
+            cache_attention(cache, module, query[row : row + 1], keys, values, scaling)
+            for row, (cache, keys, values) in enumerate(rows(module.layer_idx))
+        ]
+        return torch.cat(outputs), None
+    return cache_attention(kvbench_cache, module, query, key, value, scaling), None
+
+
+def cache_attention(cache, module, query, key, value, scaling):
+    """``query [B,Hq,q,D]`` over ``key/value [B,Hc,T,D]`` of ``cache`` (an ``EvictionCache`` or ``SharedPrefill``):
+    by the cache's normalised pass or the backend, then the cache's attending modifiers for a single query, its
+    scoring and eviction → ``[B,q,Hq,D]``."""
+    scored_in_attention = cache.scores_in_attention()
     if scored_in_attention:
-        output = kvbench_cache.attend_and_score(module.layer_idx, query, scaling)
-    elif backend == "eager":
+        output = cache.attend_and_score(module.layer_idx, query, scaling)
+    elif cache.attn_backend == "eager":
         output = eager_attention(query, key, value, scaling)
-    elif backend == "flash_attention_2":
+    elif cache.attn_backend == "flash_attention_2":
         output = flash_attention(module, query, key, value, scaling)
     else:
         output = sdpa_attention(query, key, value, scaling)
-    if kvbench_cache is not None:
-        if query.shape[2] == 1:
-            output = kvbench_cache.attend(module.layer_idx, query, key, value, output, scaling)
-        kvbench_cache.after_attention(module.layer_idx, query, scaling, scored_in_attention)
-    return output, None
+    if query.shape[2] == 1:
+        output = cache.attend(module.layer_idx, query, key, value, output, scaling)
+    cache.after_attention(module.layer_idx, query, scaling, scored_in_attention)
+    return output
 
 
 def no_mask(*args, **kwargs):

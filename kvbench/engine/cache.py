@@ -470,3 +470,31 @@ class SharedPrefill(Cache):
                 assert running is not None and summed is not None  # a scored forward of a running policy
                 running += summed
             cache.after_attention(layer_idx, queries, scaling, scored_in_attention)
+
+
+class RowBatch(Cache):
+    """The caches of several rows — one (sample, variant) each, with its own policy, budget, length per layer and
+    positions — stepped by one model forward of batch ``N``: the model's weights apply to all rows at once, and each
+    row's keys/values go to its own cache, which the attention function attends, scores and evicts row by row at the
+    row's own length (:func:`~kvbench.engine.attention.kvbench_attention`), as it would alone: no row is padded."""
+
+    def __init__(self, caches: list[EvictionCache]) -> None:
+        super().__init__(layers=[DynamicLayer() for _ in caches[0].layers])  # never filled: the model reads length 0
+        self.caches = caches
+        self.attended: list[tuple[torch.Tensor, torch.Tensor]] = []  # this layer's, each row's cache
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append row ``r``'s keys/values ``[r:r+1]`` of ``[N,Hkv,q,D]`` to row ``r``'s cache; the rows' caches are
+        attended by :meth:`rows` (what is returned here is not read)."""
+        self.attended = [
+            cache.update(key_states[row : row + 1], value_states[row : row + 1], layer_idx)
+            for row, cache in enumerate(self.caches)
+        ]
+        return key_states, value_states
+
+    def rows(self, layer_idx: int) -> list[tuple[EvictionCache, torch.Tensor, torch.Tensor]]:
+        """Each row's cache with the keys/values ``[1,Hc,T_r,D]`` it holds at ``layer_idx`` (after :meth:`update`)."""
+        attended, self.attended = self.attended, []
+        return [(cache, keys, values) for cache, (keys, values) in zip(self.caches, attended)]

@@ -14,18 +14,25 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import psutil
 import torch
 
 from kvbench.domains import FLAG, Domain, choice, integer, is_int, optional
 from kvbench.engine import attention
-from kvbench.engine.cache import CacheSizes, EvictionCache, SharedPrefill, prefill_key
+from kvbench.engine.cache import CacheSizes, EvictionCache, RowBatch, SharedPrefill, prefill_key
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies.base import Full, Policy
 from kvbench.policies.budgets import Budget
 
 REGIMES = ["oneshot", "chunked", "streaming"]
+#: ``engine.batch_size=auto``: the rows' caches take at most this share of the free memory, and at most
+#: ``AUTO_MAX_ROWS`` rows decode together
+AUTO_MEMORY_SHARE = 0.5
+AUTO_MAX_ROWS = 32
 
 #: the engine settings (``engine.<key>``, defaults in conf/config.yaml) and their domains
 ENGINE_SETTINGS: dict[str, Domain] = {
@@ -34,6 +41,7 @@ ENGINE_SETTINGS: dict[str, Domain] = {
     "decode_evict": optional(FLAG, "the regime's: false for oneshot, true for chunked and streaming"),
     "score_block": Domain("auto or a query count ≥ 1", lambda value: value == "auto" or (is_int(value) and value >= 1)),
     "save_kept": FLAG,
+    "batch_size": Domain("auto or a row count ≥ 1", lambda value: value == "auto" or (is_int(value) and value >= 1)),
 }
 
 
@@ -115,49 +123,30 @@ class Engine:
         """Greedy decoding of up to ``max_new_tokens`` after the prompt; stops at any of ``stop_token_ids``, which
         cannot be chosen among the first ``min_new_tokens`` (Hugging Face's ``min_length``: their logits are
         masked, the best other token is taken)."""
-        cache = self.new_cache(len(input_ids))
-        start = self._now()
-        logits = self.prefill(cache, input_ids)
-        return self.decode(
-            cache, logits, input_ids, max_new_tokens, stop_token_ids, min_new_tokens, self._now() - start
-        )
+        return decode_rows([self.prefilled_row(input_ids, max_new_tokens, stop_token_ids, min_new_tokens)], 1)[0]
 
     @torch.inference_mode()
-    def decode(
-        self,
-        cache: EvictionCache,
-        logits: torch.Tensor,
-        input_ids: list[int],
-        max_new_tokens: int,
-        stop_token_ids=(),
-        min_new_tokens: int = 0,
-        prefill_seconds: float = 0.0,
-    ) -> GenerationOutput:
-        """:meth:`generate` after its prefill: greedy decoding from the prefilled ``cache`` and the prompt's last
-        ``logits [1,1,V]`` (``prefill_seconds`` is reported as the prefill's time)."""
-        after_prefill = cache.tokens_per_layer()
-        kept = [positions[0].tolist() for positions in cache.kept_positions()] if self.record_kept else None
-        generated: list[int] = []
-        stop = set(stop_token_ids)
-        banned = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
+    def prefilled_row(
+        self, input_ids: list[int], max_new_tokens: int, stop_token_ids=(), min_new_tokens: int = 0
+    ) -> Row:
+        """:meth:`generate`'s prompt prefilled into a new cache under the regime: a row for :func:`decode_rows`."""
+        cache = self.new_cache(len(input_ids))
         start = self._now()
-        position = len(input_ids)
-        while len(generated) < max_new_tokens:
-            scores = logits[0, -1]
-            if len(generated) < min_new_tokens and len(banned):
-                scores = scores.index_fill(0, banned, float("-inf"))
-            token = int(scores.argmax())
-            if token in stop:
-                break
-            generated.append(token)
-            if len(generated) == max_new_tokens:
-                break
-            logits = self.step(cache, [token], position, evict=self.decode_evict)
-            position += 1
-        decode_seconds = self._now() - start
-        kv = self._cache_sizes(cache, after_prefill, len(input_ids) + len(generated))
-        stats = cache.policy_stats()
-        return GenerationOutput(generated, len(input_ids), prefill_seconds, decode_seconds, kv, stats, kept)
+        logits = self.prefill(cache, input_ids)[0, -1]
+        row = Row(self, cache, logits, len(input_ids), max_new_tokens, stop_token_ids, min_new_tokens)
+        row.prefill_seconds = self._now() - start
+        return row
+
+    def row_bytes(self, prompt_tokens: int, new_tokens: int) -> int:
+        """The most memory one row of a ``prompt_tokens`` prompt holds while it decodes ``new_tokens``: the full cache
+        of the prompt and its answer in the policy's head layout (no row holds more: CaliDrop's offloaded entries and
+        the kept ones together are that), and its float32 logits."""
+        config = self.model.config.get_text_config()
+        heads = self.num_query_heads if self.policy.gqa == "repeat" else self.num_kv_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        element = next(self.model.parameters()).element_size()
+        per_token = 2 * self.num_layers * heads * head_dim * element
+        return (prompt_tokens + new_tokens) * per_token + 4 * config.vocab_size
 
     def shares_prefill(self, cache: EvictionCache) -> bool:
         """Whether ``cache`` can take its prefill from one of :func:`generate_shared`'s forwards: oneshot and a prompt
@@ -269,37 +258,164 @@ class Engine:
 
 @torch.inference_mode()
 def generate_shared(
-    engines: list[Engine], input_ids: list[int], max_new_tokens: int, stop_token_ids=(), min_new_tokens: int = 0
+    engines: list[Engine],
+    input_ids: list[int],
+    max_new_tokens: int,
+    stop_token_ids=(),
+    min_new_tokens: int = 0,
+    batch_size: int = 1,
 ) -> list[GenerationOutput]:
     """:meth:`Engine.generate` of each engine (its own policy and budget; one model, one regime) on one prompt,
     the variants that :meth:`Engine.shares_prefill` prefilled by one forward (:class:`SharedPrefill`) per head
     layout and attention pass (:func:`~kvbench.engine.cache.prefill_key`: one for those the backend attends, one
-    per setting of a policy that attends itself, whatever their budgets); each then decodes from its own cache.
-    Each output reports the shared prefill's time divided among the variants that shared it.
-    Outputs equal :meth:`Engine.generate`'s."""
-    caches = [engine.new_cache(len(input_ids)) for engine in engines]
-    logits: list[torch.Tensor | None] = [None] * len(engines)
-    prefill_seconds = [0.0] * len(engines)
-    shared_by = [1] * len(engines)  # how many variants each one's prefill served
-    sharing: dict[tuple[bool, str | None], list[int]] = {}  # prefill_key -> the variants of one forward
-    for index, (engine, cache) in enumerate(zip(engines, caches)):
-        if engine.shares_prefill(cache):
-            sharing.setdefault(prefill_key(cache.policy), []).append(index)
+    per setting of a policy that attends itself, whatever their budgets); then the variants decode as rows,
+    ``batch_size`` at a time (:func:`decode_rows`). Each output reports the shared prefill's time divided among the
+    variants that shared it. Outputs equal :meth:`Engine.generate`'s."""
+    return decode_rows(prefill_shared(engines, input_ids, max_new_tokens, stop_token_ids, min_new_tokens), batch_size)
+
+
+def prefill_shared(
+    engines: list[Engine], input_ids: list[int], max_new_tokens: int, stop_token_ids=(), min_new_tokens: int = 0
+) -> list[Row]:
+    """The prefilled rows of :func:`generate_shared`, one per engine, ready for :func:`decode_rows`."""
+    rows = [
+        Row(
+            engine,
+            engine.new_cache(len(input_ids)),
+            torch.empty(0),
+            len(input_ids),
+            max_new_tokens,
+            stop_token_ids,
+            min_new_tokens,
+        )
+        for engine in engines
+    ]
+    sharing: dict[tuple[bool, str | None], list[Row]] = {}  # prefill_key -> the variants of one forward
+    for row in rows:
+        if row.engine.shares_prefill(row.cache):
+            sharing.setdefault(prefill_key(row.cache.policy), []).append(row)
         else:
-            start = engine._now()
-            logits[index] = engine.prefill(cache, input_ids)
-            prefill_seconds[index] = engine._now() - start
-    for indices in sharing.values():
-        lead = engines[indices[0]]
+            start = row.engine._now()
+            row.logits = row.engine.prefill(row.cache, input_ids)[0, -1]
+            row.prefill_seconds = row.engine._now() - start
+    for group in sharing.values():
+        lead = group[0].engine
         start = lead._now()
-        shared = lead.prefill(SharedPrefill([caches[index] for index in indices]), input_ids)
-        seconds = (lead._now() - start) / len(indices)
-        for index in indices:
-            logits[index], prefill_seconds[index], shared_by[index] = shared, seconds, len(indices)
+        shared = lead.prefill(SharedPrefill([row.cache for row in group]), input_ids)[0, -1]
+        seconds = (lead._now() - start) / len(group)
+        for row in group:
+            row.logits, row.prefill_seconds, row.prefill_shared_by = shared, seconds, len(group)
+    return rows
+
+
+@dataclass
+class Row:
+    """One (sample, variant) to decode greedily: its engine (model, policy, budget, regime), prefilled cache and the
+    prompt's last logits ``[V]``; up to ``max_new_tokens``, stopping at any of ``stop_token_ids`` once
+    ``min_new_tokens`` are generated (:meth:`Engine.generate`)."""
+
+    engine: Engine
+    cache: EvictionCache
+    logits: torch.Tensor  # [V]
+    prompt_tokens: int
+    max_new_tokens: int
+    stop_token_ids: Sequence[int] = ()
+    min_new_tokens: int = 0
+    prefill_seconds: float = 0.0
+    prefill_shared_by: int = 1
+    generated: list[int] = field(default_factory=list)
+    decode_seconds: float = 0.0
+
+    def next_token(self) -> int | None:
+        """The greedy choice from the row's logits, or None when the row is done (a stop token, or its last)."""
+        if len(self.generated) >= self.max_new_tokens:
+            return None
+        scores = self.logits
+        stop = self.stop_token_ids
+        if len(self.generated) < self.min_new_tokens and len(stop):
+            banned = torch.tensor(sorted(set(stop)), dtype=torch.long, device=scores.device)
+            scores = scores.index_fill(0, banned, float("-inf"))
+        token = int(scores.argmax())
+        if token in stop:
+            return None
+        self.generated.append(token)
+        return None if len(self.generated) == self.max_new_tokens else token
+
+
+@torch.inference_mode()
+def decode_rows(rows: list[Row], batch_size: int) -> list[GenerationOutput]:
+    """Greedy decoding of ``rows`` (one model), up to ``batch_size`` at a time: every step feeds each active row's
+    token at its own position through one forward of the model over a :class:`RowBatch`, where each row's cache
+    attends, scores and evicts as alone (its engine's ``decode_evict``); a finished row leaves the batch and the
+    next waiting row takes its place. Each row is charged its share of the steps it was in. Outputs in the order of
+    ``rows``; one row at a time gives :meth:`Engine.generate`'s."""
+    after_prefill = [row.cache.tokens_per_layer() for row in rows]
+    kept = [
+        [positions[0].tolist() for positions in row.cache.kept_positions()] if row.engine.record_kept else None
+        for row in rows
+    ]
+    waiting, active = deque(rows), list[Row]()
+    lead = rows[0].engine
+    while waiting or active:
+        start = lead._now()
+        stepping = [(row, token) for row in active if (token := row.next_token()) is not None]
+        while waiting and len(stepping) < batch_size:  # waiting rows take the places of finished ones
+            row = waiting.popleft()
+            if (token := row.next_token()) is not None:
+                stepping.append((row, token))
+        if stepping:
+            logits = step_rows(stepping)  # [N,V]
+            for index, (row, _) in enumerate(stepping):
+                row.logits = logits[index]
+        active = [row for row, _ in stepping]
+        share = (lead._now() - start) / max(len(stepping), 1)
+        for row, _ in stepping:
+            row.decode_seconds += share
     outputs = []
-    for engine, cache, last, seconds, count in zip(engines, caches, logits, prefill_seconds, shared_by):
-        assert last is not None  # every variant was prefilled, alone or shared
-        output = engine.decode(cache, last, input_ids, max_new_tokens, stop_token_ids, min_new_tokens, seconds)
-        output.prefill_shared_by = count
+    for row, sizes, positions in zip(rows, after_prefill, kept):
+        kv = row.engine._cache_sizes(row.cache, sizes, row.prompt_tokens + len(row.generated))
+        stats = row.cache.policy_stats()
+        output = GenerationOutput(
+            row.generated, row.prompt_tokens, row.prefill_seconds, row.decode_seconds, kv, stats, positions
+        )
+        output.prefill_shared_by = row.prefill_shared_by
         outputs.append(output)
     return outputs
+
+
+def step_rows(stepping: list[tuple[Row, int]]) -> torch.Tensor:
+    """One forward of each row's next token at its position (the prompt's length plus what it generated before)
+    through a :class:`RowBatch` of the rows' caches; returns the logits ``[N,V]``."""
+    lead = stepping[0][0].engine
+    positions = [row.prompt_tokens + len(row.generated) - 1 for row, _ in stepping]
+    for (row, _), position in zip(stepping, positions):
+        where = torch.arange(position, position + 1, device=lead.device)
+        row.cache.begin_forward(where, evict=row.engine.decode_evict, decoding=True)
+    batch = RowBatch([row.cache for row, _ in stepping])
+    output = lead.model(
+        input_ids=torch.tensor([[token] for _, token in stepping], device=lead.device),
+        position_ids=torch.tensor([[position] for position in positions], device=lead.device),
+        use_cache=True,
+        logits_to_keep=1,
+        kvbench_cache=batch,
+        **{lead.cache_argument: batch},
+    )
+    return output.logits[:, -1]
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free for new tensors on ``device``: the accelerator's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available
+
+
+def batch_rows(setting: int | str, engines: Sequence[Engine], prompt_tokens: int, new_tokens: int) -> int:
+    """``engine.batch_size``: how many rows decode together — the number given, or for ``auto`` as many of the heaviest
+    engine's rows of a ``prompt_tokens`` prompt generating ``new_tokens`` (:meth:`Engine.row_bytes`) as
+    ``AUTO_MEMORY_SHARE`` of the free memory holds, at least 1 and at most ``AUTO_MAX_ROWS``."""
+    if setting != "auto":
+        return int(setting)
+    heaviest = max(engine.row_bytes(prompt_tokens, new_tokens) for engine in engines)
+    fits = int(AUTO_MEMORY_SHARE * free_memory(engines[0].device)) // heaviest
+    return max(1, min(AUTO_MAX_ROWS, fits))

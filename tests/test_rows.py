@@ -1,0 +1,157 @@
+"""Decoding rows together (:func:`kvbench.engine.engine.decode_rows`): many (sample, variant) rows, each with its own
+cache, budget, positions and stop tokens, step through one forward of the model and give what each gives alone."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvbench.engine.engine as engine_module
+from kvbench.engine import Engine
+from kvbench.engine.engine import Row, decode_rows, generate_shared
+from kvbench.errors import KVBenchError
+from kvbench.policies import build_policy
+from tests.helpers import ARCHITECTURES, random_prompt, tiny_model
+from tests.test_groups import VARIANTS
+
+
+def same(one, other) -> bool:
+    """Tokens, kept sets, cache sizes and policy statistics equal."""
+    return (one.token_ids, one.kept, one.kv, one.policy_stats) == (
+        other.token_ids,
+        other.kept,
+        other.kv,
+        other.policy_stats,
+    )
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_variants_decoded_as_rows_give_what_each_gives_alone(architecture):
+    """Every base × {none, each applicable modifier}, both head layouts, oneshot and chunked (which evicts at every
+    decode step), decoded 16 rows at a time after one shared prefill: each variant's tokens, kept sets, cache sizes
+    and policy statistics equal its own :meth:`Engine.generate`'s."""
+    model = tiny_model(architecture)
+    prompt = random_prompt(160)
+    engines = []
+    for spec in VARIANTS:
+        for budget, gqa, regime in ((32, None, "oneshot"), (48, "repeat", "oneshot"), (48, None, "chunked")):
+            params = {} if gqa is None else {"gqa": gqa}
+            try:
+                engine = Engine(model, build_policy(spec, params), budget, regime, block_size=64, record_kept=True)
+                engine.generate(prompt, 1)
+            except KVBenchError:  # a budget the policy's reserved window fills, or settings it needs the model for
+                continue
+            engines.append(engine)
+    assert len(engines) > 16 and {engine.regime for engine in engines} == {"oneshot", "chunked"}
+    alone = [engine.generate(prompt, 8) for engine in engines]
+    rows = generate_shared(engines, prompt, 8, batch_size=16)
+    for engine, one, other in zip(engines, alone, rows):
+        assert same(one, other), f"{engine.policy.spec}@{engine.budget.spec} {engine.regime}"
+
+
+def test_rows_of_different_prompts_stop_alone_and_leave_the_batch(monkeypatch):
+    """Rows of different prompt lengths (so different positions and cache lengths), token limits and stop tokens:
+    each stops where it stops alone, the batch shrinks as rows finish, and waiting rows take the freed places."""
+    model = tiny_model()
+    engine = Engine(model, build_policy("snapkv", {"window": 8}), 24)
+    prompts = [random_prompt(length, seed=length) for length in (40, 64, 90, 120, 33)]
+    limits = [3, 9, 5, 12, 7]
+    alone = [engine.generate(prompt, limit) for prompt, limit in zip(prompts, limits)]
+    stops = [[alone[2].token_ids[2]], []]  # the third row stops on its own third token
+    sizes: list[int] = []
+    step_rows = engine_module.step_rows
+    monkeypatch.setattr(engine_module, "step_rows", lambda stepping: sizes.append(len(stepping)) or step_rows(stepping))
+    rows = []
+    for index, (prompt, limit) in enumerate(zip(prompts, limits)):
+        cache = engine.new_cache(len(prompt))
+        logits = engine.prefill(cache, prompt)[0, -1]
+        rows.append(Row(engine, cache, logits, len(prompt), limit, stops[index != 2]))
+    outputs = decode_rows(rows, batch_size=3)
+    assert outputs[2].token_ids == alone[2].token_ids[:2]
+    for index in (0, 1, 3, 4):
+        assert outputs[index].token_ids == alone[index].token_ids
+    steps = [
+        len(output.token_ids) - (index != 2) for index, output in enumerate(outputs)
+    ]  # a stopped row steps once more
+    assert sum(sizes) == sum(steps) and sizes[0] == 3 and sizes[-1] == 1
+    assert sizes == sorted(sizes, reverse=True)  # full until no row waits: a freed place is taken at once
+
+
+def test_min_new_tokens_hold_per_row():
+    """A row's stop tokens are banned for its own first ``min_new_tokens`` only."""
+    model = tiny_model()
+    engine = Engine(model, build_policy("tova"), 32)
+    prompt = random_prompt(80)
+    first = engine.generate(prompt, 6).token_ids
+    stop = [first[0]]
+    expected = [engine.generate(prompt, 6, stop, minimum) for minimum in (0, 2)]
+    rows = []
+    for minimum in (0, 2):
+        cache = engine.new_cache(len(prompt))
+        rows.append(Row(engine, cache, engine.prefill(cache, prompt)[0, -1], len(prompt), 6, stop, minimum))
+    outputs = decode_rows(rows, batch_size=2)
+    assert outputs[0].token_ids == [] and [output.token_ids for output in outputs] == [e.token_ids for e in expected]
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_on_smollm2_chunked_variants_decoded_as_rows_give_what_each_gives_alone():
+    """Every variant over the registry on the offline SmolLM2 (float32) in the chunked regime, which evicts at every
+    decode step, decoded 8 rows at a time: tokens, kept sets, cache sizes and policy statistics equal each alone's
+    (the oneshot registry: ``test_groups.py::test_on_smollm2_one_shared_prefill_gives_what_each_variant_gives_alone``).
+    """
+    from kvbench.bench.sections import PARAGRAPH, prompt_tokens
+    from kvbench.models import load_model, model_config
+
+    loaded = load_model(model_config("smollm2_135m"))
+    prompt = prompt_tokens(loaded.tokenizer, PARAGRAPH, 384)
+    engines, alone = [], []
+    for spec in VARIANTS:
+        try:
+            engine = Engine(loaded.model, build_policy(spec), 96, "chunked", record_kept=True)
+            alone.append(engine.generate(prompt, 8))
+        except KVBenchError:  # settings the policy needs the model's run config for
+            continue
+        engines.append(engine)
+    assert len(engines) > len(VARIANTS) / 2
+    for engine, one, other in zip(engines, alone, generate_shared(engines, prompt, 8, batch_size=8)):
+        assert same(one, other), engine.policy.spec
+
+
+@pytest.mark.parametrize("batch_size", ["3", "auto"])
+def test_a_batched_run_and_group_give_what_batch_1_gives(tmp_path, batch_size):
+    """A single run of 4 samples decoding ``batch_size`` rows together, and a group of 4 variants sharing each prefill
+    and decoding its (sample, variant) rows together, write the predictions and kept sets of batch-1 runs; the batch
+    size is not part of a run's identity (the same directory resumes under another)."""
+    from kvbench.config import compose
+    from kvbench.run import run, run_group
+    from tests.test_groups import TINY, outcome
+
+    def single(size: str, where: str) -> None:
+        run(compose([*TINY, "task.num_samples=4", "policy=snapkv+calidrop", "budget=64", size]), tmp_path / where)
+
+    single("engine.batch_size=1", "one")
+    single(f"engine.batch_size={batch_size}", "rows")
+    assert outcome(tmp_path / "rows") == outcome(tmp_path / "one")
+    single("engine.batch_size=1", "rows")  # finished: nothing to run under another batch size
+    specs = ("h2o", "tova+caote", "pyramidkv", "sink")
+    for size, where in (("1", "group-one"), (batch_size, "group-rows")):
+        cfgs = [
+            compose([*TINY, "task.num_samples=3", f"policy={spec}", "budget=64", f"engine.batch_size={size}"])
+            for spec in specs
+        ]
+        run_group([(cfg, tmp_path / where / spec) for cfg, spec in zip(cfgs, specs)], share_prefill=True)
+    for spec in specs:
+        assert outcome(tmp_path / "group-rows" / spec) == outcome(tmp_path / "group-one" / spec), spec
+
+
+def test_auto_batch_size_fits_the_free_memory(monkeypatch):
+    """``engine.batch_size=auto`` decodes as many rows as half the free memory holds at each row's heaviest (its
+    full cache and logits), at least one, at most ``AUTO_MAX_ROWS``."""
+    model = tiny_model()
+    engines = [Engine(model, build_policy("snapkv"), 64), Engine(model, build_policy("snapkv", {"gqa": "repeat"}), 64)]
+    heaviest = engines[1].row_bytes(1000, 24)
+    assert heaviest > engines[0].row_bytes(1000, 24)
+    for free, rows in ((10 * heaviest, 5), (heaviest, 1), (0, 1), (10**15, engine_module.AUTO_MAX_ROWS)):
+        monkeypatch.setattr(engine_module, "free_memory", lambda device, free=free: free)
+        assert engine_module.batch_rows("auto", engines, 1000, 24) == rows
+    assert engine_module.batch_rows(7, engines, 1000, 24) == 7
