@@ -19,7 +19,15 @@ from tqdm import tqdm
 
 from kvbench import config_dict, duration
 from kvbench.engine import Engine
-from kvbench.engine.engine import GenerationOutput, PerplexityOutput, Row, batch_rows, decode_rows, prefill_shared
+from kvbench.engine.engine import (
+    GenerationOutput,
+    PerplexityOutput,
+    Row,
+    batch_rows,
+    decode_rows,
+    perplexity_rows,
+    prefill_shared,
+)
 from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
 from kvbench.models import LoadedModel, load_model
@@ -439,24 +447,32 @@ def run_shared(opened: dict[int, OpenRun], samples: list[Sample], outcomes: list
 def decode_shared(
     chunk: list[Sample], lacking: dict[str, dict[int, OpenRun]], loaded: LoadedModel, batch_size: int
 ) -> dict[tuple[int, str], tuple[dict[str, Any], Any]]:
-    """The records and outputs of the generated samples of ``chunk`` for the runs that lack each, by (run, sample id):
-    each sample prefilled once for them, all the rows decoded together; none if one variant fails (each then runs
-    the sample alone, failing alone). Perplexity samples stream their text: each run alone."""
-    owners: list[tuple[int, OpenRun, Sample]] = []
+    """The records and outputs of the samples of ``chunk`` for the runs that lack each, by (run, sample id): each
+    sample prefilled once for them, all the rows decoded together, ``batch_size`` at a time; a perplexity sample's
+    text streamed by its runs as rows (:func:`~kvbench.engine.engine.perplexity_rows`). None if one variant fails
+    (each then runs the sample alone, failing alone)."""
+    streamed: list[tuple[int, OpenRun, Sample]] = []  # the perplexity rows, in the order of their outputs
+    decoded: list[tuple[int, OpenRun, Sample]] = []  # the generated rows, in the order of ``rows``
+    outputs: list[GenerationOutput | PerplexityOutput] = []
     rows: list[Row] = []
     try:
         for sample in chunk:
             runs = lacking[sample.id]
-            if sample.mode == "perplexity" or not runs:
-                continue
             engines = [run.engine for run in runs.values()]
-            stops = stop_ids(sample, loaded)
-            rows += prefill_shared(engines, sample.input_ids, sample.max_new_tokens, stops, sample.min_new_tokens)
-            owners += [(index, run, sample) for index, run in runs.items()]
-        outputs = decode_rows(rows, batch_size) if rows else []
+            if not runs:
+                continue
+            if sample.mode == "perplexity":
+                outputs += perplexity_rows(engines, sample.input_ids, sample.context_tokens, batch_size)
+                streamed += [(index, run, sample) for index, run in runs.items()]
+            else:
+                stops = stop_ids(sample, loaded)
+                new, least = sample.max_new_tokens, sample.min_new_tokens
+                rows += prefill_shared(engines, sample.input_ids, new, stops, least, batch_size)
+                decoded += [(index, run, sample) for index, run in runs.items()]
+        outputs += decode_rows(rows, batch_size) if rows else []
         return {
             (index, sample.id): (record_of(run.task, sample, output, run.loaded), output)
-            for (index, run, sample), output in zip(owners, outputs)
+            for (index, run, sample), output in zip([*streamed, *decoded], outputs)
         }
     except Exception:
         return {}

@@ -212,7 +212,7 @@ def test_grid_is_separate_processes_over_one_grouped_sweep(bench):
     assert results["targets"]["grid_speed_ratio"]["value"] == grid["speed_ratio"]
     assert "## A grid of 2 jobs × 1 samples" in (out / "bench.md").read_text()
     rows = grid["rows"]
-    assert (rows["rows"], rows["new_tokens"], rows["policy"]) == (3, 4, "h2o@64") and rows["tokens_equal"]
+    assert (rows["rows"], rows["new_tokens"], rows["policy"]) == (3, 4, "snapkv@64") and rows["tokens_equal"]
     ratio = rows["rows_tokens_per_second"] / rows["one_row_tokens_per_second"]
     assert rows["speed_ratio"] == pytest.approx(ratio)
     assert results["targets"]["rows_decode_speed_ratio"]["value"] == rows["speed_ratio"]
@@ -234,6 +234,7 @@ def test_kvpress_agrees_with_kvbench_snapkv(tmp_path):
     [
         ("bench.prefill.policies=[nosuch]", "unknown policy 'nosuch'"),
         ("bench.grid.policies=[snapkv,nosuch]", "unknown policy 'nosuch'"),
+        ("bench.grid.rows_policy=nosuch", "unknown policy 'nosuch'"),
         ("bench.grid.budgets=[64,lots]", "lots"),
         ("bench.repetitions=0", "bench.repetitions must be >= 1"),
         ("bench.memory.regime=sometimes", "unknown bench.memory.regime 'sometimes'"),

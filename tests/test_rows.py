@@ -7,7 +7,7 @@ import pytest
 
 import kvbench.engine.engine as engine_module
 from kvbench.engine import Engine
-from kvbench.engine.engine import Row, decode_rows, generate_shared
+from kvbench.engine.engine import Row, decode_rows, generate_shared, perplexity_rows
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy
 from tests.helpers import ARCHITECTURES, random_prompt, tiny_model
@@ -155,3 +155,30 @@ def test_auto_batch_size_fits_the_free_memory(monkeypatch):
         monkeypatch.setattr(engine_module, "free_memory", lambda device, free=free: free)
         assert engine_module.batch_rows("auto", engines, 1000, 24) == rows
     assert engine_module.batch_rows(7, engines, 1000, 24) == 7
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_variants_streaming_a_text_as_rows_give_the_nlls_of_each_alone(architecture):
+    """Every base × {none, each applicable modifier} in the oneshot, chunked and streaming regimes scoring one text
+    (a 40-token context, then evicting as they decode), 16 rows at a time in lockstep: each variant's NLLs equal its
+    own :meth:`Engine.perplexity`'s to 1e-5 (relative: a row's matrix products over a block of several rows round in
+    the last float32 bits), its cache sizes and policy statistics exactly."""
+    model = tiny_model(architecture)
+    text = random_prompt(120)
+    engines = []
+    for spec in VARIANTS:
+        for regime in ("oneshot", "chunked", "streaming"):
+            try:
+                engine = Engine(model, build_policy(spec), 32, regime, block_size=16)
+                engine.perplexity(text[:48], 40)
+            except KVBenchError:  # settings the policy needs the model for
+                continue
+            engines.append(engine)
+    assert len(engines) > 16 and {engine.regime for engine in engines} == {"oneshot", "chunked", "streaming"}
+    alone = [engine.perplexity(text, 40) for engine in engines]
+    rows = perplexity_rows(engines, text, 40, batch_size=16)
+    for engine, one, other in zip(engines, alone, rows):
+        label = f"{engine.policy.spec} {engine.regime}"
+        assert len(other.nlls) == len(one.nlls) == len(text) - 40, label
+        assert max(abs(a - b) / max(1.0, abs(a)) for a, b in zip(one.nlls, other.nlls)) <= 1e-5, label
+        assert (other.kv, other.policy_stats) == (one.kv, one.policy_stats), label

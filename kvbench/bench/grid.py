@@ -1,8 +1,9 @@
 """The ``grid`` section of ``kvbench bench``: what a sweep's grouping saves, end to end.
 
 The ``policies`` × ``budgets`` jobs of one task are run twice: one ``kvbench run`` process each, one after
-another (how the scripts kvbench replaces run a grid), then as one ``kvbench run -m`` sweep whose group loads the
-model once and prefills each prompt once for its variants (``hydra.sweeper.share_prefill``). Both write their run
+another, decoding one sample at a time (how the scripts kvbench replaces run a grid), then as one ``kvbench run -m``
+sweep whose group loads the model once, prefills each prompt once for its variants (``hydra.sweeper.share_prefill``)
+and decodes the (sample, variant) rows together (``engine.batch_size``). Both write their run
 directories under the same names, so their predictions are compared record by record. Memory: the peak RSS of
 one prompt's prefill shared by every variant (:func:`~kvbench.engine.engine.generate_shared`) beside one job's
 prefill, each in a fresh process, against the bound of one job plus every other variant's evicted cache and one
@@ -83,9 +84,8 @@ def grid(bench: Bench) -> dict[str, Any]:
         for spec in policies:
             for budget in budgets:
                 output = f"output_dir={root}/separate/${{run_name:}}"
-                separate[f"{spec}@{budget}"] = run_kvbench(
-                    ["run", *shared, f"policy={spec}", f"budget={budget}", output], log
-                )
+                job = ["run", *shared, f"policy={spec}", f"budget={budget}", "engine.batch_size=1", output]
+                separate[f"{spec}@{budget}"] = run_kvbench(job, log)
         sweep = ["run", "-m", *shared, f"policy={','.join(policies)}", f"budget={','.join(budgets)}"]
         grouped = run_kvbench([*sweep, "hydra.sweeper.share_prefill=true", f"hydra.sweep.dir={root}/grouped"], log)
         alone, together = predictions(root / "separate"), predictions(root / "grouped")
@@ -108,13 +108,13 @@ def grid(bench: Bench) -> dict[str, Any]:
 
 
 def decode_rows_speed(bench: Bench) -> dict[str, Any]:
-    """Decode tokens/s of ``bench.grid.rows`` rows decoding together (:func:`decode_rows`: the first policy at the
+    """Decode tokens/s of ``bench.grid.rows`` rows decoding together (:func:`decode_rows`: ``rows_policy`` at the
     first budget, on prompts of the section's length starting at different essay offsets) over the same rows decoded
     one at a time, each ``bench.grid.new_tokens`` tokens (no stop token); medians over the repetitions, and the
     tokens equal."""
     section = bench.bench.grid
     count, new_tokens, length = int(section.rows), int(section.new_tokens), int(section.context_length)
-    engine = bench.engine(str(section.policies[0]), budget=str(section.budgets[0]))
+    engine = bench.engine(str(section.rows_policy), budget=str(section.budgets[0]))
     step = max(1, (len(bench.tokens) - length) // max(count - 1, 1))
     prompts = [bench.tokens[index * step : index * step + length] for index in range(count)]
     seconds: dict[str, list[float]] = {"one_row": [], "rows": []}

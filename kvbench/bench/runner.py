@@ -72,7 +72,8 @@ def output_directory(cfg: DictConfig) -> Path:
 def run_bench(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     """Run the benchmark configured by ``cfg`` into ``bench.json`` and ``bench.md``; the results and their folder."""
     bench = cfg.bench
-    for spec in [*bench.prefill.policies, *bench.memory.policies, bench.decode.policy, *bench.grid.policies]:
+    grid_policies = [*bench.grid.policies, bench.grid.rows_policy]
+    for spec in [*bench.prefill.policies, *bench.memory.policies, bench.decode.policy, *grid_policies]:
         parse_spec(str(spec))
     for budget in bench.grid.budgets:
         Budget.parse(str(budget))

@@ -321,7 +321,7 @@ class EvictionCache(Cache):
             assert layer.running_score is not None  # created by update for scored forwards
             layer.running_score += policy.summed_contributions(stats, self.score_block)
         window = self._query_window(budget)
-        if window:
+        if window and self.scored:  # an unscored forward decodes with no eviction to follow: its queries are never read
             layer.remember_queries(queries, positions, window)
         if self.evict_now and policy.evicts and layer.get_seq_length() > budget:
             if self.allocation is not None and layer_idx == len(self.allocation.preferences):

@@ -160,28 +160,7 @@ class Engine:
         The first ``context_tokens`` are prefilled under the regime (oneshot: one block, then evict);
         the rest are fed in blocks (chunked) or one at a time (oneshot, streaming), evicting as in decode.
         """
-        cache = self.new_cache(max(context_tokens, 1) if context_tokens else len(input_ids))
-        context_tokens = max(context_tokens, 1)
-        start = self._now()
-        logits = self.prefill(cache, input_ids[:context_tokens])
-        prefill_seconds = self._now() - start
-        after_prefill = cache.tokens_per_layer()
-        start = self._now()
-        nlls: list[torch.Tensor] = []
-        step = self.block_size if self.regime == "chunked" else 1
-        assert step is not None  # the chunked regime always has a block size
-        targets = torch.tensor(input_ids, device=self.device)
-        for begin in range(context_tokens, len(input_ids), step):
-            block = input_ids[begin : begin + step]
-            nlls.append(self._nll(logits[0, -1:], targets[begin : begin + 1]))
-            if len(block) == 1 and begin == len(input_ids) - 1:
-                break
-            logits = self.step(cache, block, begin, evict=self.decode_evict, all_logits=len(block) > 1)
-            nlls.append(self._nll(logits[0, :-1], targets[begin + 1 : begin + len(block)]))
-        decode_seconds = self._now() - start
-        kv = self._cache_sizes(cache, after_prefill, len(input_ids))
-        values = torch.cat(nlls).tolist() if nlls else []
-        return PerplexityOutput(values, prefill_seconds, decode_seconds, kv, cache.policy_stats())
+        return perplexity_rows([self], input_ids, context_tokens)[0]
 
     def new_cache(self, prompt_len: int) -> EvictionCache:
         """A cache for a prompt of ``prompt_len`` tokens; a budget ≥ the prompt means no eviction. Dynamic
@@ -268,16 +247,24 @@ def generate_shared(
     """:meth:`Engine.generate` of each engine (its own policy and budget; one model, one regime) on one prompt,
     the variants that :meth:`Engine.shares_prefill` prefilled by one forward (:class:`SharedPrefill`) per head
     layout and attention pass (:func:`~kvbench.engine.cache.prefill_key`: one for those the backend attends, one
-    per setting of a policy that attends itself, whatever their budgets); then the variants decode as rows,
-    ``batch_size`` at a time (:func:`decode_rows`). Each output reports the shared prefill's time divided among the
-    variants that shared it. Outputs equal :meth:`Engine.generate`'s."""
-    return decode_rows(prefill_shared(engines, input_ids, max_new_tokens, stop_token_ids, min_new_tokens), batch_size)
+    per setting of a policy that attends itself, whatever their budgets), the others (chunked, streaming) feeding
+    the prompt's blocks as rows; then the variants decode as rows, ``batch_size`` at a time (:func:`decode_rows`).
+    Each output reports the shared prefill's time divided among the variants that shared it. Outputs equal
+    :meth:`Engine.generate`'s."""
+    rows = prefill_shared(engines, input_ids, max_new_tokens, stop_token_ids, min_new_tokens, batch_size)
+    return decode_rows(rows, batch_size)
 
 
 def prefill_shared(
-    engines: list[Engine], input_ids: list[int], max_new_tokens: int, stop_token_ids=(), min_new_tokens: int = 0
+    engines: list[Engine],
+    input_ids: list[int],
+    max_new_tokens: int,
+    stop_token_ids=(),
+    min_new_tokens: int = 0,
+    batch_size: int = 1,
 ) -> list[Row]:
-    """The prefilled rows of :func:`generate_shared`, one per engine, ready for :func:`decode_rows`."""
+    """The prefilled rows of :func:`generate_shared`, one per engine, ready for :func:`decode_rows`; the variants
+    that do not share a forward (chunked, streaming) feed the prompt's blocks as rows, ``batch_size`` at a time."""
     rows = [
         Row(
             engine,
@@ -291,13 +278,19 @@ def prefill_shared(
         for engine in engines
     ]
     sharing: dict[tuple[bool, str | None], list[Row]] = {}  # prefill_key -> the variants of one forward
-    for row in rows:
+    alone = []  # the variants that feed their prompt in blocks (chunked, streaming): in lockstep, as rows
+    for index, row in enumerate(rows):
         if row.engine.shares_prefill(row.cache):
             sharing.setdefault(prefill_key(row.cache.policy), []).append(row)
         else:
-            start = row.engine._now()
-            row.logits = row.engine.prefill(row.cache, input_ids)[0, -1]
-            row.prefill_seconds = row.engine._now() - start
+            alone.append(index)
+    for indices in lockstep_groups(engines, alone, batch_size):
+        lockstep = [rows[index] for index in indices]
+        start = engines[indices[0]]._now()
+        logits = prefill_rows([row.engine for row in lockstep], [row.cache for row in lockstep], input_ids)
+        seconds = (engines[indices[0]]._now() - start) / len(lockstep)
+        for row, last in zip(lockstep, logits):
+            row.logits, row.prefill_seconds = last[-1], seconds
     for group in sharing.values():
         lead = group[0].engine
         start = lead._now()
@@ -384,23 +377,109 @@ def decode_rows(rows: list[Row], batch_size: int) -> list[GenerationOutput]:
 
 
 def step_rows(stepping: list[tuple[Row, int]]) -> torch.Tensor:
-    """One forward of each row's next token at its position (the prompt's length plus what it generated before)
-    through a :class:`RowBatch` of the rows' caches; returns the logits ``[N,V]``."""
-    lead = stepping[0][0].engine
-    positions = [row.prompt_tokens + len(row.generated) - 1 for row, _ in stepping]
-    for (row, _), position in zip(stepping, positions):
-        where = torch.arange(position, position + 1, device=lead.device)
-        row.cache.begin_forward(where, evict=row.engine.decode_evict, decoding=True)
-    batch = RowBatch([row.cache for row, _ in stepping])
+    """One forward of each row's next token at its position (the prompt's length plus what it generated before),
+    evicting as its engine decodes; returns the logits ``[N,V]``."""
+    rows = [row for row, _ in stepping]
+    positions = [row.prompt_tokens + len(row.generated) - 1 for row in rows]
+    evicts = [row.engine.decode_evict for row in rows]
+    logits = forward_rows(rows[0].engine, [row.cache for row in rows], [[t] for _, t in stepping], positions, evicts)
+    return logits[:, -1]
+
+
+def forward_rows(
+    lead: Engine,
+    caches: list[EvictionCache],
+    token_ids: list[list[int]],
+    starts: list[int],
+    evicts: list[bool],
+    all_logits: bool = False,
+) -> torch.Tensor:
+    """One forward of ``lead``'s model over rows of as many tokens each, row ``r``'s ``token_ids[r]`` at positions
+    ``starts[r]..`` into ``caches[r]``, which evicts after it if ``evicts[r]``: through a :class:`RowBatch`, each
+    cache as :meth:`Engine.step` feeds it alone. Returns the logits ``[N,q|1,V]``."""
+    length = len(token_ids[0])
+    positions = torch.tensor([[start + offset for offset in range(length)] for start in starts], device=lead.device)
+    for cache, where, evict in zip(caches, positions, evicts):
+        cache.begin_forward(where, evict=evict, decoding=int(where[0]) >= cache.prompt_len)
+    batch = RowBatch(caches)
     output = lead.model(
-        input_ids=torch.tensor([[token] for _, token in stepping], device=lead.device),
-        position_ids=torch.tensor([[position] for position in positions], device=lead.device),
+        input_ids=torch.tensor(token_ids, device=lead.device),
+        position_ids=positions,
         use_cache=True,
-        logits_to_keep=1,
+        logits_to_keep=0 if all_logits else 1,
         kvbench_cache=batch,
         **{lead.cache_argument: batch},
     )
-    return output.logits[:, -1]
+    return output.logits
+
+
+def prefill_rows(engines: list[Engine], caches: list[EvictionCache], input_ids: list[int]) -> torch.Tensor:
+    """:meth:`Engine.prefill` of one prompt into each of ``caches``, the engines of one regime and block size feeding
+    each block to every row in one forward (each cache evicting after it as alone); the last logits ``[N,1,V]``."""
+    block = engines[0].block_size or len(input_ids)
+    count = len(caches)
+    for begin in range(0, len(input_ids), block):
+        ids = input_ids[begin : begin + block]
+        logits = forward_rows(engines[0], caches, [ids] * count, [begin] * count, [True] * count)
+    return logits
+
+
+def lockstep_groups(engines: Sequence[Engine], indices: Sequence[int], batch_size: int) -> list[list[int]]:
+    """``indices`` of ``engines`` in groups that can feed one text in lockstep: one regime and block size, at most
+    ``batch_size`` rows."""
+    by_block: dict[tuple[str, int | None], list[int]] = {}
+    for index in indices:
+        by_block.setdefault((engines[index].regime, engines[index].block_size), []).append(index)
+    return [
+        group[begin : begin + batch_size] for group in by_block.values() for begin in range(0, len(group), batch_size)
+    ]
+
+
+@torch.inference_mode()
+def perplexity_rows(
+    engines: list[Engine], input_ids: list[int], context_tokens: int = 0, batch_size: int = 1
+) -> list[PerplexityOutput]:
+    """:meth:`Engine.perplexity` of each engine on one text, up to ``batch_size`` engines of one regime and block
+    size feeding it together (:func:`forward_rows`: each block one forward for all their rows). Outputs in the order
+    of ``engines``, each reporting its share of the forwards."""
+    outputs: list[PerplexityOutput | None] = [None] * len(engines)
+    for group in lockstep_groups(engines, range(len(engines)), batch_size):
+        for index, output in zip(group, _perplexity_together([engines[i] for i in group], input_ids, context_tokens)):
+            outputs[index] = output
+    return [output for output in outputs if output is not None]
+
+
+def _perplexity_together(engines: list[Engine], input_ids: list[int], context_tokens: int) -> list[PerplexityOutput]:
+    """:func:`perplexity_rows` of engines of one regime and block size, all together."""
+    lead, count = engines[0], len(engines)
+    caches = [engine.new_cache(max(context_tokens, 1) if context_tokens else len(input_ids)) for engine in engines]
+    context_tokens = max(context_tokens, 1)
+    start = lead._now()
+    logits = prefill_rows(engines, caches, input_ids[:context_tokens])
+    prefill_seconds = (lead._now() - start) / count
+    after_prefill = [cache.tokens_per_layer() for cache in caches]
+    start = lead._now()
+    nlls: list[list[torch.Tensor]] = [[] for _ in engines]
+    step = lead.block_size if lead.regime == "chunked" else 1
+    assert step is not None  # the chunked regime always has a block size
+    targets = torch.tensor(input_ids, device=lead.device)
+    evicts = [engine.decode_evict for engine in engines]
+    for begin in range(context_tokens, len(input_ids), step):
+        block = input_ids[begin : begin + step]
+        for row in range(count):
+            nlls[row].append(Engine._nll(logits[row, -1:], targets[begin : begin + 1]))
+        if len(block) == 1 and begin == len(input_ids) - 1:
+            break
+        logits = forward_rows(lead, caches, [block] * count, [begin] * count, evicts, all_logits=len(block) > 1)
+        for row in range(count):
+            nlls[row].append(Engine._nll(logits[row, :-1], targets[begin + 1 : begin + len(block)]))
+    decode_seconds = (lead._now() - start) / count
+    outputs = []
+    for engine, cache, sizes, values in zip(engines, caches, after_prefill, nlls):
+        kv = engine._cache_sizes(cache, sizes, len(input_ids))
+        nll = torch.cat(values).tolist() if values else []
+        outputs.append(PerplexityOutput(nll, prefill_seconds, decode_seconds, kv, cache.policy_stats()))
+    return outputs
 
 
 def free_memory(device: torch.device) -> int:
