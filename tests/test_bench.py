@@ -216,6 +216,7 @@ def test_grid_is_separate_processes_over_one_grouped_sweep(bench):
     ratio = rows["rows_tokens_per_second"] / rows["one_row_tokens_per_second"]
     assert rows["speed_ratio"] == pytest.approx(ratio)
     assert results["targets"]["rows_decode_speed_ratio"]["value"] == rows["speed_ratio"]
+    assert rows["memory"]["peak_rss_delta_bytes"] >= 0 and rows["memory"]["rows_cache_peak_bytes"] > 0
 
 
 def test_kvpress_agrees_with_kvbench_snapkv(tmp_path):

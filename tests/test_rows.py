@@ -182,3 +182,31 @@ def test_variants_streaming_a_text_as_rows_give_the_nlls_of_each_alone(architect
         assert len(other.nlls) == len(one.nlls) == len(text) - 40, label
         assert max(abs(a - b) / max(1.0, abs(a)) for a, b in zip(one.nlls, other.nlls)) <= 1e-5, label
         assert (other.kv, other.policy_stats) == (one.kv, one.policy_stats), label
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_free_memory_keeps_within_the_memory_cgroup(tmp_path, monkeypatch, version):
+    """On the host, ``auto``'s free memory is the available memory, or less where the process's memory cgroup (a
+    Slurm job's, a container's) admits less: the tightest limit less usage over its cgroup and those above it."""
+    import torch
+
+    from kvbench.engine import memory
+
+    mount = tmp_path if version == "v2" else tmp_path / "memory"
+    limit, usage = memory.V2_FILES if version == "v2" else memory.V1_FILES
+    job = mount / "slurm" / "job_7"
+    job.mkdir(parents=True)
+    (mount / "slurm" / limit).write_text("3000000000\n")  # the parent's limit: 3 GB, 1 GB used
+    (mount / "slurm" / usage).write_text("1000000000\n")
+    (job / limit).write_text("max\n" if version == "v2" else f"{memory.NO_LIMIT * 4}\n")  # no limit of its own
+    (job / usage).write_text("500000000\n")
+    line = "0::/slurm/job_7" if version == "v2" else "4:memory:/slurm/job_7"
+    (tmp_path / "cgroup").write_text(f"9:name=systemd:/\n{line}\n")
+    monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(memory, "PROC_CGROUP", tmp_path / "cgroup")
+    assert memory.cgroup_headroom() == 2_000_000_000
+    assert memory.free_memory(torch.device("cpu")) == min(2_000_000_000, memory.psutil.virtual_memory().available)
+    (job / limit).write_text("700000000\n")  # a tighter limit of its own
+    assert memory.cgroup_headroom() == 200_000_000
+    monkeypatch.setattr(memory, "PROC_CGROUP", tmp_path / "absent")
+    assert memory.cgroup_headroom() is None

@@ -251,13 +251,14 @@ def markdown(results: dict[str, Any]) -> str:
         decoding = grid["rows"]
         lines += ["", f"decode tokens/s, {decoding['policy']}, {decoding['new_tokens']} tokens per row:", ""]
         lines += _table(
-            ["one row at a time", f"{decoding['rows']} rows together", "speed ratio", "same tokens"],
+            ["one row at a time", f"{decoding['rows']} rows together", "speed ratio", "same tokens", "batch peak MiB"],
             [
                 [
                     f"{decoding['one_row_tokens_per_second']:.1f}",
                     f"{decoding['rows_tokens_per_second']:.1f}",
                     f"{decoding['speed_ratio']:.2f}",
                     decoding["tokens_equal"],
+                    _mib(decoding["memory"]["peak_rss_delta_bytes"]),
                 ]
             ],
         )

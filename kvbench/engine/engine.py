@@ -18,12 +18,12 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import psutil
 import torch
 
 from kvbench.domains import FLAG, Domain, choice, integer, is_int, optional
 from kvbench.engine import attention
 from kvbench.engine.cache import CacheSizes, EvictionCache, RowBatch, SharedPrefill, prefill_key
+from kvbench.engine.memory import free_memory
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies.base import Full, Policy
 from kvbench.policies.budgets import Budget
@@ -480,13 +480,6 @@ def _perplexity_together(engines: list[Engine], input_ids: list[int], context_to
         nll = torch.cat(values).tolist() if values else []
         outputs.append(PerplexityOutput(nll, prefill_seconds, decode_seconds, kv, cache.policy_stats()))
     return outputs
-
-
-def free_memory(device: torch.device) -> int:
-    """Bytes free for new tensors on ``device``: the accelerator's free memory, or the host's available memory."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return psutil.virtual_memory().available
 
 
 def batch_rows(setting: int | str, engines: Sequence[Engine], prompt_tokens: int, new_tokens: int) -> int:
