@@ -111,7 +111,8 @@ def decode_rows_speed(bench: Bench) -> dict[str, Any]:
     """Decode tokens/s of ``bench.grid.rows`` rows decoding together (:func:`decode_rows`: ``rows_policy`` at the
     first budget, on prompts of the section's length starting at different essay offsets) over the same rows decoded
     one at a time, each ``bench.grid.new_tokens`` tokens (no stop token); medians over the repetitions, and the
-    tokens equal; the peak RSS of decoding the batch (its rows prefilled before) beside the rows' cache bytes."""
+    tokens equal; the peak RSS of the batch (its rows prefilled one by one, then decoded together) beside the rows'
+    cache bytes."""
     section = bench.bench.grid
     count, new_tokens, length = int(section.rows), int(section.new_tokens), int(section.context_length)
     engine = bench.engine(str(section.rows_policy), budget=str(section.budgets[0]))
@@ -127,9 +128,8 @@ def decode_rows_speed(bench: Bench) -> dict[str, Any]:
             tokens[kind] = [output.token_ids for output in outputs]
     one, together = statistics.median(seconds["one_row"]), statistics.median(seconds["rows"])
     generated = sum(len(ids) for ids in tokens["rows"])
-    rows = [engine.prefilled_row(prompt, new_tokens) for prompt in prompts]
-    with bench.memory.track() as memory:  # the batch's peak beside its prefilled caches
-        outputs = decode_rows(rows, count)
+    with bench.memory.track() as memory:  # the batch's peak: its rows prefilled one by one, then decoded together
+        outputs = decode_rows([engine.prefilled_row(prompt, new_tokens) for prompt in prompts], count)
     return {
         "rows": count,
         "new_tokens": new_tokens,
