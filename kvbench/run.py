@@ -7,7 +7,8 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import mean
@@ -24,7 +25,7 @@ from kvbench.engine.engine import (
     PerplexityOutput,
     Row,
     batch_rows,
-    decode_rows,
+    finished_rows,
     perplexity_rows,
     prefill_shared,
 )
@@ -126,21 +127,46 @@ def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) 
 
 def run_samples(
     engine: Engine, task: Task, samples: list[Sample], loaded: LoadedModel, batch_size: int
-) -> list[tuple[dict[str, Any], Any]]:
-    """:func:`run_sample` of each of ``samples``, the generated ones prefilled one by one and decoded together,
-    ``batch_size`` rows at a time (:func:`~kvbench.engine.engine.decode_rows`; perplexity samples one by one)."""
+) -> Iterator[tuple[Sample, tuple[dict[str, Any], Any]]]:
+    """:func:`run_sample` of each of ``samples``, in their order as each finishes: the generated ones prefilled one
+    by one and decoded together, ``batch_size`` rows at a time (:func:`~kvbench.engine.engine.finished_rows`;
+    perplexity samples one by one)."""
     if len(samples) == 1 or any(sample.mode == "perplexity" for sample in samples):
-        return [run_sample(engine, task, sample, loaded) for sample in samples]
+        for sample in samples:
+            yield sample, run_sample(engine, task, sample, loaded)
+        return
     rows = [
         engine.prefilled_row(sample.input_ids, sample.max_new_tokens, stop_ids(sample, loaded), sample.min_new_tokens)
         for sample in samples
     ]
-    outputs = decode_rows(rows, batch_size)
-    return [(record_of(task, sample, output, loaded), output) for sample, output in zip(samples, outputs)]
+    positions = list(range(len(samples)))
+    for position, finished in in_sample_order(finished_rows(rows, batch_size), positions, len(samples)):
+        ((_, output),) = finished
+        yield samples[position], (record_of(task, samples[position], output, loaded), output)
+
+
+def in_sample_order(
+    finished: Iterable[tuple[int, Any]], sample_of: list[int], samples: int
+) -> Iterator[tuple[int, list[tuple[int, Any]]]]:
+    """Rows' outputs ``(row, output)``, finishing in any order, grouped by sample: ``(sample position, its rows'
+    outputs)`` for each of ``samples`` positions in order, once all its rows (``sample_of[row]`` is a row's sample
+    position; a sample without rows has none) have finished."""
+    remaining = Counter(sample_of)
+    outputs: dict[int, list[tuple[int, Any]]] = {}
+    position = 0
+    for row, output in finished:
+        outputs.setdefault(sample_of[row], []).append((row, output))
+        remaining[sample_of[row]] -= 1
+        while position < samples and remaining[position] == 0:
+            yield position, outputs.pop(position, [])
+            position += 1
+    for left in range(position, samples):
+        yield left, outputs.pop(left, [])
 
 
 def samples_batch(cfg: DictConfig, engines: Sequence[Engine], samples: Sequence[Sample]) -> int:
-    """The rows decoding together (``engine.batch_size``; ``auto`` sized for the longest prompt and answer)."""
+    """The rows decoding together (``engine.batch_size``: :func:`~kvbench.engine.engine.batch_rows`, for the longest
+    prompt and answer of ``samples``)."""
     longest = max((len(sample.input_ids) for sample in samples), default=1)
     answer = max((sample.max_new_tokens for sample in samples), default=0)
     return batch_rows(cfg.engine.batch_size, engines, longest, answer)
@@ -293,9 +319,7 @@ def run_locked(job: Job, run_dir: RunDir, shared: Shared) -> dict[str, Any]:
         return opened
     batch = samples_batch(job.cfg, [opened.engine], opened.pending)
     for chunk in chunks(opened.pending, batch):
-        for sample, (record, output) in zip(
-            chunk, run_samples(opened.engine, opened.task, chunk, opened.loaded, batch)
-        ):
+        for sample, (record, output) in run_samples(opened.engine, opened.task, chunk, opened.loaded, batch):
             opened.write(sample, record, output)
     return opened.finish()
 
@@ -413,8 +437,9 @@ def run_group(
 def run_shared(opened: dict[int, OpenRun], samples: list[Sample], outcomes: list[Any], logs: list[Path]) -> None:
     """The ``samples`` of the ``opened`` runs of a group, each prefilled once for every run that lacks it
     (:func:`~kvbench.engine.engine.prefill_shared`), the (sample, run) rows of as many samples as ``engine.batch_size``
-    holds decoding together (:func:`~kvbench.engine.engine.decode_rows`); a run whose sample fails is logged and
-    dropped (its outcome the error), the others go on."""
+    holds decoding together, each sample's records written once its rows have finished, in sample order
+    (:func:`decode_shared`); a run whose sample fails is logged and dropped (its outcome the error), the others go
+    on."""
     first = next(iter(opened.values()))
     pending = {index: {sample.id for sample in run.pending} for index, run in opened.items()}
     todo = [sample for sample in samples if any(sample.id in ids for ids in pending.values())]
@@ -426,56 +451,72 @@ def run_shared(opened: dict[int, OpenRun], samples: list[Sample], outcomes: list
             }
             for sample in chunk
         }
-        results = decode_shared(chunk, lacking, first.loaded, batch)
+        written: set[str] = set()
+        try:
+            for sample, results in decode_shared(chunk, lacking, first.loaded, batch):
+                write_sample(sample, lacking[sample.id], results, outcomes, logs)
+                written.add(sample.id)
+        except Exception:  # one variant failed the shared pass: each runs the rest of the chunk alone, failing alone
+            log.debug("shared pass failed; the chunk's other samples run alone", exc_info=True)
         for sample in chunk:
-            for index, run in lacking[sample.id].items():
-                if outcomes[index] is not None:  # failed on an earlier sample of the chunk
-                    continue
-                if (index, sample.id) not in results:
-                    with job_log(logs[index]), failure(outcomes, index):
-                        results[index, sample.id] = run_sample(run.engine, run.task, sample, run.loaded)
-                if (index, sample.id) in results:
-                    record, output = results[index, sample.id]
-                    with job_log(logs[index]), failure(outcomes, index):
-                        opened[index].write(sample, record, output)
+            if sample.id not in written:
+                write_sample(sample, lacking[sample.id], {}, outcomes, logs)
     for index, run in opened.items():
         if outcomes[index] is None:
             with job_log(logs[index]), failure(outcomes, index):
                 outcomes[index] = run.finish()
 
 
+def write_sample(
+    sample: Sample,
+    runs: dict[int, OpenRun],
+    results: dict[int, tuple[dict[str, Any], Any]],
+    outcomes: list[Any],
+    logs: list[Path],
+) -> None:
+    """Each of ``runs``' record of ``sample`` (from ``results``, else the run runs it alone), written to its run
+    directory; a run that fails here is logged and dropped."""
+    for index, run in runs.items():
+        if outcomes[index] is not None:  # failed on an earlier sample
+            continue
+        with job_log(logs[index]), failure(outcomes, index):
+            record, output = (
+                results[index] if index in results else run_sample(run.engine, run.task, sample, run.loaded)
+            )
+            run.write(sample, record, output)
+
+
 def decode_shared(
     chunk: list[Sample], lacking: dict[str, dict[int, OpenRun]], loaded: LoadedModel, batch_size: int
-) -> dict[tuple[int, str], tuple[dict[str, Any], Any]]:
-    """The records and outputs of the samples of ``chunk`` for the runs that lack each, by (run, sample id): each
-    sample prefilled once for them, all the rows decoded together, ``batch_size`` at a time; a perplexity sample's
-    text streamed by its runs as rows (:func:`~kvbench.engine.engine.perplexity_rows`). None if one variant fails
-    (each then runs the sample alone, failing alone)."""
-    streamed: list[tuple[int, OpenRun, Sample]] = []  # the perplexity rows, in the order of their outputs
-    decoded: list[tuple[int, OpenRun, Sample]] = []  # the generated rows, in the order of ``rows``
-    outputs: list[GenerationOutput | PerplexityOutput] = []
+) -> Iterator[tuple[Sample, dict[int, tuple[dict[str, Any], Any]]]]:
+    """Each sample of ``chunk`` in order with the records and outputs of the runs that lack it, by run, as soon as its
+    rows have finished: each sample prefilled once for its runs, all the chunk's rows decoded together,
+    ``batch_size`` at a time (:func:`~kvbench.engine.engine.finished_rows`); a perplexity sample's text streamed by
+    its runs as rows (:func:`~kvbench.engine.engine.perplexity_rows`)."""
+    results: dict[int, dict[int, tuple[dict[str, Any], Any]]] = {}  # sample position -> run -> (record, output)
     rows: list[Row] = []
-    try:
-        for sample in chunk:
-            runs = lacking[sample.id]
-            engines = [run.engine for run in runs.values()]
-            if not runs:
-                continue
-            if sample.mode == "perplexity":
-                outputs += perplexity_rows(engines, sample.input_ids, sample.context_tokens, batch_size)
-                streamed += [(index, run, sample) for index, run in runs.items()]
-            else:
-                stops = stop_ids(sample, loaded)
-                new, least = sample.max_new_tokens, sample.min_new_tokens
-                rows += prefill_shared(engines, sample.input_ids, new, stops, least, batch_size)
-                decoded += [(index, run, sample) for index, run in runs.items()]
-        outputs += decode_rows(rows, batch_size) if rows else []
-        return {
-            (index, sample.id): (record_of(run.task, sample, output, run.loaded), output)
-            for (index, run, sample), output in zip([*streamed, *decoded], outputs)
-        }
-    except Exception:
-        return {}
+    owners: list[tuple[int, int, OpenRun]] = []  # each row's sample position, run index and run
+    for position, sample in enumerate(chunk):
+        runs = lacking[sample.id]
+        engines = [run.engine for run in runs.values()]
+        if sample.mode == "perplexity" and runs:
+            outputs = perplexity_rows(engines, sample.input_ids, sample.context_tokens, batch_size)
+            results[position] = {
+                index: (record_of(run.task, sample, output, run.loaded), output)
+                for (index, run), output in zip(runs.items(), outputs)
+            }
+        elif runs:
+            stops = stop_ids(sample, loaded)
+            new, least = sample.max_new_tokens, sample.min_new_tokens
+            rows += prefill_shared(engines, sample.input_ids, new, stops, least, batch_size)
+            owners += [(position, index, run) for index, run in runs.items()]
+    sample_of = [position for position, _, _ in owners]
+    for position, finished in in_sample_order(finished_rows(rows, batch_size), sample_of, len(chunk)):
+        sample = chunk[position]
+        for row, output in finished:
+            _, index, run = owners[row]
+            results.setdefault(position, {})[index] = (record_of(run.task, sample, output, run.loaded), output)
+        yield sample, results.pop(position, {})
 
 
 @contextlib.contextmanager

@@ -210,3 +210,23 @@ def test_free_memory_keeps_within_the_memory_cgroup(tmp_path, monkeypatch, versi
     assert memory.cgroup_headroom() == 200_000_000
     monkeypatch.setattr(memory, "PROC_CGROUP", tmp_path / "absent")
     assert memory.cgroup_headroom() is None
+
+
+def test_samples_are_given_in_order_as_soon_as_their_rows_finish():
+    """A chunk's samples come in their order, each once all its rows have finished, whatever order rows finish in: a
+    grouped run writes a sample's records as soon as it can without reordering its predictions."""
+    from kvbench.run import in_sample_order
+
+    seen: list[str] = []
+
+    def finishing():
+        for row, output in ((2, "c"), (0, "a"), (3, "d"), (1, "b")):
+            seen.append(output)
+            yield row, output
+
+    given = []
+    for position, outputs in in_sample_order(finishing(), [0, 0, 1, 2], 4):
+        given.append((position, outputs, len(seen)))
+    assert given == [(0, [(0, "a"), (1, "b")], 4), (1, [(2, "c")], 4), (2, [(3, "d")], 4), (3, [], 4)]
+    early = list(in_sample_order(iter([(0, "a"), (1, "b")]), [0, 1], 3))
+    assert early == [(0, [(0, "a")]), (1, [(1, "b")]), (2, [])]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +30,8 @@ from kvbench.policies.budgets import Budget
 
 REGIMES = ["oneshot", "chunked", "streaming"]
 #: ``engine.batch_size=auto``: the rows' caches take at most this share of the free memory, and at most
-#: ``AUTO_MAX_ROWS`` rows decode together
+#: ``AUTO_MAX_ROWS`` rows decode together (:func:`batch_rows`; more rows held at once, of several samples of a group,
+#: were slower here: 51 s against 45 s for the 18-job grid of the README)
 AUTO_MEMORY_SHARE = 0.5
 AUTO_MAX_ROWS = 32
 
@@ -337,43 +338,59 @@ class Row:
 
 @torch.inference_mode()
 def decode_rows(rows: list[Row], batch_size: int) -> list[GenerationOutput]:
+    """:func:`finished_rows`' outputs in the order of ``rows``; one row at a time gives :meth:`Engine.generate`'s."""
+    return [output for _, output in sorted(finished_rows(rows, batch_size), key=lambda finished: finished[0])]
+
+
+def finished_rows(rows: list[Row], batch_size: int) -> Iterator[tuple[int, GenerationOutput]]:
     """Greedy decoding of ``rows`` (one model), up to ``batch_size`` at a time: every step feeds each active row's
     token at its own position through one forward of the model over a :class:`RowBatch`, where each row's cache
-    attends, scores and evicts as alone (its engine's ``decode_evict``); a finished row leaves the batch and the
-    next waiting row takes its place. Each row is charged its share of the steps it was in. Outputs in the order of
-    ``rows``; one row at a time gives :meth:`Engine.generate`'s."""
+    attends, scores and evicts as alone (its engine's ``decode_evict``); a finished row leaves the batch, is yielded
+    as ``(its index in rows, its output)``, and the next waiting row takes its place. Each row is charged its share of
+    the steps it was in."""
     after_prefill = [row.cache.tokens_per_layer() for row in rows]
     kept = [
         [positions[0].tolist() for positions in row.cache.kept_positions()] if row.engine.record_kept else None
         for row in rows
     ]
-    waiting, active = deque(rows), list[Row]()
-    lead = rows[0].engine
-    while waiting or active:
-        start = lead._now()
-        stepping = [(row, token) for row in active if (token := row.next_token()) is not None]
-        while waiting and len(stepping) < batch_size:  # waiting rows take the places of finished ones
-            row = waiting.popleft()
-            if (token := row.next_token()) is not None:
-                stepping.append((row, token))
-        if stepping:
-            logits = step_rows(stepping)  # [N,V]
-            for index, (row, _) in enumerate(stepping):
-                row.logits = logits[index]
-        active = [row for row, _ in stepping]
-        share = (lead._now() - start) / max(len(stepping), 1)
-        for row, _ in stepping:
-            row.decode_seconds += share
-    outputs = []
-    for row, sizes, positions in zip(rows, after_prefill, kept):
-        kv = row.engine._cache_sizes(row.cache, sizes, row.prompt_tokens + len(row.generated))
+
+    def output(index: int) -> tuple[int, GenerationOutput]:
+        row = rows[index]
+        kv = row.engine._cache_sizes(row.cache, after_prefill[index], row.prompt_tokens + len(row.generated))
         stats = row.cache.policy_stats()
-        output = GenerationOutput(
-            row.generated, row.prompt_tokens, row.prefill_seconds, row.decode_seconds, kv, stats, positions
+        finished = GenerationOutput(
+            row.generated, row.prompt_tokens, row.prefill_seconds, row.decode_seconds, kv, stats, kept[index]
         )
-        output.prefill_shared_by = row.prefill_shared_by
-        outputs.append(output)
-    return outputs
+        finished.prefill_shared_by = row.prefill_shared_by
+        return index, finished
+
+    waiting, active = deque(range(len(rows))), list[int]()
+    lead = rows[0].engine if rows else None
+    while lead is not None and (waiting or active):
+        start = lead._now()
+        stepping: list[tuple[int, int]] = []  # (row index, its next token)
+        done: list[int] = []
+        for index in active:
+            if (token := rows[index].next_token()) is None:
+                done.append(index)
+            else:
+                stepping.append((index, token))
+        while waiting and len(stepping) < batch_size:  # waiting rows take the places of finished ones
+            index = waiting.popleft()
+            if (token := rows[index].next_token()) is None:
+                done.append(index)
+            else:
+                stepping.append((index, token))
+        if stepping:
+            logits = step_rows([(rows[index], token) for index, token in stepping])  # [N,V]
+            for place, (index, _) in enumerate(stepping):
+                rows[index].logits = logits[place]
+        active = [index for index, _ in stepping]
+        share = (lead._now() - start) / max(len(stepping), 1)
+        for index in active:
+            rows[index].decode_seconds += share
+        for index in done:
+            yield output(index)
 
 
 def step_rows(stepping: list[tuple[Row, int]]) -> torch.Tensor:
