@@ -6,6 +6,7 @@
     kvbench policies                                                          # every policy and its parameters
     kvbench prepare task=ruler task.context_length=4096 output_dir=DIR       # write the generated samples
     kvbench table RUN_DIR... [--layout L] [--format F] [--output-dir DIR]    # benchmark-layout tables
+    kvbench leaderboard RUN_DIR... [--format F] [--output-dir DIR]          # means with 95 % intervals, paired
     kvbench compare-paper caote:table2 RUN_DIR... [--output-dir DIR]           # a paper's table beside ours
     kvbench plot RUN_DIR... --kind heatmap|budget|ppl|all [--output-dir DIR]   # NIAH heatmaps, curves
     kvbench bench [overrides]                                                 # overhead, latency, memory (JSON)
@@ -182,6 +183,12 @@ def command_bench(args: list[str]) -> None:
     print(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
 
 
+def command_leaderboard(args: list[str]) -> None:
+    from kvbench.results.leaderboard import main as leaderboard_main
+
+    leaderboard_main(args)
+
+
 def command_compare_paper(args: list[str]) -> None:
     from kvbench.results.compare import main as compare_main
 
@@ -200,6 +207,7 @@ COMMANDS = {
     "policies": command_policies,
     "prepare": command_prepare,
     "table": command_table,
+    "leaderboard": command_leaderboard,
     "compare-paper": command_compare_paper,
     "plot": command_plot,
     "bench": command_bench,

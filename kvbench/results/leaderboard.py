@@ -1,0 +1,118 @@
+"""``kvbench leaderboard``: every method's score per task and budget with its 95 % bootstrap interval over samples, and
+each modifier against its base on the same samples (a paired bootstrap), so a table says where a difference is real.
+
+A cell is one (model, task, subtask, context, regime, policy, budget): the mean of its samples' scores (×100, as the
+tables show them) and its interval (:func:`~kvbench.results.intervals.bootstrap_mean`). A comparison pairs a
+``base+modifier`` run with the ``base`` run of the same cell key and budget, over the sample ids both scored
+(:func:`~kvbench.results.intervals.paired_difference`).
+
+    kvbench leaderboard results/leaderboard [--format markdown|csv|latex] [--output-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+
+from kvbench.errors import KVBenchError, choose
+from kvbench.results.intervals import bootstrap_mean, paired_difference
+from kvbench.results.table import FORMATS, Run, render, sort_rows, write_tables
+from kvbench.rundir import scan_run_dirs
+
+#: what makes two runs' samples comparable, beside the budget
+CELL = ["model", "task", "subtask", "context", "regime"]
+
+
+def sample_scores(run: Run) -> dict[str, dict[str, float]]:
+    """The run's per-sample scores ×100 by subtask (the task's name where records have none): ``{subtask: {sample id:
+    score}}``, from each record's numeric ``score``."""
+    scores: dict[str, dict[str, float]] = {}
+    for record in run.records:
+        score = record.get("score")
+        if isinstance(score, int | float) and not isinstance(score, bool):
+            scores.setdefault(record.get("subtask") or run.task, {})[str(record["id"])] = 100.0 * float(score)
+    return scores
+
+
+def cells(runs: list[Run]) -> tuple[pd.DataFrame, dict[tuple, dict[str, float]]]:
+    """One row per cell: its key, policy, budget, n, mean and interval; and each cell's scores by sample id."""
+    rows, scores = [], {}
+    for run in runs:
+        identity = run.identity()
+        for subtask, by_id in sample_scores(run).items():
+            key = (identity["model"], run.task, subtask, run.context, identity["regime"])
+            interval = bootstrap_mean(list(by_id.values()))
+            policy, budget = identity["policy"], identity["budget"]
+            scores[(*key, policy, budget)] = by_id
+            rows.append(
+                {
+                    **dict(zip(CELL, key)),
+                    "policy": policy,
+                    "budget": budget,
+                    "n": interval.n,
+                    "mean": interval.mean,
+                    "low": interval.low,
+                    "high": interval.high,
+                }
+            )
+    return pd.DataFrame(rows, columns=[*CELL, "policy", "budget", "n", "mean", "low", "high"]), scores
+
+
+def comparisons(scores: dict[tuple, dict[str, float]]) -> pd.DataFrame:
+    """Each ``base+modifier`` cell against its ``base`` cell at the same budget: the paired difference of their scores
+    over the samples both scored, its interval, and whether the interval excludes zero."""
+    rows = []
+    for (*key, policy, budget), treated in scores.items():
+        base = str(policy).split("+")[0]
+        control = scores.get((*key, base, budget))
+        if base == policy or control is None:
+            continue
+        difference = paired_difference(treated, control)
+        rows.append(
+            {
+                **dict(zip(CELL, key)),
+                "policy": policy,
+                "base": base,
+                "budget": budget,
+                "n": difference.n,
+                "difference": difference.mean,
+                "low": difference.low,
+                "high": difference.high,
+                "differs": difference.excludes_zero,
+            }
+        )
+    columns = [*CELL, "policy", "base", "budget", "n", "difference", "low", "high", "differs"]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def leaderboard_tables(runs: list[Run]) -> dict[str, pd.DataFrame]:
+    """``leaderboard_cells`` and ``leaderboard_paired`` (see :func:`cells`, :func:`comparisons`), by task and subtask,
+    then in the papers' order."""
+    table, scores = cells(runs)
+    if table.empty:
+        return {}
+    tables = {"leaderboard_cells": table, "leaderboard_paired": comparisons(scores)}
+    return {name: sort_rows(frame).sort_values(["task", "subtask"], kind="stable") for name, frame in tables.items()}
+
+
+def main(args: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="kvbench leaderboard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("run_dirs", nargs="+", help="run directories, or folders holding them (a sweep directory)")
+    parser.add_argument("--format", default="markdown", help="markdown (default), csv, latex")
+    parser.add_argument("--output-dir", type=Path, help="also write each table to DIR/<table>.<md|csv|tex>")
+    options = parser.parse_args(args)
+    choose("format", options.format, FORMATS)
+    finished, _ = scan_run_dirs(options.run_dirs)
+    tables = leaderboard_tables([Run(run_dir) for run_dir in finished])
+    if not tables:
+        raise KVBenchError(f"no finished run with per-sample scores under {' '.join(map(str, options.run_dirs))}")
+    rendered = {name: render(table, options.format) for name, table in tables.items()}
+    for name, text in rendered.items():
+        print(f"\n### {name}\n\n{text.rstrip()}" if options.format == "markdown" else text.rstrip())
+    if options.output_dir:
+        for path in write_tables(rendered, options.output_dir, options.format):
+            print(f"wrote {path}")

@@ -1,0 +1,94 @@
+"""Bootstrap intervals (:mod:`kvbench.results.intervals`) against a brute-force loop and known cases, and the
+leaderboard built from them (:mod:`kvbench.results.leaderboard`)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvbench.cli import main
+from kvbench.config import compose
+from kvbench.results.intervals import Interval, bootstrap_mean, paired_difference
+from kvbench.results.leaderboard import leaderboard_tables
+from kvbench.results.table import load_runs
+from kvbench.run import run
+from tests.test_groups import TINY
+
+
+def test_the_interval_is_the_quantiles_of_the_resampled_means():
+    """The vectorised resampling equals a loop over the same draws, resample by resample."""
+    values = np.random.default_rng(3).normal(size=37)
+    interval = bootstrap_mean(values, resamples=500, seed=11)
+    draws = np.random.default_rng(11).integers(0, 37, size=(500, 37))
+    means = [sum(values[index] for index in row) / 37 for row in draws]
+    assert interval.low == pytest.approx(np.quantile(means, 0.025), abs=1e-12)
+    assert interval.high == pytest.approx(np.quantile(means, 0.975), abs=1e-12)
+    assert interval.mean == pytest.approx(values.mean()) and interval.n == 37
+    assert bootstrap_mean(values, resamples=500, seed=11) == interval  # the same seed, the same interval
+
+
+def test_the_interval_has_the_width_of_the_normal_one_for_many_samples():
+    """For 400 normal samples the 95 % interval is mean ± 1.96 σ/√n to within a few percent."""
+    values = np.random.default_rng(5).normal(loc=2.0, scale=3.0, size=400)
+    interval = bootstrap_mean(values)
+    half = 1.96 * values.std() / np.sqrt(values.size)
+    assert (interval.high - interval.low) / 2 == pytest.approx(half, rel=0.05)
+    assert interval.low < values.mean() < interval.high
+
+
+def test_constant_scores_have_no_spread_and_a_paired_shift_is_exact():
+    """Identical scores give a zero-width interval; a method that scores every sample 1 higher differs by exactly
+    1; only the samples both methods scored are paired."""
+    assert bootstrap_mean([0.5] * 10) == Interval(0.5, 0.5, 0.5, 10)
+    base = {f"s{i}": float(i % 3) for i in range(50)}
+    shifted = {key: value + 1.0 for key, value in base.items()}
+    difference = paired_difference({**shifted, "extra": 9.0}, base)
+    assert difference == Interval(1.0, 1.0, 1.0, 50) and difference.excludes_zero
+    same = paired_difference(base, base)
+    assert same == Interval(0.0, 0.0, 0.0, 50) and not same.excludes_zero
+
+
+def test_pairing_sees_a_difference_that_unpaired_intervals_overlap():
+    """Scores that vary a lot between samples but move together: the two cells' intervals overlap, the paired
+    difference excludes zero (why the leaderboard compares a modifier with its base sample by sample)."""
+    rng = np.random.default_rng(7)
+    hardness = rng.normal(scale=10.0, size=100)
+    base = {f"s{i}": float(h) for i, h in enumerate(hardness)}
+    better = {key: value + 1.0 + rng.normal(scale=0.5) for key, value in base.items()}
+    one, other = bootstrap_mean(list(base.values())), bootstrap_mean(list(better.values()))
+    assert one.high > other.low  # the unpaired intervals overlap
+    assert paired_difference(better, base).low > 0.5
+
+
+def test_no_samples_is_an_error():
+    with pytest.raises(ValueError):
+        bootstrap_mean([])
+    with pytest.raises(ValueError):
+        paired_difference({"a": 1.0}, {"b": 1.0})
+
+
+def test_the_leaderboard_gives_each_cell_its_interval_and_each_modifier_its_paired_difference(tmp_path, capsys):
+    """Runs of a base, a modifier of it and the full cache: one cell each with n, the mean of ``metrics.json``'s score
+    and an interval around it; one paired row (the modifier against its base, on the same samples), none for the
+    full cache; the tables written with ``--output-dir``."""
+    for spec in ("snapkv", "snapkv+caote", "full"):
+        run(compose([*TINY, "task.num_samples=4", f"policy={spec}", "budget=64"]), tmp_path / "runs" / spec)
+    main(["leaderboard", str(tmp_path / "runs"), "--output-dir", str(tmp_path / "tables")])
+    printed = capsys.readouterr().out
+    assert "### leaderboard_cells" in printed and "### leaderboard_paired" in printed
+    main(["leaderboard", str(tmp_path / "runs"), "--format", "csv"])
+    assert "policy,budget,n,mean,low,high" in capsys.readouterr().out
+    tables = leaderboard_tables(load_runs([tmp_path / "runs"]))
+    cells, paired = tables["leaderboard_cells"], tables["leaderboard_paired"]
+    assert sorted(cells["policy"]) == ["full", "snapkv", "snapkv+caote"] and set(cells["n"]) == {4}
+    for row in cells.itertuples():
+        metrics = json.loads((tmp_path / "runs" / row.policy / "metrics.json").read_text())
+        assert row.mean == pytest.approx(metrics["scores"][row.subtask]) and row.low <= row.mean <= row.high
+    assert list(paired["policy"]) == ["snapkv+caote"] and list(paired["base"]) == ["snapkv"]
+    assert paired["n"].iloc[0] == 4 and paired["low"].iloc[0] <= paired["difference"].iloc[0] <= paired["high"].iloc[0]
+    assert sorted(path.name for path in (tmp_path / "tables").iterdir()) == [
+        "leaderboard_cells.md",
+        "leaderboard_paired.md",
+    ]
