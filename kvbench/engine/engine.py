@@ -204,9 +204,20 @@ class Engine:
         evict = self.decode_evict if evict is None else evict
         positions = torch.arange(start, start + len(token_ids), device=self.device)
         cache.begin_forward(positions, evict=evict, decoding=start >= cache.prompt_len)
+        return self.forward(cache, torch.tensor([token_ids], device=self.device), positions[None], all_logits)
+
+    def forward(
+        self,
+        cache: EvictionCache | SharedPrefill | RowBatch,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        all_logits: bool,
+    ) -> torch.Tensor:
+        """The model over ``input_ids [N,q]`` at ``positions [N,q]`` through ``cache`` (its forward declared):
+        the logits ``[N,q|1,V]``."""
         output = self.model(
-            input_ids=torch.tensor([token_ids], device=self.device),
-            position_ids=positions[None],
+            input_ids=input_ids,
+            position_ids=positions,
             use_cache=True,
             logits_to_keep=0 if all_logits else 1,
             kvbench_cache=cache,
@@ -418,16 +429,7 @@ def forward_rows(
     positions = torch.tensor([[start + offset for offset in range(length)] for start in starts], device=lead.device)
     for cache, where, evict in zip(caches, positions, evicts):
         cache.begin_forward(where, evict=evict, decoding=int(where[0]) >= cache.prompt_len)
-    batch = RowBatch(caches)
-    output = lead.model(
-        input_ids=torch.tensor(token_ids, device=lead.device),
-        position_ids=positions,
-        use_cache=True,
-        logits_to_keep=0 if all_logits else 1,
-        kvbench_cache=batch,
-        **{lead.cache_argument: batch},
-    )
-    return output.logits
+    return lead.forward(RowBatch(caches), torch.tensor(token_ids, device=lead.device), positions, all_logits)
 
 
 def prefill_rows(engines: list[Engine], caches: list[EvictionCache], input_ids: list[int]) -> torch.Tensor:

@@ -18,8 +18,7 @@ import pandas as pd
 
 from kvbench.errors import KVBenchError, choose
 from kvbench.results.intervals import bootstrap_mean, paired_difference
-from kvbench.results.table import FORMATS, Run, render, sort_rows, write_tables
-from kvbench.rundir import scan_run_dirs
+from kvbench.results.table import FORMATS, Run, load_runs, print_tables, sort_rows
 
 #: what makes two runs' samples comparable, beside the budget
 CELL = ["model", "task", "subtask", "context", "regime"]
@@ -106,13 +105,7 @@ def main(args: list[str]) -> None:
     parser.add_argument("--output-dir", type=Path, help="also write each table to DIR/<table>.<md|csv|tex>")
     options = parser.parse_args(args)
     choose("format", options.format, FORMATS)
-    finished, _ = scan_run_dirs(options.run_dirs)
-    tables = leaderboard_tables([Run(run_dir) for run_dir in finished])
+    tables = leaderboard_tables(load_runs(options.run_dirs))
     if not tables:
         raise KVBenchError(f"no finished run with per-sample scores under {' '.join(map(str, options.run_dirs))}")
-    rendered = {name: render(table, options.format) for name, table in tables.items()}
-    for name, text in rendered.items():
-        print(f"\n### {name}\n\n{text.rstrip()}" if options.format == "markdown" else text.rstrip())
-    if options.output_dir:
-        for path in write_tables(rendered, options.output_dir, options.format):
-            print(f"wrote {path}")
+    print_tables(tables, options.format, options.output_dir)

@@ -436,6 +436,18 @@ TITLES = {
 }
 
 
+def print_tables(tables: dict[str, pd.DataFrame], fmt: str, output_dir: Path | None) -> None:
+    """Print each table rendered in ``fmt`` (Markdown under a heading), and write them to ``output_dir`` if given."""
+    rendered = {name: render(table, fmt) for name, table in tables.items()}
+    for name, text in rendered.items():
+        if fmt == "markdown":
+            print(f"\n### {TITLES.get(name, name)}\n")
+        print(text.rstrip("\n"))
+    if output_dir:
+        for path in write_tables(rendered, output_dir, fmt):
+            print(f"wrote {path}")
+
+
 def main(args: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="kvbench table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -448,14 +460,7 @@ def main(args: list[str]) -> None:
     choose("format", options.format, FORMATS)
     finished, left_out = scan_run_dirs(options.run_dirs)
     tables = benchmark_tables([Run(run_dir) for run_dir in finished], options.layout)
-    rendered = {name: render(table, options.format) for name, table in tables.items()}
-    for name, text in rendered.items():
-        if options.format == "markdown":
-            print(f"\n### {TITLES.get(name, name)}\n")
-        print(text.rstrip("\n"))
-    if options.output_dir:
-        for path in write_tables(rendered, options.output_dir, options.format):
-            print(f"wrote {path}")
+    print_tables(tables, options.format, options.output_dir)
     if left_out:
         print(f"\nnot in the tables: {len(left_out)} run directories")
         for run_dir, reason in left_out:
