@@ -138,7 +138,7 @@ def plan_job(
     tokenizers: dict[str, Any],
     estimator: Estimator | None = None,
     group: int | None = None,
-    prefill_groups: dict[tuple[int, tuple[bool, str | None]], int] | None = None,
+    prefill_groups: dict[tuple[int, bool], int] | None = None,
 ) -> dict[str, Any]:
     """The plan line of one composed job (with ``estimator``, its estimated wall time), in ``group``; with
     ``prefill_groups`` (a sweep sharing its prefills), numbered among the jobs that prefill each sample together."""
@@ -183,9 +183,7 @@ def plan_lines(args: list[str], estimator: Estimator | None = None) -> Iterator[
         print(f"kvbench plan: resolving {len(jobs)} jobs", file=sys.stderr, flush=True)
         groups: dict[str, int] = {}
         sweeper = master.hydra.sweeper
-        prefill_groups: dict[tuple[int, tuple[bool, str | None]], int] | None = (
-            {} if sweeper.get("share_prefill") else None
-        )
+        prefill_groups: dict[tuple[int, bool], int] | None = {} if sweeper.get("share_prefill") else None
         for overrides in jobs:
             try:
                 job = compose_job(config_loader, master, overrides)

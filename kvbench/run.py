@@ -495,7 +495,7 @@ def decode_shared(
     its runs as rows (:func:`~kvbench.engine.engine.perplexity_rows`)."""
     results: dict[int, dict[int, tuple[dict[str, Any], Any]]] = {}  # sample position -> run -> (record, output)
     rows: list[Row] = []
-    owners: list[tuple[int, int, OpenRun]] = []  # each row's sample position, run index and run
+    owners: list[tuple[int, list[tuple[int, OpenRun]]]] = []  # each row's sample position and its runs (twins)
     for position, sample in enumerate(chunk):
         runs = lacking[sample.id]
         engines = [run.engine for run in runs.values()]
@@ -508,15 +508,27 @@ def decode_shared(
         elif runs:
             stops = stop_ids(sample, loaded)
             new, least = sample.max_new_tokens, sample.min_new_tokens
-            rows += prefill_shared(engines, sample.input_ids, new, stops, least, batch_size)
-            owners += [(position, index, run) for index, run in runs.items()]
-    sample_of = [position for position, _, _ in owners]
+            twins: dict[tuple[str, str | None], list[tuple[int, OpenRun]]] = {}
+            for index, run in runs.items():
+                twins.setdefault(twin_key(run.engine), []).append((index, run))
+            computed = [group[0][1].engine for group in twins.values()]
+            rows += prefill_shared(computed, sample.input_ids, new, stops, least, batch_size)
+            owners += [(position, group) for group in twins.values()]
+    sample_of = [position for position, _ in owners]
     for position, finished in in_sample_order(finished_rows(rows, batch_size), sample_of, len(chunk)):
         sample = chunk[position]
         for row, output in finished:
-            _, index, run = owners[row]
-            results.setdefault(position, {})[index] = (record_of(run.task, sample, output, run.loaded), output)
+            for index, run in owners[row][1]:
+                results.setdefault(position, {})[index] = (record_of(run.task, sample, output, run.loaded), output)
         yield sample, results.pop(position, {})
+
+
+def twin_key(engine: Engine) -> tuple[str, str | None]:
+    """The runs of a group (one :func:`group_key`: all settings alike but policy and budget) with the same key compute
+    the same thing, so :func:`decode_shared` computes it once for all of them: the policy's settings and modifiers, and
+    its budget unless it never evicts (``full`` at any budget is one full-cache run)."""
+    policy = engine.policy
+    return repr((policy, policy.modifiers)), engine.budget.spec if policy.evicts else None
 
 
 @contextlib.contextmanager

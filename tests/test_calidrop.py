@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvbench.engine import Engine
+from kvbench.engine.attention import sdpa_attention
 from kvbench.engine.cache import EvictionCache
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy
@@ -103,7 +104,7 @@ def test_calib_size_keeps_the_best_scored_evicted_entries():
         cache = EvictionCache(build_policy("snapkv+calidrop", {"window": 8, **params}), [16], TOKENS, Q_HEADS, KV_HEADS)
         cache.begin_forward(torch.arange(TOKENS), evict=True)
         cache.update(keys, values, 0)
-        cache.after_attention(0, queries, SCALING)
+        cache.after_attention(0, queries, sdpa_attention(queries, keys, values, SCALING), SCALING)
         kept.append(cache.layers[0].modifier_state["calidrop"].store)
     small, everything = kept
     assert small.keys.shape == (1, KV_HEADS, 7, keys.shape[-1]) and len(everything) == TOKENS - 16

@@ -15,7 +15,7 @@ import pytest
 import kvbench.run
 from kvbench.config import compose
 from kvbench.engine import Engine
-from kvbench.engine.cache import normaliser_pass
+from kvbench.engine.cache import sums_key
 from kvbench.engine.engine import generate_shared
 from kvbench.errors import KVBenchError
 from kvbench.policies import BASES, MODIFIERS, build_policy, composable
@@ -126,21 +126,20 @@ def test_plan_numbers_each_jobs_group():
 
 
 def test_plan_counts_a_shared_prefill_once(capsys):
-    """``kvbench plan -m`` of a sweep sharing its prefills: the jobs of a group attended alike (by the backend, or
-    by one setting of H2O's own pass, whatever the budget) share a ``prefill_group``, whose prefill tokens the
-    summary counts once."""
+    """``kvbench plan -m`` of a sweep sharing its prefills: the jobs of a group with one head layout (whatever the
+    policy and budget) share a ``prefill_group``, whose prefill tokens the summary counts once."""
     from kvbench.plan import main
 
-    sweep = ["-m", *TINY[:3], "task.num_samples=1", "policy=h2o,tova,snapkv", "budget=64,96"]
+    sweep = ["-m", *TINY[:3], "task.num_samples=1", "policy=h2o,tova,snapkv", "budget=64,96", "policy.gqa=mean,repeat"]
     main([*sweep, "hydra.sweeper.share_prefill=true"])
     printed = capsys.readouterr()
     lines = [json.loads(line) for line in printed.out.splitlines()]
-    by_policy: dict[str, set[int]] = {}
+    by_layout: dict[str, set[int]] = {}
     for line in lines:
-        by_policy.setdefault(line["policy"]["spec"], set()).add(line["prefill_group"])
-    assert len(by_policy["h2o"]) == 1 and by_policy["tova"] == by_policy["snapkv"] != by_policy["h2o"]
+        by_layout.setdefault(line["config"]["policy"]["gqa"], set()).add(line["prefill_group"])
+    assert len(by_layout["mean"]) == len(by_layout["repeat"]) == 1 and by_layout["mean"] != by_layout["repeat"]
     one = lines[0]["tokens"]["prefill"]
-    assert f"prefills shared: {2 * one} tokens prefilled, not {6 * one}" in printed.err
+    assert f"prefills shared: {2 * one} tokens prefilled, not {12 * one}" in printed.err
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
@@ -148,7 +147,7 @@ def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
     """Every base × {none, each applicable modifier} at two budgets, both head layouts, and the full cache (budget
     ≥ the prompt), on one prompt: :func:`generate_shared` gives each variant the tokens, kept sets, cache sizes and
     policy statistics of its own :meth:`Engine.generate` — the variants attended by the backend from one forward,
-    those whose policy attends itself from one forward per policy setting."""
+    H2O's with sums from each query's normaliser among them."""
     model = tiny_model(architecture)
     prompt = random_prompt(160)
     engines = []
@@ -165,10 +164,8 @@ def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
     alone = [engine.generate(prompt, 6) for engine in engines]
     shared = generate_shared(engines, prompt, 6)
     assert sum(engine.shares_prefill(engine.new_cache(len(prompt))) for engine in engines) > len(engines) / 2
-    own_pass = [
-        output for engine, output in zip(engines, shared) if normaliser_pass(engine.new_cache(len(prompt)).policy)
-    ]
-    assert own_pass and max(output.prefill_shared_by for output in own_pass) > 1  # H2O's budgets share
+    normalised = [output for engine, output in zip(engines, shared) if sums_key(engine.policy)]
+    assert normalised and min(output.prefill_shared_by for output in normalised) > 1  # H2O reads a shared forward
     for engine, one, other in zip(engines, alone, shared):
         label = f"{engine.policy.spec}@{engine.budget.spec}"
         assert (other.token_ids, other.kept, other.kv, other.policy_stats) == (
@@ -252,3 +249,18 @@ def test_a_task_that_cannot_be_built_fails_every_job_of_its_group_with_its_error
     assert all(isinstance(outcome, KVBenchError) for outcome in outcomes)
     assert str(outcomes[0]) == str(outcomes[1]) and "too small for RULER" in str(outcomes[0])
     assert load_count[0] == 1
+
+
+def test_a_group_computes_a_full_cache_once_whatever_its_budgets(tmp_path):
+    """``full`` at two budgets in a group sharing its prefills is one computation (``twin_key``): both runs write
+    what a run of their own writes, and the shared forward counts two variants (full, snapkv), not three."""
+    from kvbench.run import run, run_group
+
+    members = [("full", "32"), ("full", "64"), ("snapkv", "64")]
+    cfgs = [compose([*TINY, f"policy={spec}", f"budget={budget}"]) for spec, budget in members]
+    run_group([(cfg, tmp_path / "group" / f"{spec}@{budget}") for cfg, (spec, budget) in zip(cfgs, members)], True)
+    for cfg, (spec, budget) in zip(cfgs, members):
+        run(cfg, tmp_path / "alone" / f"{spec}@{budget}")
+        assert outcome(tmp_path / "group" / f"{spec}@{budget}") == outcome(tmp_path / "alone" / f"{spec}@{budget}")
+    records = (tmp_path / "group" / "full@64" / "predictions.jsonl").read_text().splitlines()
+    assert {json.loads(line)["timing"]["prefill_shared_by"] for line in records} == {2}

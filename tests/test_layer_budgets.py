@@ -9,6 +9,7 @@ import torch
 
 from kvbench.config import compose
 from kvbench.engine import Engine
+from kvbench.engine.attention import sdpa_attention
 from kvbench.engine.cache import EvictionCache
 from kvbench.errors import KVBenchError
 from kvbench.job import resolve
@@ -107,7 +108,7 @@ def test_cake_indicator_is_window_mean_plus_gamma_variance():
     queries, keys, values = random_layer(seed)
     cache.begin_forward(torch.arange(TOKENS), evict=True)
     cache.update(keys, values, 0)
-    cache.after_attention(0, queries, SCALING)
+    cache.after_attention(0, queries, sdpa_attention(queries, keys, values, SCALING), SCALING)
     logits, _ = window_weights(seed, window)
     weights = logits.softmax(-1)
     indicator = weights.mean(dim=2) + gamma * weights.var(dim=2)  # [1,Hq,T]

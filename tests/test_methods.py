@@ -109,6 +109,7 @@ def test_obcache_h2o_and_snapkv_keep_different_tokens_on_a_real_prompt():
 def test_cake_scores_the_current_query_alone_while_decoding():
     """CAKE's released decoding eviction (``CakeDecodingKVCache_LayerWise``): the attention of the current
     query only (no variance term, no remembered window), the window kept; prefill still uses the window."""
+    from kvbench.engine.attention import sdpa_attention
     from kvbench.engine.cache import EvictionCache
     from tests.test_policies import KV_HEADS, Q_HEADS, SCALING, TOKENS, head_scores, random_layer, top_positions
 
@@ -119,10 +120,12 @@ def test_cake_scores_the_current_query_alone_while_decoding():
     queries, keys, values = random_layer(11)
     cache.begin_forward(torch.arange(TOKENS - 1), evict=False)
     cache.update(keys[:, :, :-1], values[:, :, :-1], 0)
-    cache.after_attention(0, queries[:, :, :-1], SCALING)
+    cache.after_attention(
+        0, queries[:, :, :-1], sdpa_attention(queries[:, :, :-1], keys[:, :, :-1], values[:, :, :-1], SCALING), SCALING
+    )
     cache.begin_forward(torch.tensor([TOKENS - 1]), evict=True, decoding=True)
     cache.update(keys[:, :, -1:], values[:, :, -1:], 0)
-    cache.after_attention(0, queries[:, :, -1:], SCALING)
+    cache.after_attention(0, queries[:, :, -1:], sdpa_attention(queries[:, :, -1:], keys, values, SCALING), SCALING)
     prefix = list(range(TOKENS - window))
     for head in range(KV_HEADS):
         scores = head_scores(queries, keys, head, [TOKENS - 1])

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from kvbench.engine.attention import sdpa_attention
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.engine import score_block_size
 from kvbench.errors import KVBenchError
@@ -34,7 +35,7 @@ def evict_with_cache(spec: str, params: dict, budget: int, seed: int) -> list[se
     queries, keys, values = random_layer(seed)
     cache.begin_forward(torch.arange(TOKENS), evict=True)
     cache.update(keys, values, 0)
-    cache.after_attention(0, queries, SCALING)
+    cache.after_attention(0, queries, sdpa_attention(queries, keys, values, SCALING), SCALING)
     layer = cache.layers[0]
     assert layer.keys.shape[2] == budget and layer.values.shape[2] == budget
     return [set(layer.positions[0, head].tolist()) for head in range(layer.positions.shape[1])]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvbench.engine import Engine
+from kvbench.engine.attention import sdpa_attention
 from kvbench.engine.cache import EvictionCache
 from kvbench.policies import build_policy
 from kvbench.policies.methods.slake import LinearState, ptaa_attention, ptaa_weights
@@ -93,7 +94,7 @@ def test_linear_state_folds_exactly_the_evicted_entries():
     cache = EvictionCache(build_policy("snapkv+slake", {"window": 8}), [16], TOKENS, Q_HEADS, KV_HEADS)
     cache.begin_forward(torch.arange(TOKENS), evict=True)
     cache.update(keys, values, 0)
-    cache.after_attention(0, queries, SCALING)
+    cache.after_attention(0, queries, sdpa_attention(queries, keys, values, SCALING), SCALING)
     layer = cache.layers[0]
     state = layer.modifier_state["slake"].linear
     assert torch.equal(state.count, torch.full((1, KV_HEADS), float(TOKENS - 16)))

@@ -1,11 +1,10 @@
 """The ``kvbench`` attention function, registered in transformers' attention-function registry.
 
 Models loaded by kvbench run with ``attn_implementation="kvbench"``: this function computes attention with
-the model's backend (SDPA, eager or FlashAttention-2) over the budgeted cache (or, for H2O-style policies
-that sum a term of every query, through the cache, which takes each query's normaliser from a fused
-kernel that returns it, ``attention_with_lse``, or computes attention and sums in one blockwise pass),
-lets the cache's attending modifiers (CaliDrop, SLAKE) replace the output of single-query forwards, then
-hands the queries to the cache, which scores and evicts. No model class is patched.
+the model's backend (SDPA, eager or FlashAttention-2) over the budgeted cache, lets the cache's attending
+modifiers (CaliDrop, SLAKE) replace the output of single-query forwards, then hands the queries and the
+backend's output to the cache, which scores and evicts. A policy reads attention and never computes it, so
+every variant of a prompt can share one forward. No model class is patched.
 
 The new queries are always the last ``q`` tokens of the cache, so causality is "bottom-right aligned":
 query ``i`` sees cache slots ``0 .. T-q+i``. Positions of evicted caches no longer equal slot indices,
@@ -20,9 +19,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 ATTENTION_NAME = "kvbench"
-#: devices where H2O-style sums take the normaliser of a fused kernel (``attention_with_lse``) and add one
-#: Q·Kᵀ pass; elsewhere (CPU) that pass costs more than a fused kernel saves over one blockwise pass
-#: that computes attention and sums together (README, Benchmarks)
+#: devices where H2O-style sums take each query's normaliser from a fused kernel (``attention_with_lse``) and
+#: add one Q·Kᵀ pass; elsewhere (CPU) each block of queries normalises its own logits, cheaper there than a
+#: second attention call
 NORMALISER_KERNEL_DEVICES = {"cuda"}
 
 
@@ -127,20 +126,18 @@ def kvbench_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 def cache_attention(cache, module, query, key, value, scaling):
     """``query [B,Hq,q,D]`` over ``key/value [B,Hc,T,D]`` of ``cache`` (an ``EvictionCache`` or ``SharedPrefill``):
-    by the cache's normalised pass or the backend, then the cache's attending modifiers for a single query, its
-    scoring and eviction → ``[B,q,Hq,D]``."""
-    scored_in_attention = cache.scores_in_attention()
-    if scored_in_attention:
-        output = cache.attend_and_score(module.layer_idx, query, scaling)
-    elif cache.attn_backend == "eager":
+    by the backend, then the cache's attending modifiers for a single query, its scoring (from the backend's
+    output) and eviction → ``[B,q,Hq,D]``."""
+    if cache.attn_backend == "eager":
         output = eager_attention(query, key, value, scaling)
     elif cache.attn_backend == "flash_attention_2":
         output = flash_attention(module, query, key, value, scaling)
     else:
         output = sdpa_attention(query, key, value, scaling)
+    attended = output
     if query.shape[2] == 1:
         output = cache.attend(module.layer_idx, query, key, value, output, scaling)
-    cache.after_attention(module.layer_idx, query, scaling, scored_in_attention)
+    cache.after_attention(module.layer_idx, query, attended, scaling)
     return output
 
 

@@ -121,17 +121,16 @@ def in_cache_heads(
     return keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
 
 
-def normaliser_pass(policy: Policy) -> str | None:
-    """What computes a scored prefill's attention: None for the backend, else ``policy``'s settings and modifiers' (not
-    its budget) when its own normalised pass does (the ``normalised_running`` statistic); variants with the same one
-    attend alike, so one forward can prefill them all (:class:`SharedPrefill`)."""
+def sums_key(policy: Policy) -> str | None:
+    """Variants with the same key add the same normalised sums of a forward to their running scores: ``policy``'s
+    settings and modifiers (not its budget) for the ``normalised_running`` statistic, None for other statistics."""
     return repr((policy, policy.modifiers)) if policy.statistic == "normalised_running" else None
 
 
-def prefill_key(policy: Policy) -> tuple[bool, str | None]:
-    """The variants whose caches one :class:`SharedPrefill` forward can fill share this: the head layout
-    (``gqa=repeat`` or not) and the :func:`normaliser_pass`."""
-    return policy.gqa == "repeat", normaliser_pass(policy)
+def prefill_key(policy: Policy) -> bool:
+    """The variants whose caches one :class:`SharedPrefill` forward can fill share this: the head layout (whether
+    ``gqa=repeat``); a policy reads the backend's attention, so any policies share a forward."""
+    return policy.gqa == "repeat"
 
 
 @dataclass
@@ -278,48 +277,44 @@ class EvictionCache(Cache):
             output = output if replaced is None else replaced
         return output
 
-    def scores_in_attention(self) -> bool:
-        """Whether this forward's attention should come from :meth:`attend_and_score`: a running
-        policy (H2O, ``h2o+obcache_*``) whose running score this forward feeds, with sums from the normaliser."""
-        return self.scored and self.policy.statistic == "normalised_running"
-
-    def attend_and_score(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Attention output ``[B,q,Hq,D]`` of ``queries [B,Hq,q,D]`` over the layer's cache, and the policy's sums
-        from each query's normaliser added to the running score (:meth:`normalised_attention`)."""
-        layer = self.eviction_layers[layer_idx]
-        outputs, summed = self.normalised_attention(queries, layer.keys, layer.values, scaling)
-        assert layer.running_score is not None  # created by update for scored forwards
-        layer.running_score += summed
-        return outputs
-
-    def normalised_attention(
-        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The policy's own attention pass of ``queries [B,Hq,q,D]`` over ``keys``/``values [B,Hc,T,D]``: the output
-        ``[B,q,Hq,D]`` and the sums from each query's normaliser ``[B,Hc,T]`` — the normaliser and output of a fused
-        kernel on ``NORMALISER_KERNEL_DEVICES``, else of the same blockwise pass (``kvbench.policies.stats``)."""
-        stats = NormalisedStats(queries, keys, values, scaling)
+    def normalised_sums(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, outputs: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """The policy's sums ``[B,Hc,T]`` of ``queries [B,Hq,q,D]`` over ``keys``/``values [B,Hc,T,D]`` with their
+        attention ``outputs [B,q,Hq,D]``, each weight from its query's normaliser: a fused kernel's on
+        ``NORMALISER_KERNEL_DEVICES``, else each block's own (``kvbench.policies.stats``)."""
+        stats = NormalisedStats(queries, keys, values, scaling, outputs.transpose(1, 2).contiguous())
         if queries.device.type in attention.NORMALISER_KERNEL_DEVICES:
-            stats.outputs, stats.lse = attention.attention_with_lse(queries, keys, values, scaling)
-        outputs, summed = self.policy.normalised_sums(stats, self.score_block)  # [B,Hq,q,D], [B,Hc,T]
-        return outputs.transpose(1, 2).contiguous(), summed
+            stats.lse = attention.attention_with_lse(queries, keys, values, scaling)[1]
+        return self.policy.normalised_sums(stats, self.score_block)
 
     def after_attention(
-        self, layer_idx: int, queries: torch.Tensor, scaling: float, scored_in_attention: bool = False
+        self,
+        layer_idx: int,
+        queries: torch.Tensor,
+        outputs: torch.Tensor,
+        scaling: float,
+        summed: torch.Tensor | None = None,
     ) -> None:
-        """Gather this forward's scoring statistics (``queries [B,Hq,q,D]``) unless the attention already
-        ``scored_in_attention`` them, and evict if due."""
+        """Gather this forward's scoring statistics from ``queries [B,Hq,q,D]`` and their attention ``outputs
+        [B,q,Hq,D]`` (the normalised ``summed`` when already computed for a variant with the same
+        :func:`sums_key`), and evict if due."""
         policy, layer = self.policy, self.eviction_layers[layer_idx]
         budget = self.layer_budgets[layer_idx]
         assert self.new_positions is not None and layer.positions is not None  # set by begin_forward and update
         positions = self.new_positions.to(queries.device)
         if self.attending:
             layer.last_query = queries[:, :, -1].clone()
-        if policy.running and self.scored and not scored_in_attention:
-            seen = policy.scoring_positions(positions, budget, self.prompt_len)
-            stats = AttentionStats(queries, layer.keys, layer.values, seen, layer.positions, scaling)
+        if policy.running and self.scored:
             assert layer.running_score is not None  # created by update for scored forwards
-            layer.running_score += policy.summed_contributions(stats, self.score_block)
+            if policy.statistic == "normalised_running":
+                if summed is None:
+                    summed = self.normalised_sums(queries, layer.keys, layer.values, outputs, scaling)
+                layer.running_score += summed
+            else:
+                seen = policy.scoring_positions(positions, budget, self.prompt_len)
+                stats = AttentionStats(queries, layer.keys, layer.values, seen, layer.positions, scaling)
+                layer.running_score += policy.summed_contributions(stats, self.score_block)
         window = self._query_window(budget)
         if window and self.scored:  # an unscored forward decodes with no eviction to follow: its queries are never read
             layer.remember_queries(queries, positions, window)
@@ -414,12 +409,11 @@ class EvictionCache(Cache):
 
 
 class SharedPrefill(Cache):
-    """One oneshot prefill forward for the caches of several variants of a prompt (their own budgets; one head
-    layout and one :func:`normaliser_pass`): each layer's keys and values are computed and attended
-    in full once — by the backend, or by the policy's normalised pass whose sums every variant then adds to its
-    running score; after the layer's attention each variant in turn appends them, scores and evicts to its own
-    budget, so beside the shared layer at most one variant's full copy of it exists, never a full cache per
-    variant."""
+    """One oneshot prefill forward for the caches of several variants of a prompt (their own policies and budgets;
+    one head layout): each layer's keys and values are computed and attended in full once, by the backend; after
+    the layer's attention each variant in turn appends them, scores and evicts to its own budget (variants with the
+    same :func:`sums_key` add one normalised pass's sums), so beside the shared layer at most one variant's full
+    copy of it exists, never a full cache per variant."""
 
     def __init__(self, caches: list[EvictionCache]) -> None:
         lead = caches[0]
@@ -430,7 +424,6 @@ class SharedPrefill(Cache):
         self.prompt_len = lead.prompt_len
         self.layer_states: tuple[torch.Tensor, torch.Tensor] | None = None  # this layer's, as the model gave them
         self.attended: tuple[torch.Tensor, torch.Tensor] | None = None  # the same in the cache's heads
-        self.summed: torch.Tensor | None = None
 
     def begin_forward(self, positions: torch.Tensor, evict: bool, decoding: bool = False) -> None:
         for cache in self.caches:
@@ -445,31 +438,19 @@ class SharedPrefill(Cache):
         self.attended = in_cache_heads(key_states, value_states, self.num_query_heads, self.repeat_layout)
         return self.attended
 
-    def scores_in_attention(self) -> bool:
-        return self.caches[0].scores_in_attention()
-
-    def attend_and_score(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> torch.Tensor:
-        """The lead variant's normalised pass over the layer (the same for every variant): the output ``[B,T,Hq,D]``,
-        its sums kept for each variant's running score."""
-        assert self.attended is not None  # update comes before the attention
-        outputs, self.summed = self.caches[0].normalised_attention(queries, *self.attended, scaling)
-        return outputs
-
-    def after_attention(
-        self, layer_idx: int, queries: torch.Tensor, scaling: float, scored_in_attention: bool = False
-    ) -> None:
-        """Each variant in turn: append the layer's keys/values (and the normalised pass's sums when
-        ``scored_in_attention``), score with ``queries [B,Hq,T,D]`` and evict."""
-        assert self.layer_states is not None  # update comes before the attention
+    def after_attention(self, layer_idx: int, queries: torch.Tensor, outputs: torch.Tensor, scaling: float) -> None:
+        """Each variant in turn: append the layer's keys/values, score with ``queries [B,Hq,T,D]`` and their
+        ``outputs [B,T,Hq,D]`` (the normalised sums computed once per :func:`sums_key`) and evict."""
+        assert self.layer_states is not None and self.attended is not None  # update comes before the attention
         key_states, value_states = self.layer_states
-        summed, self.layer_states, self.attended, self.summed = self.summed, None, None, None
+        attended, self.layer_states, self.attended = self.attended, None, None
+        sums: dict[str, torch.Tensor] = {}
         for cache in self.caches:
             cache.update(key_states, value_states, layer_idx)
-            if scored_in_attention:
-                running = cache.eviction_layers[layer_idx].running_score
-                assert running is not None and summed is not None  # a scored forward of a running policy
-                running += summed
-            cache.after_attention(layer_idx, queries, scaling, scored_in_attention)
+            key = sums_key(cache.policy)
+            if key is not None and cache.scored and key not in sums:
+                sums[key] = cache.normalised_sums(queries, *attended, outputs, scaling)
+            cache.after_attention(layer_idx, queries, outputs, scaling, None if key is None else sums.get(key))
 
 
 class RowBatch(Cache):

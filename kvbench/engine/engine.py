@@ -151,7 +151,7 @@ class Engine:
 
     def shares_prefill(self, cache: EvictionCache) -> bool:
         """Whether ``cache`` can take its prefill from one of :func:`generate_shared`'s forwards: oneshot and a prompt
-        of more than one token (it shares with the variants of its head layout and normaliser pass)."""
+        of more than one token (it shares with the variants of its head layout)."""
         return self.regime == "oneshot" and cache.prompt_len > 1
 
     @torch.inference_mode()
@@ -258,11 +258,10 @@ def generate_shared(
 ) -> list[GenerationOutput]:
     """:meth:`Engine.generate` of each engine (its own policy and budget; one model, one regime) on one prompt,
     the variants that :meth:`Engine.shares_prefill` prefilled by one forward (:class:`SharedPrefill`) per head
-    layout and attention pass (:func:`~kvbench.engine.cache.prefill_key`: one for those the backend attends, one
-    per setting of a policy that attends itself, whatever their budgets), the others (chunked, streaming) feeding
-    the prompt's blocks as rows; then the variants decode as rows, ``batch_size`` at a time (:func:`decode_rows`).
-    Each output reports the shared prefill's time divided among the variants that shared it. Outputs equal
-    :meth:`Engine.generate`'s."""
+    layout (:func:`~kvbench.engine.cache.prefill_key`), whatever their policies and budgets, the others (chunked,
+    streaming) feeding the prompt's blocks as rows; then the variants decode as rows, ``batch_size`` at a time
+    (:func:`decode_rows`). Each output reports the shared prefill's time divided among the variants that shared it.
+    Outputs equal :meth:`Engine.generate`'s."""
     rows = prefill_shared(engines, input_ids, max_new_tokens, stop_token_ids, min_new_tokens, batch_size)
     return decode_rows(rows, batch_size)
 
@@ -289,7 +288,7 @@ def prefill_shared(
         )
         for engine in engines
     ]
-    sharing: dict[tuple[bool, str | None], list[Row]] = {}  # prefill_key -> the variants of one forward
+    sharing: dict[bool, list[Row]] = {}  # prefill_key -> the variants of one forward
     alone = []  # the variants that feed their prompt in blocks (chunked, streaming): in lockstep, as rows
     for index, row in enumerate(rows):
         if row.engine.shares_prefill(row.cache):

@@ -41,8 +41,8 @@ GQA_MODES = ("sum", "mean", "repeat")
 #: ``positions`` none (newer ranks higher: full, sink); ``window`` the attention of the last
 #: :meth:`~Policy.scoring_window` queries over the cache, gathered when it evicts (SnapKV, TOVA, PyramidKV);
 #: ``running`` every scored query's contributions summed as it is seen (H2O eq. 2), from the attention weights;
-#: ``normalised_running`` the same sums taken from each query's normaliser in the policy's own attention pass,
-#: which then also gives the attention output (:meth:`Policy.normalised_sums`)
+#: ``normalised_running`` the same sums in one pass over the forward's queries, each weight from its query's
+#: normaliser beside the backend's attention output (:meth:`Policy.normalised_sums`)
 Statistic = Literal["positions", "window", "running", "normalised_running"]
 RUNNING: tuple[Statistic, ...] = ("running", "normalised_running")
 
@@ -263,20 +263,17 @@ class Policy(Registered):
             if type(modifier).contributions is not Modifier.contributions
         )
 
-    def normalised_sums(
-        self, stats: NormalisedStats, block_size: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass over the query blocks of ``stats`` whose weights come from each query's normaliser: the
-        attention outputs ``[B,Hq,q,D]`` and ``Σ_i contributions[i]`` reduced over each KV group ``[B,Hc,T]``
-        (H2O eq. 2, or the last modifier's replacement), equal to :meth:`summed_contributions` up to rounding."""
+    def normalised_sums(self, stats: NormalisedStats, block_size: int | None = None) -> torch.Tensor:
+        """One pass over the query blocks of ``stats`` whose weights come from each query's normaliser:
+        ``Σ_i contributions[i]`` reduced over each KV group ``[B,Hc,T]`` (H2O eq. 2, or the last modifier's
+        replacement), equal to :meth:`summed_contributions` up to rounding."""
         batch, heads, tokens, _ = stats.keys.shape
         total = torch.zeros(batch, heads, tokens, device=stats.keys.device)  # [B,Hc,T]
         for block in stats.blocks(block_size):
             part = self.block_sums(block)  # [B,Hc,T_b]
             total[..., : part.shape[-1]] += part
         group = stats.queries.shape[1] // heads
-        assert stats.outputs is not None  # the kernel's, or written by the blocks
-        return stats.outputs, total / group if self.gqa == "mean" else total
+        return total / group if self.gqa == "mean" else total
 
     def block_sums(self, block: NormalisedBlock) -> torch.Tensor:
         """``Σ_i contributions[i]`` over one normalised block ``[B,Hc,T_b]``: the last modifier's that replaces

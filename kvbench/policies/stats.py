@@ -8,14 +8,13 @@ queries of every forward. Given the per-query log-sum-exp ``lse_i = log Σ_p exp
 query blocks (each block reads only the slots its queries see and masks only its diagonal square). The
 logits come from the compute dtype with float32 accumulation; sums are float32.
 
-The normaliser has two sources (``NormalisedStats.lse``):
+The attention outputs ``o_i`` are the backend's (the pass never attends: every variant of a prompt reads one
+forward's attention, whatever it scores). The normaliser has two sources (``NormalisedStats.lse``):
 
-* a fused attention kernel (``kvbench.engine.attention.attention_with_lse``), whose output is the
-  attention output: the pass adds one ``Q·Kᵀ`` (on an accelerator, where fused SDPA is far faster than
-  unfused ops);
-* the block itself (``lse=None``): a block's row of logits is complete, so its softmax normalises it and
-  ``A·V`` is the block's attention output: the pass *is* the attention (on CPU, where a second ``Q·Kᵀ``
-  costs more than the fused kernel saves).
+* a fused attention kernel (``kvbench.engine.attention.attention_with_lse``): the pass adds one ``Q·Kᵀ`` and
+  one exponential (on an accelerator, where fused kernels are far faster than unfused ops);
+* the block itself (``lse=None``): a block's row of logits is complete, so its softmax normalises it (on CPU,
+  where a second attention call costs more than the block's own reductions).
 
 The queries are the last ``q`` slots of the cache, bottom-right causal as in ``kvbench.engine.attention``:
 query ``i`` of the forward sees slots ``0 .. T−q+i``. Shapes: B batch, Hq query heads, Hc cache heads
@@ -61,7 +60,7 @@ class NormalisedBlock:
     """``w`` queries of every query head of a forward over the ``T_b`` slots they see (see the module doc).
 
     ``queries [B,Hc,M,D]``, ``keys``/``values [B,Hc,T_b,D]``, ``lse [B,Hc,M,1]`` float32 or None (then the
-    block normalises itself and computes ``outputs``), ``outputs [B,Hc,M,D]`` when given, ``causal [M,w]``:
+    block normalises itself), the attention ``outputs [B,Hc,M,D]``, ``causal [M,w]``:
     True where a row must not see one of the last ``w`` slots (None for a single query); ``stats`` the pass
     it belongs to."""
 
@@ -71,7 +70,7 @@ class NormalisedBlock:
     values: torch.Tensor
     scaling: float
     lse: torch.Tensor | None
-    given_outputs: torch.Tensor | None
+    outputs: torch.Tensor
     causal: torch.Tensor | None
 
     def _masked(self, tile: torch.Tensor, value: float) -> torch.Tensor:
@@ -110,13 +109,6 @@ class NormalisedBlock:
             return self.weights.square()
         return self._masked(torch.sub(self.logits, self.lse).mul_(2.0 * LOG2E).exp2_(), 0.0)
 
-    @cached_property
-    def outputs(self) -> torch.Tensor:
-        """``o_i = Σ_p A_ip v_p`` ``[B,Hc,M,D]``: the given attention outputs, or the block's own ``A·V``."""
-        if self.given_outputs is not None:
-            return self.given_outputs
-        return torch.matmul(self.weights, self.values.float()).to(self.queries.dtype)
-
     @property
     def value_norms(self) -> torch.Tensor:
         """``‖v_p‖²`` ``[B,Hc,T_b]`` float32 (computed once per pass)."""
@@ -130,15 +122,15 @@ class NormalisedBlock:
 @dataclass
 class NormalisedStats:
     """One forward's ``queries [B,Hq,q,D]`` over the cache ``keys``/``values [B,Hc,T,D]`` (queries = its last
-    ``q`` slots), with the kernel's ``lse [B,Hq,q]`` (float32) and ``outputs [B,Hq,q,D]``, or neither: then
-    :meth:`blocks` fills ``outputs`` from the blocks' own softmax."""
+    ``q`` slots), its attention ``outputs [B,Hq,q,D]``, and a kernel's ``lse [B,Hq,q]`` (float32) or None (each
+    block normalises itself)."""
 
     queries: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
     scaling: float
+    outputs: torch.Tensor
     lse: torch.Tensor | None = None
-    outputs: torch.Tensor | None = None
 
     @cached_property
     def value_norms(self) -> torch.Tensor:
@@ -155,14 +147,10 @@ class NormalisedStats:
 
     def blocks(self, size: int | None = None) -> Iterator[NormalisedBlock]:
         """Blocks of at most ``size`` queries (None: :meth:`block_queries`), each over the slots its queries
-        see. Without a kernel's ``lse``, each block's attention output is written into ``outputs``."""
+        see."""
         batch, q_heads, q_len, dim = self.queries.shape
         heads, tokens = self.keys.shape[1], self.keys.shape[2]
         group, past, size = q_heads // heads, tokens - q_len, size or self.block_queries()
-        own = self.lse is None
-        if own:
-            self.outputs = self.queries.new_empty(batch, q_heads, q_len, self.values.shape[-1])
-        assert self.outputs is not None  # a kernel's lse comes with its outputs
         queries = self.queries.view(batch, heads, group, q_len, dim)
         outputs = self.outputs.view(batch, heads, group, q_len, -1)
         lse = None if self.lse is None else self.lse.view(batch, heads, group, q_len)
@@ -174,19 +162,16 @@ class NormalisedStats:
             if width > 1 and width not in masks:
                 square = torch.ones(width, width, dtype=torch.bool, device=self.keys.device)
                 masks[width] = square.triu_(1).repeat(group, 1)
-            block = NormalisedBlock(
+            yield NormalisedBlock(
                 self,
                 queries[:, :, :, start:end].reshape(*rows, dim),
                 self.keys[:, :, :visible],
                 self.values[:, :, :visible],
                 self.scaling,
                 None if lse is None else lse[..., start:end].reshape(*rows, 1),
-                None if own else outputs[:, :, :, start:end].reshape(*rows, -1),
+                outputs[:, :, :, start:end].reshape(*rows, -1),
                 masks.get(width),
             )
-            if own:
-                outputs[:, :, :, start:end] = block.outputs.view(batch, heads, group, width, -1)
-            yield block
 
 
 @dataclass

@@ -37,8 +37,8 @@ class H2O(Policy):
 
     @property
     def statistic(self) -> Statistic:
-        """``running`` (every query seen), from the normaliser of its own attention pass where it scores causally
-        and its modifiers have that form; ``window`` with a ``score_window``."""
+        """``running`` (every query seen), from each query's normaliser where it scores causally and its modifiers
+        have that form; ``window`` with a ``score_window``."""
         if self.score_window is not None:
             return "window"
         return "normalised_running" if self.causal and self.sums_from_normaliser() else "running"
