@@ -90,7 +90,7 @@ report_tables = $(KVBENCH) table $(RESULTS)/$(1) --output-dir $(RESULTS)/$(1)/re
 		$(KVBENCH) compare-paper $(1):$$table $(RESULTS)/$(1) --output-dir $(RESULTS)/$(1)/report || exit 1; \
 	done
 
-.PHONY: reproduce-caote reproduce-obcache reproduce-calidrop reproduce-slake
+.PHONY: reproduce-caote reproduce-obcache reproduce-calidrop reproduce-slake leaderboard
 
 reproduce-caote: setup
 	$(call sweep,caote)
@@ -124,3 +124,16 @@ reproduce-slake: setup
 	$(call extra,slake_ablation)
 	$(if $(SMOKE),,$(call sweep,slake_needlebench))
 	$(call report,slake,$(SLAKE_TABLES))
+
+# --- Leaderboard ------------------------------------------------------------------------------------------------
+# make leaderboard [SCALE=paper|smoke|plan] [LEADERBOARD_DIR=DIR]: every base alone and with every modifier that
+# applies to it, under one protocol on the offline SmolLM2-135M (conf/experiment/leaderboard[_smoke].yaml), as one
+# grouped sweep sharing each prompt's prefill; then kvbench leaderboard's cells (mean, 95% bootstrap interval, n),
+# the paired modifier-vs-base comparisons and the plot in DIR/report/, with provenance.json (the command, versions,
+# commit and this invocation's wall time). Stopped, it resumes where it was when run again.
+LEADERBOARD_DIR ?= $(RESULTS)/leaderboard
+leaderboard: setup
+	start=$$(date +%s); commit=$$(git describe --always --dirty --abbrev=40 2>/dev/null); \
+	$(RUN) +experiment=leaderboard$(if $(SMOKE),_smoke) hydra.sweep.dir=$(LEADERBOARD_DIR) $(LAUNCH) && \
+	$(if $(PLAN),true,$(KVBENCH) leaderboard $(LEADERBOARD_DIR) --output-dir $(LEADERBOARD_DIR)/report \
+		--provenance "make leaderboard SCALE=$(SCALE)" --started $$start --commit "$$commit")

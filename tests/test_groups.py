@@ -15,7 +15,7 @@ import pytest
 import kvbench.run
 from kvbench.config import compose
 from kvbench.engine import Engine
-from kvbench.engine.cache import sums_key
+from kvbench.engine.cache import EvictionCache, sums_key
 from kvbench.engine.engine import generate_shared
 from kvbench.errors import KVBenchError
 from kvbench.policies import BASES, MODIFIERS, build_policy, composable
@@ -264,3 +264,22 @@ def test_a_group_computes_a_full_cache_once_whatever_its_budgets(tmp_path):
         assert outcome(tmp_path / "group" / f"{spec}@{budget}") == outcome(tmp_path / "alone" / f"{spec}@{budget}")
     records = (tmp_path / "group" / "full@64" / "predictions.jsonl").read_text().splitlines()
     assert {json.loads(line)["timing"]["prefill_shared_by"] for line in records} == {2}
+
+
+def test_a_shared_prefill_computes_each_normalised_sum_once(monkeypatch):
+    """In one shared forward H2O's normalised sums are computed once per :func:`sums_key`: ``h2o`` at two budgets and
+    ``h2o+caote`` (CAOTE re-weights H2O's sums, it does not replace them) take one pass a layer, ``h2o+obcache_joint``
+    (its own sums) another."""
+    model, prompt = tiny_model(), random_prompt(100)
+    specs = [("h2o", 32), ("h2o", 48), ("h2o+caote", 32), ("h2o+obcache_joint", 32)]
+    engines = [Engine(model, build_policy(spec), budget) for spec, budget in specs]
+    passes: list[str] = []
+    computed = EvictionCache.normalised_sums
+
+    def counted(cache, *args):
+        passes.append(cache.policy.spec)
+        return computed(cache, *args)
+
+    monkeypatch.setattr(EvictionCache, "normalised_sums", counted)
+    generate_shared(engines, prompt, 1)
+    assert sorted(set(passes)) == ["h2o", "h2o+obcache_joint"] and len(passes) == 2 * engines[0].num_layers

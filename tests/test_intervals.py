@@ -4,10 +4,13 @@ leaderboard built from them (:mod:`kvbench.results.leaderboard`)."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 
 import numpy as np
 import pytest
 
+from kvbench import PROJECT_ROOT
 from kvbench.cli import main
 from kvbench.config import compose
 from kvbench.results.intervals import Interval, bootstrap_mean, paired_difference
@@ -89,6 +92,28 @@ def test_the_leaderboard_gives_each_cell_its_interval_and_each_modifier_its_pair
     assert list(paired["policy"]) == ["snapkv+caote"] and list(paired["base"]) == ["snapkv"]
     assert paired["n"].iloc[0] == 4 and paired["low"].iloc[0] <= paired["difference"].iloc[0] <= paired["high"].iloc[0]
     assert sorted(path.name for path in (tmp_path / "tables").iterdir()) == [
+        "leaderboard.png",
         "leaderboard_cells.md",
         "leaderboard_paired.md",
     ]
+
+
+@pytest.mark.model
+def test_make_leaderboard_smoke(tmp_path):
+    """``make leaderboard SCALE=smoke``: the grouped sweep on SmolLM2, then every cell with its interval, the paired
+    comparisons, the plot and the provenance; run again, it finds every run finished and rewrites the same tables."""
+    command = ["make", "-o", ".venv/.installed", "leaderboard", "SCALE=smoke", f"LEADERBOARD_DIR={tmp_path}"]
+    for _ in range(2):
+        done = subprocess.run(command, capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=1800)
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = tmp_path / "report"
+        cells = (report / "leaderboard_cells.md").read_text()
+        assert (report / "leaderboard.png").stat().st_size > 0
+    assert cells.count("| smollm2_135m |") == 1 + 4 * 2  # the full cache once, 4 policies × 2 budgets
+    paired = (report / "leaderboard_paired.md").read_text()
+    assert re.search(r"\| snapkv\+obcache_joint +\| snapkv +\|", paired) and re.search(
+        r"\| h2o\+caote +\| h2o +\|", paired
+    )
+    made = json.loads((report / "provenance.json").read_text())
+    assert made["command"] == "make leaderboard SCALE=smoke" and made["runs"] == 10 and made["samples"] == 20
+    assert made["wall_seconds"] > 0 and made["versions"]["torch"] and made["commit"]

@@ -123,8 +123,12 @@ def in_cache_heads(
 
 def sums_key(policy: Policy) -> str | None:
     """Variants with the same key add the same normalised sums of a forward to their running scores: ``policy``'s
-    settings and modifiers (not its budget) for the ``normalised_running`` statistic, None for other statistics."""
-    return repr((policy, policy.modifiers)) if policy.statistic == "normalised_running" else None
+    settings (not its budget) and the modifiers that replace its sums (:meth:`Modifier.normalised_sums`; CAOTE,
+    CaliDrop or SLAKE over H2O add H2O's) for the ``normalised_running`` statistic, None for other statistics."""
+    if policy.statistic != "normalised_running":
+        return None
+    own = [modifier for modifier in policy.modifiers if type(modifier).normalised_sums is not Modifier.normalised_sums]
+    return repr((policy, own))
 
 
 def prefill_key(policy: Policy) -> bool:

@@ -7,17 +7,29 @@ tables show them) and its interval (:func:`~kvbench.results.intervals.bootstrap_
 (:func:`~kvbench.results.intervals.paired_difference`).
 
     kvbench leaderboard results/leaderboard [--format markdown|csv|latex] [--output-dir DIR]
+
+With ``--output-dir`` the tables are also written there, with ``leaderboard.png``: score vs budget per base and its
+modifiers, intervals drawn (:func:`~kvbench.results.plots.leaderboard_figure`); with ``--provenance COMMAND``
+(``make leaderboard`` passes it, ``--started``, the epoch second it started, and ``--commit``, the commit it ran) also
+``provenance.json``: the command, its wall time, the kvbench commit, the library versions and the runs' and samples'
+counts.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pandas as pd
 
 from kvbench.errors import KVBenchError, choose
 from kvbench.results.intervals import bootstrap_mean, paired_difference
+from kvbench.results.plots import leaderboard_figure, save
 from kvbench.results.table import FORMATS, Run, load_runs, print_tables, sort_rows
 
 #: what makes two runs' samples comparable, beside the budget
@@ -36,7 +48,8 @@ def sample_scores(run: Run) -> dict[str, dict[str, float]]:
 
 
 def cells(runs: list[Run]) -> tuple[pd.DataFrame, dict[tuple, dict[str, float]]]:
-    """One row per cell: its key, policy, budget, n, mean and interval; and each cell's scores by sample id."""
+    """One row per cell: its key, policy, budget, n, mean and interval; and each cell's scores by sample id (the full
+    cache, whose budget is no setting, once)."""
     rows, scores = [], {}
     for run in runs:
         identity = run.identity()
@@ -44,6 +57,8 @@ def cells(runs: list[Run]) -> tuple[pd.DataFrame, dict[tuple, dict[str, float]]]
             key = (identity["model"], run.task, subtask, run.context, identity["regime"])
             interval = bootstrap_mean(list(by_id.values()))
             policy, budget = identity["policy"], identity["budget"]
+            if (*key, policy, budget) in scores:  # the full cache run at several budgets: one cell
+                continue
             scores[(*key, policy, budget)] = by_id
             rows.append(
                 {
@@ -96,16 +111,57 @@ def leaderboard_tables(runs: list[Run]) -> dict[str, pd.DataFrame]:
     return {name: sort_rows(frame).sort_values(["task", "subtask"], kind="stable") for name, frame in tables.items()}
 
 
+def provenance(command: str, started: float | None, commit: str | None, runs: list[Run]) -> dict[str, object]:
+    """What made the runs: ``command``, its start, end and wall seconds (from ``started``, epoch seconds), the kvbench
+    ``commit`` it ran (``git describe --dirty``, taken when it started), the versions that ran and the counts of runs
+    and scored samples."""
+    import torch
+    import transformers
+
+    import kvbench
+
+    finished = time.time()
+    return {
+        "command": command,
+        "started": None if started is None else datetime.fromtimestamp(started, timezone.utc).isoformat(),
+        "finished": datetime.fromtimestamp(finished, timezone.utc).isoformat(),
+        "wall_seconds": None if started is None else round(finished - started, 1),
+        "commit": commit or None,
+        "versions": {
+            "kvbench": kvbench.__version__,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPU cores",
+        "runs": len(runs),
+        "samples": sum(len(run.records) for run in runs),
+    }
+
+
 def main(args: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="kvbench leaderboard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("run_dirs", nargs="+", help="run directories, or folders holding them (a sweep directory)")
     parser.add_argument("--format", default="markdown", help="markdown (default), csv, latex")
-    parser.add_argument("--output-dir", type=Path, help="also write each table to DIR/<table>.<md|csv|tex>")
+    parser.add_argument(
+        "--output-dir", type=Path, help="also write each table to DIR/<table>.<md|csv|tex>, and DIR/leaderboard.png"
+    )
+    parser.add_argument("--provenance", metavar="COMMAND", help="with --output-dir: the command that made the runs")
+    parser.add_argument("--started", type=float, help="with --provenance: when COMMAND started (epoch seconds)")
+    parser.add_argument("--commit", help="with --provenance: the kvbench commit COMMAND ran")
     options = parser.parse_args(args)
     choose("format", options.format, FORMATS)
-    tables = leaderboard_tables(load_runs(options.run_dirs))
+    runs = load_runs(options.run_dirs)
+    tables = leaderboard_tables(runs)
     if not tables:
         raise KVBenchError(f"no finished run with per-sample scores under {' '.join(map(str, options.run_dirs))}")
     print_tables(tables, options.format, options.output_dir)
+    if options.output_dir is not None:
+        print(f"wrote {save(leaderboard_figure(tables['leaderboard_cells']), options.output_dir / 'leaderboard.png')}")
+    if options.output_dir is not None and options.provenance:
+        path = options.output_dir / "provenance.json"
+        made = provenance(options.provenance, options.started, options.commit, runs)
+        path.write_text(json.dumps(made, indent=2) + "\n")
+        print(f"wrote {path}")

@@ -196,6 +196,49 @@ def ppl_curves(runs: list[Run], output_dir: Path) -> list[Path]:
     return [save(ppl_figure(runs), output_dir / "ppl_vs_length.png")]
 
 
+def leaderboard_figure(cells: pd.DataFrame) -> Figure:
+    """``kvbench leaderboard``'s cells as score vs budget with their 95 % intervals drawn: a panel per (model, task,
+    subtask, context) and base policy, the base in black and each of its modifiers in colour, the full cache as a
+    dashed line with its interval shaded."""
+    frame = cells.copy()
+    frame["base"] = [str(policy).split("+")[0] for policy in frame["policy"]]
+    evicting = frame["base"] != "full"
+    frame.loc[evicting, ["axis", "x"]] = [budget_value(spec) for spec in frame.loc[evicting, "budget"]]
+    keys = ["model", "task", "subtask", "context"]
+    panels = [
+        (key, base, group)
+        for key, cell in frame.groupby(keys, dropna=False, sort=True)
+        for base, group in cell[cell["base"] != "full"].groupby("base", sort=True)
+    ]
+    if not panels:
+        raise KVBenchError("leaderboard plot: no cell of an evicting policy")
+    columns = min(3, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.8 * rows), squeeze=False)
+    for axis, ((model, task, subtask, context), base, group) in zip(axes.flat, panels):
+        full = frame[(frame[keys] == [model, task, subtask, context]).all(axis=1) & (frame["policy"] == "full")]
+        if not full.empty:
+            row = full.iloc[0]
+            axis.axhline(row["mean"], color="grey", linestyle="--", label="full")
+            axis.axhspan(row["low"], row["high"], color="grey", alpha=0.15)
+        for policy in sorted(group["policy"].unique(), key=policy_key):
+            line = group[group["policy"] == policy].sort_values("x")
+            error = [line["mean"] - line["low"], line["high"] - line["mean"]]
+            style = {"color": "black", "linewidth": 2} if policy == base else {}
+            axis.errorbar(line["x"], line["mean"], yerr=error, marker="o", capsize=3, label=policy, **style)
+        name = task if subtask == task else f"{task} {subtask}"
+        axis.set_title(f"{model} {name}" + (f" @ {context_label(int(context))}" if pd.notna(context) else ""))
+        axis.set_xlabel(group["axis"].iloc[0])
+        axis.set_ylabel("score (95% CI)")
+        axis.set_ylim(-5, 105)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="x-small", ncol=2)
+    for axis in list(axes.flat)[len(panels) :]:
+        axis.set_visible(False)
+    figure.tight_layout()
+    return figure
+
+
 def save(figure: Figure, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
@@ -233,4 +276,4 @@ def main(args: list[str]) -> None:
         print(f"wrote {path}")
 
 
-__all__ = ["make_plots", "niah_figure", "niah_grid", "ppl_curve"]
+__all__ = ["leaderboard_figure", "make_plots", "niah_figure", "niah_grid", "ppl_curve"]
