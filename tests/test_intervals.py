@@ -95,7 +95,17 @@ def test_the_leaderboard_gives_each_cell_its_interval_and_each_modifier_its_pair
         "leaderboard.png",
         "leaderboard_cells.md",
         "leaderboard_paired.md",
+        "leaderboard_paired_summary.md",
+        "leaderboard_summary.md",
     ]
+    summary, paired_summary = tables["leaderboard_summary"], tables["leaderboard_paired_summary"]
+    assert list(summary.columns) == ["policy", "n", "–", "64"]  # the constant cell key is left out
+    cell = cells[cells["policy"] == "snapkv"].iloc[0]
+    expected = f"{cell['mean']:.1f} [{cell['low']:.1f}, {cell['high']:.1f}]"
+    assert summary.set_index("policy").loc["snapkv", "64"] == expected
+    assert list(paired_summary["policy"]) == ["snapkv+caote"] and paired_summary["64"].iloc[0].startswith(
+        f"{paired['difference'].iloc[0]:+.1f} ["
+    )
 
 
 @pytest.mark.model

@@ -30,7 +30,7 @@ import pandas as pd
 from kvbench.errors import KVBenchError, choose
 from kvbench.results.intervals import bootstrap_mean, paired_difference
 from kvbench.results.plots import leaderboard_figure, save
-from kvbench.results.table import FORMATS, Run, load_runs, print_tables, sort_rows
+from kvbench.results.table import FORMATS, NO_BUDGET, Run, budget_key, load_runs, print_tables, sort_rows
 
 #: what makes two runs' samples comparable, beside the budget
 CELL = ["model", "task", "subtask", "context", "regime"]
@@ -101,14 +101,47 @@ def comparisons(scores: dict[tuple, dict[str, float]]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=columns)
 
 
+def by_budget(frame: pd.DataFrame, label: str, text) -> pd.DataFrame:
+    """``frame``'s rows as one row per (cell key, policy[, base]) and a column per budget (the full cache's ``–``, then
+    ascending), each entry ``text(row)``, and a ``label`` column with the smallest n of the row's cells; the columns of
+    the cell key that are the same on every row are left out (the long tables have them)."""
+    keys = [column for column in [*CELL, "policy", "base"] if column in frame.columns]
+    rows = []
+    for key, group in frame.groupby(keys, sort=False, dropna=False):
+        row = dict(zip(keys, key if isinstance(key, tuple) else (key,)))
+        row[label] = int(group["n"].min())
+        row.update({str(entry.budget): text(entry) for entry in group.itertuples()})
+        rows.append(row)
+    budgets = sorted({str(spec) for spec in frame["budget"]}, key=lambda spec: (spec != NO_BUDGET, budget_key(spec)))
+    wide = pd.DataFrame(rows, columns=[*keys, label, *budgets]).fillna("")
+    constant = [column for column in CELL if wide[column].nunique(dropna=False) == 1]
+    return wide.drop(columns=constant)
+
+
+def summaries(table: pd.DataFrame, paired: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """The two tables in short, a column per budget: ``leaderboard_summary``, each cell's ``mean [low, high]``;
+    ``leaderboard_paired_summary``, each modifier's paired difference from its base ``Δ [low, high]``, with ``*``
+    where the interval excludes zero."""
+    cells_text = by_budget(table, "n", lambda row: f"{row.mean:.1f} [{row.low:.1f}, {row.high:.1f}]")
+    if paired.empty:
+        return {"leaderboard_summary": cells_text}
+    paired_text = by_budget(
+        paired,
+        "n",
+        lambda row: f"{row.difference:+.1f} [{row.low:+.1f}, {row.high:+.1f}]" + ("*" if row.differs else ""),
+    )
+    return {"leaderboard_summary": cells_text, "leaderboard_paired_summary": paired_text}
+
+
 def leaderboard_tables(runs: list[Run]) -> dict[str, pd.DataFrame]:
     """``leaderboard_cells`` and ``leaderboard_paired`` (see :func:`cells`, :func:`comparisons`), by task and subtask,
-    then in the papers' order."""
+    then in the papers' order, and both in short (:func:`summaries`)."""
     table, scores = cells(runs)
     if table.empty:
         return {}
     tables = {"leaderboard_cells": table, "leaderboard_paired": comparisons(scores)}
-    return {name: sort_rows(frame).sort_values(["task", "subtask"], kind="stable") for name, frame in tables.items()}
+    tables = {name: sort_rows(frame).sort_values(["task", "subtask"], kind="stable") for name, frame in tables.items()}
+    return {**tables, **summaries(tables["leaderboard_cells"], tables["leaderboard_paired"])}
 
 
 def provenance(command: str, started: float | None, commit: str | None, runs: list[Run]) -> dict[str, object]:
