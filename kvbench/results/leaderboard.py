@@ -55,11 +55,11 @@ def cells(runs: list[Run]) -> tuple[pd.DataFrame, dict[tuple, dict[str, float]]]
         identity = run.identity()
         for subtask, by_id in sample_scores(run).items():
             key = (identity["model"], run.task, subtask, run.context, identity["regime"])
-            interval = bootstrap_mean(list(by_id.values()))
             policy, budget = identity["policy"], identity["budget"]
             if (*key, policy, budget) in scores:  # the full cache run at several budgets: one cell
                 continue
             scores[(*key, policy, budget)] = by_id
+            interval = bootstrap_mean(list(by_id.values()))
             rows.append(
                 {
                     **dict(zip(CELL, key)),

@@ -204,10 +204,9 @@ def leaderboard_figure(cells: pd.DataFrame) -> Figure:
     frame["base"] = [str(policy).split("+")[0] for policy in frame["policy"]]
     evicting = frame["base"] != "full"
     frame.loc[evicting, ["axis", "x"]] = [budget_value(spec) for spec in frame.loc[evicting, "budget"]]
-    keys = ["model", "task", "subtask", "context"]
     panels = [
-        (key, base, group)
-        for key, cell in frame.groupby(keys, dropna=False, sort=True)
+        (key, cell[cell["base"] == "full"], base, group)
+        for key, cell in frame.groupby(["model", "task", "subtask", "context"], dropna=False, sort=True)
         for base, group in cell[cell["base"] != "full"].groupby("base", sort=True)
     ]
     if not panels:
@@ -215,8 +214,7 @@ def leaderboard_figure(cells: pd.DataFrame) -> Figure:
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.8 * rows), squeeze=False)
-    for axis, ((model, task, subtask, context), base, group) in zip(axes.flat, panels):
-        full = frame[(frame[keys] == [model, task, subtask, context]).all(axis=1) & (frame["policy"] == "full")]
+    for axis, ((model, task, subtask, context), full, base, group) in zip(axes.flat, panels):
         if not full.empty:
             row = full.iloc[0]
             axis.axhline(row["mean"], color="grey", linestyle="--", label="full")
