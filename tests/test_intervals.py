@@ -111,14 +111,18 @@ def test_the_leaderboard_gives_each_cell_its_interval_and_each_modifier_its_pair
 @pytest.mark.model
 def test_make_leaderboard_smoke(tmp_path):
     """``make leaderboard SCALE=smoke``: the grouped sweep on SmolLM2, then every cell with its interval, the paired
-    comparisons, the plot and the provenance; run again, it finds every run finished and rewrites the same tables."""
+    comparisons, the plot and the provenance; run again, it finds every run finished and rewrites the same tables, its
+    provenance still counting the first invocation's sample seconds."""
     command = ["make", "-o", ".venv/.installed", "leaderboard", "SCALE=smoke", f"LEADERBOARD_DIR={tmp_path}"]
+    sample_seconds = []
     for _ in range(2):
         done = subprocess.run(command, capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=1800)
         assert done.returncode == 0, done.stderr[-3000:]
         report = tmp_path / "report"
         cells = (report / "leaderboard_cells.md").read_text()
         assert (report / "leaderboard.png").stat().st_size > 0
+        sample_seconds.append(json.loads((report / "provenance.json").read_text())["sample_seconds"])
+    assert sample_seconds[0] > 0 and sample_seconds[1] == sample_seconds[0]
     assert cells.count("| smollm2_135m |") == 1 + 4 * 2  # the full cache once, 4 policies × 2 budgets
     paired = (report / "leaderboard_paired.md").read_text()
     assert re.search(r"\| snapkv\+obcache_joint +\| snapkv +\|", paired) and re.search(
@@ -127,3 +131,20 @@ def test_make_leaderboard_smoke(tmp_path):
     made = json.loads((report / "provenance.json").read_text())
     assert made["command"] == "make leaderboard SCALE=smoke" and made["runs"] == 10 and made["samples"] == 20
     assert made["wall_seconds"] > 0 and made["versions"]["torch"] and made["commit"]
+
+
+def test_the_committed_leaderboard_regenerates_its_report_and_the_readme(tmp_path, capsys):
+    """``results/leaderboard``'s run directories give its report's tables byte for byte, and the README's results
+    section quotes the two summaries as they are (``kvbench leaderboard results/leaderboard``)."""
+    committed = PROJECT_ROOT / "results" / "leaderboard"
+    if not (committed / "report").is_dir():
+        pytest.skip("results/leaderboard has no report")
+    main(["leaderboard", str(committed), "--output-dir", str(tmp_path)])
+    readme = (PROJECT_ROOT / "README.md").read_text()
+    for name in ("leaderboard_cells", "leaderboard_paired", "leaderboard_summary", "leaderboard_paired_summary"):
+        made = (tmp_path / f"{name}.md").read_text()
+        assert made == (committed / "report" / f"{name}.md").read_text(), name
+        if name.endswith("summary"):
+            assert made.strip() in readme, f"README.md does not quote {name}.md"
+    tables = leaderboard_tables(load_runs([committed]))
+    assert (tables["leaderboard_cells"]["n"] >= 100).all() and (tables["leaderboard_paired"]["n"] >= 100).all()

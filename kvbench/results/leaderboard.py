@@ -146,8 +146,10 @@ def leaderboard_tables(runs: list[Run]) -> dict[str, pd.DataFrame]:
 
 def provenance(command: str, started: float | None, commit: str | None, runs: list[Run]) -> dict[str, object]:
     """What made the runs: ``command``, its start, end and wall seconds (from ``started``, epoch seconds), the kvbench
-    ``commit`` it ran (``git describe --dirty``, taken when it started), the versions that ran and the counts of runs
-    and scored samples."""
+    ``commit`` it ran (``git describe --dirty``, taken when it started), the versions that ran, the counts of runs
+    and scored samples, and ``sample_seconds``: the prefill and decode seconds of every record summed (each record
+    holds its share of what its group shared), the sweep's work whatever invocations it took when it was resumed
+    (``wall_seconds`` is the last invocation's)."""
     import torch
     import transformers
 
@@ -169,6 +171,9 @@ def provenance(command: str, started: float | None, commit: str | None, runs: li
         "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPU cores",
         "runs": len(runs),
         "samples": sum(len(run.records) for run in runs),
+        "sample_seconds": round(
+            sum((record.get("timing") or {}).get("total_seconds", 0.0) for run in runs for record in run.records), 1
+        ),
     }
 
 
