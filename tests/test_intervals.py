@@ -148,3 +148,22 @@ def test_the_committed_leaderboard_regenerates_its_report_and_the_readme(tmp_pat
             assert made.strip() in readme, f"README.md does not quote {name}.md"
     tables = leaderboard_tables(load_runs([committed]))
     assert (tables["leaderboard_cells"]["n"] >= 100).all() and (tables["leaderboard_paired"]["n"] >= 100).all()
+
+
+def test_perplexity_cells_keep_their_scale(tmp_path):
+    """A perplexity run's cells are its windows' perplexities as they are (not ×100), marked ``perplexity``; a modifier
+    is compared with its base on the same windows; the plot draws them on their own axis."""
+    text = tmp_path / "book.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 40)
+    for spec in ("h2o", "h2o+caote"):
+        settings = ["model=tiny_llama", "task=ppl", f"task.path={text}", "task.max_tokens=64", "task.num_samples=3"]
+        run(compose([*settings, "engine.regime=streaming", f"policy={spec}", "budget=16"]), tmp_path / "runs" / spec)
+    tables = leaderboard_tables(load_runs([tmp_path / "runs"]))
+    cells, paired = tables["leaderboard_cells"], tables["leaderboard_paired"]
+    assert set(cells["metric"]) == {"perplexity"} and set(cells["n"]) == {3}
+    for row in cells.itertuples():
+        records = [json.loads(line) for line in (tmp_path / "runs" / row.policy / "predictions.jsonl").open()]
+        assert row.mean == pytest.approx(np.mean([record["score"] for record in records]))
+    assert list(paired["policy"]) == ["h2o+caote"] and paired["n"].iloc[0] == 3
+    main(["leaderboard", str(tmp_path / "runs"), "--output-dir", str(tmp_path / "tables")])
+    assert (tmp_path / "tables" / "leaderboard.png").stat().st_size > 0

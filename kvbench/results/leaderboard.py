@@ -1,8 +1,8 @@
 """``kvbench leaderboard``: every method's score per task and budget with its 95 % bootstrap interval over samples, and
 each modifier against its base on the same samples (a paired bootstrap), so a table says where a difference is real.
 
-A cell is one (model, task, subtask, context, regime, policy, budget): the mean of its samples' scores (×100, as the
-tables show them) and its interval (:func:`~kvbench.results.intervals.bootstrap_mean`). A comparison pairs a
+A cell is one (model, task, subtask, metric, context, regime, policy, budget): the mean of its samples' scores (×100,
+as the tables show them; a perplexity task's per-window perplexities as they are, lower is better) and its interval (:func:`~kvbench.results.intervals.bootstrap_mean`). A comparison pairs a
 ``base+modifier`` run with the ``base`` run of the same cell key and budget, over the sample ids both scored
 (:func:`~kvbench.results.intervals.paired_difference`).
 
@@ -33,17 +33,24 @@ from kvbench.results.plots import leaderboard_figure, save
 from kvbench.results.table import FORMATS, NO_BUDGET, Run, budget_key, load_runs, print_tables, sort_rows
 
 #: what makes two runs' samples comparable, beside the budget
-CELL = ["model", "task", "subtask", "context", "regime"]
+CELL = ["model", "task", "subtask", "metric", "context", "regime"]
+
+
+def metric(run: Run) -> str:
+    """What a run's sample scores are: ``perplexity`` where its records carry token NLLs (the perplexity tasks, whose
+    ``score`` is the window's perplexity), else ``score`` (0–1, shown ×100)."""
+    return "perplexity" if any("nll" in record for record in run.records) else "score"
 
 
 def sample_scores(run: Run) -> dict[str, dict[str, float]]:
-    """The run's per-sample scores ×100 by subtask (the task's name where records have none): ``{subtask: {sample id:
-    score}}``, from each record's numeric ``score``."""
+    """The run's per-sample scores by subtask (the task's name where records have none): ``{subtask: {sample id:
+    score}}``, from each record's numeric ``score``: ×100, a perplexity as it is (:func:`metric`)."""
+    scale = 1.0 if metric(run) == "perplexity" else 100.0
     scores: dict[str, dict[str, float]] = {}
     for record in run.records:
         score = record.get("score")
         if isinstance(score, int | float) and not isinstance(score, bool):
-            scores.setdefault(record.get("subtask") or run.task, {})[str(record["id"])] = 100.0 * float(score)
+            scores.setdefault(record.get("subtask") or run.task, {})[str(record["id"])] = scale * float(score)
     return scores
 
 
@@ -54,7 +61,7 @@ def cells(runs: list[Run]) -> tuple[pd.DataFrame, dict[tuple, dict[str, float]]]
     for run in runs:
         identity = run.identity()
         for subtask, by_id in sample_scores(run).items():
-            key = (identity["model"], run.task, subtask, run.context, identity["regime"])
+            key = (identity["model"], run.task, subtask, metric(run), run.context, identity["regime"])
             policy, budget = identity["policy"], identity["budget"]
             if (*key, policy, budget) in scores:  # the full cache run at several budgets: one cell
                 continue

@@ -130,7 +130,7 @@ def budget_figure(frame: pd.DataFrame) -> Figure:
             else:
                 axis.plot(line["x"], line["value"], marker="o", label=policy)
         name = task if score == "average" else score
-        axis.set_title(f"{model} {name}" + (f" @ {context_label(int(context))}" if pd.notna(context) else ""))
+        axis.set_title(f"{base}: {model} {name}" + (f" @ {context_label(int(context))}" if pd.notna(context) else ""))
         axis.set_xlabel(unit)
         axis.set_ylabel("score")
         axis.grid(alpha=0.3)
@@ -197,8 +197,8 @@ def ppl_curves(runs: list[Run], output_dir: Path) -> list[Path]:
 
 
 def leaderboard_figure(cells: pd.DataFrame) -> Figure:
-    """``kvbench leaderboard``'s cells as score vs budget with their 95 % intervals drawn: a panel per (model, task,
-    subtask, context) and base policy, the base in black and each of its modifiers in colour, the full cache as a
+    """``kvbench leaderboard``'s cells as score (or perplexity) vs budget with their 95 % intervals drawn: a panel per
+    (model, task, subtask, metric, context) and base policy, the base in black and each of its modifiers in colour, the full cache as a
     dashed line with its interval shaded."""
     frame = cells.copy()
     frame["base"] = [str(policy).split("+")[0] for policy in frame["policy"]]
@@ -206,7 +206,7 @@ def leaderboard_figure(cells: pd.DataFrame) -> Figure:
     frame.loc[evicting, ["axis", "x"]] = [budget_value(spec) for spec in frame.loc[evicting, "budget"]]
     panels = [
         (key, cell[cell["base"] == "full"], base, group)
-        for key, cell in frame.groupby(["model", "task", "subtask", "context"], dropna=False, sort=True)
+        for key, cell in frame.groupby(["model", "task", "subtask", "metric", "context"], dropna=False, sort=True)
         for base, group in cell[cell["base"] != "full"].groupby("base", sort=True)
     ]
     if not panels:
@@ -214,7 +214,7 @@ def leaderboard_figure(cells: pd.DataFrame) -> Figure:
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.8 * rows), squeeze=False)
-    for axis, ((model, task, subtask, context), full, base, group) in zip(axes.flat, panels):
+    for axis, ((model, task, subtask, metric, context), full, base, group) in zip(axes.flat, panels):
         if not full.empty:
             row = full.iloc[0]
             axis.axhline(row["mean"], color="grey", linestyle="--", label="full")
@@ -225,10 +225,11 @@ def leaderboard_figure(cells: pd.DataFrame) -> Figure:
             style = {"color": "black", "linewidth": 2} if policy == base else {}
             axis.errorbar(line["x"], line["mean"], yerr=error, marker="o", capsize=3, label=policy, **style)
         name = task if subtask == task else f"{task} {subtask}"
-        axis.set_title(f"{model} {name}" + (f" @ {context_label(int(context))}" if pd.notna(context) else ""))
+        axis.set_title(f"{base}: {model} {name}" + (f" @ {context_label(int(context))}" if pd.notna(context) else ""))
         axis.set_xlabel(group["axis"].iloc[0])
-        axis.set_ylabel("score (95% CI)")
-        axis.set_ylim(-5, 105)
+        axis.set_ylabel(f"{metric} (95% CI)")
+        if metric == "score":
+            axis.set_ylim(-5, 105)
         axis.grid(alpha=0.3)
         axis.legend(fontsize="x-small", ncol=2)
     for axis in list(axes.flat)[len(panels) :]:
