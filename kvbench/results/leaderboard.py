@@ -2,9 +2,9 @@
 each modifier against its base on the same samples (a paired bootstrap), so a table says where a difference is real.
 
 A cell is one (model, task, subtask, metric, context, regime, policy, budget): the mean of its samples' scores (×100,
-as the tables show them; a perplexity task's per-window perplexities as they are, lower is better) and its interval (:func:`~kvbench.results.intervals.bootstrap_mean`). A comparison pairs a
-``base+modifier`` run with the ``base`` run of the same cell key and budget, over the sample ids both scored
-(:func:`~kvbench.results.intervals.paired_difference`).
+as the tables show them; a perplexity task's per-window perplexities as they are, lower is better) and its interval
+(:func:`~kvbench.results.intervals.bootstrap_mean`). A comparison pairs a ``base+modifier`` run with the ``base`` run
+of the same cell key and budget, over the sample ids both scored (:func:`~kvbench.results.intervals.paired_difference`).
 
     kvbench leaderboard results/leaderboard [--format markdown|csv|latex] [--output-dir DIR]
 

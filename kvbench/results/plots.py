@@ -130,7 +130,7 @@ def budget_figure(frame: pd.DataFrame) -> Figure:
             else:
                 axis.plot(line["x"], line["value"], marker="o", label=policy)
         name = task if score == "average" else score
-        axis.set_title(f"{base}: {model} {name}" + (f" @ {context_label(int(context))}" if pd.notna(context) else ""))
+        axis.set_title(f"{model} {name}" + (f" @ {context_label(int(context))}" if pd.notna(context) else ""))
         axis.set_xlabel(unit)
         axis.set_ylabel("score")
         axis.grid(alpha=0.3)
@@ -198,8 +198,8 @@ def ppl_curves(runs: list[Run], output_dir: Path) -> list[Path]:
 
 def leaderboard_figure(cells: pd.DataFrame) -> Figure:
     """``kvbench leaderboard``'s cells as score (or perplexity) vs budget with their 95 % intervals drawn: a panel per
-    (model, task, subtask, metric, context) and base policy, the base in black and each of its modifiers in colour, the full cache as a
-    dashed line with its interval shaded."""
+    (model, task, subtask, metric, context) and base policy, the base in black and each of its modifiers in colour,
+    the full cache as a dashed line with its interval shaded."""
     frame = cells.copy()
     frame["base"] = [str(policy).split("+")[0] for policy in frame["policy"]]
     evicting = frame["base"] != "full"
