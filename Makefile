@@ -127,13 +127,17 @@ reproduce-slake: setup
 
 # --- Leaderboard ------------------------------------------------------------------------------------------------
 # make leaderboard [SCALE=paper|smoke|plan] [LEADERBOARD_DIR=DIR]: every base alone and with every modifier that
-# applies to it, under one protocol on the offline SmolLM2-135M (conf/experiment/leaderboard[_smoke].yaml), as one
-# grouped sweep sharing each prompt's prefill; then kvbench leaderboard's cells (mean, 95% bootstrap interval, n),
-# the paired modifier-vs-base comparisons and the plot in DIR/report/, with provenance.json (the command, versions,
-# commit and this invocation's wall time). Stopped, it resumes where it was when run again.
+# applies to it, under one protocol on the offline SmolLM2-135M, on RULER, the needle grid and perplexity
+# (conf/experiment/leaderboard[_needle|_ppl][_smoke].yaml), each a grouped sweep sharing each prompt's prefill; then
+# kvbench leaderboard's cells (mean, 95% bootstrap interval, n), the paired modifier-vs-base comparisons and the plot
+# in DIR/report/, with provenance.json (the command, versions, commit, this invocation's wall time and the seconds
+# summed over every record). Stopped, it resumes where it was when run again.
 LEADERBOARD_DIR ?= $(RESULTS)/leaderboard
+LEADERBOARD_SWEEPS = leaderboard leaderboard_needle leaderboard_ppl
 leaderboard: setup
 	start=$$(date +%s); commit=$$(git describe --always --dirty --abbrev=40 2>/dev/null); \
-	$(RUN) +experiment=leaderboard$(if $(SMOKE),_smoke) hydra.sweep.dir=$(LEADERBOARD_DIR) $(LAUNCH) && \
+	for sweep in $(LEADERBOARD_SWEEPS); do \
+		$(RUN) +experiment=$${sweep}$(if $(SMOKE),_smoke) hydra.sweep.dir=$(LEADERBOARD_DIR) $(LAUNCH) || exit 1; \
+	done && \
 	$(if $(PLAN),true,$(KVBENCH) leaderboard $(LEADERBOARD_DIR) --output-dir $(LEADERBOARD_DIR)/report \
 		--provenance "make leaderboard SCALE=$(SCALE)" --started $$start --commit "$$commit")

@@ -17,7 +17,7 @@ from kvbench.results.intervals import Interval, bootstrap_mean, paired_differenc
 from kvbench.results.leaderboard import leaderboard_tables
 from kvbench.results.table import load_runs
 from kvbench.run import run
-from tests.test_groups import TINY
+from tests.test_groups import TINY, VARIANTS
 
 
 def test_the_interval_is_the_quantiles_of_the_resampled_means():
@@ -123,13 +123,16 @@ def test_make_leaderboard_smoke(tmp_path):
         assert (report / "leaderboard.png").stat().st_size > 0
         sample_seconds.append(json.loads((report / "provenance.json").read_text())["sample_seconds"])
     assert sample_seconds[0] > 0 and sample_seconds[1] == sample_seconds[0]
-    assert cells.count("| smollm2_135m |") == 1 + 4 * 2  # the full cache once, 4 policies × 2 budgets
+    # RULER: the full cache once, 4 policies × 2 budgets; the needle grid and perplexity: the full cache, 2 policies
+    assert cells.count("| smollm2_135m |") == (1 + 4 * 2) + 3 + 3
+    assert "| perplexity |" in cells and "| niah " in cells
     paired = (report / "leaderboard_paired.md").read_text()
     assert re.search(r"\| snapkv\+obcache_joint +\| snapkv +\|", paired) and re.search(
         r"\| h2o\+caote +\| h2o +\|", paired
     )
     made = json.loads((report / "provenance.json").read_text())
-    assert made["command"] == "make leaderboard SCALE=smoke" and made["runs"] == 10 and made["samples"] == 20
+    assert made["command"] == "make leaderboard SCALE=smoke"
+    assert made["runs"] == 10 + 3 + 3 and made["samples"] == 20 + 6 + 6
     assert made["wall_seconds"] > 0 and made["versions"]["torch"] and made["commit"]
 
 
@@ -167,3 +170,18 @@ def test_perplexity_cells_keep_their_scale(tmp_path):
     assert list(paired["policy"]) == ["h2o+caote"] and paired["n"].iloc[0] == 3
     main(["leaderboard", str(tmp_path / "runs"), "--output-dir", str(tmp_path / "tables")])
     assert (tmp_path / "tables" / "leaderboard.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("experiment", "decoding_only"),
+    [("leaderboard", ()), ("leaderboard_needle", ()), ("leaderboard_ppl", ("calidrop", "slake"))],
+)
+def test_the_leaderboard_runs_every_base_with_every_modifier_that_applies(experiment, decoding_only):
+    """Each of the leaderboard's sweeps names the full cache and every base alone and with every modifier that applies
+    to it (a new policy or modifier fails this until the leaderboard runs it); perplexity, read without decoding,
+    leaves out the modifiers that act only on decoding steps."""
+    from omegaconf import OmegaConf
+
+    params = OmegaConf.load(PROJECT_ROOT / "conf" / "experiment" / f"{experiment}.yaml").hydra.sweeper.params
+    expected = [spec for spec in VARIANTS if spec.partition("+")[2] not in decoding_only]  # the full cache included
+    assert sorted(str(params.policy).split(",")) == sorted(expected)
