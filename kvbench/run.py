@@ -120,7 +120,11 @@ def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) 
         output = engine.perplexity(sample.input_ids, sample.context_tokens)
     else:
         output = engine.generate(
-            sample.input_ids, sample.max_new_tokens, stop_ids(sample, loaded), sample.min_new_tokens
+            sample.input_ids,
+            sample.max_new_tokens,
+            stop_ids(sample, loaded),
+            sample.min_new_tokens,
+            sample.question_start,
         )
     return record_of(task, sample, output, loaded, time.perf_counter() - started), output
 
@@ -136,7 +140,13 @@ def run_samples(
             yield sample, run_sample(engine, task, sample, loaded)
         return
     rows = [
-        engine.prefilled_row(sample.input_ids, sample.max_new_tokens, stop_ids(sample, loaded), sample.min_new_tokens)
+        engine.prefilled_row(
+            sample.input_ids,
+            sample.max_new_tokens,
+            stop_ids(sample, loaded),
+            sample.min_new_tokens,
+            sample.question_start,
+        )
         for sample in samples
     ]
     positions = list(range(len(samples)))
@@ -512,7 +522,7 @@ def decode_shared(
             for index, run in runs.items():
                 twins.setdefault(twin_key(run.engine), []).append((index, run))
             computed = [group[0][1].engine for group in twins.values()]
-            rows += prefill_shared(computed, sample.input_ids, new, stops, least, batch_size)
+            rows += prefill_shared(computed, sample.input_ids, new, stops, least, batch_size, sample.question_start)
             owners += [(position, group) for group in twins.values()]
     sample_of = [position for position, _ in owners]
     for position, finished in in_sample_order(finished_rows(rows, batch_size), sample_of, len(chunk)):

@@ -142,6 +142,18 @@ def test_plan_counts_a_shared_prefill_once(capsys):
     assert f"prefills shared: {2 * one} tokens prefilled, not {12 * one}" in printed.err
 
 
+def assert_each_as_alone(engines: list[Engine], alone: list, shared: list) -> None:
+    """Each engine's shared output has the tokens, kept sets, cache sizes and policy statistics of its own run."""
+    for engine, one, other in zip(engines, alone, shared, strict=True):
+        label = f"{engine.policy.spec}@{engine.budget.spec}"
+        assert (other.token_ids, other.kept, other.kv, other.policy_stats) == (
+            one.token_ids,
+            one.kept,
+            one.kv,
+            one.policy_stats,
+        ), label
+
+
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
     """Every base × {none, each applicable modifier} at two budgets, both head layouts, and the full cache (budget
@@ -166,14 +178,7 @@ def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
     assert sum(engine.shares_prefill(engine.new_cache(len(prompt))) for engine in engines) > len(engines) / 2
     normalised = [output for engine, output in zip(engines, shared) if sums_key(engine.policy)]
     assert normalised and min(output.prefill_shared_by for output in normalised) > 1  # H2O reads a shared forward
-    for engine, one, other in zip(engines, alone, shared):
-        label = f"{engine.policy.spec}@{engine.budget.spec}"
-        assert (other.token_ids, other.kept, other.kv, other.policy_stats) == (
-            one.token_ids,
-            one.kept,
-            one.kv,
-            one.policy_stats,
-        ), label
+    assert_each_as_alone(engines, alone, shared)
 
 
 @pytest.mark.model
@@ -196,13 +201,7 @@ def test_on_smollm2_one_shared_prefill_gives_what_each_variant_gives_alone():
         engines.append(engine)
     assert len(engines) > len(VARIANTS) / 2
     shared = generate_shared(engines, prompt, 4, batch_size=8)
-    for engine, one, other in zip(engines, alone, shared):
-        assert (other.token_ids, other.kept, other.kv, other.policy_stats) == (
-            one.token_ids,
-            one.kept,
-            one.kv,
-            one.policy_stats,
-        ), engine.policy.spec
+    assert_each_as_alone(engines, alone, shared)
 
 
 def test_a_shared_group_killed_part_way_finishes_every_sample_once(tmp_path):

@@ -119,23 +119,39 @@ class Engine:
     # -- public API ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(
-        self, input_ids: list[int], max_new_tokens: int, stop_token_ids=(), min_new_tokens: int = 0
+        self,
+        input_ids: list[int],
+        max_new_tokens: int,
+        stop_token_ids=(),
+        min_new_tokens: int = 0,
+        question_start: int | None = None,
     ) -> GenerationOutput:
         """Greedy decoding of up to ``max_new_tokens`` after the prompt; stops at any of ``stop_token_ids``, which
         cannot be chosen among the first ``min_new_tokens`` (Hugging Face's ``min_length``: their logits are
-        masked, the best other token is taken)."""
-        return decode_rows([self.prefilled_row(input_ids, max_new_tokens, stop_token_ids, min_new_tokens)], 1)[0]
+        masked, the best other token is taken). ``question_start``: query-agnostic (:meth:`prefilled_row`)."""
+        row = self.prefilled_row(input_ids, max_new_tokens, stop_token_ids, min_new_tokens, question_start)
+        return decode_rows([row], 1)[0]
 
     @torch.inference_mode()
     def prefilled_row(
-        self, input_ids: list[int], max_new_tokens: int, stop_token_ids=(), min_new_tokens: int = 0
+        self,
+        input_ids: list[int],
+        max_new_tokens: int,
+        stop_token_ids=(),
+        min_new_tokens: int = 0,
+        question_start: int | None = None,
     ) -> Row:
-        """:meth:`generate`'s prompt prefilled into a new cache under the regime: a row for :func:`decode_rows`."""
-        cache = self.new_cache(len(input_ids))
+        """:meth:`generate`'s prompt prefilled into a new cache under the regime: a row for :func:`decode_rows`.
+        With ``question_start`` the context ``input_ids[:question_start]`` alone is prefilled and evicted (the budget
+        a share of it), then the question is read without evicting (:func:`read_question`)."""
+        context = input_ids[:question_start]
+        cache = self.new_cache(len(context))
         start = self._now()
-        logits = self.prefill(cache, input_ids)[0, -1]
+        logits = self.prefill(cache, context)[0, -1]
         row = Row(self, cache, logits, len(input_ids), max_new_tokens, stop_token_ids, min_new_tokens)
         row.prefill_seconds = self._now() - start
+        if question_start is not None:
+            read_question([row], input_ids, question_start, 1)
         return row
 
     def row_bytes(self, prompt_tokens: int, new_tokens: int) -> int:
@@ -255,6 +271,7 @@ def generate_shared(
     stop_token_ids=(),
     min_new_tokens: int = 0,
     batch_size: int = 1,
+    question_start: int | None = None,
 ) -> list[GenerationOutput]:
     """:meth:`Engine.generate` of each engine (its own policy and budget; one model, one regime) on one prompt,
     the variants that :meth:`Engine.shares_prefill` prefilled by one forward (:class:`SharedPrefill`) per head
@@ -262,7 +279,9 @@ def generate_shared(
     streaming) feeding the prompt's blocks as rows; then the variants decode as rows, ``batch_size`` at a time
     (:func:`decode_rows`). Each output reports the shared prefill's time divided among the variants that shared it.
     Outputs equal :meth:`Engine.generate`'s."""
-    rows = prefill_shared(engines, input_ids, max_new_tokens, stop_token_ids, min_new_tokens, batch_size)
+    rows = prefill_shared(
+        engines, input_ids, max_new_tokens, stop_token_ids, min_new_tokens, batch_size, question_start
+    )
     return decode_rows(rows, batch_size)
 
 
@@ -273,13 +292,17 @@ def prefill_shared(
     stop_token_ids=(),
     min_new_tokens: int = 0,
     batch_size: int = 1,
+    question_start: int | None = None,
 ) -> list[Row]:
     """The prefilled rows of :func:`generate_shared`, one per engine, ready for :func:`decode_rows`; the variants
-    that do not share a forward (chunked, streaming) feed the prompt's blocks as rows, ``batch_size`` at a time."""
+    that do not share a forward (chunked, streaming) feed the prompt's blocks as rows, ``batch_size`` at a time.
+    With ``question_start``, what is prefilled is the context ``input_ids[:question_start]``, and then every row
+    reads the question without evicting (:meth:`Engine.prefilled_row`)."""
+    context = input_ids[:question_start]
     rows = [
         Row(
             engine,
-            engine.new_cache(len(input_ids)),
+            engine.new_cache(len(context)),
             torch.empty(0),
             len(input_ids),
             max_new_tokens,
@@ -298,18 +321,36 @@ def prefill_shared(
     for indices in lockstep_groups(engines, alone, batch_size):
         lockstep = [rows[index] for index in indices]
         start = engines[indices[0]]._now()
-        logits = prefill_rows([row.engine for row in lockstep], [row.cache for row in lockstep], input_ids)
+        logits = prefill_rows([row.engine for row in lockstep], [row.cache for row in lockstep], context)
         seconds = (engines[indices[0]]._now() - start) / len(lockstep)
         for row, last in zip(lockstep, logits):
             row.logits, row.prefill_seconds = last[-1], seconds
     for group in sharing.values():
         lead = group[0].engine
         start = lead._now()
-        shared = lead.prefill(SharedPrefill([row.cache for row in group]), input_ids)[0, -1]
+        shared = lead.prefill(SharedPrefill([row.cache for row in group]), context)[0, -1]
         seconds = (lead._now() - start) / len(group)
         for row in group:
             row.logits, row.prefill_seconds, row.prefill_shared_by = shared, seconds, len(group)
+    if question_start is not None:
+        read_question(rows, input_ids, question_start, batch_size)
     return rows
+
+
+def read_question(rows: list[Row], input_ids: list[int], question_start: int, batch_size: int) -> None:
+    """Query-agnostic: each row reads its prompt's question ``input_ids[question_start:]`` into the cache its context
+    was compressed into, at the question's own positions and without evicting, ``batch_size`` rows a forward; the
+    question's last logits become the row's, its time is added to the row's prefill."""
+    question = input_ids[question_start:]
+    for begin in range(0, len(rows), batch_size):
+        group = rows[begin : begin + batch_size]
+        lead = group[0].engine
+        start = lead._now()
+        caches, count = [row.cache for row in group], len(group)
+        logits = forward_rows(lead, caches, [question] * count, [question_start] * count, [False] * count)
+        seconds = (lead._now() - start) / count
+        for row, last in zip(group, logits):
+            row.logits, row.prefill_seconds = last[-1], row.prefill_seconds + seconds
 
 
 @dataclass

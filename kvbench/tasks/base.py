@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 
 from omegaconf import DictConfig
 
-from kvbench.domains import Domain, check_table
+from kvbench.domains import Domain, check_table, choice
 from kvbench.tasks import prompts
 
 
@@ -25,6 +25,8 @@ class Sample:
     (Hugging Face's ``min_length = prompt + min_new_tokens``); the last token of each of ``stop_strings`` also
     stops it (LongBench samsum's newline). ``mode="perplexity"``: score every token of
     ``input_ids`` after the first ``context_tokens`` (0 = the whole stream, StreamingLLM protocol).
+    ``question_start`` (``task.query_mode=agnostic``): ``input_ids[:question_start]`` is the context, compressed
+    alone; the rest is the question, read after the eviction without evicting.
     """
 
     id: str
@@ -37,6 +39,7 @@ class Sample:
     stop_strings: list[str] = field(default_factory=list)
     context_tokens: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    question_start: int | None = None
 
 
 @dataclass
@@ -78,7 +81,20 @@ class ModelInfo:
         self, template: str, text: str, answer_prefix: str = "", messages: list[dict[str, str]] | None = None
     ) -> list[int]:
         """The prompt's token ids in a template of :mod:`kvbench.tasks.prompts`."""
-        return prompts.render(self.tokenizer, self.name, template, text, answer_prefix, messages)
+        prompt, special_tokens = prompts.rendered(self.tokenizer, self.name, template, text, answer_prefix, messages)
+        return list(self.tokenizer(prompt, add_special_tokens=special_tokens, verbose=False)["input_ids"])
+
+    def prompt_split(
+        self,
+        template: str,
+        text: str,
+        question: str,
+        answer_prefix: str = "",
+        messages: list[dict[str, str]] | None = None,
+    ) -> tuple[list[int], int]:
+        """:meth:`prompt_ids` and the index where ``question`` (the end of ``text``) starts in them."""
+        prompt, special_tokens = prompts.rendered(self.tokenizer, self.name, template, text, answer_prefix, messages)
+        return prompts.split_question(self.tokenizer, prompt, special_tokens, question)
 
 
 class Task(ABC):
@@ -87,15 +103,24 @@ class Task(ABC):
     name: str
     #: the domain of each of the task's settings (``task.<key>``, conf/task/<name>.yaml)
     domains: ClassVar[dict[str, Domain]] = {}
+    #: whether the task gives its samples a ``question_start``: ``task.query_mode=agnostic`` needs it
+    splits_prompts: ClassVar[bool] = False
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         self.cfg = cfg
         self.model = model
 
     @classmethod
+    def setting_domains(cls) -> dict[str, Domain]:
+        """:attr:`domains` and every task's ``query_mode``: ``agnostic`` where the task splits its prompts."""
+        refusal = f"aware (task {cls.name} cannot split its prompts into a context and a question)"
+        modes = choice("aware", "agnostic") if cls.splits_prompts else Domain(refusal, lambda mode: mode == "aware")
+        return {**cls.domains, "query_mode": modes}
+
+    @classmethod
     def check(cls, settings: dict[str, Any]) -> None:
         """A one-line error for a setting outside its domain (before anything is loaded)."""
-        check_table(settings, cls.domains, "task.")
+        check_table(settings, cls.setting_domains(), "task.")
 
     @classmethod
     def for_model(cls, settings: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:

@@ -107,22 +107,22 @@ def check_chat_template(tokenizer: Any, model_name: str) -> None:
         )
 
 
-def render(
+def rendered(
     tokenizer: Any,
     model_name: str,
     template: str,
     text: str,
     answer_prefix: str = "",
     messages: list[dict[str, str]] | None = None,
-) -> list[int]:
-    """Token ids of ``text`` in ``template``, with ``answer_prefix`` after it (after the generation prompt).
+) -> tuple[str, bool]:
+    """The prompt's text: ``text`` in ``template``, with ``answer_prefix`` after it (after the generation prompt);
+    and whether the tokenizer adds its special tokens to it (every template but ``hf_chat``, whose text holds them).
 
     ``messages`` are the chat turns for ``hf_chat`` (default: ``text`` as one user turn); a chat template
     that refuses a system turn gets the system text prepended to the first user turn.
     """
     if template != HF_CHAT:
-        wrapped = TEMPLATES[template].format(prompt=text) + answer_prefix
-        return list(tokenizer(wrapped, verbose=False)["input_ids"])
+        return TEMPLATES[template].format(prompt=text) + answer_prefix, True
     check_chat_template(tokenizer, model_name)
     messages = messages or [{"role": "user", "content": text}]
     try:
@@ -133,4 +133,17 @@ def render(
         first, *rest = messages[1:]
         merged = [{"role": "user", "content": f"{messages[0]['content']}\n{first['content']}"}, *rest]
         chat = tokenizer.apply_chat_template(merged, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(chat + answer_prefix, add_special_tokens=False, verbose=False)["input_ids"])
+    return chat + answer_prefix, False
+
+
+def split_question(tokenizer: Any, prompt: str, special_tokens: bool, question: str) -> tuple[list[int], int]:
+    """A :func:`rendered` prompt's ids and where its question starts in them: the index
+    of the first token that ends past the start of ``question`` (the end of the task's text from where its question
+    begins) in ``prompt``, so that a token straddling the boundary goes with the question and the context holds
+    nothing of it."""
+    begins = prompt.rfind(question.strip())
+    if not question.strip() or begins < 0:
+        raise KVBenchError(f"the question {question[:60]!r} is not in the rendered prompt")
+    encoded = tokenizer(prompt, add_special_tokens=special_tokens, return_offsets_mapping=True, verbose=False)
+    ends = [end for _, end in encoded["offset_mapping"]]
+    return list(encoded["input_ids"]), next(index for index, end in enumerate(ends) if end > begins)

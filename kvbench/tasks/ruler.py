@@ -125,6 +125,13 @@ class Prompt:
     answers: list[str]
     shots: list[tuple[str, str]] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
+    #: the end of ``text`` after its context: what a query-agnostic run withholds from the compression
+    question: str = ""
+
+
+def after_context(template: str, **values: Any) -> str:
+    """The question of a task ``template``: its text after ``{context}``, filled in."""
+    return template.split("{context}")[1].format(**values)
 
 
 def _random_item(kind: str, rng: random.Random) -> str:
@@ -245,6 +252,7 @@ class Niah(Generator):
             answer_prefix=prefix.format(type_needle_v=type_needle_v, query=query),
             answers=[value for i in queried for value in values[i]],
             info={"depths": depths},
+            question=after_context(template, type_needle_v=type_needle_v, query=query),
         )
 
     @staticmethod
@@ -275,13 +283,17 @@ class VariableTracking(Generator):
 
     def build(self, rng: random.Random, size: int, task: RulerTask) -> Prompt:
         """An example with ``size`` noise paragraphs, preceded by the worked example."""
-        example_text, example_prefix, example_answers = self._example(rng, VT_EXAMPLE_NOISE, 3, min(10, self.num_hops))
-        text, prefix, answers = self._example(rng, size, 5, self.num_hops)
+        example_text, example_prefix, example_answers, _ = self._example(
+            rng, VT_EXAMPLE_NOISE, 3, min(10, self.num_hops)
+        )
+        text, prefix, answers, question = self._example(rng, size, 5, self.num_hops)
         shot = f"{example_text}{example_prefix}{' '.join(example_answers)}"
-        return Prompt(text=f"{shot}\n\n{text}", answer_prefix=prefix, answers=answers)
+        return Prompt(text=f"{shot}\n\n{text}", answer_prefix=prefix, answers=answers, question=question)
 
-    def _example(self, rng: random.Random, size: int, name_length: int, num_hops: int) -> tuple[str, str, list[str]]:
-        """Task text, answer prefix and answer (the first chain's names) for ``size`` noise paragraphs."""
+    def _example(
+        self, rng: random.Random, size: int, name_length: int, num_hops: int
+    ) -> tuple[str, str, list[str], str]:
+        """Task text, answer prefix, answer (the first chain's names) and question for ``size`` noise paragraphs."""
         used: set[str] = set()
         chains = [
             [_unique(lambda: _random_name(rng, string.ascii_uppercase, name_length), used) for _ in range(num_hops + 1)]
@@ -297,6 +309,7 @@ class VariableTracking(Generator):
             VT_TEMPLATE.format(context="\n".join(lines), query=values[0]),
             VT_ANSWER_PREFIX.format(num_v=num_hops + 1, query=values[0]),
             chains[0],
+            after_context(VT_TEMPLATE, query=values[0]),
         )
 
 
@@ -336,6 +349,7 @@ class CommonWords(Generator):
             answers=answers,
             shots=[(CWE_TEMPLATE.format(context=example), CWE_ANSWER_PREFIX + numbered)],
             info={"num_words": min(size, len(vocabulary))},
+            question=after_context(CWE_TEMPLATE),
         )
 
     def _listing(
@@ -371,6 +385,7 @@ class FreqWords(Generator):
             text=FWE_TEMPLATE.format(context=" ".join(words)),
             answer_prefix=FWE_ANSWER_PREFIX,
             answers=vocabulary[1:4],
+            question=after_context(FWE_TEMPLATE),
         )
 
 
@@ -522,6 +537,7 @@ class QA(Generator):
             answer_prefix=QA_ANSWER_PREFIX,
             answers=list(qa["outputs"]),
             info={"num_docs": len(texts)},
+            question=after_context(QA_TEMPLATE, query=qa["query"]),
         )
 
 
@@ -553,6 +569,7 @@ class Generated:
     prompt: Prompt
     text: str
     input_ids: list[int]
+    question_start: int | None
     size: int
 
 
@@ -585,9 +602,11 @@ class RulerTask(Task):
     ``seed``, ``context_length`` (prompt + generated tokens), ``tokens_to_generate`` (null = RULER's per
     task, a number for every task, or a ``{subtask: number}`` mapping), ``prompt_format``,
     ``min_new_tokens``, ``data_dir`` (official jsonl files instead of generating), ``essay_dir`` with the
-    Paul Graham essays and ``qa_dir`` with RULER's ``squad.json`` / ``hotpotqa.json``."""
+    Paul Graham essays, ``qa_dir`` with RULER's ``squad.json`` / ``hotpotqa.json`` and ``query_mode``
+    (``agnostic``: each generated sample's ``question_start``, the task's question after its context)."""
 
     name = "ruler"
+    splits_prompts = True
     domains = {
         "subtasks": optional(name_list(SUBTASKS), "its 11 synthetic tasks"),
         "context_length": TOKENS,
@@ -639,6 +658,12 @@ class RulerTask(Task):
             raise KVBenchError(
                 f"task.max_length={self.max_length} would cut prompts generated for task.context_length="
                 f"{self.context_length}; lower task.context_length instead"
+            )
+        self.agnostic = cfg.query_mode == "agnostic"
+        if self.agnostic and self.data_dir is not None:
+            raise KVBenchError(
+                "task.query_mode=agnostic needs generated samples (RULER's files hold each prompt as one text, "
+                "with no context/question split); set task.data_dir=null"
             )
         self.template = model.template(cfg.prompt_format, PROMPT_FORMATS)
         self.answer_prefix = cfg.prompt_format != "kvcache_factory"
@@ -737,7 +762,9 @@ class RulerTask(Task):
         """Generated sample ``index`` of ``subtask`` (the same for the same seed, tokenizer and context length)."""
         generated = self.generate(subtask, index)
         info = {"index": index, "haystack_size": generated.size, **generated.prompt.info}
-        return self._sample(subtask, index, generated.input_ids, generated.prompt.answers, info)
+        sample = self._sample(subtask, index, generated.input_ids, generated.prompt.answers, info)
+        sample.question_start = generated.question_start
+        return sample
 
     def _sample(self, subtask: str, position: int, ids: list[int], answers: list[str], info: dict[str, Any]) -> Sample:
         max_new_tokens = self.tokens_to_generate[subtask]
@@ -778,8 +805,9 @@ class RulerTask(Task):
             )
         return tried[_largest_fitting(length, budget, spec.min_size, 2 * self.context_length)]
 
-    def render(self, prompt: Prompt) -> tuple[str, list[int]]:
-        """The text the model reads (template, answer prefix but for ``kvcache_factory``) and its token ids.
+    def render(self, prompt: Prompt) -> tuple[str, list[int], int | None]:
+        """The text the model reads (template, answer prefix but for ``kvcache_factory``), its token ids and, with
+        ``task.query_mode=agnostic``, where its question starts in them.
 
         The worked examples (cwe, vt) precede the task text, as RULER writes them; ``hf_chat`` makes them
         earlier turns of the chat."""
@@ -791,8 +819,11 @@ class RulerTask(Task):
             for user, assistant in prompt.shots:
                 messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant.strip()}]
             messages.append({"role": "user", "content": prompt.text})
+        if self.agnostic:
+            ids, question_start = self.model.prompt_split(self.template, text, prompt.question, prefix, messages)
+            return self.model.tokenizer.decode(ids), ids, question_start
         ids = self.model.prompt_ids(self.template, text, prefix, messages)
-        return self.model.tokenizer.decode(ids), ids
+        return self.model.tokenizer.decode(ids), ids, None
 
     def score(self, sample: Sample, prediction: str) -> float:
         """The subtask's RULER metric (string_match_all; qa: string_match_part), 0-1."""
