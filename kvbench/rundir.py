@@ -30,6 +30,10 @@ from kvbench.errors import KVBenchError
 #: resumes and logs, and an experiment's per-policy table (already applied to the ``policy`` node)
 NOT_IDENTITY = ("hydra", "logger", "output_dir", "policy_settings", "resume", "engine.batch_size")
 
+#: settings added after run directories were made, with the value every older run ran with: at that value a setting is
+#: left out of a run's identity, so that older runs keep their directory names and resume
+ADDED_SETTINGS = {"task.query_mode": "aware"}
+
 #: ``resume=``: ``auto`` resumes a directory holding the same settings and refuses one holding others;
 #: ``restart`` moves the directory's files into a dated ``superseded-*`` sub-folder and starts afresh
 RESUME_MODES = ("auto", "restart")
@@ -37,14 +41,20 @@ RESUME_MODES = ("auto", "restart")
 
 def identity(settings: Mapping[str, Any]) -> dict[str, Any]:
     """The settings that make a run what it is (a plain config dict without :data:`NOT_IDENTITY`, whose dotted
-    names are keys of a group: ``engine.batch_size``, how many rows decode together, changes no prediction)."""
+    names are keys of a group: ``engine.batch_size``, how many rows decode together, changes no prediction; nor
+    :data:`ADDED_SETTINGS` at the value older runs had)."""
     kept = {}
     for key, value in settings.items():
         if key in NOT_IDENTITY:
             continue
         inner = {name.split(".", 1)[1] for name in NOT_IDENTITY if name.startswith(f"{key}.")}
-        if inner and isinstance(value, Mapping):
-            value = {name: setting for name, setting in value.items() if name not in inner}
+        added = {name.split(".", 1)[1]: at for name, at in ADDED_SETTINGS.items() if name.startswith(f"{key}.")}
+        if (inner or added) and isinstance(value, Mapping):
+            value = {
+                name: setting
+                for name, setting in value.items()
+                if name not in inner and not (name in added and setting == added[name])
+            }
         kept[str(key)] = value
     return kept
 

@@ -95,10 +95,10 @@ def test_the_leaderboard_gives_each_cell_its_interval_and_each_modifier_its_pair
         "leaderboard.png",
         "leaderboard_cells.md",
         "leaderboard_paired.md",
-        "leaderboard_paired_summary.md",
-        "leaderboard_summary.md",
+        "leaderboard_paired_summary_ruler.md",
+        "leaderboard_summary_ruler.md",
     ]
-    summary, paired_summary = tables["leaderboard_summary"], tables["leaderboard_paired_summary"]
+    summary, paired_summary = tables["leaderboard_summary_ruler"], tables["leaderboard_paired_summary_ruler"]
     assert list(summary.columns) == ["policy", "n", "–", "64"]  # the constant cell key is left out
     cell = cells[cells["policy"] == "snapkv"].iloc[0]
     expected = f"{cell['mean']:.1f} [{cell['low']:.1f}, {cell['high']:.1f}]"
@@ -144,10 +144,13 @@ def test_the_committed_leaderboard_regenerates_its_report_and_the_readme(tmp_pat
         pytest.skip("results/leaderboard has no report")
     main(["leaderboard", str(committed), "--output-dir", str(tmp_path)])
     readme = (PROJECT_ROOT / "README.md").read_text()
-    for name in ("leaderboard_cells", "leaderboard_paired", "leaderboard_summary", "leaderboard_paired_summary"):
+    names = sorted(path.stem for path in tmp_path.glob("*.md"))
+    assert names == sorted(path.stem for path in (committed / "report").glob("*.md"))
+    assert [f"leaderboard_summary_{task}" in names for task in ("niah", "ppl", "ruler")] == [True] * 3
+    for name in names:
         made = (tmp_path / f"{name}.md").read_text()
         assert made == (committed / "report" / f"{name}.md").read_text(), name
-        if name.endswith("summary"):
+        if "summary" in name:
             assert made.strip() in readme, f"README.md does not quote {name}.md"
     tables = leaderboard_tables(load_runs([committed]))
     assert (tables["leaderboard_cells"]["n"] >= 100).all() and (tables["leaderboard_paired"]["n"] >= 100).all()

@@ -180,3 +180,14 @@ def test_plan_reports_a_directory_of_other_settings_as_invalid(tmp_path, capsys)
     main(["plan", *BASE, f"output_dir={out}"])
     (line,) = [json.loads(text) for text in capsys.readouterr().out.splitlines()]
     assert line["error"] is None and line["finished"]
+
+
+def test_a_setting_added_later_leaves_older_runs_their_identity():
+    """``task.query_mode`` came after run directories were made: at ``aware`` (what they ran) it is no part of a run's
+    identity, so they keep their names and resume; ``agnostic`` makes another run."""
+    from kvbench.rundir import identity
+
+    before = {"task": {"name": "ruler", "context_length": 1024}, "policy": {"name": "snapkv"}}
+    aware = {"task": {"name": "ruler", "context_length": 1024, "query_mode": "aware"}, "policy": {"name": "snapkv"}}
+    agnostic = {**aware, "task": {**aware["task"], "query_mode": "agnostic"}}
+    assert identity(aware) == identity(before) != identity(agnostic)

@@ -126,18 +126,26 @@ def by_budget(frame: pd.DataFrame, label: str, text) -> pd.DataFrame:
 
 
 def summaries(table: pd.DataFrame, paired: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """The two tables in short, a column per budget: ``leaderboard_summary``, each cell's ``mean [low, high]``;
-    ``leaderboard_paired_summary``, each modifier's paired difference from its base ``Δ [low, high]``, with ``*``
-    where the interval excludes zero."""
-    cells_text = by_budget(table, "n", lambda row: f"{row.mean:.1f} [{row.low:.1f}, {row.high:.1f}]")
-    if paired.empty:
-        return {"leaderboard_summary": cells_text}
-    paired_text = by_budget(
-        paired,
-        "n",
-        lambda row: f"{row.difference:+.1f} [{row.low:+.1f}, {row.high:+.1f}]" + ("*" if row.differs else ""),
-    )
-    return {"leaderboard_summary": cells_text, "leaderboard_paired_summary": paired_text}
+    """The two tables in short, one of each per task, a column per budget: ``leaderboard_summary_<task>``, each cell's
+    ``mean [low, high]``; ``leaderboard_paired_summary_<task>``, each modifier's paired difference from its base
+    ``Δ [low, high]``, with ``*`` where the interval excludes zero (a perplexity to two decimals)."""
+
+    def cell(row) -> str:
+        digits = 2 if row.metric == "perplexity" else 1
+        return f"{row.mean:.{digits}f} [{row.low:.{digits}f}, {row.high:.{digits}f}]"
+
+    def difference(row) -> str:
+        digits = 2 if row.metric == "perplexity" else 1
+        text = f"{row.difference:+.{digits}f} [{row.low:+.{digits}f}, {row.high:+.{digits}f}]"
+        return text + ("*" if row.differs else "")
+
+    short = {}
+    for task, cells_of_task in table.groupby("task", sort=False):
+        short[f"leaderboard_summary_{task}"] = by_budget(cells_of_task, "n", cell)
+        paired_of_task = paired[paired["task"] == task]
+        if not paired_of_task.empty:
+            short[f"leaderboard_paired_summary_{task}"] = by_budget(paired_of_task, "n", difference)
+    return short
 
 
 def leaderboard_tables(runs: list[Run]) -> dict[str, pd.DataFrame]:
