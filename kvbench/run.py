@@ -25,6 +25,7 @@ from kvbench.engine.engine import (
     PerplexityOutput,
     Row,
     batch_rows,
+    decode_rows,
     finished_rows,
     perplexity_rows,
     prefill_shared,
@@ -111,6 +112,13 @@ def stop_ids(sample: Sample, loaded: LoadedModel) -> list[int]:
     return [*loaded.stop_token_ids, *extra]
 
 
+def sample_row(engine: Engine, sample: Sample, loaded: LoadedModel) -> Row:
+    """A generated sample prefilled by ``engine`` (:meth:`~kvbench.engine.Engine.prefilled_row`): its row to decode."""
+    return engine.prefilled_row(
+        sample.input_ids, sample.max_new_tokens, stop_ids(sample, loaded), sample.min_new_tokens, sample.question_start
+    )
+
+
 def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) -> tuple[dict[str, Any], Any]:
     """Run one sample through the engine and score it: the record written to predictions.jsonl, and the
     engine's output."""
@@ -119,13 +127,7 @@ def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) 
     if sample.mode == "perplexity":
         output = engine.perplexity(sample.input_ids, sample.context_tokens)
     else:
-        output = engine.generate(
-            sample.input_ids,
-            sample.max_new_tokens,
-            stop_ids(sample, loaded),
-            sample.min_new_tokens,
-            sample.question_start,
-        )
+        output = decode_rows([sample_row(engine, sample, loaded)], 1)[0]
     return record_of(task, sample, output, loaded, time.perf_counter() - started), output
 
 
@@ -139,16 +141,7 @@ def run_samples(
         for sample in samples:
             yield sample, run_sample(engine, task, sample, loaded)
         return
-    rows = [
-        engine.prefilled_row(
-            sample.input_ids,
-            sample.max_new_tokens,
-            stop_ids(sample, loaded),
-            sample.min_new_tokens,
-            sample.question_start,
-        )
-        for sample in samples
-    ]
+    rows = [sample_row(engine, sample, loaded) for sample in samples]
     positions = list(range(len(samples)))
     for position, finished in in_sample_order(finished_rows(rows, batch_size), positions, len(samples)):
         ((_, output),) = finished

@@ -59,9 +59,9 @@ def cells(runs: list[Run]) -> tuple[pd.DataFrame, dict[tuple, dict[str, float]]]
     cache, whose budget is no setting, once)."""
     rows, scores = [], {}
     for run in runs:
-        identity = run.identity()
+        identity, kind = run.identity(), metric(run)
         for subtask, by_id in sample_scores(run).items():
-            key = (identity["model"], run.task, subtask, metric(run), run.context, identity["regime"])
+            key = (identity["model"], run.task, subtask, kind, run.context, identity["regime"])
             policy, budget = identity["policy"], identity["budget"]
             if (*key, policy, budget) in scores:  # the full cache run at several budgets: one cell
                 continue

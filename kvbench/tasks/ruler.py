@@ -762,11 +762,18 @@ class RulerTask(Task):
         """Generated sample ``index`` of ``subtask`` (the same for the same seed, tokenizer and context length)."""
         generated = self.generate(subtask, index)
         info = {"index": index, "haystack_size": generated.size, **generated.prompt.info}
-        sample = self._sample(subtask, index, generated.input_ids, generated.prompt.answers, info)
-        sample.question_start = generated.question_start
-        return sample
+        ids, answers = generated.input_ids, generated.prompt.answers
+        return self._sample(subtask, index, ids, answers, info, generated.question_start)
 
-    def _sample(self, subtask: str, position: int, ids: list[int], answers: list[str], info: dict[str, Any]) -> Sample:
+    def _sample(
+        self,
+        subtask: str,
+        position: int,
+        ids: list[int],
+        answers: list[str],
+        info: dict[str, Any],
+        question_start: int | None = None,
+    ) -> Sample:
         max_new_tokens = self.tokens_to_generate[subtask]
         if len(ids) + max_new_tokens > self.model.context_window:
             raise KVBenchError(
@@ -781,6 +788,7 @@ class RulerTask(Task):
             max_new_tokens=max_new_tokens,
             min_new_tokens=self.min_new_tokens,
             metadata={"context_length": self.context_length, **info},
+            question_start=question_start,
         )
 
     def generate(self, subtask: str, index: int) -> Generated:
