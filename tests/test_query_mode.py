@@ -7,7 +7,7 @@ import torch
 
 from kvbench.config import compose
 from kvbench.engine import Engine
-from kvbench.engine.engine import generate_shared
+from kvbench.engine.engine import Question, decode_rows, generate_shared, prefill_questions
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy
@@ -156,3 +156,20 @@ def test_an_agnostic_sweep_gives_what_its_runs_give_alone(tmp_path):
     run_group([(cfg, tmp_path / "grouped" / str(number)) for number, cfg in enumerate(cfgs)], True)
     for number, spec in enumerate(specs):
         assert outcome(tmp_path / "grouped" / str(number)) == outcome(tmp_path / "separate" / str(number)), spec
+
+
+def test_each_question_of_a_context_is_answered_as_if_it_were_alone():
+    """Three questions of one context through :func:`prefill_questions`: the context compressed once per variant, each
+    question read into its own copy of the compressed cache — question 2 after question 1 gives what question 2 gives
+    alone (tokens, kept sets, cache sizes, policy statistics), for every variant, so the cache is really restored."""
+    engines = variants(tiny_model(), [32, 48])
+    context = PROMPT[:QUESTION_START]
+    questions = [Question(context + random_prompt(length, seed=length), QUESTION_START, 6) for length in (30, 12, 21)]
+    rows = prefill_questions(engines, questions, batch_size=5)
+    assert [row.context_shared_by for row in rows] == [3] * len(rows)
+    outputs = decode_rows(rows, batch_size=7)
+    for number, question in enumerate(questions):
+        alone = [engine.generate(question.input_ids, 6, question_start=QUESTION_START) for engine in engines]
+        assert_each_as_alone(engines, alone, outputs[number * len(engines) : (number + 1) * len(engines)])
+    with pytest.raises(ValueError, match="share its tokens"):
+        prefill_questions(engines[:1], [questions[0], Question(random_prompt(150, seed=9), QUESTION_START, 6)])

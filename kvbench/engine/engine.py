@@ -12,11 +12,12 @@ The engine knows nothing about benchmarks: it takes token ids and returns token 
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -61,6 +62,7 @@ class GenerationOutput:
     policy_stats: dict = field(default_factory=dict)
     kept: list[list[list[int]]] | None = None
     prefill_shared_by: int = 1  # variants whose prefill was one forward (generate_shared): prefill_seconds is a share
+    context_shared_by: int = 1  # questions answered from one compression of their context (prefill_questions)
 
 
 @dataclass
@@ -297,20 +299,67 @@ def prefill_shared(
     """The prefilled rows of :func:`generate_shared`, one per engine, ready for :func:`decode_rows`; the variants
     that do not share a forward (chunked, streaming) feed the prompt's blocks as rows, ``batch_size`` at a time.
     With ``question_start``, what is prefilled is the context ``input_ids[:question_start]``, and then every row
-    reads the question without evicting (:meth:`Engine.prefilled_row`)."""
-    context = input_ids[:question_start]
-    rows = [
-        Row(
-            engine,
-            engine.new_cache(len(context)),
-            torch.empty(0),
-            len(input_ids),
-            max_new_tokens,
-            stop_token_ids,
-            min_new_tokens,
-        )
-        for engine in engines
-    ]
+    reads the question without evicting (:func:`prefill_questions` of one question)."""
+    if question_start is not None:
+        question = Question(input_ids, question_start, max_new_tokens, stop_token_ids, min_new_tokens)
+        return prefill_questions(engines, [question], batch_size)
+    rows = compressed_rows(engines, input_ids, batch_size)
+    for row in rows:
+        row.max_new_tokens, row.stop_token_ids, row.min_new_tokens = max_new_tokens, stop_token_ids, min_new_tokens
+    return rows
+
+
+@dataclass(frozen=True)
+class Question:
+    """A prompt answered from a compressed context: ``input_ids[:question_start]`` the context, the rest the question,
+    decoded as :meth:`Engine.generate` decodes."""
+
+    input_ids: list[int]
+    question_start: int
+    max_new_tokens: int
+    stop_token_ids: Sequence[int] = ()
+    min_new_tokens: int = 0
+
+    @property
+    def context(self) -> list[int]:
+        return self.input_ids[: self.question_start]
+
+
+def prefill_questions(engines: list[Engine], questions: Sequence[Question], batch_size: int = 1) -> list[Row]:
+    """Rows of every (question, engine), question by question: the context the ``questions`` share compressed once
+    per engine (:func:`compressed_rows`), then each question read into its own copy of each engine's compressed cache
+    (:func:`read_question`), so each answers from the context as if it were the only one; the compression's time is
+    divided among the questions (``Row.context_shared_by``)."""
+    context = questions[0].context
+    if any(question.context != context for question in questions):
+        raise ValueError("questions answered from one compressed context must share its tokens")
+    compressed = compressed_rows(engines, context, batch_size)
+    rows: list[Row] = []
+    for number, question in enumerate(questions):
+        asked = [
+            replace(
+                row,
+                cache=row.cache if number == len(questions) - 1 else copy.deepcopy(row.cache),
+                prompt_tokens=len(question.input_ids),
+                max_new_tokens=question.max_new_tokens,
+                stop_token_ids=question.stop_token_ids,
+                min_new_tokens=question.min_new_tokens,
+                prefill_seconds=row.prefill_seconds / len(questions),
+                context_shared_by=len(questions),
+                generated=[],
+            )
+            for row in compressed
+        ]
+        read_question(asked, question.input_ids, question.question_start, batch_size)
+        rows += asked
+    return rows
+
+
+def compressed_rows(engines: list[Engine], prompt: list[int], batch_size: int) -> list[Row]:
+    """Each engine's ``prompt`` prefilled and evicted under its regime into a new cache, as a row (its decoding
+    settings left to the caller): the variants that :meth:`Engine.shares_prefill` by one forward per head layout, the
+    others feeding the prompt's blocks as rows, ``batch_size`` at a time."""
+    rows = [Row(engine, engine.new_cache(len(prompt)), torch.empty(0), len(prompt), 0) for engine in engines]
     sharing: dict[bool, list[Row]] = {}  # prefill_key -> the variants of one forward
     alone = []  # the variants that feed their prompt in blocks (chunked, streaming): in lockstep, as rows
     for index, row in enumerate(rows):
@@ -321,19 +370,17 @@ def prefill_shared(
     for indices in lockstep_groups(engines, alone, batch_size):
         lockstep = [rows[index] for index in indices]
         start = engines[indices[0]]._now()
-        logits = prefill_rows([row.engine for row in lockstep], [row.cache for row in lockstep], context)
+        logits = prefill_rows([row.engine for row in lockstep], [row.cache for row in lockstep], prompt)
         seconds = (engines[indices[0]]._now() - start) / len(lockstep)
         for row, last in zip(lockstep, logits):
             row.logits, row.prefill_seconds = last[-1], seconds
     for group in sharing.values():
         lead = group[0].engine
         start = lead._now()
-        shared = lead.prefill(SharedPrefill([row.cache for row in group]), context)[0, -1]
+        shared = lead.prefill(SharedPrefill([row.cache for row in group]), prompt)[0, -1]
         seconds = (lead._now() - start) / len(group)
         for row in group:
             row.logits, row.prefill_seconds, row.prefill_shared_by = shared, seconds, len(group)
-    if question_start is not None:
-        read_question(rows, input_ids, question_start, batch_size)
     return rows
 
 
@@ -368,6 +415,7 @@ class Row:
     min_new_tokens: int = 0
     prefill_seconds: float = 0.0
     prefill_shared_by: int = 1
+    context_shared_by: int = 1  # questions answered from one compression of the context (prefill_questions)
     generated: list[int] = field(default_factory=list)
     decode_seconds: float = 0.0
 
@@ -412,7 +460,7 @@ def finished_rows(rows: list[Row], batch_size: int) -> Iterator[tuple[int, Gener
         finished = GenerationOutput(
             row.generated, row.prompt_tokens, row.prefill_seconds, row.decode_seconds, kv, stats, kept[index]
         )
-        finished.prefill_shared_by = row.prefill_shared_by
+        finished.prefill_shared_by, finished.context_shared_by = row.prefill_shared_by, row.context_shared_by
         return index, finished
 
     waiting, active = deque(range(len(rows))), list[int]()
