@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import mean
@@ -23,11 +23,13 @@ from kvbench.engine import Engine
 from kvbench.engine.engine import (
     GenerationOutput,
     PerplexityOutput,
+    Question,
     Row,
     batch_rows,
     decode_rows,
     finished_rows,
     perplexity_rows,
+    prefill_questions,
     prefill_shared,
 )
 from kvbench.errors import KVBenchError
@@ -141,11 +143,54 @@ def run_samples(
         for sample in samples:
             yield sample, run_sample(engine, task, sample, loaded)
         return
-    rows = [sample_row(engine, sample, loaded) for sample in samples]
+    rows = [row for group in context_groups(samples) for row in context_rows([engine], group, loaded, 1)]
     positions = list(range(len(samples)))
     for position, finished in in_sample_order(finished_rows(rows, batch_size), positions, len(samples)):
         ((_, output),) = finished
         yield samples[position], (record_of(task, samples[position], output, loaded), output)
+
+
+def context_groups(samples: Sequence[Sample], key: Callable[[Sample], Any] = lambda sample: None) -> list[list[Sample]]:
+    """``samples`` in runs of consecutive ones answered from one compression of their context: query-agnostic samples
+    of one ``context_id`` (and one ``key``: the runs that lack them, in a group); every other sample alone."""
+    groups: list[list[Sample]] = []
+    for sample in samples:
+        previous = groups[-1][-1] if groups else None
+        if previous is not None and shares_context(previous, sample) and key(previous) == key(sample):
+            groups[-1].append(sample)
+        else:
+            groups.append([sample])
+    return groups
+
+
+def shares_context(sample: Sample, other: Sample) -> bool:
+    """Whether two query-agnostic samples ask about one context (one ``context_id``)."""
+    agnostic = sample.question_start is not None and other.question_start is not None
+    return agnostic and sample.context_id is not None and sample.context_id == other.context_id
+
+
+def context_rows(engines: list[Engine], samples: list[Sample], loaded: LoadedModel, batch_size: int) -> list[Row]:
+    """The prefilled rows of ``samples`` (one :func:`context_groups` group) for each of ``engines`` (one model and
+    regime), sample by sample: each sample prefilled once for all the engines
+    (:func:`~kvbench.engine.engine.prefill_shared`), or the questions of one context answered from one compression of
+    it per engine (:func:`~kvbench.engine.engine.prefill_questions`)."""
+    if len(samples) == 1:
+        (sample,) = samples
+        if len(engines) == 1:
+            return [sample_row(engines[0], sample, loaded)]
+        stops, new, least = stop_ids(sample, loaded), sample.max_new_tokens, sample.min_new_tokens
+        return prefill_shared(engines, sample.input_ids, new, stops, least, batch_size, sample.question_start)
+    questions = [
+        Question(
+            sample.input_ids,
+            cast(int, sample.question_start),
+            sample.max_new_tokens,
+            stop_ids(sample, loaded),
+            sample.min_new_tokens,
+        )
+        for sample in samples
+    ]
+    return prefill_questions(engines, questions, batch_size)
 
 
 def in_sample_order(
@@ -176,9 +221,16 @@ def samples_batch(cfg: DictConfig, engines: Sequence[Engine], samples: Sequence[
 
 
 def chunks(samples: Sequence[Sample], size: int) -> Iterator[list[Sample]]:
-    """``samples`` in consecutive lists of ``size``."""
-    for begin in range(0, len(samples), size):
-        yield list(samples[begin : begin + size])
+    """``samples`` in consecutive lists of ``size``, or more where a list would split the questions of one context
+    (:func:`context_groups`)."""
+    chunk: list[Sample] = []
+    for group in context_groups(samples):
+        if chunk and len(chunk) >= size:
+            yield chunk
+            chunk = []
+        chunk += group
+    if chunk:
+        yield chunk
 
 
 def record_of(
@@ -197,6 +249,8 @@ def record_of(
     else:
         result = str(loaded.tokenizer.decode(output.token_ids, skip_special_tokens=True))
     record = {"id": sample.id, "subtask": sample.subtask, **task.evaluate(sample, result), "answers": sample.answers}
+    if sample.context_id is not None:
+        record["context_id"] = sample.context_id
     record["prompt_tokens"] = len(sample.input_ids)
     record["kv"] = asdict(output.kv)
     record["policy_stats"] = output.policy_stats
@@ -207,6 +261,8 @@ def record_of(
     }
     if isinstance(output, GenerationOutput) and output.prefill_shared_by > 1:  # a share of one shared forward
         record["timing"]["prefill_shared_by"] = output.prefill_shared_by
+    if isinstance(output, GenerationOutput) and output.context_shared_by > 1:  # a share of one context's compression
+        record["timing"]["context_shared_by"] = output.context_shared_by
     return record
 
 
@@ -499,24 +555,27 @@ def decode_shared(
     results: dict[int, dict[int, tuple[dict[str, Any], Any]]] = {}  # sample position -> run -> (record, output)
     rows: list[Row] = []
     owners: list[tuple[int, list[tuple[int, OpenRun]]]] = []  # each row's sample position and its runs (twins)
-    for position, sample in enumerate(chunk):
-        runs = lacking[sample.id]
-        engines = [run.engine for run in runs.values()]
-        if sample.mode == "perplexity" and runs:
-            outputs = perplexity_rows(engines, sample.input_ids, sample.context_tokens, batch_size)
-            results[position] = {
+    position_of = {sample.id: position for position, sample in enumerate(chunk)}
+    for samples in context_groups(chunk, lambda sample: lacking[sample.id].keys()):  # the same runs lack them
+        runs = lacking[samples[0].id]
+        if not runs:
+            continue
+        if samples[0].mode == "perplexity":
+            (sample,) = samples
+            outputs = perplexity_rows(
+                [run.engine for run in runs.values()], sample.input_ids, sample.context_tokens, batch_size
+            )
+            results[position_of[sample.id]] = {
                 index: (record_of(run.task, sample, output, run.loaded), output)
                 for (index, run), output in zip(runs.items(), outputs)
             }
-        elif runs:
-            stops = stop_ids(sample, loaded)
-            new, least = sample.max_new_tokens, sample.min_new_tokens
-            twins: dict[tuple[str, str | None], list[tuple[int, OpenRun]]] = {}
-            for index, run in runs.items():
-                twins.setdefault(twin_key(run.engine), []).append((index, run))
-            computed = [group[0][1].engine for group in twins.values()]
-            rows += prefill_shared(computed, sample.input_ids, new, stops, least, batch_size, sample.question_start)
-            owners += [(position, group) for group in twins.values()]
+            continue
+        twins: dict[tuple[str, str | None], list[tuple[int, OpenRun]]] = {}
+        for index, run in runs.items():
+            twins.setdefault(twin_key(run.engine), []).append((index, run))
+        computed = [twin[0][1].engine for twin in twins.values()]
+        rows += context_rows(computed, samples, loaded, batch_size)
+        owners += [(position_of[sample.id], twin) for sample in samples for twin in twins.values()]
     sample_of = [position for position, _ in owners]
     for position, finished in in_sample_order(finished_rows(rows, batch_size), sample_of, len(chunk)):
         sample = chunk[position]

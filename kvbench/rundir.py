@@ -32,7 +32,7 @@ NOT_IDENTITY = ("hydra", "logger", "output_dir", "policy_settings", "resume", "e
 
 #: settings added after run directories were made, with the value every older run ran with: at that value a setting is
 #: left out of a run's identity, so that older runs keep their directory names and resume
-ADDED_SETTINGS = {"task.query_mode": "aware"}
+ADDED_SETTINGS = {"task.query_mode": "aware", "task.questions_per_context": 1}
 
 #: ``resume=``: ``auto`` resumes a directory holding the same settings and refuses one holding others;
 #: ``restart`` moves the directory's files into a dated ``superseded-*`` sub-folder and starts afresh

@@ -65,6 +65,30 @@ def test_pairing_sees_a_difference_that_unpaired_intervals_overlap():
     assert paired_difference(better, base).low > 0.5
 
 
+def test_a_clustered_interval_resamples_whole_clusters():
+    """With clusters, the vectorised resampling equals a loop drawing whole clusters (clusters in sorted order), each
+    resample's mean over the samples drawn; questions that share a context and move together widen the interval
+    against treating them as independent, and a paired difference is clustered by the sample ids' clusters."""
+    rng = np.random.default_rng(4)
+    contexts = [f"c{i}" for i in range(25) for _ in range(4)]
+    values = np.repeat(rng.normal(scale=10.0, size=25), 4) + rng.normal(scale=0.5, size=100)
+    interval = bootstrap_mean(values, resamples=400, seed=2, clusters=contexts)
+    names = sorted(set(contexts))
+    members = {name: [value for value, of in zip(values, contexts) if of == name] for name in names}
+    draws = np.random.default_rng(2).integers(0, 25, size=(400, 25))
+    means = [np.mean([value for index in row for value in members[names[index]]]) for row in draws]
+    assert interval.low == pytest.approx(np.quantile(means, 0.025), abs=1e-9)
+    assert interval.high == pytest.approx(np.quantile(means, 0.975), abs=1e-9)
+    assert interval.mean == pytest.approx(values.mean()) and interval.n == 100
+    independent = bootstrap_mean(values)
+    clustered = bootstrap_mean(values, clusters=contexts)
+    assert clustered.high - clustered.low > 1.5 * (independent.high - independent.low)
+    ids = {f"q{i}": float(value) for i, value in enumerate(values)}
+    zero = {key: 0.0 for key in ids}
+    by_context = {f"q{i}": context for i, context in enumerate(contexts)}
+    assert paired_difference(ids, zero, clusters=by_context) == clustered
+
+
 def test_no_samples_is_an_error():
     with pytest.raises(ValueError):
         bootstrap_mean([])

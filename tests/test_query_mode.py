@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -10,8 +12,13 @@ from kvbench.engine import Engine
 from kvbench.engine.engine import Question, decode_rows, generate_shared, prefill_questions
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
+from kvbench.job import resolve
+from kvbench.models import load_model
 from kvbench.policies import build_policy
-from kvbench.run import run, run_group
+from kvbench.results.intervals import bootstrap_mean
+from kvbench.results.leaderboard import leaderboard_tables
+from kvbench.results.table import benchmark_tables, load_runs
+from kvbench.run import build_engine, build_task, run, run_group, run_sample
 from kvbench.tasks.base import ModelInfo, Task
 from kvbench.tasks.ruler import RulerTask
 from tests.helpers import random_prompt, tiny_model
@@ -173,3 +180,110 @@ def test_each_question_of_a_context_is_answered_as_if_it_were_alone():
         assert_each_as_alone(engines, alone, outputs[number * len(engines) : (number + 1) * len(engines)])
     with pytest.raises(ValueError, match="share its tokens"):
         prefill_questions(engines[:1], [questions[0], Question(random_prompt(150, seed=9), QUESTION_START, 6)])
+
+
+def test_several_questions_ask_about_one_haystack():
+    """``task.questions_per_context=4`` on niah_multikey_1: four consecutive samples share a haystack and a
+    ``context_id``, each asks about another of its four keys (its answer a needle of the haystack), and in
+    ``agnostic`` their context tokens are one; one question per context is the sample of today."""
+    model = ModelInfo("m", byte_tokenizer(4096), 4096, "meta-llama/Llama-3.1-8B-Instruct")
+    settings = {"subtasks": ["niah_multikey_1"], "num_samples": 6}
+    asked = list(samples(model, "agnostic", questions_per_context=4, **settings).values())
+    assert [sample.context_id for sample in asked] == ["niah_multikey_1-context-0"] * 4 + [
+        "niah_multikey_1-context-1"
+    ] * 2
+    first = asked[:4]
+    contexts = {tuple(sample.input_ids[: sample.question_start]) for sample in first}
+    assert len(contexts) == 1 and len({sample.answers[0] for sample in first}) == 4
+    context = model.decode(list(contexts.pop()))
+    assert all(sample.answers[0] in context for sample in first)
+    aware = list(samples(model, "aware", questions_per_context=4, **settings).values())
+    assert [sample.input_ids for sample in aware] == [sample.input_ids for sample in asked]
+    alone = samples(model, "aware", **settings)
+    assert all(sample.context_id is None for sample in alone.values())
+    assert (
+        alone["niah_multikey_1-0"].input_ids
+        == samples(model, "aware", subtasks=["niah_multikey_1"], num_samples=1)["niah_multikey_1-0"].input_ids
+    )
+
+
+def test_more_questions_than_a_haystack_holds_are_refused_in_one_line():
+    """A subtask whose haystack holds fewer questions, RULER's files, or no question at all."""
+    model = ModelInfo("m", byte_tokenizer(4096), 4096)
+    with pytest.raises(
+        KVBenchError,
+        match=r"^task.questions_per_context=2: RULER niah_single_1 can be asked 1 .*"
+        r"subtasks that hold 2: niah_multikey_1$",
+    ):
+        RulerTask(ruler_cfg(subtasks=["niah_single_1"], questions_per_context=2), model)
+    with pytest.raises(KVBenchError, match="hold 5: none"):
+        RulerTask(ruler_cfg(subtasks=["niah_multikey_1"], questions_per_context=5), model)
+    with pytest.raises(KVBenchError, match="task.questions_per_context=2 needs generated samples"):
+        RulerTask(ruler_cfg(subtasks=["niah_multikey_1"], questions_per_context=2, data_dir="/tmp"), model)
+    with pytest.raises(KVBenchError, match="task.questions_per_context=0: must be a question count"):
+        RulerTask.check({"questions_per_context": 0})
+
+
+def test_a_run_compresses_each_context_once_and_answers_each_question_as_alone(tmp_path):
+    """``kvbench run`` with four questions per context, agnostic: one compression per context and variant (the
+    records' shares of it sum to the contexts), each question's prediction what the engine gives it alone; a grouped
+    sweep writes what its runs write."""
+    settings = ["task.subtasks=[niah_multikey_1]", "task.questions_per_context=4", "task.num_samples=6"]
+    settings += ["task.context_length=1024", "task.tokens_to_generate=8"]
+    specs = ["full", "snapkv", "h2o+caote", "tova+calidrop"]
+    cfgs = [compose([*TINY, *settings, "task.query_mode=agnostic", f"policy={spec}", "budget=64"]) for spec in specs]
+    for number, cfg in enumerate(cfgs):
+        run(cfg, tmp_path / "separate" / str(number))
+    run_group([(cfg, tmp_path / "grouped" / str(number)) for number, cfg in enumerate(cfgs)], True)
+    job = resolve(cfgs[1])
+    loaded = load_model(job.cfg.model)
+    task = build_task(job.cfg, loaded.tokenizer)
+    engine = build_engine(job, loaded)
+    alone = []
+    for sample in task.samples():  # each question answered by a run of its own from the compressed context
+        record, _ = run_sample(engine, task, sample, loaded)
+        record.pop("timing")
+        alone.append(record)
+    assert outcome(tmp_path / "separate" / "1")["records"] == alone
+    for number, spec in enumerate(specs):
+        assert outcome(tmp_path / "grouped" / str(number)) == outcome(tmp_path / "separate" / str(number)), spec
+        lines = (tmp_path / "grouped" / str(number) / "predictions.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+        assert [record["context_id"] for record in records] == [record["context_id"] for record in alone]
+        assert sum(1 / record["timing"].get("context_shared_by", 1) for record in records) == pytest.approx(2)
+
+
+def test_the_tables_put_aware_and_agnostic_side_by_side_and_cluster_by_context(tmp_path):
+    """``kvbench table`` on runs of both query modes: the RULER table keeps them apart, ``query_modes`` puts their
+    averages side by side with the difference and the agnostic run's compressions (one per context); the
+    leaderboard gives the agnostic runs cells of their own, their intervals resampling whole contexts."""
+    settings = ["task.subtasks=[niah_multikey_1]", "task.questions_per_context=4", "task.num_samples=8"]
+    settings += ["task.context_length=1024", "task.tokens_to_generate=8", "budget=64"]
+    for mode in ("aware", "agnostic"):
+        for spec in ("full", "snapkv"):
+            run(compose([*TINY, *settings, f"task.query_mode={mode}", f"policy={spec}"]), tmp_path / mode / spec)
+    runs = load_runs([tmp_path])
+    tables = benchmark_tables(runs)
+    assert sorted(tables["ruler"]["query_mode"]) == ["agnostic", "agnostic", "aware", "aware"]
+    side = tables["query_modes"].set_index("policy")
+    assert list(side.columns[-5:]) == [
+        "aware",
+        "agnostic",
+        "agnostic − aware",
+        "agnostic compressions",
+        "agnostic seconds",
+    ]
+    assert side.loc["full", "aware"] == side.loc["full", "agnostic"]  # nothing evicted: the same predictions
+    assert list(side["agnostic compressions"]) == [2.0, 2.0]  # two contexts of four questions
+    for policy in ("full", "snapkv"):
+        averages = {run.query_mode: run.metrics["average"] for run in runs if run.metrics["policy"] == policy}
+        assert side.loc[policy, "agnostic − aware"] == pytest.approx(averages["agnostic"] - averages["aware"])
+    cells = leaderboard_tables(runs)["leaderboard_cells"]
+    agnostic = cells[(cells["task"] == "ruler-agnostic") & (cells["policy"] == "snapkv")].iloc[0]
+    snapkv = next(run for run in runs if run.query_mode == "agnostic" and run.metrics["policy"] == "snapkv")
+    scores = [100.0 * record["score"] for record in snapkv.records]
+    contexts = [record["context_id"] for record in snapkv.records]
+    assert (agnostic["low"], agnostic["high"]) == pytest.approx(
+        (bootstrap_mean(scores, clusters=contexts).low, bootstrap_mean(scores, clusters=contexts).high)
+    )
+    assert set(cells["task"]) == {"ruler", "ruler-agnostic"}

@@ -1,9 +1,12 @@
 """Intervals over samples: a cell's mean with its percentile-bootstrap interval, and a method's paired difference from
 another on the same samples (Efron & Tibshirani, *An Introduction to the Bootstrap*, 1993, ch. 13: resample the
 samples with replacement, take the statistic of each resample, read the interval off its quantiles; paired: resample
-the sample ids, so each resample compares both methods on the same samples).
+the sample ids, so each resample compares both methods on the same samples). Samples that share a context (questions
+asked about one document) are not independent: given their clusters, whole clusters are resampled (the cluster
+bootstrap, Davison & Hinkley, *Bootstrap Methods and their Application*, 1997, §3.8), each resample's mean the mean
+over the samples of the clusters drawn.
 
-Resampling is vectorised: one ``[resamples, n]`` index draw, one mean per row.
+Resampling is vectorised: one ``[resamples, clusters]`` index draw, one mean per row.
 """
 
 from __future__ import annotations
@@ -34,15 +37,26 @@ class Interval:
 
 
 def bootstrap_mean(
-    values: Sequence[float], resamples: int = RESAMPLES, level: float = LEVEL, seed: int = 0
+    values: Sequence[float],
+    resamples: int = RESAMPLES,
+    level: float = LEVEL,
+    seed: int = 0,
+    clusters: Sequence[str] | None = None,
 ) -> Interval:
     """The mean of ``values`` with its ``level`` percentile-bootstrap interval over ``resamples`` resamples (the
-    same ``seed``, the same interval)."""
+    same ``seed``, the same interval); with ``clusters`` (each value's), whole clusters resampled."""
     sample = np.asarray(values, dtype=np.float64)
     if sample.size == 0:
         raise ValueError("bootstrap_mean needs at least one value")
-    draws = np.random.default_rng(seed).integers(0, sample.size, size=(resamples, sample.size))  # [R,n]
-    means = sample[draws].mean(axis=1)  # [R]
+    generator = np.random.default_rng(seed)
+    if clusters is None:
+        draws = generator.integers(0, sample.size, size=(resamples, sample.size))  # [R,n]
+        means = sample[draws].mean(axis=1)  # [R]
+    else:
+        _, cluster = np.unique(np.asarray(clusters, dtype=str), return_inverse=True)  # [n] each value's cluster
+        sums, sizes = np.bincount(cluster, weights=sample), np.bincount(cluster)  # [C], [C]
+        draws = generator.integers(0, sums.size, size=(resamples, sums.size))  # [R,C]
+        means = sums[draws].sum(axis=1) / sizes[draws].sum(axis=1)  # [R]
     low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
     return Interval(float(sample.mean()), float(low), float(high), int(sample.size))
 
@@ -53,9 +67,13 @@ def paired_difference(
     resamples: int = RESAMPLES,
     level: float = LEVEL,
     seed: int = 0,
+    clusters: Mapping[str, str] | None = None,
 ) -> Interval:
-    """The mean of ``treated − control`` over the sample ids both scored, with its paired bootstrap interval."""
+    """The mean of ``treated − control`` over the sample ids both scored, with its paired bootstrap interval (with
+    ``clusters``, each sample id's cluster: whole clusters resampled)."""
     shared = sorted(set(treated) & set(control))
     if not shared:
         raise ValueError("paired_difference needs samples scored by both")
-    return bootstrap_mean([treated[key] - control[key] for key in shared], resamples, level, seed)
+    differences = [treated[key] - control[key] for key in shared]
+    of = None if clusters is None else [clusters.get(key, key) for key in shared]
+    return bootstrap_mean(differences, resamples, level, seed, of)

@@ -54,19 +54,33 @@ def sample_scores(run: Run) -> dict[str, dict[str, float]]:
     return scores
 
 
-def cells(runs: list[Run]) -> tuple[pd.DataFrame, dict[tuple, dict[str, float]]]:
-    """One row per cell: its key, policy, budget, n, mean and interval; and each cell's scores by sample id (the full
-    cache, whose budget is no setting, once)."""
-    rows, scores = [], {}
+def sample_contexts(run: Run) -> dict[str, str] | None:
+    """Each sample id's ``context_id`` where the run's questions share contexts (RULER's ``questions_per_context``):
+    their intervals resample whole contexts. None where no record has one."""
+    contexts = {str(record["id"]): str(record["context_id"]) for record in run.records if "context_id" in record}
+    return contexts or None
+
+
+def task_label(run: Run) -> str:
+    """The run's task, ``<task>-agnostic`` under ``task.query_mode=agnostic`` (its own cells: another protocol)."""
+    return run.task if run.query_mode == "aware" else f"{run.task}-{run.query_mode}"
+
+
+def cells(runs: list[Run]) -> tuple[pd.DataFrame, dict[tuple, dict[str, float]], dict[tuple, dict[str, str] | None]]:
+    """One row per cell: its key, policy, budget, n, mean and interval; each cell's scores by sample id (the full
+    cache, whose budget is no setting, once); and each cell's samples' contexts, by which its intervals are clustered
+    (:func:`sample_contexts`)."""
+    rows, scores, clusters = [], {}, {}
     for run in runs:
-        identity, kind = run.identity(), metric(run)
+        identity, kind, contexts = run.identity(), metric(run), sample_contexts(run)
         for subtask, by_id in sample_scores(run).items():
-            key = (identity["model"], run.task, subtask, kind, run.context, identity["regime"])
+            key = (identity["model"], task_label(run), subtask, kind, run.context, identity["regime"])
             policy, budget = identity["policy"], identity["budget"]
             if (*key, policy, budget) in scores:  # the full cache run at several budgets: one cell
                 continue
-            scores[(*key, policy, budget)] = by_id
-            interval = bootstrap_mean(list(by_id.values()))
+            scores[(*key, policy, budget)], clusters[(*key, policy, budget)] = by_id, contexts
+            of = None if contexts is None else [contexts.get(sample, sample) for sample in by_id]
+            interval = bootstrap_mean(list(by_id.values()), clusters=of)
             rows.append(
                 {
                     **dict(zip(CELL, key)),
@@ -78,19 +92,20 @@ def cells(runs: list[Run]) -> tuple[pd.DataFrame, dict[tuple, dict[str, float]]]
                     "high": interval.high,
                 }
             )
-    return pd.DataFrame(rows, columns=[*CELL, "policy", "budget", "n", "mean", "low", "high"]), scores
+    return pd.DataFrame(rows, columns=[*CELL, "policy", "budget", "n", "mean", "low", "high"]), scores, clusters
 
 
-def comparisons(scores: dict[tuple, dict[str, float]]) -> pd.DataFrame:
+def comparisons(scores: dict[tuple, dict[str, float]], clusters: dict[tuple, dict[str, str] | None]) -> pd.DataFrame:
     """Each ``base+modifier`` cell against its ``base`` cell at the same budget: the paired difference of their scores
-    over the samples both scored, its interval, and whether the interval excludes zero."""
+    over the samples both scored, its interval (clustered by the samples' contexts), and whether the interval excludes
+    zero."""
     rows = []
     for (*key, policy, budget), treated in scores.items():
         base = str(policy).split("+")[0]
         control = scores.get((*key, base, budget))
         if base == policy or control is None:
             continue
-        difference = paired_difference(treated, control)
+        difference = paired_difference(treated, control, clusters=clusters[(*key, policy, budget)])
         rows.append(
             {
                 **dict(zip(CELL, key)),
@@ -151,10 +166,10 @@ def summaries(table: pd.DataFrame, paired: pd.DataFrame) -> dict[str, pd.DataFra
 def leaderboard_tables(runs: list[Run]) -> dict[str, pd.DataFrame]:
     """``leaderboard_cells`` and ``leaderboard_paired`` (see :func:`cells`, :func:`comparisons`), by task and subtask,
     then in the papers' order, and both in short (:func:`summaries`)."""
-    table, scores = cells(runs)
+    table, scores, clusters = cells(runs)
     if table.empty:
         return {}
-    tables = {"leaderboard_cells": table, "leaderboard_paired": comparisons(scores)}
+    tables = {"leaderboard_cells": table, "leaderboard_paired": comparisons(scores, clusters)}
     tables = {name: sort_rows(frame).sort_values(["task", "subtask"], kind="stable") for name, frame in tables.items()}
     return {**tables, **summaries(tables["leaderboard_cells"], tables["leaderboard_paired"])}
 

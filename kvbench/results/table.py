@@ -8,6 +8,9 @@ Layouts (``--layout``; ``auto`` makes every benchmark layout the runs found have
 * ``niah``       needle accuracy of the needle tasks by context length × budget (the per-record
   ``context_length``), the full cache in columns of its own, with Avg.;
 * ``ppl``        perplexity beside the full cache's for the same model, text and length, and the gap;
+* ``query_modes`` each run's average under ``task.query_mode=aware`` and ``agnostic`` side by side (the same
+  samples, the context compressed with or without its question), the difference, and what the agnostic run
+  compressed: its contexts and its time (made by ``auto`` when the runs hold both modes);
 * ``runs``       one row per run (every run): its average, cache size and time, and the scores of a task
   without a table of its own.
 
@@ -128,6 +131,11 @@ class Run:
         return int(grid[:-1]) * 1024 if grid[:-1].isdigit() and grid.endswith("k") else None
 
     @property
+    def query_mode(self) -> str:
+        """``task.query_mode``: ``aware`` (also a run from before the setting) or ``agnostic``."""
+        return str(self.config.get("task", {}).get("query_mode") or "aware")
+
+    @property
     def data(self) -> str:
         """What a perplexity run read: the text file's stem, else the task name."""
         path = self.config.get("task", {}).get("path")
@@ -215,10 +223,11 @@ def scores_frame(runs: list[Run]) -> pd.DataFrame:
             "kv_tokens": sum(after) / len(after),
             "seconds": run.metrics.get("timing", {}).get("total_seconds"),
             "run_dir": str(run.run_dir.path),
+            "query_mode": run.query_mode,
         }
         for name, value in run.metrics["scores"].items():
             rows.append({**run.identity(), **extra, "score": name, "value": value})
-    columns = [*IDENTITY, "task", "context", "kv_tokens", "seconds", "run_dir", "score", "value"]
+    columns = [*IDENTITY, "task", "context", "kv_tokens", "seconds", "run_dir", "query_mode", "score", "value"]
     return pd.DataFrame(rows, columns=columns)
 
 
@@ -248,13 +257,17 @@ def runs_table(runs: list[Run]) -> pd.DataFrame:
                 **run.identity(),
                 "task": run.task,
                 "context": run.context,
+                "query_mode": run.query_mode,
                 **({} if has_layout(run) else run.metrics["scores"]),
                 "average": run.metrics.get("average"),
                 "kv_tokens": sum(after) / len(after),
                 "seconds": run.metrics.get("timing", {}).get("total_seconds"),
             }
         )
-    return sort_rows(pd.DataFrame(rows))
+    frame = pd.DataFrame(rows)
+    if frame.empty or frame["query_mode"].nunique() == 1:  # shown where runs differ in it
+        frame = frame.drop(columns="query_mode", errors="ignore")
+    return sort_rows(frame)
 
 
 def longbench_tables(runs: list[Run]) -> dict[str, pd.DataFrame]:
@@ -293,8 +306,9 @@ def ruler_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
     frame = scores_frame([run for run in runs if run.task == "ruler"])
     if frame.empty:
         return {}
-    table = _pivot(frame, [*IDENTITY, "context"], RULER_ORDER)
-    tasks = [column for column in table.columns if column not in (*IDENTITY, "context")]
+    index = [*IDENTITY, "context", *(["query_mode"] if frame["query_mode"].nunique() > 1 else [])]
+    table = _pivot(frame, index, RULER_ORDER)
+    tasks = [column for column in table.columns if column not in index]
     table[AVG] = table[tasks].mean(axis=1)
     return {"ruler": table}
 
@@ -372,11 +386,47 @@ def ppl_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
     return {"ppl": sort_rows(table[["model", "data", "context", *IDENTITY[1:], "ppl", "full_ppl", "ppl_gap"]])}
 
 
+def compressions(run: Run) -> float:
+    """How many times the run compressed a context: once per record, less the questions that shared one compression
+    (a record's ``timing.context_shared_by``)."""
+    return sum(1 / record.get("timing", {}).get("context_shared_by", 1) for record in run.records)
+
+
+def query_mode_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
+    """``query_modes``: one row per identity, task and context that ran under both query modes, their averages side by
+    side, ``agnostic − aware``, and the agnostic run's compressions (:func:`compressions`) and seconds."""
+    if {run.query_mode for run in runs} != {"aware", "agnostic"}:
+        return {}
+    rows = [
+        {
+            **run.identity(),
+            "task": run.task,
+            "context": run.context,
+            "query_mode": run.query_mode,
+            "average": run.metrics.get("average"),
+            "compressions": compressions(run) if run.query_mode == "agnostic" else None,
+            "seconds": run.metrics.get("timing", {}).get("total_seconds"),
+        }
+        for run in runs
+    ]
+    frame = pd.DataFrame(rows)
+    index = [*IDENTITY, "task", "context"]
+    wide = frame.pivot_table(index=index, columns="query_mode", values="average", aggfunc="first")[
+        ["aware", "agnostic"]
+    ]
+    agnostic = frame[frame["query_mode"] == "agnostic"].groupby(index)[["compressions", "seconds"]].first()
+    table = wide.join(agnostic.add_prefix("agnostic ")).dropna(subset=["aware", "agnostic"]).reset_index()
+    table.columns.name = None
+    table.insert(len(index) + 2, "agnostic − aware", table["agnostic"] - table["aware"])
+    return {"query_modes": sort_rows(table)}
+
+
 LAYOUTS: dict[str, Callable[[list[Run]], dict[str, pd.DataFrame]]] = {
     "longbench": lambda runs: {**longbench_tables(runs), **longbench_e_table(runs)},
     "ruler": ruler_table,
     "niah": niah_table,
     "ppl": ppl_table,
+    "query_modes": query_mode_table,
     "runs": lambda runs: {"runs": runs_table(runs)},
 }
 
@@ -394,7 +444,7 @@ def benchmark_tables(runs: list[Run], layout: str = "auto") -> dict[str, pd.Data
             )
         return tables
     tables = {}
-    for name in ("longbench", "ruler", "niah", "ppl"):
+    for name in ("longbench", "ruler", "niah", "ppl", "query_modes"):
         tables.update(LAYOUTS[name](runs))
     tables.update(LAYOUTS["runs"](runs))  # every run, one row each
     return tables
@@ -432,6 +482,7 @@ TITLES = {
     "ruler": "RULER by task",
     "niah": "Needle accuracy by context × budget",
     "ppl": "Perplexity and gap to full cache",
+    "query_modes": "Query-aware and query-agnostic side by side",
     "runs": "Runs",
 }
 

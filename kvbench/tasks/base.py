@@ -26,7 +26,9 @@ class Sample:
     stops it (LongBench samsum's newline). ``mode="perplexity"``: score every token of
     ``input_ids`` after the first ``context_tokens`` (0 = the whole stream, StreamingLLM protocol).
     ``question_start`` (``task.query_mode=agnostic``): ``input_ids[:question_start]`` is the context, compressed
-    alone; the rest is the question, read after the eviction without evicting.
+    alone; the rest is the question, read after the eviction without evicting. ``context_id``: the samples that
+    ask about one context share it (RULER's ``task.questions_per_context``); in ``agnostic``, the context is compressed
+    once for all of them.
     """
 
     id: str
@@ -40,6 +42,7 @@ class Sample:
     context_tokens: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
     question_start: int | None = None
+    context_id: str | None = None
 
 
 @dataclass

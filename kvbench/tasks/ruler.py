@@ -192,9 +192,19 @@ class Generator:
         """RULER's metric for this kind of subtask."""
         return string_match_all(prediction, answers)
 
+    @property
+    def questions(self) -> int:
+        """How many different questions one haystack can be asked (``task.questions_per_context``)."""
+        return 1
+
     def build(self, rng: random.Random, size: int, task: RulerTask) -> Prompt:
         """An example whose haystack has ``size`` units."""
         raise NotImplementedError
+
+    def build_questions(self, rng: random.Random, size: int, task: RulerTask, count: int) -> list[Prompt]:
+        """``count`` (at most :attr:`questions`) examples of one haystack of ``size`` units, each asking another
+        question."""
+        return [self.build(rng, size, task)]
 
 
 @dataclass(frozen=True)
@@ -210,8 +220,18 @@ class Niah(Generator):
     num_queries: int = 1
     tokens_to_generate = 128
 
+    @property
+    def questions(self) -> int:
+        """The haystack's keys asked ``num_queries`` at a time (niah_multikey_1: 4 questions of one key)."""
+        return max(self.num_keys, self.num_queries) // self.num_queries
+
     def build(self, rng: random.Random, size: int, task: RulerTask) -> Prompt:
         """An example whose haystack has ``size`` units (noise paragraphs, essay words or distractors)."""
+        return self.build_questions(rng, size, task, 1)[0]
+
+    def build_questions(self, rng: random.Random, size: int, task: RulerTask, count: int) -> list[Prompt]:
+        """``count`` examples of one haystack, each asking about other keys of its needles (one example draws what
+        :meth:`build` draws)."""
         num_keys = max(self.num_keys, self.num_queries)
         used: set[str] = set()
         keys = [_unique_item(self.key_type, rng, used) for _ in range(num_keys)]
@@ -222,7 +242,7 @@ class Niah(Generator):
             for value in key_values
         ]
         rng.shuffle(needles)
-        queried = rng.sample(range(num_keys), self.num_queries)
+        queried = rng.sample(range(num_keys), self.num_queries * count)
 
         if self.haystack == "essay":
             context, depths = self._essay_context(rng, task.essay_words, size, needles)
@@ -241,19 +261,25 @@ class Niah(Generator):
             lines, depths = _insert_lines(rng, filler, needles)
             context = "\n".join(lines)
 
-        query = _join_keys([keys[i] for i in queried])
         template, prefix, type_needle_v = NIAH_TEMPLATE, NIAH_ANSWER_PREFIX, self.value_type
         if self.num_queries * self.num_values == 1:  # RULER's singular wording
             for plural, singular in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
                 template, prefix = template.replace(plural, singular), prefix.replace(plural, singular)
             type_needle_v = type_needle_v[:-1]
-        return Prompt(
-            text=template.format(type_needle_v=type_needle_v, context=context, query=query),
-            answer_prefix=prefix.format(type_needle_v=type_needle_v, query=query),
-            answers=[value for i in queried for value in values[i]],
-            info={"depths": depths},
-            question=after_context(template, type_needle_v=type_needle_v, query=query),
-        )
+        examples = []
+        for begin in range(0, len(queried), self.num_queries):
+            asked = queried[begin : begin + self.num_queries]
+            query = _join_keys([keys[i] for i in asked])
+            examples.append(
+                Prompt(
+                    text=template.format(type_needle_v=type_needle_v, context=context, query=query),
+                    answer_prefix=prefix.format(type_needle_v=type_needle_v, query=query),
+                    answers=[value for i in asked for value in values[i]],
+                    info={"depths": depths},
+                    question=after_context(template, type_needle_v=type_needle_v, query=query),
+                )
+            )
+        return examples
 
     @staticmethod
     def _essay_context(rng: random.Random, words: list[str], size: int, needles: list[str]) -> tuple[str, list[float]]:
@@ -603,7 +629,8 @@ class RulerTask(Task):
     task, a number for every task, or a ``{subtask: number}`` mapping), ``prompt_format``,
     ``min_new_tokens``, ``data_dir`` (official jsonl files instead of generating), ``essay_dir`` with the
     Paul Graham essays, ``qa_dir`` with RULER's ``squad.json`` / ``hotpotqa.json`` and ``query_mode``
-    (``agnostic``: each generated sample's ``question_start``, the task's question after its context)."""
+    (``agnostic``: each generated sample's ``question_start``, the task's question after its context) and
+    ``questions_per_context`` (questions asked about one generated haystack)."""
 
     name = "ruler"
     splits_prompts = True
@@ -628,6 +655,7 @@ class RulerTask(Task):
         "seed": SEED,
         "essay_dir": optional(PATH, "download the essays once"),
         "qa_dir": optional(PATH, "the hub"),
+        "questions_per_context": integer(1, "a question count"),
     }
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
@@ -665,12 +693,33 @@ class RulerTask(Task):
                 "task.query_mode=agnostic needs generated samples (RULER's files hold each prompt as one text, "
                 "with no context/question split); set task.data_dir=null"
             )
+        self.questions_per_context = int(cfg.get("questions_per_context", 1))
+        self._check_questions()
         self.template = model.template(cfg.prompt_format, PROMPT_FORMATS)
         self.answer_prefix = cfg.prompt_format != "kvcache_factory"
         self.min_new_tokens = int(cfg.min_new_tokens)
         self.tokens_to_generate = {
             name: self._tokens_to_generate(name, cfg.tokens_to_generate) for name in self.subtasks
         }
+
+    def _check_questions(self) -> None:
+        """``task.questions_per_context`` > 1 needs generated haystacks that hold that many questions."""
+        count = self.questions_per_context
+        if count == 1:
+            return
+        if self.data_dir is not None:
+            raise KVBenchError(
+                f"task.questions_per_context={count} needs generated samples (RULER's files hold one question "
+                "per prompt); set task.data_dir=null"
+            )
+        holding = [name for name, spec in SUBTASKS.items() if spec.questions >= count]
+        for subtask in self.subtasks:
+            if SUBTASKS[subtask].questions < count:
+                raise KVBenchError(
+                    f"task.questions_per_context={count}: RULER {subtask} can be asked "
+                    f"{SUBTASKS[subtask].questions} question(s) per haystack; subtasks that hold {count}: "
+                    f"{', '.join(holding) or 'none'}"
+                )
 
     def planned_tokens(self) -> tuple[int, int] | None:
         """Generated samples fill ``context_length`` (prompt and answer); files tell their own sizes."""
@@ -697,13 +746,16 @@ class RulerTask(Task):
 
     def samples(self) -> Iterator[Sample]:
         """``num_samples`` samples per subtask (null: every record of a ``data_dir`` file), subtask by
-        subtask; ids ``<subtask>-<index>`` (generated) or ``<subtask>-<line>`` (files)."""
+        subtask; ids ``<subtask>-<index>`` (generated: ``questions_per_context`` consecutive ones ask about one
+        haystack, :meth:`context_samples`) or ``<subtask>-<line>`` (files)."""
         for subtask in self.subtasks:
             if self.data_dir is not None:
                 yield from self.file_samples(self.data_dir, subtask)
-            else:
-                assert self.num_samples is not None  # __init__ requires it without a data_dir
-                yield from (self.sample(subtask, index) for index in range(self.num_samples))
+                continue
+            assert self.num_samples is not None  # __init__ requires it without a data_dir
+            count = self.questions_per_context
+            for context in range(-(-self.num_samples // count)):
+                yield from self.context_samples(subtask, context)[: self.num_samples - context * count]
 
     def check_data(self) -> None:
         """The official file of every subtask in ``data_dir``; else the QA subtasks' data in ``qa_dir`` or the
@@ -759,11 +811,32 @@ class RulerTask(Task):
             )
 
     def sample(self, subtask: str, index: int) -> Sample:
-        """Generated sample ``index`` of ``subtask`` (the same for the same seed, tokenizer and context length)."""
-        generated = self.generate(subtask, index)
-        info = {"index": index, "haystack_size": generated.size, **generated.prompt.info}
-        ids, answers = generated.input_ids, generated.prompt.answers
-        return self._sample(subtask, index, ids, answers, info, generated.question_start)
+        """Generated sample ``index`` of ``subtask`` (the same for the same seed, tokenizer, context length and
+        questions per context)."""
+        context, question = divmod(index, self.questions_per_context)
+        return self.context_samples(subtask, context)[question]
+
+    def context_samples(self, subtask: str, context: int) -> list[Sample]:
+        """The ``questions_per_context`` samples asking about haystack ``context`` of ``subtask``: indices
+        ``context * questions_per_context ...``; with more than one, each carries the ``context_id`` they share, and
+        in ``query_mode=agnostic`` the same context tokens."""
+        count = self.questions_per_context
+        generated = self.generate_questions(subtask, context, count)
+        context_id = f"{subtask}-context-{context}" if count > 1 else None
+        samples = []
+        for question, example in enumerate(generated):
+            index = context * count + question
+            info = {"index": index, "haystack_size": example.size, **example.prompt.info}
+            if context_id is not None:
+                info |= {"context": context, "question": question}
+            ids, answers = example.input_ids, example.prompt.answers
+            samples.append(self._sample(subtask, index, ids, answers, info, example.question_start, context_id))
+        if self.agnostic and len({tuple(sample.input_ids[: sample.question_start]) for sample in samples}) > 1:
+            raise KVBenchError(
+                f"RULER {subtask} haystack {context}: its questions' contexts tokenize differently in "
+                f"task.prompt_format={self.cfg.prompt_format}; set task.questions_per_context=1"
+            )
+        return samples
 
     def _sample(
         self,
@@ -773,6 +846,7 @@ class RulerTask(Task):
         answers: list[str],
         info: dict[str, Any],
         question_start: int | None = None,
+        context_id: str | None = None,
     ) -> Sample:
         max_new_tokens = self.tokens_to_generate[subtask]
         if len(ids) + max_new_tokens > self.model.context_window:
@@ -789,21 +863,28 @@ class RulerTask(Task):
             min_new_tokens=self.min_new_tokens,
             metadata={"context_length": self.context_length, **info},
             question_start=question_start,
+            context_id=context_id,
         )
 
     def generate(self, subtask: str, index: int) -> Generated:
-        """Build sample ``index`` of ``subtask`` with the largest haystack that fits the token budget: the
-        context length less RULER's tokens to generate for the task (what its generator reserves)."""
+        """Build sample ``index`` of ``subtask`` (one question per haystack) with the largest haystack that fits the
+        token budget: the context length less RULER's tokens to generate for the task (what its generator
+        reserves)."""
+        return self.generate_questions(subtask, index, 1)[0]
+
+    def generate_questions(self, subtask: str, context: int, count: int) -> list[Generated]:
+        """``count`` questions about haystack ``context`` of ``subtask`` (:meth:`generate` for one), the haystack the
+        largest whose longest prompt fits the token budget."""
         spec = SUBTASKS[subtask]
         budget = self.context_length - spec.tokens_to_generate
-        seed = f"{self.cfg.seed}:{subtask}:{index}"
-        tried: dict[int, Generated] = {}
+        seed = f"{self.cfg.seed}:{subtask}:{context}"
+        tried: dict[int, list[Generated]] = {}
 
         def length(size: int) -> int:
             if size not in tried:
-                prompt = spec.build(random.Random(seed), size, self)
-                tried[size] = Generated(prompt, *self.render(prompt), size)
-            return len(tried[size].input_ids)
+                examples = spec.build_questions(random.Random(seed), size, self, count)
+                tried[size] = [Generated(prompt, *self.render(prompt), size) for prompt in examples]
+            return max(len(example.input_ids) for example in tried[size])
 
         if length(spec.min_size) > budget:
             raise KVBenchError(
