@@ -38,6 +38,11 @@ TINY = [
     "bench.grid.budgets=[64]",
     "bench.grid.rows=3",
     "bench.grid.new_tokens=4",
+    "bench.contexts.context_length=1024",
+    "bench.contexts.questions=2",
+    "bench.contexts.policies=[h2o,snapkv]",
+    "bench.contexts.budgets=[64]",
+    "bench.contexts.new_tokens=4",
 ]
 
 
@@ -334,3 +339,17 @@ def test_plain_generate_ignores_the_eos_token():
     with generation_config(model, config):
         assert model.generate(prompt).shape[1] == 46
     assert model.generation_config.eos_token_id == first
+
+
+def test_contexts_compress_each_context_once_for_its_questions(bench):
+    """The contexts section: agnostic questions of one context answered from one compression per variant against one
+    compression per question, the same predictions, the speed ratio recomputed from the raw seconds."""
+    results, out = bench
+    shared = results["contexts"]
+    assert (shared["contexts"], shared["questions"], shared["variants"]) == (2, 4, 2)
+    assert shared["compressions"] == {"once_per_context": 4.0, "once_per_question": 8.0}
+    assert shared["predictions_equal"]
+    raw = results["raw"]["contexts"]["seconds"]
+    assert len(raw["once_per_context"]) == len(raw["once_per_question"]) == 2
+    assert shared["speed_ratio"] == pytest.approx(sum(raw["once_per_question"]) / sum(raw["once_per_context"]))
+    assert "| compressed once per context |" in (out / "bench.md").read_text()

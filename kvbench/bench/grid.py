@@ -44,11 +44,14 @@ def model_overrides(model: DictConfig) -> list[str]:
     return overrides
 
 
-def job_overrides(cfg: DictConfig) -> list[str]:
-    """The overrides every job of the grid shares: the bench's model, the section's task, length and samples."""
-    section = cfg.bench.grid
+def job_overrides(cfg: DictConfig, section: DictConfig | None = None) -> list[str]:
+    """The overrides every job of a section (the grid's by default) shares: the bench's model, the section's task and
+    length, and its samples where it names them."""
+    section = cfg.bench.grid if section is None else section
     task = [str(override) for override in section.task]
-    sizes = [f"task.context_length={section.context_length}", f"task.num_samples={section.num_samples}"]
+    sizes = [f"task.context_length={section.context_length}"]
+    if "num_samples" in section:
+        sizes.append(f"task.num_samples={section.num_samples}")
     return [*model_overrides(cfg.model), *task, *sizes]
 
 

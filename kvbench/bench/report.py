@@ -271,6 +271,27 @@ def markdown(results: dict[str, Any]) -> str:
                 ]
             ],
         )
+    if "contexts" in results:
+        shared = results["contexts"]
+        lines += [
+            "",
+            f"## {shared['contexts']} contexts × {shared['questions'] // shared['contexts']} questions, "
+            f"{shared['variants']} variants, query-agnostic (seconds)",
+            "",
+        ]
+        lines += _table(
+            ["compressed once per context", "once per question", "speed ratio", "compressions", "same predictions"],
+            [
+                [
+                    f"{shared['once_per_context_seconds']:.1f}",
+                    f"{shared['once_per_question_seconds']:.1f}",
+                    f"{shared['speed_ratio']:.2f}",
+                    f"{shared['compressions']['once_per_context']:.0f} vs "
+                    f"{shared['compressions']['once_per_question']:.0f}",
+                    shared["predictions_equal"],
+                ]
+            ],
+        )
     if results["targets"]:
         lines += ["", "## Targets", ""]
         rows = [

@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.bench import kvpress
+from kvbench.bench.contexts import shared_contexts
 from kvbench.bench.grid import grid
 from kvbench.bench.report import machine, markdown, targets
 from kvbench.bench.sections import Bench
@@ -51,6 +52,7 @@ def run(bench: Bench, out: Path) -> dict[str, Any]:
         ("kvbench vs model.generate", sections.generate.prompt_lengths, bench.generate),
         ("kvpress", sections.kvpress.enabled, lambda: {"kvpress": kvpress.compare(bench)}),
         ("grid", sections.grid.policies and sections.grid.budgets, lambda: grid(bench)),
+        ("contexts", sections.contexts.policies and sections.contexts.budgets, lambda: shared_contexts(bench)),
     ):
         if enabled:
             log.info(title)
@@ -72,10 +74,10 @@ def output_directory(cfg: DictConfig) -> Path:
 def run_bench(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     """Run the benchmark configured by ``cfg`` into ``bench.json`` and ``bench.md``; the results and their folder."""
     bench = cfg.bench
-    grid_policies = [*bench.grid.policies, bench.grid.rows_policy]
+    grid_policies = [*bench.grid.policies, bench.grid.rows_policy, *bench.contexts.policies]
     for spec in [*bench.prefill.policies, *bench.memory.policies, bench.decode.policy, *grid_policies]:
         parse_spec(str(spec))
-    for budget in bench.grid.budgets:
+    for budget in [*bench.grid.budgets, *bench.contexts.budgets]:
         Budget.parse(str(budget))
     for key, regime in (("engine.regime", cfg.engine.regime), ("bench.memory.regime", cfg.bench.memory.regime)):
         choose(key, regime, REGIMES)
