@@ -164,9 +164,12 @@ def context_groups(samples: Sequence[Sample], key: Callable[[Sample], Any] = lam
 
 
 def shares_context(sample: Sample, other: Sample) -> bool:
-    """Whether two query-agnostic samples ask about one context (one ``context_id``)."""
-    agnostic = sample.question_start is not None and other.question_start is not None
-    return agnostic and sample.context_id is not None and sample.context_id == other.context_id
+    """Whether two query-agnostic samples ask about one context: one ``context_id`` and the same context tokens (a
+    LongBench prompt cut to its length keeps more or less of a context by the length of its question)."""
+    if sample.question_start is None or other.question_start is None or sample.context_id is None:
+        return False
+    same_tokens = sample.input_ids[: sample.question_start] == other.input_ids[: other.question_start]
+    return sample.context_id == other.context_id and same_tokens
 
 
 def context_rows(engines: list[Engine], samples: list[Sample], loaded: LoadedModel, batch_size: int) -> list[Row]:

@@ -6,7 +6,9 @@ import json
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from kvbench import CONF_DIR
 from kvbench.config import compose
 from kvbench.engine import Engine
 from kvbench.engine.engine import Question, decode_rows, generate_shared, prefill_questions
@@ -20,9 +22,11 @@ from kvbench.results.leaderboard import leaderboard_tables
 from kvbench.results.table import benchmark_tables, load_runs
 from kvbench.run import build_engine, build_task, run, run_group, run_sample
 from kvbench.tasks.base import ModelInfo, Task
+from kvbench.tasks.longbench import LongBenchTask
 from kvbench.tasks.ruler import RulerTask
 from tests.helpers import random_prompt, tiny_model
 from tests.test_groups import TINY, VARIANTS, assert_each_as_alone, outcome
+from tests.test_longbench import FIXTURES
 from tests.test_ruler import ruler_cfg
 
 SUBTASKS = ["niah_single_1", "niah_multikey_1", "niah_multiquery", "vt", "fwe"]  # cwe: beyond 4k bytes
@@ -287,3 +291,87 @@ def test_the_tables_put_aware_and_agnostic_side_by_side_and_cluster_by_context(t
         (bootstrap_mean(scores, clusters=contexts).low, bootstrap_mean(scores, clusters=contexts).high)
     )
     assert set(cells["task"]) == {"ruler", "ruler-agnostic"}
+
+
+LONGBENCH_FORMATS = [  # LongBench's prompt formats, each with a model whose template it picks
+    ("longbench_official", "meta-llama/Llama-3.1-8B-Instruct"),
+    ("kvcache_factory", "meta-llama/Meta-Llama-3-8B-Instruct"),
+    ("cake", "meta-llama/Llama-2-7b-chat-hf"),
+    ("raw", None),
+]
+
+
+def longbench_records(folder) -> list[dict]:
+    """The fixture's hotpotqa records, and two more questions about the first one's context, written to ``folder``:
+    three questions share a context, the file order interleaving them with the others."""
+    records = [json.loads(line) for line in (FIXTURES / "hotpotqa.jsonl").read_text().splitlines()]
+    shared = records[0]
+    more = [
+        {**shared, "_id": "again-1", "input": "Where is the Blue Owl Library?"},
+        {**shared, "_id": "again-2", "input": "Which library opened in 1911 in the northern port city?"},
+    ]
+    records = [records[0], records[1], more[0], records[2], more[1]]
+    (folder / "hotpotqa.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return records
+
+
+def longbench(folder, query_mode: str, prompt_format: str = "longbench_official", hf_id=None) -> list:
+    cfg = OmegaConf.load(CONF_DIR / "task" / "longbench.yaml")
+    cfg.merge_with({"data_dir": str(folder), "datasets": ["hotpotqa"], "query_mode": query_mode})
+    cfg.prompt_format = prompt_format
+    return list(LongBenchTask(cfg, ModelInfo("m", byte_tokenizer(4096), 4096, hf_id)).samples())
+
+
+@pytest.mark.parametrize(("prompt_format", "hf_id"), LONGBENCH_FORMATS)
+def test_longbench_splits_its_prompts_and_groups_the_questions_of_one_context(tmp_path, prompt_format, hf_id):
+    """LongBench agnostic: the tokens are the aware prompt's, the context holds the passages and nothing of the
+    question (it starts the question part); records with one context carry one ``context_id`` and, agnostic, follow
+    one another (file order within a context), their context tokens one."""
+    records = longbench_records(tmp_path)
+    aware = {sample.id: sample for sample in longbench(tmp_path, "aware", prompt_format, hf_id)}
+    agnostic = longbench(tmp_path, "agnostic", prompt_format, hf_id)
+    assert list(aware) == [record["_id"] for record in records]
+    assert [sample.id for sample in agnostic] == ["fixture-hotpotqa-0", "again-1", "again-2"] + [
+        "fixture-hotpotqa-1",
+        "fixture-hotpotqa-2",
+    ]
+    model = ModelInfo("m", byte_tokenizer(4096), 4096)
+    for sample in agnostic:
+        assert sample.input_ids == aware[sample.id].input_ids and aware[sample.id].question_start is None
+        assert sample.context_id == aware[sample.id].context_id
+        context = model.decode(sample.input_ids[: sample.question_start])
+        question = model.decode(sample.input_ids[sample.question_start :])
+        assert "Passage 1:" in context and "Question:" not in context
+        assert question.lstrip().startswith("Answer the question based on the given passages")
+    first = agnostic[:3]
+    assert len({sample.context_id for sample in first}) == 1 and first[0].context_id is not None
+    assert len({tuple(sample.input_ids[: sample.question_start]) for sample in first}) == 1
+    assert all(sample.context_id is None for sample in agnostic[3:])
+
+
+def test_a_longbench_run_compresses_each_shared_context_once(tmp_path):
+    """``kvbench run`` on LongBench, agnostic: the three questions of one context from one compression (the
+    records' shares sum to 3 contexts for 5 questions), each record what the question gives answered alone; a
+    grouped sweep writes what its runs write."""
+    longbench_records(tmp_path)
+    settings = ["model=tiny_llama", "task=longbench", f"task.data_dir={tmp_path}", "task.datasets=[hotpotqa]"]
+    settings += ["task.query_mode=agnostic", "budget=48", "engine.save_kept=true"]
+    cfgs = [compose([*settings, f"policy={spec}"]) for spec in ("snapkv", "tova+calidrop")]
+    for number, cfg in enumerate(cfgs):
+        run(cfg, tmp_path / "separate" / str(number))
+    run_group([(cfg, tmp_path / "grouped" / str(number)) for number, cfg in enumerate(cfgs)], True)
+    job = resolve(cfgs[0])
+    loaded = load_model(job.cfg.model)
+    task = build_task(job.cfg, loaded.tokenizer)
+    engine = build_engine(job, loaded)
+    alone = []
+    for sample in task.samples():
+        record, _ = run_sample(engine, task, sample, loaded)
+        record.pop("timing")
+        alone.append(record)
+    assert outcome(tmp_path / "separate" / "0")["records"] == alone
+    for number in range(len(cfgs)):
+        assert outcome(tmp_path / "grouped" / str(number)) == outcome(tmp_path / "separate" / str(number))
+        lines = (tmp_path / "grouped" / str(number) / "predictions.jsonl").read_text().splitlines()
+        shares = [json.loads(line)["timing"].get("context_shared_by", 1) for line in lines]
+        assert shares == [3, 3, 3, 1, 1]

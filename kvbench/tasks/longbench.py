@@ -36,9 +36,11 @@ plus that archive, which ``datasets`` >= 4 no longer runs).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import zipfile
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,7 @@ from kvbench.errors import KVBenchError, choose
 from kvbench.hub import check_hub_file, hub_file
 from kvbench.metrics.longbench import length_bucket, score_sample
 from kvbench.tasks.base import ModelInfo, Sample, Task
+from kvbench.tasks.prompts import after_context
 
 HUB_REPO = "THUDM/LongBench"
 HUB_ARCHIVE = "data.zip"
@@ -191,6 +194,7 @@ class LongBenchTask(Task):
     per length bucket)."""
 
     name = "longbench"
+    splits_prompts = True
     domains = {
         "datasets": name_list(DATASETS),
         "subtasks": optional(name_list(DATASETS), "task.datasets"),
@@ -224,6 +228,7 @@ class LongBenchTask(Task):
         self.num_samples = None if cfg.get("num_samples") is None else int(cfg.num_samples)
         self.min_length_datasets = _dataset_set("task.min_length_datasets", cfg.min_length_datasets)
         self.seed = int(cfg.get("seed", 42))
+        self.agnostic = cfg.get("query_mode") == "agnostic"
 
     @classmethod
     def for_model(cls, settings: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
@@ -241,14 +246,25 @@ class LongBenchTask(Task):
         return MAX_LENGTH.get(self.model.hf_id or "", self.model.context_window - MAX_NEW_TOKENS[dataset])
 
     def samples(self) -> Iterator[Sample]:
-        """Each dataset's (selected) records in file order, datasets in the configured order."""
+        """Each dataset's (selected) records in file order, datasets in the configured order. Records whose contexts
+        are identical carry one ``context_id``; in ``query_mode=agnostic`` they follow one another (each context's
+        questions in file order, contexts in the order they first appear), to be answered from one compression."""
         for dataset in self.datasets:
             records = self.records(dataset)
             if self.num_samples is not None and self.num_samples < len(records):
                 chosen = sorted(random.Random(self.seed).sample(range(len(records)), self.num_samples))
                 records = [records[index] for index in chosen]
-            for record in records:
-                yield self.sample(dataset, record)
+            repeats = Counter(record["context"] for record in records)
+            samples = [
+                self.sample(dataset, record, context_id(dataset, record) if repeats[record["context"]] > 1 else None)
+                for record in records
+            ]
+            if self.agnostic:
+                first: dict[str, int] = {}
+                for sample in samples:
+                    first.setdefault(sample.context_id or sample.id, len(first))
+                samples.sort(key=lambda sample: first[sample.context_id or sample.id])
+            yield from samples
 
     def check_data(self) -> None:
         """Each dataset's file in ``data_dir``, or the hub archive cached or downloadable."""
@@ -278,18 +294,22 @@ class LongBenchTask(Task):
         with path.open(encoding="utf-8") as lines:
             return _parse_records(lines, str(path))
 
-    def sample(self, dataset: str, record: dict[str, Any]) -> Sample:
-        """The engine's sample for one record; samsum carries ``stop_strings = ["\\n"]``, the datasets of
-        ``min_length_datasets`` at least one new token."""
+    def sample(self, dataset: str, record: dict[str, Any], context: str | None = None) -> Sample:
+        """The engine's sample for one record (``context``: its ``context_id``); samsum carries ``stop_strings =
+        ["\\n"]``, the datasets of ``min_length_datasets`` at least one new token; in ``query_mode=agnostic``, where
+        its question starts (:meth:`split_prompt_ids`)."""
+        ids, question_start = self.split_prompt_ids(dataset, record) if self.agnostic else (None, None)
         return Sample(
             id=record["_id"],
             subtask=dataset,
-            input_ids=self.prompt_ids(dataset, record),
+            input_ids=self.prompt_ids(dataset, record) if ids is None else ids,
             answers=list(record["answers"]),
             max_new_tokens=MAX_NEW_TOKENS[dataset],
             min_new_tokens=int(dataset in self.min_length_datasets),
             stop_strings=["\n"] if dataset == "samsum" else [],
             metadata={"all_classes": record["all_classes"], "length": record["length"]},
+            question_start=question_start,
+            context_id=context,
         )
 
     def template(self, dataset: str) -> str:
@@ -298,10 +318,20 @@ class LongBenchTask(Task):
             return "raw"
         return self.format_template
 
+    def prompt(self, dataset: str, record: dict[str, Any]) -> str:
+        """The official prompt text, cut in the middle to ``max_length`` tokens as ``pred.py``."""
+        return self.model.cut_middle(PROMPTS[dataset].format(**record), self.max_length(dataset))
+
     def prompt_ids(self, dataset: str, record: dict[str, Any]) -> list[int]:
-        """The official prompt, cut in the middle to ``max_length`` tokens as ``pred.py``, in the prompt format."""
-        prompt = self.model.cut_middle(PROMPTS[dataset].format(**record), self.max_length(dataset))
-        return self.model.prompt_ids(self.template(dataset), prompt)
+        """:meth:`prompt` in the prompt format, as token ids."""
+        return self.model.prompt_ids(self.template(dataset), self.prompt(dataset, record))
+
+    def split_prompt_ids(self, dataset: str, record: dict[str, Any]) -> tuple[list[int], int]:
+        """:meth:`prompt_ids` and where the question starts in them: the dataset's template after ``{context}``
+        (every LongBench template puts its question, if any, after the context; the summaries and code completion
+        have only an instruction there)."""
+        question = after_context(PROMPTS[dataset], **record)
+        return self.model.prompt_split(self.template(dataset), self.prompt(dataset, record), question)
 
     def score(self, sample: Sample, prediction: str) -> float:
         """The official metric of the sample's dataset, 0-1."""
@@ -323,6 +353,11 @@ class LongBenchTask(Task):
             {**record, "subtask": f"{record['subtask']}@{length_bucket(record['length'])}"} for record in records
         ]
         return super().aggregate(bucketed)
+
+
+def context_id(dataset: str, record: dict[str, Any]) -> str:
+    """``<dataset>-context-<12 hex digits>``: one id for the records of ``dataset`` whose contexts are identical."""
+    return f"{dataset}-context-{hashlib.sha1(record['context'].encode('utf-8')).hexdigest()[:12]}"
 
 
 def _dataset_set(key: str, value: Any) -> frozenset[str]:

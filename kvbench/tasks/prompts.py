@@ -136,6 +136,12 @@ def rendered(
     return chat + answer_prefix, False
 
 
+def after_context(template: str, **values: Any) -> str:
+    """The question of a task ``template``: its text after ``{context}``, filled in (``values``: the template's fields;
+    others are ignored)."""
+    return template.split("{context}")[1].format(**values)
+
+
 def split_question(tokenizer: Any, prompt: str, special_tokens: bool, question: str) -> tuple[list[int], int]:
     """A :func:`rendered` prompt's ids and where its question starts in them: the index
     of the first token that ends past the start of ``question`` (the end of the task's text from where its question

@@ -66,6 +66,7 @@ from kvbench.hub import hub_online, hub_rows
 from kvbench.metrics.ruler import string_match_all, string_match_part
 from kvbench.tasks import prompts
 from kvbench.tasks.base import ModelInfo, Sample, Task
+from kvbench.tasks.prompts import after_context
 from kvbench.tasks.resources import paul_graham_essays, wonderwords_list
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -127,11 +128,6 @@ class Prompt:
     info: dict[str, Any] = field(default_factory=dict)
     #: the end of ``text`` after its context: what a query-agnostic run withholds from the compression
     question: str = ""
-
-
-def after_context(template: str, **values: Any) -> str:
-    """The question of a task ``template``: its text after ``{context}``, filled in."""
-    return template.split("{context}")[1].format(**values)
 
 
 def _random_item(kind: str, rng: random.Random) -> str:
