@@ -228,6 +228,21 @@ def test_more_questions_than_a_haystack_holds_are_refused_in_one_line():
         RulerTask.check({"questions_per_context": 0})
 
 
+def records_alone(cfg) -> list[dict]:
+    """The records of ``cfg``'s samples, each question answered by a run of its own (one sample at a time, its
+    context compressed for it alone), less their timings."""
+    job = resolve(cfg)
+    loaded = load_model(job.cfg.model)
+    task = build_task(job.cfg, loaded.tokenizer)
+    engine = build_engine(job, loaded)
+    records = []
+    for sample in task.samples():
+        record, _ = run_sample(engine, task, sample, loaded)
+        record.pop("timing")
+        records.append(record)
+    return records
+
+
 def test_a_run_compresses_each_context_once_and_answers_each_question_as_alone(tmp_path):
     """``kvbench run`` with four questions per context, agnostic: one compression per context and variant (the
     records' shares of it sum to the contexts), each question's prediction what the engine gives it alone; a grouped
@@ -239,15 +254,7 @@ def test_a_run_compresses_each_context_once_and_answers_each_question_as_alone(t
     for number, cfg in enumerate(cfgs):
         run(cfg, tmp_path / "separate" / str(number))
     run_group([(cfg, tmp_path / "grouped" / str(number)) for number, cfg in enumerate(cfgs)], True)
-    job = resolve(cfgs[1])
-    loaded = load_model(job.cfg.model)
-    task = build_task(job.cfg, loaded.tokenizer)
-    engine = build_engine(job, loaded)
-    alone = []
-    for sample in task.samples():  # each question answered by a run of its own from the compressed context
-        record, _ = run_sample(engine, task, sample, loaded)
-        record.pop("timing")
-        alone.append(record)
+    alone = records_alone(cfgs[1])
     assert outcome(tmp_path / "separate" / "1")["records"] == alone
     for number, spec in enumerate(specs):
         assert outcome(tmp_path / "grouped" / str(number)) == outcome(tmp_path / "separate" / str(number)), spec
@@ -360,15 +367,7 @@ def test_a_longbench_run_compresses_each_shared_context_once(tmp_path):
     for number, cfg in enumerate(cfgs):
         run(cfg, tmp_path / "separate" / str(number))
     run_group([(cfg, tmp_path / "grouped" / str(number)) for number, cfg in enumerate(cfgs)], True)
-    job = resolve(cfgs[0])
-    loaded = load_model(job.cfg.model)
-    task = build_task(job.cfg, loaded.tokenizer)
-    engine = build_engine(job, loaded)
-    alone = []
-    for sample in task.samples():
-        record, _ = run_sample(engine, task, sample, loaded)
-        record.pop("timing")
-        alone.append(record)
+    alone = records_alone(cfgs[0])
     assert outcome(tmp_path / "separate" / "0")["records"] == alone
     for number in range(len(cfgs)):
         assert outcome(tmp_path / "grouped" / str(number)) == outcome(tmp_path / "separate" / str(number))
