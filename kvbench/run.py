@@ -137,8 +137,8 @@ def run_samples(
     engine: Engine, task: Task, samples: list[Sample], loaded: LoadedModel, batch_size: int
 ) -> Iterator[tuple[Sample, tuple[dict[str, Any], Any]]]:
     """:func:`run_sample` of each of ``samples``, in their order as each finishes: the generated ones prefilled one
-    by one and decoded together, ``batch_size`` rows at a time (:func:`~kvbench.engine.engine.finished_rows`;
-    perplexity samples one by one)."""
+    by one (the questions of one context from one compression of it, :func:`context_rows`) and decoded together,
+    ``batch_size`` rows at a time (:func:`~kvbench.engine.engine.finished_rows`; perplexity samples one by one)."""
     if len(samples) == 1 or any(sample.mode == "perplexity" for sample in samples):
         for sample in samples:
             yield sample, run_sample(engine, task, sample, loaded)
@@ -552,7 +552,8 @@ def decode_shared(
     chunk: list[Sample], lacking: dict[str, dict[int, OpenRun]], loaded: LoadedModel, batch_size: int
 ) -> Iterator[tuple[Sample, dict[int, tuple[dict[str, Any], Any]]]]:
     """Each sample of ``chunk`` in order with the records and outputs of the runs that lack it, by run, as soon as its
-    rows have finished: each sample prefilled once for its runs, all the chunk's rows decoded together,
+    rows have finished: each sample prefilled once for its runs (the questions of one context answered from one
+    compression of it per run, :func:`context_rows`), all the chunk's rows decoded together,
     ``batch_size`` at a time (:func:`~kvbench.engine.engine.finished_rows`); a perplexity sample's text streamed by
     its runs as rows (:func:`~kvbench.engine.engine.perplexity_rows`)."""
     results: dict[int, dict[int, tuple[dict[str, Any], Any]]] = {}  # sample position -> run -> (record, output)
