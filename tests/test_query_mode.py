@@ -17,7 +17,7 @@ from kvbench.errors import KVBenchError
 from kvbench.job import resolve
 from kvbench.models import load_model
 from kvbench.policies import build_policy
-from kvbench.results.intervals import bootstrap_mean
+from kvbench.results.intervals import bootstrap_mean, paired_difference
 from kvbench.results.leaderboard import leaderboard_tables
 from kvbench.results.table import benchmark_tables, load_runs
 from kvbench.run import build_engine, build_task, run, run_group, run_sample
@@ -277,18 +277,18 @@ def test_the_tables_put_aware_and_agnostic_side_by_side_and_cluster_by_context(t
     tables = benchmark_tables(runs)
     assert sorted(tables["ruler"]["query_mode"]) == ["agnostic", "agnostic", "aware", "aware"]
     side = tables["query_modes"].set_index("policy")
-    assert list(side.columns[-5:]) == [
-        "aware",
-        "agnostic",
-        "agnostic − aware",
-        "agnostic compressions",
-        "agnostic seconds",
-    ]
+    assert list(side.columns[-10:-4]) == ["aware", "agnostic", "agnostic − aware", "Δ low", "Δ high", "n"]
     assert side.loc["full", "aware"] == side.loc["full", "agnostic"]  # nothing evicted: the same predictions
-    assert list(side["agnostic compressions"]) == [2.0, 2.0]  # two contexts of four questions
+    assert side.loc["full", "Δ low"] == side.loc["full", "Δ high"] == 0
+    assert list(side["agnostic compressions"]) == list(side["contexts"]) == [2.0, 2.0]  # two contexts of 4 questions
     for policy in ("full", "snapkv"):
-        averages = {run.query_mode: run.metrics["average"] for run in runs if run.metrics["policy"] == policy}
+        by_mode = {run.query_mode: run for run in runs if run.metrics["policy"] == policy}
+        averages = {mode: run.metrics["average"] for mode, run in by_mode.items()}
         assert side.loc[policy, "agnostic − aware"] == pytest.approx(averages["agnostic"] - averages["aware"])
+        scores = {mode: {r["id"]: 100.0 * r["score"] for r in run.records} for mode, run in by_mode.items()}
+        clusters = {r["id"]: r["context_id"] for r in by_mode["agnostic"].records}
+        paired = paired_difference(scores["agnostic"], scores["aware"], clusters=clusters)
+        assert (side.loc[policy, "Δ low"], side.loc[policy, "Δ high"]) == (paired.low, paired.high)
     cells = leaderboard_tables(runs)["leaderboard_cells"]
     agnostic = cells[(cells["task"] == "ruler-agnostic") & (cells["policy"] == "snapkv")].iloc[0]
     snapkv = next(run for run in runs if run.query_mode == "agnostic" and run.metrics["policy"] == "snapkv")

@@ -36,31 +36,6 @@ from kvbench.results.table import FORMATS, NO_BUDGET, Run, budget_key, load_runs
 CELL = ["model", "task", "subtask", "metric", "context", "regime"]
 
 
-def metric(run: Run) -> str:
-    """What a run's sample scores are: ``perplexity`` where its records carry token NLLs (the perplexity tasks, whose
-    ``score`` is the window's perplexity), else ``score`` (0–1, shown ×100)."""
-    return "perplexity" if any("nll" in record for record in run.records) else "score"
-
-
-def sample_scores(run: Run) -> dict[str, dict[str, float]]:
-    """The run's per-sample scores by subtask (the task's name where records have none): ``{subtask: {sample id:
-    score}}``, from each record's numeric ``score``: ×100, a perplexity as it is (:func:`metric`)."""
-    scale = 1.0 if metric(run) == "perplexity" else 100.0
-    scores: dict[str, dict[str, float]] = {}
-    for record in run.records:
-        score = record.get("score")
-        if isinstance(score, int | float) and not isinstance(score, bool):
-            scores.setdefault(record.get("subtask") or run.task, {})[str(record["id"])] = scale * float(score)
-    return scores
-
-
-def sample_contexts(run: Run) -> dict[str, str] | None:
-    """Each sample id's ``context_id`` where the run's questions share contexts (RULER's ``questions_per_context``):
-    their intervals resample whole contexts. None where no record has one."""
-    contexts = {str(record["id"]): str(record["context_id"]) for record in run.records if "context_id" in record}
-    return contexts or None
-
-
 def task_label(run: Run) -> str:
     """The run's task, ``<task>-agnostic`` under ``task.query_mode=agnostic`` (its own cells: another protocol)."""
     return run.task if run.query_mode == "aware" else f"{run.task}-{run.query_mode}"
@@ -69,11 +44,11 @@ def task_label(run: Run) -> str:
 def cells(runs: list[Run]) -> tuple[pd.DataFrame, dict[tuple, dict[str, float]], dict[tuple, dict[str, str] | None]]:
     """One row per cell: its key, policy, budget, n, mean and interval; each cell's scores by sample id (the full
     cache, whose budget is no setting, once); and each cell's samples' contexts, by which its intervals are clustered
-    (:func:`sample_contexts`)."""
+    (:meth:`~kvbench.results.table.Run.sample_contexts`)."""
     rows, scores, clusters = [], {}, {}
     for run in runs:
-        identity, kind, contexts = run.identity(), metric(run), sample_contexts(run)
-        for subtask, by_id in sample_scores(run).items():
+        identity, kind, contexts = run.identity(), run.metric, run.sample_contexts()
+        for subtask, by_id in run.sample_scores().items():
             key = (identity["model"], task_label(run), subtask, kind, run.context, identity["regime"])
             policy, budget = identity["policy"], identity["budget"]
             if (*key, policy, budget) in scores:  # the full cache run at several budgets: one cell

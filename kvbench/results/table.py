@@ -9,8 +9,9 @@ Layouts (``--layout``; ``auto`` makes every benchmark layout the runs found have
   ``context_length``), the full cache in columns of its own, with Avg.;
 * ``ppl``        perplexity beside the full cache's for the same model, text and length, and the gap;
 * ``query_modes`` each run's average under ``task.query_mode=aware`` and ``agnostic`` side by side (the same
-  samples, the context compressed with or without its question), the difference, and what the agnostic run
-  compressed: its contexts and its time (made by ``auto`` when the runs hold both modes);
+  samples, the context compressed with or without its question), the difference with its paired interval
+  (clustered by context), the agnostic run's compressions and both runs' time (made by ``auto`` when the runs hold
+  both modes);
 * ``runs``       one row per run (every run): its average, cache size and time, and the scores of a task
   without a table of its own.
 
@@ -35,6 +36,7 @@ from omegaconf import OmegaConf
 from kvbench import config_dict
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies.budgets import Budget
+from kvbench.results.intervals import paired_difference
 from kvbench.rundir import RunDir, find_run_dirs, scan_run_dirs
 
 IDENTITY = ["model", "policy", "budget", "regime"]
@@ -129,6 +131,30 @@ class Run:
                 return int(task[key])
         grid = str(task.get("grid") or "")
         return int(grid[:-1]) * 1024 if grid[:-1].isdigit() and grid.endswith("k") else None
+
+    @property
+    def metric(self) -> str:
+        """What the run's sample scores are: ``perplexity`` where its records carry token NLLs (the perplexity tasks,
+        whose ``score`` is the window's perplexity), else ``score`` (0–1, shown ×100)."""
+        return "perplexity" if any("nll" in record for record in self.records) else "score"
+
+    def sample_scores(self) -> dict[str, dict[str, float]]:
+        """The run's per-sample scores by subtask (the task's name where records have none): ``{subtask: {sample id:
+        score}}``, from each record's numeric ``score``: ×100, a perplexity as it is (:attr:`metric`)."""
+        scale = 1.0 if self.metric == "perplexity" else 100.0
+        scores: dict[str, dict[str, float]] = {}
+        for record in self.records:
+            score = record.get("score")
+            if isinstance(score, int | float) and not isinstance(score, bool):
+                scores.setdefault(record.get("subtask") or self.task, {})[str(record["id"])] = scale * float(score)
+        return scores
+
+    def sample_contexts(self) -> dict[str, str] | None:
+        """Each sample id's ``context_id`` where the run's questions share contexts (RULER's
+        ``questions_per_context``, LongBench's repeated documents): their intervals resample whole contexts. None
+        where no record has one."""
+        contexts = {str(record["id"]): str(record["context_id"]) for record in self.records if "context_id" in record}
+        return contexts or None
 
     @property
     def query_mode(self) -> str:
@@ -393,32 +419,45 @@ def compressions(run: Run) -> float:
 
 
 def query_mode_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
-    """``query_modes``: one row per identity, task and context that ran under both query modes, their averages side by
-    side, ``agnostic − aware``, and the agnostic run's compressions (:func:`compressions`) and seconds."""
-    if {run.query_mode for run in runs} != {"aware", "agnostic"}:
-        return {}
-    rows = [
-        {
-            **run.identity(),
-            "task": run.task,
-            "context": run.context,
-            "query_mode": run.query_mode,
-            "average": run.metrics.get("average"),
-            "compressions": compressions(run) if run.query_mode == "agnostic" else None,
-            "seconds": run.metrics.get("timing", {}).get("total_seconds"),
-        }
-        for run in runs
-    ]
-    frame = pd.DataFrame(rows)
-    index = [*IDENTITY, "task", "context"]
-    wide = frame.pivot_table(index=index, columns="query_mode", values="average", aggfunc="first")[
-        ["aware", "agnostic"]
-    ]
-    agnostic = frame[frame["query_mode"] == "agnostic"].groupby(index)[["compressions", "seconds"]].first()
-    table = wide.join(agnostic.add_prefix("agnostic ")).dropna(subset=["aware", "agnostic"]).reset_index()
-    table.columns.name = None
-    table.insert(len(index) + 2, "agnostic − aware", table["agnostic"] - table["aware"])
-    return {"query_modes": sort_rows(table)}
+    """``query_modes``: one row per identity, task and context run under both query modes: their averages side by side,
+    ``agnostic − aware`` with the 95 % interval of the paired per-sample difference (``Δ low``, ``Δ high``, over the
+    ``n`` samples both scored, whole contexts resampled where questions share one), the contexts among them, the
+    agnostic run's compressions (:func:`compressions`) and both runs' seconds."""
+    by_mode: dict[str, dict[tuple, Run]] = {"aware": {}, "agnostic": {}}
+    for run in runs:
+        key = (*run.identity().values(), run.task, run.context)
+        by_mode.setdefault(run.query_mode, {}).setdefault(key, run)
+    rows = []
+    for key, agnostic in by_mode["agnostic"].items():
+        aware = by_mode["aware"].get(key)
+        if aware is None:
+            continue
+        contexts = agnostic.sample_contexts()
+        difference = paired_difference(pooled(agnostic), pooled(aware), clusters=contexts)
+        averages = aware.metrics["average"], agnostic.metrics["average"]
+        rows.append(
+            {
+                **agnostic.identity(),
+                "task": agnostic.task,
+                "context": agnostic.context,
+                "aware": averages[0],
+                "agnostic": averages[1],
+                "agnostic − aware": averages[1] - averages[0],
+                "Δ low": difference.low,
+                "Δ high": difference.high,
+                "n": difference.n,
+                "contexts": len(set(contexts.values())) if contexts else difference.n,
+                "agnostic compressions": compressions(agnostic),
+                "aware seconds": aware.metrics.get("timing", {}).get("total_seconds"),
+                "agnostic seconds": agnostic.metrics.get("timing", {}).get("total_seconds"),
+            }
+        )
+    return {"query_modes": sort_rows(pd.DataFrame(rows))} if rows else {}
+
+
+def pooled(run: Run) -> dict[str, float]:
+    """The run's per-sample scores of every subtask, by sample id (:meth:`Run.sample_scores`)."""
+    return {sample: score for by_id in run.sample_scores().values() for sample, score in by_id.items()}
 
 
 LAYOUTS: dict[str, Callable[[list[Run]], dict[str, pd.DataFrame]]] = {
