@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -20,7 +21,14 @@ from kvbench.config import group_options
 from kvbench.engine.tokenizers import stand_in_tokenizer
 from kvbench.errors import KVBenchError
 from kvbench.launch.launchers import array_name, last_line, refusal
-from kvbench.launch.sweeps import experiment_overrides, split_pending, sweep_jobs, sweeper_params
+from kvbench.launch.sweeps import (
+    experiment_overrides,
+    split_pending,
+    sweep_jobs,
+    sweep_loader,
+    sweep_overrides,
+    sweeper_params,
+)
 from kvbench.policies import build_policy
 from kvbench.rundir import RunDir, run_dirs_below
 from kvbench.tasks.base import ModelInfo
@@ -166,6 +174,19 @@ def test_experiment_sweep_becomes_overrides_and_typed_values_win():
     assert experiment_overrides(["+experiment=caote_smoke"]) == ["+experiment=caote_smoke"]  # not a multirun
     with pytest.raises(SystemExit):
         main(["run", "-m", "+experiment=nope"])
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_sweeps_each_key_once(experiment):
+    """Each job of an experiment's sweep sets each key once: a dotted key swept in the file (typed
+    ``++task.query_mode`` once it is an override) is not crossed with itself, so shared_context has its 36 jobs."""
+    with sweep_loader([f"+experiment={experiment}"]) as (config_loader, master):
+        jobs = sweep_overrides(config_loader, master)
+    params = sweeper_params(experiment)
+    assert len(jobs) == math.prod(len(values.split(",")) for values in params.values())
+    for overrides in jobs:
+        keys = [override.split("=", 1)[0].lstrip("+") for override in overrides]
+        assert len(keys) == len(set(keys)), overrides
 
 
 def test_launcher_configs_compose():

@@ -106,9 +106,11 @@ def compose_job(config_loader: Any, master: DictConfig, overrides: list[str]) ->
 
 def sweep_overrides(config_loader: Any, master: DictConfig) -> list[list[str]]:
     """The overrides of every job of the sweep whose config is ``master`` (composed in multirun mode): the
-    cartesian product of ``hydra.sweeper.params`` and the command line's overrides (what is typed wins), as
-    Hydra's basic sweeper makes it."""
-    params = [f"{key}={value}" for key, value in (master.hydra.sweeper.params or {}).items()]
+    cartesian product of ``hydra.sweeper.params`` and the command line's overrides (what is typed wins, whatever
+    its ``+``/``++`` prefix: a dotted key is typed ``++task.query_mode``, which Hydra's sweeper would take for another
+    key and sweep twice), as Hydra's basic sweeper makes it."""
+    typed = {str(override).split("=", 1)[0].lstrip("+~") for override in master.hydra.overrides.task}
+    params = [f"{key}={value}" for key, value in (master.hydra.sweeper.params or {}).items() if key not in typed]
     try:
         overrides = OverridesParser.create(config_loader=config_loader).parse_overrides(
             [*params, *master.hydra.overrides.task]
