@@ -422,7 +422,8 @@ def query_mode_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
     """``query_modes``: one row per identity, task and context run under both query modes: their averages side by side,
     ``agnostic − aware`` with the 95 % interval of the paired per-sample difference (``Δ low``, ``Δ high``, over the
     ``n`` samples both scored, whole contexts resampled where questions share one), the contexts among them, the
-    agnostic run's compressions (:func:`compressions`) and both runs' seconds."""
+    agnostic run's compressions (:func:`compressions`) and both runs' seconds. Of several rows, the model, regime,
+    task and context are left out where every row has the same."""
     by_mode: dict[str, dict[tuple, Run]] = {"aware": {}, "agnostic": {}}
     for run in runs:
         key = (*run.identity().values(), run.task, run.context)
@@ -452,7 +453,11 @@ def query_mode_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
                 "agnostic seconds": agnostic.metrics.get("timing", {}).get("total_seconds"),
             }
         )
-    return {"query_modes": sort_rows(pd.DataFrame(rows))} if rows else {}
+    if not rows:
+        return {}
+    table = sort_rows(pd.DataFrame(rows))
+    constant = [column for column in ("model", "regime", "task", "context") if table[column].nunique() == 1]
+    return {"query_modes": table.drop(columns=constant) if len(table) > 1 else table}
 
 
 def pooled(run: Run) -> dict[str, float]:
