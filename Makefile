@@ -90,7 +90,7 @@ report_tables = $(KVBENCH) table $(RESULTS)/$(1) --output-dir $(RESULTS)/$(1)/re
 		$(KVBENCH) compare-paper $(1):$$table $(RESULTS)/$(1) --output-dir $(RESULTS)/$(1)/report || exit 1; \
 	done
 
-.PHONY: reproduce-caote reproduce-obcache reproduce-calidrop reproduce-slake leaderboard
+.PHONY: reproduce-caote reproduce-obcache reproduce-calidrop reproduce-slake leaderboard shared-context
 
 reproduce-caote: setup
 	$(call sweep,caote)
@@ -141,3 +141,13 @@ leaderboard: setup
 	done && \
 	$(if $(PLAN),true,$(KVBENCH) leaderboard $(LEADERBOARD_DIR) --output-dir $(LEADERBOARD_DIR)/report \
 		--provenance "make leaderboard SCALE=$(SCALE)" --started $$start --commit "$$commit")
+
+# --- Shared context ---------------------------------------------------------------------------------------------
+# make shared-context [SCALE=paper|smoke|plan] [SHARED_CONTEXT_DIR=DIR]: every base policy answering RULER
+# niah_multikey_1's four questions per haystack with the question seen while evicting (aware) and with each haystack
+# compressed once before its questions (agnostic), conf/experiment/shared_context[_smoke].yaml; then the two side by
+# side with the paired intervals (kvbench table --layout query_modes) in DIR/report/.
+SHARED_CONTEXT_DIR ?= $(RESULTS)/shared_context
+shared-context: setup
+	$(RUN) +experiment=shared_context$(if $(SMOKE),_smoke) hydra.sweep.dir=$(SHARED_CONTEXT_DIR) $(LAUNCH) && \
+	$(if $(PLAN),true,$(KVBENCH) table $(SHARED_CONTEXT_DIR) --layout query_modes --output-dir $(SHARED_CONTEXT_DIR)/report)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 import torch
@@ -389,3 +390,20 @@ def test_the_committed_shared_context_runs_regenerate_the_readme_table(tmp_path)
     assert made.strip() in (PROJECT_ROOT / "README.md").read_text()
     runs = load_runs([committed])
     assert len(runs) == 48 and all(run.metrics["num_samples"] == 100 for run in runs)
+
+
+@pytest.mark.slow  # 41 s; what it runs is tested piece by piece above
+@pytest.mark.model
+def test_make_shared_context_smoke(tmp_path):
+    """``make shared-context SCALE=smoke``: SmolLM2 answers two haystacks' four questions in both modes, and the
+    report puts them side by side: the full cache the same either way, two compressions per agnostic run."""
+    command = ["make", "-o", ".venv/.installed", "shared-context", "SCALE=smoke", f"SHARED_CONTEXT_DIR={tmp_path}"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = (tmp_path / "report" / "query_modes.md").read_text().splitlines()
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]] for line in table[2:]}
+    assert set(rows) == {"full", "snapkv"}
+    header = [cell.strip() for cell in table[0].split("|")[2:-1]]
+    full = dict(zip(header, rows["full"]))
+    assert full["aware"] == full["agnostic"] and full["agnostic − aware"] == "0.00"
+    assert [dict(zip(header, row))["agnostic compressions"] for row in rows.values()] == ["2.00", "2.00"]
