@@ -298,11 +298,14 @@ class LongBenchTask(Task):
         """The engine's sample for one record (``context``: its ``context_id``); samsum carries ``stop_strings =
         ["\\n"]``, the datasets of ``min_length_datasets`` at least one new token; in ``query_mode=agnostic``, where
         its question starts (:meth:`split_prompt_ids`)."""
-        ids, question_start = self.split_prompt_ids(dataset, record) if self.agnostic else (None, None)
+        if self.agnostic:
+            ids, question_start = self.split_prompt_ids(dataset, record)
+        else:
+            ids, question_start = self.prompt_ids(dataset, record), None
         return Sample(
             id=record["_id"],
             subtask=dataset,
-            input_ids=self.prompt_ids(dataset, record) if ids is None else ids,
+            input_ids=ids,
             answers=list(record["answers"]),
             max_new_tokens=MAX_NEW_TOKENS[dataset],
             min_new_tokens=int(dataset in self.min_length_datasets),
