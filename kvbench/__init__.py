@@ -6,15 +6,20 @@ from typing import Any, cast
 
 __version__ = "0.1.0"
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = PROJECT_ROOT / "conf"
+# OpenMP threads that wait by sleeping, set before torch loads its OpenMP runtime (kvbench/engine/threads.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]  # the checkout (site-packages when installed from a wheel)
+CONF_ENV = "KVBENCH_CONF_DIR"  # a folder laid out as kvbench/conf, replacing the shipped configs
+#: the Hydra configs, shipped inside the package (the checkout's top-level conf/ links here)
+CONF_DIR = Path(os.environ.get(CONF_ENV) or Path(__file__).resolve().parent / "conf")
 
 
 def resolve_path(path: str | os.PathLike) -> Path:
     """A user-given file or folder: ``~`` expanded; a relative path is taken from the working directory if
-    it exists there, else from the project root (where ``make`` and the tests run)."""
+    it exists there, else, in a checkout, from its root (where ``make`` and the tests run)."""
     candidate = Path(path).expanduser()
-    if candidate.is_absolute() or candidate.exists():
+    if candidate.is_absolute() or candidate.exists() or not (PROJECT_ROOT / "pyproject.toml").exists():
         return candidate
     return PROJECT_ROOT / candidate
 

@@ -1,6 +1,7 @@
 """The ``kvbench`` command line.
 
-    kvbench run model=smollm2_135m policy=snapkv+caote budget=128 task=ruler   # Hydra overrides; -m sweeps
+    kvbench run policy=snapkv+caote budget=128 task.subtasks=[niah_single_1] task.context_length=2048 task.num_samples=4
+    kvbench run model=llama31_8b policy=h2o+obcache_joint budget=4k task=longbench   # Hydra overrides; -m sweeps
     kvbench run -m +experiment=caote [hydra/launcher=slurm|local]             # a paper's sweep (conf/experiment)
     kvbench plan -m +experiment=caote                                        # every job resolved and validated, as JSON
     kvbench policies                                                          # every policy and its parameters
@@ -14,7 +15,9 @@
 
     -v / --verbose (before the command): third-party INFO lines too (quiet by default).
 
-Errors in what the user typed are printed as one line (``kvbench: error: ...``) with exit status 2.
+Errors in what the user typed are printed as one line (``kvbench: error: ...``) with exit status 2. Ctrl-C (SIGINT)
+and SIGTERM stop a command with one line saying how many samples it wrote, exit status 130 and 143: every finished
+sample is on disk, and the same command resumes the rest.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -66,6 +70,7 @@ def hydra_run(cfg: DictConfig) -> float | None:
         metrics = run(cfg, output_dir)
     except KVBenchError as error:
         if not in_sweep:  # (a sweep's job keeps its directory: its log there tells the error)
+            detach_logs(Path(output_dir))
             RunDir(output_dir).discard_if_unused()
             fail(str(error))
         log.error("kvbench: error: %s", error)
@@ -76,6 +81,16 @@ def hydra_run(cfg: DictConfig) -> float | None:
         raise
     print(result_line(metrics))
     return metrics["average"]
+
+
+def detach_logs(directory: Path) -> None:
+    """Close the log handlers that write into ``directory`` (Hydra's job log, opened at its first line), so that the
+    directory can be removed and nothing logged later in this process tries to open a file there."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == directory.absolute():
+            root.removeHandler(handler)
+            handler.close()
 
 
 def command_run(args: list[str]) -> None:
@@ -214,6 +229,27 @@ COMMANDS = {
 }
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the process is, as Ctrl-C raises ``KeyboardInterrupt`` (not an ``Exception``: no
+    handler of a job's failures takes it for one)."""
+
+
+def terminate(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+def stopped(stop: BaseException) -> None:
+    """The one line of a command stopped by a signal, and its exit status (128 + the signal's number)."""
+    name, status = ("SIGTERM", 143) if isinstance(stop, Terminated) else ("SIGINT", 130)
+    written = RunDir.appended
+    print(
+        f"kvbench: stopped by {name}: {written} sample{'s' if written != 1 else ''} finished and written by this "
+        "command; run the same command to resume the rest",
+        file=sys.stderr,
+    )
+    sys.exit(status)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-v", "--verbose"):
@@ -226,12 +262,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"kvbench {__version__}")
         return
     command, args = argv[0], argv[1:]
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
         if command not in COMMANDS:
             raise KVBenchError(f"unknown command {command!r}; valid choices: {', '.join(COMMANDS)}")
         COMMANDS[command](args)
     except KVBenchError as error:
         fail(str(error))
+    except (KeyboardInterrupt, Terminated) as stop:
+        stopped(stop)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

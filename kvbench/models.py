@@ -29,6 +29,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import huggingface_hub
 import torch
 import transformers
 from omegaconf import DictConfig, OmegaConf
@@ -112,6 +113,26 @@ def load_model(cfg: DictConfig) -> LoadedModel:
 def clear_loaded_models() -> None:
     """Forget the in-process model cache (the next load_model loads again)."""
     _LOADED.clear()
+
+
+def check_weights(cfg: DictConfig) -> None:
+    """The one-line error :func:`load_model` would end with when the weights are neither on this machine nor
+    downloadable now; nothing is loaded or downloaded (``kvbench plan``, and ``kvbench run`` before its load)."""
+    choose("model.source", cfg.source, SOURCES)
+    if cfg.source == "hub":
+        source = _hub_source(cfg)
+        local = Path(source).is_dir() or isinstance(huggingface_hub.try_to_load_from_cache(source, "config.json"), str)
+        if not local and not hub_online():
+            raise KVBenchError(_offline_message(cfg))
+    elif cfg.source == "smollm2_wheel" and cfg.path is not None:
+        _converted_user_path_checked(cfg)
+
+
+def _offline_message(cfg: DictConfig) -> str:
+    return (
+        f"model {cfg.name} ({cfg.hf_id}) is not available offline: "
+        f"download it with 'hf download {cfg.hf_id}' or pass model.path=/local/dir"
+    )
 
 
 def load_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerBase:
@@ -230,10 +251,7 @@ def _from_hub(loader, cfg: DictConfig, **options):
             message = f"model {cfg.name}: cannot load model.path={cfg.path}: {first_line(local_error)}"
             raise KVBenchError(message) from local_error
         if not hub_online():
-            raise KVBenchError(
-                f"model {cfg.name} ({cfg.hf_id}) is not available offline: "
-                f"download it with 'hf download {cfg.hf_id}' or pass model.path=/local/dir"
-            ) from local_error
+            raise KVBenchError(_offline_message(cfg)) from local_error
     try:
         return loader(source, local_files_only=False, **options)
     except OSError as hub_error:
@@ -275,15 +293,21 @@ def _smollm2_dir(cfg: DictConfig) -> Path:
     return target
 
 
-def _converted_user_path(cfg: DictConfig) -> Path:
-    """``model.path`` as a converted directory, converting a .gguf file into the cache first."""
+def _converted_user_path_checked(cfg: DictConfig) -> Path:
+    """``model.path``, refused in one line unless it is a .gguf file or a converted model directory."""
     path = Path(cfg.path).expanduser()
-    if (path / "config.json").is_file():
-        return path
-    if not (path.is_file() and path.suffix == ".gguf"):
+    if not ((path / "config.json").is_file() or (path.is_file() and path.suffix == ".gguf")):
         raise KVBenchError(
             f"model.path={cfg.path} is neither a .gguf file nor a converted model directory (with config.json)"
         )
+    return path
+
+
+def _converted_user_path(cfg: DictConfig) -> Path:
+    """``model.path`` as a converted directory, converting a .gguf file into the cache first."""
+    path = _converted_user_path_checked(cfg)
+    if (path / "config.json").is_file():
+        return path
     target = cache_dir() / "gguf" / f"{path.stem}-{_file_fingerprint(path)}"
     if not target.is_dir():
         try:

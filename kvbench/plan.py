@@ -7,7 +7,7 @@ machine, else a stand-in that checks everything a tokenizer does not decide) and
 line on stdout::
 
     {"overrides": [...], "output_dir": ..., "config": {...}, "policy": {"spec": ..., "params": {...}},
-     "error": null | "one line", "finished": bool, "tokens": {"prefill": n, "decode": n} | null,
+     "errors": [one line per reason], "finished": bool, "tokens": {"prefill": n, "decode": n} | null,
      "seconds": estimated wall time (with --time) | null, "group": n | null, "prefill_group": n | null}
 
 In a grouped sweep (``hydra.sweeper.group``, the default) ``group`` numbers the process the job runs in: the jobs
@@ -24,11 +24,9 @@ model and runs one sample of each task). A summary goes to stderr; the exit stat
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,29 +34,16 @@ from omegaconf import DictConfig
 
 from kvbench import config_dict, duration
 from kvbench.engine.cache import prefill_key
+from kvbench.engine.threads import set_threads
 from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
 from kvbench.launch.launchers import typed
 from kvbench.launch.sweeps import MULTIRUN_FLAGS, compose_job, sweep_loader, sweep_overrides
-from kvbench.run import group_key
+from kvbench.run import checked_task, group_key, tokenizer_or_stand_in
 from kvbench.rundir import RunDir, finished_metrics
 from kvbench.tasks.ppl import PerplexityTask
 
 TIME_FLAG = "--time"
-
-
-@contextmanager
-def hub_offline() -> Iterator[None]:
-    """Local files only while planning: a checkpoint not on this machine is not downloaded to plan a job."""
-    previous = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("HF_HUB_OFFLINE")
-        else:
-            os.environ["HF_HUB_OFFLINE"] = previous
 
 
 def settings_key(node: DictConfig) -> str:
@@ -66,55 +51,92 @@ def settings_key(node: DictConfig) -> str:
     return json.dumps(config_dict(node, resolve=True), sort_keys=True)
 
 
-def tokenizer_for(model: DictConfig, cache: dict[str, Any]) -> Any:
-    """The model's own tokenizer where this machine has it (loaded once per model), else the stand-in."""
-    from kvbench.engine.tokenizers import stand_in_tokenizer
-    from kvbench.models import load_tokenizer
-
-    key = settings_key(model)
-    if key not in cache:
-        try:
-            with hub_offline():
-                cache[key] = load_tokenizer(model)
-        except (KVBenchError, OSError, ValueError):
-            cache[key] = stand_in_tokenizer(int(model.context_window))
-    return cache[key]
-
-
 class Estimator:
     """``kvbench plan --time``: each job's wall time from measured throughput on this machine. Each model is
     loaded once (its load time counts for every job: each job loads it), the first sample of each task (model and
     task settings) is run through the engine under the first such job's policy, and a job's samples are taken
     to cost the same per sample: ``load + samples × sample``, with ``samples = planned prompt tokens / the
-    measured sample's prompt tokens``. Jobs whose size only their data tells get no estimate."""
+    measured sample's prompt tokens``. Jobs whose size only their data tells get no estimate.
+
+    :meth:`grouped_seconds` is the wall time of the sweep as it runs: one model load per group, and the jobs of
+    one prefill group timed together on their first sample, decoded as rows as ``kvbench run`` does."""
 
     def __init__(self) -> None:
         self.models: dict[str, tuple[Any, float]] = {}
-        self.samples: dict[tuple[str, str], tuple[float, int]] = {}
+        self.samples: dict[tuple[str, str], tuple[float, Any]] = {}
+        self.jobs: list[tuple[Job, int, int | None, int | None]] = []  # job, prompt tokens, group, prefill group
 
-    def seconds(self, job: Job, prompt_tokens: int) -> float:
+    def loaded(self, job: Job) -> tuple[Any, float]:
         from kvbench.models import load_model
-        from kvbench.run import build_engine, build_task, run_sample
 
         model_key = settings_key(job.cfg.model)
         if model_key not in self.models:
+            set_threads(job.cfg.engine.threads)
             started = time.perf_counter()
             loaded = load_model(job.cfg.model)
             self.models[model_key] = (loaded, time.perf_counter() - started)
-        loaded, load_seconds = self.models[model_key]
-        task_key = (model_key, settings_key(job.cfg.task))
+        return self.models[model_key]
+
+    def first_sample(self, job: Job) -> tuple[float, Any]:
+        """The measured seconds of the task's first sample under ``job``'s policy, and the sample."""
+        from kvbench.run import build_engine, build_task, run_sample
+
+        loaded, _ = self.loaded(job)
+        task_key = (settings_key(job.cfg.model), settings_key(job.cfg.task))
         if task_key not in self.samples:
             task = build_task(job.cfg, loaded.tokenizer)
             sample = next(iter(task.samples()))
             print(f"kvbench plan: timing a sample of {job.cfg.task.name} on {job.cfg.model.name}", file=sys.stderr)
             started = time.perf_counter()
             run_sample(build_engine(job, loaded), task, sample, loaded)
-            self.samples[task_key] = (time.perf_counter() - started, len(sample.input_ids))
-        sample_seconds, sample_tokens = self.samples[task_key]
-        return load_seconds + prompt_tokens / sample_tokens * sample_seconds
+            self.samples[task_key] = (time.perf_counter() - started, sample)
+        return self.samples[task_key]
+
+    def seconds(
+        self, job: Job, prompt_tokens: int, group: int | None = None, prefill_group: int | None = None
+    ) -> float:
+        """The job's wall time run alone (and the job kept for :meth:`grouped_seconds`)."""
+        self.jobs.append((job, prompt_tokens, group, prefill_group))
+        _, load_seconds = self.loaded(job)
+        sample_seconds, sample = self.first_sample(job)
+        return load_seconds + prompt_tokens / len(sample.input_ids) * sample_seconds
+
+    def grouped_seconds(self) -> float:
+        """The sweep's wall time as it runs grouped: per group one model load, then its prefill groups' samples
+        (timed together) and its other jobs' samples (each as alone)."""
+        total = 0.0
+        groups: dict[Any, list[tuple[Job, int, int | None]]] = {}
+        for index, (job, tokens, group, prefill_group) in enumerate(self.jobs):
+            groups.setdefault(("alone", index) if group is None else group, []).append((job, tokens, prefill_group))
+        for members in groups.values():
+            total += self.loaded(members[0][0])[1]
+            together: dict[int, list[tuple[Job, int]]] = {}
+            for job, tokens, prefill_group in members:
+                if prefill_group is None:
+                    sample_seconds, sample = self.first_sample(job)
+                    total += tokens / len(sample.input_ids) * sample_seconds
+                else:
+                    together.setdefault(prefill_group, []).append((job, tokens))
+            for jobs in together.values():
+                total += self.together_seconds([job for job, _ in jobs]) * max(tokens for _, tokens in jobs)
+        return total
+
+    def together_seconds(self, jobs: list[Job]) -> float:
+        """The seconds per prompt token of the jobs' first sample prefilled once and decoded as rows together."""
+        from kvbench.engine.engine import finished_rows
+        from kvbench.run import build_engine, context_rows, samples_batch
+
+        loaded, _ = self.loaded(jobs[0])
+        _, sample = self.first_sample(jobs[0])
+        engines = [build_engine(job, loaded) for job in jobs]
+        batch = samples_batch(jobs[0].cfg, engines, [sample])
+        started = time.perf_counter()
+        for _ in finished_rows(context_rows(engines, [sample], loaded, batch), batch):
+            pass
+        return (time.perf_counter() - started) / len(sample.input_ids)
 
 
-def empty_line(overrides: list[str], output_dir: Path | None, error: str | None = None) -> dict[str, Any]:
+def empty_line(overrides: list[str], output_dir: Path | None, errors: list[str] | None = None) -> dict[str, Any]:
     """A plan line with only what is known before the job is resolved."""
     directory = None if output_dir is None else str(output_dir)
     return {
@@ -122,7 +144,7 @@ def empty_line(overrides: list[str], output_dir: Path | None, error: str | None 
         "output_dir": directory,
         "config": None,
         "policy": None,
-        "error": error,
+        "errors": errors or [],
         "finished": False,
         "tokens": None,
         "seconds": None,
@@ -142,8 +164,6 @@ def plan_job(
 ) -> dict[str, Any]:
     """The plan line of one composed job (with ``estimator``, its estimated wall time), in ``group``; with
     ``prefill_groups`` (a sweep sharing its prefills), numbered among the jobs that prefill each sample together."""
-    from kvbench.run import build_task
-
     line = empty_line(overrides, output_dir)
     line["group"] = group
     try:
@@ -151,8 +171,9 @@ def plan_job(
         job.cfg.output_dir = str(output_dir)  # as kvbench run writes it to config.yaml
         line["config"] = config_dict(job.cfg)
         line["policy"] = {"spec": job.policy.spec, "params": line["config"]["policy"]}  # policy.settings()
-        task = build_task(job.cfg, tokenizer_for(job.cfg.model, tokenizers))
-        task.check_data()
+        task, line["errors"] = checked_task(job.cfg, tokenizer_or_stand_in(job.cfg.model, tokenizers))
+        if task is None:
+            return line
         oneshot = job.cfg.engine.regime == "oneshot" and not isinstance(task, PerplexityTask)
         if group is not None and prefill_groups is not None and oneshot:
             line["prefill_group"] = prefill_groups.setdefault((group, prefill_key(job.policy)), len(prefill_groups))
@@ -162,9 +183,9 @@ def plan_job(
             RunDir(output_dir).check_same_run(line["config"])
             line["finished"] = finished_metrics(RunDir(output_dir), job.cfg) is not None
         if estimator is not None and tokens is not None and not line["finished"]:
-            line["seconds"] = round(estimator.seconds(job, tokens[0]), 1)
+            line["seconds"] = round(estimator.seconds(job, tokens[0], group, line["prefill_group"]), 1)
     except KVBenchError as error:
-        line["error"] = str(error)
+        line["errors"].append(str(error))
     return line
 
 
@@ -188,7 +209,7 @@ def plan_lines(args: list[str], estimator: Estimator | None = None) -> Iterator[
             try:
                 job = compose_job(config_loader, master, overrides)
             except KVBenchError as error:
-                yield empty_line(overrides, None, str(error))
+                yield empty_line(overrides, None, [str(error)])
                 continue
             group = groups.setdefault(group_key(job.cfg), len(groups)) if sweeper.get("group") else None
             yield plan_job(overrides, job.cfg, job.output_dir, tokenizers, estimator, group, prefill_groups)
@@ -203,16 +224,20 @@ def main(args: list[str]) -> None:
     groups: list[int] = []  # the group of each job left to run
     prefill_groups: set[int] = set()
     seconds = 0.0
+    reasons: dict[str, list[Any]] = {}  # each distinct reason a job is invalid: [count, the first such job]
     for line in plan_lines([arg for arg in args if arg != TIME_FLAG], estimator):
         seconds += line["seconds"] or 0.0
         print(json.dumps(line, ensure_ascii=False, default=str), flush=True)
         jobs += 1
-        invalid += line["error"] is not None
+        valid = not line["errors"]
+        invalid += not valid
+        for reason in line["errors"]:
+            reasons.setdefault(reason, [0, line["overrides"]])[0] += 1
         finished += line["finished"]
-        if line["group"] is not None and not line["finished"] and line["error"] is None:
+        if line["group"] is not None and not line["finished"] and valid:
             groups.append(line["group"])
         if line["tokens"] is None:
-            unknown += line["error"] is None and not line["finished"]
+            unknown += valid and not line["finished"]
         elif not line["finished"]:
             prefill, decode = prefill + line["tokens"]["prefill"], decode + line["tokens"]["decode"]
             if line["prefill_group"] not in prefill_groups:
@@ -223,12 +248,16 @@ def main(args: list[str]) -> None:
         f" (and {unknown} jobs whose size only their data tells)" if unknown else ""
     )
     if estimator is not None and seconds > 0:
-        tokens += f"; about {duration(seconds)} of wall time here, one job after another"
+        tokens += f"; about {duration(estimator.grouped_seconds())} of wall time here as the sweep runs"
+        tokens += f" ({duration(seconds)} one job after another)"
     if groups:
         loads = len(set(groups))
         tokens += f"; the {len(groups)} valid jobs left run in {loads} group(s): {loads} model loads, not {len(groups)}"
     if prefill_groups:
         tokens += f"; prefills shared: {prefilled} tokens prefilled, not {prefill}"
     print(f"kvbench plan: {jobs} jobs, {invalid} invalid, {finished} already finished; {tokens}", file=sys.stderr)
+    for reason, (count, overrides) in sorted(reasons.items(), key=lambda item: -item[1][0]):
+        example = " ".join(str(override) for override in overrides)
+        print(f"kvbench plan: {count} job(s) invalid: {reason}  (e.g. {example})", file=sys.stderr)
     if invalid:
         sys.exit(2)

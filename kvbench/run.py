@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -32,9 +34,10 @@ from kvbench.engine.engine import (
     prefill_questions,
     prefill_shared,
 )
+from kvbench.engine.threads import set_threads
 from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
-from kvbench.models import LoadedModel, load_model
+from kvbench.models import LoadedModel, check_weights, load_model, load_tokenizer
 from kvbench.results.wandb_logger import log_run
 from kvbench.rundir import RunDir, finished_metrics, identity
 from kvbench.tasks.base import ModelInfo, Sample, Task
@@ -50,21 +53,28 @@ GROUPED = ("policy", "budget")
 
 class Progress:
     """Per-sample progress: tqdm's bar in a terminal; without one (a pipe, a Slurm log) a log line after the
-    first sample, then every ``every`` seconds and at the end, with the rate and the time left."""
+    first sample, then every ``every`` seconds and at the end, with the rate and the time left. ``sweep``: a job of
+    a sweep that says its progress as a whole (:class:`SweepProgress`), which counts its samples; the job's own line
+    comes at its end only."""
 
-    def __init__(self, total: int, label: str, every: float = 30.0):
-        self.total, self.label, self.every = total, label, every
+    def __init__(self, total: int, label: str, every: float = 30.0, sweep: SweepProgress | None = None):
+        self.total, self.label, self.every, self.sweep = total, label, every, sweep
         self.done = 0
         self.started = self.last = time.monotonic()
-        self.bar = tqdm(total=total, desc=label) if sys.stderr.isatty() else None
+        self.bar = tqdm(total=total, desc=label) if sys.stderr.isatty() and sweep is None else None
+        if sweep is not None:
+            sweep.opened(total)
 
     def advance(self) -> None:
         self.done += 1
+        if self.sweep is not None:
+            self.sweep.written()
         if self.bar is not None:
             self.bar.update()
             return
         now = time.monotonic()
-        if self.done == 1 or self.done == self.total or now - self.last >= self.every:
+        alone = self.sweep is None
+        if self.done == self.total or (alone and (self.done == 1 or now - self.last >= self.every)):
             self.last = now
             per_sample = (now - self.started) / self.done
             left = per_sample * (self.total - self.done)
@@ -82,6 +92,56 @@ class Progress:
             self.bar.close()
 
 
+class SweepProgress:
+    """The progress of a sweep whose jobs run in this process, as a whole: a line ``first`` seconds after it starts,
+    then every ``every`` seconds, from a thread (rows decode several samples together: a sample can take minutes
+    to finish) — the samples written of those to run, their rate and the time left. A job's samples count once it
+    starts; the jobs not started yet are taken to have as many as the started ones on average."""
+
+    def __init__(self, jobs: int, first: float = 20.0, every: float = 60.0):
+        self.jobs, self.first, self.every = jobs, first, every
+        self.started_jobs = self.total = self.done = 0
+        self.started = time.monotonic()
+        self.lock = threading.Lock()
+        self.finished = threading.Event()
+        self.thread = threading.Thread(target=self.report, name="kvbench-sweep-progress", daemon=True)
+
+    def opened(self, samples: int) -> None:
+        with self.lock:
+            self.started_jobs += 1
+            self.total += samples
+
+    def written(self) -> None:
+        with self.lock:
+            self.done += 1
+
+    def line(self) -> str:
+        with self.lock:
+            started_jobs, total, done = self.started_jobs, self.total, self.done
+        seconds = time.monotonic() - self.started
+        expected = round(total / started_jobs * self.jobs) if started_jobs else None
+        text = f"kvbench: sweep: {done}/{expected if expected is not None else '?'} samples written"
+        text += f", {started_jobs}/{self.jobs} jobs started, {duration(seconds)} in"
+        if done and expected is not None:
+            text += f", {done / seconds:.2f} samples/s, about {duration(seconds / done * (expected - done))} left"
+        else:
+            text += "; the first samples' rows are running"
+        return text
+
+    def report(self) -> None:
+        wait = self.first
+        while not self.finished.wait(wait):
+            print(self.line(), file=sys.stderr, flush=True)
+            wait = self.every
+
+    def __enter__(self) -> SweepProgress:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.finished.set()
+
+
 def build_task(cfg: DictConfig, tokenizer) -> Task:
     """Instantiate the task class named by ``task._target_`` for this model's tokenizer, window and id."""
     try:
@@ -90,6 +150,52 @@ def build_task(cfg: DictConfig, tokenizer) -> Task:
         raise KVBenchError(f"task {cfg.task.name!r}: cannot import {cfg.task._target_}: {error}") from None
     info = ModelInfo(cfg.model.name, tokenizer, int(cfg.model.context_window), cfg.model.hf_id)
     return task_class(cfg.task, info)
+
+
+def checked_task(cfg: DictConfig, tokenizer) -> tuple[Task | None, list[str]]:
+    """The job's task, and every reason this machine cannot run the job, found at once and before anything
+    loads: weights neither here nor downloadable now, data the same, a task that cannot be built."""
+    reasons = []
+    try:
+        check_weights(cfg.model)
+    except KVBenchError as error:
+        reasons.append(str(error))
+    try:
+        task = build_task(cfg, tokenizer)
+        task.check_data()
+    except KVBenchError as error:
+        return None, [*reasons, str(error)]
+    return (task if not reasons else None), reasons
+
+
+def tokenizer_or_stand_in(model: DictConfig, cache: dict[str, Any] | None = None) -> Any:
+    """The model's own tokenizer where this machine has it (loaded once per model with ``cache``), else a
+    stand-in that checks everything a tokenizer does not decide; nothing is downloaded."""
+    from kvbench.engine.tokenizers import stand_in_tokenizer
+
+    cache = {} if cache is None else cache
+    key = json.dumps(config_dict(model, resolve=True), sort_keys=True)
+    if key not in cache:
+        try:
+            with hub_offline():
+                cache[key] = load_tokenizer(model)
+        except (KVBenchError, OSError, ValueError):
+            cache[key] = stand_in_tokenizer(int(model.context_window))
+    return cache[key]
+
+
+@contextlib.contextmanager
+def hub_offline() -> Iterator[None]:
+    """Local files only: a checkpoint not on this machine is not downloaded to check or plan a job."""
+    previous = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("HF_HUB_OFFLINE")
+        else:
+            os.environ["HF_HUB_OFFLINE"] = previous
 
 
 def build_engine(job: Job, loaded: LoadedModel) -> Engine:
@@ -333,6 +439,7 @@ class Shared:
     load_seconds: float = 0.0  # of the model load and the samples' building
     jobs: int = 1  # the jobs of the group, among which the load is shared
     error: KVBenchError | None = None  # why the task could not be built: every job of the group fails with it
+    sweep: SweepProgress | None = None  # the progress of the sweep the group is part of, if it says one
 
     def load(self, cfg: DictConfig) -> tuple[LoadedModel, Task, list[Sample]]:
         """The model, task and samples of ``cfg`` (the first call loads them; the jobs of a group share model,
@@ -341,6 +448,11 @@ class Shared:
             raise self.error
         if self.loaded is None or self.task is None:
             started = time.perf_counter()
+            set_threads(cfg.engine.threads)
+            _, reasons = checked_task(cfg, tokenizer_or_stand_in(cfg.model))
+            if reasons:
+                self.error = KVBenchError("; ".join(reasons))
+                raise self.error
             loaded = load_model(cfg.model)
             try:
                 task = build_task(cfg, loaded.tokenizer)
@@ -444,7 +556,7 @@ def open_run(job: Job, run_dir: RunDir, shared: Shared) -> OpenRun | dict[str, A
     prompt_tokens = sum(len(sample.input_ids) for sample in samples)
     log.info("writing %s (%s, %d to go: %d prompt tokens)", run_dir.path, state, len(samples), prompt_tokens)
     cfg = job.cfg
-    progress = Progress(len(samples), f"{cfg.task.name} {cfg.policy.name}@{cfg.budget.spec}")
+    progress = Progress(len(samples), f"{cfg.task.name} {cfg.policy.name}@{cfg.budget.spec}", sweep=shared.sweep)
     load = (shared.load_seconds, shared.jobs)
     return OpenRun(job, run_dir, loaded, engine, task, records, samples, progress, load)
 
@@ -459,15 +571,15 @@ def group_key(cfg: DictConfig) -> str:
 
 
 def run_group(
-    members: Sequence[tuple[DictConfig, str | Path]], share_prefill: bool = False
+    members: Sequence[tuple[DictConfig, str | Path]], share_prefill: bool = False, sweep: SweepProgress | None = None
 ) -> list[dict[str, Any] | Exception]:
     """Jobs of one :func:`group_key` in this process, the model loaded and the task's samples built once
     (:class:`Shared`): one after another, or with ``share_prefill`` sample by sample, every job that lacks the
     sample generating it from one shared oneshot prefill (:func:`kvbench.engine.engine.generate_shared`). Each
     job keeps all a single run has: its run directory, lock, resume, ``config.yaml``, records and its log
     (``kvbench.log`` in its directory). A job that fails is logged there and does not stop the others. Returns
-    each job's metrics, or the error it failed with."""
-    shared = Shared(jobs=len(members))
+    each job's metrics, or the error it failed with. ``sweep``: the progress of the sweep it is part of."""
+    shared = Shared(jobs=len(members), sweep=sweep)
     outcomes: list[dict[str, Any] | Exception | None] = [None] * len(members)
     logs = [Path(output_dir) / "kvbench.log" for _, output_dir in members]
     with contextlib.ExitStack() as locks:  # with share_prefill, every run's lock is held until the group ends

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -28,7 +28,7 @@ from kvbench.errors import KVBenchError
 
 #: top-level settings that change no prediction, left out of a run's identity: where its files go, how it
 #: resumes and logs, and an experiment's per-policy table (already applied to the ``policy`` node)
-NOT_IDENTITY = ("hydra", "logger", "output_dir", "policy_settings", "resume", "engine.batch_size")
+NOT_IDENTITY = ("hydra", "logger", "output_dir", "policy_settings", "resume", "engine.batch_size", "engine.threads")
 
 #: settings added after run directories were made, with the value every older run ran with: at that value a setting is
 #: left out of a run's identity, so that older runs keep their directory names and resume
@@ -41,7 +41,8 @@ RESUME_MODES = ("auto", "restart")
 
 def identity(settings: Mapping[str, Any]) -> dict[str, Any]:
     """The settings that make a run what it is (a plain config dict without :data:`NOT_IDENTITY`, whose dotted
-    names are keys of a group: ``engine.batch_size``, how many rows decode together, changes no prediction; nor
+    names are keys of a group: ``engine.batch_size``, how many rows decode together, and ``engine.threads`` change no
+    prediction; nor
     :data:`ADDED_SETTINGS` at the value older runs had)."""
     kept = {}
     for key, value in settings.items():
@@ -103,6 +104,9 @@ def register_run_name() -> None:
 class RunDir:
     """Reads and writes one run's files; predictions are appended and flushed as each sample finishes."""
 
+    #: the sample lines this process has written, in every run directory (what an interrupted command tells)
+    appended: ClassVar[int] = 0
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.config_path = self.path / "config.yaml"
@@ -146,9 +150,13 @@ class RunDir:
         self.claimed = True
 
     def discard_if_unused(self) -> None:
-        """Remove the directory if it is empty (made for a job that failed before writing anything)."""
-        if self.path.is_dir() and not any(self.path.iterdir()):
-            self.path.rmdir()
+        """Remove the directory if it is empty (made for a job that failed before writing anything), and the empty
+        folders above it inside the working directory (``results/<model>/<task>/`` made for it)."""
+        run, top = self.path.absolute(), Path.cwd().absolute()
+        folder = run
+        while folder.is_dir() and not any(folder.iterdir()) and (folder == run or top in folder.parents):
+            folder.rmdir()
+            folder = folder.parent
 
     def saved_config(self) -> dict[str, Any] | None:
         """``config.yaml`` as a plain dict, or None when there is none."""
@@ -237,10 +245,12 @@ class RunDir:
         return list(records.values())
 
     def append(self, record: dict[str, Any]) -> None:
+        """One finished sample's line, on disk when this returns (counted in :attr:`appended`)."""
         with self.predictions_path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
+        RunDir.appended += 1
 
     def repair(self) -> None:
         """Rewrite predictions.jsonl as :meth:`records` reads it (no truncated or repeated line), so appends

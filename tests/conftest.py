@@ -8,6 +8,9 @@ from functools import lru_cache
 
 import pytest
 
+# before any test module imports torch, as kvbench/__init__.py does for the command line (kvbench/engine/threads.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 TRUE = ("1", "true", "yes", "on")
 
 

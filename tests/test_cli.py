@@ -292,15 +292,18 @@ def test_help_lists_every_command_and_version_works(capsys):
 
 
 def readme_commands() -> list[list[str]]:
-    """Every ``kvbench ...`` command of the README: the command column of its tables and its code lines."""
+    """Every ``kvbench ...`` command of the README and the pages of docs/: the command column of their tables and
+    their code lines."""
     import re
     import shlex
 
     from kvbench import PROJECT_ROOT
 
-    text = (PROJECT_ROOT / "README.md").read_text(encoding="utf-8")
+    pages = [PROJECT_ROOT / "README.md", *sorted((PROJECT_ROOT / "docs").glob("*.md"))]
+    text = "\n".join(page.read_text(encoding="utf-8") for page in pages)
     found = [cell.replace("\\|", "|") for cell in re.findall(r"^\| `(kvbench [^`]*)`", text, re.MULTILINE)]
-    found += [line.split("#")[0] for line in re.findall(r"^(kvbench .*)$", text, re.MULTILINE)]
+    fenced = "\n".join(re.findall(r"^```.*?\n(.*?)^```", text, re.MULTILINE | re.DOTALL))
+    found += [line.split("#")[0] for line in re.findall(r"^(kvbench (?!\S*:).*)$", fenced, re.MULTILINE)]
     return [shlex.split(command)[1:] for command in found]
 
 
@@ -330,5 +333,31 @@ def test_the_readme_commands_are_the_clis(capsys):
                 pass
             captured = capsys.readouterr()
             assert "kvbench: error:" not in captured.err, (args, captured.err)
-            errors = [json.loads(line)["error"] for line in captured.out.splitlines()]
+            errors = [error for line in captured.out.splitlines() for error in json.loads(line)["errors"]]
             assert not [error for error in errors if error and ("unknown" in error or ": must be" in error)], args
+
+
+def test_the_readme_fits_a_first_screen_and_links_pages_that_exist():
+    """The README stays a first screen (≤ 250 lines); every docs/ page it links exists and every page is linked."""
+    import re
+
+    from kvbench import PROJECT_ROOT
+
+    text = (PROJECT_ROOT / "README.md").read_text(encoding="utf-8")
+    assert text.count("\n") <= 250
+    linked = set(re.findall(r"\]\((docs/[^)]+\.md)\)", text))
+    assert all((PROJECT_ROOT / page).is_file() for page in linked), linked
+    assert {f"docs/{page.name}" for page in (PROJECT_ROOT / "docs").glob("*.md")} <= linked
+
+
+@pytest.mark.model
+def test_the_readme_python_example_runs(capsys):
+    """The README's Python API example, run as it is on the offline SmolLM2: the cache cut to the budget."""
+    import re
+
+    from kvbench import PROJECT_ROOT
+
+    text = (PROJECT_ROOT / "README.md").read_text(encoding="utf-8")
+    (example,) = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    exec(compile(example, "README.md", "exec"), {})
+    assert "[128, 128" in capsys.readouterr().out

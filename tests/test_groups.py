@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -241,6 +242,32 @@ def test_a_shared_group_killed_part_way_finishes_every_sample_once(tmp_path):
         assert {record["id"]: record["prediction"] for record in records} == expected
 
 
+@pytest.mark.parametrize("stop, status, name", [(signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_a_sweep_stopped_by_a_signal_says_so_in_one_line_and_the_same_command_finishes_it(tmp_path, stop, status, name):
+    """Ctrl-C (SIGINT) or SIGTERM part way through a grouped sweep: one line saying how many samples were written and
+    that the same command resumes, exit 130 / 143; the same command then finishes every sample once."""
+    kvbench_command = str(Path(sys.executable).parent / "kvbench")
+    sweep = ["run", "-m", *PLAN_TINY[:3], "task.context_length=768", "task.num_samples=40", "policy=snapkv,tova"]
+    sweep += ["budget=64", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with (tmp_path / "stderr").open("w") as stderr:
+        process = subprocess.Popen([kvbench_command, *sweep], env=environment, cwd=tmp_path, stderr=stderr)
+        deadline = time.monotonic() + 300
+        while not any(path.read_text().count("\n") >= 3 for path in tmp_path.glob("sweep/*/*/*/predictions.jsonl")):
+            assert time.monotonic() < deadline and process.poll() is None, "no predictions before the deadline"
+            time.sleep(0.2)
+        process.send_signal(stop)
+        assert process.wait(timeout=120) == status
+    last = (tmp_path / "stderr").read_text().strip().splitlines()[-1]
+    assert last.startswith(f"kvbench: stopped by {name}: ") and last.endswith("run the same command to resume the rest")
+    written = sum(len(RunDir(path.parent).records()) for path in tmp_path.glob("sweep/*/*/*/predictions.jsonl"))
+    assert f": {written} samples finished and written" in last and written < 80
+    subprocess.run([kvbench_command, *sweep], env=environment, cwd=tmp_path, check=True, capture_output=True)
+    for path in tmp_path.glob("sweep/*/*/*/predictions.jsonl"):
+        ids = [json.loads(line)["id"] for line in path.read_text().splitlines()]
+        assert len(ids) == len(set(ids)) == 40
+
+
 def test_a_task_that_cannot_be_built_fails_every_job_of_its_group_with_its_error(tmp_path, load_count):
     """The group's task is built once: when it fails, each job reports that error (not a second, misleading one)."""
     cfgs = [compose([*TINY, "task.context_length=300", f"policy={spec}"]) for spec in ("tova", "sink")]
@@ -282,3 +309,21 @@ def test_a_shared_prefill_computes_each_normalised_sum_once(monkeypatch):
     monkeypatch.setattr(EvictionCache, "normalised_sums", counted)
     generate_shared(engines, prompt, 1)
     assert sorted(set(passes)) == ["h2o", "h2o+obcache_joint"] and len(passes) == 2 * engines[0].num_layers
+
+
+def test_the_sweep_progress_line_counts_samples_and_extrapolates_the_jobs_not_started(monkeypatch):
+    """Two of four jobs started with 10 samples each, 5 written in 10 s: 5/40 samples, 0.50 samples/s, 70 s left;
+    before any sample is written it says so rather than a time."""
+    clock = iter([100.0, 110.0, 110.0])
+    monkeypatch.setattr(kvbench.run.time, "monotonic", lambda: next(clock))
+    progress = kvbench.run.SweepProgress(jobs=4)
+    progress.opened(10)
+    progress.opened(10)
+    assert progress.line() == (
+        "kvbench: sweep: 0/40 samples written, 2/4 jobs started, 0:00:10 in; the first samples' rows are running"
+    )
+    for _ in range(5):
+        progress.written()
+    assert progress.line() == (
+        "kvbench: sweep: 5/40 samples written, 2/4 jobs started, 0:00:10 in, 0.50 samples/s, about 0:01:10 left"
+    )

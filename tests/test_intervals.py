@@ -160,14 +160,14 @@ def test_make_leaderboard_smoke(tmp_path):
     assert made["wall_seconds"] > 0 and made["versions"]["torch"] and made["commit"]
 
 
-def test_the_committed_leaderboard_regenerates_its_report_and_the_readme(tmp_path, capsys):
+def test_the_committed_leaderboard_regenerates_its_report_and_the_results_page(tmp_path, capsys):
     """``results/leaderboard``'s run directories give its report's tables byte for byte, and the README's results
-    section quotes the two summaries as they are (``kvbench leaderboard results/leaderboard``)."""
+    page (docs/results.md) quotes the two summaries as they are (``kvbench leaderboard results/leaderboard``)."""
     committed = PROJECT_ROOT / "results" / "leaderboard"
     if not (committed / "report").is_dir():
         pytest.skip("results/leaderboard has no report")
     main(["leaderboard", str(committed), "--output-dir", str(tmp_path)])
-    readme = (PROJECT_ROOT / "README.md").read_text()
+    readme = (PROJECT_ROOT / "docs" / "results.md").read_text()
     names = sorted(path.stem for path in tmp_path.glob("*.md"))
     assert names == sorted(path.stem for path in (committed / "report").glob("*.md"))
     assert [f"leaderboard_summary_{task}" in names for task in ("niah", "ppl", "ruler")] == [True] * 3
@@ -175,7 +175,7 @@ def test_the_committed_leaderboard_regenerates_its_report_and_the_readme(tmp_pat
         made = (tmp_path / f"{name}.md").read_text()
         assert made == (committed / "report" / f"{name}.md").read_text(), name
         if "summary" in name:
-            assert made.strip() in readme, f"README.md does not quote {name}.md"
+            assert made.strip() in readme, f"docs/results.md does not quote {name}.md"
     tables = leaderboard_tables(load_runs([committed]))
     assert (tables["leaderboard_cells"]["n"] >= 100).all() and (tables["leaderboard_paired"]["n"] >= 100).all()
 
@@ -212,3 +212,24 @@ def test_the_leaderboard_runs_every_base_with_every_modifier_that_applies(experi
     params = OmegaConf.load(PROJECT_ROOT / "conf" / "experiment" / f"{experiment}.yaml").hydra.sweeper.params
     expected = [spec for spec in VARIANTS if spec.partition("+")[2] not in decoding_only]  # the full cache included
     assert sorted(str(params.policy).split(",")) == sorted(expected)
+
+
+def test_a_baseline_pairs_every_policy_with_it_on_the_same_samples(capsys):
+    """``--baseline snapkv`` on the committed leaderboard: every other policy (modifiers of other bases, other bases,
+    the full cache) against SnapKV at the same budget, each difference the paired one of the same two cells; a policy
+    the runs do not hold is refused in one line."""
+    committed = PROJECT_ROOT / "results" / "leaderboard"
+    if not committed.is_dir():
+        pytest.skip("results/leaderboard is absent")
+    runs = load_runs([committed])
+    paired = leaderboard_tables(runs, baseline="snapkv")["leaderboard_paired"]
+    assert set(paired["base"]) == {"snapkv"} and "snapkv" not in set(paired["policy"])
+    assert {"tova", "h2o+caote", "snapkv+caote"} <= set(paired["policy"])
+    by_base = leaderboard_tables(runs)["leaderboard_paired"]
+    mine = paired.set_index(["task", "subtask", "policy", "budget"])["difference"]
+    theirs = by_base[by_base["base"] == "snapkv"].set_index(["task", "subtask", "policy", "budget"])["difference"]
+    assert len(theirs) > 0 and (mine.loc[theirs.index] == theirs).all()  # snapkv+X against snapkv: the same pairs
+    with pytest.raises(SystemExit) as exit_info:
+        main(["leaderboard", str(committed), "--baseline", "snapkvv"])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and error.count("\n") == 1 and "baseline policy (--baseline) 'snapkvv'" in error

@@ -38,7 +38,13 @@ def longbench_files(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_slake_plan_shows_table_3_exponents_on_every_slake_job(capsys, longbench_files):
+@pytest.fixture
+def weights_here(monkeypatch):
+    """Every model's weights taken to be on this machine (the paper models are not): what plan checks."""
+    monkeypatch.setattr("kvbench.run.check_weights", lambda model: None)
+
+
+def test_slake_plan_shows_table_3_exponents_on_every_slake_job(capsys, longbench_files, weights_here):
     lines, err, code = plan(capsys, "-m", "+experiment=slake")
     assert code == 0 and len(lines) == 3 * 4 * 2 and "kvbench plan: 24 jobs, 0 invalid" in err
     table3 = {
@@ -55,7 +61,7 @@ def test_slake_plan_shows_table_3_exponents_on_every_slake_job(capsys, longbench
         budget = line["policy"]["params"]["layer_budget"]
         key = (line["config"]["model"]["name"], line["config"]["budget"]["spec"])
         assert (budget["name"], budget["alpha"], budget["beta"]) == ("vabs", *table3[key])
-        assert line["config"]["policy"] == line["policy"]["params"] and line["error"] is None
+        assert line["config"]["policy"] == line["policy"]["params"] and not line["errors"]
     pyramid = next(line for line in lines if line["policy"]["spec"] == "pyramidkv")
     assert pyramid["policy"]["params"]["layer_budget"]["schedule"] == "kvcache_factory"
 
@@ -63,11 +69,14 @@ def test_slake_plan_shows_table_3_exponents_on_every_slake_job(capsys, longbench
 def test_invalid_jobs_are_listed_with_their_line_and_exit_2(capsys):
     lines, err, code = plan(capsys, "-m", *TINY, "policy=h2o,snapkv", "budget=32,64", "policy.window=32")
     assert code == 2 and "kvbench plan: 4 jobs, 2 invalid" in err
-    errors = {(line["overrides"][-3], line["overrides"][-2]): line["error"] for line in lines}
+    errors = {(line["overrides"][-3], line["overrides"][-2]): (line["errors"] or [None])[0] for line in lines}
     assert errors["policy=snapkv", "budget='64'"] is None and errors["policy=h2o", "budget='64'"] is None
     assert "policy snapkv reserves 32 of its 32-token budget" in errors["policy=snapkv", "budget='32'"]
     assert "policy h2o reserves 32 of its 32-token budget" in errors["policy=h2o", "budget='32'"]
     assert all("\n" not in (error or "") for error in errors.values())
+    reasons = [line for line in err.splitlines() if "job(s) invalid:" in line]
+    assert len(reasons) == 2 and all(line.startswith("kvbench plan: 1 job(s) invalid: policy ") for line in reasons)
+    assert all("(e.g. " in line and "budget='32'" in line for line in reasons)
 
 
 def test_plan_counts_tokens_and_finished_runs(tmp_path, capsys):
@@ -86,7 +95,9 @@ def test_plan_counts_tokens_and_finished_runs(tmp_path, capsys):
 def test_unknown_keys_are_errors_in_plan_as_in_run(typo, capsys):
     with pytest.raises(SystemExit):
         main(["plan", *TINY, typo])
-    assert capsys.readouterr().err.count("\n") == 1
+    summary, reason = capsys.readouterr().err.splitlines()  # the counts, then the reason with the job
+    key = typo.split("=")[0][1:]
+    assert "1 invalid" in summary and reason.startswith(f"kvbench plan: 1 job(s) invalid: unknown key {key}")
 
 
 def test_a_job_whose_data_is_not_here_is_invalid_with_the_fix(tmp_path, monkeypatch, capsys):
@@ -112,16 +123,39 @@ def test_a_job_whose_data_is_not_here_is_invalid_with_the_fix(tmp_path, monkeypa
     ]  # fmt: skip
     for args, error in cases:
         lines, err, code = plan(capsys, *model, *args)
-        assert code == 2 and lines[0]["error"].startswith(error), lines[0]["error"]
+        assert code == 2 and lines[0]["errors"][0].startswith(error), lines[0]["errors"]
     lines, _, code = plan(capsys, *model, "task=ruler", "task.subtasks=[niah_single_1]", "task.num_samples=1")
-    assert code == 0 and lines[0]["error"] is None
+    assert code == 0 and lines[0]["errors"] == []
+
+
+def test_missing_weights_and_missing_data_are_named_together(tmp_path, monkeypatch, capsys):
+    """The headline command on a machine with neither Llama-3.1-8B nor LongBench: plan names both, and run
+    refuses before loading anything with the same two reasons, writing nothing."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    args = ["model=llama31_8b", "policy=h2o+obcache_joint", "budget=4k", "task=longbench", "task.data_dir=null"]
+    (line,), err, code = plan(capsys, *args)
+    model_error = "model llama31_8b (meta-llama/Llama-3.1-8B-Instruct) is not available offline"
+    assert code == 2 and len(line["errors"]) == 2, line["errors"]
+    assert line["errors"][0].startswith(model_error)
+    assert line["errors"][1].startswith("data.zip of the hub dataset THUDM/LongBench is not cached")
+    assert err.count("1 job(s) invalid:") == 2
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", *args, f"output_dir={out}"])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and error.count("\n") == 1 and model_error in error and "data.zip" in error
+    assert not out.exists()
 
 
 def test_time_estimates_each_job_from_a_measured_sample(capsys):
     """``--time`` loads the model, times one sample per task and gives each job and the total a wall time."""
     lines, err, code = plan(capsys, "--time", "-m", *TINY, "policy=snapkv,h2o", "budget=64")
     assert code == 0 and len(lines) == 2 and all(line["seconds"] > 0 for line in lines)
-    assert "kvbench plan: timing a sample of ruler on tiny_llama" in err and "of wall time here" in err
+    assert "kvbench plan: timing a sample of ruler on tiny_llama" in err
+    assert "of wall time here as the sweep runs" in err and "one job after another" in err
     lines, err, code = plan(capsys, *TINY, "policy=snapkv", "budget=64")
     assert lines[0]["seconds"] is None and "wall time" not in err
 

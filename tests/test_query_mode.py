@@ -378,16 +378,16 @@ def test_a_longbench_run_compresses_each_shared_context_once(tmp_path):
         assert shares == [3, 3, 3, 1, 1]
 
 
-def test_the_committed_shared_context_runs_regenerate_the_readme_table(tmp_path):
-    """``results/shared_context``'s run directories give its report's ``query_modes`` table byte for byte, and the
-    README quotes it as it is (``kvbench table results/shared_context --layout query_modes``)."""
+def test_the_committed_shared_context_runs_regenerate_the_results_page_table(tmp_path):
+    """``results/shared_context``'s run directories give its report's ``query_modes`` table byte for byte, and
+    docs/results.md quotes it as it is (``kvbench table results/shared_context --layout query_modes``)."""
     committed = PROJECT_ROOT / "results" / "shared_context"
     if not (committed / "report").is_dir():
         pytest.skip("results/shared_context has no report")
     main(["table", str(committed), "--layout", "query_modes", "--output-dir", str(tmp_path)])
     made = (tmp_path / "query_modes.md").read_text()
     assert made == (committed / "report" / "query_modes.md").read_text()
-    assert made.strip() in (PROJECT_ROOT / "README.md").read_text()
+    assert made.strip() in (PROJECT_ROOT / "docs" / "results.md").read_text()
     runs = load_runs([committed])
     assert len(runs) == 48 and all(run.metrics["num_samples"] == 100 for run in runs)
 

@@ -551,9 +551,11 @@ def test_the_full_cache_has_no_budget_and_no_cell_is_shown_that_was_not_run(tmp_
                   records=needle_records(cells))  # fmt: skip
     runs = load_runs([tmp_path])
     niah = benchmark_tables(runs)["niah"].set_index("policy")
-    assert list(niah.columns[3:]) == ["1k/64", "1k/128", "1k/–", "2k/64", "2k/128", "2k/–", "Avg."]
-    assert niah.loc["full", ["1k/64", "1k/128", "2k/64", "2k/128"]].isna().all()
-    assert (niah.loc["full", "1k/–"], niah.loc["full", "2k/–"], niah.loc["full", "Avg."]) == (50.0, 75.0, 62.5)
+    averages = ["Avg./64", "Avg./128", "Avg./–"]  # one per budget: budgets are never averaged together
+    assert list(niah.columns[3:]) == ["1k/64", "1k/128", "1k/–", "2k/64", "2k/128", "2k/–", *averages]
+    assert niah.loc["full", ["1k/64", "1k/128", "2k/64", "2k/128", "Avg./64", "Avg./128"]].isna().all()
+    assert (niah.loc["full", "1k/–"], niah.loc["full", "2k/–"], niah.loc["full", "Avg./–"]) == (50.0, 75.0, 62.5)
+    assert niah.loc["snapkv", "Avg./64"] == (niah.loc["snapkv", "1k/64"] + niah.loc["snapkv", "2k/64"]) / 2
     assert niah[["1k/–", "2k/–"]].drop(index="full").isna().all().all()
     main(["table", str(tmp_path)])
     out = capsys.readouterr().out
@@ -756,3 +758,70 @@ def test_compare_prints_the_transcription_notes_beside_their_rows(capsys):
     assert f"[{number}] paper prints this row identical to tova+fastcaote 4k (duplicated row; which is right " in (
         "\n".join(lines)
     )
+
+
+def test_latex_escapes_names_and_symbols_and_uses_booktabs():
+    """Policy and task names with ``_``, the en dash of an empty cell, Δ and − come out as LaTeX that compiles."""
+    import pandas as pd
+
+    from kvbench.results.table import render
+
+    table = pd.DataFrame(
+        {"policy": ["h2o+obcache_joint", "snapkv 50%"], "Δ vs base": ["−1.0 [−2.0, 0.5]*", "–"], "avg": [1.234, None]}
+    )
+    text = render(table, "latex")
+    assert text.splitlines()[:4] == [
+        r"\begin{tabular}{llr}",
+        r"\toprule",
+        r"policy & $\Delta$ vs base & avg \\",
+        r"\midrule",
+    ]
+    assert r"h2o+obcache\_joint & $-$1.0 [$-$2.0, 0.5]* & 1.23 \\" in text
+    assert r"snapkv 50\% & -- & -- \\" in text and text.endswith("\\bottomrule\n\\end{tabular}\n")
+    assert all(ord(char) < 128 for char in text)
+
+
+def test_latex_tables_compile_where_a_tex_engine_is_installed(tmp_path):
+    """The leaderboard's and every benchmark layout's tables of the committed runs, rendered as LaTeX and compiled by
+    pdflatex (skipped without one)."""
+    import shutil
+    import subprocess
+
+    from kvbench import PROJECT_ROOT
+    from kvbench.results.leaderboard import leaderboard_tables
+    from kvbench.results.table import benchmark_tables, load_runs, render
+
+    if shutil.which("pdflatex") is None:
+        pytest.skip("no pdflatex on this machine")
+    committed = [PROJECT_ROOT / "results" / name for name in ("leaderboard", "shared_context")]
+    if not all(path.is_dir() for path in committed):
+        pytest.skip("the committed results are absent")
+    runs = load_runs(committed)
+    tables = [*leaderboard_tables(runs).values(), *benchmark_tables(runs).values()]
+    body = "\n\n".join(render(table, "latex") for table in tables)
+    (tmp_path / "tables.tex").write_text(
+        "\\documentclass{article}\n\\usepackage{booktabs}\n\\begin{document}\n" + body + "\n\\end{document}\n"
+    )
+    done = subprocess.run(
+        ["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "tables.tex"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:]
+
+
+def test_identical_budget_curves_are_drawn_once_and_named_together():
+    """Two policies with the same score at every budget would hide one another: one line, both names."""
+    import pandas as pd
+
+    from kvbench.results.plots import budget_figure
+
+    rows = [
+        ("snapkv", "64", 50.0), ("snapkv", "128", 75.0), ("pyramidkv", "64", 50.0), ("pyramidkv", "128", 75.0),
+        ("h2o", "64", 25.0), ("h2o", "128", 75.0),
+    ]  # fmt: skip
+    frame = pd.DataFrame(
+        [{"model": "m", "task": "ruler", "score": "s", "context": 1024, "policy": p, "budget": b, "value": v}
+         for p, b, v in rows]
+    )  # fmt: skip
+    (axis,) = budget_figure(frame).axes
+    assert sorted(line.get_label() for line in axis.get_lines()) == ["h2o", "pyramidkv = snapkv"]

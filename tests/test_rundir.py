@@ -176,10 +176,11 @@ def test_plan_reports_a_directory_of_other_settings_as_invalid(tmp_path, capsys)
         main(["plan", *changed("budget=32"), f"output_dir={out}"])
     assert exit_info.value.code == 2
     (line,) = [json.loads(text) for text in capsys.readouterr().out.splitlines()]
-    assert line["error"].startswith(f"run directory {out} holds a run of other settings: budget.spec=64 there, 32 here")
+    other = f"run directory {out} holds a run of other settings: budget.spec=64 there, 32 here"
+    assert line["errors"][0].startswith(other)
     main(["plan", *BASE, f"output_dir={out}"])
     (line,) = [json.loads(text) for text in capsys.readouterr().out.splitlines()]
-    assert line["error"] is None and line["finished"]
+    assert line["errors"] == [] and line["finished"]
 
 
 def test_a_setting_added_later_leaves_older_runs_their_identity():

@@ -18,6 +18,7 @@ from kvbench.bench.grid import grid
 from kvbench.bench.report import machine, markdown, targets
 from kvbench.bench.sections import Bench
 from kvbench.engine import REGIMES
+from kvbench.engine.threads import set_threads
 from kvbench.errors import choose
 from kvbench.models import load_model
 from kvbench.policies import parse_spec
@@ -82,4 +83,5 @@ def run_bench(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     for key, regime in (("engine.regime", cfg.engine.regime), ("bench.memory.regime", cfg.bench.memory.regime)):
         choose(key, regime, REGIMES)
     out = output_directory(cfg)
+    set_threads(cfg.engine.threads)
     return run(Bench(cfg, load_model(cfg.model)), out), out

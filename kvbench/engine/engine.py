@@ -25,6 +25,7 @@ from kvbench.domains import FLAG, Domain, choice, integer, is_int, optional
 from kvbench.engine import attention
 from kvbench.engine.cache import CacheSizes, EvictionCache, RowBatch, SharedPrefill, prefill_key
 from kvbench.engine.memory import free_memory
+from kvbench.engine.threads import THREADS
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies.base import Full, Policy
 from kvbench.policies.budgets import Budget
@@ -44,6 +45,7 @@ ENGINE_SETTINGS: dict[str, Domain] = {
     "score_block": Domain("auto or a query count ≥ 1", lambda value: value == "auto" or (is_int(value) and value >= 1)),
     "save_kept": FLAG,
     "batch_size": Domain("auto or a row count ≥ 1", lambda value: value == "auto" or (is_int(value) and value >= 1)),
+    "threads": THREADS,
 }
 
 

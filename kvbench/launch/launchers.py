@@ -30,7 +30,7 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.errors import KVBenchError
-from kvbench.run import LOG_FORMAT, run_group
+from kvbench.run import LOG_FORMAT, SweepProgress, run_group
 
 CLUSTER_KEYS = ("partition", "account", "qos", "gpus_per_node", "cpus_per_task", "mem_gb", "timeout_min", "constraint")
 """The launcher keys (``hydra.launcher.<key>``) that must fit the cluster: ``sbatch`` refuses what it cannot place."""
@@ -219,11 +219,15 @@ def group_returns(members: Sequence[Member], outcomes: Sequence[Any]) -> list[Jo
 
 
 def launch_groups(
-    launcher: Any, groups: Sequence[Sequence[Member]], initial_job_idx: int, share_prefill: bool = False
+    launcher: Any,
+    groups: Sequence[Sequence[Member]],
+    initial_job_idx: int,
+    share_prefill: bool = False,
+    sweep: SweepProgress | None = None,
 ) -> list[JobReturn]:
-    """Run each group of jobs as one task: in this process for Hydra's basic launcher, else one array task
-    per group of the submitit launcher (a task that ended without a result fails each of its jobs with
-    :class:`JobFailure`). Returns every job's outcome, in the groups' order."""
+    """Run each group of jobs as one task: in this process for Hydra's basic launcher (its samples counted in
+    ``sweep``), else one array task per group of the submitit launcher (a task that ended without a result fails
+    each of its jobs with :class:`JobFailure`). Returns every job's outcome, in the groups' order."""
     idx = initial_job_idx
     for number, group in enumerate(groups):
         for overrides, _, _ in group:
@@ -234,7 +238,7 @@ def launch_groups(
         return [
             returned
             for group, members in zip(groups, payload)
-            for returned in group_returns(group, run_group(members, share_prefill))
+            for returned in group_returns(group, run_group(members, share_prefill, sweep))
         ]
     jobs = map_array(launcher, run_group_task, [(members, share_prefill) for members in payload])
     wait(launcher, jobs)

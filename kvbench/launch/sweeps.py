@@ -16,6 +16,7 @@ A job's run directory is named after its settings (``hydra.sweep.subdir``: ``${r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ from kvbench.config import experiment_config, prepare_overrides
 from kvbench.errors import KVBenchError, fail
 from kvbench.job import check_known_keys, resolve
 from kvbench.launch.launchers import JobFailure, array_name, last_line, launch_groups, typed
-from kvbench.run import group_key
+from kvbench.run import SweepProgress, group_key
 from kvbench.rundir import RunDir, finished_metrics
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
@@ -230,15 +231,18 @@ def launch_pending(sweeper: BasicSweeper) -> list[list[JobReturn]]:
     todo = [job for unit in units for job in unit]  # in the groups' order
     returns: list[list[JobReturn]] = []
     size = max(1, len(units) if sweeper.max_batch_size in (None, -1) else sweeper.max_batch_size)  # Hydra's -1: all
-    for batch in (units[start : start + size] for start in range(0, len(units), size)):
-        if hasattr(launcher, "array_name"):
-            launcher.array_name = array_name(job.label for unit in batch for job in unit)
-        done = sum(map(len, returns))
-        if grouped:
-            members = [[(job.overrides, job.cfg, job.output_dir.absolute()) for job in unit] for unit in batch]
-            returns.append(launch_groups(launcher, members, done, bool(getattr(sweeper, "share_prefill", False))))
-        else:
-            returns.append(list(launcher.launch([job.overrides for (job,) in batch], done)))
+    in_process = grouped and not hasattr(launcher, "array_name")  # the groups run here: their progress is known here
+    with SweepProgress(len(todo)) if in_process else contextlib.nullcontext() as progress:
+        for batch in (units[start : start + size] for start in range(0, len(units), size)):
+            if hasattr(launcher, "array_name"):
+                launcher.array_name = array_name(job.label for unit in batch for job in unit)
+            done = sum(map(len, returns))
+            if grouped:
+                members = [[(job.overrides, job.cfg, job.output_dir.absolute()) for job in unit] for unit in batch]
+                share = bool(getattr(sweeper, "share_prefill", False))
+                returns.append(launch_groups(launcher, members, done, share, progress))
+            else:
+                returns.append(list(launcher.launch([job.overrides for (job,) in batch], done)))
     outcomes = [returned for batch in returns for returned in batch]
     failures = [failure_line(job, r) for job, r in zip(todo, outcomes) if r.status != JobStatus.COMPLETED]
     for line in failures:

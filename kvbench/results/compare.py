@@ -75,7 +75,7 @@ def parse_spec(spec: str) -> tuple[str, str]:
             f"bad table {spec!r}; use PAPER:TABLE, e.g. caote:table2; valid choices: "
             + ", ".join(f"{p}:{t}" for p, t in list_tables())
         )
-    table = table if table.startswith("table") or (paper, table) in list_tables() else f"table{table}"
+    table = f"table{table}" if table.isdigit() else table  # caote:2
     table_caption(paper, table)
     return paper, table
 

@@ -6,7 +6,9 @@ as the tables show them; a perplexity task's per-window perplexities as they are
 (:func:`~kvbench.results.intervals.bootstrap_mean`). A comparison pairs a ``base+modifier`` run with the ``base`` run
 of the same cell key and budget, over the sample ids both scored (:func:`~kvbench.results.intervals.paired_difference`).
 
-    kvbench leaderboard results/leaderboard [--format markdown|csv|latex] [--output-dir DIR]
+    kvbench leaderboard results/leaderboard [--baseline SPEC] [--format markdown|csv|latex] [--output-dir DIR]
+
+``--baseline SPEC`` pairs every other policy with SPEC instead (a new method against SnapKV, say), the same way.
 
 With ``--output-dir`` the tables are also written there, with ``leaderboard.png``: score vs budget per base and its
 modifiers, intervals drawn (:func:`~kvbench.results.plots.leaderboard_figure`); with ``--provenance COMMAND``
@@ -70,14 +72,17 @@ def cells(runs: list[Run]) -> tuple[pd.DataFrame, dict[tuple, dict[str, float]],
     return pd.DataFrame(rows, columns=[*CELL, "policy", "budget", "n", "mean", "low", "high"]), scores, clusters
 
 
-def comparisons(scores: dict[tuple, dict[str, float]], clusters: dict[tuple, dict[str, str] | None]) -> pd.DataFrame:
-    """Each ``base+modifier`` cell against its ``base`` cell at the same budget: the paired difference of their scores
-    over the samples both scored, its interval (clustered by the samples' contexts), and whether the interval excludes
-    zero."""
+def comparisons(
+    scores: dict[tuple, dict[str, float]], clusters: dict[tuple, dict[str, str] | None], baseline: str | None = None
+) -> pd.DataFrame:
+    """Each ``base+modifier`` cell against its ``base`` cell at the same budget — with ``baseline``, every other cell
+    against the ``baseline`` policy's at the same budget (the full cache's at any) —: the paired difference of their
+    scores over the samples both scored, its interval (clustered by the samples' contexts), and whether the interval
+    excludes zero."""
     rows = []
     for (*key, policy, budget), treated in scores.items():
-        base = str(policy).split("+")[0]
-        control = scores.get((*key, base, budget))
+        base = str(policy).split("+")[0] if baseline is None else baseline
+        control = scores.get((*key, base, budget)) or scores.get((*key, base, NO_BUDGET))
         if base == policy or control is None:
             continue
         difference = paired_difference(treated, control, clusters=clusters[(*key, policy, budget)])
@@ -138,13 +143,16 @@ def summaries(table: pd.DataFrame, paired: pd.DataFrame) -> dict[str, pd.DataFra
     return short
 
 
-def leaderboard_tables(runs: list[Run]) -> dict[str, pd.DataFrame]:
-    """``leaderboard_cells`` and ``leaderboard_paired`` (see :func:`cells`, :func:`comparisons`), by task and subtask,
-    then in the papers' order, and both in short (:func:`summaries`)."""
+def leaderboard_tables(runs: list[Run], baseline: str | None = None) -> dict[str, pd.DataFrame]:
+    """``leaderboard_cells`` and ``leaderboard_paired`` (see :func:`cells`, :func:`comparisons`; each modifier against
+    its base, or every policy against ``baseline``), by task and subtask, then in the papers' order, and both in short
+    (:func:`summaries`)."""
     table, scores, clusters = cells(runs)
     if table.empty:
         return {}
-    tables = {"leaderboard_cells": table, "leaderboard_paired": comparisons(scores, clusters)}
+    if baseline is not None:
+        choose("baseline policy (--baseline)", baseline, set(table["policy"]))
+    tables = {"leaderboard_cells": table, "leaderboard_paired": comparisons(scores, clusters, baseline)}
     tables = {name: sort_rows(frame).sort_values(["task", "subtask"], kind="stable") for name, frame in tables.items()}
     return {**tables, **summaries(tables["leaderboard_cells"], tables["leaderboard_paired"])}
 
@@ -191,13 +199,16 @@ def main(args: list[str]) -> None:
     parser.add_argument(
         "--output-dir", type=Path, help="also write each table to DIR/<table>.<md|csv|tex>, and DIR/leaderboard.png"
     )
+    parser.add_argument(
+        "--baseline", metavar="SPEC", help="pair every policy with SPEC (e.g. snapkv), not each modifier with its base"
+    )
     parser.add_argument("--provenance", metavar="COMMAND", help="with --output-dir: the command that made the runs")
     parser.add_argument("--started", type=float, help="with --provenance: when COMMAND started (epoch seconds)")
     parser.add_argument("--commit", help="with --provenance: the kvbench commit COMMAND ran")
     options = parser.parse_args(args)
     choose("format", options.format, FORMATS)
     runs = load_runs(options.run_dirs)
-    tables = leaderboard_tables(runs)
+    tables = leaderboard_tables(runs, options.baseline)
     if not tables:
         raise KVBenchError(f"no finished run with per-sample scores under {' '.join(map(str, options.run_dirs))}")
     print_tables(tables, options.format, options.output_dir)

@@ -123,12 +123,15 @@ def budget_figure(frame: pd.DataFrame) -> Figure:
     rows = math.ceil(len(panels) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(4.5 * columns, 3.5 * rows), squeeze=False)
     for axis, ((model, task, score, context, unit), panel) in zip(axes.flat, panels):
+        curves: dict[tuple[tuple[float, ...], tuple[float, ...]], list[str]] = {}
         for policy in sorted(panel["policy"].unique(), key=policy_key):
             line = panel[panel["policy"] == policy].sort_values("x")
             if policy == "full":
                 axis.axhline(line["value"].iloc[0], color="black", linestyle="--", label="full")
             else:
-                axis.plot(line["x"], line["value"], marker="o", label=policy)
+                curves.setdefault((tuple(line["x"]), tuple(line["value"])), []).append(policy)
+        for (budgets, values), policies in curves.items():  # identical curves drawn once, named together
+            axis.plot(budgets, values, marker="o", label=" = ".join(policies))
         name = task if score == "average" else score
         axis.set_title(f"{model} {name}" + (f" @ {context_label(int(context))}" if pd.notna(context) else ""))
         axis.set_xlabel(unit)

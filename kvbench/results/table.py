@@ -374,7 +374,8 @@ def niah_frame(runs: list[Run]) -> pd.DataFrame:
 
 def niah_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
     """Needle accuracy by context × budget (columns ``<context>/<budget>``, as OBCache Table 1; the full cache
-    in columns ``<context>/–`` of its own), with Avg. over the cells each row ran.
+    in columns ``<context>/–`` of its own), then ``Avg./<budget>`` for each budget: over the contexts each row ran
+    at that budget (a budget is never averaged with another).
 
     Made when some needle benchmark was run at more than one context length."""
     frame = niah_frame(runs)
@@ -391,7 +392,8 @@ def niah_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
     columns = [f"{context_label(c)}/{b}" for c, b in cells]
     table = table[columns]
     table.columns.name = None
-    table[AVG] = table[columns].mean(axis=1)
+    for budget in sorted({budget for _, budget in cells}, key=budget_key):
+        table[f"{AVG}/{budget}"] = table[[f"{context_label(c)}/{b}" for c, b in cells if b == budget]].mean(axis=1)
     return {"niah": sort_rows(table.reset_index())}
 
 
@@ -497,13 +499,62 @@ def benchmark_tables(runs: list[Run], layout: str = "auto") -> dict[str, pd.Data
 FORMATS = {"markdown": "md", "csv": "csv", "latex": "tex"}
 
 
+#: LaTeX's specials, escaped, and the non-ASCII symbols tables print, as text or math that pdflatex compiles
+LATEX_ESCAPES = {
+    **{char: f"\\{char}" for char in "&%$#_{}"},
+    "\\": r"\textbackslash{}",
+    "~": r"\textasciitilde{}",
+    "^": r"\textasciicircum{}",
+    "–": "--",
+    "—": "---",
+    "−": "$-$",
+    "Δ": r"$\Delta$",
+    "θ": r"$\theta$",
+    "×": r"$\times$",
+    "→": r"$\rightarrow$",
+    "§": r"\S{}",
+    "±": r"$\pm$",
+    "≥": r"$\geq$",
+    "≤": r"$\leq$",
+}
+
+
+def latex_text(text: str) -> str:
+    """``text`` as LaTeX source: specials escaped, symbols in text or math mode."""
+    return "".join(LATEX_ESCAPES.get(char, char) for char in text)
+
+
+def latex_table(table: pd.DataFrame, decimals: int) -> str:
+    """A booktabs ``tabular`` (``\\usepackage{booktabs}``): names escaped, numbers right-aligned with ``decimals``
+    places, empty cells ``--``."""
+
+    def cell(value: Any) -> str:
+        if value is None or (isinstance(value, float) and pd.isna(value)):
+            return "--"
+        if isinstance(value, float):
+            return f"{value:.{decimals}f}"
+        return latex_text(str(value))
+
+    numeric = [pd.api.types.is_numeric_dtype(dtype) for dtype in table.dtypes]
+    lines = [
+        r"\begin{tabular}{" + "".join("r" if number else "l" for number in numeric) + "}",
+        r"\toprule",
+        " & ".join(latex_text(str(name)) for name in table.columns) + r" \\",
+        r"\midrule",
+        *(" & ".join(cell(value) for value in row) + r" \\" for row in table.astype(object).itertuples(index=False)),
+        r"\bottomrule",
+        r"\end{tabular}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def render(table: pd.DataFrame, fmt: str, decimals: int = 2) -> str:
     """A table as Markdown, CSV or LaTeX; numbers with ``decimals`` places, empty cells as ``–``."""
     choose("format", fmt, FORMATS)
     if fmt == "csv":
         return table.to_csv(index=False)
     if fmt == "latex":
-        return table.to_latex(index=False, float_format=f"%.{decimals}f", na_rep="–")
+        return latex_table(table, decimals)
     cells = table.astype(object).where(table.notna(), None)  # tabulate prints None, not NaN, as missingval
     return cells.to_markdown(index=False, floatfmt=f".{decimals}f", missingval="–")
 
