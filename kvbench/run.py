@@ -441,28 +441,37 @@ class Shared:
     error: KVBenchError | None = None  # why the task could not be built: every job of the group fails with it
     sweep: SweepProgress | None = None  # the progress of the sweep the group is part of, if it says one
 
-    def load(self, cfg: DictConfig) -> tuple[LoadedModel, Task, list[Sample]]:
-        """The model, task and samples of ``cfg`` (the first call loads them; the jobs of a group share model,
-        task and data settings, so later calls return the same, or raise the same error)."""
+    def task_samples(self, cfg: DictConfig) -> tuple[Task, list[Sample]]:
+        """The task and samples of ``cfg``, built for the model's tokenizer, the model not loaded; every reason the
+        job cannot run here is found first (the first call builds them; the jobs of a group share model, task and
+        data settings, so later calls return the same, or raise the same error)."""
         if self.error is not None:
             raise self.error
-        if self.loaded is None or self.task is None:
+        if self.task is None:
             started = time.perf_counter()
             set_threads(cfg.engine.threads)
             _, reasons = checked_task(cfg, tokenizer_or_stand_in(cfg.model))
             if reasons:
                 self.error = KVBenchError("; ".join(reasons))
                 raise self.error
-            loaded = load_model(cfg.model)
             try:
-                task = build_task(cfg, loaded.tokenizer)
-                samples = list(task.samples())
+                task = build_task(cfg, load_tokenizer(cfg.model))
+                self.samples = list(task.samples())
             except KVBenchError as error:
                 self.error = error
                 raise
-            self.loaded, self.task, self.samples = loaded, task, samples
-            self.load_seconds = time.perf_counter() - started
-        return self.loaded, self.task, self.samples
+            self.task = task
+            self.load_seconds += time.perf_counter() - started
+        return self.task, self.samples
+
+    def load(self, cfg: DictConfig) -> tuple[LoadedModel, Task, list[Sample]]:
+        """The model, task and samples of ``cfg`` (:meth:`task_samples`, then the model, loaded once)."""
+        task, samples = self.task_samples(cfg)
+        if self.loaded is None:
+            started = time.perf_counter()
+            self.loaded = load_model(cfg.model)
+            self.load_seconds += time.perf_counter() - started
+        return self.loaded, task, samples
 
 
 def run(cfg: DictConfig, output_dir: str | Path, shared: Shared | None = None) -> dict[str, Any]:
@@ -529,6 +538,18 @@ class OpenRun:
         return metrics
 
 
+def first_samples(run_dir: RunDir, cfg: DictConfig, samples: list[Sample]) -> list[dict[str, Any]] | None:
+    """The records of ``samples`` where the directory holds a finished run of more samples (its ``task.num_samples``
+    larger than ``cfg``'s, or null: all), every one of these among its records; else None. A run asked for fewer
+    samples than its directory holds reads its first ones and writes nothing (a task's samples are prefix-stable)."""
+    saved = (run_dir.saved_config() or {}).get("task", {}).get("num_samples")
+    asked = cfg.task.get("num_samples")
+    if not run_dir.metrics_path.exists() or asked is None or saved is not None and saved <= asked:
+        return None
+    records = {record["id"]: record for record in run_dir.records()}
+    return [records[sample.id] for sample in samples] if all(sample.id in records for sample in samples) else None
+
+
 def open_run(job: Job, run_dir: RunDir, shared: Shared) -> OpenRun | dict[str, Any]:
     """Check the directory (same settings; a finished run's metrics are returned as they are), load what the run
     needs (from ``shared``), move an earlier run aside with ``resume=restart``, write config.yaml and read back the
@@ -540,16 +561,24 @@ def open_run(job: Job, run_dir: RunDir, shared: Shared) -> OpenRun | dict[str, A
         if finished_before is not None:
             print(f"kvbench: {run_dir.path}: finished with these settings, nothing to run", file=sys.stderr)
             return finished_before
-    loaded, task, samples = shared.load(job.cfg)
-    engine = build_engine(job, loaded)
+    task, samples = shared.task_samples(job.cfg)
     if not samples:
         raise KVBenchError(f"task {job.cfg.task.name} has no samples with these settings")
+    if not restart:
+        first = first_samples(run_dir, job.cfg, samples)
+        if first is not None:
+            print(f"kvbench: {run_dir.path}: holds these {len(first)} samples of a larger run, nothing to run or write",
+                  file=sys.stderr)  # fmt: skip
+            return summarize(job.cfg, task, first)
+    loaded, task, samples = shared.load(job.cfg)
+    engine = build_engine(job, loaded)
     if restart:
         moved = run_dir.move_aside()
         if moved is not None:
             log.info("resume=restart: the earlier files of %s moved to %s", run_dir.path, moved)
     run_dir.start(job.cfg)
-    records = run_dir.records()
+    wanted = {sample.id for sample in samples}
+    records = [record for record in run_dir.records() if record["id"] in wanted]  # a larger run's others stay
     finished = {record["id"] for record in records}
     samples = [sample for sample in samples if sample.id not in finished]
     state = f"resuming, {len(finished)} samples done" if finished else "new run"
@@ -563,11 +592,11 @@ def open_run(job: Job, run_dir: RunDir, shared: Shared) -> OpenRun | dict[str, A
 
 def group_key(cfg: DictConfig) -> str:
     """What the jobs of one group share: every identity setting but the policy and the budget (same model,
-    task, data, regime and engine settings), so one model load and one task's samples serve them all."""
+    task, data, regime and engine settings) and the samples asked for, so one model load and one task's samples
+    serve them all."""
     settings = identity(config_dict(cfg, resolve=True))
-    return json.dumps(
-        {key: value for key, value in settings.items() if key not in GROUPED}, sort_keys=True, default=str
-    )
+    shared = {key: value for key, value in settings.items() if key not in GROUPED}
+    return json.dumps({**shared, "num_samples": cfg.task.get("num_samples")}, sort_keys=True, default=str)
 
 
 def run_group(

@@ -26,9 +26,20 @@ from omegaconf import DictConfig, OmegaConf
 from kvbench import config_dict
 from kvbench.errors import KVBenchError
 
-#: top-level settings that change no prediction, left out of a run's identity: where its files go, how it
-#: resumes and logs, and an experiment's per-policy table (already applied to the ``policy`` node)
-NOT_IDENTITY = ("hydra", "logger", "output_dir", "policy_settings", "resume", "engine.batch_size", "engine.threads")
+#: settings that change no prediction, left out of a run's identity: where its files go, how it resumes and logs, an
+#: experiment's per-policy table (already applied to the ``policy`` node), how it runs (rows decoding together, CPU
+#: threads), and how many of the task's samples it asks for: they are prefix-stable, so a run grows in its directory
+#: and one asking for fewer reads the first ones (:func:`kvbench.run.first_samples`)
+NOT_IDENTITY = (
+    "hydra",
+    "logger",
+    "output_dir",
+    "policy_settings",
+    "resume",
+    "engine.batch_size",
+    "engine.threads",
+    "task.num_samples",
+)
 
 #: settings added after run directories were made, with the value every older run ran with: at that value a setting is
 #: left out of a run's identity, so that older runs keep their directory names and resume
@@ -41,9 +52,7 @@ RESUME_MODES = ("auto", "restart")
 
 def identity(settings: Mapping[str, Any]) -> dict[str, Any]:
     """The settings that make a run what it is (a plain config dict without :data:`NOT_IDENTITY`, whose dotted
-    names are keys of a group: ``engine.batch_size``, how many rows decode together, and ``engine.threads`` change no
-    prediction; nor
-    :data:`ADDED_SETTINGS` at the value older runs had)."""
+    names are keys of a group, e.g. ``engine.batch_size``; nor :data:`ADDED_SETTINGS` at the value older runs had)."""
     kept = {}
     for key, value in settings.items():
         if key in NOT_IDENTITY:
@@ -282,9 +291,11 @@ class RunDir:
 
 def finished_metrics(run_dir: RunDir, cfg: DictConfig) -> dict[str, Any] | None:
     """The metrics of a finished run of this same (resolved) config in ``run_dir`` (metrics.json written,
-    the same identity in config.yaml, a prediction for every sample counted), else None: a resubmitted sweep
-    skips its finished jobs without loading the model."""
+    the same identity and ``task.num_samples`` in config.yaml, a prediction for every sample counted), else None: a
+    resubmitted sweep skips its finished jobs without loading the model."""
     if not run_dir.metrics_path.exists() or run_dir.conflict(config_dict(cfg, resolve=True)) is not None:
+        return None
+    if (run_dir.saved_config() or {}).get("task", {}).get("num_samples") != cfg.task.get("num_samples"):
         return None
     metrics = run_dir.metrics()
     done = {record["id"] for record in run_dir.records()}

@@ -809,3 +809,15 @@ def test_the_printed_config_holds_the_models_truncation_length():
     assert resolved("model=llama31_8b") == 127500  # the table's Llama-3.1-8B-Instruct entry
     assert resolved("model=llama31_8b", "task.max_length=1800") == 1800
     assert resolved("model=smollm2_135m") is None  # not in the table: per dataset, the window less its answer
+
+
+def test_the_subset_draw_is_the_one_random_sample_made_and_grows_by_appending():
+    """``drawn``: the indices ``Random(seed).sample`` gave for the sizes where it draws one by one (every run
+    subsampled so far at up to 16 of 200 records keeps its samples), and a larger draw begins with a smaller one."""
+    import random
+
+    from kvbench.tasks.longbench import drawn
+
+    for count in range(1, 17):
+        assert drawn(200, count, 42) == random.Random(42).sample(range(200), count)
+    assert drawn(200, 150, 7)[:40] == drawn(200, 40, 7) and len(set(drawn(200, 150, 7))) == 150

@@ -18,6 +18,7 @@ import yaml
 from kvbench.cli import main
 from kvbench.rundir import RunDir, differences, run_dirs_below
 
+FIXTURES = Path(__file__).parent / "fixtures"
 RULER = ["task=ruler", "task.subtasks=[niah_single_1]", "task.num_samples=2"]
 BASE = ["model=tiny_llama", *RULER, "task.context_length=640", "policy=snapkv", "policy.window=8", "budget=64"]
 
@@ -192,3 +193,76 @@ def test_a_setting_added_later_leaves_older_runs_their_identity():
     aware = {"task": {"name": "ruler", "context_length": 1024, "query_mode": "aware"}, "policy": {"name": "snapkv"}}
     agnostic = {**aware, "task": {**aware["task"], "query_mode": "agnostic"}}
     assert identity(aware) == identity(before) != identity(agnostic)
+
+
+def test_a_run_grows_in_its_directory_and_a_smaller_one_reads_its_first_samples(tmp_path, monkeypatch, capsys):
+    """``task.num_samples`` is not part of a run's identity: a 2-sample run rerun with 4 lands in the same default
+    directory and appends the 2 it lacks after the 2 it has (byte-identical); rerun with 2 it reads their records,
+    loads no model and writes nothing, its scores those of the first run."""
+    monkeypatch.chdir(tmp_path)
+    four = [*changed("task.num_samples=4")]
+
+    def run_line(args: list[str]) -> tuple[dict, str]:
+        main(["run", *args])
+        captured = capsys.readouterr()
+        return json.loads(captured.out.strip().splitlines()[-1]), captured.err
+
+    first, _ = run_line(BASE)
+    (directory,) = run_dirs_below(tmp_path / "results")
+    before = (directory / "predictions.jsonl").read_bytes()
+    run_line(four)
+    assert run_dirs_below(tmp_path / "results") == [directory]
+    after = (directory / "predictions.jsonl").read_bytes()
+    assert after.startswith(before) and after.count(b"\n") == 4
+    assert json.loads((directory / "metrics.json").read_text())["num_samples"] == 4
+    files = {path: path.read_bytes() for path in directory.rglob("*") if path.is_file() and path.name != "run.lock"}
+    monkeypatch.setattr("kvbench.run.load_model", lambda *args: pytest.fail("a model was loaded to read samples"))
+    again, err = run_line(BASE)
+    assert again["scores"] == first["scores"] and "holds these 2 samples of a larger run" in err
+    assert {path: path.read_bytes() for path in files} == files
+
+
+@pytest.mark.parametrize(
+    "task",
+    [
+        ["task=ruler", "task.subtasks=[niah_single_1,niah_multikey_1]", "task.context_length=1024"],
+        ["task=ruler", "task.subtasks=[niah_multikey_1]", "task.context_length=1024", "task.questions_per_context=4"],
+        ["task=longbench", "task.datasets=[trec,hotpotqa]", f"task.data_dir={FIXTURES / 'longbench'}"],
+        ["task=ppl", "task.max_tokens=64"],
+    ],
+)
+def test_a_tasks_samples_are_prefix_stable(task):
+    """Asked for 1, then 2 samples per subtask, the one is among the two, the same prompt (LongBench keeps a draw in
+    file order): a run can grow without redoing a sample."""
+    from kvbench.config import compose
+    from kvbench.models import load_tokenizer
+    from kvbench.run import build_task
+
+    def samples(count: int) -> dict[str, dict[str, list[int]]]:
+        cfg = compose(["model=tiny_llama", *task, f"task.num_samples={count}"])
+        by_subtask: dict[str, dict[str, list[int]]] = {}
+        for sample in build_task(cfg, load_tokenizer(cfg.model)).samples():
+            by_subtask.setdefault(sample.subtask, {})[sample.id] = sample.input_ids
+        return by_subtask
+
+    one, two = samples(1), samples(2)
+    assert one.keys() == two.keys() and all(len(one[name]) == 1 and len(two[name]) == 2 for name in one)
+    assert all(two[name][sample] == prompt for name in one for sample, prompt in one[name].items())
+
+
+def test_every_committed_run_directory_is_where_its_settings_put_it():
+    """``make leaderboard`` and ``make shared-context`` find their finished runs: each committed run directory's name
+    is the one its config.yaml gives (``${run_name:}``), and its config names that directory."""
+    from omegaconf import OmegaConf
+
+    from kvbench import PROJECT_ROOT
+    from kvbench.rundir import run_name
+
+    directories = [
+        path for top in ("leaderboard", "shared_context") for path in run_dirs_below(PROJECT_ROOT / "results" / top)
+    ]
+    if not directories:
+        pytest.skip("no committed results")
+    for directory in directories:
+        cfg = OmegaConf.load(directory / "config.yaml")
+        assert run_name(_root_=cfg) == "/".join(directory.parts[-3:]) and Path(cfg.output_dir).name == directory.name

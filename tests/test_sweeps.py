@@ -361,7 +361,7 @@ def test_basic_multirun_skips_finished_and_refuses_other_settings(tmp_path, caps
     assert len(list(sweep.glob("multirun-*.yaml"))) == 2 and (sweep / "multirun.yaml").exists()  # each sweep's
     # another config into the same job directory is refused, in a single run and in a sweep, nothing written
     before = {path: path.read_bytes() for path in job.rglob("*") if path.is_file()}
-    other = [*TINY[:-1], "task.num_samples=2", "policy=tova", "budget=32"]
+    other = [*TINY[:3], "task.context_length=640", TINY[4], "policy=tova", "budget=32"]
     capsys.readouterr()
     for args in (["run", *other, f'hydra.run.dir="{job}"'], ["run", "-m", *other, f"hydra.sweep.dir={sweep}"]):
         if args[1] == "-m":
@@ -370,7 +370,7 @@ def test_basic_multirun_skips_finished_and_refuses_other_settings(tmp_path, caps
             main(args)
         assert exit_info.value.code == 2
         assert capsys.readouterr().err == (
-            f"kvbench: error: run directory {job} holds a run of other settings: task.num_samples=1 there, 2 here"
+            f"kvbench: error: run directory {job} holds a run of other settings: task.context_length=512 there, 640 here"
             + (
                 "; run into another output_dir=DIR, or pass resume=restart to move its files into "
                 f"{job}/superseded-<time>/ and start again\n"

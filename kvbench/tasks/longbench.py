@@ -187,6 +187,17 @@ value of the reference pipeline that ran it. Other models: the context window le
 RECORD_FIELDS = ("input", "context", "answers", "length", "all_classes", "_id")
 
 
+def drawn(population: int, count: int, seed: int) -> list[int]:
+    """``count`` distinct indices below ``population``, drawn one by one with ``random.Random(seed)`` (an index drawn
+    again is drawn anew): a larger draw begins with a smaller one, so a run grown to more samples keeps the ones it
+    has. These are ``Random(seed).sample``'s indices wherever it draws this way (``population`` larger than
+    ``21 + 4**ceil(log4(3·count))``, e.g. up to 16 of LongBench's 200 records)."""
+    rng, chosen = random.Random(seed), dict[int, None]()  # a dict keeps the draws' order
+    while len(chosen) < count:
+        chosen[rng.randrange(population)] = None
+    return list(chosen)
+
+
 class LongBenchTask(Task):
     """Options: ``datasets`` (or its alias ``subtasks``), ``data_dir``, ``num_samples`` per dataset
     (a seeded random subset, kept in file order), ``prompt_format``, ``max_length`` (prompt tokens; null =
@@ -246,15 +257,15 @@ class LongBenchTask(Task):
         return MAX_LENGTH.get(self.model.hf_id or "", self.model.context_window - MAX_NEW_TOKENS[dataset])
 
     def samples(self) -> Iterator[Sample]:
-        """Each dataset's (selected) records in file order, datasets in the configured order. Records whose contexts
-        are identical carry one ``context_id``; in ``query_mode=agnostic`` they follow one another (each context's
-        questions in file order, contexts in the order they first appear), to be answered from one compression."""
+        """Each dataset's (selected: :func:`drawn`) records in file order, datasets in the configured order. Records
+        whose contexts are identical in the file carry one ``context_id``; in ``query_mode=agnostic`` they follow one
+        another (each context's questions in file order, contexts in the order they first appear), to be answered
+        from one compression."""
         for dataset in self.datasets:
             records = self.records(dataset)
+            repeats = Counter(record["context"] for record in records)  # over the file: a sample's id is its own
             if self.num_samples is not None and self.num_samples < len(records):
-                chosen = sorted(random.Random(self.seed).sample(range(len(records)), self.num_samples))
-                records = [records[index] for index in chosen]
-            repeats = Counter(record["context"] for record in records)
+                records = [records[index] for index in sorted(drawn(len(records), self.num_samples, self.seed))]
             samples = [
                 self.sample(dataset, record, context_id(dataset, record) if repeats[record["context"]] > 1 else None)
                 for record in records
