@@ -370,7 +370,8 @@ def test_basic_multirun_skips_finished_and_refuses_other_settings(tmp_path, caps
             main(args)
         assert exit_info.value.code == 2
         assert capsys.readouterr().err == (
-            f"kvbench: error: run directory {job} holds a run of other settings: task.context_length=512 there, 640 here"
+            f"kvbench: error: run directory {job} holds a run of other settings: "
+            "task.context_length=512 there, 640 here"
             + (
                 "; run into another output_dir=DIR, or pass resume=restart to move its files into "
                 f"{job}/superseded-<time>/ and start again\n"
