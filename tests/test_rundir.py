@@ -250,19 +250,19 @@ def test_a_tasks_samples_are_prefix_stable(task):
     assert all(two[name][sample] == prompt for name in one for sample, prompt in one[name].items())
 
 
-def test_every_committed_run_directory_is_where_its_settings_put_it():
-    """``make leaderboard`` and ``make shared-context`` find their finished runs: each committed run directory's name
-    is the one its config.yaml gives (``${run_name:}``), and its config names that directory."""
-    from omegaconf import OmegaConf
-
+@pytest.mark.parametrize(
+    "experiment",
+    ["leaderboard", *(pytest.param(name, marks=pytest.mark.slow) for name in ("leaderboard_needle", "leaderboard_ppl"))]
+    + ["shared_context"],
+)
+def test_every_job_of_a_committed_experiment_finds_its_finished_run(experiment, capsys, monkeypatch):
+    """``make leaderboard`` and ``make shared-context`` find their finished runs: ``kvbench plan`` of each experiment
+    names, for every job, a committed run directory finished with its settings (nothing would run again)."""
     from kvbench import PROJECT_ROOT
-    from kvbench.rundir import run_name
 
-    directories = [
-        path for top in ("leaderboard", "shared_context") for path in run_dirs_below(PROJECT_ROOT / "results" / top)
-    ]
-    if not directories:
+    if not (PROJECT_ROOT / "results" / ("leaderboard" if "leaderboard" in experiment else experiment)).is_dir():
         pytest.skip("no committed results")
-    for directory in directories:
-        cfg = OmegaConf.load(directory / "config.yaml")
-        assert run_name(_root_=cfg) == "/".join(directory.parts[-3:]) and Path(cfg.output_dir).name == directory.name
+    monkeypatch.chdir(PROJECT_ROOT)  # the experiments' sweep folders are relative
+    main(["plan", "-m", f"+experiment={experiment}"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines and all(line["finished"] and not line["errors"] for line in lines)
