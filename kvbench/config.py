@@ -21,11 +21,27 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench import CONF_DIR, config_dict
 from kvbench.errors import KVBenchError, choose
-from kvbench.policies import BASES, MODIFIERS, build_policy, parse_spec, policy_keys
+from kvbench.policies import BASES, MODIFIERS, build_policy, parse_spec, policy_keys, registered
 from kvbench.policies.budgets import Budget
 from kvbench.rundir import register_run_name
 
 register_run_name()  # conf/config.yaml's ${run_name:}
+
+#: ``${policies:KIND[,TASKS]}``'s TASKS: ``decoding`` (every modifier) or ``prefill`` (a task that decodes nothing)
+POLICY_TASKS = ("decoding", "prefill")
+
+
+def registered_policies(kind: str, tasks: str = "decoding") -> str:
+    """``${policies:variants}`` in a sweep's values: the registry's policies comma-joined, a Hydra choice sweep
+    (:func:`kvbench.policies.registered`: ``bases``, or ``variants``, every base alone and with each modifier that
+    applies; ``${policies:variants,prefill}`` without the modifiers that act only while decoding), so an
+    experiment names no method by hand and a new method file joins it."""
+    choose("${policies:KIND,TASKS} TASKS", tasks, POLICY_TASKS)
+    return ",".join(registered(kind, decoding=tasks == "decoding"))
+
+
+if not OmegaConf.has_resolver("policies"):
+    OmegaConf.register_new_resolver("policies", registered_policies)
 
 
 def group_options(group: str) -> list[str]:

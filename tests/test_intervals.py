@@ -204,14 +204,40 @@ def test_perplexity_cells_keep_their_scale(tmp_path):
     [("leaderboard", ()), ("leaderboard_needle", ()), ("leaderboard_ppl", ("calidrop", "slake"))],
 )
 def test_the_leaderboard_runs_every_base_with_every_modifier_that_applies(experiment, decoding_only):
-    """Each of the leaderboard's sweeps names the full cache and every base alone and with every modifier that applies
-    to it (a new policy or modifier fails this until the leaderboard runs it); perplexity, read without decoding,
-    leaves out the modifiers that act only on decoding steps."""
+    """Each of the leaderboard's sweeps asks the registry for its policies (``${policies:...}``, no method named by
+    hand, so a new method file joins it): the full cache and every base alone and with every modifier that applies to
+    it; perplexity, read without decoding, leaves out the modifiers that act only on decoding steps."""
     from omegaconf import OmegaConf
 
-    params = OmegaConf.load(PROJECT_ROOT / "conf" / "experiment" / f"{experiment}.yaml").hydra.sweeper.params
+    from kvbench.launch.sweeps import sweeper_params
+
+    raw = OmegaConf.load(PROJECT_ROOT / "conf" / "experiment" / f"{experiment}.yaml").hydra.sweeper.params
+    assert OmegaConf.to_container(raw)["policy"].startswith("${policies:variants")
     expected = [spec for spec in VARIANTS if spec.partition("+")[2] not in decoding_only]  # the full cache included
-    assert sorted(str(params.policy).split(",")) == sorted(expected)
+    assert sorted(sweeper_params(experiment)["policy"].split(",")) == sorted(expected)
+
+
+def test_the_registry_expands_a_sweep_and_a_new_method_joins_it(monkeypatch):
+    """``${policies:bases}``, ``${policies:variants}`` and ``${policies:variants,prefill}`` read the registry at the
+    time the sweep is expanded: a method registered later is in them; a bad kind is one line naming the choices."""
+    from dataclasses import dataclass
+
+    from kvbench.config import registered_policies
+    from kvbench.errors import KVBenchError
+    from kvbench.policies import registry
+    from kvbench.policies.methods.sink import Sink
+
+    @dataclass
+    class Newest(Sink):
+        name = "newest"
+
+    monkeypatch.setitem(registry.BASES, "newest", Newest)
+    assert registered_policies("bases").split(",")[-1] == "newest"
+    variants = registered_policies("variants").split(",")
+    assert {"newest", "newest+calidrop", "newest+slake"} <= set(variants) and "newest+caote" not in variants
+    assert "newest+calidrop" not in registered_policies("variants", "prefill").split(",")
+    with pytest.raises(KVBenchError, match="unknown registered policies 'everything'; valid choices: bases, variants"):
+        registered_policies("everything")
 
 
 def test_a_baseline_pairs_every_policy_with_it_on_the_same_samples(capsys):

@@ -48,6 +48,23 @@ def composable(base: str, modifier: str) -> bool:
     return MODIFIERS[modifier].inapplicable(BASES[base]) is None
 
 
+#: the sets of policies a sweep can ask the registry for (:func:`registered`)
+REGISTERED = ("bases", "variants")
+
+
+def registered(kind: str, decoding: bool = True) -> list[str]:
+    """The policies of the registry, as a sweep asks for them: ``bases``, every base; ``variants``, every base alone
+    and then with each modifier that applies to it, in registration order. ``decoding=False`` leaves out the
+    modifiers that act only while decoding (``attends``: CaliDrop, SLAKE), for a task that decodes nothing."""
+    choose("registered policies", kind, REGISTERED)
+    if kind == "bases":
+        return list(BASES)
+    modifiers = [name for name, cls in MODIFIERS.items() if decoding or not cls.attends]
+    return [
+        spec for base in BASES for spec in [base, *(f"{base}+{name}" for name in modifiers if composable(base, name))]
+    ]
+
+
 def policy_keys(spec: str) -> list[str]:
     """The settings a policy spec reads (``policy.<key>``): ``name``, the base's and each modifier's fields."""
     base, modifiers = parse_spec(spec)
