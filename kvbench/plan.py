@@ -39,16 +39,11 @@ from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
 from kvbench.launch.launchers import typed
 from kvbench.launch.sweeps import MULTIRUN_FLAGS, compose_job, sweep_loader, sweep_overrides
-from kvbench.run import checked_task, group_key, tokenizer_or_stand_in
+from kvbench.run import checked_task, group_key, local_tokenizer, settings_key, tokenizer_or_stand_in
 from kvbench.rundir import RunDir, finished_metrics
 from kvbench.tasks.ppl import PerplexityTask
 
 TIME_FLAG = "--time"
-
-
-def settings_key(node: DictConfig) -> str:
-    """A config node's settings as one string: a key for what was loaded or measured for them."""
-    return json.dumps(config_dict(node, resolve=True), sort_keys=True)
 
 
 class Estimator:
@@ -171,7 +166,8 @@ def plan_job(
         job.cfg.output_dir = str(output_dir)  # as kvbench run writes it to config.yaml
         line["config"] = config_dict(job.cfg)
         line["policy"] = {"spec": job.policy.spec, "params": line["config"]["policy"]}  # policy.settings()
-        task, line["errors"] = checked_task(job.cfg, tokenizer_or_stand_in(job.cfg.model, tokenizers))
+        tokenizer = tokenizer_or_stand_in(job.cfg.model, local_tokenizer(job.cfg.model, tokenizers))
+        task, line["errors"] = checked_task(job.cfg, tokenizer)
         if task is None:
             return line
         oneshot = job.cfg.engine.regime == "oneshot" and not isinstance(task, PerplexityTask)

@@ -168,20 +168,30 @@ def checked_task(cfg: DictConfig, tokenizer) -> tuple[Task | None, list[str]]:
     return (task if not reasons else None), reasons
 
 
-def tokenizer_or_stand_in(model: DictConfig, cache: dict[str, Any] | None = None) -> Any:
-    """The model's own tokenizer where this machine has it (loaded once per model with ``cache``), else a
-    stand-in that checks everything a tokenizer does not decide; nothing is downloaded."""
-    from kvbench.engine.tokenizers import stand_in_tokenizer
+def settings_key(node: DictConfig) -> str:
+    """A config node's settings as one string: a key for what was loaded or measured for them."""
+    return json.dumps(config_dict(node, resolve=True), sort_keys=True)
 
+
+def local_tokenizer(model: DictConfig, cache: dict[str, Any] | None = None) -> Any | None:
+    """The model's own tokenizer where this machine has it (loaded once per model with ``cache``), else None;
+    nothing is downloaded."""
     cache = {} if cache is None else cache
-    key = json.dumps(config_dict(model, resolve=True), sort_keys=True)
+    key = settings_key(model)
     if key not in cache:
         try:
             with hub_offline():
                 cache[key] = load_tokenizer(model)
         except (KVBenchError, OSError, ValueError):
-            cache[key] = stand_in_tokenizer(int(model.context_window))
+            cache[key] = None
     return cache[key]
+
+
+def tokenizer_or_stand_in(model: DictConfig, tokenizer: Any | None) -> Any:
+    """``tokenizer``, or where it is None a stand-in that checks everything a tokenizer does not decide."""
+    from kvbench.engine.tokenizers import stand_in_tokenizer
+
+    return stand_in_tokenizer(int(model.context_window)) if tokenizer is None else tokenizer
 
 
 @contextlib.contextmanager
@@ -450,12 +460,14 @@ class Shared:
         if self.task is None:
             started = time.perf_counter()
             set_threads(cfg.engine.threads)
-            _, reasons = checked_task(cfg, tokenizer_or_stand_in(cfg.model))
-            if reasons:
+            tokenizer = local_tokenizer(cfg.model)
+            task, reasons = checked_task(cfg, tokenizer_or_stand_in(cfg.model, tokenizer))
+            if task is None:
                 self.error = KVBenchError("; ".join(reasons))
                 raise self.error
             try:
-                task = build_task(cfg, load_tokenizer(cfg.model))
+                if tokenizer is None:  # checked with a stand-in: the model's own, downloadable, builds the samples
+                    task = build_task(cfg, load_tokenizer(cfg.model))
                 self.samples = list(task.samples())
             except KVBenchError as error:
                 self.error = error
@@ -464,14 +476,13 @@ class Shared:
             self.load_seconds += time.perf_counter() - started
         return self.task, self.samples
 
-    def load(self, cfg: DictConfig) -> tuple[LoadedModel, Task, list[Sample]]:
-        """The model, task and samples of ``cfg`` (:meth:`task_samples`, then the model, loaded once)."""
-        task, samples = self.task_samples(cfg)
+    def model(self, cfg: DictConfig) -> LoadedModel:
+        """The model of ``cfg``, loaded once (after :meth:`task_samples` has checked the job)."""
         if self.loaded is None:
             started = time.perf_counter()
             self.loaded = load_model(cfg.model)
             self.load_seconds += time.perf_counter() - started
-        return self.loaded, task, samples
+        return self.loaded
 
 
 def run(cfg: DictConfig, output_dir: str | Path, shared: Shared | None = None) -> dict[str, Any]:
@@ -570,7 +581,7 @@ def open_run(job: Job, run_dir: RunDir, shared: Shared) -> OpenRun | dict[str, A
             print(f"kvbench: {run_dir.path}: holds these {len(first)} samples of a larger run, nothing to run or write",
                   file=sys.stderr)  # fmt: skip
             return summarize(job.cfg, task, first)
-    loaded, task, samples = shared.load(job.cfg)
+    loaded = shared.model(job.cfg)
     engine = build_engine(job, loaded)
     if restart:
         moved = run_dir.move_aside()
