@@ -121,13 +121,21 @@ def in_cache_heads(
     return keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
 
 
+def uses_normaliser(policy: Policy) -> bool:
+    """Whether the cache adds a running policy's sums in one pass per forward, each weight from its query's
+    normaliser beside the backend's attention output (``kvbench.policies.stats``: no second attention, no
+    float32 softmax), rather than from float32 attention weights: where the policy scores causally (every
+    re-weighting modifier gives the same sums from such a pass, :meth:`Modifier.normalised_sums`)."""
+    return policy.running and policy.scores_causally
+
+
 def sums_key(policy: Policy) -> str | None:
     """Variants with the same key add the same normalised sums of a forward to their running scores: ``policy``'s
-    settings (not its budget) and the modifiers that replace its sums (:meth:`Modifier.normalised_sums`; CAOTE,
-    CaliDrop or SLAKE over H2O add H2O's) for the ``normalised_running`` statistic, None for other statistics."""
-    if policy.statistic != "normalised_running":
+    settings (not its budget) and its re-weighting modifier (CAOTE, CaliDrop or SLAKE over H2O add H2O's), where
+    the cache sums from the normaliser (:func:`uses_normaliser`); None elsewhere."""
+    if not uses_normaliser(policy):
         return None
-    own = [modifier for modifier in policy.modifiers if type(modifier).normalised_sums is not Modifier.normalised_sums]
+    own = [modifier for modifier in policy.modifiers if modifier.reweights]
     return repr((policy, own))
 
 
@@ -311,7 +319,7 @@ class EvictionCache(Cache):
             layer.last_query = queries[:, :, -1].clone()
         if policy.running and self.scored:
             assert layer.running_score is not None  # created by update for scored forwards
-            if policy.statistic == "normalised_running":
+            if uses_normaliser(policy):
                 if summed is None:
                     summed = self.normalised_sums(queries, layer.keys, layer.values, outputs, scaling)
                 layer.running_score += summed

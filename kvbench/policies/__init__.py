@@ -34,7 +34,7 @@ def parse_spec(spec: str) -> tuple[str, list[str]]:
         reason = MODIFIERS[modifier].inapplicable(BASES[base])
         if reason is not None:
             raise KVBenchError(f"policy {spec!r}: the modifier {modifier!r} does not apply to {base!r} ({reason})")
-    replacing = [name for name in modifiers if MODIFIERS[name].contributions is not Modifier.contributions]
+    replacing = [name for name in modifiers if MODIFIERS[name].reweights]
     if len(replacing) > 1:
         raise KVBenchError(
             f"policy {spec!r}: {' and '.join(replacing)} each replace the per-query contributions and only the last "

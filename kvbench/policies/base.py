@@ -22,6 +22,7 @@ The contract with the cache is small: a policy declares once which attention sta
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
@@ -40,11 +41,10 @@ GQA_MODES = ("sum", "mean", "repeat")
 #: the attention statistic a policy scores from (:attr:`Policy.statistic`):
 #: ``positions`` none (newer ranks higher: full, sink); ``window`` the attention of the last
 #: :meth:`~Policy.scoring_window` queries over the cache, gathered when it evicts (SnapKV, TOVA, PyramidKV);
-#: ``running`` every scored query's contributions summed as it is seen (H2O eq. 2), from the attention weights;
-#: ``normalised_running`` the same sums in one pass over the forward's queries, each weight from its query's
-#: normaliser beside the backend's attention output (:meth:`Policy.normalised_sums`)
-Statistic = Literal["positions", "window", "running", "normalised_running"]
-RUNNING: tuple[Statistic, ...] = ("running", "normalised_running")
+#: ``running`` every scored query's contributions summed as it is seen (H2O eq. 2). How the cache computes a
+#: running sum (from the attention weights, or in one pass from each query's normaliser beside the backend's
+#: attention output) is the cache's choice (``kvbench.engine.cache.uses_normaliser``), not the policy's.
+Statistic = Literal["positions", "window", "running"]
 
 
 @dataclass
@@ -110,7 +110,14 @@ class Modifier(Registered):
     """Re-weights a base policy's ranking (CAOTE, OBCache) or changes decode attention (CaliDrop, SLAKE)."""
 
     registry = "modifier"
-    #: receives evicted entries (``on_evict``) and may replace single-query attention (``attend``)
+    # -- what it does, declared (the cache and the spec parser read these, never which methods are overridden) --
+    #: replaces each query's contribution ``A_ip`` by its own terms (:meth:`contributions`, and the same sums from
+    #: a normalised pass, :meth:`normalised_sums`); at most one such modifier per spec
+    reweights: ClassVar[bool] = False
+    #: re-weights the summed per-cache-head score (:meth:`transform`)
+    transforms: ClassVar[bool] = False
+    #: keeps a per-layer state (:meth:`new_state`), receives evicted entries (:meth:`on_evict`) and may replace
+    #: single-query attention while decoding (:meth:`attend`)
     attends: ClassVar[bool] = False
 
     @classmethod
@@ -131,17 +138,18 @@ class Modifier(Registered):
         CAKE), or None to keep the base's."""
         return None
 
-    def contributions(self, stats: AttentionStats) -> torch.Tensor | None:
-        """Per-query contributions ``[B,Hq,W,T]`` replacing the base's attention weights, or None."""
-        return None
+    def contributions(self, stats: AttentionStats) -> torch.Tensor:
+        """Per-query contributions ``[B,Hq,W,T]`` replacing the base's attention weights (``reweights``)."""
+        raise NotImplementedError(f"{self.name} declares reweights and defines no contributions")
 
-    def normalised_sums(self, block: NormalisedBlock) -> torch.Tensor | None:
+    def normalised_sums(self, block: NormalisedBlock) -> torch.Tensor:
         """``Σ_i`` of :meth:`contributions` over one block of a normalised pass (``kvbench.policies.stats``),
-        summed over each KV group ``[B,Hc,T_b]``; None where this modifier does not replace the weights."""
-        return None
+        summed over each KV group ``[B,Hc,T_b]`` (``reweights``)."""
+        raise NotImplementedError(f"{self.name} declares reweights and defines no normalised_sums")
 
     def transform(self, scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Re-weight summed per-KV-head scores ``[B,Hkv,T]`` given the cached ``values [B,Hkv,T,D]``."""
+        """Re-weight summed per-KV-head scores ``[B,Hkv,T]`` given the cached ``values [B,Hkv,T,D]``
+        (``transforms``)."""
         return scores
 
     def new_state(self) -> Any:
@@ -201,6 +209,12 @@ class Policy(Registered):
         """How many of the most recent tokens are always kept."""
         return 0
 
+    @property
+    def scores_causally(self) -> bool:
+        """Whether each scoring query weighs only the keys up to its own position (as it attends); a policy that
+        scores non-causally says so here and moves them in :meth:`scoring_positions`."""
+        return True
+
     def scoring_positions(self, query_positions: torch.Tensor, budget: int, prompt_len: int) -> torch.Tensor:
         """The positions the queries of one forward ``[q]`` score from: a query sees the keys at positions up to
         its own; a policy that scores non-causally moves them (the attention output stays causal)."""
@@ -222,8 +236,21 @@ class Policy(Registered):
             return context.positions.float()
         scores = self.pool_scores(context.summed, context.recent)
         for modifier in self.modifiers:
-            scores = modifier.transform(scores, context.values)
+            if modifier.transforms:
+                scores = modifier.transform(scores, context.values)
         return scores
+
+    def reduce_queries(self, parts: Iterable[torch.Tensor], tokens: int) -> torch.Tensor:
+        """One score per query head ``[B,Hq,T]`` from the scoring queries' contributions, given block by block
+        ``[B,Hq,w,T_b]`` (a block sees the first ``T_b ≤ tokens`` slots): H2O eq. 2's ``Σ_i`` (CAKE: mean + γ·var)."""
+        total: torch.Tensor | None = None
+        for part in parts:
+            if total is None:
+                total = part.new_zeros(part.shape[0], part.shape[1], tokens)  # [B,Hq,T]
+            summed = part.sum(dim=-2)  # [B,Hq,T_b]
+            total[..., : summed.shape[-1]] += summed
+        assert total is not None  # the statistics have at least one block
+        return total
 
     # -- shared machinery ----------------------------------------------------------------------------
     @property
@@ -232,36 +259,24 @@ class Policy(Registered):
 
     @property
     def running(self) -> bool:
-        """Whether the statistic is a running score, summed over every scored query (:data:`RUNNING`)."""
-        return self.statistic in RUNNING
+        """Whether the statistic is a running score, summed over every scored query."""
+        return self.statistic == "running"
+
+    @property
+    def reweighting(self) -> Modifier | None:
+        """The modifier that replaces each query's contribution (``reweights``; one at most), or None."""
+        return next((modifier for modifier in self.modifiers if modifier.reweights), None)
 
     def contributions(self, stats: AttentionStats) -> torch.Tensor:
-        """Per-query contributions ``[B,Hq,W,T]``: the last modifier that defines them wins, else ``A_ip``."""
-        for modifier in reversed(self.modifiers):
-            replaced = modifier.contributions(stats)
-            if replaced is not None:
-                return replaced
-        return stats.weights
+        """Per-query contributions ``[B,Hq,W,T]``: the re-weighting modifier's, else ``A_ip``."""
+        modifier = self.reweighting
+        return stats.weights if modifier is None else modifier.contributions(stats)
 
     def summed_contributions(self, stats: AttentionStats, block_size: int | None = None) -> torch.Tensor:
-        """``Σ_i contributions[i]`` over the stats' queries (block by block), reduced over each KV group
-        (OBCache App. B.5: the GQA score is the sum over the group): ``[B,Hkv,T]``."""
-        batch, q_heads, _, _ = stats.queries.shape
-        total = torch.zeros(batch, q_heads, stats.keys.shape[2], device=stats.keys.device)  # [B,Hq,T]
-        for block in stats.blocks(block_size):
-            part = self.contributions(block).sum(dim=-2)  # [B,Hq,T_b]
-            total[..., : part.shape[-1]] += part
-        return reduce_gqa(total, stats.keys.shape[1], mode=self.gqa)
-
-    def sums_from_normaliser(self) -> bool:
-        """Whether the summed contributions have a form from the per-query normaliser (``normalised_sums``):
-        every modifier that replaces the weights gives one (a running policy may then declare
-        ``normalised_running``)."""
-        return all(
-            type(modifier).normalised_sums is not Modifier.normalised_sums
-            for modifier in self.modifiers
-            if type(modifier).contributions is not Modifier.contributions
-        )
+        """The scoring queries' contributions folded by :meth:`reduce_queries` (block by block), reduced over each
+        KV group (OBCache App. B.5: the GQA score is the sum over the group): ``[B,Hkv,T]``."""
+        parts = (self.contributions(block) for block in stats.blocks(block_size))
+        return reduce_gqa(self.reduce_queries(parts, stats.keys.shape[2]), stats.keys.shape[1], mode=self.gqa)
 
     def normalised_sums(self, stats: NormalisedStats, block_size: int | None = None) -> torch.Tensor:
         """One pass over the query blocks of ``stats`` whose weights come from each query's normaliser:
@@ -276,13 +291,10 @@ class Policy(Registered):
         return total / group if self.gqa == "mean" else total
 
     def block_sums(self, block: NormalisedBlock) -> torch.Tensor:
-        """``Σ_i contributions[i]`` over one normalised block ``[B,Hc,T_b]``: the last modifier's that replaces
-        the weights, else H2O eq. 2's ``Σ_i A_ip``."""
-        for modifier in reversed(self.modifiers):
-            sums = modifier.normalised_sums(block)
-            if sums is not None:
-                return sums
-        return block.weight_sums()
+        """``Σ_i contributions[i]`` over one normalised block ``[B,Hc,T_b]``: the re-weighting modifier's, else
+        H2O eq. 2's ``Σ_i A_ip``."""
+        modifier = self.reweighting
+        return block.weight_sums() if modifier is None else modifier.normalised_sums(block)
 
     def reserved(self, budget: int, prompt_len: int) -> int:
         """Slots always kept per cache head: the recent window and the sinks."""

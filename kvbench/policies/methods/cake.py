@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -13,7 +14,6 @@ from kvbench.policies.budgets import Budget
 from kvbench.policies.layer_budget import DynamicLayerBudget, LayerBudget
 from kvbench.policies.methods.snapkv import SnapKV
 from kvbench.policies.registry import register
-from kvbench.policies.scores import reduce_gqa
 from kvbench.policies.stats import AttentionStats
 
 #: CAKE's released preference exponents per model and average per-layer budget, (tau1, tau2)
@@ -84,15 +84,14 @@ class Cake(SnapKV):
         ``CakeDecodingKVCache_LayerWise`` scores the mean attention of the current query, pooled)."""
         return 1 if decoding else super().scoring_window(budget, prompt_len)
 
-    def summed_contributions(self, stats: AttentionStats, block_size: int | None = None) -> torch.Tensor:
-        """``mean + γ·var`` over the window of each query head's contributions (block by block, merged
-        with Chan's parallel variance), reduced over each KV group: ``[B,Hkv,T]``."""
+    def reduce_queries(self, parts: Iterable[torch.Tensor], tokens: int) -> torch.Tensor:
+        """``mean + γ·var`` over the window of each query head's contributions (block by block, merged with
+        Chan's parallel variance): ``[B,Hq,T]``."""
         count = 0
         mean: torch.Tensor | float = 0.0
         squares: torch.Tensor | float = 0.0
-        for block in stats.blocks(block_size):
-            part = self.contributions(block)  # [B,Hq,w,T_b]: zero weight on the unseen slots
-            part = F.pad(part, (0, stats.keys.shape[2] - part.shape[-1]))
+        for part in parts:  # [B,Hq,w,T_b]: zero weight on the unseen slots
+            part = F.pad(part, (0, tokens - part.shape[-1]))
             size, part_mean = part.shape[-2], part.mean(dim=-2)
             part_squares = (part - part_mean[..., None, :]).square().sum(dim=-2)
             delta, total = part_mean - mean, count + size
@@ -101,4 +100,4 @@ class Cake(SnapKV):
             count = total
         indicator = mean + self.gamma * squares / max(count - 1, 1)  # CAKE's indicator (mean + γ·var)
         assert isinstance(indicator, torch.Tensor)  # the stats have at least one block
-        return reduce_gqa(indicator, stats.keys.shape[1], mode=self.gqa)
+        return indicator

@@ -23,6 +23,7 @@ class CAOTE(Modifier):
 
     name = "caote"
     paper = "CAOTE (Goel et al., 2025)"
+    transforms = True
 
     power: float = setting(number(0, low_open=True), 1.0)
 

@@ -37,11 +37,12 @@ class H2O(Policy):
 
     @property
     def statistic(self) -> Statistic:
-        """``running`` (every query seen), from each query's normaliser where it scores causally and its modifiers
-        have that form; ``window`` with a ``score_window``."""
-        if self.score_window is not None:
-            return "window"
-        return "normalised_running" if self.causal and self.sums_from_normaliser() else "running"
+        """``running`` (every query seen), or ``window`` with a ``score_window``."""
+        return "running" if self.score_window is None else "window"
+
+    @property
+    def scores_causally(self) -> bool:
+        return self.causal
 
     def scoring_window(self, budget: int, prompt_len: int, decoding: bool = False) -> int:
         return 1 if self.score_window is None else max(1, window_tokens(self.score_window, budget, prompt_len))

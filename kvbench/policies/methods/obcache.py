@@ -61,6 +61,7 @@ class OBCacheModifier(Modifier):
     gives the score from a normalised pass (``normalised_sums``, through ``output_error_sums``)."""
 
     paper = "OBCache: Optimal Brain KV Cache Pruning"
+    reweights = True
     kind = "joint"
 
     def contributions(self, stats: AttentionStats) -> torch.Tensor:
