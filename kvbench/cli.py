@@ -38,7 +38,7 @@ from omegaconf import DictConfig
 
 from kvbench import CONF_DIR, __version__
 from kvbench.errors import KVBenchError, fail
-from kvbench.rundir import RunDir, register_run_name
+from kvbench.rundir import RunDir, held_back, register_run_name
 
 register_run_name()  # conf/config.yaml's ${run_name:}, also in a sweep's job processes (they import this module)
 
@@ -234,8 +234,11 @@ class Terminated(BaseException):
     handler of a job's failures takes it for one)."""
 
 
-def terminate(signum: int, frame: Any) -> None:
-    raise Terminated
+def on_stop_signal(signum: int, frame: Any) -> None:
+    """SIGINT and SIGTERM: stop the command (:func:`stopped`), once the sample being written is on disk and counted."""
+    if held_back(signum):
+        return
+    raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
 
 def stopped(stop: BaseException) -> None:
@@ -262,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"kvbench {__version__}")
         return
     command, args = argv[0], argv[1:]
-    previous = signal.signal(signal.SIGTERM, terminate)
+    previous = {number: signal.signal(number, on_stop_signal) for number in (signal.SIGINT, signal.SIGTERM)}
     try:
         if command not in COMMANDS:
             raise KVBenchError(f"unknown command {command!r}; valid choices: {', '.join(COMMANDS)}")
@@ -272,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     except (KeyboardInterrupt, Terminated) as stop:
         stopped(stop)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import socket
 import time
 from collections.abc import Iterator, Mapping
@@ -108,6 +109,35 @@ def register_run_name() -> None:
     """Make ``${run_name:}`` resolvable in configs (conf/config.yaml's ``output_dir`` and sweep subdirectory)."""
     if not OmegaConf.has_resolver("run_name"):
         OmegaConf.register_new_resolver("run_name", run_name)
+
+
+class _Stops:
+    """The stop signal held back while a sample is written and counted (:func:`stops_held`)."""
+
+    held = False
+    pending: int | None = None
+
+
+@contextmanager
+def stops_held() -> Iterator[None]:
+    """A stop signal (SIGINT, SIGTERM) whose handler asks :func:`held_back` takes effect when the block ends: the
+    signal is raised again then. (Masking the signal would not do: the kernel hands a process's signal to any of its
+    threads, torch's included, and Python runs the handler in the main thread at once.)"""
+    _Stops.held = True
+    try:
+        yield
+    finally:
+        _Stops.held = False
+        pending, _Stops.pending = _Stops.pending, None
+        if pending is not None:
+            signal.raise_signal(pending)
+
+
+def held_back(signum: int) -> bool:
+    """Whether a stop signal arrived inside :func:`stops_held` (it is raised again at the block's end)."""
+    if _Stops.held:
+        _Stops.pending = signum
+    return _Stops.held
 
 
 class RunDir:
@@ -254,12 +284,13 @@ class RunDir:
         return list(records.values())
 
     def append(self, record: dict[str, Any]) -> None:
-        """One finished sample's line, on disk when this returns (counted in :attr:`appended`)."""
-        with self.predictions_path.open("a", encoding="utf-8") as handle:
+        """One finished sample's line, on disk when this returns (counted in :attr:`appended`; a stop signal waits
+        until it is both written and counted)."""
+        with stops_held(), self.predictions_path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
-        RunDir.appended += 1
+            RunDir.appended += 1
 
     def repair(self) -> None:
         """Rewrite predictions.jsonl as :meth:`records` reads it (no truncated or repeated line), so appends

@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvbench.engine import attention
-from kvbench.policies.base import AttentionStats, Evicted, Modifier, Policy, ScoreContext
+from kvbench.policies.base import AttentionStats, Evicted, LayerWeights, Modifier, Policy, ScoreContext
 from kvbench.policies.layer_budget import CascadingAllocation
 from kvbench.policies.stats import NormalisedStats
 
@@ -125,7 +125,7 @@ def uses_normaliser(policy: Policy) -> bool:
     """Whether the cache adds a running policy's sums in one pass per forward, each weight from its query's
     normaliser beside the backend's attention output (``kvbench.policies.stats``: no second attention, no
     float32 softmax), rather than from float32 attention weights: where the policy scores causally (every
-    re-weighting modifier gives the same sums from such a pass, :meth:`Modifier.normalised_sums`)."""
+    re-weighting modifier gives the same sums from such a pass, :meth:`Modifier.contribution_sums`)."""
     return policy.running and policy.scores_causally
 
 
@@ -162,7 +162,8 @@ class EvictionCache(Cache):
     new tokens and whether this forward evicts; the kvbench attention function calls :meth:`update`
     (through the model), :meth:`attend` for single-query forwards and then :meth:`after_attention`, where
     scores are gathered and layers evicted. With a dynamic ``policy.layer_budget`` the ``layer_budgets``
-    given (uniform) are the average, re-allocated during the first evicting forward.
+    given (uniform) are the average, re-allocated during the first evicting forward. ``layer_weights``: each
+    layer's weights that a score may read (:class:`~kvbench.policies.base.ScoreContext`).
     """
 
     def __init__(
@@ -175,8 +176,10 @@ class EvictionCache(Cache):
         attn_backend: str = "sdpa",
         score_block: int | None = None,
         decode_evict: bool = False,
+        layer_weights: list[LayerWeights] | None = None,
     ) -> None:
         super().__init__(layers=[EvictionLayer() for _ in layer_budgets])
+        self.layer_weights = layer_weights
         self.policy = policy
         self.layer_budgets = list(layer_budgets)
         self.prompt_len = prompt_len
@@ -367,15 +370,16 @@ class EvictionCache(Cache):
         statistic it declares (:attr:`~kvbench.policies.base.Policy.statistic`)."""
         policy, layer = self.policy, self.eviction_layers[layer_idx]
         assert layer.positions is not None
-        summed = None
+        summed, window = None, None
         if policy.statistic == "window":
-            stats = layer.window_stats(policy.scoring_window(budget, self.prompt_len, self.decoding), scaling)
-            summed = policy.summed_contributions(stats, self.score_block)
+            window = layer.window_stats(policy.scoring_window(budget, self.prompt_len, self.decoding), scaling)
+            summed = policy.summed_contributions(window, self.score_block)
         elif policy.running:
             assert layer.running_score is not None  # running policies evict only after scored forwards
             summed = layer.running_score
         recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
-        return policy.score(ScoreContext(layer.positions, layer.values, summed, recent))
+        weights = None if self.layer_weights is None else self.layer_weights[layer_idx]
+        return policy.score(ScoreContext(layer.keys, layer.values, layer.positions, summed, recent, window, weights))
 
     def _select(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor:
         """The ``budget`` slots kept per cache head, sorted ``[B,Hc,budget]``: the reserved sinks (the first

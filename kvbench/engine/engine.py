@@ -27,7 +27,7 @@ from kvbench.engine.cache import CacheSizes, EvictionCache, RowBatch, SharedPref
 from kvbench.engine.memory import free_memory
 from kvbench.engine.threads import THREADS
 from kvbench.errors import KVBenchError, choose
-from kvbench.policies.base import Full, Policy
+from kvbench.policies.base import Full, LayerWeights, Policy
 from kvbench.policies.budgets import Budget
 
 REGIMES = ["oneshot", "chunked", "streaming"]
@@ -86,6 +86,15 @@ def score_block_size(setting: int | str | None) -> int | None:
     return setting
 
 
+def layer_weights(model, query_heads: int, num_layers: int) -> list[LayerWeights] | None:
+    """Each attention layer's weights that a score may read, in layer order: its modules with an output projection
+    (``o_proj``, the Llama/Qwen2/Mistral layout) and a ``layer_idx``; None for a model laid out otherwise."""
+    layers = [module for module in model.modules() if hasattr(module, "o_proj") and hasattr(module, "layer_idx")]
+    if len(layers) != num_layers:
+        return None
+    return [LayerWeights(layer.o_proj.weight, query_heads) for layer in sorted(layers, key=lambda m: m.layer_idx)]
+
+
 class Engine:
     """Runs a causal LM with ``policy`` keeping ``budget`` tokens per layer under ``regime``."""
 
@@ -119,6 +128,7 @@ class Engine:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         model.set_attn_implementation(attention.register())
         self.device = next(model.parameters()).device
+        self.layer_weights = layer_weights(model, self.num_query_heads, self.num_layers)
 
     # -- public API ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -199,6 +209,7 @@ class Engine:
             self.attn_backend,
             self.score_block,
             decode_evict=self.decode_evict,
+            layer_weights=self.layer_weights,
         )
 
     @torch.inference_mode()

@@ -34,29 +34,58 @@ from kvbench.policies.budgets import Budget
 from kvbench.policies.layer_budget import LayerBudget, Uniform
 from kvbench.policies.registry import Registered, register
 from kvbench.policies.scores import GqaMode, reduce_gqa
-from kvbench.policies.stats import AttentionStats, NormalisedBlock, NormalisedStats
+from kvbench.policies.stats import AttentionStats, NormalisedBlock, NormalisedStats, QueryBlock
 
 GQA_MODES = ("sum", "mean", "repeat")
 
 #: the attention statistic a policy scores from (:attr:`Policy.statistic`):
-#: ``positions`` none (newer ranks higher: full, sink); ``window`` the attention of the last
+#: ``positions`` none (newer ranks higher: full, sink); ``entries`` none either: the score reads the cached keys
+#: and values themselves (:class:`ScoreContext`; KNorm); ``window`` the attention of the last
 #: :meth:`~Policy.scoring_window` queries over the cache, gathered when it evicts (SnapKV, TOVA, PyramidKV);
 #: ``running`` every scored query's contributions summed as it is seen (H2O eq. 2). How the cache computes a
 #: running sum (from the attention weights, or in one pass from each query's normaliser beside the backend's
 #: attention output) is the cache's choice (``kvbench.engine.cache.uses_normaliser``), not the policy's.
-Statistic = Literal["positions", "window", "running"]
+Statistic = Literal["positions", "entries", "window", "running"]
+#: the statistics that are attention scores, which a non-attending modifier re-ranks
+ATTENTION: tuple[Statistic, ...] = ("window", "running")
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """The weights of one attention layer that a score may read, as the model stores them (no copy):
+    ``output`` the output projection ``W_O [hidden, Hq·D]`` (``o_proj.weight``)."""
+
+    output: torch.Tensor
+    query_heads: int
+
+    def output_per_head(self) -> torch.Tensor:
+        """``W_O`` per query head ``[Hq,D,hidden]``: head ``h``'s attention output ``o_h [D]`` adds
+        ``o_h @ W_O[h]`` to the layer's output (a view)."""
+        return self.output.T.unflatten(0, (self.query_heads, -1))
 
 
 @dataclass
 class ScoreContext:
-    """What :meth:`Policy.score` ranks one layer's cached slots from: their ``positions [B,Hc,T]`` and ``values
-    [B,Hc,T,D]``, the policy's statistic summed per cache head ``summed [B,Hc,T]`` (None for ``positions``), and
-    the number of ``recent`` slots at the end that the policy reserves."""
+    """What :meth:`Policy.score` ranks one layer's cached slots from (B batch, Hc cache heads, T slots, D head
+    dim). Every field refers to what the cache holds, or has gathered for the statistic the policy declared:
+    nothing is computed for a policy that does not read it.
 
-    positions: torch.Tensor
+    * ``keys``/``values [B,Hc,T,D]``: the cached entries as stored (keys after RoPE), in the cache's head layout
+      (``Hc``: the KV heads, or the query heads with ``gqa=repeat``); ``positions [B,Hc,T]`` their token positions;
+    * ``summed [B,Hc,T]``: the declared statistic summed per cache head (``window``, ``running``), else None;
+    * ``window``: the ``window`` statistic's :class:`AttentionStats` (its queries ``[B,Hq,W,D]``, and lazily
+      their weights, logits and outputs), else None;
+    * ``recent``: the number of slots at the end that the policy reserves;
+    * ``weights``: the layer's :class:`LayerWeights` (None in a cache built without a model).
+    """
+
+    keys: torch.Tensor
     values: torch.Tensor
+    positions: torch.Tensor
     summed: torch.Tensor | None
     recent: int
+    window: AttentionStats | None = None
+    weights: LayerWeights | None = None
 
 
 @dataclass
@@ -111,8 +140,8 @@ class Modifier(Registered):
 
     registry = "modifier"
     # -- what it does, declared (the cache and the spec parser read these, never which methods are overridden) --
-    #: replaces each query's contribution ``A_ip`` by its own terms (:meth:`contributions`, and the same sums from
-    #: a normalised pass, :meth:`normalised_sums`); at most one such modifier per spec
+    #: replaces each query's contribution ``A_ip`` by its own terms (:meth:`contribution_sums`); at most one such
+    #: modifier per spec
     reweights: ClassVar[bool] = False
     #: re-weights the summed per-cache-head score (:meth:`transform`)
     transforms: ClassVar[bool] = False
@@ -126,8 +155,10 @@ class Modifier(Registered):
         base that never evicts; a base that ranks by position has no attention score to re-rank."""
         if not base.evicts:
             return f"{base.name} evicts nothing"
-        if not cls.attends and base().statistic == "positions":
-            return f"{base.name} ranks tokens by position, with no attention score for {cls.name} to re-rank"
+        statistic = base().statistic
+        if not cls.attends and statistic not in ATTENTION:
+            how = "by position" if statistic == "positions" else "by its cached entries"
+            return f"{base.name} ranks tokens {how}, with no attention score for {cls.name} to re-rank"
         return None
 
     def bind(self, base: Policy) -> None:
@@ -138,14 +169,13 @@ class Modifier(Registered):
         CAKE), or None to keep the base's."""
         return None
 
-    def contributions(self, stats: AttentionStats) -> torch.Tensor:
-        """Per-query contributions ``[B,Hq,W,T]`` replacing the base's attention weights (``reweights``)."""
-        raise NotImplementedError(f"{self.name} declares reweights and defines no contributions")
+    def contribution_sums(self, block: QueryBlock) -> torch.Tensor:
+        """``Σ_i`` over the block's query rows of this modifier's terms replacing ``A_ip`` (``reweights``) ``[..., T]``.
 
-    def normalised_sums(self, block: NormalisedBlock) -> torch.Tensor:
-        """``Σ_i`` of :meth:`contributions` over one block of a normalised pass (``kvbench.policies.stats``),
-        summed over each KV group ``[B,Hc,T_b]`` (``reweights``)."""
-        raise NotImplementedError(f"{self.name} declares reweights and defines no normalised_sums")
+        One form serves both ways the cache gathers attention: a window's :class:`~kvbench.policies.stats.QueryTerms`
+        (``[B,Hkv,G,W,T]``: one sum per query head) and a normalised pass's
+        :class:`~kvbench.policies.stats.NormalisedBlock` (rows = the group's queries: one sum per cache head)."""
+        raise NotImplementedError(f"{self.name} declares reweights and defines no contribution_sums")
 
     def transform(self, scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Re-weight summed per-KV-head scores ``[B,Hkv,T]`` given the cached ``values [B,Hkv,T,D]``
@@ -230,8 +260,9 @@ class Policy(Registered):
         return scores
 
     def score(self, context: ScoreContext) -> torch.Tensor:
-        """The ranking ``[B,Hc,T]`` of one layer's cached slots: by position (newer higher) for the ``positions``
-        statistic, else the summed statistic pooled (:meth:`pool_scores`), then re-weighted by each modifier."""
+        """The ranking ``[B,Hc,T]`` of one layer's cached slots (higher is kept): by position (newer higher) for the
+        ``positions`` statistic, else the summed statistic pooled (:meth:`pool_scores`), then re-weighted by each
+        modifier that ``transforms``. A base of the ``entries`` statistic defines its own."""
         if context.summed is None:
             return context.positions.float()
         scores = self.pool_scores(context.summed, context.recent)
@@ -268,9 +299,13 @@ class Policy(Registered):
         return next((modifier for modifier in self.modifiers if modifier.reweights), None)
 
     def contributions(self, stats: AttentionStats) -> torch.Tensor:
-        """Per-query contributions ``[B,Hq,W,T]``: the re-weighting modifier's, else ``A_ip``."""
+        """Per-query contributions ``[B,Hq,W,T]``: ``A_ip``, or the re-weighting modifier's summed over the window
+        ``[B,Hq,1,T]``."""
         modifier = self.reweighting
-        return stats.weights if modifier is None else modifier.contributions(stats)
+        if modifier is None:
+            return stats.weights
+        batch, q_heads, _, tokens = stats.weights.shape
+        return modifier.contribution_sums(stats.grouped()).reshape(batch, q_heads, 1, tokens)
 
     def summed_contributions(self, stats: AttentionStats, block_size: int | None = None) -> torch.Tensor:
         """The scoring queries' contributions folded by :meth:`reduce_queries` (block by block), reduced over each
@@ -294,7 +329,7 @@ class Policy(Registered):
         """``Σ_i contributions[i]`` over one normalised block ``[B,Hc,T_b]``: the re-weighting modifier's, else
         H2O eq. 2's ``Σ_i A_ip``."""
         modifier = self.reweighting
-        return block.weight_sums() if modifier is None else modifier.normalised_sums(block)
+        return block.weight_sums() if modifier is None else modifier.contribution_sums(block)
 
     def reserved(self, budget: int, prompt_len: int) -> int:
         """Slots always kept per cache head: the recent window and the sinks."""
@@ -304,7 +339,7 @@ class Policy(Registered):
         """A one-line error when the reserved sinks and recent window fill the whole ``budget`` for a prompt
         of ``prompt_len`` tokens: a scoring policy would keep no heavy hitter and become a recency policy."""
         reserved = self.reserved(budget, prompt_len)
-        if self.evicts and self.statistic != "positions" and budget < prompt_len and reserved >= budget:
+        if self.evicts and self.statistic in ATTENTION and budget < prompt_len and reserved >= budget:
             raise KVBenchError(
                 f"policy {self.spec} reserves {reserved} of its {budget}-token budget (window/sinks) for a "
                 f"{prompt_len}-token prompt: no heavy hitters are left; lower policy.window or raise the budget"

@@ -1,4 +1,4 @@
-"""Closed-form token-eviction scores: CAOTE (Goel et al., 2025) and OBCache (Optimal Brain Cache).
+"""Closed-form token-eviction scores: CAOTE (Goel et al., 2025) and OBCache (Optimal Brain Cache), each written once.
 
 Pure tensor functions, importable without a model. Shapes: ``...`` any leading batch/head dims (broadcast
 between arguments), ``T`` cached tokens, ``W`` scoring-window queries, ``D`` head dim.
@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 from kvbench.errors import KVBenchError, choose
+from kvbench.policies.stats import QueryBlock, QueryTerms
 
 
 def _normalise(weights: torch.Tensor) -> torch.Tensor:
@@ -62,6 +63,64 @@ def fast_caote(weights: torch.Tensor, values: torch.Tensor, power: float = 1.0) 
     return _caote_about(_normalise(weights), values, values.mean(dim=-2), power)  # CAOTE eq. (8)
 
 
+def output_error_sums(
+    block: QueryBlock, vv: torch.Tensor, vo: torch.Tensor | None = None, oo: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``Σ_i A_ip² ‖α_ip v_p − β_ip o_i‖²`` over the block's query rows ``[..., T]``.
+
+    ``−A_ip(α_ip v_p − β_ip o_i)`` is the first-order change of ``o_i`` when token ``p`` is pruned; the caller
+    gives the weight tiles ``vv = A²α²``, ``vo = A²αβ``, ``oo = A²β²`` ``[..., M, T]`` (None: ``β = 0``) and
+    the sum expands into ``‖v_p‖² Σ_i vv − 2 v_p·Σ_i vo·o_i + Σ_i oo·‖o_i‖²``: one GEMM and one GEMV
+    over the queries, nothing of size M×T×D."""
+    sums = block.value_norms * vv.sum(dim=-2)  # [..., T]
+    if vo is None:
+        return sums
+    assert oo is not None  # given with vo
+    outputs = block.outputs.to(vv.dtype)  # [..., M, D]
+    cross = torch.matmul(vo.transpose(-1, -2), outputs)  # [..., T, D]  Σ_i vo_ip o_i
+    outputs_sq = outputs.square().sum(dim=-1)[..., None, :]  # [..., 1, M]
+    cross = (cross * block.values.to(vv.dtype)).sum(dim=-1)  # [..., T]  v_p·Σ_i vo_ip o_i
+    return sums.sub_(cross, alpha=2.0).add_(torch.matmul(outputs_sq, oo)[..., 0, :])
+
+
+def value_tiles(block: QueryBlock) -> tuple[torch.Tensor, None, None]:
+    """``v_p → 0`` changes ``o_i`` by ``−A_ip v_p`` (α = 1, β = 0)."""
+    return block.squared_weights(), None, None
+
+
+def key_tiles(block: QueryBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``Z_ip → 0`` changes ``o_i`` by ``−A_ip Z_ip (v_p − o_i)`` (α = β = Z): every tile is ``A²Z²``."""
+    tile = block.squared_weights().mul_(block.logits).mul_(block.logits)
+    return tile, tile, tile
+
+
+def joint_tiles(block: QueryBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both change ``o_i`` by ``−A_ip ((1 + Z_ip) v_p − Z_ip o_i)`` (α = 1 + Z, β = Z); in place."""
+    squared, logits = block.squared_weights(), block.logits  # A², Z
+    mixed = squared * logits  # A²Z
+    crossed = mixed * logits  # A²β² = A²Z²
+    mixed.add_(crossed)  # A²αβ = A²Z(1 + Z)
+    return squared.add_(mixed, alpha=2.0).sub_(crossed), mixed, crossed  # A²α², A²αβ, A²β²
+
+
+#: OBCache's pruning kinds: the tiles of each one's first-order output change
+OBCACHE_TILES = {"value": value_tiles, "key": key_tiles, "joint": joint_tiles}
+
+
+def obcache_sums(block: QueryBlock, kind: str) -> torch.Tensor:
+    """OBCache's saliency of pruning each cached token's value, key or both (``kind``), summed over the block's query
+    rows ``[..., T]`` (high = keep): the OBD second-order term ``½ δᵀHδ = ‖J δ‖²`` of the output error
+    ``Σ_i ‖ô_i − o_i‖²`` (eq. 3; no extra ½: the Hessian at zero residual is ``2JᵀJ``) for ``v_p → 0`` (value; exact,
+    the error is linear in V), ``k_p → 0`` i.e. ``Z_ip → 0`` (key) or both (joint):
+
+    * ``value = Σ_i A_ip² ‖v_p‖²``                                  (eq. 4)
+    * ``key   = Σ_i A_ip² Z_ip² ‖v_p − o_i‖²``                      (eq. 5)
+    * ``joint = 2 Σ_i A_ip² Z_ip (‖v_p‖² − v_p·o_i) + value + key``  (eq. 6)
+
+    each as ``Σ_i A_ip² ‖α_ip v_p − β_ip o_i‖²`` (:func:`output_error_sums`)."""
+    return output_error_sums(block, *OBCACHE_TILES[kind](block))
+
+
 @dataclass(frozen=True)
 class OBCacheScores:
     """OBCache saliency per cached token, each ``[..., T]`` (high = keep): value, key and joint pruning."""
@@ -72,34 +131,13 @@ class OBCacheScores:
 
 
 def obcache(attn: torch.Tensor, logits: torch.Tensor, outputs: torch.Tensor, values: torch.Tensor) -> OBCacheScores:
-    """OBCache scores (eqs. 4–6, Algorithm 1) of the window queries ``i`` for every cached token ``p``.
-
-    ``attn [..., W, T]`` = ``A_ip``, ``logits [..., W, T]`` = ``Z_ip = q_i·k_p/√d`` (raw, not centred; masked
-    entries may be -inf where ``A_ip = 0``), ``outputs [..., W, D]`` = ``o_i = Σ_p A_ip v_p``,
-    ``values [..., T, D]``. Each score is the OBD second-order term ``½ δᵀHδ = ‖J δ‖²`` of the window's
-    output error ``Σ_i ‖ô_i − o_i‖²`` (eq. 3; no extra ½: the Hessian at zero residual is ``2JᵀJ``) for
-    pruning ``v_p → 0`` (value; exact, the error is linear in V), ``k_p → 0`` i.e. ``Z_ip → 0`` (key) or both
-    (joint):
-
-    * ``value = Σ_i A_ip² ‖v_p‖²``
-    * ``key   = Σ_i A_ip² Z_ip² ‖v_p − o_i‖²``
-    * ``joint = 2 Σ_i A_ip² Z_ip (‖v_p‖² − v_p·o_i) + value + key``
-
-    Cost O(W·T·D) through one ``[..., W, T]`` einsum; nothing of size ``W×T×D`` is built.
-    """
+    """:func:`obcache_sums` of every kind from explicit tensors: ``attn [..., W, T]`` = ``A_ip``, ``logits [..., W, T]``
+    = ``Z_ip = q_i·k_p/√d`` (raw, not centred; masked entries may be -inf where ``A_ip = 0``), ``outputs [..., W, D]``
+    = ``o_i = Σ_p A_ip v_p``, ``values [..., T, D]``; in their promoted dtype."""
     dtype = torch.promote_types(attn.dtype, values.dtype)
     attn, logits, outputs, values = (x.to(dtype) for x in (attn, logits, outputs, values))
-    logits = logits.where(attn != 0, 0.0)  # masked (-inf) logits carry zero weight
-    attn_sq = attn.square()  # [..., W, T]
-    v_sq = values.square().sum(dim=-1)  # [..., T]     ‖v_p‖²
-    o_sq = outputs.square().sum(dim=-1)  # [..., W]    ‖o_i‖²
-    v_dot_o = torch.einsum("...wd,...td->...wt", outputs, values)  # [..., W, T]  v_p·o_i
-    value = attn_sq.sum(dim=-2) * v_sq  # OBCache eq. (4)
-    # ‖v_p − o_i‖² [..., W, T], kept ≥ 0 against rounding
-    v_minus_o_sq = (v_sq.unsqueeze(-2) + o_sq.unsqueeze(-1) - 2.0 * v_dot_o).clamp_min(0.0)
-    key = (attn_sq * logits.square() * v_minus_o_sq).sum(dim=-2)  # OBCache eq. (5)
-    cross = 2.0 * (attn_sq * logits * (v_sq.unsqueeze(-2) - v_dot_o)).sum(dim=-2)
-    return OBCacheScores(value=value, key=key, joint=cross + value + key)  # OBCache eq. (6)
+    terms = QueryTerms(attn, logits.where(attn != 0, 0.0), outputs, values)  # masked (-inf) logits carry no weight
+    return OBCacheScores(*(obcache_sums(terms, kind) for kind in ("value", "key", "joint")))
 
 
 #: how per-query-head scores fold onto KV heads (:func:`reduce_gqa`)

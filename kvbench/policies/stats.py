@@ -175,6 +175,32 @@ class NormalisedStats:
 
 
 @dataclass
+class QueryTerms:
+    """Rows of queries ``i`` over cached tokens ``p`` as a re-weighting score reads them, in explicit tensors (a
+    :class:`NormalisedBlock` offers the same names): ``weights`` ``A_ip [..., M, T]``, ``logits`` ``Z_ip [..., M, T]``
+    (0 where ``A_ip = 0``), ``outputs`` ``o_i [..., M, D]`` and ``values`` ``v_p [..., T, D]`` (leading dims broadcast
+    against the rows')."""
+
+    weights: torch.Tensor
+    logits: torch.Tensor
+    outputs: torch.Tensor
+    values: torch.Tensor
+
+    def squared_weights(self) -> torch.Tensor:
+        """``A_ip²`` (a new tensor)."""
+        return self.weights.square()
+
+    @cached_property
+    def value_norms(self) -> torch.Tensor:
+        """``‖v_p‖² [..., T]``."""
+        return self.values.square().sum(dim=-1)
+
+
+#: a block of queries as a re-weighting modifier reads it (:meth:`~kvbench.policies.base.Modifier.contribution_sums`)
+QueryBlock = NormalisedBlock | QueryTerms
+
+
+@dataclass
 class AttentionStats:
     """Float32 attention of a window of queries over the cached tokens of one layer.
 
@@ -224,6 +250,14 @@ class AttentionStats:
         batch, q_heads, window, tokens = self.weights.shape
         grouped = self.weights.view(batch, -1, self.group_size * window, tokens)  # [B,Hkv,G·W,T]
         return torch.matmul(grouped, self.values.float()).view(batch, q_heads, window, -1)
+
+    def grouped(self) -> QueryTerms:
+        """These queries' float32 terms with each KV group on its own axis: weights, logits (0 where masked) and
+        outputs ``[B,Hkv,G,W,...]``, the values ``[B,Hkv,1,T,D]`` (per query head, without copying)."""
+        groups = (self.keys.shape[1], self.group_size)
+        weights = self.weights.unflatten(1, groups)
+        logits = self.logits.unflatten(1, groups).where(weights != 0, 0.0)  # masked (-inf): no weight
+        return QueryTerms(weights, logits, self.outputs.unflatten(1, groups), self.values.float()[:, :, None])
 
     def blocks(self, size: int | None):
         """Split the query window into blocks of at most ``size`` queries (bounds the [W,T] working set);
