@@ -43,14 +43,7 @@ def snapkv_against_press(bench: Bench, kvpress) -> dict[str, Any]:
     # SnapKVPress: mean over the window and over each GQA group, avg pooling over the prefix, window kept
     engine = bench.engine("snapkv", window=window, kernel=kernel, pool="avg", gqa="mean")
     press = kvpress.SnapKVPress(compression_ratio=1.0 - kept_tokens / length, window_size=window, kernel_size=kernel)
-    scores: dict[int, torch.Tensor] = {}
-    score = press.score
-
-    def recording_score(module, *args, **kwargs):
-        scores[module.layer_idx] = result = score(module, *args, **kwargs)
-        return result
-
-    press.score = recording_score
+    scores = recorded_scores(press)
 
     def run_kvbench():
         with torch.inference_mode():
@@ -59,17 +52,7 @@ def snapkv_against_press(bench: Bench, kvpress) -> dict[str, Any]:
         return cache
 
     def run_kvpress():
-        cache = transformers.DynamicCache(config=model.config)
-        with native_attention(model, bench.loaded.attn_backend), torch.inference_mode(), press(model):
-            # kvpress's hook reads cache_position, which transformers 5 no longer passes to attention
-            model(
-                input_ids=torch.tensor([ids], device=device),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-                cache_position=torch.arange(length, device=device),
-            )
-        return cache
+        return press_prefill(model, press, ids, bench.loaded.attn_backend)
 
     times: dict[str, list[float]] = {"kvbench": [], "kvpress": []}
     caches: dict[str, Any] = {}
@@ -100,3 +83,32 @@ def snapkv_against_press(bench: Bench, kvpress) -> dict[str, Any]:
         "jaccard_min": min(min(heads) for heads in jaccard),
         "jaccard_per_layer": per_layer,
     }
+
+
+def recorded_scores(press) -> dict[int, torch.Tensor]:
+    """Each layer's scores ``[B,Hkv,T]`` as ``press`` computes them, by layer index, from now on."""
+    scores: dict[int, torch.Tensor] = {}
+    score = press.score
+
+    def recording_score(module, *args, **kwargs):
+        scores[module.layer_idx] = result = score(module, *args, **kwargs)
+        return result
+
+    press.score = recording_score
+    return scores
+
+
+def press_prefill(model, press, ids: list[int], backend: str) -> transformers.DynamicCache:
+    """The cache of one prefill of ``ids`` through ``press`` with transformers' own ``backend`` attention."""
+    device = next(model.parameters()).device
+    cache = transformers.DynamicCache(config=model.config)
+    with native_attention(model, backend), torch.inference_mode(), press(model):
+        # kvpress's hook reads cache_position, which transformers 5 no longer passes to attention
+        model(
+            input_ids=torch.tensor([ids], device=device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            cache_position=torch.arange(len(ids), device=device),
+        )
+    return cache

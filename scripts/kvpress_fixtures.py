@@ -1,0 +1,82 @@
+"""The kept sets of kvpress's presses on SmolLM2-135M-Instruct (float32, CPU): the reference of
+``tests/test_kvpress_parity.py``, written to ``tests/fixtures/kvpress/<spec>.json``.
+
+Run in kvpress's own environment (kvpress pins transformers < 5.3; docs/benchmarks.md shows how to make it):
+
+    /tmp/kvp/bin/python scripts/kvpress_fixtures.py tests/fixtures/kvpress
+
+Each prompt is ``LENGTH`` tokens of the Paul Graham essays (the RULER/NIAH haystack; kvbench's bench prompt, from
+``OFFSETS`` characters in) prefilled once through the press with transformers' SDPA attention; the press keeps
+``KEPT`` tokens per layer and KV head (``compression_ratio = 1 − KEPT / LENGTH``). Recorded: the prompt ids, and per
+layer and KV head the kept positions as the press keeps them (the top-``KEPT`` of its own scores), as a bit mask of
+the prompt's positions packed into bytes, base64-encoded.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.metadata
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+from kvbench.bench.kvpress import press_prefill, recorded_scores
+from kvbench.bench.sections import prompt_tokens
+from kvbench.config import compose
+from kvbench.models import load_model
+from kvbench.tasks.resources import paul_graham_essays
+
+LENGTH, KEPT = 512, 128
+OFFSETS = (0, 40_000, 120_000)
+
+
+def presses(kvpress) -> dict[str, object]:
+    """kvbench spec → the kvpress press configured as kvbench's defaults (the kept count set below)."""
+    ratio = 1.0 - KEPT / LENGTH
+    return {
+        "knorm": kvpress.KnormPress(compression_ratio=ratio),
+        "keydiff": kvpress.KeyDiffPress(compression_ratio=ratio),
+    }
+
+
+def kept_masks(model, press, ids: list[int]) -> list[str]:
+    """Per layer: the press's kept positions ``[Hkv, LENGTH]`` as a packed bit mask, base64."""
+    scores = recorded_scores(press)
+    cache = press_prefill(model, press, ids, "sdpa")
+    masks = []
+    for layer_idx in range(len(scores)):
+        kept = scores[layer_idx][0].topk(cache.layers[layer_idx].keys.shape[2], dim=-1).indices  # [Hkv,KEPT]
+        mask = torch.zeros(kept.shape[0], len(ids), dtype=torch.bool).scatter_(-1, kept, True)
+        masks.append(base64.b64encode(np.packbits(mask.numpy(), axis=-1).tobytes()).decode())
+    return masks
+
+
+def main(output: Path) -> None:
+    import kvpress
+
+    loaded = load_model(compose(["model=smollm2_135m"]).model)
+    text = paul_graham_essays()
+    prompts = [prompt_tokens(loaded.tokenizer, text[offset:], LENGTH) for offset in OFFSETS]
+    output.mkdir(parents=True, exist_ok=True)
+    for spec, press in presses(kvpress).items():
+        record = {
+            "made_by": "scripts/kvpress_fixtures.py",
+            "kvpress": importlib.metadata.version("kvpress"),
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "model": loaded.model.config.name_or_path,
+            "press": repr(press),
+            "length": LENGTH,
+            "kept": KEPT,
+            "prompts": [{"ids": ids, "kept_masks": kept_masks(loaded.model, press, ids)} for ids in prompts],
+        }
+        (output / f"{spec}.json").write_text(json.dumps(record) + "\n")
+        print(f"wrote {output / f'{spec}.json'}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/kvpress"))
