@@ -135,8 +135,7 @@ def sums_key(policy: Policy) -> str | None:
     the cache sums from the normaliser (:func:`uses_normaliser`); None elsewhere."""
     if not uses_normaliser(policy):
         return None
-    own = [modifier for modifier in policy.modifiers if modifier.reweights]
-    return repr((policy, own))
+    return repr((policy, policy.reweighting))
 
 
 def prefill_key(policy: Policy) -> bool:
