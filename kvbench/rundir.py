@@ -44,28 +44,30 @@ NOT_IDENTITY = (
 
 #: settings added after run directories were made, with the value every older run ran with: at that value a setting is
 #: left out of a run's identity, so that older runs keep their directory names and resume
-ADDED_SETTINGS = {"task.query_mode": "aware", "task.questions_per_context": 1}
+ADDED_SETTINGS = {
+    "task.query_mode": "aware",
+    "task.questions_per_context": 1,
+    "policy.compress_above": "budget",  # CAKE's, +compat=cakekv
+    "policy.layer_budget.rounding": "proportional",
+}
 
 #: ``resume=``: ``auto`` resumes a directory holding the same settings and refuses one holding others;
 #: ``restart`` moves the directory's files into a dated ``superseded-*`` sub-folder and starts afresh
 RESUME_MODES = ("auto", "restart")
 
 
-def identity(settings: Mapping[str, Any]) -> dict[str, Any]:
+def identity(settings: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """The settings that make a run what it is (a plain config dict without :data:`NOT_IDENTITY`, whose dotted
-    names are keys of a group, e.g. ``engine.batch_size``; nor :data:`ADDED_SETTINGS` at the value older runs had)."""
+    names are keys of nested groups, e.g. ``engine.batch_size``; nor :data:`ADDED_SETTINGS` at the value older runs
+    had)."""
     kept = {}
     for key, value in settings.items():
-        if key in NOT_IDENTITY:
+        name = f"{prefix}{key}"
+        if name in NOT_IDENTITY or (name in ADDED_SETTINGS and value == ADDED_SETTINGS[name]):
             continue
-        inner = {name.split(".", 1)[1] for name in NOT_IDENTITY if name.startswith(f"{key}.")}
-        added = {name.split(".", 1)[1]: at for name, at in ADDED_SETTINGS.items() if name.startswith(f"{key}.")}
-        if (inner or added) and isinstance(value, Mapping):
-            value = {
-                name: setting
-                for name, setting in value.items()
-                if name not in inner and not (name in added and setting == added[name])
-            }
+        nested = (other for other in (*NOT_IDENTITY, *ADDED_SETTINGS) if other.startswith(f"{name}."))
+        if isinstance(value, Mapping) and any(nested):
+            value = identity(value, f"{name}.")
         kept[str(key)] = value
     return kept
 

@@ -40,24 +40,47 @@ def presses(kvpress) -> dict[str, object]:
     return {
         "knorm": kvpress.KnormPress(compression_ratio=ratio),
         "keydiff": kvpress.KeyDiffPress(compression_ratio=ratio),
+        # partitions of 32: the sinks and the last partition (64 slots) fill half the kept count, the ranked
+        # partitions the rest (the default 128 would keep only the sinks and last partition of a 512-token prompt)
+        "lagkv": kvpress.LagKVPress(compression_ratio=ratio, lag_size=32),
+        "random": kvpress.RandomPress(compression_ratio=ratio, seed=0),
+        "expected_attention": kvpress.ExpectedAttentionPress(compression_ratio=ratio),
+        "knorm+criticalkv": kvpress.CriticalKVPress(kvpress.KnormPress(compression_ratio=ratio)),
+        # chunks of 16: 512 tokens are 32 whole chunks, 8 of them the kept count (the default 20 keeps 6 chunks,
+        # 120 tokens, where kvbench keeps the budget's 128)
+        "knorm+chunkkv": kvpress.ChunkKVPress(kvpress.KnormPress(compression_ratio=ratio), chunk_length=16),
     }
 
 
 def kept_masks(model, press, ids: list[int]) -> list[str]:
-    """Per layer: the press's kept positions ``[Hkv, LENGTH]`` as a packed bit mask, base64."""
-    scores = recorded_scores(press)
+    """Per layer: the press's kept positions ``[Hkv, LENGTH]`` as a packed bit mask, base64: the top of its recorded
+    scores (a scorer press), or else each kept key's position among the keys of an uncompressed prefill (ChunkKV,
+    which selects chunks; the prefill's forward is the same, so its keys are bit for bit the kept ones)."""
+    scores = recorded_scores(press) if hasattr(press, "score") else None
     cache = press_prefill(model, press, ids, "sdpa")
+    if scores is None:
+        full = press_prefill(model, kvpress_module().KnormPress(compression_ratio=0.0), ids, "sdpa")
     masks = []
-    for layer_idx in range(len(scores)):
-        kept = scores[layer_idx][0].topk(cache.layers[layer_idx].keys.shape[2], dim=-1).indices  # [Hkv,KEPT]
+    for layer_idx, layer in enumerate(cache.layers):
+        if scores is not None:
+            kept = scores[layer_idx][0].topk(layer.keys.shape[2], dim=-1).indices  # [Hkv,KEPT]
+        else:
+            same = (layer.keys[0][:, :, None] == full.layers[layer_idx].keys[0][:, None]).all(-1)  # [Hkv,KEPT,T]
+            assert (same.sum(-1) == 1).all()
+            kept = same.float().argmax(-1)
         mask = torch.zeros(kept.shape[0], len(ids), dtype=torch.bool).scatter_(-1, kept, True)
         masks.append(base64.b64encode(np.packbits(mask.numpy(), axis=-1).tobytes()).decode())
     return masks
 
 
-def main(output: Path) -> None:
+def kvpress_module():
     import kvpress
 
+    return kvpress
+
+
+def main(output: Path) -> None:
+    kvpress = kvpress_module()
     loaded = load_model(compose(["model=smollm2_135m"]).model)
     text = paul_graham_essays()
     prompts = [prompt_tokens(loaded.tokenizer, text[offset:], LENGTH) for offset in OFFSETS]

@@ -47,6 +47,35 @@ def engine(model, spec="full", budget=64, regime="oneshot", **params) -> Engine:
     return Engine(model, build_policy(spec, params), budget, regime=regime, block_size=16)
 
 
+def checked_evictions(monkeypatch, verdict) -> list[bool]:
+    """Every eviction's ``verdict(layer_idx, keys, values, kept, budget)``: the layer's cache before it (``keys``/
+    ``values [Hc,T,D]`` float64, row 0) and the slots it kept, a mask ``kept [Hc,T]``."""
+    from kvbench.engine.cache import EvictionCache
+
+    evictions: list[bool] = []
+    original = EvictionCache._evict
+
+    def checked(cache, layer_idx, budget, scores, scaling):
+        layer = cache.eviction_layers[layer_idx]
+        keys, values, positions = layer.keys[0].double(), layer.values[0].double(), layer.positions[0].clone()
+        original(cache, layer_idx, budget, scores, scaling)
+        kept = torch.stack([torch.isin(positions[h], layer.positions[0, h]) for h in range(positions.shape[0])])
+        evictions.append(bool(verdict(layer_idx, keys, values, kept, budget)))
+
+    monkeypatch.setattr(EvictionCache, "_evict", checked)
+    return evictions
+
+
+def prefill_and_decode(runner: Engine, prompt: list[int], steps: int = 4):
+    """A cache for ``prompt`` prefilled by ``runner``, then ``steps`` tokens decoded (evicting where the regime does
+    while decoding: chunked, streaming)."""
+    cache = runner.new_cache(len(prompt))
+    runner.prefill(cache, prompt)
+    for step in range(steps):
+        runner.step(cache, [7 + step], len(prompt) + step, evict=runner.decode_evict)
+    return cache
+
+
 def local_data(variable: str, *shared: str) -> Path:
     """Test data the user points to with the environment ``variable`` (as kvbench's task files read it), else
     the workplace's copy beside the project (``../shared/<shared...>``); callers skip when it is absent."""

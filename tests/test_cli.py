@@ -113,6 +113,7 @@ def test_perplexity_task(tmp_path):
             "layer_budget, name, pool, window",
         ),
         ("policy.score_windw=16", "unknown key policy.score_windw for policy snapkv; valid keys: "),
+        ("+compat=cakekv", "unknown key policy.compress_above for policy snapkv; valid keys: "),  # CAKE's profile
         ("+task.contxt_length=8", "unknown key task.contxt_length for task ruler; valid keys: "),
         (
             "engine.regme=oneshot",

@@ -25,7 +25,15 @@ from kvbench.policies import build_policy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kvpress"
 #: spec → the settings that give kvpress's convention
-REFERENCE_SETTINGS = {"knorm": {"norm_bits": None}, "keydiff": {}}
+REFERENCE_SETTINGS = {
+    "knorm": {"norm_bits": None},
+    "keydiff": {},
+    "lagkv": {"lag_size": 32},  # the fixture's partitions (scripts/kvpress_fixtures.py)
+    "random": {},
+    "expected_attention": {},
+    "knorm+criticalkv": {"norm_bits": None},
+    "knorm+chunkkv": {"norm_bits": None, "chunk_length": 16},  # the fixture's chunks
+}
 
 pytestmark = pytest.mark.model
 
@@ -51,14 +59,27 @@ def kept_masks(spec: str, settings: dict, ids: list[int]) -> list[torch.Tensor]:
     return [torch.zeros(p.shape[1], len(ids), dtype=torch.bool).scatter_(-1, p[0], True) for p in kept]
 
 
+#: specs whose layer 0 may differ from the press between copies of one token (in layer 0 a token's key norm and value
+#: are its own wherever it stands, up to RoPE's rounding: such copies tie, and each side breaks the tie its own way)
+TOKEN_TIES_IN_LAYER_0 = {"knorm+criticalkv"}
+
+
 @pytest.mark.parametrize("spec", sorted(REFERENCE_SETTINGS))
 def test_kept_sets_equal_kvpress(spec):
-    """With the reference convention, every layer and KV head keeps exactly the positions the press keeps."""
+    """With the reference convention, every layer and KV head keeps exactly the positions the press keeps (in layer 0
+    of the specs of :data:`TOKEN_TIES_IN_LAYER_0`, up to swapping copies of one token)."""
     record = fixture(spec)
     for prompt in record["prompts"]:
         mine = kept_masks(spec, REFERENCE_SETTINGS[spec], prompt["ids"])
         for layer, (kept, packed) in enumerate(zip(mine, prompt["kept_masks"])):
-            assert torch.equal(kept, press_kept(packed, kept.shape[0], record["length"])), f"{spec} layer {layer}"
+            theirs = press_kept(packed, kept.shape[0], record["length"])
+            if layer == 0 and spec in TOKEN_TIES_IN_LAYER_0:
+                ids = torch.tensor(prompt["ids"])
+                for head in range(kept.shape[0]):
+                    only_mine, only_theirs = ids[kept[head] & ~theirs[head]], ids[theirs[head] & ~kept[head]]
+                    assert torch.equal(only_mine.sort().values, only_theirs.sort().values), f"{spec} head {head}"
+            else:
+                assert torch.equal(kept, theirs), f"{spec} layer {layer}"
 
 
 def test_knorm_default_differs_from_kvpress_only_where_norms_tie():

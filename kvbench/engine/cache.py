@@ -345,14 +345,14 @@ class EvictionCache(Cache):
         reserved = self.policy.reserved(budget, self.prompt_len)
         if not self.policy.layer_budget.dynamic or not self.policy.evicts or reserved >= budget:
             return None
-        return CascadingAllocation(budget, reserved, len(self.layers))
+        return self.policy.layer_budget.allocation(budget, reserved, len(self.layers))
 
     def _query_window(self, budget: int) -> int:
         """How many recent queries to keep: the scoring window, and the preference window with a dynamic
         layer budget."""
         policy = self.policy
         window = 0
-        if policy.statistic == "window":
+        if policy.statistic in ("window", "queries"):
             window = policy.scoring_window(budget, self.prompt_len)
         if self.allocation is not None:
             window = max(window, self._preference_window())
@@ -370,15 +370,19 @@ class EvictionCache(Cache):
         policy, layer = self.policy, self.eviction_layers[layer_idx]
         assert layer.positions is not None
         summed, window = None, None
-        if policy.statistic == "window":
+        if policy.statistic in ("window", "queries"):
             window = layer.window_stats(policy.scoring_window(budget, self.prompt_len, self.decoding), scaling)
+        if policy.statistic == "window" and window is not None:
             summed = policy.summed_contributions(window, self.score_block)
         elif policy.running:
             assert layer.running_score is not None  # running policies evict only after scored forwards
             summed = layer.running_score
         recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
         weights = None if self.layer_weights is None else self.layer_weights[layer_idx]
-        return policy.score(ScoreContext(layer.keys, layer.values, layer.positions, summed, recent, window, weights))
+        context = ScoreContext(
+            layer.keys, layer.values, layer.positions, summed, recent, window, weights, policy.reserved_sinks(), budget
+        )
+        return policy.ranking(context)
 
     def _select(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor:
         """The ``budget`` slots kept per cache head, sorted ``[B,Hc,budget]``: the reserved sinks (the first

@@ -88,11 +88,15 @@ def score_block_size(setting: int | str | None) -> int | None:
 
 def layer_weights(model, query_heads: int, num_layers: int) -> list[LayerWeights] | None:
     """Each attention layer's weights that a score may read, in layer order: its modules with an output projection
-    (``o_proj``, the Llama/Qwen2/Mistral layout) and a ``layer_idx``; None for a model laid out otherwise."""
+    (``o_proj``, the Llama/Qwen2/Mistral layout) and a ``layer_idx``, and the model's rotary embedding where it has
+    one (``rotary_emb``); None for a model laid out otherwise."""
     layers = [module for module in model.modules() if hasattr(module, "o_proj") and hasattr(module, "layer_idx")]
     if len(layers) != num_layers:
         return None
-    return [LayerWeights(layer.o_proj.weight, query_heads) for layer in sorted(layers, key=lambda m: m.layer_idx)]
+    rotary = [module for name, module in model.named_modules() if name.endswith("rotary_emb")]
+    shared = rotary[0] if len(rotary) == 1 else None
+    ordered = sorted(layers, key=lambda m: m.layer_idx)
+    return [LayerWeights(layer.o_proj.weight, query_heads, shared) for layer in ordered]
 
 
 class Engine:
@@ -197,7 +201,7 @@ class Engine:
         """A cache for a prompt of ``prompt_len`` tokens; a budget ≥ the prompt means no eviction. Dynamic
         layer budgets (``cake``, ``vabs``) start uniform and are re-allocated by the cache during prefill."""
         budget = self.budget.resolve(prompt_len)
-        policy = self.policy if budget < prompt_len else Full(gqa=self.policy.gqa)
+        policy = self.policy if self.policy.compresses(budget, prompt_len) else Full(gqa=self.policy.gqa)
         policy.check_budget(budget, prompt_len)
         budgets = policy.layer_budget.allocate(budget, self.num_layers, policy.reserved(budget, prompt_len), prompt_len)
         return EvictionCache(

@@ -54,14 +54,16 @@ REGISTERED = ("bases", "variants")
 
 def registered(kind: str, decoding: bool = True) -> list[str]:
     """The policies of the registry, as a sweep asks for them: ``bases``, every base; ``variants``, every base alone
-    and then with each modifier that applies to it, in registration order. ``decoding=False`` leaves out the
-    modifiers that act only while decoding (``attends``: CaliDrop, SLAKE), for a task that decodes nothing."""
+    and then with each modifier that applies to it, in registration order; each of them ``swept``. ``decoding=False``
+    leaves out the modifiers that act only while decoding (``attends``: CaliDrop, SLAKE), for a task that decodes
+    nothing."""
     choose("registered policies", kind, REGISTERED)
+    bases = [name for name, cls in BASES.items() if cls.swept]
     if kind == "bases":
-        return list(BASES)
-    modifiers = [name for name, cls in MODIFIERS.items() if decoding or not cls.attends]
+        return bases
+    modifiers = [name for name, cls in MODIFIERS.items() if cls.swept and (decoding or not cls.attends)]
     return [
-        spec for base in BASES for spec in [base, *(f"{base}+{name}" for name in modifiers if composable(base, name))]
+        spec for base in bases for spec in [base, *(f"{base}+{name}" for name in modifiers if composable(base, name))]
     ]
 
 

@@ -22,7 +22,7 @@ The contract with the cache is small: a policy declares once which attention sta
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
@@ -42,10 +42,12 @@ GQA_MODES = ("sum", "mean", "repeat")
 #: ``positions`` none (newer ranks higher: full, sink); ``entries`` none either: the score reads the cached keys
 #: and values themselves (:class:`ScoreContext`; KNorm); ``window`` the attention of the last
 #: :meth:`~Policy.scoring_window` queries over the cache, gathered when it evicts (SnapKV, TOVA, PyramidKV);
-#: ``running`` every scored query's contributions summed as it is seen (H2O eq. 2). How the cache computes a
+#: ``queries`` the last :meth:`~Policy.scoring_window` queries themselves, no attention computed (their statistics
+#: model the queries to come: Expected Attention); ``running`` every scored query's contributions summed as it is
+#: seen (H2O eq. 2). How the cache computes a
 #: running sum (from the attention weights, or in one pass from each query's normaliser beside the backend's
 #: attention output) is the cache's choice (``kvbench.engine.cache.uses_normaliser``), not the policy's.
-Statistic = Literal["positions", "entries", "window", "running"]
+Statistic = Literal["positions", "entries", "window", "queries", "running"]
 #: the statistics that are attention scores, which a non-attending modifier re-ranks
 ATTENTION: tuple[Statistic, ...] = ("window", "running")
 
@@ -53,15 +55,26 @@ ATTENTION: tuple[Statistic, ...] = ("window", "running")
 @dataclass(frozen=True)
 class LayerWeights:
     """The weights of one attention layer that a score may read, as the model stores them (no copy):
-    ``output`` the output projection ``W_O [hidden, Hq·D]`` (``o_proj.weight``)."""
+    ``output`` the output projection ``W_O [hidden, Hq·D]`` (``o_proj.weight``) and ``rotary`` the model's rotary
+    embedding (``(x, position_ids) → (cos, sin)``, Hugging Face's ``rotary_emb``), or None."""
 
     output: torch.Tensor
     query_heads: int
+    rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def output_per_head(self) -> torch.Tensor:
         """``W_O`` per query head ``[Hq,D,hidden]``: head ``h``'s attention output ``o_h [D]`` adds
         ``o_h @ W_O[h]`` to the layer's output (a view)."""
         return self.output.T.unflatten(0, (self.query_heads, -1))
+
+    def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's float32 ``cos``/``sin [N,D]`` at ``positions [N]``: position ``p`` rotates a query or key ``x`` to
+        ``x·cos + rotate_half(x)·sin``."""
+        if self.rotary is None:
+            raise KVBenchError("this model has no rotary embedding (rotary_emb) for a score to read")
+        probe = self.output.new_empty(0, dtype=torch.float32)
+        cos, sin = self.rotary(probe, positions.to(self.output.device)[None])
+        return cos[0].float(), sin[0].float()
 
 
 @dataclass
@@ -73,9 +86,10 @@ class ScoreContext:
     * ``keys``/``values [B,Hc,T,D]``: the cached entries as stored (keys after RoPE), in the cache's head layout
       (``Hc``: the KV heads, or the query heads with ``gqa=repeat``); ``positions [B,Hc,T]`` their token positions;
     * ``summed [B,Hc,T]``: the declared statistic summed per cache head (``window``, ``running``), else None;
-    * ``window``: the ``window`` statistic's :class:`AttentionStats` (its queries ``[B,Hq,W,D]``, and lazily
-      their weights, logits and outputs), else None;
-    * ``recent``: the number of slots at the end that the policy reserves;
+    * ``window``: the ``window`` or ``queries`` statistic's :class:`AttentionStats` (its queries ``[B,Hq,W,D]``,
+      and lazily their weights, logits and outputs), else None;
+    * ``recent``/``sinks``: the number of slots at the end / start that the policy reserves, ``budget`` the slots
+      the layer keeps per cache head (the reserved included; 0 where unknown);
     * ``weights``: the layer's :class:`LayerWeights` (None in a cache built without a model).
     """
 
@@ -86,6 +100,8 @@ class ScoreContext:
     recent: int
     window: AttentionStats | None = None
     weights: LayerWeights | None = None
+    sinks: int = 0
+    budget: int = 0
 
 
 @dataclass
@@ -143,8 +159,10 @@ class Modifier(Registered):
     #: replaces each query's contribution ``A_ip`` by its own terms (:meth:`contribution_sums`); at most one such
     #: modifier per spec
     reweights: ClassVar[bool] = False
-    #: re-weights the summed per-cache-head score (:meth:`transform`)
+    #: re-weights the base's ranking (:meth:`transform`)
     transforms: ClassVar[bool] = False
+    #: re-ranks an attention score only (CAOTE normalises it to a distribution); False: any base's score
+    needs_attention: ClassVar[bool] = True
     #: keeps a per-layer state (:meth:`new_state`), receives evicted entries (:meth:`on_evict`) and may replace
     #: single-query attention while decoding (:meth:`attend`)
     attends: ClassVar[bool] = False
@@ -156,8 +174,8 @@ class Modifier(Registered):
         if not base.evicts:
             return f"{base.name} evicts nothing"
         statistic = base().statistic
-        if not cls.attends and statistic not in ATTENTION:
-            how = "by position" if statistic == "positions" else "by its cached entries"
+        if not cls.attends and statistic not in ATTENTION and (cls.needs_attention or statistic == "positions"):
+            how = {"positions": "by position", "entries": "by its cached entries"}.get(statistic, "by its queries")
             return f"{base.name} ranks tokens {how}, with no attention score for {cls.name} to re-rank"
         return None
 
@@ -177,9 +195,8 @@ class Modifier(Registered):
         :class:`~kvbench.policies.stats.NormalisedBlock` (rows = the group's queries: one sum per cache head)."""
         raise NotImplementedError(f"{self.name} declares reweights and defines no contribution_sums")
 
-    def transform(self, scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Re-weight summed per-KV-head scores ``[B,Hkv,T]`` given the cached ``values [B,Hkv,T,D]``
-        (``transforms``)."""
+    def transform(self, scores: torch.Tensor, context: ScoreContext) -> torch.Tensor:
+        """Re-rank the base's ranking ``[B,Hc,T]`` of the layer's slots given what the base read (``transforms``)."""
         return scores
 
     def new_state(self) -> Any:
@@ -254,22 +271,35 @@ class Policy(Registered):
         """How many of the first tokens (attention sinks) are always kept."""
         return 0
 
+    def compresses(self, budget: int, prompt_len: int) -> bool:
+        """Whether a prompt of ``prompt_len`` tokens is evicted at ``budget``: one longer than the budget."""
+        return budget < prompt_len
+
     def pool_scores(self, scores: torch.Tensor, recent: int) -> torch.Tensor:
         """Post-process summed per-KV-head scores ``[B,Hkv,T]`` whose last ``recent`` slots are the
         reserved window (SnapKV pools the rest); default identity."""
         return scores
 
     def score(self, context: ScoreContext) -> torch.Tensor:
-        """The ranking ``[B,Hc,T]`` of one layer's cached slots (higher is kept): by position (newer higher) for the
-        ``positions`` statistic, else the summed statistic pooled (:meth:`pool_scores`), then re-weighted by each
-        modifier that ``transforms``. A base of the ``entries`` statistic defines its own."""
+        """The base's ranking ``[B,Hc,T]`` of one layer's cached slots (higher is kept): by position (newer higher)
+        for the ``positions`` statistic, else the summed statistic pooled (:meth:`pool_scores`). A base of the
+        ``entries`` or ``queries`` statistic defines its own."""
         if context.summed is None:
             return context.positions.float()
-        scores = self.pool_scores(context.summed, context.recent)
+        return self.pool_scores(context.summed, context.recent)
+
+    def share_heads(self, scores: torch.Tensor) -> torch.Tensor:
+        """The final ranking ``[B,Hc,T]`` from each head's: default each head its own (TOVA: one per layer)."""
+        return scores
+
+    def ranking(self, context: ScoreContext) -> torch.Tensor:
+        """What the cache selects by: :meth:`score`, re-ranked by each modifier that ``transforms``, then
+        :meth:`share_heads`."""
+        scores = self.score(context)
         for modifier in self.modifiers:
             if modifier.transforms:
-                scores = modifier.transform(scores, context.values)
-        return scores
+                scores = modifier.transform(scores, context)
+        return self.share_heads(scores)
 
     def reduce_queries(self, parts: Iterable[torch.Tensor], tokens: int) -> torch.Tensor:
         """One score per query head ``[B,Hq,T]`` from the scoring queries' contributions, given block by block

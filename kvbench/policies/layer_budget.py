@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+import numpy as np
 import torch
 
 from kvbench.errors import check_keys, choose
@@ -60,6 +61,10 @@ class LayerBudget(Registered):
         """A dynamic strategy's preference of one layer from its window attention ``stats`` and the slots
         ``evicted [B,Hc,T]`` that the average budget would evict."""
         raise NotImplementedError
+
+    def allocation(self, budget: int, reserved: int, num_layers: int) -> CascadingAllocation:
+        """The cascading allocation of a dynamic strategy (its rounding: :class:`CascadingAllocation`)."""
+        return CascadingAllocation(budget, reserved, num_layers)
 
     def cascade(self, allocation: CascadingAllocation, cache: CascadedCache, layer_idx: int, scaling: float) -> None:
         """Stage ``layer_idx`` of CAKE Alg. 1 in ``cache``: rank the layer at the average budget, score its
@@ -151,6 +156,36 @@ def conserve_total(raw: list[float], total: int, caps: list[int] | None = None) 
     return rounded
 
 
+def released_shares(raw: list[float], total: int, cap: int) -> list[int]:
+    """Shares ``∝ raw`` rounded as CAKE's release rounds them (antgroup/cakekv ``cake/utils.py`` ``adjust_budgets``,
+    its float32 arithmetic): each ``raw_l / Σ raw · total`` truncated; each capped at ``cap``, the excess spread
+    evenly over the uncapped shares; then the shortfall to ``total`` spread evenly over the shares under ``cap``
+    (an overshoot taken from those above 1). Each spread gives its remainder one token each to the lowest layers."""
+    values = np.asarray(raw, dtype=np.float32)
+    summed = np.float32(0)
+    for value in values:  # the release's Python sum over float32 scalars
+        summed = np.float32(summed + value)
+    shares = (values / summed * np.float32(total)).astype(np.int64)
+    excess = int(np.maximum(shares - cap, 0).sum())
+    shares = np.minimum(shares, cap)
+    if excess > 0:
+        spread(shares, shares < cap, excess)
+    difference = total - int(shares.sum())
+    if difference:
+        spread(shares, shares < cap if difference > 0 else shares > 1, difference)
+    return [int(share) for share in shares]
+
+
+def spread(shares: np.ndarray, open_: np.ndarray, amount: int) -> None:
+    """Add ``amount`` (negative: take) evenly over the ``open_`` shares, the remainder one each to the lowest."""
+    indices = np.flatnonzero(open_)
+    if len(indices):
+        each, left = divmod(abs(amount), len(indices))
+        sign = 1 if amount > 0 else -1
+        shares[indices] += sign * each
+        shares[indices[:left]] += sign
+
+
 class CascadedCache(Protocol):
     """What a dynamic strategy's :meth:`~LayerBudget.cascade` sees of the cache it allocates
     (``kvbench.engine.cache.EvictionCache``): per-layer budgets it re-shares, and per layer its size, a ranking at
@@ -179,16 +214,25 @@ class CascadingAllocation:
     capped by what it holds (earlier layers were already evicted and cannot grow back). Shares only shrink
     as stages add preferences, so the last stage is the plain proportional allocation (to a token of
     rounding), its total conserved exactly.
+
+    ``released``: rounded as CAKE's release rounds (:func:`released_shares`, capped at the prompt), then each
+    share cut to what its layer holds; the tokens cut are lost, as there.
     """
 
     budget: int
     reserved: int
     num_layers: int
+    released: bool = False
     preferences: list[float] = field(default_factory=list)
 
     def stage(self, preference: float, sizes: list[int]) -> list[int]:
-        """Add the next layer's preference; budgets of layers ``0..m`` given their current ``sizes``."""
+        """Add the next layer's preference; budgets of layers ``0..m`` given their current ``sizes`` (the last,
+        layer ``m``'s, is the prompt: it has not been evicted)."""
         self.preferences.append(preference)
         total = (self.budget - self.reserved) * self.num_layers
-        shares = conserve_total(self.preferences, total, caps=[size - self.reserved for size in sizes])
+        caps = [size - self.reserved for size in sizes]
+        if self.released:
+            shares = [min(share, cap) for share, cap in zip(released_shares(self.preferences, total, caps[-1]), caps)]
+        else:
+            shares = conserve_total(self.preferences, total, caps=caps)
         return [self.reserved + share for share in shares]

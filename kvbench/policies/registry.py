@@ -23,6 +23,9 @@ class Registered:
     name: ClassVar[str]
     paper: ClassVar[str]
     settings_prefix: ClassVar[str] = "policy."
+    #: whether the registry's sweeps (``${policies:...}``: the leaderboard) list it; False only while its leaderboard
+    #: cells are being run, so that the committed leaderboard stays finished (set True with the cells)
+    swept: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_fields(self, self.settings_prefix)

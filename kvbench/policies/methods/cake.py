@@ -8,10 +8,10 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from kvbench.domains import number, optional, setting
+from kvbench.domains import choice, number, optional, setting
 from kvbench.papers import exponents
 from kvbench.policies.budgets import Budget
-from kvbench.policies.layer_budget import DynamicLayerBudget, LayerBudget
+from kvbench.policies.layer_budget import CascadingAllocation, DynamicLayerBudget, LayerBudget
 from kvbench.policies.methods.snapkv import SnapKV
 from kvbench.policies.registry import register
 from kvbench.policies.stats import AttentionStats
@@ -36,6 +36,9 @@ class CakeBudget(DynamicLayerBudget):
 
     tau1: float | None = setting(optional(number(0, low_open=True), "CAKE's released value for the model"), None)
     tau2: float | None = setting(optional(number(0, low_open=True), "CAKE's released value for the model"), None)
+    #: ``proportional``: CAKE eq. 7's shares, rounded by largest remainder (the total kept exactly);
+    #: ``released``: as antgroup/cakekv rounds them (truncated, the leftover to the lowest layers; +compat=cakekv)
+    rounding: str = setting(choice("proportional", "released"), "proportional")
 
     def for_model(self, model_id: str | None, budget: Budget) -> CakeBudget:
         released = CAKE_TAU.get(model_id or "", {}).get(budget.tokens or -1, (1.0, 1.0))
@@ -44,6 +47,9 @@ class CakeBudget(DynamicLayerBudget):
             tau1=released[0] if self.tau1 is None else self.tau1,
             tau2=released[1] if self.tau2 is None else self.tau2,
         )
+
+    def allocation(self, budget: int, reserved: int, num_layers: int) -> CascadingAllocation:
+        return CascadingAllocation(budget, reserved, num_layers, released=self.rounding == "released")
 
     def preference(self, stats: AttentionStats, evicted: torch.Tensor) -> float:
         tau1, tau2 = (1.0 if tau is None else tau for tau in (self.tau1, self.tau2))
@@ -78,6 +84,13 @@ class Cake(SnapKV):
 
     layer_budget: LayerBudget = field(default_factory=CakeBudget)
     gamma: float = setting(number(0), 200.0)
+    #: evict a prompt longer than the ``budget`` (every policy), or only one longer than ``budget_and_window``
+    #: (CAKE's release: ``seq_len > cache_size + window_size``, ``cake/cake_cache.py``; +compat=cakekv)
+    compress_above: str = setting(choice("budget", "budget_and_window"), "budget")
+
+    def compresses(self, budget: int, prompt_len: int) -> bool:
+        window = self.reserved_recent(budget, prompt_len) if self.compress_above == "budget_and_window" else 0
+        return prompt_len > budget + window
 
     def scoring_window(self, budget: int, prompt_len: int, decoding: bool = False) -> int:
         """The observation window in prefill; while decoding, only the current query (CAKE's released

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.domains import number, setting
-from kvbench.policies.base import Modifier
+from kvbench.policies.base import Modifier, ScoreContext
 from kvbench.policies.registry import register
 from kvbench.policies.scores import caote, fast_caote
 
@@ -27,8 +27,8 @@ class CAOTE(Modifier):
 
     power: float = setting(number(0, low_open=True), 1.0)
 
-    def transform(self, scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return caote(scores, values.float(), self.power)  # CAOTE eq. (6) (power=2: eq. (7) as printed)
+    def transform(self, scores: torch.Tensor, context: ScoreContext) -> torch.Tensor:
+        return caote(scores, context.values.float(), self.power)  # CAOTE eq. (6) (power=2: eq. (7) as printed)
 
 
 @register
@@ -38,5 +38,5 @@ class FastCAOTE(CAOTE):
 
     name = "fastcaote"
 
-    def transform(self, scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return fast_caote(scores, values.float(), self.power)  # CAOTE eq. (8)
+    def transform(self, scores: torch.Tensor, context: ScoreContext) -> torch.Tensor:
+        return fast_caote(scores, context.values.float(), self.power)  # CAOTE eq. (8)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.domains import choice, integer, setting
-from kvbench.policies.base import Policy, ScoreContext
+from kvbench.policies.base import Policy
 from kvbench.policies.registry import register
 
 TOVA_MODES = ("layer", "head")
@@ -35,8 +35,7 @@ class TOVA(Policy):
     def reserved_sinks(self) -> int:
         return self.n_sink
 
-    def score(self, context: ScoreContext) -> torch.Tensor:
-        """The per-head ranking ``[B,Hc,T]``, averaged over the layer's heads in ``layer`` mode (the heads
-        hold the same positions there, so slots line up)."""
-        scores = super().score(context)
+    def share_heads(self, scores: torch.Tensor) -> torch.Tensor:
+        """The per-head rankings ``[B,Hc,T]`` averaged over the layer's heads in ``layer`` mode (the heads hold the
+        same positions there, so slots line up)."""
         return scores.mean(dim=1, keepdim=True).expand_as(scores) if self.heads == "layer" else scores

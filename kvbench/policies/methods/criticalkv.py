@@ -1,0 +1,56 @@
+"""CriticalKV (Feng et al., 2025, arXiv 2502.03805): a base's ranking, its second stage re-weighted by how much each
+value moves the layer's output through the output projection."""
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.domains import number, setting
+from kvbench.errors import KVBenchError
+from kvbench.policies.base import Modifier, ScoreContext
+from kvbench.policies.registry import register
+
+#: tokens per block of the ``‖v·W_O‖₁`` projection (bounds its ``[B,Hq,T,hidden]`` working set)
+PROJECTION_BLOCK = 1024
+
+
+def projected_norms(values: torch.Tensor, output_per_head: torch.Tensor) -> torch.Tensor:
+    """``mean_{h∈group(c)} ‖v_{c,p} · W_O[h]‖₁`` per cache head and slot (CriticalKV eq. 9's output perturbation
+    bound): ``values [B,Hc,T,D]``, ``output_per_head [Hq,D,hidden]`` → ``[B,Hc,T]``."""
+    heads = values.shape[1]
+    weights = output_per_head.float().unflatten(0, (heads, -1))  # [Hc,G,D,hidden]
+    blocks = [
+        torch.einsum("bctd,cgdh->bcgth", block, weights).abs().sum(dim=-1).mean(dim=2)  # [B,Hc,t]
+        for block in values.float().split(PROJECTION_BLOCK, dim=2)
+    ]
+    return torch.cat(blocks, dim=-1)
+
+
+@register
+@dataclass
+class CriticalKV(Modifier):
+    """Two stages over the slots the budget leaves to choose (CriticalKV Alg. 1): the base's top
+    ``first_stage_ratio`` of them are kept first, the rest ranked by ``(s_p + ε)·‖v_p·W_O‖₁`` (averaged over each KV
+    group), as kvpress's ``CriticalKVPress``. Any base that scores (attention or cached entries); the first stage is
+    counted over the slots not reserved (kvpress, which reserves none, counts every kept slot)."""
+
+    name = "criticalkv"
+    paper = "CriticalKV (arXiv 2502.03805)"
+    transforms = True
+    needs_attention = False
+    swept = False  # its leaderboard cells are being run
+
+    #: share of the selectable kept slots chosen by the base's score alone
+    first_stage_ratio: float = setting(number(0.0, 1.0), 0.5)
+    #: added to the base's score before the projected norm
+    epsilon: float = setting(number(0.0), 1e-4)
+
+    def transform(self, scores: torch.Tensor, context: ScoreContext) -> torch.Tensor:
+        if context.weights is None:
+            raise KVBenchError(f"{self.name} needs the layer's output projection (a Llama-style o_proj)")
+        tokens = scores.shape[-1]
+        selectable = scores[..., context.sinks : tokens - context.recent]
+        first = int((context.budget - context.sinks - context.recent) * self.first_stage_ratio)
+        reweighted = (scores + self.epsilon) * projected_norms(context.values, context.weights.output_per_head())
+        chosen = selectable.topk(max(0, min(first, selectable.shape[-1])), dim=-1).indices + context.sinks
+        return reweighted.scatter(-1, chosen, torch.finfo(reweighted.dtype).max)

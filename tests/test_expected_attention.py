@@ -1,0 +1,101 @@
+"""Expected Attention (``expected_attention``) keeps, at every eviction, the top of its closed form computed by
+brute force in float64: the queries taken before RoPE from the model's own ``q_proj`` (not un-rotated), RoPE's
+rotations built pair by pair from ``inv_freq``, the expected logit ``μ̄·k/√d + ½ kᵀΣ̄k/d`` per query head."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvbench.engine.cache import EvictionCache
+from kvbench.errors import KVBenchError
+from kvbench.policies import build_policy
+from kvbench.policies.base import ScoreContext
+from tests.helpers import engine, random_prompt, tiny_model
+
+BUDGET, SINKS, FUTURE = 24, 2, 16
+
+
+def averaged_rotation(inv_freq: torch.Tensor, start: int) -> torch.Tensor:
+    """``mean_n R(n)`` over positions ``start .. start+FUTURE−1``, each ``R(n)`` rotating the pair ``(i, i+D/2)``
+    by ``n·θ_i``: ``[D,D]`` float64."""
+    half = inv_freq.shape[0]
+    total = torch.zeros(2 * half, 2 * half, dtype=torch.float64)
+    for position in range(start, start + FUTURE):
+        for i, theta in enumerate(inv_freq.double().tolist()):
+            c, s = math.cos(position * theta), math.sin(position * theta)
+            total[i, i] += c
+            total[i + half, i + half] += c
+            total[i, i + half] -= s
+            total[i + half, i] += s
+    return total / FUTURE
+
+
+def expected_scores(queries, keys, values, start, inv_freq) -> torch.Tensor:
+    """One layer's scores from its pre-RoPE ``queries [Hq,N,D]`` (the sinks' left out) and cache ``keys``/``values
+    [Hc,T,D]`` (float64): the sinks first (infinite), then the expected attention averaged over the group, × ‖v‖."""
+    rotation = averaged_rotation(inv_freq, start)
+    group, dim = queries.shape[0] // keys.shape[0], keys.shape[-1]
+    scores = torch.zeros(keys.shape[:2], dtype=torch.float64)
+    for head in range(queries.shape[0]):
+        mean = queries[head].mean(dim=0)
+        centred = queries[head] - mean
+        covariance = rotation @ (centred.T @ centred / queries.shape[1]) @ rotation.T
+        cached = keys[head // group, SINKS:]
+        logits = cached @ (rotation @ mean) / math.sqrt(dim) + ((cached @ covariance) * cached).sum(-1) / dim / 2
+        scores[head // group, SINKS:] += torch.softmax(logits, dim=0) / group
+    scores[:, SINKS:] *= values[:, SINKS:].norm(dim=-1)
+    scores[:, :SINKS] = math.inf
+    return scores
+
+
+@pytest.mark.parametrize("gqa", ["sum", "repeat"])
+@pytest.mark.parametrize("regime", ["oneshot", "chunked"])
+def test_expected_attention_keeps_the_top_of_its_closed_form(regime, gqa, monkeypatch):
+    model = tiny_model()
+    inv_freq = model.model.rotary_emb.inv_freq
+    seen: dict[int, list[torch.Tensor]] = {}  # layer → the pre-RoPE queries of every forward [Hq,q,D]
+    for index, layer in enumerate(model.model.layers):
+        attention = layer.self_attn
+
+        def record(module, inputs, output, index=index, dim=attention.head_dim):
+            seen.setdefault(index, []).append(output[0].view(output.shape[1], -1, dim).transpose(0, 1).double())
+
+        attention.q_proj.register_forward_hook(record)
+    evictions: list[bool] = []
+    original = EvictionCache._evict
+
+    def checked(cache, layer_idx, budget, scores, scaling):
+        layer = cache.eviction_layers[layer_idx]
+        keys, values, positions = layer.keys[0].double(), layer.values[0].double(), layer.positions[0].clone()
+        queries = torch.cat(seen[layer_idx], dim=1)[:, SINKS:]  # every query seen, the sinks' left out
+        start = int(positions.max()) + 1
+        original(cache, layer_idx, budget, scores, scaling)
+        expected = expected_scores(queries, keys, values, start, inv_freq)
+        if gqa == "repeat":  # each query head its own cache head
+            expected = torch.stack(
+                [
+                    expected_scores(queries[h : h + 1], keys[h : h + 1], values[h : h + 1], start, inv_freq)[0]
+                    for h in range(keys.shape[0])
+                ]
+            )
+        for head in range(keys.shape[0]):
+            kept = torch.isin(positions[head], layer.positions[0, head])
+            separated = bool(expected[head][kept].min() > expected[head][~kept].max())
+            evictions.append(int(kept.sum()) == budget and separated)
+
+    monkeypatch.setattr(EvictionCache, "_evict", checked)
+    runner = engine(model, "expected_attention", BUDGET, regime, gqa=gqa, n_sink=SINKS, n_future_positions=FUTURE)
+    cache = runner.new_cache(60)
+    runner.prefill(cache, random_prompt(60))
+    assert len(evictions) >= 3 and all(evictions)
+    assert cache.eviction_layers[0].keys.shape[1] == (4 if gqa == "repeat" else 2)
+
+
+def test_expected_attention_without_a_rotary_embedding_is_one_line():
+    policy = build_policy("expected_attention")
+    keys = torch.zeros(1, 2, 8, 4)
+    with pytest.raises(KVBenchError, match="rotary embedding"):
+        policy.score(ScoreContext(keys, keys, torch.arange(8).expand(1, 2, 8), None, 0))
