@@ -147,8 +147,10 @@ def test_make_leaderboard_smoke(tmp_path):
         assert (report / "leaderboard.png").stat().st_size > 0
         sample_seconds.append(json.loads((report / "provenance.json").read_text())["sample_seconds"])
     assert sample_seconds[0] > 0 and sample_seconds[1] == sample_seconds[0]
-    # RULER: the full cache once, 4 policies × 2 budgets; the needle grid and perplexity: the full cache, 2 policies
-    assert cells.count("| smollm2_135m |") == (1 + 4 * 2) + 3 + 3
+    # RULER: the full cache once, 4 policies × 2 budgets; the needle grid and perplexity: the full cache, 2 policies;
+    # RULER query-agnostic: the full cache and SnapKV
+    assert cells.count("| smollm2_135m |") == (1 + 4 * 2) + 3 + 3 + 2
+    assert "| ruler-agnostic |" in cells
     assert "| perplexity |" in cells and "| niah " in cells
     paired = (report / "leaderboard_paired.md").read_text()
     assert re.search(r"\| snapkv\+obcache_joint +\| snapkv +\|", paired) and re.search(
@@ -156,7 +158,7 @@ def test_make_leaderboard_smoke(tmp_path):
     )
     made = json.loads((report / "provenance.json").read_text())
     assert made["command"] == "make leaderboard SCALE=smoke"
-    assert made["runs"] == 10 + 3 + 3 and made["samples"] == 20 + 6 + 6
+    assert made["runs"] == 10 + 3 + 3 + 2 and made["samples"] == 20 + 6 + 6 + 4
     assert made["wall_seconds"] > 0 and made["versions"]["torch"] and made["commit"]
 
 
