@@ -27,7 +27,7 @@ run: setup
 	$(KVBENCH) table results/default
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
 
 test-all: setup
 	$(PY) -m pytest -q -m ""

@@ -32,7 +32,6 @@ class LagKV(Policy):
 
     name = "lagkv"
     paper = "LagKV (arXiv 2504.04704)"
-    swept = False  # its leaderboard cells are being run
 
     #: slots a partition holds (kvpress's default)
     lag_size: int = setting(integer(1, "a token count"), 128)

@@ -19,7 +19,6 @@ class Random(Policy):
 
     name = "random"
     paper = "kvpress RandomPress"
-    swept = False  # its leaderboard cells are being run
 
     #: the generator's seed (kvpress's default ``None`` draws unseeded: a run could not be repeated)
     seed: int = setting(SEED, 0)
