@@ -42,7 +42,6 @@ class ExpectedAttention(Policy):
 
     name = "expected_attention"
     paper = "Expected Attention (arXiv 2510.00636)"
-    swept = False  # its leaderboard cells are being run
 
     #: future positions RoPE is averaged over (kvpress's default)
     n_future_positions: int = setting(integer(1, "a token count"), 512)
