@@ -27,17 +27,34 @@ from kvbench.rundir import register_run_name
 
 register_run_name()  # conf/config.yaml's ${run_name:}
 
-#: ``${policies:KIND[,TASKS]}``'s TASKS: ``decoding`` (every modifier) or ``prefill`` (a task that decodes nothing)
+#: ``${policies:KIND[,TASKS[,MODE]]}``'s TASKS: ``decoding`` (every modifier) or ``prefill`` (a task that decodes
+#: nothing); MODE: the sweep's ``task.query_mode``
 POLICY_TASKS = ("decoding", "prefill")
+QUERY_MODES = ("aware", "agnostic")
 
 
-def registered_policies(kind: str, tasks: str = "decoding") -> str:
+def registered_policies(kind: str, tasks: str = "decoding", mode: str = "aware") -> str:
     """``${policies:variants}`` in a sweep's values: the registry's policies comma-joined, a Hydra choice sweep
     (:func:`kvbench.policies.registered`: ``bases``, or ``variants``, every base alone and with each modifier that
     applies; ``${policies:variants,prefill}`` without the modifiers that act only while decoding), so an
-    experiment names no method by hand and a new method file joins it."""
+    experiment names no method by hand and a new method file joins it. Only the policies defined in the query
+    ``mode`` (``aware``, or ``agnostic``: ``Policy.refusal``) in some regime; in ``agnostic`` a base defined only
+    there (KVzip) comes with its variants even for ``bases``: it has no query-aware cells to hold them."""
     choose("${policies:KIND,TASKS} TASKS", tasks, POLICY_TASKS)
-    return ",".join(registered(kind, decoding=tasks == "decoding"))
+    choose("${policies:KIND,TASKS,MODE} MODE", mode, QUERY_MODES)
+    decoding, agnostic = tasks == "decoding", mode == "agnostic"
+    only_agnostic = {spec for spec in registered("bases") if not defined(spec, False) and defined(spec, True)}
+    chosen = set(registered(kind, decoding))
+    chosen |= {spec for spec in registered("variants", decoding) if agnostic and parse_spec(spec)[0] in only_agnostic}
+    return ",".join(spec for spec in registered("variants", decoding) if spec in chosen and defined(spec, agnostic))
+
+
+def defined(spec: str, query_agnostic: bool) -> bool:
+    """Whether the policy ``spec`` (its defaults) runs in some regime, query-agnostically or not."""
+    from kvbench.engine.engine import REGIMES
+
+    policy = build_policy(spec)
+    return any(policy.refusal(regime, query_agnostic) is None for regime in REGIMES)
 
 
 if not OmegaConf.has_resolver("policies"):

@@ -20,7 +20,7 @@ from kvbench import CONF_DIR, config_dict
 from kvbench.config import engine_keys, group_keys, group_options
 from kvbench.domains import Domain, check_table, choice, integer
 from kvbench.engine import ENGINE_SETTINGS
-from kvbench.errors import check_keys, choose
+from kvbench.errors import KVBenchError, check_keys, choose
 from kvbench.models import MODEL_SETTINGS
 from kvbench.policies import build_policy
 from kvbench.policies.base import Policy
@@ -64,6 +64,9 @@ def resolve(cfg: DictConfig) -> Job:
     policy.for_model(settings["model"].get("hf_id"), budget)
     nominal = NOMINAL_PROMPT if budget.tokens is None else 10 * budget.tokens
     policy.check_budget(budget.resolve(nominal), nominal)
+    refusal = policy.refusal(settings["engine"]["regime"], settings["task"].get("query_mode") == "agnostic")
+    if refusal is not None:
+        raise KVBenchError(refusal)
     settings["policy"] = policy.settings()
     task_class: type[Task] = get_class(settings["task"]["_target_"])
     task_class.check(settings["task"])

@@ -221,6 +221,7 @@ def build_engine(job: Job, loaded: LoadedModel) -> Engine:
         attn_backend=loaded.attn_backend,
         score_block=engine.score_block,
         record_kept=engine.save_kept,
+        tokenizer=loaded.tokenizer,
     )
 
 
@@ -382,6 +383,8 @@ def record_of(
         record["timing"]["prefill_shared_by"] = output.prefill_shared_by
     if isinstance(output, GenerationOutput) and output.context_shared_by > 1:  # a share of one context's compression
         record["timing"]["context_shared_by"] = output.context_shared_by
+    if isinstance(output, GenerationOutput) and output.scoring_seconds > 0:  # of prefill: reconstructing the context
+        record["timing"]["scoring_seconds"] = output.scoring_seconds
     return record
 
 
@@ -431,6 +434,11 @@ def summarize(
                 for name in ("prefill_seconds", "decode_seconds", "total_seconds")
             },
             "prefill_shared_by": mean([record["timing"].get("prefill_shared_by", 1) for record in records] or [1]),
+            **(
+                {"scoring_seconds": sum(record["timing"].get("scoring_seconds", 0.0) for record in records)}
+                if any("scoring_seconds" in record["timing"] for record in records)
+                else {}
+            ),
             "load_seconds": load[0] / load[1],
             "load_shared_by": load[1],
         },

@@ -3,13 +3,20 @@
 
 Run in kvpress's own environment (kvpress pins transformers < 5.3; docs/benchmarks.md shows how to make it):
 
-    /tmp/kvp/bin/python scripts/kvpress_fixtures.py tests/fixtures/kvpress
+    /tmp/kvp/bin/python scripts/kvpress_fixtures.py tests/fixtures/kvpress [SPEC ...]   # every spec by default
 
 Each prompt is ``LENGTH`` tokens of the Paul Graham essays (the RULER/NIAH haystack; kvbench's bench prompt, from
 ``OFFSETS`` characters in) prefilled once through the press with transformers' SDPA attention; the press keeps
 ``KEPT`` tokens per layer and KV head (``compression_ratio = 1 − KEPT / LENGTH``). Recorded: the prompt ids, and per
 layer and KV head the kept positions as the press keeps them (the top-``KEPT`` of its own scores), as a bit mask of
 the prompt's positions packed into bytes, base64-encoded.
+
+``kvzip.json``: kvpress's ``KVzipPress`` is head-wise (one budget over every layer and head, kept by masking), so its
+kept sets are not kvbench's per-layer ones; what the two define alike is the score and the layers' shares. Each
+prompt is the chat template's user prefix and ``LENGTH`` tokens in all, reconstructed in chunks of ``KVZIP_CHUNK``
+(three forwards); recorded: every layer's reconstruction scores ``[L,Hkv,T]`` (float32, base64) before the sinks are
+raised (the first prompt's only, to keep the file small), and the slots the press keeps per layer over its heads at
+the same ``KEPT`` per layer and head on average.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from kvbench.models import load_model
 from kvbench.tasks.resources import paul_graham_essays
 
 LENGTH, KEPT = 512, 128
+KVZIP_CHUNK = 200
 OFFSETS = (0, 40_000, 120_000)
 
 
@@ -73,33 +81,74 @@ def kept_masks(model, press, ids: list[int]) -> list[str]:
     return masks
 
 
+def kvzip_record(model, tokenizer, kvpress, text_ids: list[int], scores: bool) -> dict:
+    """KVzipPress's per-layer kept counts for the user prefix + ``text_ids`` (``LENGTH`` tokens in all), and with
+    ``scores`` its scores."""
+    press = kvpress.KVzipPress(compression_ratio=1.0 - KEPT / LENGTH, chunk_size=KVZIP_CHUNK)
+    recorded: dict = {}
+    compress = press.compress_post
+
+    def recording(model):
+        recorded["scores"] = press.score_val[:, 0].float().clone()  # [L,Hkv,T], before the sinks are raised
+        recorded["prefix"] = press.prefix_length
+        compress(model)
+        for layer in model.model.layers:
+            recorded.setdefault("pruned", []).append(int(layer.self_attn.masked_key_indices[0].numel()))
+            del layer.self_attn.masked_key_indices
+
+    press.compress_post = recording
+    prefix = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "dummy context"}], tokenize=False, enable_thinking=False
+    ).split("dummy context")[0]
+    prefix_ids = tokenizer.encode(prefix, add_special_tokens=False)
+    ids = prefix_ids + text_ids[: LENGTH - len(prefix_ids)]
+    press_prefill(model, press, ids, "sdpa")
+    assert recorded["prefix"] == len(prefix_ids)
+    heads = recorded["scores"].shape[1]
+    record = {"ids": ids, "prefix": recorded["prefix"]}
+    if scores:
+        record["scores"] = base64.b64encode(recorded["scores"].numpy().tobytes()).decode()
+    return {**record, "kept_per_layer": [heads * LENGTH - pruned for pruned in recorded["pruned"]]}
+
+
 def kvpress_module():
     import kvpress
 
     return kvpress
 
 
-def main(output: Path) -> None:
+def main(output: Path, only: list[str]) -> None:
     kvpress = kvpress_module()
     loaded = load_model(compose(["model=smollm2_135m"]).model)
     text = paul_graham_essays()
     prompts = [prompt_tokens(loaded.tokenizer, text[offset:], LENGTH) for offset in OFFSETS]
     output.mkdir(parents=True, exist_ok=True)
-    for spec, press in presses(kvpress).items():
-        record = {
-            "made_by": "scripts/kvpress_fixtures.py",
-            "kvpress": importlib.metadata.version("kvpress"),
-            "transformers": transformers.__version__,
-            "torch": torch.__version__,
-            "model": loaded.model.config.name_or_path,
-            "press": repr(press),
-            "length": LENGTH,
-            "kept": KEPT,
-            "prompts": [{"ids": ids, "kept_masks": kept_masks(loaded.model, press, ids)} for ids in prompts],
-        }
-        (output / f"{spec}.json").write_text(json.dumps(record) + "\n")
+    provenance = {
+        "made_by": "scripts/kvpress_fixtures.py",
+        "kvpress": importlib.metadata.version("kvpress"),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "model": loaded.model.config.name_or_path,
+        "length": LENGTH,
+        "kept": KEPT,
+    }
+
+    def write(spec: str, record: dict) -> None:
+        (output / f"{spec}.json").write_text(json.dumps({**provenance, **record}) + "\n")
         print(f"wrote {output / f'{spec}.json'}")
+
+    for spec, press in presses(kvpress).items():
+        if not only or spec in only:
+            masks = [{"ids": ids, "kept_masks": kept_masks(loaded.model, press, ids)} for ids in prompts]
+            write(spec, {"press": repr(press), "prompts": masks})
+    if not only or "kvzip" in only:
+        press = f"KVzipPress(compression_ratio={1.0 - KEPT / LENGTH}, chunk_size={KVZIP_CHUNK})"
+        records = [
+            kvzip_record(loaded.model, loaded.tokenizer, kvpress, ids, number == 0)
+            for number, ids in enumerate(prompts)
+        ]
+        write("kvzip", {"press": press, "chunk_size": KVZIP_CHUNK, "prompts": records})
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/kvpress"))
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/kvpress"), sys.argv[2:])

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import base64
 import os
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from kvbench import PROJECT_ROOT
 from kvbench.engine import Engine
+from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.policies import build_policy
+from kvbench.policies.base import Policy
+
+#: the tiny models' tokenizer (byte ids below their vocabulary), for a policy that reads text (KVzip's requests)
+TOKENIZER = byte_tokenizer(4096)
 
 ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -44,7 +52,19 @@ def random_prompt(length: int, vocab: int = 300, seed: int = 1) -> list[int]:
 
 def engine(model, spec="full", budget=64, regime="oneshot", **params) -> Engine:
     """An engine for ``spec`` (its parameters as keywords) with 16-token chunks."""
-    return Engine(model, build_policy(spec, params), budget, regime=regime, block_size=16)
+    return Engine(model, build_policy(spec, params), budget, regime=regime, block_size=16, tokenizer=TOKENIZER)
+
+
+def query_agnostic(policy: Policy, regime: str = "oneshot") -> bool:
+    """How the registry's tests run ``policy`` under ``regime``: on the whole prompt (False), or on a context whose
+    question is read after it is compressed where the policy is defined only so (True: KVzip); skipped, with the
+    policy's own reason, where it is not defined under ``regime`` at all."""
+    if policy.refusal(regime, False) is None:
+        return False
+    refusal = policy.refusal(regime, True)
+    if refusal is not None:
+        pytest.skip(refusal)
+    return True
 
 
 def checked_evictions(monkeypatch, verdict) -> list[bool]:
@@ -66,14 +86,51 @@ def checked_evictions(monkeypatch, verdict) -> list[bool]:
     return evictions
 
 
+def question_start(runner: Engine, prompt: list[int]) -> int | None:
+    """Where the registry's tests start ``prompt``'s question for ``runner``: nowhere (None: the whole prompt at once)
+    unless its policy runs only query-agnostically (KVzip): then its last eighth."""
+    policy, regime = runner.policy, runner.regime
+    agnostic = policy.refusal(regime, False) is not None and policy.refusal(regime, True) is None
+    return len(prompt) - len(prompt) // 8 if agnostic else None
+
+
+def generated_shared(runners: list[Engine], prompt: list[int], max_new_tokens: int, **settings) -> list:
+    """:func:`~kvbench.engine.engine.generate_shared`'s outputs for ``runners`` in their order, those of one
+    :func:`question_start` sharing one call."""
+    from kvbench.engine.engine import generate_shared
+
+    by_question: dict[int | None, list[int]] = {}
+    for index, runner in enumerate(runners):
+        by_question.setdefault(question_start(runner, prompt), []).append(index)
+    outputs: list = [None] * len(runners)
+    for question, indices in by_question.items():
+        group = [runners[index] for index in indices]
+        shared = generate_shared(group, prompt, max_new_tokens, question_start=question, **settings)
+        for index, output in zip(indices, shared):
+            outputs[index] = output
+    return outputs
+
+
 def prefill_and_decode(runner: Engine, prompt: list[int], steps: int = 4):
     """A cache for ``prompt`` prefilled by ``runner``, then ``steps`` tokens decoded (evicting where the regime does
     while decoding: chunked, streaming)."""
-    cache = runner.new_cache(len(prompt))
+    cache = runner.new_cache(len(prompt), query_agnostic(runner.policy, runner.regime))
     runner.prefill(cache, prompt)
     for step in range(steps):
         runner.step(cache, [7 + step], len(prompt) + step, evict=runner.decode_evict)
     return cache
+
+
+def kept_masks(cache, length: int) -> list[torch.Tensor]:
+    """Each layer's kept positions in ``cache`` (row 0) as masks ``[Hc, length]``."""
+    return [torch.zeros(p.shape[1], length, dtype=torch.bool).scatter_(-1, p[0], True) for p in cache.kept_positions()]
+
+
+def unpacked_mask(packed: str, heads: int, length: int) -> torch.Tensor:
+    """A reference's kept positions of one layer, a bit mask packed per head and base64-encoded (the fixture
+    scripts' format), as a mask ``[heads, length]``."""
+    bits = np.unpackbits(np.frombuffer(base64.b64decode(packed), dtype=np.uint8).reshape(heads, -1), axis=-1)
+    return torch.from_numpy(bits[:, :length].astype(bool))
 
 
 def local_data(variable: str, *shared: str) -> Path:

@@ -8,12 +8,10 @@ the same total otherwise, so the same prompts keep other sets there.
 
 from __future__ import annotations
 
-import base64
 import json
 from functools import cache
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -21,7 +19,8 @@ from kvbench.config import compose
 from kvbench.engine.engine import Engine
 from kvbench.models import load_model
 from kvbench.policies import build_policy
-from tests.helpers import engine, random_prompt, tiny_model
+from tests import helpers
+from tests.helpers import engine, random_prompt, tiny_model, unpacked_mask
 
 FIXTURE = Path(__file__).parent / "fixtures" / "cakekv" / "cake.json"
 #: the settings +compat=cakekv gives (conf/compat/cakekv.yaml)
@@ -38,18 +37,11 @@ def kept_masks(settings: dict, budget: int, ids: list[int]) -> tuple[list[torch.
     runner = Engine(smollm2(), build_policy("cake", settings), budget, "oneshot")
     cache = runner.new_cache(len(ids))
     runner.prefill(cache, ids)
-    kept = cache.kept_positions()  # [1,Hkv,K] per layer
-    return [
-        torch.zeros(p.shape[1], len(ids), dtype=torch.bool).scatter_(-1, p[0], True) for p in kept
-    ], cache.tokens_per_layer()
+    return helpers.kept_masks(cache, len(ids)), cache.tokens_per_layer()
 
 
 def release_masks(case: dict, heads: int, length: int) -> list[torch.Tensor]:
-    def unpack(packed: str) -> torch.Tensor:
-        bits = np.unpackbits(np.frombuffer(base64.b64decode(packed), dtype=np.uint8).reshape(heads, -1), axis=-1)
-        return torch.from_numpy(bits[:, :length].astype(bool))
-
-    return [unpack(packed) for packed in case["kept_masks"]]
+    return [unpacked_mask(packed, heads, length) for packed in case["kept_masks"]]
 
 
 @pytest.mark.model

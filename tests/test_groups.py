@@ -22,7 +22,7 @@ from kvbench.errors import KVBenchError
 from kvbench.policies import BASES, MODIFIERS, build_policy, composable
 from kvbench.run import group_key, run, run_group
 from kvbench.rundir import RunDir
-from tests.helpers import ARCHITECTURES, random_prompt, tiny_model
+from tests.helpers import ARCHITECTURES, TOKENIZER, generated_shared, question_start, random_prompt, tiny_model
 from tests.test_plan import TINY as PLAN_TINY
 
 TINY = [*PLAN_TINY, "engine.save_kept=true"]  # two RULER samples on the tiny model
@@ -168,15 +168,16 @@ def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
         for budget, gqa in ((32, None), (48, None), (48, "repeat")):
             params = {} if gqa is None else {"gqa": gqa}
             try:
-                engine = Engine(model, build_policy(spec, params), budget, record_kept=True)
-                engine.generate(prompt, 1)
+                engine = Engine(model, build_policy(spec, params), budget, record_kept=True, tokenizer=TOKENIZER)
+                engine.generate(prompt, 1, question_start=question_start(engine, prompt))
             except KVBenchError:  # a budget the policy's reserved window fills, or settings it needs the model for
                 continue
             engines.append(engine)
     engines.append(Engine(model, build_policy("snapkv"), 512, record_kept=True))
-    alone = [engine.generate(prompt, 6) for engine in engines]
-    shared = generate_shared(engines, prompt, 6)
-    assert sum(engine.shares_prefill(engine.new_cache(len(prompt))) for engine in engines) > len(engines) / 2
+    alone = [engine.generate(prompt, 6, question_start=question_start(engine, prompt)) for engine in engines]
+    shared = generated_shared(engines, prompt, 6)
+    caches = [engine.new_cache(len(prompt), question_start(engine, prompt) is not None) for engine in engines]
+    assert sum(engine.shares_prefill(cache) for engine, cache in zip(engines, caches)) > len(engines) / 2
     normalised = [output for engine, output in zip(engines, shared) if sums_key(engine.policy)]
     assert normalised and min(output.prefill_shared_by for output in normalised) > 1  # H2O reads a shared forward
     assert_each_as_alone(engines, alone, shared)
@@ -195,13 +196,13 @@ def test_on_smollm2_one_shared_prefill_gives_what_each_variant_gives_alone():
     engines, alone = [], []
     for spec in VARIANTS:
         try:
-            engine = Engine(loaded.model, build_policy(spec), 96, record_kept=True)
-            alone.append(engine.generate(prompt, 4))
+            engine = Engine(loaded.model, build_policy(spec), 96, record_kept=True, tokenizer=loaded.tokenizer)
+            alone.append(engine.generate(prompt, 4, question_start=question_start(engine, prompt)))
         except KVBenchError:  # settings the policy needs the model's run config for
             continue
         engines.append(engine)
     assert len(engines) > len(VARIANTS) / 2
-    shared = generate_shared(engines, prompt, 4, batch_size=8)
+    shared = generated_shared(engines, prompt, 4, batch_size=8)
     assert_each_as_alone(engines, alone, shared)
 
 

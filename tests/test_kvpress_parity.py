@@ -9,12 +9,10 @@ checked to differ only where the scores tie.
 
 from __future__ import annotations
 
-import base64
 import json
 from functools import cache
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -22,6 +20,8 @@ from kvbench.config import compose
 from kvbench.engine.engine import Engine
 from kvbench.models import load_model
 from kvbench.policies import build_policy
+from tests import helpers
+from tests.helpers import unpacked_mask
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kvpress"
 #: spec → the settings that give kvpress's convention
@@ -43,20 +43,13 @@ def fixture(spec: str) -> dict:
     return json.loads((FIXTURES / f"{spec}.json").read_text())
 
 
-def press_kept(packed: str, heads: int, length: int) -> torch.Tensor:
-    """The press's kept positions of one layer as a mask ``[Hkv, length]``."""
-    bits = np.unpackbits(np.frombuffer(base64.b64decode(packed), dtype=np.uint8).reshape(heads, -1), axis=-1)
-    return torch.from_numpy(bits[:, :length].astype(bool))
-
-
 def kept_masks(spec: str, settings: dict, ids: list[int]) -> list[torch.Tensor]:
     """kvbench's kept positions of every layer after a oneshot prefill of ``ids``, as masks ``[Hkv, len(ids)]``."""
     model = load_model(compose(["model=smollm2_135m"]).model).model
     engine = Engine(model, build_policy(spec, settings), fixture(spec)["kept"], "oneshot")
     cache = engine.new_cache(len(ids))
     engine.prefill(cache, ids)
-    kept = cache.kept_positions()  # [1,Hkv,K] per layer
-    return [torch.zeros(p.shape[1], len(ids), dtype=torch.bool).scatter_(-1, p[0], True) for p in kept]
+    return helpers.kept_masks(cache, len(ids))
 
 
 #: specs whose layer 0 may differ from the press between copies of one token (in layer 0 a token's key norm and value
@@ -72,7 +65,7 @@ def test_kept_sets_equal_kvpress(spec):
     for prompt in record["prompts"]:
         mine = kept_masks(spec, REFERENCE_SETTINGS[spec], prompt["ids"])
         for layer, (kept, packed) in enumerate(zip(mine, prompt["kept_masks"])):
-            theirs = press_kept(packed, kept.shape[0], record["length"])
+            theirs = unpacked_mask(packed, kept.shape[0], record["length"])
             if layer == 0 and spec in TOKEN_TIES_IN_LAYER_0:
                 ids = torch.tensor(prompt["ids"])
                 for head in range(kept.shape[0]):
@@ -93,7 +86,7 @@ def test_knorm_default_differs_from_kvpress_only_where_norms_tie():
         cache = full.new_cache(len(ids))
         full.prefill(cache, ids)
         for layer, kept in enumerate(kept_masks("knorm", {}, ids)):
-            theirs = press_kept(prompt["kept_masks"][layer], kept.shape[0], len(ids))
+            theirs = unpacked_mask(prompt["kept_masks"][layer], kept.shape[0], len(ids))
             norms = torch.linalg.vector_norm(cache.eviction_layers[layer].keys[0].float(), dim=-1)  # [Hkv,T]
             for head in range(kept.shape[0]):
                 only_mine = norms[head][kept[head] & ~theirs[head]]

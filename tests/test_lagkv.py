@@ -69,17 +69,10 @@ def test_random_keeps_the_top_of_its_seeded_draw(regime, monkeypatch):
     """Each eviction keeps the top of ``torch.rand(Hc, T)`` from a generator seeded with ``seed``: the same draw
     on every layer (kvpress's ``RandomPress``), another with another seed."""
 
-    evictions: list[bool] = []
-    original = EvictionCache._evict
+    def verdict(layer_idx, keys, values, kept, budget):
+        expected = torch.rand(kept.shape, generator=torch.Generator().manual_seed(5))  # [Hc,T]
+        return torch.equal(kept, torch.zeros_like(kept).scatter_(-1, expected.topk(budget, dim=-1).indices, True))
 
-    def checked(cache, layer_idx, budget, scores, scaling):
-        layer = cache.eviction_layers[layer_idx]
-        positions = layer.positions[0].clone()  # [Hc,T]
-        original(cache, layer_idx, budget, scores, scaling)
-        expected = torch.rand(positions.shape, generator=torch.Generator().manual_seed(5))  # [Hc,T]
-        kept = positions.gather(1, expected.topk(budget, dim=-1).indices).sort(dim=-1).values
-        evictions.append(torch.equal(layer.positions[0], kept))
-
-    monkeypatch.setattr(EvictionCache, "_evict", checked)
+    evictions = checked_evictions(monkeypatch, verdict)
     run("random", regime, "sum", seed=5)
     assert len(evictions) >= 3 and all(evictions)

@@ -26,7 +26,7 @@ from kvbench.run import build_engine, build_task, run, run_group, run_sample
 from kvbench.tasks.base import ModelInfo, Task
 from kvbench.tasks.longbench import LongBenchTask
 from kvbench.tasks.ruler import RulerTask
-from tests.helpers import random_prompt, tiny_model
+from tests.helpers import TOKENIZER, random_prompt, tiny_model
 from tests.test_groups import TINY, VARIANTS, assert_each_as_alone, outcome
 from tests.test_longbench import FIXTURES
 from tests.test_ruler import ruler_cfg
@@ -108,7 +108,7 @@ def variants(model, budgets) -> list[Engine]:
     for spec in VARIANTS:
         for budget in budgets:
             try:
-                engine = Engine(model, build_policy(spec), budget, record_kept=True)
+                engine = Engine(model, build_policy(spec), budget, record_kept=True, tokenizer=TOKENIZER)
                 engine.generate(PROMPT, 1, question_start=QUESTION_START)
             except KVBenchError:  # a budget the policy's reserved window fills, or settings it needs the model for
                 continue
@@ -162,7 +162,7 @@ def test_agnostic_variants_sharing_a_prefill_give_what_each_gives_alone():
 
 def test_an_agnostic_sweep_gives_what_its_runs_give_alone(tmp_path):
     """``task.query_mode=agnostic`` through ``kvbench run``: a grouped sweep and one run each write the same records."""
-    specs = ["full", "snapkv", "h2o+caote", "tova+calidrop"]
+    specs = ["full", "snapkv", "h2o+caote", "tova+calidrop", "kvzip"]
     cfgs = [compose([*TINY, "task.query_mode=agnostic", f"policy={spec}", "budget=64"]) for spec in specs]
     for number, cfg in enumerate(cfgs):
         run(cfg, tmp_path / "separate" / str(number))
@@ -251,7 +251,7 @@ def test_a_run_compresses_each_context_once_and_answers_each_question_as_alone(t
     sweep writes what its runs write."""
     settings = ["task.subtasks=[niah_multikey_1]", "task.questions_per_context=4", "task.num_samples=6"]
     settings += ["task.context_length=1024", "task.tokens_to_generate=8"]
-    specs = ["full", "snapkv", "h2o+caote", "tova+calidrop"]
+    specs = ["full", "snapkv", "h2o+caote", "tova+calidrop", "kvzip"]
     cfgs = [compose([*TINY, *settings, "task.query_mode=agnostic", f"policy={spec}", "budget=64"]) for spec in specs]
     for number, cfg in enumerate(cfgs):
         run(cfg, tmp_path / "separate" / str(number))

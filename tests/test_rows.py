@@ -10,7 +10,7 @@ from kvbench.engine import Engine
 from kvbench.engine.engine import Row, decode_rows, generate_shared, perplexity_rows
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy
-from tests.helpers import ARCHITECTURES, random_prompt, tiny_model
+from tests.helpers import ARCHITECTURES, TOKENIZER, generated_shared, question_start, random_prompt, tiny_model
 from tests.test_groups import VARIANTS
 
 
@@ -36,14 +36,15 @@ def test_variants_decoded_as_rows_give_what_each_gives_alone(architecture):
         for budget, gqa, regime in ((32, None, "oneshot"), (48, "repeat", "oneshot"), (48, None, "chunked")):
             params = {} if gqa is None else {"gqa": gqa}
             try:
-                engine = Engine(model, build_policy(spec, params), budget, regime, block_size=64, record_kept=True)
-                engine.generate(prompt, 1)
+                policy = build_policy(spec, params)
+                engine = Engine(model, policy, budget, regime, block_size=64, record_kept=True, tokenizer=TOKENIZER)
+                engine.generate(prompt, 1, question_start=question_start(engine, prompt))
             except KVBenchError:  # a budget the policy's reserved window fills, or settings it needs the model for
                 continue
             engines.append(engine)
     assert len(engines) > 16 and {engine.regime for engine in engines} == {"oneshot", "chunked"}
-    alone = [engine.generate(prompt, 8) for engine in engines]
-    rows = generate_shared(engines, prompt, 8, batch_size=16)
+    alone = [engine.generate(prompt, 8, question_start=question_start(engine, prompt)) for engine in engines]
+    rows = generated_shared(engines, prompt, 8, batch_size=16)
     for engine, one, other in zip(engines, alone, rows):
         assert same(one, other), f"{engine.policy.spec}@{engine.budget.spec} {engine.regime}"
 

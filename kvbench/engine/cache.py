@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvbench.engine import attention
 from kvbench.policies.base import AttentionStats, Evicted, LayerWeights, Modifier, Policy, ScoreContext
 from kvbench.policies.layer_budget import CascadingAllocation
-from kvbench.policies.stats import NormalisedStats
+from kvbench.policies.stats import NormalisedStats, reconstruction_attention
 
 
 class EvictionLayer(DynamicLayer):
@@ -34,7 +34,8 @@ class EvictionLayer(DynamicLayer):
     holds the running score of running policies (H2O); ``recent_queries [B,Hq,W,D]`` the last
     ``W`` queries for window policies (SnapKV's observation window, TOVA's last query) and layer
     preferences; ``last_query [B,Hq,D]`` the newest query (CaliDrop's initial calibration query);
-    ``ranking [B,Hc,T]`` the scores of the last eviction (re-used when cascading shrinks the layer again).
+    ``ranking [B,Hc,T]`` the scores of the last eviction (re-used when cascading shrinks the layer again);
+    ``received [B,Hc,T]`` the ``reconstruction`` statistic of the slots reconstructed so far.
     """
 
     # DynamicLayer's keys/values are None until the first ``append`` initialises them; an EvictionLayer is only
@@ -51,6 +52,7 @@ class EvictionLayer(DynamicLayer):
         self.recent_query_positions: torch.Tensor | None = None
         self.last_query: torch.Tensor | None = None
         self.ranking: torch.Tensor | None = None
+        self.received: torch.Tensor | None = None
         self.modifier_state: dict[str, Any] = {}
         self.peak_tokens = 0
 
@@ -65,6 +67,12 @@ class EvictionLayer(DynamicLayer):
             self.running_score = torch.cat([self.running_score, zeros], dim=-1)
         self.ranking = None
         self.peak_tokens = max(self.peak_tokens, self.get_seq_length())
+
+    def truncate(self, length: int) -> None:
+        """Drop every slot after the first ``length`` (a reconstruction forward's own tokens)."""
+        assert self.positions is not None
+        self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+        self.positions = self.positions[..., :length]
 
     def remember_queries(self, queries: torch.Tensor, positions: torch.Tensor, window: int) -> None:
         """Keep the last ``window`` queries ``[B,Hq,W,D]`` (and their positions), copied so that the
@@ -192,6 +200,11 @@ class EvictionCache(Cache):
         self.new_positions: torch.Tensor | None = None
         self.decode_evict = decode_evict
         self.evict_now = False
+        #: the context slots the next forward reconstructs (``reconstruction``; :meth:`reconstruct`), or None
+        self.chunk: slice | None = None
+        self.context_len = 0
+        self.scaling = 1.0
+        self.scoring_seconds = 0.0  # spent reconstructing the context (reconstruction.reconstruct)
         self.scored = False
         self.decoding = False
         self.live_bytes = [0] * len(layer_budgets)
@@ -234,6 +247,44 @@ class EvictionCache(Cache):
         if self.allocation is not None:
             stats["layer_preference"] = list(self.allocation.preferences)
         return stats
+
+    def reconstruct(self, chunk: slice | None) -> None:
+        """Declare the next forward a reconstruction of the context's ``chunk`` (the ``reconstruction`` statistic):
+        each layer records the attention the chunk receives from it and drops the forward's own tokens after it;
+        None ends the reconstruction."""
+        if chunk is not None and self.chunk is None:
+            self.context_len = self.eviction_layers[0].get_seq_length()
+            for layer in self.eviction_layers:
+                assert layer.positions is not None  # the context is prefilled first
+                layer.received = torch.zeros(layer.positions.shape, device=layer.keys.device)  # [B,Hc,T]
+        self.chunk = chunk
+
+    def received(self) -> list[torch.Tensor]:
+        """Every layer's ``reconstruction`` statistic ``[B,Hc,T]`` (after :meth:`reconstruct`)."""
+        received = [layer.received for layer in self.eviction_layers]
+        assert all(tensor is not None for tensor in received)  # reconstructed first
+        return cast(list[torch.Tensor], received)
+
+    def count_peak(self, other: EvictionCache) -> None:
+        """Count ``other``'s peak sizes as this cache's own where they are higher (a reconstruction run once for
+        both, which this cache alone would have run the same)."""
+        self.peak_bytes = max(self.peak_bytes, other.peak_bytes)
+        for layer, reconstructed in zip(self.eviction_layers, other.eviction_layers):
+            layer.peak_tokens = max(layer.peak_tokens, reconstructed.peak_tokens)
+
+    def evict_reconstructed(self, received: list[torch.Tensor]) -> None:
+        """Evict every layer of a prefilled context by the ``reconstruction`` statistic ``received`` (this cache's
+        own or one gathered by a cache of the same context and settings), to the budgets the policy shares out
+        once every layer is scored (:meth:`~kvbench.policies.base.Policy.layer_shares`)."""
+        policy = self.policy
+        for layer, statistic in zip(self.eviction_layers, received):
+            layer.received = statistic
+        bases = [policy.score(self._context(index, budget)) for index, budget in enumerate(self.layer_budgets)]
+        self.layer_budgets = policy.layer_shares(bases, self.layer_budgets)
+        for index, (layer, budget) in enumerate(zip(self.eviction_layers, self.layer_budgets)):
+            if layer.get_seq_length() > budget:
+                self._evict(index, budget, self._scores(index, budget, self.scaling), self.scaling)
+            layer.received = None
 
     # -- called by a dynamic layer budget's cascade (kvbench.policies.layer_budget.CascadedCache) ---------
     def layer_size(self, layer_idx: int) -> int:
@@ -317,6 +368,14 @@ class EvictionCache(Cache):
         budget = self.layer_budgets[layer_idx]
         assert self.new_positions is not None and layer.positions is not None  # set by begin_forward and update
         positions = self.new_positions.to(queries.device)
+        self.scaling = scaling
+        if self.chunk is not None:
+            assert layer.received is not None  # reconstruct sets it up
+            sinks = policy.reserved_sinks()
+            layer.received[..., self.chunk] = reconstruction_attention(queries, layer.keys, sinks, self.chunk, scaling)
+            layer.truncate(self.context_len)
+            self._account(layer_idx)
+            return
         if self.attending:
             layer.last_query = queries[:, :, -1].clone()
         if policy.running and self.scored:
@@ -332,7 +391,8 @@ class EvictionCache(Cache):
         window = self._query_window(budget)
         if window and self.scored:  # an unscored forward decodes with no eviction to follow: its queries are never read
             layer.remember_queries(queries, positions, window)
-        if self.evict_now and policy.evicts and layer.get_seq_length() > budget:
+        deferred = policy.statistic == "reconstruction"  # every layer scored first (evict_reconstructed)
+        if self.evict_now and policy.evicts and not deferred and layer.get_seq_length() > budget:
             if self.allocation is not None and layer_idx == len(self.allocation.preferences):
                 policy.layer_budget.cascade(self.allocation, self, layer_idx, scaling)
             else:
@@ -367,22 +427,27 @@ class EvictionCache(Cache):
     def _scores(self, layer_idx: int, budget: int, scaling: float) -> torch.Tensor:
         """The policy's ranking of every cached slot ``[B,Hc,T]`` (before reserving) for ``budget``, from the
         statistic it declares (:attr:`~kvbench.policies.base.Policy.statistic`)."""
+        return self.policy.ranking(self._context(layer_idx, budget, scaling))
+
+    def _context(self, layer_idx: int, budget: int, scaling: float = 1.0) -> ScoreContext:
+        """What the policy ranks the layer's slots from for ``budget`` (its declared statistic gathered)."""
         policy, layer = self.policy, self.eviction_layers[layer_idx]
         assert layer.positions is not None
         summed, window = None, None
         if policy.statistic in ("window", "queries"):
             window = layer.window_stats(policy.scoring_window(budget, self.prompt_len, self.decoding), scaling)
-        if policy.statistic == "window" and window is not None:
-            summed = policy.summed_contributions(window, self.score_block)
+            if policy.statistic == "window":
+                summed = policy.summed_contributions(window, self.score_block)
         elif policy.running:
             assert layer.running_score is not None  # running policies evict only after scored forwards
             summed = layer.running_score
+        elif policy.statistic == "reconstruction":
+            summed = layer.received
         recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
         weights = None if self.layer_weights is None else self.layer_weights[layer_idx]
-        context = ScoreContext(
+        return ScoreContext(
             layer.keys, layer.values, layer.positions, summed, recent, window, weights, policy.reserved_sinks(), budget
         )
-        return policy.ranking(context)
 
     def _select(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor:
         """The ``budget`` slots kept per cache head, sorted ``[B,Hc,budget]``: the reserved sinks (the first

@@ -25,6 +25,7 @@ from kvbench.domains import FLAG, Domain, choice, integer, is_int, optional
 from kvbench.engine import attention
 from kvbench.engine.cache import CacheSizes, EvictionCache, RowBatch, SharedPrefill, prefill_key
 from kvbench.engine.memory import free_memory
+from kvbench.engine.reconstruction import RepeatPrompt, reconstruct
 from kvbench.engine.threads import THREADS
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies.base import Full, LayerWeights, Policy
@@ -65,6 +66,7 @@ class GenerationOutput:
     kept: list[list[list[int]]] | None = None
     prefill_shared_by: int = 1  # variants whose prefill was one forward (generate_shared): prefill_seconds is a share
     context_shared_by: int = 1  # questions answered from one compression of their context (prefill_questions)
+    scoring_seconds: float = 0.0  # of prefill_seconds, the context's reconstruction (KVzip; shared like the prefill)
 
 
 @dataclass
@@ -113,6 +115,7 @@ class Engine:
         attn_backend: str = "sdpa",
         score_block: int | str | None = "auto",
         record_kept: bool = False,
+        tokenizer=None,
     ):
         choose("engine.regime", regime, REGIMES)
         self.model = model
@@ -126,6 +129,8 @@ class Engine:
         self.attn_backend = attn_backend
         self.score_block = score_block_size(score_block)
         self.record_kept = record_kept
+        self.tokenizer = tokenizer
+        self._repeat_prompt: RepeatPrompt | None = None
         config = model.config.get_text_config()
         self.num_layers = config.num_hidden_layers
         self.num_query_heads = config.num_attention_heads
@@ -163,11 +168,11 @@ class Engine:
         With ``question_start`` the context ``input_ids[:question_start]`` alone is prefilled and evicted (the budget
         a share of it), then the question is read without evicting (:func:`read_question`)."""
         context = input_ids[:question_start]
-        cache = self.new_cache(len(context))
+        cache = self.new_cache(len(context), question_start is not None)
         start = self._now()
         logits = self.prefill(cache, context)[0, -1]
         row = Row(self, cache, logits, len(input_ids), max_new_tokens, stop_token_ids, min_new_tokens)
-        row.prefill_seconds = self._now() - start
+        row.prefill_seconds, row.scoring_seconds = self._now() - start, cache.scoring_seconds
         if question_start is not None:
             read_question([row], input_ids, question_start, 1)
         return row
@@ -197,9 +202,13 @@ class Engine:
         """
         return perplexity_rows([self], input_ids, context_tokens)[0]
 
-    def new_cache(self, prompt_len: int) -> EvictionCache:
-        """A cache for a prompt of ``prompt_len`` tokens; a budget ≥ the prompt means no eviction. Dynamic
-        layer budgets (``cake``, ``vabs``) start uniform and are re-allocated by the cache during prefill."""
+    def new_cache(self, prompt_len: int, context: bool = False) -> EvictionCache:
+        """A cache for a prompt of ``prompt_len`` tokens (``context``: a context, its question read after it is
+        compressed); a budget ≥ the prompt means no eviction. Dynamic layer budgets (``cake``, ``vabs``) start
+        uniform and are re-allocated by the cache during prefill. A policy not defined here is a one-line error."""
+        refusal = self.policy.refusal(self.regime, context)
+        if refusal is not None:
+            raise KVBenchError(refusal)
         budget = self.budget.resolve(prompt_len)
         policy = self.policy if self.policy.compresses(budget, prompt_len) else Full(gqa=self.policy.gqa)
         policy.check_budget(budget, prompt_len)
@@ -219,10 +228,12 @@ class Engine:
     @torch.inference_mode()
     def prefill(self, cache: EvictionCache | SharedPrefill, input_ids: list[int]) -> torch.Tensor:
         """Feed the prompt into ``cache`` under the regime (one block, or blocks of ``block_size`` /
-        single tokens), evicting after each; returns the last forward's logits ``[1,1,V]``."""
+        single tokens), evicting after each (a policy scoring by reconstruction: once it is reconstructed,
+        :func:`reconstruct`); returns the last forward's logits ``[1,1,V]``."""
         block = self.block_size or len(input_ids)
         for begin in range(0, len(input_ids), block):
             logits = self.step(cache, input_ids[begin : begin + block], begin, evict=True)
+        reconstruct(self, cache.caches if isinstance(cache, SharedPrefill) else [cache], input_ids)
         return logits
 
     @torch.inference_mode()
@@ -259,6 +270,14 @@ class Engine:
             **{self.cache_argument: cache},
         )
         return output.logits
+
+    def repeat_prompt(self) -> RepeatPrompt:
+        """The reconstruction forwards' token pieces for the model's tokenizer (the ``reconstruction`` statistic)."""
+        if self._repeat_prompt is None:
+            if self.tokenizer is None:
+                raise KVBenchError(f"policy {self.policy.spec} repeats the context: the engine needs the tokenizer")
+            self._repeat_prompt = RepeatPrompt.of(self.tokenizer)
+        return self._repeat_prompt
 
     # -- internals -----------------------------------------------------------------------------------
     @staticmethod
@@ -320,7 +339,7 @@ def prefill_shared(
     if question_start is not None:
         question = Question(input_ids, question_start, max_new_tokens, stop_token_ids, min_new_tokens)
         return prefill_questions(engines, [question], batch_size)
-    rows = compressed_rows(engines, input_ids, batch_size)
+    rows = compressed_rows(engines, input_ids, batch_size, context=False)
     for row in rows:
         row.max_new_tokens, row.stop_token_ids, row.min_new_tokens = max_new_tokens, stop_token_ids, min_new_tokens
     return rows
@@ -362,6 +381,7 @@ def prefill_questions(engines: list[Engine], questions: Sequence[Question], batc
                 stop_token_ids=question.stop_token_ids,
                 min_new_tokens=question.min_new_tokens,
                 prefill_seconds=row.prefill_seconds / len(questions),
+                scoring_seconds=row.scoring_seconds / len(questions),
                 context_shared_by=len(questions),
                 generated=[],
             )
@@ -372,11 +392,12 @@ def prefill_questions(engines: list[Engine], questions: Sequence[Question], batc
     return rows
 
 
-def compressed_rows(engines: list[Engine], prompt: list[int], batch_size: int) -> list[Row]:
-    """Each engine's ``prompt`` prefilled and evicted under its regime into a new cache, as a row (its decoding
-    settings left to the caller): the variants that :meth:`Engine.shares_prefill` by one forward per head layout, the
-    others feeding the prompt's blocks as rows, ``batch_size`` at a time."""
-    rows = [Row(engine, engine.new_cache(len(prompt)), torch.empty(0), len(prompt), 0) for engine in engines]
+def compressed_rows(engines: list[Engine], prompt: list[int], batch_size: int, context: bool = True) -> list[Row]:
+    """Each engine's ``prompt`` (``context``: a context, as :meth:`Engine.new_cache`) prefilled and evicted under its
+    regime into a new cache, as a row (its decoding settings left to the caller): the variants that
+    :meth:`Engine.shares_prefill` by one forward per head layout, the others feeding the prompt's blocks as rows,
+    ``batch_size`` at a time; then the contexts that a reconstruction scores (:func:`reconstruct`)."""
+    rows = [Row(engine, engine.new_cache(len(prompt), context), torch.empty(0), len(prompt), 0) for engine in engines]
     sharing: dict[bool, list[Row]] = {}  # prefill_key -> the variants of one forward
     alone = []  # the variants that feed their prompt in blocks (chunked, streaming): in lockstep, as rows
     for index, row in enumerate(rows):
@@ -398,6 +419,7 @@ def compressed_rows(engines: list[Engine], prompt: list[int], batch_size: int) -
         seconds = (lead._now() - start) / len(group)
         for row in group:
             row.logits, row.prefill_seconds, row.prefill_shared_by = shared, seconds, len(group)
+            row.scoring_seconds = row.cache.scoring_seconds
     return rows
 
 
@@ -433,6 +455,7 @@ class Row:
     prefill_seconds: float = 0.0
     prefill_shared_by: int = 1
     context_shared_by: int = 1  # questions answered from one compression of the context (prefill_questions)
+    scoring_seconds: float = 0.0  # of prefill_seconds, the context's reconstruction
     generated: list[int] = field(default_factory=list)
     decode_seconds: float = 0.0
 
@@ -478,6 +501,7 @@ def finished_rows(rows: list[Row], batch_size: int) -> Iterator[tuple[int, Gener
             row.generated, row.prompt_tokens, row.prefill_seconds, row.decode_seconds, kv, stats, kept[index]
         )
         finished.prefill_shared_by, finished.context_shared_by = row.prefill_shared_by, row.context_shared_by
+        finished.scoring_seconds = row.scoring_seconds
         return index, finished
 
     waiting, active = deque(range(len(rows))), list[int]()

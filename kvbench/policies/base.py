@@ -44,10 +44,11 @@ GQA_MODES = ("sum", "mean", "repeat")
 #: :meth:`~Policy.scoring_window` queries over the cache, gathered when it evicts (SnapKV, TOVA, PyramidKV);
 #: ``queries`` the last :meth:`~Policy.scoring_window` queries themselves, no attention computed (their statistics
 #: model the queries to come: Expected Attention); ``running`` every scored query's contributions summed as it is
-#: seen (H2O eq. 2). How the cache computes a
-#: running sum (from the attention weights, or in one pass from each query's normaliser beside the backend's
-#: attention output) is the cache's choice (``kvbench.engine.cache.uses_normaliser``), not the policy's.
-Statistic = Literal["positions", "entries", "window", "queries", "running"]
+#: seen (H2O eq. 2); ``reconstruction`` the most attention each slot of a context receives while the model, asked
+#: to repeat the context, reads it back chunk by chunk (KVzip: every layer scored before any evicts). How the cache
+#: computes a running sum (from the attention weights, or in one pass from each query's normaliser beside the
+#: backend's attention output) is the cache's choice (``kvbench.engine.cache.uses_normaliser``), not the policy's.
+Statistic = Literal["positions", "entries", "window", "queries", "running", "reconstruction"]
 #: the statistics that are attention scores, which a non-attending modifier re-ranks
 ATTENTION: tuple[Statistic, ...] = ("window", "running")
 
@@ -85,7 +86,8 @@ class ScoreContext:
 
     * ``keys``/``values [B,Hc,T,D]``: the cached entries as stored (keys after RoPE), in the cache's head layout
       (``Hc``: the KV heads, or the query heads with ``gqa=repeat``); ``positions [B,Hc,T]`` their token positions;
-    * ``summed [B,Hc,T]``: the declared statistic summed per cache head (``window``, ``running``), else None;
+    * ``summed [B,Hc,T]``: the declared statistic summed per cache head (``window``, ``running``; ``reconstruction``
+      its maximum), else None;
     * ``window``: the ``window`` or ``queries`` statistic's :class:`AttentionStats` (its queries ``[B,Hq,W,D]``,
       and lazily their weights, logits and outputs), else None;
     * ``recent``/``sinks``: the number of slots at the end / start that the policy reserves, ``budget`` the slots
@@ -175,7 +177,8 @@ class Modifier(Registered):
             return f"{base.name} evicts nothing"
         statistic = base().statistic
         if not cls.attends and statistic not in ATTENTION and (cls.needs_attention or statistic == "positions"):
-            how = {"positions": "by position", "entries": "by its cached entries"}.get(statistic, "by its queries")
+            hows = {"positions": "by position", "entries": "by its cached entries", "queries": "by its queries"}
+            how = hows.get(statistic, "by its context's reconstruction")
             return f"{base.name} ranks tokens {how}, with no attention score for {cls.name} to re-rank"
         return None
 
@@ -270,6 +273,20 @@ class Policy(Registered):
     def reserved_sinks(self) -> int:
         """How many of the first tokens (attention sinks) are always kept."""
         return 0
+
+    def refusal(self, regime: str, query_agnostic: bool) -> str | None:
+        """Why this policy is not defined under ``regime`` (``engine.regime``), or without a context split
+        (``query_agnostic``: ``task.query_mode=agnostic``), or None: it runs everywhere by default."""
+        return None
+
+    def reconstruction_chunk(self) -> int:
+        """Context tokens each reconstruction forward repeats (the ``reconstruction`` statistic)."""
+        return 2048
+
+    def layer_shares(self, rankings: list[torch.Tensor], budgets: list[int]) -> list[int]:
+        """Per-layer budgets once every layer's ranking ``[B,Hc,T_l]`` is known before any evicts (the
+        ``reconstruction`` statistic), from the ``budgets`` allocated beforehand: by default those."""
+        return budgets
 
     def compresses(self, budget: int, prompt_len: int) -> bool:
         """Whether a prompt of ``prompt_len`` tokens is evicted at ``budget``: one longer than the budget."""

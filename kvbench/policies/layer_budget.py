@@ -20,7 +20,7 @@ Each paper's strategy lives in that paper's policy file and registers itself wit
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -126,7 +126,7 @@ def layer_budget_keys(name: str) -> list[str]:
     return ["name", *sorted(f.name for f in fields(LAYER_BUDGETS[name]))]
 
 
-def conserve_total(raw: list[float], total: int, caps: list[int] | None = None) -> list[int]:
+def conserve_total(raw: Sequence[float], total: int, caps: list[int] | None = None) -> list[int]:
     """Round shares ``∝ raw`` (non-negative; all zero = equal) to integers summing to ``total`` (largest
     remainders first). With ``caps`` no share exceeds its cap: capped shares are fixed and the rest of the
     total is shared again in proportion (water-filling); if the caps hold less than ``total``, all are full."""

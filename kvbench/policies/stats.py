@@ -299,3 +299,22 @@ class AttentionStats:
             return 128
         batch, q_heads, _, _ = self.queries.shape
         return max(128, BLOCK_ELEMENTS // (batch * q_heads * self.keys.shape[2]))
+
+
+def reconstruction_attention(
+    queries: torch.Tensor, keys: torch.Tensor, sinks: int, chunk: slice, scaling: float
+) -> torch.Tensor:
+    """The most attention each slot of a context ``chunk`` receives from the ``q`` queries ``[B,Hq,q,D]`` of the
+    forward that repeats it, over the cache's ``keys [B,Hc,T,D]`` whose last ``q`` are the forward's own: each query
+    attends (causally among its own) to the first ``sinks`` slots, the chunk and the forward's own slots only, and
+    the maximum is over the queries and each KV group (KVzip §3.2; kvpress ``KVzipPress.score_kvzip``):
+    ``[B,Hc,|chunk|]``."""
+    batch, q_heads, q_len, dim = queries.shape
+    heads, sinks = keys.shape[1], min(sinks, chunk.start)
+    seen = torch.cat([keys[:, :, :sinks], keys[:, :, chunk], keys[:, :, -q_len:]], dim=2)  # [B,Hc,S,D]
+    rows = queries.reshape(batch, heads, q_heads // heads * q_len, dim)  # [B,Hc,G·q,D]
+    logits = float32_logits(rows, seen, scaling).view(batch, heads, -1, q_len, seen.shape[2])  # [B,Hc,G,q,S]
+    future = torch.ones(q_len, q_len, dtype=torch.bool, device=keys.device).triu(1)  # [q,q]
+    logits[..., -q_len:].masked_fill_(future, float("-inf"))
+    weights = torch.softmax(logits, dim=-1)[..., sinks : sinks + chunk.stop - chunk.start]  # [B,Hc,G,q,|chunk|]
+    return weights.amax(dim=(2, 3))

@@ -82,7 +82,8 @@ class ExpectedAttention(Policy):
             centred = queries - queries.mean(dim=2, keepdim=True)
             covariance = torch.einsum("bhwi,bhwj->bhij", centred, centred) / queries.shape[2]  # [B,Hq,D,D]
             covariance = rotation @ covariance @ rotation.T
-            spread = torch.einsum("bctd,bcgde,bcte->bcgt", keys, covariance.view(batch, heads, group, dim, dim), keys)
+            turned = torch.einsum("bcgde,bcte->bcgtd", covariance.view(batch, heads, group, dim, dim), keys)  # Σ̄k
+            spread = (turned * keys[:, :, None]).sum(dim=-1)  # kᵀΣ̄k [B,Hc,G,T']
             logits = logits + spread / dim / 2
         scores = torch.softmax(logits, dim=-1).mean(dim=2)  # [B,Hc,T']
         if self.use_vnorm:

@@ -1,0 +1,77 @@
+"""KVzip (Kim et al., 2025, arXiv 2505.23416): keep what the model reads back when asked to repeat its context."""
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.domains import FLAG, integer, setting
+from kvbench.policies.base import Policy, ScoreContext, Statistic
+from kvbench.policies.layer_budget import Uniform, conserve_total
+from kvbench.policies.registry import register
+
+
+@register
+@dataclass
+class KVzip(Policy):
+    """A context, prefilled whole, is scored by reconstructing it: the model reads "Repeat the previous context
+    exactly." and the context again, ``chunk_size`` tokens a forward, and each cached slot scores the most attention
+    any repeating query of its KV group pays it (KVzip eq. 2, the ``reconstruction`` statistic; kvpress's
+    ``KVzipPress``). The ``n_sink`` first slots are kept. Query-agnostic by design: it needs a context split
+    (``task.query_mode=agnostic``) and runs oneshot. Unless ``layerwise``, the layers share the budget as the scores
+    say (KVzip §3.3): the top ``budget × layers × heads`` slots of every layer and head together, each layer keeping
+    its count over its heads (rounded, largest remainder); ``layerwise``: every layer its own budget."""
+
+    name = "kvzip"
+    paper = "KVzip (arXiv 2505.23416)"
+    swept = False  # its leaderboard cells are being run
+
+    #: context tokens each reconstruction forward repeats (kvpress's default)
+    chunk_size: int = setting(integer(1, "a token count"), 2048)
+    #: first slots kept
+    n_sink: int = setting(integer(0, "a token count"), 4)
+    #: each layer keeps its own budget (the layer budget's), not a share of the total by the scores
+    layerwise: bool = setting(FLAG, False)
+
+    @property
+    def statistic(self) -> Statistic:
+        return "reconstruction"
+
+    def refusal(self, regime: str, query_agnostic: bool) -> str | None:
+        if regime != "oneshot":
+            return f"policy {self.spec} reconstructs a whole prefilled context: engine.regime=oneshot, not {regime}"
+        if not query_agnostic:
+            return f"policy {self.spec} reconstructs a context before its question: it needs task.query_mode=agnostic"
+        if self.layer_budget.dynamic or not (self.layerwise or isinstance(self.layer_budget, Uniform)):
+            return (
+                f"policy {self.spec} shares the budget across layers by its scores: policy.layer_budget="
+                f"{self.layer_budget.name} needs policy.layerwise=true and a static layer budget"
+            )
+        return None
+
+    def reconstruction_chunk(self) -> int:
+        return self.chunk_size
+
+    def reserved_sinks(self) -> int:
+        return self.n_sink
+
+    def score(self, context: ScoreContext) -> torch.Tensor:
+        assert context.summed is not None  # the reconstruction statistic
+        return context.summed
+
+    def layer_shares(self, rankings: list[torch.Tensor], budgets: list[int]) -> list[int]:
+        if self.layerwise:
+            return budgets
+        counts = kept_counts(rankings, sum(budgets) * rankings[0].shape[1], self.n_sink)
+        return conserve_total(counts, sum(budgets), caps=[ranking.shape[-1] for ranking in rankings])
+
+
+def kept_counts(rankings: list[torch.Tensor], kept: int, sinks: int) -> list[int]:
+    """How many of the top ``kept`` slots of every layer's ranking ``[B,Hc,T_l]`` together each layer holds, the
+    first ``sinks`` of each head above every slot (kvpress ``KVzipPress.compress_post``)."""
+    scores = [ranking.float().clone() for ranking in rankings]
+    for layer in scores:
+        layer[..., :sinks] = torch.inf
+    flat = torch.cat([layer.flatten() for layer in scores])
+    owner = torch.cat([torch.full((layer.numel(),), index) for index, layer in enumerate(scores)]).to(flat.device)
+    top = flat.topk(min(kept, flat.numel())).indices
+    return torch.bincount(owner[top], minlength=len(scores)).tolist()
