@@ -209,20 +209,26 @@ def test_perplexity_cells_keep_their_scale(tmp_path):
 def test_the_leaderboard_runs_every_base_with_every_modifier_that_applies(experiment, decoding_only):
     """Each of the leaderboard's sweeps asks the registry for its policies (``${policies:...}``, no method named by
     hand, so a new method file joins it): the full cache and every base alone and with every modifier that applies to
-    it; perplexity, read without decoding, leaves out the modifiers that act only on decoding steps."""
+    it, but a method defined only query-agnostically (KVzip); perplexity, read without decoding, leaves out the
+    modifiers that act only on decoding steps. The query-agnostic sweep holds every base alone, and such a method
+    with its modifiers."""
     from omegaconf import OmegaConf
 
+    from kvbench.config import defined
     from kvbench.launch.sweeps import sweeper_params
 
     raw = OmegaConf.load(PROJECT_ROOT / "conf" / "experiment" / f"{experiment}.yaml").hydra.sweeper.params
     assert OmegaConf.to_container(raw)["policy"].startswith("${policies:variants")
     parts = {**BASES, **MODIFIERS}
-    expected = [  # the full cache included; a method whose cells are being run (swept = False) not yet
-        spec
-        for spec in VARIANTS
-        if spec.partition("+")[2] not in decoding_only and all(parts[name].swept for name in spec.split("+"))
+    swept = [  # the full cache included; a method whose cells are being run (swept = False) not yet
+        spec for spec in VARIANTS if all(parts[name].swept for name in spec.split("+"))
     ]
+    expected = [spec for spec in swept if spec.partition("+")[2] not in decoding_only and defined(spec, False)]
     assert sorted(sweeper_params(experiment)["policy"].split(",")) == sorted(expected)
+    only_agnostic = [spec for spec in swept if not defined(spec.partition("+")[0], False)]
+    agnostic = [spec for spec in swept if "+" not in spec] + [spec for spec in only_agnostic if "+" in spec]
+    assert "kvzip+calidrop" in only_agnostic and "kvzip" not in expected
+    assert sorted(sweeper_params("leaderboard_agnostic")["policy"].split(",")) == sorted(agnostic)
 
 
 def test_the_registry_expands_a_sweep_and_a_new_method_joins_it(monkeypatch):

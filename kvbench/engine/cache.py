@@ -69,9 +69,10 @@ class EvictionLayer(DynamicLayer):
         self.peak_tokens = max(self.peak_tokens, self.get_seq_length())
 
     def truncate(self, length: int) -> None:
-        """Drop every slot after the first ``length`` (a reconstruction forward's own tokens)."""
+        """Drop every slot after the first ``length`` (a reconstruction forward's own tokens), freeing them (a copy:
+        a view would hold the longer tensors)."""
         assert self.positions is not None
-        self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+        self.keys, self.values = self.keys[:, :, :length].clone(), self.values[:, :, :length].clone()
         self.positions = self.positions[..., :length]
 
     def remember_queries(self, queries: torch.Tensor, positions: torch.Tensor, window: int) -> None:

@@ -23,7 +23,6 @@ class KVzip(Policy):
 
     name = "kvzip"
     paper = "KVzip (arXiv 2505.23416)"
-    swept = False  # its leaderboard cells are being run
 
     #: context tokens each reconstruction forward repeats (kvpress's default)
     chunk_size: int = setting(integer(1, "a token count"), 2048)
