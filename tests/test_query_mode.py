@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 
 import pytest
@@ -380,7 +381,10 @@ def test_a_longbench_run_compresses_each_shared_context_once(tmp_path):
 
 def test_the_committed_shared_context_runs_regenerate_the_results_page_table(tmp_path):
     """``results/shared_context``'s run directories give its report's ``query_modes`` table byte for byte, and
-    docs/results.md quotes it as it is (``kvbench table results/shared_context --layout query_modes``)."""
+    docs/results.md quotes it as it is (``kvbench table results/shared_context --layout query_modes``); it holds every
+    job of the experiment."""
+    from kvbench.launch.sweeps import sweeper_params
+
     committed = PROJECT_ROOT / "results" / "shared_context"
     if not (committed / "report").is_dir():
         pytest.skip("results/shared_context has no report")
@@ -389,7 +393,9 @@ def test_the_committed_shared_context_runs_regenerate_the_results_page_table(tmp
     assert made == (committed / "report" / "query_modes.md").read_text()
     assert made.strip() in (PROJECT_ROOT / "docs" / "results.md").read_text()
     runs = load_runs([committed])
-    assert len(runs) == 48 and all(run.metrics["num_samples"] == 100 for run in runs)
+    params = sweeper_params("shared_context")  # every job of the experiment, its policies read from the registry
+    assert len(runs) == math.prod(len(values.split(",")) for values in params.values())
+    assert all(run.metrics["num_samples"] == 100 for run in runs)
 
 
 @pytest.mark.slow  # 41 s; what it runs is tested piece by piece above
