@@ -11,12 +11,11 @@ cost one reconstruction.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+import torch
 
 from kvbench.engine.cache import EvictionCache
-
-if TYPE_CHECKING:
-    from kvbench.engine.engine import Engine
 
 #: what the first chunk's forward asks, and every later one's (followed by the previous chunk's last tokens)
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
@@ -70,7 +69,19 @@ class RepeatPrompt:
         return forwards
 
 
-def reconstruct(engine: Engine, caches: list[EvictionCache], context: list[int]) -> None:
+class Runner(Protocol):
+    """What a reconstruction needs of ``kvbench.engine.engine.Engine`` (which imports this module)."""
+
+    def step(self, cache: EvictionCache, token_ids: list[int], start: int, evict: bool | None = None) -> torch.Tensor:
+        """One forward over ``token_ids`` at positions ``start..``."""
+        ...
+
+    def repeat_prompt(self) -> RepeatPrompt: ...
+
+    def _now(self) -> float: ...
+
+
+def reconstruct(engine: Runner, caches: list[EvictionCache], context: list[int]) -> None:
     """Score and evict those of ``caches`` (``context`` prefilled into each, by ``engine``'s model) whose policy
     gathers the ``reconstruction`` statistic: one reconstruction per chunk size, sinks and head layout, its time
     shared among the caches it serves (``scoring_seconds``)."""
