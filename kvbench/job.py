@@ -20,6 +20,7 @@ from kvbench import CONF_DIR, config_dict
 from kvbench.config import engine_keys, group_keys, group_options
 from kvbench.domains import Domain, check_table, choice, integer
 from kvbench.engine import ENGINE_SETTINGS
+from kvbench.engine.engine import evicts_decoding
 from kvbench.errors import KVBenchError, check_keys, choose
 from kvbench.models import MODEL_SETTINGS
 from kvbench.policies import build_policy
@@ -64,7 +65,9 @@ def resolve(cfg: DictConfig) -> Job:
     policy.for_model(settings["model"].get("hf_id"), budget)
     nominal = NOMINAL_PROMPT if budget.tokens is None else 10 * budget.tokens
     policy.check_budget(budget.resolve(nominal), nominal)
-    refusal = policy.refusal(settings["engine"]["regime"], settings["task"].get("query_mode") == "agnostic")
+    engine = settings["engine"]
+    decode_evict = evicts_decoding(engine["regime"], engine.get("decode_evict"))
+    refusal = policy.refusal(engine["regime"], settings["task"].get("query_mode") == "agnostic", decode_evict)
     if refusal is not None:
         raise KVBenchError(refusal)
     settings["policy"] = policy.settings()

@@ -9,7 +9,9 @@ Each prompt is ``LENGTH`` tokens of the Paul Graham essays (the RULER/NIAH hayst
 ``OFFSETS`` characters in) prefilled once through the press with transformers' SDPA attention; the press keeps
 ``KEPT`` tokens per layer and KV head (``compression_ratio = 1 − KEPT / LENGTH``). Recorded: the prompt ids, and per
 layer and KV head the kept positions as the press keeps them (the top-``KEPT`` of its own scores), as a bit mask of
-the prompt's positions packed into bytes, base64-encoded.
+the prompt's positions packed into bytes, base64-encoded. ``AdaKVPress`` is head-wise: it keeps ``KEPT`` per layer
+and head on average, every entry in the cache, and masks the rest (``masked_key_indices``): recorded is what it does
+not mask.
 
 ``kvzip.json``: kvpress's ``KVzipPress`` is head-wise (one budget over every layer and head, kept by masking), so its
 kept sets are not kvbench's per-layer ones; what the two define alike is the score and the layers' shares. Each
@@ -57,6 +59,8 @@ def presses(kvpress) -> dict[str, object]:
         # chunks of 16: 512 tokens are 32 whole chunks, 8 of them the kept count (the default 20 keeps 6 chunks,
         # 120 tokens, where kvbench keeps the budget's 128)
         "knorm+chunkkv": kvpress.ChunkKVPress(kvpress.KnormPress(compression_ratio=ratio), chunk_length=16),
+        "snapkv+adakv": kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio)),
+        "expected_attention+adakv": kvpress.AdaKVPress(kvpress.ExpectedAttentionPress(compression_ratio=ratio)),
     }
 
 
@@ -66,6 +70,8 @@ def kept_masks(model, press, ids: list[int]) -> list[str]:
     which selects chunks; the prefill's forward is the same, so its keys are bit for bit the kept ones)."""
     scores = recorded_scores(press) if hasattr(press, "score") else None
     cache = press_prefill(model, press, ids, "sdpa")
+    if isinstance(press, kvpress_module().AdaKVPress):  # head-wise: it masks what it evicts, the cache keeps its length
+        return [masked_out(layer.self_attn, len(ids)) for layer in model.model.layers]
     if scores is None:
         full = press_prefill(model, kvpress_module().KnormPress(compression_ratio=0.0), ids, "sdpa")
     masks = []
@@ -79,6 +85,16 @@ def kept_masks(model, press, ids: list[int]) -> list[str]:
         mask = torch.zeros(kept.shape[0], len(ids), dtype=torch.bool).scatter_(-1, kept, True)
         masks.append(base64.b64encode(np.packbits(mask.numpy(), axis=-1).tobytes()).decode())
     return masks
+
+
+def masked_out(attention, length: int) -> str:
+    """A head-wise press's kept positions of one layer (all but the ``masked_key_indices`` it set on the attention
+    module, batch 0) as a packed bit mask, base64."""
+    _, heads, slots = attention.masked_key_indices
+    del attention.masked_key_indices
+    mask = torch.ones(attention.config.num_key_value_heads, length, dtype=torch.bool)
+    mask[heads, slots] = False
+    return base64.b64encode(np.packbits(mask.numpy(), axis=-1).tobytes()).decode()
 
 
 def kvzip_record(model, tokenizer, kvpress, text_ids: list[int], scores: bool) -> dict:

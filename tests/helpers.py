@@ -9,7 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AttentionInterface,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+from transformers.masking_utils import AttentionMaskInterface
 
 from kvbench import PROJECT_ROOT
 from kvbench.engine import Engine
@@ -122,8 +131,11 @@ def prefill_and_decode(runner: Engine, prompt: list[int], steps: int = 4):
 
 
 def kept_masks(cache, length: int) -> list[torch.Tensor]:
-    """Each layer's kept positions in ``cache`` (row 0) as masks ``[Hc, length]``."""
-    return [torch.zeros(p.shape[1], length, dtype=torch.bool).scatter_(-1, p[0], True) for p in cache.kept_positions()]
+    """Each layer's kept positions in ``cache`` (row 0; a length per head or not) as masks ``[Hc, length]``."""
+    return [
+        torch.stack([torch.zeros(length, dtype=torch.bool).scatter_(0, torch.tensor(head), True) for head in heads])
+        for heads in cache.kept_by_head()
+    ]
 
 
 def unpacked_mask(packed: str, heads: int, length: int) -> torch.Tensor:
@@ -137,3 +149,24 @@ def local_data(variable: str, *shared: str) -> Path:
     """Test data the user points to with the environment ``variable`` (as kvbench's task files read it), else
     the workplace's copy beside the project (``../shared/<shared...>``); callers skip when it is absent."""
     return Path(os.environ.get(variable) or PROJECT_ROOT.parent.joinpath("shared", *shared))
+
+
+def masked_forward(model, tokens: list[int], kept: list[torch.Tensor], context: int) -> torch.Tensor:
+    """Logits ``[len(tokens) − context, V]`` of a full forward in which each token after the first ``context`` sees,
+    in layer ``l`` and query head ``h``, only the context positions ``kept[l][h // G]`` (a mask ``[Hc, context]``)
+    and the tokens after the context up to itself."""
+    length = len(tokens)
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **_):
+        heads, group = query.shape[1], query.shape[1] // key.shape[1]
+        allowed = torch.ones(heads, length, length, dtype=torch.bool).tril()
+        allowed[:, context:, :context] &= kept[module.layer_idx].repeat_interleave(group, dim=0)[:, None]
+        logits = torch.einsum("bhqd,bhtd->bhqt", query, key.repeat_interleave(group, 1)).float() * scaling
+        weights = logits.masked_fill(~allowed[None], float("-inf")).softmax(-1)
+        return torch.einsum("bhqt,bhtd->bqhd", weights, value.repeat_interleave(group, 1)), None
+
+    AttentionInterface.register("kvbench_test_masked", attention)
+    AttentionMaskInterface.register("kvbench_test_masked", lambda *args, **kwargs: None)
+    model.set_attn_implementation("kvbench_test_masked")
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0, context:]

@@ -16,14 +16,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from kvbench.engine import Engine
 from kvbench.errors import KVBenchError
 from kvbench.policies import BASES, MODIFIERS, build_policy, composable
 from kvbench.policies.budgets import Budget
-from tests.helpers import TOKENIZER, query_agnostic, random_prompt, tiny_model
+from tests.helpers import TOKENIZER, kept_masks, masked_forward, query_agnostic, random_prompt, tiny_model
 
 SPECS = [
     "full",
@@ -89,10 +87,12 @@ def test_oneshot_eviction_shrinks_the_tensors(llama, spec):
     budgets = cache.layer_budgets
     assert cache.tokens_per_layer() == budgets and sum(budgets) == budget * LAYERS
     heads = cache.cache_heads
-    for layer, kept in zip(cache.layers, budgets):
-        assert layer.keys.shape == layer.values.shape == (1, heads, kept, 16)
-        assert layer.positions.shape == (1, heads, kept)
-        assert torch.all(layer.positions[..., 1:] > layer.positions[..., :-1])
+    for layer, kept, by_head in zip(cache.eviction_layers, budgets, cache.kept_by_head()):
+        assert sum(map(len, by_head)) == heads * kept  # a length per head (AdaKV) or not: the layer's total
+        assert layer.held_bytes() == 2 * heads * kept * 16 * layer.keys.element_size()
+        assert all(sorted(set(positions)) == positions for positions in by_head)
+        if layer.headwise is None:
+            assert layer.keys.shape == layer.values.shape == (1, heads, kept, 16)
 
 
 @pytest.mark.parametrize("spec", SPECS[1:])
@@ -106,30 +106,6 @@ def test_chunked_cache_never_exceeds_budget_plus_block(llama, spec):
     assert output.kv.peak_bytes < output.kv.full_bytes
 
 
-def masked_reference(model, tokens: list[int], kept: list[torch.Tensor]) -> torch.Tensor:
-    """Logits of the last token of a full forward in which its query sees, in layer ``l`` and query head ``h``,
-    only ``kept[l][0, h // G]`` (and itself); every earlier query is plainly causal."""
-    length = len(tokens)
-
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **_):
-        heads, kv_heads = query.shape[1], key.shape[1]
-        allowed = torch.ones(heads, length, length, dtype=torch.bool).tril()
-        positions = kept[module.layer_idx][0].repeat_interleave(heads // kept[module.layer_idx].shape[1], dim=0)
-        last = torch.zeros(heads, length, dtype=torch.bool).scatter_(1, positions, True)
-        allowed[:, -1] = last
-        allowed[:, -1, -1] = True
-        group = heads // kv_heads
-        logits = torch.einsum("bhqd,bhtd->bhqt", query, key.repeat_interleave(group, 1)).float() * scaling
-        weights = logits.masked_fill(~allowed[None], float("-inf")).softmax(-1)
-        return torch.einsum("bhqt,bhtd->bqhd", weights, value.repeat_interleave(group, 1)), None
-
-    AttentionInterface.register("kvbench_test_masked", attention)
-    AttentionMaskInterface.register("kvbench_test_masked", lambda *args, **kwargs: None)
-    model.set_attn_implementation("kvbench_test_masked")
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0, -1]
-
-
 @pytest.mark.parametrize("spec", SPECS[1:])
 def test_decode_after_eviction_sees_exactly_the_kept_entries(spec):
     model = tiny_model("llama", layers=LAYERS)
@@ -137,9 +113,9 @@ def test_decode_after_eviction_sees_exactly_the_kept_entries(spec):
     engine = runner(model, spec, budget)
     cache = engine.new_cache(len(prompt), query_agnostic(engine.policy))
     token = int(engine.prefill(cache, prompt)[0, -1].argmax())
-    kept = [positions.clone() for positions in cache.kept_positions()]
+    kept = kept_masks(cache, len(prompt))
     step = engine.step(cache, [token], len(prompt), evict=False)[0, -1]
-    expected = masked_reference(tiny_model("llama", layers=LAYERS), prompt + [token], kept)
+    expected = masked_forward(tiny_model("llama", layers=LAYERS), prompt + [token], kept, len(prompt))[-1]
     if any(modifier.attends for modifier in engine.policy.modifiers):
         assert not torch.allclose(step, expected, rtol=1e-4, atol=1e-4)  # it recovers evicted information
     else:
@@ -152,5 +128,5 @@ def test_masked_reference_without_eviction_is_the_model():
     tokens = random_prompt(30)
     with torch.no_grad():
         expected = model(torch.tensor([tokens])).logits[0, -1]
-    everything = [torch.arange(29).expand(1, 2, 29)] * LAYERS
-    torch.testing.assert_close(masked_reference(model, tokens, everything), expected, rtol=1e-4, atol=1e-4)
+    everything = [torch.ones(2, 29, dtype=torch.bool)] * LAYERS
+    torch.testing.assert_close(masked_forward(model, tokens, everything, 29)[-1], expected, rtol=1e-4, atol=1e-4)

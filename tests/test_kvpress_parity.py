@@ -33,6 +33,8 @@ REFERENCE_SETTINGS = {
     "expected_attention": {},
     "knorm+criticalkv": {"norm_bits": None},
     "knorm+chunkkv": {"norm_bits": None, "chunk_length": 16},  # the fixture's chunks
+    "snapkv+adakv": {"window": 64},  # SnapKVPress's window
+    "expected_attention+adakv": {},
 }
 
 pytestmark = pytest.mark.model

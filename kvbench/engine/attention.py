@@ -32,32 +32,46 @@ def bottom_right_causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
     return slots[None, :] <= last_visible[:, None]
 
 
-def sdpa_attention(query, key, value, scaling):
-    """``query [B,Hq,q,D]``, ``key/value [B,Hc,T,D]`` → ``[B,q,Hq,D]`` with PyTorch SDPA."""
+def attention_mask(query, key, key_mask) -> torch.Tensor | None:
+    """The boolean mask ``[q,T]`` or ``[Hq,q,T]`` (True = attended) of ``query [B,Hq,q,D]`` over ``key [B,Hc,T,D]``:
+    bottom-right causal, and with ``key_mask [Hc,T]`` only the slots each cache head holds; None where one query sees
+    every slot."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    mask = None
-    if 1 < q_len < kv_len:
-        mask = bottom_right_causal_mask(q_len, kv_len, query.device)
+    mask = bottom_right_causal_mask(q_len, kv_len, query.device) if q_len > 1 else None
+    if key_mask is None:
+        return mask
+    held = key_mask.repeat_interleave(query.shape[1] // key.shape[1], dim=0)[:, None]  # [Hq,1,T]
+    return held if mask is None else held & mask
+
+
+def sdpa_attention(query, key, value, scaling, key_mask=None):
+    """``query [B,Hq,q,D]``, ``key/value [B,Hc,T,D]`` (``key_mask [Hc,T]``: the slots each head holds, or None) →
+    ``[B,q,Hq,D]`` with PyTorch SDPA."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    causal = key_mask is None and 1 < q_len == kv_len  # SDPA's own causal mask, no mask tensor
     output = F.scaled_dot_product_attention(
         query,
         key,
         value,
-        attn_mask=mask,
-        is_causal=q_len > 1 and q_len == kv_len,
+        attn_mask=None if causal else attention_mask(query, key, key_mask),
+        is_causal=causal,
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
     )
     return output.transpose(1, 2).contiguous()
 
 
-def eager_attention(query, key, value, scaling):
-    """Reference attention with an explicit float32 softmax: ``[B,q,Hq,D]``."""
+def eager_attention(query, key, value, scaling, key_mask=None):
+    """Reference attention with an explicit float32 softmax (``key_mask`` as :func:`sdpa_attention`'s):
+    ``[B,q,Hq,D]``."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     grouped = query.view(batch, kv_heads, q_heads // kv_heads, q_len, dim)
     logits = torch.einsum("bhgqd,bhtd->bhgqt", grouped, key).float() * scaling
-    if q_len > 1:
-        logits = logits.masked_fill(~bottom_right_causal_mask(q_len, kv_len, query.device), float("-inf"))
+    mask = attention_mask(query, key, key_mask)
+    if mask is not None:
+        mask = mask.view(kv_heads, -1, q_len, kv_len) if mask.dim() == 3 else mask  # [Hc,G,q,T] or [q,T]
+        logits = logits.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(logits, dim=-1).to(value.dtype)
     output = torch.einsum("bhgqt,bhtd->bhgqd", weights, value).reshape(batch, q_heads, q_len, dim)
     return output.transpose(1, 2).contiguous()
@@ -128,8 +142,11 @@ def cache_attention(cache, module, query, key, value, scaling):
     """``query [B,Hq,q,D]`` over ``key/value [B,Hc,T,D]`` of ``cache`` (an ``EvictionCache`` or ``SharedPrefill``):
     by the backend, then the cache's attending modifiers for a single query, its scoring (from the backend's
     output) and eviction → ``[B,q,Hq,D]``."""
+    key_mask = cache.key_mask(module.layer_idx)
     if cache.attn_backend == "eager":
-        output = eager_attention(query, key, value, scaling)
+        output = eager_attention(query, key, value, scaling, key_mask)
+    elif key_mask is not None:  # a length per head: FlashAttention-2's varlen kernel takes no per-head lengths
+        output = sdpa_attention(query, key, value, scaling, key_mask)
     elif cache.attn_backend == "flash_attention_2":
         output = flash_attention(module, query, key, value, scaling)
     else:

@@ -22,9 +22,63 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvbench.engine import attention
+from kvbench.errors import KVBenchError
 from kvbench.policies.base import AttentionStats, Evicted, LayerWeights, Modifier, Policy, ScoreContext
 from kvbench.policies.layer_budget import CascadingAllocation
 from kvbench.policies.stats import NormalisedStats, reconstruction_attention
+
+
+@dataclass
+class HeadwiseEntries:
+    """A layer's entries after a head-wise eviction (batch 1), packed head after head, each head's in position order:
+    ``keys``/``values [N,D]``, ``positions [N]``, ``lengths [Hc]`` (entries per cache head) and ``slots [N]``, each
+    entry's place in the ``[Hc, longest]`` layout that attention pads them to for as long as it runs
+    (:meth:`padded`). Only the ``N`` entries kept are held, not the longest head's length × heads."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    lengths: torch.Tensor
+    slots: torch.Tensor
+    longest: int
+
+    @staticmethod
+    def packed(
+        keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, kept: torch.Tensor
+    ) -> HeadwiseEntries:
+        """The entries ``kept [1,Hc,T]`` (True = kept) of a layer's ``keys``/``values [1,Hc,T,D]`` and ``positions
+        [1,Hc,T]``, copied out of them."""
+        heads, tokens = kept.shape[1:]
+        flat = kept[0].flatten().nonzero().squeeze(-1)  # [N] head-major, slot order within a head
+        lengths = kept[0].sum(dim=-1)  # [Hc]
+        head = flat // tokens
+        rank = torch.arange(flat.numel(), device=flat.device) - (lengths.cumsum(0) - lengths)[head]
+        longest = int(lengths.max())
+        return HeadwiseEntries(
+            keys[0].flatten(0, 1)[flat],
+            values[0].flatten(0, 1)[flat],
+            positions[0].flatten()[flat],
+            lengths,
+            head * longest + rank,
+            longest,
+        )
+
+    @property
+    def heads(self) -> int:
+        return self.lengths.numel()
+
+    def padded(self, entries: torch.Tensor) -> torch.Tensor:
+        """``keys`` or ``values [N,D]`` in the padded layout ``[1,Hc,longest,D]`` (zeros after each head's own)."""
+        layout = entries.new_zeros(self.heads * self.longest, entries.shape[-1])
+        return layout.index_copy_(0, self.slots, entries).view(1, self.heads, self.longest, -1)
+
+    def mask(self) -> torch.Tensor:
+        """``[Hc, longest]``: True on each head's own entries of the padded layout."""
+        return torch.arange(self.longest, device=self.lengths.device) < self.lengths[:, None]
+
+    def by_head(self) -> list[torch.Tensor]:
+        """Each cache head's positions."""
+        return list(self.positions.split(self.lengths.tolist()))
 
 
 class EvictionLayer(DynamicLayer):
@@ -36,6 +90,10 @@ class EvictionLayer(DynamicLayer):
     preferences; ``last_query [B,Hq,D]`` the newest query (CaliDrop's initial calibration query);
     ``ranking [B,Hc,T]`` the scores of the last eviction (re-used when cascading shrinks the layer again);
     ``received [B,Hc,T]`` the ``reconstruction`` statistic of the slots reconstructed so far.
+
+    After a head-wise eviction (:meth:`keep_per_head`) the kept entries are ``headwise`` (:class:`HeadwiseEntries`,
+    a length per head) and ``keys``/``values``/``positions`` hold only the tokens appended since, the same for
+    every head.
     """
 
     # DynamicLayer's keys/values are None until the first ``append`` initialises them; an EvictionLayer is only
@@ -54,6 +112,7 @@ class EvictionLayer(DynamicLayer):
         self.ranking: torch.Tensor | None = None
         self.received: torch.Tensor | None = None
         self.modifier_state: dict[str, Any] = {}
+        self.headwise: HeadwiseEntries | None = None
         self.peak_tokens = 0
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
@@ -66,7 +125,35 @@ class EvictionLayer(DynamicLayer):
             zeros = self.running_score.new_zeros(batch, heads, new_tokens)
             self.running_score = torch.cat([self.running_score, zeros], dim=-1)
         self.ranking = None
-        self.peak_tokens = max(self.peak_tokens, self.get_seq_length())
+        self.peak_tokens = max(self.peak_tokens, self.tokens_per_head())
+
+    def tokens_per_head(self) -> int:
+        """The entries held per cache head (on average, after a head-wise eviction)."""
+        held = 0 if self.headwise is None else int(self.headwise.lengths.sum()) // self.headwise.heads
+        return held + self.get_seq_length()
+
+    def held_bytes(self) -> int:
+        """The bytes of the keys and values held."""
+        entries = self.keys.numel() + (0 if self.headwise is None else self.headwise.keys.numel())
+        return 2 * entries * self.keys.element_size()
+
+    def kept_by_head(self) -> list[torch.Tensor]:
+        """Each cache head's positions (batch 0), in order."""
+        assert self.positions is not None
+        if self.headwise is None:
+            return list(self.positions[0])
+        return [torch.cat([own, self.positions[0, head]]) for head, own in enumerate(self.headwise.by_head())]
+
+    def attended(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The keys and values ``[B,Hc,T,D]`` a forward attends to and which of them each head holds ``[Hc,T]`` (None:
+        all): after a head-wise eviction its entries padded to the longest head, then the tokens appended since."""
+        if self.headwise is None:
+            return self.keys, self.values, None
+        entries = self.headwise
+        keys = torch.cat([entries.padded(entries.keys), self.keys], dim=2)
+        values = torch.cat([entries.padded(entries.values), self.values], dim=2)
+        appended = torch.ones(entries.heads, self.get_seq_length(), dtype=torch.bool, device=keys.device)
+        return keys, values, torch.cat([entries.mask(), appended], dim=-1)
 
     def truncate(self, length: int) -> None:
         """Drop every slot after the first ``length`` (a reconstruction forward's own tokens), freeing them (a copy:
@@ -108,6 +195,17 @@ class EvictionLayer(DynamicLayer):
         for name in ("running_score", "ranking"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).gather(2, kept))
+
+    def keep_per_head(self, kept: torch.Tensor) -> None:
+        """Keep the slots ``kept [1,Hc,T]`` (True = kept; any number per head) as :class:`HeadwiseEntries`, freeing the
+        rest; the layer then appends to empty tensors."""
+        assert self.positions is not None
+        if kept.shape[0] != 1:
+            raise KVBenchError("a head-wise eviction keeps one sequence per cache (batch 1)")
+        self.headwise = HeadwiseEntries.packed(self.keys, self.values, self.positions, kept)
+        self.keys, self.values = self.keys[:, :, :0].clone(), self.values[:, :, :0].clone()
+        self.positions = self.positions[..., :0].clone()
+        self.running_score = self.ranking = None
 
     def dropped_by(self, kept: torch.Tensor) -> Evicted:
         """The entries that keeping ``kept [B,Hc,K]`` evicts, in position order, scored by ``ranking``."""
@@ -155,12 +253,16 @@ def prefill_key(policy: Policy) -> bool:
 
 @dataclass
 class CacheSizes:
-    """Cache sizes measured during one sample (tokens per KV head, bytes over all layers)."""
+    """Cache sizes measured during one sample (tokens per KV head, on average where each head holds its own length;
+    bytes over all layers): ``after_prefill_head_range`` each layer's shortest and longest head after prefill, where
+    the heads' lengths differ (a head-wise eviction), else None."""
 
     after_prefill_tokens_per_layer: list[int] = field(default_factory=list)
     peak_tokens_per_layer: list[int] = field(default_factory=list)
     peak_bytes: int = 0
     full_bytes: int = 0
+    after_prefill_bytes: int = 0
+    after_prefill_head_range: list[list[int]] | None = None
 
 
 class EvictionCache(Cache):
@@ -210,6 +312,7 @@ class EvictionCache(Cache):
         self.decoding = False
         self.live_bytes = [0] * len(layer_budgets)
         self.peak_bytes = 0
+        self.key_masks: list[torch.Tensor | None] = [None] * len(layer_budgets)
 
     @property
     def eviction_layers(self) -> list[EvictionLayer]:
@@ -229,13 +332,29 @@ class EvictionCache(Cache):
 
     def tokens_per_layer(self) -> list[int]:
         """Cached tokens per cache head, for every layer."""
-        return [layer.get_seq_length() for layer in self.eviction_layers]
+        return [layer.tokens_per_head() for layer in self.eviction_layers]
+
+    def sizes_now(self) -> CacheSizes:
+        """What the cache holds now: tokens per head of each layer, bytes, and each layer's range of head lengths
+        where they differ."""
+        lengths = [[len(head) for head in layer.kept_by_head()] for layer in self.eviction_layers]
+        ranges = [[min(layer), max(layer)] for layer in lengths]
+        return CacheSizes(
+            after_prefill_tokens_per_layer=self.tokens_per_layer(),
+            after_prefill_bytes=sum(layer.held_bytes() for layer in self.eviction_layers),
+            after_prefill_head_range=ranges if any(low != high for low, high in ranges) else None,
+        )
+
+    def kept_by_head(self) -> list[list[list[int]]]:
+        """The token positions each cache head of every layer holds (batch 0): ``[layer][head] → positions``."""
+        return [[positions.tolist() for positions in layer.kept_by_head()] for layer in self.eviction_layers]
 
     def kept_positions(self) -> list[torch.Tensor]:
         """The absolute token positions each layer holds, ``[B,Hc,T_l]`` per layer, sorted within a head."""
         kept = []
         for layer in self.eviction_layers:
             assert layer.positions is not None  # every layer holds tokens after a forward
+            assert layer.headwise is None, "a length per head: kept_by_head"
             kept.append(layer.positions)
         return kept
 
@@ -325,7 +444,13 @@ class EvictionCache(Cache):
         assert self.new_positions is not None  # begin_forward comes before the model's forward
         layer.append(key_states, value_states, self.new_positions)
         self._account(layer_idx)
-        return layer.keys, layer.values
+        keys, values, self.key_masks[layer_idx] = layer.attended()
+        return keys, values
+
+    def key_mask(self, layer_idx: int) -> torch.Tensor | None:
+        """Which of the keys the last :meth:`update` of ``layer_idx`` returned each cache head holds ``[Hc,T]``, or
+        None: all of them."""
+        return self.key_masks[layer_idx]
 
     def attend(
         self,
@@ -462,10 +587,32 @@ class EvictionCache(Cache):
         reserved = torch.cat([torch.arange(sinks), torch.arange(tokens - recent, tokens)]).to(heavy.device)
         return torch.cat([heavy, reserved.expand(*heavy.shape[:-1], -1)], dim=-1).sort(dim=-1).values
 
+    def _select_per_head(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor | None:
+        """The slots kept ``[B,Hc,T]`` (True = kept) where the policy gives each cache head its own share of the
+        layer's ``budget × Hc`` (:meth:`~kvbench.policies.base.Policy.head_shares`), else None: each head's
+        reserved sinks and recent window, and its share's top-scored of the slots between them."""
+        policy, tokens = self.policy, self.eviction_layers[layer_idx].get_seq_length()
+        recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
+        sinks = max(0, min(policy.reserved_sinks(), budget - recent, tokens - recent))
+        middle = scores[..., sinks : tokens - recent].float()  # [B,Hc,M]
+        shares = policy.head_shares(middle, budget, recent + sinks)  # [B,Hc]
+        if shares is None:
+            return None
+        top = middle.topk(int(shares.max()), dim=-1).indices  # [B,Hc,S]
+        chosen = torch.arange(top.shape[-1], device=top.device) < shares[..., None]  # a head keeps its first shares
+        kept = torch.ones_like(scores, dtype=torch.bool)
+        kept[..., sinks : tokens - recent] = torch.zeros_like(middle, dtype=torch.bool).scatter_(-1, top, chosen)
+        return kept
+
     def _evict(self, layer_idx: int, budget: int, scores: torch.Tensor, scaling: float) -> None:
         """Keep the top ``budget`` slots per cache head by ``scores [B,Hc,T]``, reserved slots first; hand
         the evicted entries to the attending modifiers."""
         layer = self.eviction_layers[layer_idx]
+        per_head = self._select_per_head(layer_idx, budget, scores)
+        if per_head is not None:
+            layer.keep_per_head(per_head)
+            self._account(layer_idx)
+            return
         layer.ranking = scores.float()
         kept = self._select(layer_idx, budget, scores)
         evicted = layer.dropped_by(kept) if self.attending else None
@@ -485,7 +632,7 @@ class EvictionCache(Cache):
 
     def _account(self, layer_idx: int) -> None:
         layer = self.eviction_layers[layer_idx]
-        self.live_bytes[layer_idx] = layer.keys.numel() * layer.keys.element_size() * 2
+        self.live_bytes[layer_idx] = layer.held_bytes()
         self.peak_bytes = max(self.peak_bytes, sum(self.live_bytes))
 
     # -- transformers Cache API --------------------------------------------------------------------------
@@ -522,6 +669,10 @@ class SharedPrefill(Cache):
         self.layer_states = (key_states, value_states)
         self.attended = in_cache_heads(key_states, value_states, self.num_query_heads, self.repeat_layout)
         return self.attended
+
+    def key_mask(self, layer_idx: int) -> None:
+        """Every head holds every key of a shared prefill (its caches evict after it)."""
+        return None
 
     def after_attention(self, layer_idx: int, queries: torch.Tensor, outputs: torch.Tensor, scaling: float) -> None:
         """Each variant in turn: append the layer's keys/values, score with ``queries [B,Hq,T,D]`` and their

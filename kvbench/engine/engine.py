@@ -32,6 +32,13 @@ from kvbench.policies.base import Full, LayerWeights, Policy
 from kvbench.policies.budgets import Budget
 
 REGIMES = ["oneshot", "chunked", "streaming"]
+
+
+def evicts_decoding(regime: str, decode_evict: bool | None) -> bool:
+    """Whether the cache evicts while it decodes: ``engine.decode_evict``, by default every regime but oneshot."""
+    return regime != "oneshot" if decode_evict is None else decode_evict
+
+
 #: ``engine.batch_size=auto``: the rows' caches take at most this share of the free memory, and at most
 #: ``AUTO_MAX_ROWS`` rows decode together (:func:`batch_rows`; more rows held at once, of several samples of a group,
 #: were slower here: 51 s against 45 s for the 18-job grid of the README)
@@ -125,7 +132,7 @@ class Engine:
         self.budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         self.regime = regime
         self.block_size = {"oneshot": None, "chunked": block_size, "streaming": 1}[regime]
-        self.decode_evict = regime != "oneshot" if decode_evict is None else decode_evict
+        self.decode_evict = evicts_decoding(regime, decode_evict)
         self.attn_backend = attn_backend
         self.score_block = score_block_size(score_block)
         self.record_kept = record_kept
@@ -206,7 +213,7 @@ class Engine:
         """A cache for a prompt of ``prompt_len`` tokens (``context``: a context, its question read after it is
         compressed); a budget ≥ the prompt means no eviction. Dynamic layer budgets (``cake``, ``vabs``) start
         uniform and are re-allocated by the cache during prefill. A policy not defined here is a one-line error."""
-        refusal = self.policy.refusal(self.regime, context)
+        refusal = self.policy.refusal(self.regime, context, self.decode_evict)
         if refusal is not None:
             raise KVBenchError(refusal)
         budget = self.budget.resolve(prompt_len)
@@ -284,12 +291,13 @@ class Engine:
     def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
 
-    def _cache_sizes(self, cache: EvictionCache, after_prefill: list[int], total_tokens: int) -> CacheSizes:
+    def _cache_sizes(self, cache: EvictionCache, after_prefill: CacheSizes, total_tokens: int) -> CacheSizes:
+        """``after_prefill`` (:meth:`EvictionCache.sizes_now` then) with the peaks and the full cache's bytes."""
         bytes_per_token = sum(
             2 * self.num_kv_heads * layer.keys.shape[-1] * layer.keys.element_size() for layer in cache.eviction_layers
         )
-        return CacheSizes(
-            after_prefill_tokens_per_layer=after_prefill,
+        return replace(
+            after_prefill,
             peak_tokens_per_layer=[layer.peak_tokens for layer in cache.eviction_layers],
             peak_bytes=cache.peak_bytes,
             full_bytes=bytes_per_token * total_tokens,
@@ -487,11 +495,8 @@ def finished_rows(rows: list[Row], batch_size: int) -> Iterator[tuple[int, Gener
     attends, scores and evicts as alone (its engine's ``decode_evict``); a finished row leaves the batch, is yielded
     as ``(its index in rows, its output)``, and the next waiting row takes its place. Each row is charged its share of
     the steps it was in."""
-    after_prefill = [row.cache.tokens_per_layer() for row in rows]
-    kept = [
-        [positions[0].tolist() for positions in row.cache.kept_positions()] if row.engine.record_kept else None
-        for row in rows
-    ]
+    after_prefill = [row.cache.sizes_now() for row in rows]
+    kept = [row.cache.kept_by_head() if row.engine.record_kept else None for row in rows]
 
     def output(index: int) -> tuple[int, GenerationOutput]:
         row = rows[index]
@@ -605,7 +610,7 @@ def _perplexity_together(engines: list[Engine], input_ids: list[int], context_to
     start = lead._now()
     logits = prefill_rows(engines, caches, input_ids[:context_tokens])
     prefill_seconds = (lead._now() - start) / count
-    after_prefill = [cache.tokens_per_layer() for cache in caches]
+    after_prefill = [cache.sizes_now() for cache in caches]
     start = lead._now()
     nlls: list[list[torch.Tensor]] = [[] for _ in engines]
     step = lead.block_size if lead.regime == "chunked" else 1

@@ -168,6 +168,9 @@ class Modifier(Registered):
     #: keeps a per-layer state (:meth:`new_state`), receives evicted entries (:meth:`on_evict`) and may replace
     #: single-query attention while decoding (:meth:`attend`)
     attends: ClassVar[bool] = False
+    #: gives each cache head of a layer its own share of the layer's budget (:meth:`head_shares`: AdaKV); the
+    #: cache then holds a different number of entries per head
+    shares_heads: ClassVar[bool] = False
 
     @classmethod
     def inapplicable(cls, base: type[Policy]) -> str | None:
@@ -181,6 +184,16 @@ class Modifier(Registered):
             how = hows.get(statistic, "by its context's reconstruction")
             return f"{base.name} ranks tokens {how}, with no attention score for {cls.name} to re-rank"
         return None
+
+    def refusal(self, policy: Policy, regime: str, query_agnostic: bool, decode_evict: bool) -> str | None:
+        """Why ``policy`` (this modifier's) is not defined under ``regime`` (:meth:`Policy.refusal`), or None."""
+        return None
+
+    def head_shares(self, scores: torch.Tensor, budget: int, reserved: int) -> torch.Tensor:
+        """How many of a layer's unreserved slots each cache head keeps ``[B,Hc]`` (``shares_heads``), from their
+        ranking ``scores [B,Hc,M]``, ``budget`` slots per head on average of which ``reserved`` per head are the
+        sinks and recent window: together ``Hc × (budget − reserved)``."""
+        raise NotImplementedError(f"{self.name} declares shares_heads and defines no head_shares")
 
     def bind(self, base: Policy) -> None:
         """Adapt to the base policy it modifies (e.g. CAOTE's per-base norm exponent); default nothing."""
@@ -274,9 +287,14 @@ class Policy(Registered):
         """How many of the first tokens (attention sinks) are always kept."""
         return 0
 
-    def refusal(self, regime: str, query_agnostic: bool) -> str | None:
-        """Why this policy is not defined under ``regime`` (``engine.regime``), or without a context split
-        (``query_agnostic``: ``task.query_mode=agnostic``), or None: it runs everywhere by default."""
+    def refusal(self, regime: str, query_agnostic: bool, decode_evict: bool = False) -> str | None:
+        """Why this policy is not defined under ``regime`` (``engine.regime``), without a context split
+        (``query_agnostic``: ``task.query_mode=agnostic``) or evicting while it decodes (``decode_evict``), or
+        None: a base runs everywhere by default; a modifier may refuse (:meth:`Modifier.refusal`)."""
+        for modifier in self.modifiers:
+            refusal = modifier.refusal(self, regime, query_agnostic, decode_evict)
+            if refusal is not None:
+                return refusal
         return None
 
     def reconstruction_chunk(self) -> int:
@@ -287,6 +305,14 @@ class Policy(Registered):
         """Per-layer budgets once every layer's ranking ``[B,Hc,T_l]`` is known before any evicts (the
         ``reconstruction`` statistic), from the ``budgets`` allocated beforehand: by default those."""
         return budgets
+
+    def head_shares(self, scores: torch.Tensor, budget: int, reserved: int) -> torch.Tensor | None:
+        """How many of a layer's unreserved slots each cache head keeps ``[B,Hc]`` given their ranking ``scores
+        [B,Hc,M]`` (:meth:`Modifier.head_shares`), or None: each head ``budget − reserved`` (the default)."""
+        for modifier in self.modifiers:
+            if modifier.shares_heads:
+                return modifier.head_shares(scores, budget, reserved)
+        return None
 
     def compresses(self, budget: int, prompt_len: int) -> bool:
         """Whether a prompt of ``prompt_len`` tokens is evicted at ``budget``: one longer than the budget."""

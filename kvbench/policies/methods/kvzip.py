@@ -35,7 +35,7 @@ class KVzip(Policy):
     def statistic(self) -> Statistic:
         return "reconstruction"
 
-    def refusal(self, regime: str, query_agnostic: bool) -> str | None:
+    def refusal(self, regime: str, query_agnostic: bool, decode_evict: bool = False) -> str | None:
         if regime != "oneshot":
             return f"policy {self.spec} reconstructs a whole prefilled context: engine.regime=oneshot, not {regime}"
         if not query_agnostic:
@@ -45,7 +45,7 @@ class KVzip(Policy):
                 f"policy {self.spec} shares the budget across layers by its scores: policy.layer_budget="
                 f"{self.layer_budget.name} needs policy.layerwise=true and a static layer budget"
             )
-        return None
+        return super().refusal(regime, query_agnostic, decode_evict)
 
     def reconstruction_chunk(self) -> int:
         return self.chunk_size

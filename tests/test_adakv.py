@@ -1,0 +1,145 @@
+"""Head-wise budgets: AdaKV's selection against a brute force, a cache holding a length per head that attends exactly
+as the full cache masked to each head's kept entries (the question read after a compressed context included), its
+memory the entries kept, and the one-line refusals where it is not defined."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvbench.cli import main as kvbench_main
+from kvbench.engine.cache import EvictionCache
+from tests.helpers import engine, kept_masks, masked_forward, random_prompt, tiny_model
+
+LAYERS = 3
+
+
+def brute_force_adakv(scores: torch.Tensor, budget: int, recent: int, alpha: float) -> torch.Tensor:
+    """AdaKV Alg. 1 slot by slot: each head keeps its last ``recent`` slots and its ``int(alpha·budget) − recent`` best,
+    then the layer's best remaining slots of any head up to ``budget × heads``: the kept mask ``[Hc,T]``."""
+    heads, tokens = scores.shape
+    kept = torch.zeros(heads, tokens, dtype=torch.bool)
+    kept[:, tokens - recent :] = True
+    safe = max(max(1, int(alpha * budget)) - recent, 0)
+    for head in range(heads):
+        ranked = sorted(range(tokens - recent), key=lambda slot: -float(scores[head, slot]))
+        kept[head, ranked[:safe]] = True
+    rest = sorted(
+        ((float(scores[h, t]), h, t) for h in range(heads) for t in range(tokens - recent) if not kept[h, t]),
+        reverse=True,
+    )
+    for _, head, slot in rest[: heads * budget - int(kept.sum())]:
+        kept[head, slot] = True
+    return kept
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.5, 1.0])
+def test_adakv_keeps_the_layers_best_slots_over_its_heads_with_the_safeguard(monkeypatch, alpha):
+    scores: list[tuple[torch.Tensor, int]] = []
+    evict = EvictionCache._evict
+
+    def recording(cache, layer_idx, budget, ranking, scaling):
+        scores.append((ranking[0].clone(), budget))
+        evict(cache, layer_idx, budget, ranking, scaling)
+
+    monkeypatch.setattr(EvictionCache, "_evict", recording)
+    runner = engine(tiny_model(layers=LAYERS), "snapkv+adakv", 24, window=4, alpha_safeguard=alpha)
+    prompt = random_prompt(80)
+    cache = runner.new_cache(len(prompt))
+    runner.prefill(cache, prompt)
+    lengths = set()
+    for (ranking, budget), kept in zip(scores, kept_masks(cache, len(prompt))):
+        assert torch.equal(kept, brute_force_adakv(ranking, budget, 4, alpha))
+        lengths |= set(kept.sum(dim=-1).tolist())
+    assert (len(lengths) > 1) == (alpha < 1.0)  # the heads' lengths differ unless the safeguard is the whole budget
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize(
+    "spec,params", [("snapkv+adakv", {"window": 4}), ("knorm+adakv", {}), ("pyramidkv+adakv", {"window": 4})]
+)
+def test_a_length_per_head_attends_as_the_full_cache_masked_to_each_heads_entries(spec, params, backend):
+    """A compressed context, then a question read in one forward (causal among its tokens) and two decoded tokens:
+    every logit equals the masked full forward's."""
+    context, question = random_prompt(70), random_prompt(6, seed=5)
+    runner = engine(tiny_model(layers=LAYERS), spec, 24, **params)
+    runner.attn_backend = backend
+    cache = runner.new_cache(len(context), context=True)
+    runner.prefill(cache, context)
+    kept = kept_masks(cache, len(context))
+    assert len({int(count) for mask in kept for count in mask.sum(dim=-1)}) > 1
+    logits = [runner.step(cache, question, len(context), evict=False, all_logits=True)[0]]
+    answer = [int(logits[0][-1].argmax())]
+    for step in range(2):
+        logits.append(runner.step(cache, answer[-1:], len(context) + len(question) + step, evict=False)[0])
+        answer.append(int(logits[-1][-1].argmax()))
+    expected = masked_forward(tiny_model(layers=LAYERS), context + question + answer[:2], kept, len(context))
+    torch.testing.assert_close(torch.cat(logits), expected, rtol=1e-4, atol=1e-4)
+    assert [[int(count) for count in mask.sum(dim=-1)] for mask in kept] == [
+        [len(head) - len(question) - 2 for head in layer] for layer in cache.kept_by_head()
+    ]
+
+
+def test_a_length_per_head_holds_the_entries_kept():
+    """The layer's bytes are its kept entries' (budget × heads), as the same scorer's per layer, not the longest head
+    × heads; the reports count tokens per head on average."""
+    prompt = random_prompt(120)
+    sizes = []
+    for spec in ("snapkv", "snapkv+adakv"):
+        runner = engine(tiny_model(layers=LAYERS), spec, 32, window=4)
+        runner.record_kept = True
+        output = runner.generate(prompt, 3)
+        sizes.append((output.kv.peak_bytes, output.kv.after_prefill_tokens_per_layer))
+        assert output.kept is not None
+        kept = output.kept
+    assert sizes[0] == sizes[1]
+    assert all(sum(map(len, layer)) == 2 * 32 for layer in kept)
+    assert any(len({len(head) for head in layer}) > 1 for layer in kept)
+    runner = engine(tiny_model(layers=LAYERS), "snapkv+adakv", 32, window=4)
+    cache = runner.new_cache(len(prompt))
+    runner.prefill(cache, prompt)
+    for layer in cache.eviction_layers:
+        assert layer.headwise is not None and layer.held_bytes() == 2 * 2 * 32 * 16 * 4
+    assert (
+        max(layer.headwise.longest for layer in cache.eviction_layers if layer.headwise) > 32
+    )  # attention's padded layout: transient
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["engine.regime=chunked"],
+            "policy snapkv+adakv evicts once, after the prompt, to a length per head: engine.regime=chunked evicts "
+            "again",
+        ),
+        (
+            ["engine.decode_evict=true"],
+            "policy snapkv+adakv evicts once, after the prompt, to a length per head: engine.decode_evict=true evicts "
+            "again",
+        ),
+        (
+            ["policy.layer_budget=cake"],
+            "policy snapkv+adakv: policy.layer_budget=cake re-evicts layers as it cascades; a head-wise cache evicts "
+            "once (use a static layer budget: uniform, pyramid)",
+        ),
+    ],
+)
+def test_adakv_outside_its_definition_is_one_line(tmp_path, capsys, overrides, message):
+    with pytest.raises(SystemExit) as exit_info:
+        kvbench_main(["run", "model=tiny_llama", "policy=snapkv+adakv", *overrides, f"output_dir={tmp_path / 'run'}"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"kvbench: error: {message}\n" and not (tmp_path / "run").exists()
+
+
+def test_a_run_saves_each_heads_own_kept_positions(tmp_path):
+    from tests.test_plan import TINY
+
+    kvbench_main(["run", *TINY, "policy=snapkv+adakv", "budget=64", "engine.save_kept=true", f"output_dir={tmp_path}"])
+    saved = [json.loads(path.read_text()) for path in sorted((tmp_path / "kept").glob("*.json"))]
+    assert len(saved) == 2 and all(
+        sum(map(len, layer)) == 64 * len(layer) for record in saved for layer in record["kept"]
+    )
+    assert any(len({len(head) for head in layer}) > 1 for record in saved for layer in record["kept"])
