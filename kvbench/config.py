@@ -27,34 +27,47 @@ from kvbench.rundir import register_run_name
 
 register_run_name()  # conf/config.yaml's ${run_name:}
 
-#: ``${policies:KIND[,TASKS[,MODE]]}``'s TASKS: ``decoding`` (every modifier) or ``prefill`` (a task that decodes
-#: nothing); MODE: the sweep's ``task.query_mode``
+#: ``${policies:KIND[,TASKS[,MODE[,REGIME]]]}``'s TASKS: ``decoding`` (every modifier) or ``prefill`` (a task that
+#: decodes nothing); MODE: the sweep's ``task.query_mode``; REGIME: its ``engine.regime`` (``any``: defined in one)
 POLICY_TASKS = ("decoding", "prefill")
 QUERY_MODES = ("aware", "agnostic")
 
 
-def registered_policies(kind: str, tasks: str = "decoding", mode: str = "aware") -> str:
+def registered_policies(kind: str, tasks: str = "decoding", mode: str = "aware", regime: str = "any") -> str:
     """``${policies:variants}`` in a sweep's values: the registry's policies comma-joined, a Hydra choice sweep
-    (:func:`kvbench.policies.registered`: ``bases``, or ``variants``, every base alone and with each modifier that
-    applies; ``${policies:variants,prefill}`` without the modifiers that act only while decoding), so an
+    (:func:`kvbench.policies.registered`: ``bases``, ``variants``, every base alone and with each modifier that
+    applies, or ``headwise``; kinds joined by ``+``; ``${policies:variants,prefill}`` without the modifiers that act
+    only while decoding), so an
     experiment names no method by hand and a new method file joins it. Only the policies defined in the query
-    ``mode`` (``aware``, or ``agnostic``: ``Policy.refusal``) in some regime; in ``agnostic`` a base defined only
-    there (KVzip) comes with its variants even for ``bases``: it has no query-aware cells to hold them."""
+    ``mode`` (``aware``, or ``agnostic``: ``Policy.refusal``) under ``regime`` (``any``: in some regime); in
+    ``agnostic`` a base defined only there (KVzip) comes with its variants even for ``bases``: it has no query-aware
+    cells to hold them."""
+    from kvbench.engine.engine import REGIMES
+
     choose("${policies:KIND,TASKS} TASKS", tasks, POLICY_TASKS)
     choose("${policies:KIND,TASKS,MODE} MODE", mode, QUERY_MODES)
+    choose("${policies:KIND,TASKS,MODE,REGIME} REGIME", regime, ["any", *REGIMES])
     decoding, agnostic = tasks == "decoding", mode == "agnostic"
+    regimes = REGIMES if regime == "any" else [regime]
     only_agnostic = {spec for spec in registered("bases") if not defined(spec, False) and defined(spec, True)}
-    chosen = set(registered(kind, decoding))
-    chosen |= {spec for spec in registered("variants", decoding) if agnostic and parse_spec(spec)[0] in only_agnostic}
-    return ",".join(spec for spec in registered("variants", decoding) if spec in chosen and defined(spec, agnostic))
+    kinds = kind.split("+")  # bases+headwise: the bases and their head-wise variants
+    chosen = {spec for part in kinds for spec in registered(part, decoding)}
+    if kinds != ["headwise"]:
+        chosen |= {
+            spec for spec in registered("variants", decoding) if agnostic and parse_spec(spec)[0] in only_agnostic
+        }
+    return ",".join(
+        spec for spec in registered("variants", decoding) if spec in chosen and defined(spec, agnostic, regimes)
+    )
 
 
-def defined(spec: str, query_agnostic: bool) -> bool:
-    """Whether the policy ``spec`` (its defaults) runs in some regime, query-agnostically or not."""
+def defined(spec: str, query_agnostic: bool, regimes: list[str] | None = None) -> bool:
+    """Whether the policy ``spec`` (its defaults) runs in one of ``regimes`` (default every regime),
+    query-agnostically or not."""
     from kvbench.engine.engine import REGIMES
 
     policy = build_policy(spec)
-    return any(policy.refusal(regime, query_agnostic) is None for regime in REGIMES)
+    return any(policy.refusal(regime, query_agnostic) is None for regime in regimes or REGIMES)
 
 
 if not OmegaConf.has_resolver("policies"):

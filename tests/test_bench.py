@@ -43,6 +43,8 @@ TINY = [
     "bench.contexts.policies=[h2o,snapkv]",
     "bench.contexts.budgets=[64]",
     "bench.contexts.new_tokens=4",
+    "bench.headwise.prompt_length=160",
+    "bench.headwise.new_tokens=3",
 ]
 
 
@@ -353,3 +355,19 @@ def test_contexts_compress_each_context_once_for_its_questions(bench):
     assert len(raw["once_per_context"]) == len(raw["once_per_question"]) == 2
     assert shared["speed_ratio"] == pytest.approx(sum(raw["once_per_question"]) / sum(raw["once_per_context"]))
     assert "| compressed once per context |" in (out / "bench.md").read_text()
+
+
+def test_headwise_holds_the_same_bytes_as_the_same_scorer_per_layer(bench):
+    """``snapkv+adakv`` against ``snapkv`` at the same budget: the KV bytes after prefill are the same total (the
+    entries kept), padding every head to the longest would hold more, and the decode ratio is the medians' ratio."""
+    results, out = bench
+    headwise, raw = results["headwise"], results["raw"]["headwise"]
+    assert headwise["reference"] == "snapkv" and headwise["snapkv+adakv"]["kv_bytes_ratio"] == 1.0
+    held = raw["held"]["snapkv+adakv"]
+    assert held["head_range"] is not None and held["padded_bytes"] > held["after_prefill_bytes"]
+    reference = raw["held"]["snapkv"]["after_prefill_bytes"]
+    assert headwise["snapkv+adakv"]["padded_bytes_ratio"] == held["padded_bytes"] / reference
+    seconds = raw["per_token_seconds"]
+    ratio = seconds["snapkv+adakv"]["median_wall_seconds"] / seconds["snapkv"]["median_wall_seconds"]
+    assert headwise["snapkv+adakv"]["decode_ratio"] == pytest.approx(ratio)
+    assert "A length per head vs snapkv per layer" in (out / "bench.md").read_text()

@@ -233,12 +233,14 @@ def test_the_leaderboard_runs_every_base_with_every_modifier_that_applies(experi
 
 def test_the_registry_expands_a_sweep_and_a_new_method_joins_it(monkeypatch):
     """``${policies:bases}``, ``${policies:variants}`` and ``${policies:variants,prefill}`` read the registry at the
-    time the sweep is expanded: a method registered later is in them; a bad kind is one line naming the choices."""
+    time the sweep is expanded: a method registered later is in them; a bad kind is one line naming the choices;
+    ``headwise`` and ``bases+headwise`` bring the head-wise variants, which a chunked sweep (REGIME) leaves out."""
     from dataclasses import dataclass
 
     from kvbench.config import registered_policies
     from kvbench.errors import KVBenchError
     from kvbench.policies import registry
+    from kvbench.policies.methods.adakv import AdaKV
     from kvbench.policies.methods.sink import Sink
 
     @dataclass
@@ -250,8 +252,14 @@ def test_the_registry_expands_a_sweep_and_a_new_method_joins_it(monkeypatch):
     variants = registered_policies("variants").split(",")
     assert {"newest", "newest+calidrop", "newest+slake"} <= set(variants) and "newest+caote" not in variants
     assert "newest+calidrop" not in registered_policies("variants", "prefill").split(",")
-    with pytest.raises(KVBenchError, match="unknown registered policies 'everything'; valid choices: bases, variants"):
+    with pytest.raises(
+        KVBenchError, match="unknown registered policies 'everything'; valid choices: bases, headwise, variants"
+    ):
         registered_policies("everything")
+    monkeypatch.setattr(AdaKV, "swept", True)  # the head-wise variants, defined oneshot only
+    assert "snapkv+adakv" in registered_policies("headwise").split(",")
+    assert {"snapkv", "snapkv+adakv"} <= set(registered_policies("bases+headwise", "decoding", "agnostic").split(","))
+    assert "snapkv+adakv" not in registered_policies("variants", "prefill", "aware", "chunked").split(",")
 
 
 def test_a_baseline_pairs_every_policy_with_it_on_the_same_samples(capsys):

@@ -184,6 +184,30 @@ def markdown(results: dict[str, Any]) -> str:
                 for spec, row in memory["growth"].items()
             )
             lines += ["", f"growth of the CUDA peak − before: {growth}"]
+    if "headwise" in results:
+        headwise = results["headwise"]
+        held = results["raw"]["headwise"]["held"]
+        reference = headwise["reference"]
+        lines += [
+            "",
+            f"## A length per head vs {reference} per layer ({headwise['prompt_length']}-token prompt, budget "
+            f"{headwise['budget']})",
+            "",
+        ]
+        rows = [
+            [
+                spec,
+                _mib(held[spec]["after_prefill_bytes"]),
+                f"{row['kv_bytes_ratio']:.3f}",
+                f"{row['padded_bytes_ratio']:.3f}",
+                f"{row['decode_ratio']:.3f}",
+                f"{row['decode_ratio_cpu']:.3f}",
+            ]
+            for spec, row in headwise.items()
+            if isinstance(row, dict)
+        ]
+        header = ["policy", "KV MiB after prefill", "KV ÷ reference", "padded to the longest head ÷ reference"]
+        lines += _table([*header, "decode per token ÷ reference", "(CPU time)"], rows)
     generate = results["raw"].get("generate")
     if generate:
         lines += ["", f"## kvbench full cache vs model.generate ({generate['new_tokens']} new tokens, seconds)", ""]

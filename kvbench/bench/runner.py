@@ -50,6 +50,7 @@ def run(bench: Bench, out: Path) -> dict[str, Any]:
         ("prefill overhead", sections.prefill.prompt_lengths, bench.prefill),
         ("decode latency", sections.decode.prompt_lengths, bench.decode),
         ("memory", sections.memory.prompt_lengths and sections.memory.policies, bench.memory_section),
+        ("head-wise", len(sections.headwise.policies) > 1, bench.headwise),
         ("kvbench vs model.generate", sections.generate.prompt_lengths, bench.generate),
         ("kvpress", sections.kvpress.enabled, lambda: {"kvpress": kvpress.compare(bench)}),
         ("grid", sections.grid.policies and sections.grid.budgets, lambda: grid(bench)),
@@ -76,7 +77,13 @@ def run_bench(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     """Run the benchmark configured by ``cfg`` into ``bench.json`` and ``bench.md``; the results and their folder."""
     bench = cfg.bench
     grid_policies = [*bench.grid.policies, bench.grid.rows_policy, *bench.contexts.policies]
-    for spec in [*bench.prefill.policies, *bench.memory.policies, bench.decode.policy, *grid_policies]:
+    for spec in [
+        *bench.prefill.policies,
+        *bench.memory.policies,
+        bench.decode.policy,
+        *grid_policies,
+        *bench.headwise.policies,
+    ]:
         parse_spec(str(spec))
     for budget in [*bench.grid.budgets, *bench.contexts.budgets]:
         Budget.parse(str(budget))

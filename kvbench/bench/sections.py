@@ -120,6 +120,8 @@ class Bench:
     def _lengths(self) -> list[int]:
         sections = (self.bench.prefill, self.bench.decode, self.bench.memory, self.bench.generate)
         lengths = [int(length) for section in sections for length in section.prompt_lengths]
+        if self.bench.headwise.policies:
+            lengths.append(int(self.bench.headwise.prompt_length))
         if self.bench.kvpress.enabled:
             lengths.append(int(self.bench.kvpress.prompt_length))
         if self.bench.grid.policies and self.bench.grid.budgets:
@@ -251,6 +253,49 @@ class Bench:
                     "ratio_cpu": median_ratio(longest, shortest, "cpu"),
                 }
             },
+        }
+
+    def headwise(self) -> dict[str, Any]:
+        """A length per head against the same scorer per layer at the same total budget, on one prompt of
+        ``bench.headwise.prompt_length``: the KV bytes each holds after prefill (and what padding every head to the
+        longest would hold) and the per-token decode latency (every decode forward timed, medians over the
+        repetitions, the variants interleaved). The first policy is the per-layer reference."""
+        section = self.bench.headwise
+        policies, length = [str(spec) for spec in section.policies], int(section.prompt_length)
+        new_tokens = int(section.new_tokens)
+        if new_tokens < 2:
+            raise KVBenchError(f"bench.headwise.new_tokens must be >= 2 (one decode step), got {new_tokens}")
+        steps: dict[str, dict[str, list[float]]] = {spec: {"wall": [], "cpu": []} for spec in policies}
+        held: dict[str, dict[str, Any]] = {}
+        for repetition in range(self.repetitions):
+            for spec in rotations(policies, repetition):
+                engine = self.engine(spec)
+                with self.clock.forwards(self.loaded.model) as forwards:
+                    output = engine.generate(self.prompt(length), new_tokens)
+                steps[spec]["wall"] += [wall for wall, _ in forwards[-(new_tokens - 1) :]]
+                steps[spec]["cpu"] += [cpu for _, cpu in forwards[-(new_tokens - 1) :]]
+                ranges = output.kv.after_prefill_head_range
+                longest = output.kv.after_prefill_tokens_per_layer if ranges is None else [high for _, high in ranges]
+                per_head = output.kv.after_prefill_bytes // max(sum(output.kv.after_prefill_tokens_per_layer), 1)
+                held[spec] = {
+                    "after_prefill_bytes": output.kv.after_prefill_bytes,
+                    "padded_bytes": sum(longest) * per_head,
+                    "head_range": ranges,
+                }
+        raw = {spec: summary(steps[spec]["wall"], steps[spec]["cpu"]) for spec in policies}
+        reference = policies[0]
+        compared = {
+            spec: {
+                "kv_bytes_ratio": held[spec]["after_prefill_bytes"] / held[reference]["after_prefill_bytes"],
+                "padded_bytes_ratio": held[spec]["padded_bytes"] / held[reference]["after_prefill_bytes"],
+                "decode_ratio": median_ratio(raw[spec], raw[reference]),
+                "decode_ratio_cpu": median_ratio(raw[spec], raw[reference], "cpu"),
+            }
+            for spec in policies[1:]
+        }
+        return {
+            "headwise": {"reference": reference, "prompt_length": length, "budget": str(self.budget.spec), **compared},
+            "raw": {"headwise": {"held": held, "per_token_seconds": raw, "new_tokens": new_tokens}},
         }
 
     def memory_section(self) -> dict[str, Any]:

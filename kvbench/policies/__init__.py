@@ -49,12 +49,13 @@ def composable(base: str, modifier: str) -> bool:
 
 
 #: the sets of policies a sweep can ask the registry for (:func:`registered`)
-REGISTERED = ("bases", "variants")
+REGISTERED = ("bases", "variants", "headwise")
 
 
 def registered(kind: str, decoding: bool = True) -> list[str]:
     """The policies of the registry, as a sweep asks for them: ``bases``, every base; ``variants``, every base alone
-    and then with each modifier that applies to it, in registration order; each of them ``swept``. ``decoding=False``
+    and then with each modifier that applies to it, in registration order; ``headwise``, the variants whose modifier
+    gives each head its own share (``shares_heads``: AdaKV); each of them ``swept``. ``decoding=False``
     leaves out the modifiers that act only while decoding (``attends``: CaliDrop, SLAKE), for a task that decodes
     nothing."""
     choose("registered policies", kind, REGISTERED)
@@ -62,6 +63,9 @@ def registered(kind: str, decoding: bool = True) -> list[str]:
     if kind == "bases":
         return bases
     modifiers = [name for name, cls in MODIFIERS.items() if cls.swept and (decoding or not cls.attends)]
+    if kind == "headwise":
+        modifiers = [name for name in modifiers if MODIFIERS[name].shares_heads]
+        return [f"{base}+{name}" for base in bases for name in modifiers if composable(base, name)]
     return [
         spec for base in bases for spec in [base, *(f"{base}+{name}" for name in modifiers if composable(base, name))]
     ]
