@@ -17,8 +17,8 @@ not mask.
 kept sets are not kvbench's per-layer ones; what the two define alike is the score and the layers' shares. Each
 prompt is the chat template's user prefix and ``LENGTH`` tokens in all, reconstructed in chunks of ``KVZIP_CHUNK``
 (three forwards); recorded: every layer's reconstruction scores ``[L,Hkv,T]`` (float32, base64) before the sinks are
-raised (the first prompt's only, to keep the file small), and the slots the press keeps per layer over its heads at
-the same ``KEPT`` per layer and head on average.
+raised (the first prompt's only, to keep the file small), the slots the press keeps per layer over its heads at
+the same ``KEPT`` per layer and head on average, and each layer's kept mask per head (what it does not mask).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def kvzip_record(model, tokenizer, kvpress, text_ids: list[int], scores: bool) -
         compress(model)
         for layer in model.model.layers:
             recorded.setdefault("pruned", []).append(int(layer.self_attn.masked_key_indices[0].numel()))
-            del layer.self_attn.masked_key_indices
+            recorded.setdefault("masks", []).append(masked_out(layer.self_attn, len(ids)))
 
     press.compress_post = recording
     prefix = tokenizer.apply_chat_template(
@@ -124,7 +124,8 @@ def kvzip_record(model, tokenizer, kvpress, text_ids: list[int], scores: bool) -
     record = {"ids": ids, "prefix": recorded["prefix"]}
     if scores:
         record["scores"] = base64.b64encode(recorded["scores"].numpy().tobytes()).decode()
-    return {**record, "kept_per_layer": [heads * LENGTH - pruned for pruned in recorded["pruned"]]}
+    kept_per_layer = [heads * LENGTH - pruned for pruned in recorded["pruned"]]
+    return {**record, "kept_per_layer": kept_per_layer, "kept_masks": recorded["masks"]}
 
 
 def kvpress_module():

@@ -21,7 +21,7 @@ from kvbench.engine.reconstruction import RepeatPrompt
 from kvbench.errors import KVBenchError
 from kvbench.policies.layer_budget import conserve_total
 from kvbench.policies.methods.kvzip import kept_counts
-from tests.helpers import TOKENIZER, engine, random_prompt, tiny_model
+from tests.helpers import TOKENIZER, engine, kept_masks, masked_forward, random_prompt, tiny_model, unpacked_mask
 
 FIXTURE = Path(__file__).parent / "fixtures" / "kvpress" / "kvzip.json"
 LAYERS = 3
@@ -123,6 +123,35 @@ def test_layers_share_the_budget_by_the_scores_or_keep_their_own_layerwise(recei
     assert shares[False] == conserve_total(counts, 32 * LAYERS, caps=[120] * LAYERS) != shares[True]
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_headwise_kvzip_keeps_each_heads_own_share_of_the_top_slots(received, layerwise):
+    """``headwise``: each cache head keeps exactly its slots among the top ``budget × heads`` of its layer
+    (``layerwise``) or ``budget × layers × heads`` of every layer (sorted by hand here), its sinks first; the layer
+    holds a length per head, and its question attends only to them."""
+    model, context = tiny_model("llama", layers=LAYERS), random_prompt(120)
+    runner = engine(model, "kvzip", 32, chunk_size=64, layerwise=layerwise, headwise=True)
+    cache = runner.new_cache(len(context), context=True)
+    runner.prefill(cache, context)
+    entries = [
+        (float("inf") if slot < 4 else float(score), layer, head, slot)
+        for layer, statistic in enumerate(received[0])
+        for head, row in enumerate(statistic[0])
+        for slot, score in enumerate(row)
+    ]
+    groups = [[entry for entry in entries if entry[1] == layer] for layer in range(LAYERS)] if layerwise else [entries]
+    expected = torch.zeros(LAYERS, 2, len(context), dtype=torch.bool)
+    for group in groups:
+        for _, layer, head, slot in sorted(group, reverse=True)[: 32 * 2 * len(group) // (2 * 120)]:
+            expected[layer, head, slot] = True
+    kept = kept_masks(cache, len(context))
+    assert torch.equal(torch.stack(kept), expected)
+    assert any(layer.headwise is not None and len(set(layer.headwise.lengths.tolist())) > 1 for layer in cache.layers)
+    question = random_prompt(5, seed=3)
+    logits = runner.step(cache, question, len(context), evict=False, all_logits=True)[0]
+    masked = masked_forward(tiny_model("llama", layers=LAYERS), context + question, kept, len(context))
+    torch.testing.assert_close(logits, masked, rtol=1e-4, atol=1e-4)
+
+
 def test_one_reconstruction_serves_every_budget_of_a_grid(monkeypatch):
     """A grid of budgets (and ``layerwise``) of one context: one reconstruction (its forwards counted), each variant
     given what it gets alone (the registry's tests check it), its time shared as ``scoring_seconds``."""
@@ -195,3 +224,26 @@ def test_kvzip_scores_and_shares_equal_kvpress(received):
         assert kept_counts(received[number], record["kept"] * layers * heads, 4) == prompt["kept_per_layer"]
         total = record["kept"] * layers
         assert cache.layer_budgets == conserve_total(prompt["kept_per_layer"], total, caps=[len(ids)] * layers)
+
+
+@pytest.mark.model
+def test_headwise_kvzip_keeps_kvpress_sets():
+    """``headwise`` (KVzip's and kvpress's own form): on every layer and KV head the slots kept are exactly those
+    ``KVzipPress`` leaves unmasked, the same three contexts."""
+    if not FIXTURE.exists():
+        pytest.skip("no kvpress fixture")
+    from kvbench.config import compose
+    from kvbench.engine.engine import Engine
+    from kvbench.models import load_model
+    from kvbench.policies import build_policy
+
+    record = json.loads(FIXTURE.read_text())
+    loaded = load_model(compose(["model=smollm2_135m"]).model)
+    for prompt in record["prompts"]:
+        ids = prompt["ids"]
+        policy = build_policy("kvzip", {"chunk_size": record["chunk_size"], "headwise": True})
+        runner = Engine(loaded.model, policy, record["kept"], tokenizer=loaded.tokenizer)
+        cache = runner.new_cache(len(ids), context=True)
+        runner.prefill(cache, ids)
+        for layer, (kept, packed) in enumerate(zip(kept_masks(cache, len(ids)), prompt["kept_masks"])):
+            assert torch.equal(kept, unpacked_mask(packed, kept.shape[0], len(ids))), f"layer {layer}"

@@ -400,10 +400,12 @@ class EvictionCache(Cache):
         for layer, statistic in zip(self.eviction_layers, received):
             layer.received = statistic
         bases = [policy.score(self._context(index, budget)) for index, budget in enumerate(self.layer_budgets)]
+        head_budgets = policy.head_budgets(bases, self.layer_budgets)
         self.layer_budgets = policy.layer_shares(bases, self.layer_budgets)
         for index, (layer, budget) in enumerate(zip(self.eviction_layers, self.layer_budgets)):
-            if layer.get_seq_length() > budget:
-                self._evict(index, budget, self._scores(index, budget, self.scaling), self.scaling)
+            per_head = None if head_budgets is None else head_budgets[index]
+            if layer.get_seq_length() > budget or per_head is not None:
+                self._evict(index, budget, self._scores(index, budget, self.scaling), self.scaling, per_head)
             layer.received = None
 
     # -- called by a dynamic layer budget's cascade (kvbench.policies.layer_budget.CascadedCache) ---------
@@ -587,30 +589,38 @@ class EvictionCache(Cache):
         reserved = torch.cat([torch.arange(sinks), torch.arange(tokens - recent, tokens)]).to(heavy.device)
         return torch.cat([heavy, reserved.expand(*heavy.shape[:-1], -1)], dim=-1).sort(dim=-1).values
 
-    def _select_per_head(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor | None:
+    def _select_per_head(
+        self, layer_idx: int, budget: int, scores: torch.Tensor, per_head: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """The slots kept ``[B,Hc,T]`` (True = kept) where the policy gives each cache head its own share of the
-        layer's ``budget × Hc`` (:meth:`~kvbench.policies.base.Policy.head_shares`), else None: each head's
-        reserved sinks and recent window, and its share's top-scored of the slots between them."""
+        layer's ``budget × Hc`` (:meth:`~kvbench.policies.base.Policy.head_shares`), or ``per_head [B,Hc]`` slots
+        (:meth:`~kvbench.policies.base.Policy.head_budgets`), else None: each head's reserved sinks and recent window,
+        and its share's top-scored of the slots between them."""
         policy, tokens = self.policy, self.eviction_layers[layer_idx].get_seq_length()
         recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
         sinks = max(0, min(policy.reserved_sinks(), budget - recent, tokens - recent))
+        if per_head is not None:  # its sinks are among the head's slots, above every other
+            sinks = min(policy.reserved_sinks(), tokens)
         middle = scores[..., sinks : tokens - recent].float()  # [B,Hc,M]
-        shares = policy.head_shares(middle, budget, recent + sinks)  # [B,Hc]
+        shares = policy.head_shares(middle, budget, recent + sinks) if per_head is None else per_head - recent - sinks
         if shares is None:
             return None
+        shares = shares.clamp(0, middle.shape[-1])  # [B,Hc]
         top = middle.topk(int(shares.max()), dim=-1).indices  # [B,Hc,S]
         chosen = torch.arange(top.shape[-1], device=top.device) < shares[..., None]  # a head keeps its first shares
         kept = torch.ones_like(scores, dtype=torch.bool)
         kept[..., sinks : tokens - recent] = torch.zeros_like(middle, dtype=torch.bool).scatter_(-1, top, chosen)
         return kept
 
-    def _evict(self, layer_idx: int, budget: int, scores: torch.Tensor, scaling: float) -> None:
-        """Keep the top ``budget`` slots per cache head by ``scores [B,Hc,T]``, reserved slots first; hand
-        the evicted entries to the attending modifiers."""
+    def _evict(
+        self, layer_idx: int, budget: int, scores: torch.Tensor, scaling: float, per_head: torch.Tensor | None = None
+    ) -> None:
+        """Keep the top ``budget`` slots per cache head by ``scores [B,Hc,T]`` (or ``per_head [B,Hc]`` each),
+        reserved slots first; hand the evicted entries to the attending modifiers."""
         layer = self.eviction_layers[layer_idx]
-        per_head = self._select_per_head(layer_idx, budget, scores)
-        if per_head is not None:
-            layer.keep_per_head(per_head)
+        kept = self._select_per_head(layer_idx, budget, scores, per_head)
+        if kept is not None:
+            layer.keep_per_head(kept)
             self._account(layer_idx)
             return
         layer.ranking = scores.float()

@@ -314,6 +314,12 @@ class Policy(Registered):
                 return modifier.head_shares(scores, budget, reserved)
         return None
 
+    def head_budgets(self, rankings: list[torch.Tensor], budgets: list[int]) -> list[torch.Tensor] | None:
+        """Per layer, the slots each cache head keeps ``[B,Hc]`` (its reserved ones included) once every layer's
+        ranking ``[B,Hc,T_l]`` is known before any evicts (the ``reconstruction`` statistic), or None: each head its
+        layer's budget (the default)."""
+        return None
+
     def compresses(self, budget: int, prompt_len: int) -> bool:
         """Whether a prompt of ``prompt_len`` tokens is evicted at ``budget``: one longer than the budget."""
         return budget < prompt_len

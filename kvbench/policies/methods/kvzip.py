@@ -30,6 +30,9 @@ class KVzip(Policy):
     n_sink: int = setting(integer(0, "a token count"), 4)
     #: each layer keeps its own budget (the layer budget's), not a share of the total by the scores
     layerwise: bool = setting(FLAG, False)
+    #: each cache head keeps its own share of its layer's (or, unless ``layerwise``, of every layer's) top slots, as
+    #: KVzip and kvpress's ``KVzipPress`` keep them; a length per head
+    headwise: bool = setting(FLAG, False)
 
     @property
     def statistic(self) -> Statistic:
@@ -63,14 +66,37 @@ class KVzip(Policy):
         counts = kept_counts(rankings, sum(budgets) * rankings[0].shape[1], self.n_sink)
         return conserve_total(counts, sum(budgets), caps=[ranking.shape[-1] for ranking in rankings])
 
+    def head_budgets(self, rankings: list[torch.Tensor], budgets: list[int]) -> list[torch.Tensor] | None:
+        if not self.headwise:
+            return None
+        heads = rankings[0].shape[1]
+        if self.layerwise:
+            return [
+                kept_by_head([ranking], budget * heads, self.n_sink)[0] for ranking, budget in zip(rankings, budgets)
+            ]
+        return kept_by_head(rankings, sum(budgets) * heads, self.n_sink)
 
-def kept_counts(rankings: list[torch.Tensor], kept: int, sinks: int) -> list[int]:
-    """How many of the top ``kept`` slots of every layer's ranking ``[B,Hc,T_l]`` together each layer holds, the
-    first ``sinks`` of each head above every slot (kvpress ``KVzipPress.compress_post``)."""
+
+def kept_by_head(rankings: list[torch.Tensor], kept: int, sinks: int) -> list[torch.Tensor]:
+    """How many of the top ``kept`` slots of every layer's ranking ``[1,Hc,T_l]`` together each cache head of each
+    layer holds ``[1,Hc]``, the first ``sinks`` of each head above every slot (kvpress ``KVzipPress.compress_post``)."""
     scores = [ranking.float().clone() for ranking in rankings]
     for layer in scores:
         layer[..., :sinks] = torch.inf
     flat = torch.cat([layer.flatten() for layer in scores])
-    owner = torch.cat([torch.full((layer.numel(),), index) for index, layer in enumerate(scores)]).to(flat.device)
+    heads = [layer.shape[1] for layer in scores]
+    owner = torch.cat(
+        [
+            torch.arange(layer.shape[1]).repeat_interleave(layer.shape[2]) + sum(heads[:index])
+            for index, layer in enumerate(scores)
+        ]
+    ).to(flat.device)  # each slot's (layer, head)
     top = flat.topk(min(kept, flat.numel())).indices
-    return torch.bincount(owner[top], minlength=len(scores)).tolist()
+    counts = torch.bincount(owner[top], minlength=sum(heads))
+    return [part[None] for part in counts.split(heads)]
+
+
+def kept_counts(rankings: list[torch.Tensor], kept: int, sinks: int) -> list[int]:
+    """How many of the top ``kept`` slots of every layer's ranking ``[1,Hc,T_l]`` together each layer holds over its
+    heads (:func:`kept_by_head`)."""
+    return [int(counts.sum()) for counts in kept_by_head(rankings, kept, sinks)]
