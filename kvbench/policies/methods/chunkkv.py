@@ -22,7 +22,6 @@ class ChunkKV(Modifier):
     paper = "ChunkKV (arXiv 2502.00299)"
     transforms = True
     needs_attention = False
-    swept = False  # its leaderboard cells are being run
 
     #: slots per chunk (ChunkKV's and kvpress's default)
     chunk_length: int = setting(integer(1, "a token count"), 20)
