@@ -210,8 +210,8 @@ def test_the_leaderboard_runs_every_base_with_every_modifier_that_applies(experi
     """Each of the leaderboard's sweeps asks the registry for its policies (``${policies:...}``, no method named by
     hand, so a new method file joins it): the full cache and every base alone and with every modifier that applies to
     it, but a method defined only query-agnostically (KVzip); perplexity, read without decoding, leaves out the
-    modifiers that act only on decoding steps. The query-agnostic sweep holds every base alone, and such a method
-    with its modifiers."""
+    modifiers that act only on decoding steps and those a chunked read does not define (AdaKV). The query-agnostic
+    sweep holds every base alone and head-wise, and such a method with its modifiers."""
     from omegaconf import OmegaConf
 
     from kvbench.config import defined
@@ -223,10 +223,13 @@ def test_the_leaderboard_runs_every_base_with_every_modifier_that_applies(experi
     swept = [  # the full cache included; a method whose cells are being run (swept = False) not yet
         spec for spec in VARIANTS if all(parts[name].swept for name in spec.split("+"))
     ]
-    expected = [spec for spec in swept if spec.partition("+")[2] not in decoding_only and defined(spec, False)]
+    regimes = ["chunked"] if experiment == "leaderboard_ppl" else None  # perplexity reads its blocks chunked
+    expected = [spec for spec in swept if spec.partition("+")[2] not in decoding_only and defined(spec, False, regimes)]
     assert sorted(sweeper_params(experiment)["policy"].split(",")) == sorted(expected)
     only_agnostic = [spec for spec in swept if not defined(spec.partition("+")[0], False)]
+    headwise = [spec for spec in swept if "+" in spec and MODIFIERS[spec.partition("+")[2]].shares_heads]
     agnostic = [spec for spec in swept if "+" not in spec] + [spec for spec in only_agnostic if "+" in spec]
+    agnostic += [spec for spec in headwise if spec not in agnostic and defined(spec, True)]
     assert "kvzip+calidrop" in only_agnostic and "kvzip" not in expected
     assert sorted(sweeper_params("leaderboard_agnostic")["policy"].split(",")) == sorted(agnostic)
 

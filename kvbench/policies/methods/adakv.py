@@ -22,7 +22,6 @@ class AdaKV(Modifier):
     paper = "AdaKV (arXiv 2407.11550)"
     shares_heads = True
     needs_attention = False
-    swept = False  # its leaderboard cells are being run
 
     #: each head keeps at least this share of the uniform budget
     alpha_safeguard: float = setting(number(0.0, 1.0), 0.2)
