@@ -577,14 +577,18 @@ class EvictionCache(Cache):
             layer.keys, layer.values, layer.positions, summed, recent, window, weights, policy.reserved_sinks(), budget
         )
 
+    def _reserved(self, layer_idx: int, budget: int) -> tuple[int, int, int]:
+        """The layer's slots and, of ``budget``, the recent window and sinks every head keeps (the window first)."""
+        policy, tokens = self.policy, self.eviction_layers[layer_idx].get_seq_length()
+        recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
+        return tokens, recent, max(0, min(policy.reserved_sinks(), budget - recent, tokens - recent))
+
     def _select(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor:
         """The ``budget`` slots kept per cache head, sorted ``[B,Hc,budget]``: the reserved sinks (the first
         slots) and recent window (the last), plus the top-scored of the slots between them by ``scores
         [B,Hc,T]``. The top-k runs over exactly those slots, as the reference implementations select heavy
         hitters (KVCache-Factory: ``topk(capacity − window)`` over the prefix), so ties break as there."""
-        policy, tokens = self.policy, self.eviction_layers[layer_idx].get_seq_length()
-        recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
-        sinks = max(0, min(policy.reserved_sinks(), budget - recent, tokens - recent))
+        tokens, recent, sinks = self._reserved(layer_idx, budget)
         heavy = scores[..., sinks : tokens - recent].float().topk(budget - recent - sinks, dim=-1).indices + sinks
         reserved = torch.cat([torch.arange(sinks), torch.arange(tokens - recent, tokens)]).to(heavy.device)
         return torch.cat([heavy, reserved.expand(*heavy.shape[:-1], -1)], dim=-1).sort(dim=-1).values
@@ -596,9 +600,8 @@ class EvictionCache(Cache):
         layer's ``budget × Hc`` (:meth:`~kvbench.policies.base.Policy.head_shares`), or ``per_head [B,Hc]`` slots
         (:meth:`~kvbench.policies.base.Policy.head_budgets`), else None: each head's reserved sinks and recent window,
         and its share's top-scored of the slots between them."""
-        policy, tokens = self.policy, self.eviction_layers[layer_idx].get_seq_length()
-        recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
-        sinks = max(0, min(policy.reserved_sinks(), budget - recent, tokens - recent))
+        policy = self.policy
+        tokens, recent, sinks = self._reserved(layer_idx, budget)
         if per_head is not None:  # its sinks are among the head's slots, above every other
             sinks = min(policy.reserved_sinks(), tokens)
         middle = scores[..., sinks : tokens - recent].float()  # [B,Hc,M]
