@@ -128,12 +128,13 @@ reproduce-slake: setup
 # --- Leaderboard ------------------------------------------------------------------------------------------------
 # make leaderboard [SCALE=paper|smoke|plan] [LEADERBOARD_DIR=DIR]: every base alone and with every modifier that
 # applies to it, under one protocol on the offline SmolLM2-135M, on RULER, the needle grid and perplexity, and every
-# base on RULER query-agnostic (conf/experiment/leaderboard[_needle|_ppl|_agnostic][_smoke].yaml), each a grouped sweep sharing each prompt's prefill; then
-# kvbench leaderboard's cells (mean, 95% bootstrap interval, n), the paired modifier-vs-base comparisons and the plot
+# base on RULER query-agnostic, KVzip head-wise among them
+# (conf/experiment/leaderboard[_needle|_ppl|_agnostic|_headwise][_smoke].yaml), each a grouped sweep sharing each
+# prompt's prefill; then kvbench leaderboard's cells (mean, 95% bootstrap interval, n), the paired modifier-vs-base comparisons and the plot
 # in DIR/report/, with provenance.json (the command, versions, commit, this invocation's wall time and the seconds
 # summed over every record). Stopped, it resumes where it was when run again.
 LEADERBOARD_DIR ?= $(RESULTS)/leaderboard
-LEADERBOARD_SWEEPS = leaderboard leaderboard_needle leaderboard_ppl leaderboard_agnostic
+LEADERBOARD_SWEEPS = leaderboard leaderboard_needle leaderboard_ppl leaderboard_agnostic leaderboard_headwise
 leaderboard: setup
 	start=$$(date +%s); commit=$$(git describe --always --dirty --abbrev=40 2>/dev/null); \
 	for sweep in $(LEADERBOARD_SWEEPS); do \

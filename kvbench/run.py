@@ -402,17 +402,18 @@ def mean_policy_stats(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def summarize(
-    cfg: DictConfig, task: Task, records: list[dict[str, Any]], load: tuple[float, int] = (0.0, 1)
+    job: Job, task: Task, records: list[dict[str, Any]], load: tuple[float, int] = (0.0, 1)
 ) -> dict[str, Any]:
     """metrics.json: task scores (0–100), KV-cache sizes (max over samples) and summed timings: the records' own
     decode, their prefill (a shared prefill's share), and the job's share of ``load`` (the seconds this process
     took to load the model and build the samples, and how many jobs of a group they served)."""
-    scores = task.aggregate(records)
+    cfg, scores = job.cfg, task.aggregate(records)
     average = scores["ppl"] if "ppl" in scores else (mean(scores.values()) if scores else None)
     kv = [record["kv"] for record in records]
     return {
         "model": cfg.model.name,
         "policy": cfg.policy.name,
+        "label": job.policy.label,
         "budget": str(cfg.budget.spec),
         "task": cfg.task.name,
         "regime": cfg.engine.regime,
@@ -551,7 +552,7 @@ class OpenRun:
     def finish(self) -> dict[str, Any]:
         """metrics.json from every record (and W&B, if configured); returns the metrics."""
         self.progress.close()
-        metrics = summarize(self.job.cfg, self.task, self.records, self.load)
+        metrics = summarize(self.job, self.task, self.records, self.load)
         self.run_dir.write_metrics(metrics)
         log_run(self.job.cfg, self.run_dir, metrics, self.records)
         return metrics
@@ -588,7 +589,7 @@ def open_run(job: Job, run_dir: RunDir, shared: Shared) -> OpenRun | dict[str, A
         if first is not None:
             print(f"kvbench: {run_dir.path}: holds these {len(first)} samples of a larger run, nothing to run or write",
                   file=sys.stderr)  # fmt: skip
-            return summarize(job.cfg, task, first)
+            return summarize(job, task, first)
     loaded = shared.model(job.cfg)
     engine = build_engine(job, loaded)
     if restart:

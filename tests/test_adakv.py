@@ -56,9 +56,50 @@ def test_adakv_keeps_the_layers_best_slots_over_its_heads_with_the_safeguard(mon
     assert (len(lengths) > 1) == (alpha < 1.0)  # the heads' lengths differ unless the safeguard is the whole budget
 
 
+@pytest.mark.parametrize(
+    "spec,params",
+    [
+        ("cake+adakv", {"window": 4}),
+        ("snapkv+adakv", {"window": 4, "layer_budget": {"name": "vabs", "alpha": 0.5, "beta": 0.4}}),
+    ],
+)
+def test_a_cascading_layer_budget_shares_each_layers_final_total_across_its_heads(monkeypatch, spec, params):
+    """CAKE's cascade shrinks the layers again as it goes; each head-wise layer ends as AdaKV sharing its final budget
+    from the start would keep (the kept sets are nested in the budget), by the ranking of its own stage; the budgets are
+    the cascade's, CAKE's the same as the per-layer cache's (its preference reads no evicted set)."""
+    rankings: dict[int, torch.Tensor] = {}
+    rank = EvictionCache.rank
+
+    def recording(cache, layer_idx, budget, scaling):
+        ranking = rank(cache, layer_idx, budget, scaling)
+        rankings[layer_idx] = ranking[0].clone()
+        return ranking
+
+    monkeypatch.setattr(EvictionCache, "rank", recording)
+    prompt = random_prompt(90)
+    runner = engine(tiny_model(layers=4), spec, 24, **params)
+    cache = runner.new_cache(len(prompt))
+    runner.prefill(cache, prompt)
+    budgets = cache.layer_budgets
+    assert len(set(budgets)) > 1 and sum(budgets) == 4 * 24
+    for layer, (kept, budget) in enumerate(zip(kept_masks(cache, len(prompt)), budgets)):
+        assert torch.equal(kept, brute_force_adakv(rankings[layer], budget, 4, 0.2))
+    if spec == "cake+adakv":
+        per_layer = engine(tiny_model(layers=4), "cake", 24, **params)
+        dense = per_layer.new_cache(len(prompt))
+        per_layer.prefill(dense, prompt)
+        assert dense.layer_budgets == budgets
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
 @pytest.mark.parametrize(
-    "spec,params", [("snapkv+adakv", {"window": 4}), ("knorm+adakv", {}), ("pyramidkv+adakv", {"window": 4})]
+    "spec,params",
+    [
+        ("snapkv+adakv", {"window": 4}),
+        ("knorm+adakv", {}),
+        ("pyramidkv+adakv", {"window": 4}),
+        ("cake+adakv", {"window": 4}),
+    ],
 )
 def test_a_length_per_head_attends_as_the_full_cache_masked_to_each_heads_entries(spec, params, backend):
     """A compressed context, then a question read in one forward (causal among its tokens) and two decoded tokens:
@@ -119,11 +160,6 @@ def test_a_length_per_head_holds_the_entries_kept():
             ["engine.decode_evict=true"],
             "policy snapkv+adakv evicts once, after the prompt, to a length per head: engine.decode_evict=true evicts "
             "again",
-        ),
-        (
-            ["policy.layer_budget=cake"],
-            "policy snapkv+adakv: policy.layer_budget=cake re-evicts layers as it cascades; a head-wise cache evicts "
-            "once (use a static layer budget: uniform, pyramid)",
         ),
     ],
 )

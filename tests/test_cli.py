@@ -211,7 +211,7 @@ def test_metrics_are_the_per_sample_records_aggregated(tmp_path):
     class Scored(Task):
         samples = score = None  # type: ignore[assignment]
 
-    summary = summarize(job.cfg, Scored(job.cfg.task, None), synthetic)
+    summary = summarize(job, Scored(job.cfg.task, None), synthetic)
     assert summary["kv_cache"] == {
         "after_prefill_tokens_per_layer": [64, 50],
         "peak_tokens_per_layer": [65, 51],

@@ -247,3 +247,19 @@ def test_headwise_kvzip_keeps_kvpress_sets():
         runner.prefill(cache, ids)
         for layer, (kept, packed) in enumerate(zip(kept_masks(cache, len(ids)), prompt["kept_masks"])):
             assert torch.equal(kept, unpacked_mask(packed, kept.shape[0], len(ids))), f"layer {layer}"
+
+
+def test_headwise_kvzip_has_cells_of_its_own(tmp_path):
+    """``policy.headwise=true`` makes another method: its runs carry the label ``kvzip[headwise]``, by which the
+    leaderboard gives them their own cells beside KVzip's per layer, at the same budget."""
+    from kvbench.results.leaderboard import leaderboard_tables
+    from kvbench.results.table import load_runs
+    from tests.test_plan import TINY
+
+    for name, settings in (("layer", []), ("head", ["policy.headwise=true"])):
+        args = [*TINY, "policy=kvzip", "budget=64", "task.query_mode=agnostic", *settings]
+        kvbench_main(["run", *args, f"output_dir={tmp_path / name}"])
+    runs = load_runs([tmp_path])
+    assert sorted(run.metrics["label"] for run in runs) == ["kvzip", "kvzip[headwise]"]
+    cells = leaderboard_tables(runs)["leaderboard_cells"]
+    assert sorted(cells["policy"]) == ["kvzip", "kvzip[headwise]"] and set(cells["n"]) == {2}

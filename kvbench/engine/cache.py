@@ -31,23 +31,25 @@ from kvbench.policies.stats import NormalisedStats, reconstruction_attention
 @dataclass
 class HeadwiseEntries:
     """A layer's entries after a head-wise eviction (batch 1), packed head after head, each head's in position order:
-    ``keys``/``values [N,D]``, ``positions [N]``, ``lengths [Hc]`` (entries per cache head) and ``slots [N]``, each
-    entry's place in the ``[Hc, longest]`` layout that attention pads them to for as long as it runs
-    (:meth:`padded`). Only the ``N`` entries kept are held, not the longest head's length × heads."""
+    ``keys``/``values [N,D]``, ``positions [N]``, ``ranking [N]`` (the scores they were kept by), ``lengths [Hc]``
+    (entries per cache head) and ``slots [N]``, each entry's place in the ``[Hc, longest]`` layout that attention pads
+    them to for as long as it runs (:meth:`padded`). Only the ``N`` entries kept are held, not the longest head's
+    length × heads."""
 
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
+    ranking: torch.Tensor
     lengths: torch.Tensor
     slots: torch.Tensor
     longest: int
 
     @staticmethod
     def packed(
-        keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, kept: torch.Tensor
+        keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, ranking: torch.Tensor, kept: torch.Tensor
     ) -> HeadwiseEntries:
-        """The entries ``kept [1,Hc,T]`` (True = kept) of a layer's ``keys``/``values [1,Hc,T,D]`` and ``positions
-        [1,Hc,T]``, copied out of them."""
+        """The entries ``kept [1,Hc,T]`` (True = kept) of a layer's ``keys``/``values [1,Hc,T,D]``, ``positions`` and
+        ``ranking [1,Hc,T]``, copied out of them."""
         heads, tokens = kept.shape[1:]
         flat = kept[0].flatten().nonzero().squeeze(-1)  # [N] head-major, slot order within a head
         lengths = kept[0].sum(dim=-1)  # [Hc]
@@ -58,6 +60,7 @@ class HeadwiseEntries:
             keys[0].flatten(0, 1)[flat],
             values[0].flatten(0, 1)[flat],
             positions[0].flatten()[flat],
+            ranking[0].flatten()[flat],
             lengths,
             head * longest + rank,
             longest,
@@ -79,6 +82,24 @@ class HeadwiseEntries:
     def by_head(self) -> list[torch.Tensor]:
         """Each cache head's positions."""
         return list(self.positions.split(self.lengths.tolist()))
+
+    def unpacked(self, sinks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The entries in one ``[1,Hc,longest]`` layout for another eviction: ``keys``/``values [1,Hc,L,D]``,
+        ``positions``, ``ranking`` and ``held [1,Hc,L]``. Each head's first ``sinks`` entries stay first and the rest
+        end at the last slot, so that every head's sinks and recent window are the layout's first and last slots, as
+        in an equal-length layer; the padding between them is not held and ranks −inf."""
+        head = torch.arange(self.heads, device=self.slots.device).repeat_interleave(self.lengths)  # [N]
+        rank = self.slots - head * self.longest  # each entry's place within its head
+        shift = torch.where(rank < sinks, 0, self.longest - self.lengths[head])
+        slots = self.slots + shift  # [N]
+
+        def layout(entries: torch.Tensor, fill: float) -> torch.Tensor:
+            flat = entries.new_full((self.heads * self.longest, *entries.shape[1:]), fill)
+            return flat.index_copy_(0, slots, entries).view(1, self.heads, self.longest, *entries.shape[1:])
+
+        held = layout(torch.ones_like(self.positions, dtype=torch.bool), False)
+        ranking = layout(self.ranking, -torch.inf)
+        return layout(self.keys, 0.0), layout(self.values, 0.0), layout(self.positions, 0), ranking, held
 
 
 class EvictionLayer(DynamicLayer):
@@ -196,16 +217,24 @@ class EvictionLayer(DynamicLayer):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).gather(2, kept))
 
-    def keep_per_head(self, kept: torch.Tensor) -> None:
-        """Keep the slots ``kept [1,Hc,T]`` (True = kept; any number per head) as :class:`HeadwiseEntries`, freeing the
-        rest; the layer then appends to empty tensors."""
+    def keep_per_head(self, kept: torch.Tensor, ranking: torch.Tensor) -> None:
+        """Keep the slots ``kept [1,Hc,T]`` (True = kept; any number per head), ranked ``ranking [1,Hc,T]``, as
+        :class:`HeadwiseEntries`, freeing the rest; the layer then appends to empty tensors."""
         assert self.positions is not None
         if kept.shape[0] != 1:
             raise KVBenchError("a head-wise eviction keeps one sequence per cache (batch 1)")
-        self.headwise = HeadwiseEntries.packed(self.keys, self.values, self.positions, kept)
+        self.headwise = HeadwiseEntries.packed(self.keys, self.values, self.positions, ranking.float(), kept)
         self.keys, self.values = self.keys[:, :, :0].clone(), self.values[:, :, :0].clone()
         self.positions = self.positions[..., :0].clone()
         self.running_score = self.ranking = None
+
+    def unpack(self, sinks: int) -> torch.Tensor:
+        """Put the head-wise entries (with nothing appended since) back in one layout with their ranking, for another
+        eviction (:meth:`HeadwiseEntries.unpacked`); returns which slots each head holds ``[1,Hc,L]``."""
+        assert self.headwise is not None and self.get_seq_length() == 0  # re-evicted in the forward that kept them
+        self.keys, self.values, self.positions, self.ranking, held = self.headwise.unpacked(sinks)
+        self.headwise = None
+        return held
 
     def dropped_by(self, kept: torch.Tensor) -> Evicted:
         """The entries that keeping ``kept [B,Hc,K]`` evicts, in position order, scored by ``ranking``."""
@@ -410,7 +439,7 @@ class EvictionCache(Cache):
 
     # -- called by a dynamic layer budget's cascade (kvbench.policies.layer_budget.CascadedCache) ---------
     def layer_size(self, layer_idx: int) -> int:
-        return self.eviction_layers[layer_idx].get_seq_length()
+        return self.eviction_layers[layer_idx].tokens_per_head()
 
     def rank(self, layer_idx: int, budget: int, scaling: float) -> torch.Tensor:
         """The layer's ranking ``[B,Hc,T]`` for ``budget``, kept as its ranking for a later :meth:`evict`."""
@@ -423,15 +452,21 @@ class EvictionCache(Cache):
         return self.eviction_layers[layer_idx].window_stats(self._preference_window(), scaling)
 
     def evicted_by(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor:
-        """The slots ``[B,Hc,T]`` (True = evicted) that keeping ``budget`` by ``scores [B,Hc,T]`` would evict."""
+        """The slots ``[B,Hc,T]`` (True = evicted) that keeping ``budget`` by ``scores [B,Hc,T]`` would evict (each
+        head its own share where the policy shares the layer's budget across its heads)."""
+        kept = self._select_per_head(layer_idx, budget, scores)
+        if kept is not None:
+            return ~kept
         kept = self._select(layer_idx, budget, scores)
         return torch.ones_like(scores, dtype=torch.bool).scatter_(-1, kept, False)
 
     def evict(self, layer_idx: int, budget: int, scaling: float) -> None:
-        """Evict the layer to ``budget`` by its kept ranking (:meth:`rank`, gathered by earlier evictions)."""
-        ranking = self.eviction_layers[layer_idx].ranking
-        assert ranking is not None  # ranked at its own stage of this forward
-        self._evict(layer_idx, budget, ranking, scaling)
+        """Evict the layer to ``budget`` by its kept ranking (:meth:`rank`, gathered by earlier evictions); a head-wise
+        layer shares ``budget × Hc`` across its heads again, from the entries each holds."""
+        layer = self.eviction_layers[layer_idx]
+        held = None if layer.headwise is None else layer.unpack(self.policy.reserved_sinks())
+        assert layer.ranking is not None  # ranked at its own stage of this forward
+        self._evict(layer_idx, budget, layer.ranking, scaling, held=held)
 
     # -- called by the model / attention function ------------------------------------------------------
     def update(
@@ -594,12 +629,18 @@ class EvictionCache(Cache):
         return torch.cat([heavy, reserved.expand(*heavy.shape[:-1], -1)], dim=-1).sort(dim=-1).values
 
     def _select_per_head(
-        self, layer_idx: int, budget: int, scores: torch.Tensor, per_head: torch.Tensor | None = None
+        self,
+        layer_idx: int,
+        budget: int,
+        scores: torch.Tensor,
+        per_head: torch.Tensor | None = None,
+        held: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The slots kept ``[B,Hc,T]`` (True = kept) where the policy gives each cache head its own share of the
         layer's ``budget × Hc`` (:meth:`~kvbench.policies.base.Policy.head_shares`), or ``per_head [B,Hc]`` slots
         (:meth:`~kvbench.policies.base.Policy.head_budgets`), else None: each head's reserved sinks and recent window,
-        and its share's top-scored of the slots between them."""
+        and its share's top-scored of the slots between them (of the slots it holds, ``held [B,Hc,T]``, when not all:
+        a head-wise layer :meth:`~EvictionLayer.unpack`-ed, whose padding ranks −inf)."""
         policy = self.policy
         tokens, recent, sinks = self._reserved(layer_idx, budget)
         if per_head is not None:  # its sinks are among the head's slots, above every other
@@ -613,17 +654,24 @@ class EvictionCache(Cache):
         chosen = torch.arange(top.shape[-1], device=top.device) < shares[..., None]  # a head keeps its first shares
         kept = torch.ones_like(scores, dtype=torch.bool)
         kept[..., sinks : tokens - recent] = torch.zeros_like(middle, dtype=torch.bool).scatter_(-1, top, chosen)
-        return kept
+        return kept if held is None else kept & held
 
     def _evict(
-        self, layer_idx: int, budget: int, scores: torch.Tensor, scaling: float, per_head: torch.Tensor | None = None
+        self,
+        layer_idx: int,
+        budget: int,
+        scores: torch.Tensor,
+        scaling: float,
+        per_head: torch.Tensor | None = None,
+        held: torch.Tensor | None = None,
     ) -> None:
-        """Keep the top ``budget`` slots per cache head by ``scores [B,Hc,T]`` (or ``per_head [B,Hc]`` each),
-        reserved slots first; hand the evicted entries to the attending modifiers."""
+        """Keep the top ``budget`` slots per cache head by ``scores [B,Hc,T]`` (or ``per_head [B,Hc]`` each, or a share
+        of ``budget × Hc`` of the slots ``held``), reserved slots first; hand the evicted entries to the attending
+        modifiers."""
         layer = self.eviction_layers[layer_idx]
-        kept = self._select_per_head(layer_idx, budget, scores, per_head)
+        kept = self._select_per_head(layer_idx, budget, scores, per_head, held)
         if kept is not None:
-            layer.keep_per_head(kept)
+            layer.keep_per_head(kept, scores)
             self._account(layer_idx)
             return
         layer.ranking = scores.float()

@@ -368,6 +368,12 @@ class Policy(Registered):
         return "+".join([self.name, *(modifier.name for modifier in self.modifiers)])
 
     @property
+    def label(self) -> str:
+        """The name results give this policy's cells: its spec, unless a setting makes it another method (KVzip's
+        ``headwise``), which tags it."""
+        return self.spec
+
+    @property
     def running(self) -> bool:
         """Whether the statistic is a running score, summed over every scored query."""
         return self.statistic == "running"

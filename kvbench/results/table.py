@@ -181,12 +181,14 @@ class Run:
     @property
     def label(self) -> str:
         """``policy@budget``; the full cache as ``full`` (it keeps every token whatever its budget)."""
-        policy = self.metrics["policy"]
+        policy = self.identity()["policy"]
         return policy if policy == "full" else f"{policy}@{self.metrics['budget']}"
 
     def identity(self) -> dict[str, Any]:
-        """Model, policy, budget (none for the full cache) and regime."""
+        """Model, policy (its label: :attr:`~kvbench.policies.base.Policy.label`), budget (none for the full cache)
+        and regime."""
         identity = {key: self.metrics.get(key) for key in IDENTITY}
+        identity["policy"] = self.metrics.get("label", identity["policy"])
         return {**identity, "budget": NO_BUDGET} if identity["policy"] == "full" else identity
 
 

@@ -16,7 +16,9 @@ class AdaKV(Modifier):
     """Any scoring base made head-wise (AdaKV Alg. 1, kvpress's ``AdaKVPress``): each head keeps its reserved sinks and
     recent window and its ``alpha_safeguard × budget`` best slots (the reserved counted in, as kvpress's
     ``int(n_kept·alpha)``); the rest of the layer's ``budget × Hc`` goes to the best-scored remaining slots of any
-    head. The layer's total is its layer budget's (PyramidKV's, ...) × heads."""
+    head. The layer's total is its layer budget's × heads: PyramidKV's, or CAKE's and VABS's as they cascade (a layer
+    shrunk again shares its new total across its heads from the entries they hold, which keeps what sharing the new
+    total from the start would: AdaKV's kept sets are nested in the budget)."""
 
     name = "adakv"
     paper = "AdaKV (arXiv 2407.11550)"
@@ -41,11 +43,6 @@ class AdaKV(Modifier):
         if regime != "oneshot" or decode_evict:
             how = f"engine.regime={regime}" if regime != "oneshot" else "engine.decode_evict=true"
             return f"policy {policy.spec} evicts once, after the prompt, to a length per head: {how} evicts again"
-        if policy.layer_budget.dynamic:
-            return (
-                f"policy {policy.spec}: policy.layer_budget={policy.layer_budget.name} re-evicts layers as it "
-                f"cascades; a head-wise cache evicts once (use a static layer budget: uniform, pyramid)"
-            )
         attending = [modifier.name for modifier in policy.modifiers if modifier.attends]
         if attending:
             return f"policy {policy.spec}: {', '.join(attending)} attends to equal-length heads, not a length per head"

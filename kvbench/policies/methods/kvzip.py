@@ -38,6 +38,10 @@ class KVzip(Policy):
     def statistic(self) -> Statistic:
         return "reconstruction"
 
+    @property
+    def label(self) -> str:
+        return f"{self.spec}[headwise]" if self.headwise else self.spec
+
     def refusal(self, regime: str, query_agnostic: bool, decode_evict: bool = False) -> str | None:
         if regime != "oneshot":
             return f"policy {self.spec} reconstructs a whole prefilled context: engine.regime=oneshot, not {regime}"
