@@ -16,7 +16,8 @@ from kvbench.errors import KVBenchError
 from kvbench.metrics.ruler import string_match_all, string_match_part
 from kvbench.tasks import resources
 from kvbench.tasks.base import ModelInfo
-from kvbench.tasks.ruler import NOISE, RulerTask
+from kvbench.tasks.ruler import RulerTask
+from kvbench.tasks.ruler_generators import NOISE
 
 NIAH = [
     "niah_single_1",

@@ -8,9 +8,11 @@ from omegaconf import OmegaConf
 from kvbench import PROJECT_ROOT, hub
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
-from kvbench.tasks import ruler
+from kvbench.tasks import ruler_qa
 from kvbench.tasks.base import ModelInfo
-from kvbench.tasks.ruler import QA_ANSWER_PREFIX, RulerTask, qa_dataset, read_hotpotqa, read_squad
+from kvbench.tasks.ruler import RulerTask
+from kvbench.tasks.ruler_generators import QA_ANSWER_PREFIX
+from kvbench.tasks.ruler_qa import qa_dataset, read_hotpotqa, read_squad
 
 FIXTURES = PROJECT_ROOT / "tests" / "fixtures" / "ruler_qa"
 MODEL = ModelInfo("tiny_llama", byte_tokenizer(4096), 4096)
@@ -86,7 +88,7 @@ def test_qa_is_named_explicitly_and_missing_data_is_one_line(tmp_path, monkeypat
     message = str(error.value)
     assert "\n" not in message and "hotpotqa.json" in message and "task.qa_dir=" in message
     monkeypatch.setattr(hub, "hub_online", lambda: False)
-    ruler.qa_dataset.cache_clear()
+    ruler_qa.qa_dataset.cache_clear()
     task = RulerTask(qa_cfg(subtasks=["qa_1"], qa_dir=None, context_length=1024), MODEL)
     with pytest.raises(KVBenchError) as error:
         list(task.samples())
