@@ -8,6 +8,11 @@ class KVBenchError(Exception):
     """A bad value or a missing resource, explained in one line for the user."""
 
 
+class SharedPassWarning(RuntimeWarning):
+    """A group's shared pass failed and its samples ran alone: the results stand, the sharing was lost (an error
+    under the tests, ``pyproject.toml``'s ``filterwarnings``)."""
+
+
 def fail(message: str) -> NoReturn:
     """Print ``kvbench: error: MESSAGE`` on stderr and exit with status 2."""
     print(f"kvbench: error: {message}", file=sys.stderr)

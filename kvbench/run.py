@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,7 +36,7 @@ from kvbench.engine.engine import (
     prefill_shared,
 )
 from kvbench.engine.threads import set_threads
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, SharedPassWarning
 from kvbench.job import Job, resolve
 from kvbench.models import LoadedModel, check_weights, load_model, load_tokenizer
 from kvbench.results.wandb_logger import log_run
@@ -679,8 +680,10 @@ def run_shared(opened: dict[int, OpenRun], samples: list[Sample], outcomes: list
             for sample, results in decode_shared(chunk, lacking, first.loaded, batch):
                 write_sample(sample, lacking[sample.id], results, outcomes, logs)
                 written.add(sample.id)
-        except Exception:  # one variant failed the shared pass: each runs the rest of the chunk alone, failing alone
-            log.debug("shared pass failed; the chunk's other samples run alone", exc_info=True)
+        except Exception as error:  # one variant failed the shared pass: each runs the rest of the chunk alone
+            log.warning("shared pass failed; the chunk's other samples run alone", exc_info=True)
+            message = f"shared pass failed ({type(error).__name__}: {error}); its samples run alone"
+            warnings.warn(message, SharedPassWarning, stacklevel=2)
         for sample in chunk:
             if sample.id not in written:
                 write_sample(sample, lacking[sample.id], {}, outcomes, logs)

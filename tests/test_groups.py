@@ -18,7 +18,7 @@ from kvbench.config import compose
 from kvbench.engine import Engine
 from kvbench.engine.cache import EvictionCache, sums_key
 from kvbench.engine.engine import generate_shared
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, SharedPassWarning
 from kvbench.policies import BASES, MODIFIERS, build_policy, composable
 from kvbench.run import group_key, run, run_group
 from kvbench.rundir import RunDir
@@ -87,6 +87,24 @@ def test_a_group_gives_what_separate_runs_give(tmp_path, load_count, share_prefi
     assert (max(timing["prefill_shared_by"] for timing in timings) > 1) == share_prefill
     for number, spec in enumerate(VARIANTS):
         assert outcome(tmp_path / "grouped" / str(number)) == outcome(tmp_path / "separate" / str(number)), spec
+
+
+def test_a_failed_shared_pass_is_a_warning_and_its_samples_run_alone(tmp_path, monkeypatch):
+    """A shared pass that raises is no silent slowness: a :class:`SharedPassWarning` naming its exception (an error
+    under the tests unless expected, pyproject.toml), and each sample then runs alone, to the same records."""
+    cfgs = [compose([*TINY, f"policy={spec}", "budget=64"]) for spec in ("h2o", "tova")]
+    expected = run_group([(cfg, tmp_path / "shared" / spec) for cfg, spec in zip(cfgs, ("h2o", "tova"))], True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the shared path")
+        yield
+
+    monkeypatch.setattr(kvbench.run, "decode_shared", broken)
+    with pytest.warns(SharedPassWarning, match=r"shared pass failed \(RuntimeError: a bug in the shared path\)"):
+        alone = run_group([(cfg, tmp_path / "alone" / spec) for cfg, spec in zip(cfgs, ("h2o", "tova"))], True)
+    assert [metrics["scores"] for metrics in alone] == [metrics["scores"] for metrics in expected]
+    for spec in ("h2o", "tova"):
+        assert outcome(tmp_path / "alone" / spec) == outcome(tmp_path / "shared" / spec)
 
 
 @pytest.mark.parametrize("share_prefill", [False, True])

@@ -232,6 +232,25 @@ def test_sbatch_refusal_names_the_launcher_keys():
     assert last_line("a\n  b  \n\n") == "b" and last_line("") == ""
 
 
+def test_the_sweep_is_hydras_basic_product_and_other_sweeps_are_one_line():
+    """kvbench's sweeper (Hydra's public plugin API) expands a sweep as Hydra's basic sweeper does: the cartesian
+    product, keys in order, a later value for a key replacing it, ``+``/``~`` kept (checked against Hydra's own
+    ``BasicSweeper.split_arguments``, so that a Hydra upgrade that changes it fails here); an interval sweep is
+    one line."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    typed = ["policy=snapkv,h2o+caote", "budget=32,64", "+task.seed=1", "~logger", "budget=16,32,64", "model=tiny"]
+    master = OmegaConf.create({"hydra": {"overrides": {"task": typed}, "sweeper": {"params": {"task.seed": "5"}}}})
+    ours = sweep_overrides(None, master)
+    (basic,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(typed), None)
+    assert ours == [list(job) for job in basic] and len(ours) == 6
+    assert ours[0] == ["policy=snapkv", "budget=16", "+task.seed=1", "~logger=null", "model=tiny"]
+    master.hydra.overrides.task = ["budget=interval(1,4)"]
+    with pytest.raises(KVBenchError, match=r"^cannot expand the sweep: kvbench's sweeper sweeps a choice or a list"):
+        sweep_overrides(None, master)
+
+
 def test_sweep_jobs_compose_every_job_before_submission(tmp_path):
     """sweep_jobs: each job's overrides, config, run directory and log, as the sweeper submits them."""
     jobs = sweep_jobs([*TINY, "policy=snapkv,h2o+caote", "budget=32,64", f"hydra.sweep.dir={tmp_path}"])

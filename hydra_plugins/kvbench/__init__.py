@@ -13,22 +13,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.utils import JobReturn
+from hydra.plugins.launcher import Launcher
+from hydra.plugins.sweeper import Sweeper as HydraSweeper
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 
 
-class Sweeper(BasicSweeper):
-    """Hydra's basic sweeper (same keys: ``params``, ``max_batch_size``) with kvbench's skipping and reporting,
-    ``group``: the jobs that differ only in policy and budget run in one process (:func:`kvbench.run.run_group`),
-    and ``share_prefill``: a group prefills each sample once for its oneshot jobs (both set in
+class Sweeper(HydraSweeper):
+    """A sweeper on Hydra's public plugin API with the basic sweeper's keys (``params``: values swept as a cartesian
+    product; ``max_batch_size``: jobs per launch, null or -1 all) and kvbench's skipping and reporting, ``group``: the
+    jobs that differ only in policy and budget run in one process (:func:`kvbench.run.run_group`), and
+    ``share_prefill``: a group prefills each sample once for its oneshot jobs (both set in
     ``conf/hydra/sweeper/kvbench.yaml``)."""
 
     def __init__(
         self, group: bool, share_prefill: bool, max_batch_size: int | None = None, params: dict[str, str] | None = None
     ):
-        super().__init__(max_batch_size, params)
         self.group, self.share_prefill = group, share_prefill
+        self.max_batch_size, self.params = max_batch_size, params or {}
+        self.hydra_context: Any = None
+        self.config: Any = None
+        self.launcher: Launcher | None = None
+
+    def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.hydra_context, self.config = hydra_context, config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
 
     def sweep(self, arguments: list[str]) -> Any:
         """Run the sweep of this config (``arguments`` are its command-line overrides, read from the config)."""

@@ -7,10 +7,10 @@ starts they are turned into ordinary command-line sweep overrides (:func:`experi
 ``kvbench.config.prepare_overrides`` then validates and registers like typed ones. What the user typed
 for the same key wins.
 
-A sweep runs through kvbench's sweeper (``conf/hydra/sweeper/kvbench.yaml``, class in
-``hydra_plugins/kvbench``): Hydra's basic sweeper, but before any job is submitted it composes every job
-(:func:`expand_sweep`), drops those whose run directory is finished with the same config or is being
-written now, and after the launcher returns it reports every failed job in one line (:func:`run_sweep`).
+A sweep runs through kvbench's sweeper (``conf/hydra/sweeper/kvbench.yaml``, class in ``hydra_plugins/kvbench``, on
+Hydra's public ``Sweeper`` plugin API, with the basic sweeper's keys): before any job is submitted it composes every
+job (:func:`expand_sweep`), drops those whose run directory is finished with the same config or is being written now,
+and after the launcher returns it reports every failed job in one line (:func:`run_sweep`).
 A job's run directory is named after its settings (``hydra.sweep.subdir``: ``${run_name:}``), so a later sweep finds it.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from hydra import initialize_config_dir
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.errors import HydraException
@@ -116,10 +116,18 @@ def sweep_overrides(config_loader: Any, master: DictConfig) -> list[list[str]]:
         overrides = OverridesParser.create(config_loader=config_loader).parse_overrides(
             [*params, *master.hydra.overrides.task]
         )
-        (combinations,) = BasicSweeper.split_arguments(overrides, None)
+        choices: dict[str, list[str]] = {}  # each key's settings, in the order the keys come (a later one wins)
+        for override in overrides:
+            key = override.get_key_element()
+            if override.is_sweep_override() and not override.is_discrete_sweep():
+                raise HydraException(f"kvbench's sweeper sweeps a choice or a list of values, not {override}")
+            if override.is_sweep_override():
+                choices[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+            else:
+                choices[key] = [f"{key}={override.get_value_element_as_str()}"]
     except HydraException as error:
         raise KVBenchError(f"cannot expand the sweep: {str(error).splitlines()[0]}") from None
-    return [list(combination) for combination in combinations]
+    return [list(combination) for combination in itertools.product(*choices.values())]
 
 
 def expand_sweep(config_loader: Any, master: DictConfig) -> list[SweepJob]:
@@ -207,7 +215,7 @@ def failure_line(job: SweepJob, returned: JobReturn) -> str:
     return f"kvbench: failed: {' '.join(typed(job.overrides))} | run dir: {job.output_dir} | {message} | log: {log}"
 
 
-def launch_pending(sweeper: BasicSweeper) -> list[list[JobReturn]]:
+def launch_pending(sweeper: Any) -> list[list[JobReturn]]:
     """Submit the sweep's jobs that are not finished nor running, in batches of ``max_batch_size``; say how
     many were skipped and submitted, then report every failure and exit 1 if any failed."""
     context, config, launcher = sweeper.hydra_context, sweeper.config, sweeper.launcher
@@ -259,7 +267,7 @@ def launch_pending(sweeper: BasicSweeper) -> list[list[JobReturn]]:
     return returns
 
 
-def run_sweep(sweeper: BasicSweeper) -> list[list[JobReturn]] | None:
+def run_sweep(sweeper: Any) -> list[list[JobReturn]] | None:
     """The kvbench sweeper's ``sweep``: :func:`launch_pending`, a bad value (or a submission refused) as one
     line ``kvbench: error: ...`` with exit status 2."""
     try:
