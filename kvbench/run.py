@@ -758,7 +758,7 @@ def twin_key(engine: Engine) -> tuple[str, str | None]:
     the same thing, so :func:`decode_shared` computes it once for all of them: the policy's settings and modifiers, and
     its budget unless it never evicts (``full`` at any budget is one full-cache run)."""
     policy = engine.policy
-    return repr((policy, policy.modifiers)), engine.budget.spec if policy.evicts else None
+    return policy.key, engine.budget.spec if policy.evicts else None
 
 
 @contextlib.contextmanager

@@ -23,7 +23,15 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvbench.engine import attention
 from kvbench.errors import KVBenchError
-from kvbench.policies.base import AttentionStats, Evicted, LayerWeights, Modifier, Policy, ScoreContext
+from kvbench.policies.base import (
+    AttentionStats,
+    Evicted,
+    LayerWeights,
+    Modifier,
+    Policy,
+    ScoreContext,
+    settings_key,
+)
 from kvbench.policies.layer_budget import CascadingAllocation
 from kvbench.policies.stats import NormalisedStats, reconstruction_attention
 
@@ -271,7 +279,7 @@ def sums_key(policy: Policy) -> str | None:
     the cache sums from the normaliser (:func:`uses_normaliser`); None elsewhere."""
     if not uses_normaliser(policy):
         return None
-    return repr((policy, policy.reweighting))
+    return settings_key(policy) if policy.reweighting is None else settings_key(policy, policy.reweighting)
 
 
 def prefill_key(policy: Policy) -> bool:

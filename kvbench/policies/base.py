@@ -22,6 +22,7 @@ The contract with the cache is small: a policy declares once which attention sta
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
@@ -368,6 +369,12 @@ class Policy(Registered):
         return "+".join([self.name, *(modifier.name for modifier in self.modifiers)])
 
     @property
+    def key(self) -> str:
+        """What makes two policies the same computation: the base's and every modifier's name and settings
+        (:func:`settings_key`), the budget not among them."""
+        return settings_key(self, *self.modifiers)
+
+    @property
     def label(self) -> str:
         """The name results give this policy's cells: its spec, unless a setting makes it another method (KVzip's
         ``headwise``), which tags it."""
@@ -446,6 +453,16 @@ class Policy(Registered):
                 if item.name != "modifiers":
                     node[item.name] = value.parameters() if isinstance(value, LayerBudget) else value
         return node
+
+
+def settings_key(*parts: Policy | Modifier) -> str:
+    """An explicit identity of a base and modifiers: each part's name and the settings it was built with, as JSON
+    (a layer budget as its node; a base's own, not its modifiers')."""
+    named = []
+    for part in parts:
+        settings = {item.name: getattr(part, item.name) for item in fields(part) if item.name != "modifiers"}
+        named.append([part.name, {k: v.parameters() if isinstance(v, LayerBudget) else v for k, v in settings.items()}])
+    return json.dumps(named, sort_keys=True)
 
 
 def window_tokens(window: Any, budget: int, prompt_len: int) -> int:
