@@ -2,7 +2,8 @@
 
 A policy added as one file in ``kvbench/policies/`` is covered here without editing a test:
 
-* a budget covering the prompt generates exactly what the full cache generates;
+* a budget covering the prompt runs the full cache, one token short of it the policy (which then decodes from exactly
+  what it kept);
 * one-shot eviction really shrinks the cache tensors to the per-layer budgets, whose total is conserved;
 * in the chunked regime a layer's live cache never exceeds its budget + block;
 * the token decoded after eviction sees exactly the kept entries: its logits equal a full forward whose last
@@ -20,6 +21,7 @@ import torch
 from kvbench.engine import Engine
 from kvbench.errors import KVBenchError
 from kvbench.policies import BASES, MODIFIERS, build_policy, composable
+from kvbench.policies.base import Full
 from kvbench.policies.budgets import Budget
 from tests.helpers import TOKENIZER, kept_masks, masked_forward, query_agnostic, random_prompt, tiny_model
 
@@ -31,7 +33,6 @@ SPECS = [
         for suffix in ["", *(f"+{m}" for m in sorted(MODIFIERS) if composable(base, m))]
     ),
 ]
-BARE = sorted(BASES)
 REGIMES = ["oneshot", "chunked", "streaming"]
 LAYERS, BLOCK = 3, 16
 
@@ -59,23 +60,43 @@ def runner(model, spec: str, budget: int, regime: str = "oneshot") -> Engine:
     return Engine(model, policy(spec), budget, regime=regime, block_size=BLOCK, tokenizer=TOKENIZER)
 
 
-@pytest.mark.parametrize("spec", SPECS)
-def test_budget_covering_the_prompt_equals_full(llama, spec):
-    prompt, engine = random_prompt(90), runner(llama, spec, 90)
-    question = 80 if query_agnostic(engine.policy) else None  # the context then covered by the budget
-    full = runner(llama, "full", 4096).generate(prompt, max_new_tokens=10, question_start=question)
-    output = engine.generate(prompt, max_new_tokens=10, question_start=question)
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("spec", SPECS[1:])
+def test_a_budget_covering_the_prompt_runs_the_full_cache_and_one_short_runs_the_policy(llama, spec, regime):
+    """The engine's short-circuit: at a budget of the prompt's length or more the cache is the full cache (every
+    policy then generates what ``full`` generates, :func:`test_the_short_circuit_generates_what_the_full_cache_does`);
+    one token short of it, the policy itself."""
+    engine = runner(llama, spec, 90, regime)
+    context = query_agnostic(engine.policy, regime)
+    assert isinstance(engine.new_cache(90, context).policy, Full)
+    assert isinstance(runner(llama, spec, 4096, regime).new_cache(90, context).policy, Full)
+    assert runner(llama, spec, 89, regime).new_cache(90, context).policy.spec == spec
+
+
+def test_the_short_circuit_generates_what_the_full_cache_does(llama):
+    prompt = random_prompt(90)
+    full = runner(llama, "full", 4096).generate(prompt, max_new_tokens=10)
+    output = runner(llama, "snapkv+caote", 90).generate(prompt, max_new_tokens=10)
     assert output.token_ids == full.token_ids
     assert output.kv.after_prefill_tokens_per_layer == full.kv.after_prefill_tokens_per_layer
 
 
-@pytest.mark.parametrize("regime", REGIMES[1:])
-@pytest.mark.parametrize("spec", BARE)
-def test_budget_covering_the_prompt_equals_full_in_every_regime(llama, spec, regime):
-    prompt, engine = random_prompt(90), runner(llama, spec, 90, regime)
-    query_agnostic(engine.policy, regime)  # skips a method not defined under the regime
-    full = runner(llama, "full", 4096, regime).generate(prompt, max_new_tokens=10)
-    assert runner(llama, spec, 90, regime).generate(prompt, max_new_tokens=10).token_ids == full.token_ids
+@pytest.mark.parametrize("spec", SPECS[1:])
+def test_one_token_short_of_the_prompt_every_layer_evicts_and_decodes_from_what_it_kept(llama, spec):
+    """At a budget one token short of the prompt the policy runs: the layers' total is conserved (budget × layers, so
+    one entry evicted per head and layer on average), and the next token sees exactly the entries kept (the masked
+    full forward; attending modifiers replace that attention by design)."""
+    prompt = random_prompt(60)
+    engine = runner(llama, spec, 59)
+    cache = engine.new_cache(len(prompt), query_agnostic(engine.policy))
+    token = int(engine.prefill(cache, prompt)[0, -1].argmax())
+    assert sum(cache.tokens_per_layer()) == 59 * LAYERS
+    kept = kept_masks(cache, len(prompt))
+    assert sum(int((~mask).sum()) for mask in kept) == LAYERS * cache.cache_heads  # one entry a head and layer
+    if not any(modifier.attends for modifier in engine.policy.modifiers):
+        step = engine.step(cache, [token], len(prompt), evict=False)[0, -1]
+        expected = masked_forward(tiny_model("llama", layers=LAYERS), prompt + [token], kept, len(prompt))[-1]
+        torch.testing.assert_close(step, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("spec", SPECS[1:])

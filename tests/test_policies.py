@@ -181,6 +181,13 @@ def test_pyramid_budgets_follow_pyramidkv_formula():
     assert budgets == sorted(budgets, reverse=True)
 
 
+def test_pyramid_caps_a_layer_at_the_prompt_and_shares_the_rest():
+    """Near the prompt's length eq. 7's bottom layers would hold more than the prompt: each is capped at it and the
+    other layers share what it cannot hold (in eq. 7's proportions), so that the total is still budget × layers."""
+    assert Pyramid().allocate(59, 3, 8, 60) == [60, 60, 57]  # eq. 7 alone: [8 + 100, 8 + 51, 8 + 2]
+    assert Pyramid().allocate(40, 3, 8, 60) == [60, 50, 10]  # the bottom capped, eq. 7 (32 : 1.6) below it
+
+
 @pytest.mark.parametrize(
     "budget,window,layers,prompt,expected",
     [

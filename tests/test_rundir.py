@@ -253,7 +253,7 @@ def test_a_tasks_samples_are_prefix_stable(task):
 @pytest.mark.parametrize(
     "experiment",
     ["leaderboard", *(pytest.param(name, marks=pytest.mark.slow) for name in ("leaderboard_needle", "leaderboard_ppl"))]
-    + ["leaderboard_agnostic", "shared_context"],
+    + ["leaderboard_agnostic", "leaderboard_headwise", "shared_context"],
 )
 def test_every_job_of_a_committed_experiment_finds_its_finished_run(experiment, capsys, monkeypatch):
     """``make leaderboard`` and ``make shared-context`` find their finished runs: ``kvbench plan`` of each experiment

@@ -18,7 +18,8 @@ class Pyramid(LayerBudget):
     """PyramidKV eq. 7 on the non-reserved part ``b = budget − reserved`` (the window is kept in every layer):
     the bottom layer keeps ``2b − b/β``, the top ``b/β``, linear in between.
 
-    ``schedule``: ``exact`` rounds eq. 7 so that the total is exactly ``b × L`` (largest remainders);
+    ``schedule``: ``exact`` rounds eq. 7 so that the total is exactly ``b × L`` (largest remainders; a layer's share
+    capped at the prompt, the rest shared by the others in eq. 7's proportions);
     ``kvcache_factory`` is the reference implementation the papers' PyramidKV rows ran (KVCache-Factory,
     ``pyramidkv/pyramidkv_utils.py`` ``PyramidKVCluster``): integer ``b // β`` and steps ``(max − min) // (L−1)``
     (so the total overshoots ``b × L``), the bottom layer clamped to the prompt, and every layer at the
@@ -39,7 +40,8 @@ class Pyramid(LayerBudget):
         top = free / self.beta
         bottom = 2 * free - top
         raw = [bottom - (bottom - top) * layer / (num_layers - 1) for layer in range(num_layers)]  # PyramidKV eq. (7)
-        return [reserved + share for share in conserve_total(raw, free * num_layers)]
+        caps = [prompt_len - reserved] * num_layers  # a layer holds the prompt at most: the rest goes to the others
+        return [reserved + share for share in conserve_total(raw, free * num_layers, caps)]
 
     def _reference_shares(self, free: int, num_layers: int, prompt_len: int, reserved: int) -> list[int]:
         """KVCache-Factory's heavy-hitter counts per layer (the reserved window comes on top)."""
