@@ -23,8 +23,10 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvbench import PROJECT_ROOT
 from kvbench.engine import Engine
 from kvbench.engine.tokenizers import byte_tokenizer
-from kvbench.policies import build_policy
+from kvbench.errors import KVBenchError
+from kvbench.policies import BASES, MODIFIERS, build_policy, composable
 from kvbench.policies.base import Policy
+from kvbench.policies.budgets import Budget
 
 #: the tiny models' tokenizer (byte ids below their vocabulary), for a policy that reads text (KVzip's requests)
 TOKENIZER = byte_tokenizer(4096)
@@ -93,6 +95,51 @@ def checked_evictions(monkeypatch, verdict) -> list[bool]:
 
     monkeypatch.setattr(EvictionCache, "_evict", checked)
     return evictions
+
+
+#: every base alone and with every modifier that applies to it (a new policy is covered without editing a test)
+VARIANTS = [spec for base in BASES for spec in [base, *(f"{base}+{m}" for m in MODIFIERS if composable(base, m))]]
+
+
+def registry_policy(spec: str, params: dict | None = None) -> Policy:
+    """``spec`` with ``params`` and its per-model settings for a model no paper tuned: the layer budget's fallbacks,
+    or 0.5 where it has none (VABS's α/β exist only per model in SLAKE Table 3)."""
+    from dataclasses import replace
+
+    built = build_policy(spec, params or {})
+    try:
+        built.for_model(None, Budget.parse("64"))
+    except KVBenchError:  # no fallback: the model's own settings, which a tiny model has none of
+        missing = {name: 0.5 for name, value in built.layer_budget.parameters().items() if value is None}
+        built.layer_budget = replace(built.layer_budget, **missing)
+    return built
+
+
+def registry_engines(
+    model,
+    cases: list[tuple[int, str, dict]],
+    prompt_len: int,
+    contexts: tuple[bool, ...] = (False, True),
+    decode_evict: bool = False,
+    **settings,
+) -> tuple[list[Engine], list[str]]:
+    """An :class:`Engine` (``settings``; the tiny models' tokenizer unless given) for every registered variant
+    (:data:`VARIANTS`) at each case ``(budget, regime, policy params)``, and the cases left out, each named with its
+    reason: those the policy declares it does not define (its refusal under the regime for every one of ``contexts``,
+    query-aware and query-agnostic, or evicting while it decodes; a budget its reserved window fills), decided before
+    anything runs, so that no case vanishes by an error."""
+    settings.setdefault("tokenizer", TOKENIZER)
+    engines, left_out = [], []
+    for spec in VARIANTS:
+        for budget, regime, params in cases:
+            policy = registry_policy(spec, params)
+            refusals = [policy.refusal(regime, context, decode_evict) for context in contexts]
+            refusal = refusals[0] if all(refusals) else policy.budget_refusal(budget, prompt_len)
+            if refusal:
+                left_out.append(f"{spec}@{budget} {regime} {params}: {refusal}")
+            else:
+                engines.append(Engine(model, policy, budget, regime, **settings))
+    return engines, left_out
 
 
 def question_start(runner: Engine, prompt: list[int]) -> int | None:

@@ -198,7 +198,7 @@ def test_memory_section(bench):
 def test_generate_comparison_makes_the_same_number_of_tokens(bench):
     results, _ = bench
     generate = results["raw"]["generate"]
-    assert generate["new_tokens"] == 4 and set(generate["same_tokens"]) == {"32"}
+    assert generate["new_tokens"] == 4 and generate["same_tokens"] == {"32": True}  # the same tokens, not a key
     assert generate["per_prompt"]["32"]["speed_ratio"] > 0
 
 
@@ -288,12 +288,12 @@ def test_peak_memory_sees_an_allocation():
     import torch
 
     memory = PeakMemory(torch.device("cpu"))
+    if not memory.resettable:
+        pytest.skip("no /proc/self/clear_refs: the lifetime peak cannot see one block")
     with memory.track() as figures:
         block = torch.ones(16 * 2**20 // 4)  # 16 MiB, touched
         del block
-    assert figures["peak_rss_bytes"] >= figures["rss_before_bytes"]
-    if memory.resettable:
-        assert figures["peak_rss_delta_bytes"] >= 8 * 2**20
+    assert figures["peak_rss_delta_bytes"] >= 15 * 2**20
 
 
 def test_targets_hold_each_kind_of_policy_to_its_limit():

@@ -19,16 +19,21 @@ from kvbench.engine import Engine
 from kvbench.engine.cache import EvictionCache, sums_key
 from kvbench.engine.engine import generate_shared
 from kvbench.errors import KVBenchError, SharedPassWarning
-from kvbench.policies import BASES, MODIFIERS, build_policy, composable
+from kvbench.policies import build_policy
 from kvbench.run import group_key, run, run_group
 from kvbench.rundir import RunDir
-from tests.helpers import ARCHITECTURES, TOKENIZER, generated_shared, question_start, random_prompt, tiny_model
+from tests.helpers import (
+    ARCHITECTURES,
+    VARIANTS,
+    generated_shared,
+    question_start,
+    random_prompt,
+    registry_engines,
+    tiny_model,
+)
 from tests.test_plan import TINY as PLAN_TINY
 
 TINY = [*PLAN_TINY, "engine.save_kept=true"]  # two RULER samples on the tiny model
-
-#: every base alone and with every modifier that applies to it (a new policy is covered without editing this)
-VARIANTS = [spec for base in BASES for spec in [base, *(f"{base}+{m}" for m in MODIFIERS if composable(base, m))]]
 
 
 def outcome(directory: Path) -> dict[str, object]:
@@ -181,16 +186,8 @@ def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
     H2O's with sums from each query's normaliser among them."""
     model = tiny_model(architecture)
     prompt = random_prompt(160)
-    engines = []
-    for spec in VARIANTS:
-        for budget, gqa in ((32, None), (48, None), (48, "repeat")):
-            params = {} if gqa is None else {"gqa": gqa}
-            try:
-                engine = Engine(model, build_policy(spec, params), budget, record_kept=True, tokenizer=TOKENIZER)
-                engine.generate(prompt, 1, question_start=question_start(engine, prompt))
-            except KVBenchError:  # a budget the policy's reserved window fills, or settings it needs the model for
-                continue
-            engines.append(engine)
+    cases = [(32, "oneshot", {}), (48, "oneshot", {}), (48, "oneshot", {"gqa": "repeat"})]
+    engines, _ = registry_engines(model, cases, len(prompt), record_kept=True)
     engines.append(Engine(model, build_policy("snapkv"), 512, record_kept=True))
     alone = [engine.generate(prompt, 6, question_start=question_start(engine, prompt)) for engine in engines]
     shared = generated_shared(engines, prompt, 6)
@@ -211,15 +208,11 @@ def test_on_smollm2_one_shared_prefill_gives_what_each_variant_gives_alone():
 
     loaded = load_model(model_config("smollm2_135m"))
     prompt = prompt_tokens(loaded.tokenizer, PARAGRAPH, 384)
-    engines, alone = [], []
-    for spec in VARIANTS:
-        try:
-            engine = Engine(loaded.model, build_policy(spec), 96, record_kept=True, tokenizer=loaded.tokenizer)
-            alone.append(engine.generate(prompt, 4, question_start=question_start(engine, prompt)))
-        except KVBenchError:  # settings the policy needs the model's run config for
-            continue
-        engines.append(engine)
+    engines, _ = registry_engines(
+        loaded.model, [(96, "oneshot", {})], len(prompt), record_kept=True, tokenizer=loaded.tokenizer
+    )
     assert len(engines) > len(VARIANTS) / 2
+    alone = [engine.generate(prompt, 4, question_start=question_start(engine, prompt)) for engine in engines]
     shared = generated_shared(engines, prompt, 4, batch_size=8)
     assert_each_as_alone(engines, alone, shared)
 

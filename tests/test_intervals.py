@@ -18,7 +18,8 @@ from kvbench.results.intervals import Interval, bootstrap_mean, paired_differenc
 from kvbench.results.leaderboard import leaderboard_tables
 from kvbench.results.table import load_runs
 from kvbench.run import run
-from tests.test_groups import TINY, VARIANTS
+from tests.helpers import VARIANTS
+from tests.test_groups import TINY
 
 
 def test_the_interval_is_the_quantiles_of_the_resampled_means():

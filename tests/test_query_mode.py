@@ -27,8 +27,8 @@ from kvbench.run import build_engine, build_task, run, run_group, run_sample
 from kvbench.tasks.base import ModelInfo, Task
 from kvbench.tasks.longbench import LongBenchTask
 from kvbench.tasks.ruler import RulerTask
-from tests.helpers import TOKENIZER, random_prompt, tiny_model
-from tests.test_groups import TINY, VARIANTS, assert_each_as_alone, outcome
+from tests.helpers import VARIANTS, random_prompt, registry_engines, tiny_model
+from tests.test_groups import TINY, assert_each_as_alone, outcome
 from tests.test_longbench import FIXTURES
 from tests.test_ruler import ruler_cfg
 
@@ -105,16 +105,8 @@ PROMPT, QUESTION_START = random_prompt(160), 130
 
 def variants(model, budgets) -> list[Engine]:
     """Every base × {none, each applicable modifier} at ``budgets`` that it can run (as tests/test_groups.py)."""
-    engines = []
-    for spec in VARIANTS:
-        for budget in budgets:
-            try:
-                engine = Engine(model, build_policy(spec), budget, record_kept=True, tokenizer=TOKENIZER)
-                engine.generate(PROMPT, 1, question_start=QUESTION_START)
-            except KVBenchError:  # a budget the policy's reserved window fills, or settings it needs the model for
-                continue
-            engines.append(engine)
-    return engines
+    cases = [(budget, "oneshot", {}) for budget in budgets]
+    return registry_engines(model, cases, QUESTION_START, (True,), record_kept=True)[0]
 
 
 def test_agnostic_with_a_budget_that_holds_the_context_is_the_full_cache():

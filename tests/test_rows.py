@@ -8,10 +8,16 @@ import pytest
 import kvbench.engine.engine as engine_module
 from kvbench.engine import Engine
 from kvbench.engine.engine import Row, decode_rows, generate_shared, perplexity_rows
-from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy
-from tests.helpers import ARCHITECTURES, TOKENIZER, generated_shared, question_start, random_prompt, tiny_model
-from tests.test_groups import VARIANTS
+from tests.helpers import (
+    ARCHITECTURES,
+    VARIANTS,
+    generated_shared,
+    question_start,
+    random_prompt,
+    registry_engines,
+    tiny_model,
+)
 
 
 def same(one, other) -> bool:
@@ -31,17 +37,8 @@ def test_variants_decoded_as_rows_give_what_each_gives_alone(architecture):
     and policy statistics equal its own :meth:`Engine.generate`'s."""
     model = tiny_model(architecture)
     prompt = random_prompt(160)
-    engines = []
-    for spec in VARIANTS:
-        for budget, gqa, regime in ((32, None, "oneshot"), (48, "repeat", "oneshot"), (48, None, "chunked")):
-            params = {} if gqa is None else {"gqa": gqa}
-            try:
-                policy = build_policy(spec, params)
-                engine = Engine(model, policy, budget, regime, block_size=64, record_kept=True, tokenizer=TOKENIZER)
-                engine.generate(prompt, 1, question_start=question_start(engine, prompt))
-            except KVBenchError:  # a budget the policy's reserved window fills, or settings it needs the model for
-                continue
-            engines.append(engine)
+    cases = [(32, "oneshot", {}), (48, "oneshot", {"gqa": "repeat"}), (48, "chunked", {})]
+    engines, _ = registry_engines(model, cases, len(prompt), block_size=64, record_kept=True)
     assert len(engines) > 16 and {engine.regime for engine in engines} == {"oneshot", "chunked"}
     alone = [engine.generate(prompt, 8, question_start=question_start(engine, prompt)) for engine in engines]
     rows = generated_shared(engines, prompt, 8, batch_size=16)
@@ -105,15 +102,9 @@ def test_on_smollm2_chunked_variants_decoded_as_rows_give_what_each_gives_alone(
 
     loaded = load_model(model_config("smollm2_135m"))
     prompt = prompt_tokens(loaded.tokenizer, PARAGRAPH, 384)
-    engines, alone = [], []
-    for spec in VARIANTS:
-        try:
-            engine = Engine(loaded.model, build_policy(spec), 96, "chunked", record_kept=True)
-            alone.append(engine.generate(prompt, 8))
-        except KVBenchError:  # settings the policy needs the model's run config for
-            continue
-        engines.append(engine)
+    engines, _ = registry_engines(loaded.model, [(96, "chunked", {})], len(prompt), (False,), record_kept=True)
     assert len(engines) > len(VARIANTS) / 2
+    alone = [engine.generate(prompt, 8) for engine in engines]
     for engine, one, other in zip(engines, alone, generate_shared(engines, prompt, 8, batch_size=8)):
         assert same(one, other), engine.policy.spec
 
@@ -166,15 +157,8 @@ def test_variants_streaming_a_text_as_rows_give_the_nlls_of_each_alone(architect
     the last float32 bits), its cache sizes and policy statistics exactly."""
     model = tiny_model(architecture)
     text = random_prompt(120)
-    engines = []
-    for spec in VARIANTS:
-        for regime in ("oneshot", "chunked", "streaming"):
-            try:
-                engine = Engine(model, build_policy(spec), 32, regime, block_size=16)
-                engine.perplexity(text[:48], 40)
-            except KVBenchError:  # settings the policy needs the model for
-                continue
-            engines.append(engine)
+    cases = [(32, regime, {}) for regime in ("oneshot", "chunked", "streaming")]
+    engines, _ = registry_engines(model, cases, 40, (False,), decode_evict=True, block_size=16)
     assert len(engines) > 16 and {engine.regime for engine in engines} == {"oneshot", "chunked", "streaming"}
     alone = [engine.perplexity(text, 40) for engine in engines]
     rows = perplexity_rows(engines, text, 40, batch_size=16)

@@ -9,19 +9,21 @@ domain, and ``kvbench plan -m`` marks that job invalid. A value inside it is mea
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import fields
 from typing import Any
 
 import pytest
 from hydra.utils import get_class
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from kvbench import CONF_DIR
 from kvbench.cli import main
 from kvbench.config import compose, engine_keys, group_keys, group_options
 from kvbench.domains import Domain, domains_of, shown
 from kvbench.engine import ENGINE_SETTINGS
+from kvbench.errors import KVBenchError
 from kvbench.job import RUN_SETTINGS, resolve
 from kvbench.models import MODEL_SETTINGS
 from kvbench.policies import BASES, MODIFIERS, build_policy, composable
@@ -121,9 +123,50 @@ def built_value(selection: list[str], key: str, value: Any) -> Any:
 
 
 @pytest.mark.parametrize(("label", "selection", "key", "cls", "domain"), CASES, ids=[case[0] for case in CASES])
+def test_a_value_outside_the_domain_is_refused_in_one_line_and_one_inside_is_built_as_given(
+    label, selection, key, cls, domain
+):
+    """Each candidate set in the composed run config, which the job resolves as ``kvbench run`` and ``plan`` do
+    (:func:`~kvbench.job.resolve`): one outside the domain is the one line naming the setting, the value and the
+    domain; one inside it is built as given (another setting's refusal it may meet is not about this one)."""
+    composed = compose([*RUN, *task_of(selection), *selection])
+    for typed, value in CANDIDATES:
+        cfg = copy.deepcopy(composed)
+        with open_dict(cfg):
+            OmegaConf.update(cfg, key, value, merge=False)
+        if domain.accepts(value):  # meaningful: documented by the domain, and built as given
+            try:
+                resolve(cfg)
+            except KVBenchError as error:  # another setting's refusal (a window the budget cannot hold ...)
+                assert not str(error).startswith(f"{key}="), error
+            assert built_value(selection, key, value) == value, f"{key}={typed} was replaced"
+        else:
+            with pytest.raises(KVBenchError) as error:
+                resolve(cfg)
+            assert str(error.value) == f"{key}={shown(value)}: must be {domain.text}"
+
+
+#: one setting of each kind through the command line (the rest: the resolved config, above)
+CLI_CASES = [
+    case
+    for case in CASES
+    if case[0]
+    in {
+        "snapkv.window",
+        "caote.power",
+        "layer_budget.pyramid.beta",
+        "engine.block_size",
+        "model.seed",
+        "seed",
+        "ruler.num_samples",
+    }
+]
+
+
+@pytest.mark.parametrize(("label", "selection", "key", "cls", "domain"), CLI_CASES, ids=[c[0] for c in CLI_CASES])
 def test_a_value_outside_the_domain_is_one_line_and_exit_2(label, selection, key, cls, domain, capsys, tmp_path):
     """``kvbench plan -m`` over the candidates marks exactly those outside the domain invalid, with the one line
-    ``kvbench run`` exits 2 with (nothing written); those inside are built as given."""
+    ``kvbench run`` exits 2 with (nothing written)."""
     task = task_of(selection)
     typed_values = ",".join(typed for typed, _ in CANDIDATES)
     with pytest.raises(SystemExit) as exit_info:  # some candidate is outside every domain
@@ -133,15 +176,13 @@ def test_a_value_outside_the_domain_is_one_line_and_exit_2(label, selection, key
     assert len(lines) == len(CANDIDATES)
     for line, (typed, value) in zip(lines, CANDIDATES):
         assert f"{key}={typed}" in [override.lstrip("+") for override in line["overrides"]]
-        if domain.accepts(value):  # meaningful: documented by the domain, and built as given
+        if domain.accepts(value):
             assert not any(error.startswith(f"{key}=") for error in line["errors"]), line["errors"]
-            assert built_value(selection, key, value) == value, f"{key}={typed} was replaced"
         else:
             assert line["errors"] == [f"{key}={shown(value)}: must be {domain.text}"]
     typed, value = next((typed, value) for typed, value in CANDIDATES if not domain.accepts(value))
-    output = [] if key == "output_dir" else [f"output_dir={tmp_path / 'run'}"]
     with pytest.raises(SystemExit) as exit_info:
-        main(["run", *RUN, *task, *selection, f"{key}={typed}", *output])
+        main(["run", *RUN, *task, *selection, f"{key}={typed}", f"output_dir={tmp_path / 'run'}"])
     assert exit_info.value.code == 2, f"{key}={typed}"
     assert capsys.readouterr().err == f"kvbench: error: {key}={shown(value)}: must be {domain.text}\n"
     assert not (tmp_path / "run").exists()

@@ -427,15 +427,22 @@ class Policy(Registered):
         """Slots always kept per cache head: the recent window and the sinks."""
         return self.reserved_recent(budget, prompt_len) + self.reserved_sinks()
 
-    def check_budget(self, budget: int, prompt_len: int) -> None:
-        """A one-line error when the reserved sinks and recent window fill the whole ``budget`` for a prompt
-        of ``prompt_len`` tokens: a scoring policy would keep no heavy hitter and become a recency policy."""
+    def budget_refusal(self, budget: int, prompt_len: int) -> str | None:
+        """Why ``budget`` is refused for a prompt of ``prompt_len`` tokens, or None: where the reserved sinks and recent
+        window fill it, a scoring policy would keep no heavy hitter and become a recency policy."""
         reserved = self.reserved(budget, prompt_len)
         if self.evicts and self.statistic in ATTENTION and budget < prompt_len and reserved >= budget:
-            raise KVBenchError(
+            return (
                 f"policy {self.spec} reserves {reserved} of its {budget}-token budget (window/sinks) for a "
                 f"{prompt_len}-token prompt: no heavy hitters are left; lower policy.window or raise the budget"
             )
+        return None
+
+    def check_budget(self, budget: int, prompt_len: int) -> None:
+        """:meth:`budget_refusal` as a one-line error."""
+        refusal = self.budget_refusal(budget, prompt_len)
+        if refusal is not None:
+            raise KVBenchError(refusal)
 
     def for_model(self, model_id: str | None, budget: Budget) -> None:
         """Fill in the per-model settings of the layer budget (CAKE's τ, SLAKE's VABS α/β) for the model
