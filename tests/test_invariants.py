@@ -13,17 +13,21 @@ A policy added as one file in ``kvbench/policies/`` is covered here without edit
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
 from kvbench.engine import Engine
-from kvbench.errors import KVBenchError
 from kvbench.policies import BASES, MODIFIERS, build_policy, composable
 from kvbench.policies.base import Full
-from kvbench.policies.budgets import Budget
-from tests.helpers import TOKENIZER, kept_masks, masked_forward, query_agnostic, random_prompt, tiny_model
+from tests.helpers import (
+    TOKENIZER,
+    kept_masks,
+    masked_forward,
+    query_agnostic,
+    random_prompt,
+    registry_policy,
+    tiny_model,
+)
 
 SPECS = [
     "full",
@@ -43,17 +47,9 @@ def llama():
 
 
 def policy(spec: str):
-    """The spec with its defaults, window 8, and its per-model settings for a model no paper tuned: the
-    layer budget's fallbacks, or 0.5 where it has none (VABS's α/β exist only per model in SLAKE Table 3)."""
-    built = build_policy(spec)
-    if "window" in built.settings():
-        built = build_policy(spec, {"window": 8})
-    try:
-        built.for_model(None, Budget.parse("64"))
-    except KVBenchError:
-        missing = {name: 0.5 for name, value in built.layer_budget.parameters().items() if value is None}
-        built.layer_budget = replace(built.layer_budget, **missing)
-    return built
+    """The spec with its defaults, window 8, and its per-model settings for a model no paper tuned
+    (:func:`~tests.helpers.registry_policy`)."""
+    return registry_policy(spec, {"window": 8} if "window" in build_policy(spec).settings() else {})
 
 
 def runner(model, spec: str, budget: int, regime: str = "oneshot") -> Engine:

@@ -13,6 +13,8 @@ which is why transformers' own mask (built from positions) is replaced by this o
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -138,7 +140,34 @@ def kvbench_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return cache_attention(kvbench_cache, module, query, key, value, scaling), None
 
 
-def cache_attention(cache, module, query, key, value, scaling):
+class AttendedCache(Protocol):
+    """What :func:`cache_attention` asks of a cache (``EvictionCache``, ``SharedPrefill``): the backend, which keys
+    each head holds, the attending modifiers' say over a single query, and the scoring and eviction after it."""
+
+    attn_backend: str
+
+    def key_mask(self, layer_idx: int) -> torch.Tensor | None:
+        """Which keys of the last update each cache head holds ``[Hc,T]``, or None: all."""
+        ...
+
+    def attend(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        output: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        """A single query's ``output [B,1,Hq,D]``, replaced by the attending modifiers or not."""
+        ...
+
+    def after_attention(self, layer_idx: int, queries: torch.Tensor, outputs: torch.Tensor, scaling: float) -> None:
+        """Gather the forward's scoring statistics from ``queries`` and their ``outputs``, and evict if due."""
+        ...
+
+
+def cache_attention(cache: AttendedCache, module, query, key, value, scaling):
     """``query [B,Hq,q,D]`` over ``key/value [B,Hc,T,D]`` of ``cache`` (an ``EvictionCache`` or ``SharedPrefill``):
     by the backend, then the cache's attending modifiers for a single query, its scoring (from the backend's
     output) and eviction → ``[B,q,Hq,D]``."""

@@ -176,10 +176,10 @@ class Engine:
         a share of it), then the question is read without evicting (:func:`read_question`)."""
         context = input_ids[:question_start]
         cache = self.new_cache(len(context), question_start is not None)
-        start = self._now()
+        start = self.now()
         logits = self.prefill(cache, context)[0, -1]
         row = Row(self, cache, logits, len(input_ids), max_new_tokens, stop_token_ids, min_new_tokens)
-        row.prefill_seconds, row.scoring_seconds = self._now() - start, cache.scoring_seconds
+        row.prefill_seconds, row.scoring_seconds = self.now() - start, cache.scoring_seconds
         if question_start is not None:
             read_question([row], input_ids, question_start, 1)
         return row
@@ -286,12 +286,13 @@ class Engine:
             self._repeat_prompt = RepeatPrompt.of(self.tokenizer)
         return self._repeat_prompt
 
-    # -- internals -----------------------------------------------------------------------------------
+    # -- measuring, for the engine and the schedulers that run it (rows, shared prefills, questions) -----------
     @staticmethod
-    def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each token's negative log-likelihood ``[N]`` from ``logits [N,V]`` (float32) and ``targets [N]``."""
         return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
 
-    def _cache_sizes(self, cache: EvictionCache, after_prefill: CacheSizes, total_tokens: int) -> CacheSizes:
+    def cache_sizes(self, cache: EvictionCache, after_prefill: CacheSizes, total_tokens: int) -> CacheSizes:
         """``after_prefill`` (:meth:`EvictionCache.sizes_now` then) with the peaks and the full cache's bytes."""
         bytes_per_token = sum(
             2 * self.num_kv_heads * layer.keys.shape[-1] * layer.keys.element_size() for layer in cache.eviction_layers
@@ -303,7 +304,8 @@ class Engine:
             full_bytes=bytes_per_token * total_tokens,
         )
 
-    def _now(self) -> float:
+    def now(self) -> float:
+        """The time, once the device has finished what it was given (a timing's end or start)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
@@ -415,16 +417,16 @@ def compressed_rows(engines: list[Engine], prompt: list[int], batch_size: int, c
             alone.append(index)
     for indices in lockstep_groups(engines, alone, batch_size):
         lockstep = [rows[index] for index in indices]
-        start = engines[indices[0]]._now()
+        start = engines[indices[0]].now()
         logits = prefill_rows([row.engine for row in lockstep], [row.cache for row in lockstep], prompt)
-        seconds = (engines[indices[0]]._now() - start) / len(lockstep)
+        seconds = (engines[indices[0]].now() - start) / len(lockstep)
         for row, last in zip(lockstep, logits):
             row.logits, row.prefill_seconds = last[-1], seconds
     for group in sharing.values():
         lead = group[0].engine
-        start = lead._now()
+        start = lead.now()
         shared = lead.prefill(SharedPrefill([row.cache for row in group]), prompt)[0, -1]
-        seconds = (lead._now() - start) / len(group)
+        seconds = (lead.now() - start) / len(group)
         for row in group:
             row.logits, row.prefill_seconds, row.prefill_shared_by = shared, seconds, len(group)
             row.scoring_seconds = row.cache.scoring_seconds
@@ -439,10 +441,10 @@ def read_question(rows: list[Row], input_ids: list[int], question_start: int, ba
     for begin in range(0, len(rows), batch_size):
         group = rows[begin : begin + batch_size]
         lead = group[0].engine
-        start = lead._now()
+        start = lead.now()
         caches, count = [row.cache for row in group], len(group)
         logits = forward_rows(lead, caches, [question] * count, [question_start] * count, [False] * count)
-        seconds = (lead._now() - start) / count
+        seconds = (lead.now() - start) / count
         for row, last in zip(group, logits):
             row.logits, row.prefill_seconds = last[-1], row.prefill_seconds + seconds
 
@@ -500,7 +502,7 @@ def finished_rows(rows: list[Row], batch_size: int) -> Iterator[tuple[int, Gener
 
     def output(index: int) -> tuple[int, GenerationOutput]:
         row = rows[index]
-        kv = row.engine._cache_sizes(row.cache, after_prefill[index], row.prompt_tokens + len(row.generated))
+        kv = row.engine.cache_sizes(row.cache, after_prefill[index], row.prompt_tokens + len(row.generated))
         stats = row.cache.policy_stats()
         finished = GenerationOutput(
             row.generated, row.prompt_tokens, row.prefill_seconds, row.decode_seconds, kv, stats, kept[index]
@@ -512,7 +514,7 @@ def finished_rows(rows: list[Row], batch_size: int) -> Iterator[tuple[int, Gener
     waiting, active = deque(range(len(rows))), list[int]()
     lead = rows[0].engine if rows else None
     while lead is not None and (waiting or active):
-        start = lead._now()
+        start = lead.now()
         stepping: list[tuple[int, int]] = []  # (row index, its next token)
         done: list[int] = []
         for index in active:
@@ -531,7 +533,7 @@ def finished_rows(rows: list[Row], batch_size: int) -> Iterator[tuple[int, Gener
             for place, (index, _) in enumerate(stepping):
                 rows[index].logits = logits[place]
         active = [index for index, _ in stepping]
-        share = (lead._now() - start) / max(len(stepping), 1)
+        share = (lead.now() - start) / max(len(stepping), 1)
         for index in active:
             rows[index].decode_seconds += share
         for index in done:
@@ -607,11 +609,11 @@ def _perplexity_together(engines: list[Engine], input_ids: list[int], context_to
     lead, count = engines[0], len(engines)
     caches = [engine.new_cache(max(context_tokens, 1) if context_tokens else len(input_ids)) for engine in engines]
     context_tokens = max(context_tokens, 1)
-    start = lead._now()
+    start = lead.now()
     logits = prefill_rows(engines, caches, input_ids[:context_tokens])
-    prefill_seconds = (lead._now() - start) / count
+    prefill_seconds = (lead.now() - start) / count
     after_prefill = [cache.sizes_now() for cache in caches]
-    start = lead._now()
+    start = lead.now()
     nlls: list[list[torch.Tensor]] = [[] for _ in engines]
     step = lead.block_size if lead.regime == "chunked" else 1
     assert step is not None  # the chunked regime always has a block size
@@ -620,16 +622,16 @@ def _perplexity_together(engines: list[Engine], input_ids: list[int], context_to
     for begin in range(context_tokens, len(input_ids), step):
         block = input_ids[begin : begin + step]
         for row in range(count):
-            nlls[row].append(Engine._nll(logits[row, -1:], targets[begin : begin + 1]))
+            nlls[row].append(Engine.nll(logits[row, -1:], targets[begin : begin + 1]))
         if len(block) == 1 and begin == len(input_ids) - 1:
             break
         logits = forward_rows(lead, caches, [block] * count, [begin] * count, evicts, all_logits=len(block) > 1)
         for row in range(count):
-            nlls[row].append(Engine._nll(logits[row, :-1], targets[begin + 1 : begin + len(block)]))
-    decode_seconds = (lead._now() - start) / count
+            nlls[row].append(Engine.nll(logits[row, :-1], targets[begin + 1 : begin + len(block)]))
+    decode_seconds = (lead.now() - start) / count
     outputs = []
     for engine, cache, sizes, values in zip(engines, caches, after_prefill, nlls):
-        kv = engine._cache_sizes(cache, sizes, len(input_ids))
+        kv = engine.cache_sizes(cache, sizes, len(input_ids))
         nll = torch.cat(values).tolist() if values else []
         outputs.append(PerplexityOutput(nll, prefill_seconds, decode_seconds, kv, cache.policy_stats()))
     return outputs

@@ -78,7 +78,7 @@ class Runner(Protocol):
 
     def repeat_prompt(self) -> RepeatPrompt: ...
 
-    def _now(self) -> float: ...
+    def now(self) -> float: ...
 
 
 def reconstruct(engine: Runner, caches: list[EvictionCache], context: list[int]) -> None:
@@ -91,7 +91,7 @@ def reconstruct(engine: Runner, caches: list[EvictionCache], context: list[int])
             key = (cache.policy.reconstruction_chunk(), cache.policy.reserved_sinks(), cache.repeat_layout)
             groups.setdefault(key, []).append(cache)
     for (chunk_size, _, _), group in groups.items():
-        start, lead = engine._now(), group[0]
+        start, lead = engine.now(), group[0]
         for chunk, token_ids in engine.repeat_prompt().forwards(context, chunk_size):
             lead.reconstruct(chunk)
             engine.step(lead, token_ids, len(context), evict=False)
@@ -100,6 +100,6 @@ def reconstruct(engine: Runner, caches: list[EvictionCache], context: list[int])
         for cache in group:
             cache.count_peak(lead)  # as if it had reconstructed the context itself
             cache.evict_reconstructed(received)
-        seconds = (engine._now() - start) / len(group)
+        seconds = (engine.now() - start) / len(group)
         for cache in group:
             cache.scoring_seconds = seconds
