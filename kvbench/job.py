@@ -20,7 +20,7 @@ from kvbench import CONF_DIR, config_dict
 from kvbench.config import engine_keys, group_keys, group_options
 from kvbench.domains import Domain, check_table, choice, integer
 from kvbench.engine import ENGINE_SETTINGS
-from kvbench.engine.engine import evicts_decoding
+from kvbench.engine.runner import evicts_decoding
 from kvbench.errors import KVBenchError, check_keys, choose
 from kvbench.models import MODEL_SETTINGS
 from kvbench.policies import build_policy

@@ -13,7 +13,7 @@ line on stdout::
 In a grouped sweep (``hydra.sweeper.group``, the default) ``group`` numbers the process the job runs in: the jobs
 that differ only in policy and budget share one (:func:`kvbench.run.group_key`), the model loaded once. Where the
 group also shares its prefills (``hydra.sweeper.share_prefill``), ``prefill_group`` numbers the oneshot jobs whose
-samples are prefilled together, by one forward each (:func:`kvbench.engine.engine.generate_shared`); the summary
+samples are prefilled together, by one forward each (:func:`kvbench.engine.shared.generate_shared`); the summary
 counts their prefill tokens once.
 
 A job is invalid for a bad value, a run directory holding other settings, or data that is neither here nor
@@ -118,7 +118,7 @@ class Estimator:
 
     def together_seconds(self, jobs: list[Job]) -> float:
         """The seconds per prompt token of the jobs' first sample prefilled once and decoded as rows together."""
-        from kvbench.engine.engine import finished_rows
+        from kvbench.engine.rows import finished_rows
         from kvbench.run import build_engine, context_rows, samples_batch
 
         loaded, _ = self.loaded(jobs[0])

@@ -23,18 +23,9 @@ from tqdm import tqdm
 
 from kvbench import config_dict, duration
 from kvbench.engine import Engine
-from kvbench.engine.engine import (
-    GenerationOutput,
-    PerplexityOutput,
-    Question,
-    Row,
-    batch_rows,
-    decode_rows,
-    finished_rows,
-    perplexity_rows,
-    prefill_questions,
-    prefill_shared,
-)
+from kvbench.engine.rows import Row, batch_rows, decode_rows, finished_rows, perplexity_rows
+from kvbench.engine.runner import GenerationOutput, PerplexityOutput
+from kvbench.engine.shared import Question, prefill_questions, prefill_shared
 from kvbench.engine.threads import set_threads
 from kvbench.errors import KVBenchError, SharedPassWarning
 from kvbench.job import Job, resolve
@@ -256,7 +247,7 @@ def run_samples(
 ) -> Iterator[tuple[Sample, tuple[dict[str, Any], Any]]]:
     """:func:`run_sample` of each of ``samples``, in their order as each finishes: the generated ones prefilled one
     by one (the questions of one context from one compression of it, :func:`context_rows`) and decoded together,
-    ``batch_size`` rows at a time (:func:`~kvbench.engine.engine.finished_rows`; perplexity samples one by one)."""
+    ``batch_size`` rows at a time (:func:`~kvbench.engine.rows.finished_rows`; perplexity samples one by one)."""
     if len(samples) == 1 or any(sample.mode == "perplexity" for sample in samples):
         for sample in samples:
             yield sample, run_sample(engine, task, sample, loaded)
@@ -293,8 +284,8 @@ def shares_context(sample: Sample, other: Sample) -> bool:
 def context_rows(engines: list[Engine], samples: list[Sample], loaded: LoadedModel, batch_size: int) -> list[Row]:
     """The prefilled rows of ``samples`` (one :func:`context_groups` group) for each of ``engines`` (one model and
     regime), sample by sample: each sample prefilled once for all the engines
-    (:func:`~kvbench.engine.engine.prefill_shared`), or the questions of one context answered from one compression of
-    it per engine (:func:`~kvbench.engine.engine.prefill_questions`)."""
+    (:func:`~kvbench.engine.shared.prefill_shared`), or the questions of one context answered from one compression of
+    it per engine (:func:`~kvbench.engine.shared.prefill_questions`)."""
     if len(samples) == 1:
         (sample,) = samples
         if len(engines) == 1:
@@ -334,7 +325,7 @@ def in_sample_order(
 
 
 def samples_batch(cfg: DictConfig, engines: Sequence[Engine], samples: Sequence[Sample]) -> int:
-    """The rows decoding together (``engine.batch_size``: :func:`~kvbench.engine.engine.batch_rows`, for the longest
+    """The rows decoding together (``engine.batch_size``: :func:`~kvbench.engine.rows.batch_rows`, for the longest
     prompt and answer of ``samples``)."""
     longest = max((len(sample.input_ids) for sample in samples), default=1)
     answer = max((sample.max_new_tokens for sample in samples), default=0)
@@ -625,7 +616,7 @@ def run_group(
 ) -> list[dict[str, Any] | Exception]:
     """Jobs of one :func:`group_key` in this process, the model loaded and the task's samples built once
     (:class:`Shared`): one after another, or with ``share_prefill`` sample by sample, every job that lacks the
-    sample generating it from one shared oneshot prefill (:func:`kvbench.engine.engine.generate_shared`). Each
+    sample generating it from one shared oneshot prefill (:func:`kvbench.engine.shared.generate_shared`). Each
     job keeps all a single run has: its run directory, lock, resume, ``config.yaml``, records and its log
     (``kvbench.log`` in its directory). A job that fails is logged there and does not stop the others. Returns
     each job's metrics, or the error it failed with. ``sweep``: the progress of the sweep it is part of."""
@@ -660,7 +651,7 @@ def run_group(
 
 def run_shared(opened: dict[int, OpenRun], samples: list[Sample], outcomes: list[Any], logs: list[Path]) -> None:
     """The ``samples`` of the ``opened`` runs of a group, each prefilled once for every run that lacks it
-    (:func:`~kvbench.engine.engine.prefill_shared`), the (sample, run) rows of as many samples as ``engine.batch_size``
+    (:func:`~kvbench.engine.shared.prefill_shared`), the (sample, run) rows of as many samples as ``engine.batch_size``
     holds decoding together, each sample's records written once its rows have finished, in sample order
     (:func:`decode_shared`); a run whose sample fails is logged and dropped (its outcome the error), the others go
     on."""
@@ -718,8 +709,8 @@ def decode_shared(
     """Each sample of ``chunk`` in order with the records and outputs of the runs that lack it, by run, as soon as its
     rows have finished: each sample prefilled once for its runs (the questions of one context answered from one
     compression of it per run, :func:`context_rows`), all the chunk's rows decoded together,
-    ``batch_size`` at a time (:func:`~kvbench.engine.engine.finished_rows`); a perplexity sample's text streamed by
-    its runs as rows (:func:`~kvbench.engine.engine.perplexity_rows`)."""
+    ``batch_size`` at a time (:func:`~kvbench.engine.rows.finished_rows`); a perplexity sample's text streamed by
+    its runs as rows (:func:`~kvbench.engine.rows.perplexity_rows`)."""
     results: dict[int, dict[int, tuple[dict[str, Any], Any]]] = {}  # sample position -> run -> (record, output)
     rows: list[Row] = []
     owners: list[tuple[int, list[tuple[int, OpenRun]]]] = []  # each row's sample position and its runs (twins)

@@ -151,9 +151,9 @@ def question_start(runner: Engine, prompt: list[int]) -> int | None:
 
 
 def generated_shared(runners: list[Engine], prompt: list[int], max_new_tokens: int, **settings) -> list:
-    """:func:`~kvbench.engine.engine.generate_shared`'s outputs for ``runners`` in their order, those of one
+    """:func:`~kvbench.engine.shared.generate_shared`'s outputs for ``runners`` in their order, those of one
     :func:`question_start` sharing one call."""
-    from kvbench.engine.engine import generate_shared
+    from kvbench.engine.shared import generate_shared
 
     by_question: dict[int | None, list[int]] = {}
     for index, runner in enumerate(runners):

@@ -17,7 +17,7 @@ import kvbench.run
 from kvbench.config import compose
 from kvbench.engine import Engine
 from kvbench.engine.cache import EvictionCache, sums_key
-from kvbench.engine.engine import generate_shared
+from kvbench.engine.shared import generate_shared
 from kvbench.errors import KVBenchError, SharedPassWarning
 from kvbench.policies import build_policy
 from kvbench.run import group_key, run, run_group
@@ -201,7 +201,7 @@ def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
 @pytest.mark.model
 def test_on_smollm2_one_shared_prefill_gives_what_each_variant_gives_alone():
     """The same over the registry on the offline SmolLM2 (float32, a 384-token text prompt, budget 96), the variants
-    decoded 8 rows at a time after their shared prefill (:func:`~kvbench.engine.engine.decode_rows`): every
+    decoded 8 rows at a time after their shared prefill (:func:`~kvbench.engine.rows.decode_rows`): every
     variant's tokens, kept sets, cache sizes and policy statistics equal its own run's."""
     from kvbench.bench.sections import PARAGRAPH, prompt_tokens
     from kvbench.models import load_model, model_config

@@ -16,8 +16,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from kvbench.cli import main as kvbench_main
 from kvbench.engine.cache import EvictionCache
-from kvbench.engine.engine import generate_shared
 from kvbench.engine.reconstruction import RepeatPrompt
+from kvbench.engine.shared import generate_shared
 from kvbench.errors import KVBenchError
 from kvbench.policies.layer_budget import conserve_total
 from kvbench.policies.methods.kvzip import kept_counts

@@ -18,7 +18,7 @@ from functools import cache
 import pytest
 
 from kvbench.config import compose
-from kvbench.engine.engine import generate_shared
+from kvbench.engine.shared import generate_shared
 from kvbench.job import resolve
 from kvbench.models import load_model
 from kvbench.run import build_engine, build_task, run_sample, stop_ids

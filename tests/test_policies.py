@@ -9,7 +9,7 @@ import torch
 
 from kvbench.engine.attention import sdpa_attention
 from kvbench.engine.cache import EvictionCache
-from kvbench.engine.engine import score_block_size
+from kvbench.engine.runner import score_block_size
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy, parse_spec
 from kvbench.policies.budgets import Budget

@@ -14,7 +14,8 @@ from kvbench import CONF_DIR, PROJECT_ROOT
 from kvbench.cli import main
 from kvbench.config import compose
 from kvbench.engine import Engine
-from kvbench.engine.engine import Question, decode_rows, generate_shared, prefill_questions
+from kvbench.engine.rows import decode_rows
+from kvbench.engine.shared import Question, generate_shared, prefill_questions
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
 from kvbench.job import resolve

@@ -1,13 +1,14 @@
-"""Decoding rows together (:func:`kvbench.engine.engine.decode_rows`): many (sample, variant) rows, each with its own
+"""Decoding rows together (:func:`kvbench.engine.rows.decode_rows`): many (sample, variant) rows, each with its own
 cache, budget, positions and stop tokens, step through one forward of the model and give what each gives alone."""
 
 from __future__ import annotations
 
 import pytest
 
-import kvbench.engine.engine as engine_module
+import kvbench.engine.rows as engine_module
 from kvbench.engine import Engine
-from kvbench.engine.engine import Row, decode_rows, generate_shared, perplexity_rows
+from kvbench.engine.rows import Row, decode_rows, perplexity_rows
+from kvbench.engine.shared import generate_shared
 from kvbench.policies import build_policy
 from tests.helpers import (
     ARCHITECTURES,

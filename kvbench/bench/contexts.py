@@ -3,9 +3,9 @@ agnostic`` with ``task.questions_per_context``).
 
 RULER samples are generated with ``questions`` questions about each of ``contexts`` haystacks and answered by every
 ``policies`` × ``budgets`` variant twice, context by context: each context compressed once per variant and every
-question read into a copy of its compressed cache (:func:`~kvbench.engine.engine.prefill_questions`, what
+question read into a copy of its compressed cache (:func:`~kvbench.engine.shared.prefill_questions`, what
 ``kvbench run`` does), and each question's context compressed again for it (one
-:func:`~kvbench.engine.engine.prefill_shared` per question); both decode their rows together, ``batch_size`` at a
+:func:`~kvbench.engine.shared.prefill_shared` per question); both decode their rows together, ``batch_size`` at a
 time. The two orders alternate between contexts; the predictions are compared row by row.
 """
 
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvbench.bench.grid import job_overrides
 from kvbench.config import compose
-from kvbench.engine.engine import Row, batch_rows, decode_rows
+from kvbench.engine.rows import Row, batch_rows, decode_rows
 from kvbench.run import build_task, context_groups, context_rows
 
 if TYPE_CHECKING:

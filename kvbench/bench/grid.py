@@ -5,7 +5,7 @@ another, decoding one sample at a time (how the scripts kvbench replaces run a g
 sweep whose group loads the model once, prefills each prompt once for its variants (``hydra.sweeper.share_prefill``)
 and decodes the (sample, variant) rows together (``engine.batch_size``). Both write their run
 directories under the same names, so their predictions are compared record by record. Memory: the peak RSS of
-one prompt's prefill shared by every variant (:func:`~kvbench.engine.engine.generate_shared`) beside one job's
+one prompt's prefill shared by every variant (:func:`~kvbench.engine.shared.generate_shared`) beside one job's
 prefill, each in a fresh process, against the bound of one job plus every other variant's evicted cache and one
 layer's full keys/values.
 """
@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.config import config_dict
-from kvbench.engine.engine import decode_rows, generate_shared
+from kvbench.engine.rows import decode_rows
+from kvbench.engine.shared import generate_shared
 from kvbench.errors import KVBenchError
 from kvbench.models import load_model
 from kvbench.rundir import RunDir

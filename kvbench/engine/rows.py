@@ -1,0 +1,222 @@
+"""Rows: (sample, variant) pairs decoded greedily together, each over its own cache at its own length, one forward of
+the model a step (:class:`~kvbench.engine.cache.RowBatch`), and perplexity texts streamed by several variants in
+lockstep; each row gives what its engine gives alone."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbench.engine.cache import EvictionCache, RowBatch
+from kvbench.engine.memory import free_memory
+from kvbench.engine.runner import GenerationOutput, PerplexityOutput, Runner
+
+#: ``engine.batch_size=auto``: the rows' caches take at most this share of the free memory, and at most
+#: ``AUTO_MAX_ROWS`` rows decode together (:func:`batch_rows`; more rows held at once, of several samples of a group,
+#: were slower here: 51 s against 45 s for the 18-job grid of the README)
+AUTO_MEMORY_SHARE = 0.5
+AUTO_MAX_ROWS = 32
+
+
+@dataclass
+class Row:
+    """One (sample, variant) to decode greedily: its engine (model, policy, budget, regime), prefilled cache and the
+    prompt's last logits ``[V]``; up to ``max_new_tokens``, stopping at any of ``stop_token_ids`` once
+    ``min_new_tokens`` are generated (:meth:`Engine.generate`)."""
+
+    engine: Runner
+    cache: EvictionCache
+    logits: torch.Tensor  # [V]
+    prompt_tokens: int
+    max_new_tokens: int
+    stop_token_ids: Sequence[int] = ()
+    min_new_tokens: int = 0
+    prefill_seconds: float = 0.0
+    prefill_shared_by: int = 1
+    context_shared_by: int = 1  # questions answered from one compression of the context (prefill_questions)
+    scoring_seconds: float = 0.0  # of prefill_seconds, the context's reconstruction
+    generated: list[int] = field(default_factory=list)
+    decode_seconds: float = 0.0
+
+    def next_token(self) -> int | None:
+        """The greedy choice from the row's logits, or None when the row is done (a stop token, or its last)."""
+        if len(self.generated) >= self.max_new_tokens:
+            return None
+        scores = self.logits
+        stop = self.stop_token_ids
+        if len(self.generated) < self.min_new_tokens and len(stop):
+            banned = torch.tensor(sorted(set(stop)), dtype=torch.long, device=scores.device)
+            scores = scores.index_fill(0, banned, float("-inf"))
+        token = int(scores.argmax())
+        if token in stop:
+            return None
+        self.generated.append(token)
+        return None if len(self.generated) == self.max_new_tokens else token
+
+
+@torch.inference_mode()
+def decode_rows(rows: list[Row], batch_size: int) -> list[GenerationOutput]:
+    """:func:`finished_rows`' outputs in the order of ``rows``; one row at a time gives :meth:`Engine.generate`'s."""
+    return [output for _, output in sorted(finished_rows(rows, batch_size), key=lambda finished: finished[0])]
+
+
+def finished_rows(rows: list[Row], batch_size: int) -> Iterator[tuple[int, GenerationOutput]]:
+    """Greedy decoding of ``rows`` (one model), up to ``batch_size`` at a time: every step feeds each active row's
+    token at its own position through one forward of the model over a :class:`RowBatch`, where each row's cache
+    attends, scores and evicts as alone (its engine's ``decode_evict``); a finished row leaves the batch, is yielded
+    as ``(its index in rows, its output)``, and the next waiting row takes its place. Each row is charged its share of
+    the steps it was in."""
+    after_prefill = [row.cache.sizes_now() for row in rows]
+    kept = [row.cache.kept_by_head() if row.engine.record_kept else None for row in rows]
+
+    def output(index: int) -> tuple[int, GenerationOutput]:
+        row = rows[index]
+        kv = row.engine.cache_sizes(row.cache, after_prefill[index], row.prompt_tokens + len(row.generated))
+        stats = row.cache.policy_stats()
+        finished = GenerationOutput(
+            row.generated, row.prompt_tokens, row.prefill_seconds, row.decode_seconds, kv, stats, kept[index]
+        )
+        finished.prefill_shared_by, finished.context_shared_by = row.prefill_shared_by, row.context_shared_by
+        finished.scoring_seconds = row.scoring_seconds
+        return index, finished
+
+    waiting, active = deque(range(len(rows))), list[int]()
+    lead = rows[0].engine if rows else None
+    while lead is not None and (waiting or active):
+        start = lead.now()
+        stepping: list[tuple[int, int]] = []  # (row index, its next token)
+        done: list[int] = []
+        for index in active:
+            if (token := rows[index].next_token()) is None:
+                done.append(index)
+            else:
+                stepping.append((index, token))
+        while waiting and len(stepping) < batch_size:  # waiting rows take the places of finished ones
+            index = waiting.popleft()
+            if (token := rows[index].next_token()) is None:
+                done.append(index)
+            else:
+                stepping.append((index, token))
+        if stepping:
+            logits = step_rows([(rows[index], token) for index, token in stepping])  # [N,V]
+            for place, (index, _) in enumerate(stepping):
+                rows[index].logits = logits[place]
+        active = [index for index, _ in stepping]
+        share = (lead.now() - start) / max(len(stepping), 1)
+        for index in active:
+            rows[index].decode_seconds += share
+        for index in done:
+            yield output(index)
+
+
+def step_rows(stepping: list[tuple[Row, int]]) -> torch.Tensor:
+    """One forward of each row's next token at its position (the prompt's length plus what it generated before),
+    evicting as its engine decodes; returns the logits ``[N,V]``."""
+    rows = [row for row, _ in stepping]
+    positions = [row.prompt_tokens + len(row.generated) - 1 for row in rows]
+    evicts = [row.engine.decode_evict for row in rows]
+    logits = forward_rows(rows[0].engine, [row.cache for row in rows], [[t] for _, t in stepping], positions, evicts)
+    return logits[:, -1]
+
+
+def forward_rows(
+    lead: Runner,
+    caches: list[EvictionCache],
+    token_ids: list[list[int]],
+    starts: list[int],
+    evicts: list[bool],
+    all_logits: bool = False,
+) -> torch.Tensor:
+    """One forward of ``lead``'s model over rows of as many tokens each, row ``r``'s ``token_ids[r]`` at positions
+    ``starts[r]..`` into ``caches[r]``, which evicts after it if ``evicts[r]``: through a :class:`RowBatch`, each
+    cache as :meth:`Runner.step` feeds it alone. Returns the logits ``[N,q|1,V]``."""
+    length = len(token_ids[0])
+    positions = torch.tensor([[start + offset for offset in range(length)] for start in starts], device=lead.device)
+    for cache, where, evict in zip(caches, positions, evicts):
+        cache.begin_forward(where, evict=evict, decoding=int(where[0]) >= cache.prompt_len)
+    return lead.forward(RowBatch(caches), torch.tensor(token_ids, device=lead.device), positions, all_logits)
+
+
+def prefill_rows(engines: Sequence[Runner], caches: list[EvictionCache], input_ids: list[int]) -> torch.Tensor:
+    """:meth:`Runner.prefill` of one prompt into each of ``caches``, the engines of one regime and block size feeding
+    each block to every row in one forward (each cache evicting after it as alone); the last logits ``[N,1,V]``."""
+    block = engines[0].block_size or len(input_ids)
+    count = len(caches)
+    for begin in range(0, len(input_ids), block):
+        ids = input_ids[begin : begin + block]
+        logits = forward_rows(engines[0], caches, [ids] * count, [begin] * count, [True] * count)
+    return logits
+
+
+def lockstep_groups(engines: Sequence[Runner], indices: Sequence[int], batch_size: int) -> list[list[int]]:
+    """``indices`` of ``engines`` in groups that can feed one text in lockstep: one regime and block size, at most
+    ``batch_size`` rows."""
+    by_block: dict[tuple[str, int | None], list[int]] = {}
+    for index in indices:
+        by_block.setdefault((engines[index].regime, engines[index].block_size), []).append(index)
+    return [
+        group[begin : begin + batch_size] for group in by_block.values() for begin in range(0, len(group), batch_size)
+    ]
+
+
+@torch.inference_mode()
+def perplexity_rows(
+    engines: Sequence[Runner], input_ids: list[int], context_tokens: int = 0, batch_size: int = 1
+) -> list[PerplexityOutput]:
+    """:meth:`Engine.perplexity` of each engine on one text, up to ``batch_size`` engines of one regime and block
+    size feeding it together (:func:`forward_rows`: each block one forward for all their rows). Outputs in the order
+    of ``engines``, each reporting its share of the forwards."""
+    outputs: list[PerplexityOutput | None] = [None] * len(engines)
+    for group in lockstep_groups(engines, range(len(engines)), batch_size):
+        for index, output in zip(group, _perplexity_together([engines[i] for i in group], input_ids, context_tokens)):
+            outputs[index] = output
+    return [output for output in outputs if output is not None]
+
+
+def _perplexity_together(
+    engines: Sequence[Runner], input_ids: list[int], context_tokens: int
+) -> list[PerplexityOutput]:
+    """:func:`perplexity_rows` of engines of one regime and block size, all together."""
+    lead, count = engines[0], len(engines)
+    caches = [engine.new_cache(max(context_tokens, 1) if context_tokens else len(input_ids)) for engine in engines]
+    context_tokens = max(context_tokens, 1)
+    start = lead.now()
+    logits = prefill_rows(engines, caches, input_ids[:context_tokens])
+    prefill_seconds = (lead.now() - start) / count
+    after_prefill = [cache.sizes_now() for cache in caches]
+    start = lead.now()
+    nlls: list[list[torch.Tensor]] = [[] for _ in engines]
+    step = lead.block_size if lead.regime == "chunked" else 1
+    assert step is not None  # the chunked regime always has a block size
+    targets = torch.tensor(input_ids, device=lead.device)
+    evicts = [engine.decode_evict for engine in engines]
+    for begin in range(context_tokens, len(input_ids), step):
+        block = input_ids[begin : begin + step]
+        for row in range(count):
+            nlls[row].append(Runner.nll(logits[row, -1:], targets[begin : begin + 1]))
+        if len(block) == 1 and begin == len(input_ids) - 1:
+            break
+        logits = forward_rows(lead, caches, [block] * count, [begin] * count, evicts, all_logits=len(block) > 1)
+        for row in range(count):
+            nlls[row].append(Runner.nll(logits[row, :-1], targets[begin + 1 : begin + len(block)]))
+    decode_seconds = (lead.now() - start) / count
+    outputs = []
+    for engine, cache, sizes, values in zip(engines, caches, after_prefill, nlls):
+        kv = engine.cache_sizes(cache, sizes, len(input_ids))
+        nll = torch.cat(values).tolist() if values else []
+        outputs.append(PerplexityOutput(nll, prefill_seconds, decode_seconds, kv, cache.policy_stats()))
+    return outputs
+
+
+def batch_rows(setting: int | str, engines: Sequence[Runner], prompt_tokens: int, new_tokens: int) -> int:
+    """``engine.batch_size``: how many rows decode together — the number given, or for ``auto`` as many of the heaviest
+    engine's rows of a ``prompt_tokens`` prompt generating ``new_tokens`` (:meth:`Runner.row_bytes`) as
+    ``AUTO_MEMORY_SHARE`` of the free memory holds, at least 1 and at most ``AUTO_MAX_ROWS``."""
+    if setting != "auto":
+        return int(setting)
+    heaviest = max(engine.row_bytes(prompt_tokens, new_tokens) for engine in engines)
+    fits = int(AUTO_MEMORY_SHARE * free_memory(engines[0].device)) // heaviest
+    return max(1, min(AUTO_MAX_ROWS, fits))

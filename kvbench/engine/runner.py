@@ -1,0 +1,256 @@
+"""The eviction-aware generation engine: prefill and decode through a budgeted cache.
+
+Regimes:
+
+* ``oneshot``   — prefill the whole prompt, evict every layer to its budget once; decode appends.
+* ``chunked``   — prefill in blocks of ``block_size``; evict after each block and every decode step
+  (CAOTE's protocol: the live cache never exceeds budget + block).
+* ``streaming`` — token by token, evict every step (StreamingLLM's perplexity protocol).
+
+The engine knows nothing about benchmarks: it takes token ids and returns token ids or NLLs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from kvbench.domains import FLAG, Domain, choice, integer, is_int, optional
+from kvbench.engine import attention
+from kvbench.engine.cache import CacheSizes, EvictionCache, RowBatch, SharedPrefill
+from kvbench.engine.reconstruction import RepeatPrompt, reconstruct
+from kvbench.engine.threads import THREADS
+from kvbench.errors import KVBenchError, choose
+from kvbench.policies.base import Full, LayerWeights, Policy
+from kvbench.policies.budgets import Budget
+
+REGIMES = ["oneshot", "chunked", "streaming"]
+
+
+def evicts_decoding(regime: str, decode_evict: bool | None) -> bool:
+    """Whether the cache evicts while it decodes: ``engine.decode_evict``, by default every regime but oneshot."""
+    return regime != "oneshot" if decode_evict is None else decode_evict
+
+
+#: the engine settings (``engine.<key>``, defaults in conf/config.yaml) and their domains
+ENGINE_SETTINGS: dict[str, Domain] = {
+    "regime": choice(*REGIMES),
+    "block_size": integer(1, "a token count"),
+    "decode_evict": optional(FLAG, "the regime's: false for oneshot, true for chunked and streaming"),
+    "score_block": Domain("auto or a query count ≥ 1", lambda value: value == "auto" or (is_int(value) and value >= 1)),
+    "save_kept": FLAG,
+    "batch_size": Domain("auto or a row count ≥ 1", lambda value: value == "auto" or (is_int(value) and value >= 1)),
+    "threads": THREADS,
+}
+
+
+@dataclass
+class GenerationOutput:
+    """``policy_stats``: per-sample statistics of the policy (``EvictionCache.policy_stats``), e.g.
+    CaliDrop's ``recompute_rate`` or the CAKE / VABS ``layer_preference``; empty for most policies.
+    ``kept``: with ``Engine(record_kept=True)``, the positions each layer and cache head holds after prefill,
+    ``kept[layer][head]`` sorted (per query head in the KV-repeated layout)."""
+
+    token_ids: list[int]
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    kv: CacheSizes = field(default_factory=CacheSizes)
+    policy_stats: dict = field(default_factory=dict)
+    kept: list[list[list[int]]] | None = None
+    prefill_shared_by: int = 1  # variants whose prefill was one forward (generate_shared): prefill_seconds is a share
+    context_shared_by: int = 1  # questions answered from one compression of their context (prefill_questions)
+    scoring_seconds: float = 0.0  # of prefill_seconds, the context's reconstruction (KVzip; shared like the prefill)
+
+
+@dataclass
+class PerplexityOutput:
+    nlls: list[float]
+    prefill_seconds: float
+    decode_seconds: float
+    kv: CacheSizes = field(default_factory=CacheSizes)
+    policy_stats: dict = field(default_factory=dict)
+
+
+def score_block_size(setting: int | str | None) -> int | None:
+    """``engine.score_block``: queries per block of attention statistics, or ``auto``/``None`` (128 on CPU,
+    sized by memory on an accelerator: ``AttentionStats.block_queries``)."""
+    if setting is None or setting == "auto":
+        return None
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise KVBenchError(f"engine.score_block must be a positive number of queries or auto, got {setting!r}")
+    return setting
+
+
+def layer_weights(model, query_heads: int, num_layers: int) -> list[LayerWeights] | None:
+    """Each attention layer's weights that a score may read, in layer order: its modules with an output projection
+    (``o_proj``, the Llama/Qwen2/Mistral layout) and a ``layer_idx``, and the model's rotary embedding where it has
+    one (``rotary_emb``); None for a model laid out otherwise."""
+    layers = [module for module in model.modules() if hasattr(module, "o_proj") and hasattr(module, "layer_idx")]
+    if len(layers) != num_layers:
+        return None
+    rotary = [module for name, module in model.named_modules() if name.endswith("rotary_emb")]
+    shared = rotary[0] if len(rotary) == 1 else None
+    ordered = sorted(layers, key=lambda m: m.layer_idx)
+    return [LayerWeights(layer.o_proj.weight, query_heads, shared) for layer in ordered]
+
+
+class Runner:
+    """Runs a causal LM with ``policy`` keeping ``budget`` tokens per layer under ``regime``: a cache for a prompt,
+    its prefill, each step and the measuring; :class:`~kvbench.engine.engine.Engine` adds generation and perplexity
+    on it, and the schedulers (:mod:`~kvbench.engine.rows`, :mod:`~kvbench.engine.shared`) run several at once."""
+
+    def __init__(
+        self,
+        model,
+        policy: Policy,
+        budget: Budget | str | int,
+        regime: str = "oneshot",
+        block_size: int = 128,
+        decode_evict: bool | None = None,
+        attn_backend: str = "sdpa",
+        score_block: int | str | None = "auto",
+        record_kept: bool = False,
+        tokenizer=None,
+    ):
+        choose("engine.regime", regime, REGIMES)
+        self.model = model
+        #: the forward's cache argument: ``cache`` in recent transformers 5 releases, ``past_key_values`` before
+        self.cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.policy = policy
+        self.budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
+        self.regime = regime
+        self.block_size = {"oneshot": None, "chunked": block_size, "streaming": 1}[regime]
+        self.decode_evict = evicts_decoding(regime, decode_evict)
+        self.attn_backend = attn_backend
+        self.score_block = score_block_size(score_block)
+        self.record_kept = record_kept
+        self.tokenizer = tokenizer
+        self._repeat_prompt: RepeatPrompt | None = None
+        config = model.config.get_text_config()
+        self.num_layers = config.num_hidden_layers
+        self.num_query_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        model.set_attn_implementation(attention.register())
+        self.device = next(model.parameters()).device
+        self.layer_weights = layer_weights(model, self.num_query_heads, self.num_layers)
+
+    def row_bytes(self, prompt_tokens: int, new_tokens: int) -> int:
+        """The most memory one row of a ``prompt_tokens`` prompt holds while it decodes ``new_tokens``: the full cache
+        of the prompt and its answer in the policy's head layout (no row holds more: CaliDrop's offloaded entries and
+        the kept ones together are that), and its float32 logits."""
+        config = self.model.config.get_text_config()
+        heads = self.num_query_heads if self.policy.gqa == "repeat" else self.num_kv_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        element = next(self.model.parameters()).element_size()
+        per_token = 2 * self.num_layers * heads * head_dim * element
+        return (prompt_tokens + new_tokens) * per_token + 4 * config.vocab_size
+
+    def shares_prefill(self, cache: EvictionCache) -> bool:
+        """Whether ``cache`` can take its prefill from one of :func:`generate_shared`'s forwards: oneshot and a prompt
+        of more than one token (it shares with the variants of its head layout)."""
+        return self.regime == "oneshot" and cache.prompt_len > 1
+
+    def new_cache(self, prompt_len: int, context: bool = False) -> EvictionCache:
+        """A cache for a prompt of ``prompt_len`` tokens (``context``: a context, its question read after it is
+        compressed); a budget ≥ the prompt means no eviction. Dynamic layer budgets (``cake``, ``vabs``) start
+        uniform and are re-allocated by the cache during prefill. A policy not defined here is a one-line error."""
+        refusal = self.policy.refusal(self.regime, context, self.decode_evict)
+        if refusal is not None:
+            raise KVBenchError(refusal)
+        budget = self.budget.resolve(prompt_len)
+        policy = self.policy if self.policy.compresses(budget, prompt_len) else Full(gqa=self.policy.gqa)
+        policy.check_budget(budget, prompt_len)
+        budgets = policy.layer_budget.allocate(budget, self.num_layers, policy.reserved(budget, prompt_len), prompt_len)
+        return EvictionCache(
+            policy,
+            budgets,
+            prompt_len,
+            self.num_query_heads,
+            self.num_kv_heads,
+            self.attn_backend,
+            self.score_block,
+            decode_evict=self.decode_evict,
+            layer_weights=self.layer_weights,
+        )
+
+    @torch.inference_mode()
+    def prefill(self, cache: EvictionCache | SharedPrefill, input_ids: list[int]) -> torch.Tensor:
+        """Feed the prompt into ``cache`` under the regime (one block, or blocks of ``block_size`` /
+        single tokens), evicting after each (a policy scoring by reconstruction: once it is reconstructed,
+        :func:`reconstruct`); returns the last forward's logits ``[1,1,V]``."""
+        block = self.block_size or len(input_ids)
+        for begin in range(0, len(input_ids), block):
+            logits = self.step(cache, input_ids[begin : begin + block], begin, evict=True)
+        reconstruct(self, cache.caches if isinstance(cache, SharedPrefill) else [cache], input_ids)
+        return logits
+
+    @torch.inference_mode()
+    def step(
+        self,
+        cache: EvictionCache | SharedPrefill,
+        token_ids: list[int],
+        start: int,
+        evict: bool | None = None,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """One model forward over ``token_ids`` at absolute positions ``start..`` (``evict``: whether the cache
+        evicts after it; default the regime's decode setting); returns the logits ``[1,q|1,V]``."""
+        evict = self.decode_evict if evict is None else evict
+        positions = torch.arange(start, start + len(token_ids), device=self.device)
+        cache.begin_forward(positions, evict=evict, decoding=start >= cache.prompt_len)
+        return self.forward(cache, torch.tensor([token_ids], device=self.device), positions[None], all_logits)
+
+    def forward(
+        self,
+        cache: EvictionCache | SharedPrefill | RowBatch,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        all_logits: bool,
+    ) -> torch.Tensor:
+        """The model over ``input_ids [N,q]`` at ``positions [N,q]`` through ``cache`` (its forward declared):
+        the logits ``[N,q|1,V]``."""
+        output = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+            kvbench_cache=cache,
+            **{self.cache_argument: cache},
+        )
+        return output.logits
+
+    def repeat_prompt(self) -> RepeatPrompt:
+        """The reconstruction forwards' token pieces for the model's tokenizer (the ``reconstruction`` statistic)."""
+        if self._repeat_prompt is None:
+            if self.tokenizer is None:
+                raise KVBenchError(f"policy {self.policy.spec} repeats the context: the engine needs the tokenizer")
+            self._repeat_prompt = RepeatPrompt.of(self.tokenizer)
+        return self._repeat_prompt
+
+    # -- measuring, for the engine and the schedulers that run it (rows, shared prefills, questions) -----------
+    @staticmethod
+    def nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each token's negative log-likelihood ``[N]`` from ``logits [N,V]`` (float32) and ``targets [N]``."""
+        return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
+
+    def cache_sizes(self, cache: EvictionCache, after_prefill: CacheSizes, total_tokens: int) -> CacheSizes:
+        """``after_prefill`` (:meth:`EvictionCache.sizes_now` then) with the peaks and the full cache's bytes."""
+        bytes_per_token = sum(
+            2 * self.num_kv_heads * layer.keys.shape[-1] * layer.keys.element_size() for layer in cache.eviction_layers
+        )
+        return replace(
+            after_prefill,
+            peak_tokens_per_layer=[layer.peak_tokens for layer in cache.eviction_layers],
+            peak_bytes=cache.peak_bytes,
+            full_bytes=bytes_per_token * total_tokens,
+        )
+
+    def now(self) -> float:
+        """The time, once the device has finished what it was given (a timing's end or start)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
