@@ -37,13 +37,13 @@ from kvbench.papers import MAIN_SETTINGS, list_tables, load_table, split_method,
 from kvbench.policies.budgets import Budget
 from kvbench.results.table import (
     FORMATS,
-    LONGBENCH_SHORT,
     Run,
     budget_key,
     context_label,
     load_runs,
     policy_key,
     render,
+    task_layout,
     write_tables,
 )
 
@@ -305,7 +305,9 @@ class Comparison:
                     cells[task] = f"{values[task]:.{self.places}f}" if task in values else "–"
             lines.append({"model": model, "method": policy, "budget": budget, "row": "ours", **cells})
         frame = pd.DataFrame(lines, columns=[*KEY, "row", *self.tasks])
-        return frame.rename(columns={**LONGBENCH_SHORT, "avg": "Avg."})
+        layout = task_layout("longbench")
+        assert layout is not None  # LongBench declares its table
+        return frame.rename(columns={**layout.headers, "avg": "Avg."})
 
     def summary(self) -> str:
         """Footnotes and how many of the paper's rows our runs filled."""

@@ -24,76 +24,28 @@ failed, being written) are listed below the tables, each with the reason.
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pandas as pd
+from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from kvbench import config_dict
+from kvbench import CONF_DIR, config_dict
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies.budgets import Budget
 from kvbench.results.intervals import paired_difference
 from kvbench.rundir import RunDir, find_run_dirs, scan_run_dirs
+from kvbench.tasks.base import TableLayout, Task
 
 IDENTITY = ["model", "policy", "budget", "regime"]
 NO_BUDGET = "–"
 """The budget column of the full cache, which keeps every token whatever budget its run was given."""
 
-LONGBENCH_CATEGORIES = {
-    "Single-Doc QA": ["narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh"],
-    "Multi-Doc QA": ["hotpotqa", "2wikimqa", "musique", "dureader"],
-    "Summarization": ["gov_report", "qmsum", "multi_news", "vcsum"],
-    "Few-shot": ["trec", "triviaqa", "samsum", "lsht"],
-    "Synthetic": ["passage_count", "passage_retrieval_en", "passage_retrieval_zh"],
-    "Code": ["lcc", "repobench-p"],
-}
-"""LongBench's six task categories (Bai et al., 2023, Table 1), in the order the papers print them."""
-
-LONGBENCH_SHORT = {
-    "narrativeqa": "NrtvQA",
-    "qasper": "Qasper",
-    "multifieldqa_en": "MF-en",
-    "multifieldqa_zh": "MF-zh",
-    "hotpotqa": "HotpotQA",
-    "2wikimqa": "2WikiMQA",
-    "musique": "Musique",
-    "dureader": "DuReader",
-    "gov_report": "GovReport",
-    "qmsum": "QMSum",
-    "multi_news": "MultiNews",
-    "vcsum": "VCSUM",
-    "trec": "TREC",
-    "triviaqa": "TriviaQA",
-    "samsum": "SAMSum",
-    "lsht": "LSHT",
-    "passage_count": "PCount",
-    "passage_retrieval_en": "PRe",
-    "passage_retrieval_zh": "PRe-zh",
-    "lcc": "Lcc",
-    "repobench-p": "RB-P",
-}
-"""The column headers the papers use for LongBench datasets."""
-
-RULER_ORDER = [
-    "niah_single_1",
-    "niah_single_2",
-    "niah_single_3",
-    "niah_multikey_1",
-    "niah_multikey_2",
-    "niah_multikey_3",
-    "niah_multivalue",
-    "niah_multiquery",
-    "vt",
-    "cwe",
-    "fwe",
-    "qa_1",
-    "qa_2",
-]
-LONGBENCH_TASKS = ("longbench", "longbench_e")
 AVG = "Avg."
 
 
@@ -268,9 +220,20 @@ def _pivot(frame: pd.DataFrame, index: list[str], order: list[str]) -> pd.DataFr
     return sort_rows(table.reset_index())
 
 
+@functools.cache
+def task_layout(task: str) -> TableLayout | None:
+    """The table layout task ``task`` declares (:attr:`~kvbench.tasks.base.Task.table`; its class as
+    ``conf/task/<task>.yaml`` names it), or None: none, or a task this version does not know."""
+    path = CONF_DIR / "task" / f"{task}.yaml"
+    if not path.is_file():
+        return None
+    task_class: type[Task] = get_class(str(OmegaConf.select(OmegaConf.load(path), "_target_")))
+    return task_class.table
+
+
 def has_layout(run: Run) -> bool:
-    """Whether a benchmark table shows the run's scores (LongBench, RULER, perplexity)."""
-    return run.task in (*LONGBENCH_TASKS, "ruler") or "ppl" in run.metrics["scores"]
+    """Whether a benchmark table shows the run's scores (a task that declares one, perplexity)."""
+    return task_layout(run.task) is not None or "ppl" in run.metrics["scores"]
 
 
 def runs_table(runs: list[Run]) -> pd.DataFrame:
@@ -303,17 +266,17 @@ def longbench_tables(runs: list[Run]) -> dict[str, pd.DataFrame]:
     frame = scores_frame([run for run in runs if run.task == "longbench"])
     if frame.empty:
         return {}
-    order = [task for tasks in LONGBENCH_CATEGORIES.values() for task in tasks]
-    by_task = _pivot(frame, IDENTITY, order)
+    layout = cast(TableLayout, task_layout("longbench"))
+    by_task = _pivot(frame, IDENTITY, list(layout.order))
     tasks = [column for column in by_task.columns if column not in IDENTITY]
     by_category = by_task[IDENTITY].copy()
-    for category, members in LONGBENCH_CATEGORIES.items():
+    for category, members in layout.categories.items():
         present = [task for task in members if task in tasks]
         if present:
             by_category[category] = by_task[present].mean(axis=1)
     by_task[AVG] = by_task[tasks].mean(axis=1)
     by_category[AVG] = by_task[AVG]
-    return {"longbench": by_task.rename(columns=LONGBENCH_SHORT), "longbench_categories": by_category}
+    return {"longbench": by_task.rename(columns=layout.headers), "longbench_categories": by_category}
 
 
 def longbench_e_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
@@ -322,11 +285,11 @@ def longbench_e_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
     if frame.empty:
         return {}
     frame[["score", "bucket"]] = frame["score"].str.split("@", n=1, expand=True)
-    order = [task for tasks in LONGBENCH_CATEGORIES.values() for task in tasks]
-    table = _pivot(frame, [*IDENTITY, "bucket"], order)
+    layout = cast(TableLayout, task_layout("longbench_e"))
+    table = _pivot(frame, [*IDENTITY, "bucket"], list(layout.order))
     tasks = [column for column in table.columns if column not in (*IDENTITY, "bucket")]
     table[AVG] = table[tasks].mean(axis=1)
-    return {"longbench_e": table.rename(columns=LONGBENCH_SHORT)}
+    return {"longbench_e": table.rename(columns=layout.headers)}
 
 
 def ruler_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
@@ -335,7 +298,7 @@ def ruler_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
     if frame.empty:
         return {}
     index = [*IDENTITY, "context", *(["query_mode"] if frame["query_mode"].nunique() > 1 else [])]
-    table = _pivot(frame, index, RULER_ORDER)
+    table = _pivot(frame, index, list(cast(TableLayout, task_layout("ruler")).order))
     tasks = [column for column in table.columns if column not in index]
     table[AVG] = table[tasks].mean(axis=1)
     return {"ruler": table}
@@ -615,4 +578,4 @@ def main(args: list[str]) -> None:
             print(f"  {run_dir.path}: {reason}")
 
 
-__all__ = ["LONGBENCH_CATEGORIES", "Run", "benchmark_tables", "load_runs", "main", "render", "scores_frame"]
+__all__ = ["Run", "benchmark_tables", "load_runs", "main", "render", "scores_frame"]

@@ -6,7 +6,7 @@ A task never imports a policy and the engine never imports a task; ``kvbench.run
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -100,10 +100,22 @@ class ModelInfo:
         return prompts.split_question(self.tokenizer, prompt, special_tokens, question)
 
 
+@dataclass(frozen=True)
+class TableLayout:
+    """How ``kvbench table`` lays out a task's scores: the subtasks' ``order`` (any other after them), the ``headers``
+    the papers print for them, and ``categories`` (each a mean of its subtasks, in a table of its own)."""
+
+    order: tuple[str, ...] = ()
+    headers: Mapping[str, str] = field(default_factory=dict)
+    categories: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
 class Task(ABC):
     """Build samples for one benchmark and score the engine's outputs."""
 
     name: str
+    #: the task's table in ``kvbench table`` (None: its scores in the table of runs)
+    table: ClassVar[TableLayout | None] = None
     #: the domain of each of the task's settings (``task.<key>``, conf/task/<name>.yaml)
     domains: ClassVar[dict[str, Domain]] = {}
     #: whether the task gives its samples a ``question_start``: ``task.query_mode=agnostic`` needs it

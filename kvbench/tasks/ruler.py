@@ -44,7 +44,7 @@ from kvbench.domains import PATH, SAMPLES, SEED, TOKENS, choice, integer, mappin
 from kvbench.errors import KVBenchError, choose
 from kvbench.hub import hub_online
 from kvbench.tasks import prompts
-from kvbench.tasks.base import ModelInfo, Sample, Task
+from kvbench.tasks.base import ModelInfo, Sample, TableLayout, Task
 from kvbench.tasks.resources import paul_graham_essays
 from kvbench.tasks.ruler_generators import CommonWords, FreqWords, Generator, Niah, Prompt, VariableTracking
 from kvbench.tasks.ruler_qa import QA, QA_FILES
@@ -115,6 +115,7 @@ class RulerTask(Task):
     ``questions_per_context`` (questions asked about one generated haystack)."""
 
     name = "ruler"
+    table = TableLayout(order=tuple(SUBTASKS))
     splits_prompts = True
     domains = {
         "subtasks": optional(name_list(SUBTASKS), "its 11 synthetic tasks"),
