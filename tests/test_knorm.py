@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.engine.cache import EvictionLayer
+from kvbench.engine.layer import EvictionLayer
 from kvbench.policies import build_policy
 from kvbench.policies.base import Policy, ScoreContext
 from tests.helpers import engine, random_prompt, tiny_model

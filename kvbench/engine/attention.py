@@ -124,7 +124,7 @@ def flash_attention(module, query, key, value, scaling):
 
 def kvbench_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, kvbench_cache=None, **_):
     """Attention over the (budgeted) cache, decode modifiers and scoring/eviction by ``kvbench_cache`` if given;
-    over a :class:`~kvbench.engine.cache.RowBatch`, each row ``query[r:r+1]`` over its own cache, at its own length
+    over a :class:`~kvbench.engine.batches.RowBatch`, each row ``query[r:r+1]`` over its own cache, at its own length
     (no row padded: each gives what it gives alone). The leading parameters are in transformers' order, for
     wrappers that pass them positionally (kvpress)."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling

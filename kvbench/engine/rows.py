@@ -1,5 +1,5 @@
 """Rows: (sample, variant) pairs decoded greedily together, each over its own cache at its own length, one forward of
-the model a step (:class:`~kvbench.engine.cache.RowBatch`), and perplexity texts streamed by several variants in
+the model a step (:class:`~kvbench.engine.batches.RowBatch`), and perplexity texts streamed by several variants in
 lockstep; each row gives what its engine gives alone."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench.engine.cache import EvictionCache, RowBatch
+from kvbench.engine.batches import RowBatch
+from kvbench.engine.cache import EvictionCache
 from kvbench.engine.memory import free_memory
 from kvbench.engine.runner import GenerationOutput, PerplexityOutput, Runner
 

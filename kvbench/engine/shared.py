@@ -1,5 +1,5 @@
 """Shared prefills and questions: one prompt prefilled for several variants by one forward per head layout
-(:class:`~kvbench.engine.cache.SharedPrefill`), and the questions of one context each read into a copy of the
+(:class:`~kvbench.engine.batches.SharedPrefill`), and the questions of one context each read into a copy of the
 context's compressed cache, as rows for :func:`~kvbench.engine.rows.decode_rows`."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvbench.engine.cache import SharedPrefill, prefill_key
+from kvbench.engine.batches import SharedPrefill
+from kvbench.engine.cache import prefill_key
 from kvbench.engine.rows import Row, decode_rows, forward_rows, lockstep_groups, prefill_rows
 from kvbench.engine.runner import GenerationOutput, Runner
 

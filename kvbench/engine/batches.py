@@ -1,0 +1,89 @@
+"""Several caches through one forward: a shared prefill (:class:`SharedPrefill`: one oneshot forward for the caches
+of several variants of a prompt) and rows (:class:`RowBatch`: each row of a forward over its own cache)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvbench.engine.cache import EvictionCache, sums_key
+from kvbench.engine.layer import in_cache_heads
+
+
+class SharedPrefill(Cache):
+    """One oneshot prefill forward for the caches of several variants of a prompt (their own policies and budgets;
+    one head layout): each layer's keys and values are computed and attended in full once, by the backend; after
+    the layer's attention each variant in turn appends them, scores and evicts to its own budget (variants with the
+    same :func:`sums_key` add one normalised pass's sums), so beside the shared layer at most one variant's full
+    copy of it exists, never a full cache per variant."""
+
+    def __init__(self, caches: list[EvictionCache]) -> None:
+        lead = caches[0]
+        super().__init__(layers=[DynamicLayer() for _ in lead.layers])  # never filled: the model reads length 0
+        self.caches = caches
+        self.attn_backend = lead.attn_backend
+        self.repeat_layout, self.num_query_heads = lead.repeat_layout, lead.num_query_heads
+        self.prompt_len = lead.prompt_len
+        self.layer_states: tuple[torch.Tensor, torch.Tensor] | None = None  # this layer's, as the model gave them
+        self.attended: tuple[torch.Tensor, torch.Tensor] | None = None  # the same in the cache's heads
+
+    def begin_forward(self, positions: torch.Tensor, evict: bool, decoding: bool = False) -> None:
+        for cache in self.caches:
+            cache.begin_forward(positions, evict, decoding)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys/values ``[B,Hkv,T,D]`` to attend (repeated to query heads in the repeat layout), kept
+        for the variants until :meth:`after_attention`."""
+        self.layer_states = (key_states, value_states)
+        self.attended = in_cache_heads(key_states, value_states, self.num_query_heads, self.repeat_layout)
+        return self.attended
+
+    def key_mask(self, layer_idx: int) -> None:
+        """Every head holds every key of a shared prefill (its caches evict after it)."""
+        return None
+
+    def after_attention(self, layer_idx: int, queries: torch.Tensor, outputs: torch.Tensor, scaling: float) -> None:
+        """Each variant in turn: append the layer's keys/values, score with ``queries [B,Hq,T,D]`` and their
+        ``outputs [B,T,Hq,D]`` (the normalised sums computed once per :func:`sums_key`) and evict."""
+        assert self.layer_states is not None and self.attended is not None  # update comes before the attention
+        key_states, value_states = self.layer_states
+        attended, self.layer_states, self.attended = self.attended, None, None
+        sums: dict[str, torch.Tensor] = {}
+        for cache in self.caches:
+            cache.update(key_states, value_states, layer_idx)
+            key = sums_key(cache.policy)
+            if key is not None and cache.scored and key not in sums:
+                sums[key] = cache.normalised_sums(queries, *attended, outputs, scaling)
+            cache.after_attention(layer_idx, queries, outputs, scaling, None if key is None else sums.get(key))
+
+
+class RowBatch(Cache):
+    """The caches of several rows — one (sample, variant) each, with its own policy, budget, length per layer and
+    positions — stepped by one model forward of batch ``N``: the model's weights apply to all rows at once, and each
+    row's keys/values go to its own cache, which the attention function attends, scores and evicts row by row at the
+    row's own length (:func:`~kvbench.engine.attention.kvbench_attention`), as it would alone: no row is padded."""
+
+    def __init__(self, caches: list[EvictionCache]) -> None:
+        super().__init__(layers=[DynamicLayer() for _ in caches[0].layers])  # never filled: the model reads length 0
+        self.caches = caches
+        self.attended: list[tuple[torch.Tensor, torch.Tensor]] = []  # this layer's, each row's cache
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append row ``r``'s keys/values ``[r:r+1]`` of ``[N,Hkv,q,D]`` to row ``r``'s cache; the rows' caches are
+        attended by :meth:`rows` (what is returned here is not read)."""
+        self.attended = [
+            cache.update(key_states[row : row + 1], value_states[row : row + 1], layer_idx)
+            for row, cache in enumerate(self.caches)
+        ]
+        return key_states, value_states
+
+    def rows(self, layer_idx: int) -> list[tuple[EvictionCache, torch.Tensor, torch.Tensor]]:
+        """Each row's cache with the keys/values ``[1,Hc,T_r,D]`` it holds at ``layer_idx`` (after :meth:`update`)."""
+        attended, self.attended = self.attended, []
+        return [(cache, keys, values) for cache, (keys, values) in zip(self.caches, attended)]

@@ -1,0 +1,246 @@
+"""One layer of the budgeted cache: per cache head the kept keys/values, their absolute positions and the scoring
+state (:class:`EvictionLayer`), and the entries a head-wise eviction keeps, a length per head
+(:class:`HeadwiseEntries`). The cache that evicts its layers is :mod:`kvbench.engine.cache`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from kvbench.errors import KVBenchError
+from kvbench.policies.base import (
+    AttentionStats,
+    Evicted,
+)
+
+
+@dataclass
+class HeadwiseEntries:
+    """A layer's entries after a head-wise eviction (batch 1), packed head after head, each head's in position order:
+    ``keys``/``values [N,D]``, ``positions [N]``, ``ranking [N]`` (the scores they were kept by), ``lengths [Hc]``
+    (entries per cache head) and ``slots [N]``, each entry's place in the ``[Hc, longest]`` layout that attention pads
+    them to for as long as it runs (:meth:`padded`). Only the ``N`` entries kept are held, not the longest head's
+    length × heads."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    ranking: torch.Tensor
+    lengths: torch.Tensor
+    slots: torch.Tensor
+    longest: int
+
+    @staticmethod
+    def packed(
+        keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, ranking: torch.Tensor, kept: torch.Tensor
+    ) -> HeadwiseEntries:
+        """The entries ``kept [1,Hc,T]`` (True = kept) of a layer's ``keys``/``values [1,Hc,T,D]``, ``positions`` and
+        ``ranking [1,Hc,T]``, copied out of them."""
+        heads, tokens = kept.shape[1:]
+        flat = kept[0].flatten().nonzero().squeeze(-1)  # [N] head-major, slot order within a head
+        lengths = kept[0].sum(dim=-1)  # [Hc]
+        head = flat // tokens
+        rank = torch.arange(flat.numel(), device=flat.device) - (lengths.cumsum(0) - lengths)[head]
+        longest = int(lengths.max())
+        return HeadwiseEntries(
+            keys[0].flatten(0, 1)[flat],
+            values[0].flatten(0, 1)[flat],
+            positions[0].flatten()[flat],
+            ranking[0].flatten()[flat],
+            lengths,
+            head * longest + rank,
+            longest,
+        )
+
+    @property
+    def heads(self) -> int:
+        return self.lengths.numel()
+
+    def padded(self, entries: torch.Tensor) -> torch.Tensor:
+        """``keys`` or ``values [N,D]`` in the padded layout ``[1,Hc,longest,D]`` (zeros after each head's own)."""
+        layout = entries.new_zeros(self.heads * self.longest, entries.shape[-1])
+        return layout.index_copy_(0, self.slots, entries).view(1, self.heads, self.longest, -1)
+
+    def mask(self) -> torch.Tensor:
+        """``[Hc, longest]``: True on each head's own entries of the padded layout."""
+        return torch.arange(self.longest, device=self.lengths.device) < self.lengths[:, None]
+
+    def by_head(self) -> list[torch.Tensor]:
+        """Each cache head's positions."""
+        return list(self.positions.split(self.lengths.tolist()))
+
+    def unpacked(self, sinks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The entries in one ``[1,Hc,longest]`` layout for another eviction: ``keys``/``values [1,Hc,L,D]``,
+        ``positions``, ``ranking`` and ``held [1,Hc,L]``. Each head's first ``sinks`` entries stay first and the rest
+        end at the last slot, so that every head's sinks and recent window are the layout's first and last slots, as
+        in an equal-length layer; the padding between them is not held and ranks −inf."""
+        head = torch.arange(self.heads, device=self.slots.device).repeat_interleave(self.lengths)  # [N]
+        rank = self.slots - head * self.longest  # each entry's place within its head
+        shift = torch.where(rank < sinks, 0, self.longest - self.lengths[head])
+        slots = self.slots + shift  # [N]
+
+        def layout(entries: torch.Tensor, fill: float) -> torch.Tensor:
+            flat = entries.new_full((self.heads * self.longest, *entries.shape[1:]), fill)
+            return flat.index_copy_(0, slots, entries).view(1, self.heads, self.longest, *entries.shape[1:])
+
+        held = layout(torch.ones_like(self.positions, dtype=torch.bool), False)
+        ranking = layout(self.ranking, -torch.inf)
+        return layout(self.keys, 0.0), layout(self.values, 0.0), layout(self.positions, 0), ranking, held
+
+
+class EvictionLayer(DynamicLayer):
+    """One layer's cache: ``keys``/``values [B,Hc,T,D]``, ``positions [B,Hc,T]`` and scoring state.
+
+    ``Hc`` is the number of KV heads, or of query heads in the KV-repeated layout. ``running_score [B,Hc,T]``
+    holds the running score of running policies (H2O); ``recent_queries [B,Hq,W,D]`` the last
+    ``W`` queries for window policies (SnapKV's observation window, TOVA's last query) and layer
+    preferences; ``last_query [B,Hq,D]`` the newest query (CaliDrop's initial calibration query);
+    ``ranking [B,Hc,T]`` the scores of the last eviction (re-used when cascading shrinks the layer again);
+    ``received [B,Hc,T]`` the ``reconstruction`` statistic of the slots reconstructed so far.
+
+    After a head-wise eviction (:meth:`keep_per_head`) the kept entries are ``headwise`` (:class:`HeadwiseEntries`,
+    a length per head) and ``keys``/``values``/``positions`` hold only the tokens appended since, the same for
+    every head.
+    """
+
+    # DynamicLayer's keys/values are None until the first ``append`` initialises them; an EvictionLayer is only
+    # read once it holds tokens (EvictionCache.update appends before the attention reads the layer). ``positions``
+    # and the scoring state stay Optional: they are checked where they are read.
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions: torch.Tensor | None = None
+        self.running_score: torch.Tensor | None = None
+        self.recent_queries: torch.Tensor | None = None
+        self.recent_query_positions: torch.Tensor | None = None
+        self.last_query: torch.Tensor | None = None
+        self.ranking: torch.Tensor | None = None
+        self.received: torch.Tensor | None = None
+        self.modifier_state: dict[str, Any] = {}
+        self.headwise: HeadwiseEntries | None = None
+        self.peak_tokens = 0
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append this forward's tokens (``positions [q]``) and grow the per-token state to match."""
+        super().update(keys, values)
+        batch, heads, new_tokens, _ = keys.shape
+        new_positions = positions.to(keys.device).expand(batch, heads, new_tokens)
+        self.positions = new_positions if self.positions is None else torch.cat([self.positions, new_positions], -1)
+        if self.running_score is not None:
+            zeros = self.running_score.new_zeros(batch, heads, new_tokens)
+            self.running_score = torch.cat([self.running_score, zeros], dim=-1)
+        self.ranking = None
+        self.peak_tokens = max(self.peak_tokens, self.tokens_per_head())
+
+    def tokens_per_head(self) -> int:
+        """The entries held per cache head (on average, after a head-wise eviction)."""
+        held = 0 if self.headwise is None else int(self.headwise.lengths.sum()) // self.headwise.heads
+        return held + self.get_seq_length()
+
+    def held_bytes(self) -> int:
+        """The bytes of the keys and values held."""
+        entries = self.keys.numel() + (0 if self.headwise is None else self.headwise.keys.numel())
+        return 2 * entries * self.keys.element_size()
+
+    def kept_by_head(self) -> list[torch.Tensor]:
+        """Each cache head's positions (batch 0), in order."""
+        assert self.positions is not None
+        if self.headwise is None:
+            return list(self.positions[0])
+        return [torch.cat([own, self.positions[0, head]]) for head, own in enumerate(self.headwise.by_head())]
+
+    def attended(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The keys and values ``[B,Hc,T,D]`` a forward attends to and which of them each head holds ``[Hc,T]`` (None:
+        all): after a head-wise eviction its entries padded to the longest head, then the tokens appended since."""
+        if self.headwise is None:
+            return self.keys, self.values, None
+        entries = self.headwise
+        keys = torch.cat([entries.padded(entries.keys), self.keys], dim=2)
+        values = torch.cat([entries.padded(entries.values), self.values], dim=2)
+        appended = torch.ones(entries.heads, self.get_seq_length(), dtype=torch.bool, device=keys.device)
+        return keys, values, torch.cat([entries.mask(), appended], dim=-1)
+
+    def truncate(self, length: int) -> None:
+        """Drop every slot after the first ``length`` (a reconstruction forward's own tokens), freeing them (a copy:
+        a view would hold the longer tensors)."""
+        assert self.positions is not None
+        self.keys, self.values = self.keys[:, :, :length].clone(), self.values[:, :, :length].clone()
+        self.positions = self.positions[..., :length]
+
+    def remember_queries(self, queries: torch.Tensor, positions: torch.Tensor, window: int) -> None:
+        """Keep the last ``window`` queries ``[B,Hq,W,D]`` (and their positions), copied so that the
+        forward's full query tensor is not held."""
+        if self.recent_queries is not None:
+            assert self.recent_query_positions is not None  # set together with recent_queries
+            queries = torch.cat([self.recent_queries, queries], dim=2)
+            positions = torch.cat([self.recent_query_positions, positions])
+        self.recent_queries = queries[:, :, -window:].clone()
+        self.recent_query_positions = positions[-window:].clone()
+
+    def window_stats(self, window: int, scaling: float) -> AttentionStats:
+        """The float32 attention statistics of the last ``window`` recorded queries over this layer's cache."""
+        assert self.positions is not None
+        assert self.recent_queries is not None and self.recent_query_positions is not None
+        return AttentionStats(
+            self.recent_queries[:, :, -window:],  # [B,Hq,W,D]
+            self.keys,
+            self.values,
+            self.recent_query_positions[-window:],
+            self.positions,
+            scaling,
+        )
+
+    def keep(self, kept: torch.Tensor) -> None:
+        """Gather the kept slots ``kept [B,Hc,K]`` (sorted) into new, smaller tensors."""
+        assert self.positions is not None
+        slots = kept[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+        self.keys = self.keys.gather(2, slots)
+        self.values = self.values.gather(2, slots)
+        self.positions = self.positions.gather(2, kept)
+        for name in ("running_score", "ranking"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).gather(2, kept))
+
+    def keep_per_head(self, kept: torch.Tensor, ranking: torch.Tensor) -> None:
+        """Keep the slots ``kept [1,Hc,T]`` (True = kept; any number per head), ranked ``ranking [1,Hc,T]``, as
+        :class:`HeadwiseEntries`, freeing the rest; the layer then appends to empty tensors."""
+        assert self.positions is not None
+        if kept.shape[0] != 1:
+            raise KVBenchError("a head-wise eviction keeps one sequence per cache (batch 1)")
+        self.headwise = HeadwiseEntries.packed(self.keys, self.values, self.positions, ranking.float(), kept)
+        self.keys, self.values = self.keys[:, :, :0].clone(), self.values[:, :, :0].clone()
+        self.positions = self.positions[..., :0].clone()
+        self.running_score = self.ranking = None
+
+    def unpack(self, sinks: int) -> torch.Tensor:
+        """Put the head-wise entries (with nothing appended since) back in one layout with their ranking, for another
+        eviction (:meth:`HeadwiseEntries.unpacked`); returns which slots each head holds ``[1,Hc,L]``."""
+        assert self.headwise is not None and self.get_seq_length() == 0  # re-evicted in the forward that kept them
+        self.keys, self.values, self.positions, self.ranking, held = self.headwise.unpacked(sinks)
+        self.headwise = None
+        return held
+
+    def dropped_by(self, kept: torch.Tensor) -> Evicted:
+        """The entries that keeping ``kept [B,Hc,K]`` evicts, in position order, scored by ``ranking``."""
+        assert self.positions is not None and self.ranking is not None
+        batch, heads, tokens = self.positions.shape
+        dropped = torch.ones(batch, heads, tokens, dtype=torch.bool, device=kept.device).scatter_(-1, kept, False)
+        # a stable sort puts the dropped slots first, in slot order, with no host synchronisation
+        index = dropped.byte().sort(dim=-1, descending=True, stable=True).indices[..., : tokens - kept.shape[-1]]
+        return Evicted.taken(self.keys, self.values, self.positions, self.ranking, index)
+
+
+def in_cache_heads(
+    keys: torch.Tensor, values: torch.Tensor, num_query_heads: int, repeat: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A forward's keys/values ``[B,Hkv,q,D]`` in the cache's heads: repeated to the query heads in the repeat
+    layout (``policy.gqa=repeat``), else as they are."""
+    if not repeat:
+        return keys, values
+    group = num_query_heads // keys.shape[1]
+    return keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
