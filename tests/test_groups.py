@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import kvbench.run
+import kvbench.run.group
+import kvbench.run.lifecycle
+import kvbench.run.progress
 from kvbench.config import compose
 from kvbench.engine import Engine
 from kvbench.engine.cache import EvictionCache, sums_key
@@ -51,13 +53,13 @@ def outcome(directory: Path) -> dict[str, object]:
 def load_count(monkeypatch) -> list[int]:
     """How many times a model was loaded."""
     loads = [0]
-    load = kvbench.run.load_model
+    load = kvbench.run.lifecycle.load_model
 
     def counted(cfg):
         loads[0] += 1
         return load(cfg)
 
-    monkeypatch.setattr(kvbench.run, "load_model", counted)
+    monkeypatch.setattr(kvbench.run.lifecycle, "load_model", counted)
     return loads
 
 
@@ -104,7 +106,7 @@ def test_a_failed_shared_pass_is_a_warning_and_its_samples_run_alone(tmp_path, m
         raise RuntimeError("a bug in the shared path")
         yield
 
-    monkeypatch.setattr(kvbench.run, "decode_shared", broken)
+    monkeypatch.setattr(kvbench.run.group, "decode_shared", broken)
     with pytest.warns(SharedPassWarning, match=r"shared pass failed \(RuntimeError: a bug in the shared path\)"):
         alone = run_group([(cfg, tmp_path / "alone" / spec) for cfg, spec in zip(cfgs, ("h2o", "tova"))], True)
     assert [metrics["scores"] for metrics in alone] == [metrics["scores"] for metrics in expected]
@@ -328,8 +330,8 @@ def test_the_sweep_progress_line_counts_samples_and_extrapolates_the_jobs_not_st
     """Two of four jobs started with 10 samples each, 5 written in 10 s: 5/40 samples, 0.50 samples/s, 70 s left;
     before any sample is written it says so rather than a time."""
     clock = iter([100.0, 110.0, 110.0])
-    monkeypatch.setattr(kvbench.run.time, "monotonic", lambda: next(clock))
-    progress = kvbench.run.SweepProgress(jobs=4)
+    monkeypatch.setattr(kvbench.run.progress.time, "monotonic", lambda: next(clock))
+    progress = kvbench.run.progress.SweepProgress(jobs=4)
     progress.opened(10)
     progress.opened(10)
     assert progress.line() == (

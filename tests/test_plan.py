@@ -41,7 +41,7 @@ def longbench_files(tmp_path, monkeypatch):
 @pytest.fixture
 def weights_here(monkeypatch):
     """Every model's weights taken to be on this machine (the paper models are not): what plan checks."""
-    monkeypatch.setattr("kvbench.run.check_weights", lambda model: None)
+    monkeypatch.setattr("kvbench.run.factories.check_weights", lambda model: None)
 
 
 def test_slake_plan_shows_table_3_exponents_on_every_slake_job(capsys, longbench_files, weights_here):

@@ -216,7 +216,9 @@ def test_a_run_grows_in_its_directory_and_a_smaller_one_reads_its_first_samples(
     assert after.startswith(before) and after.count(b"\n") == 4
     assert json.loads((directory / "metrics.json").read_text())["num_samples"] == 4
     files = {path: path.read_bytes() for path in directory.rglob("*") if path.is_file() and path.name != "run.lock"}
-    monkeypatch.setattr("kvbench.run.load_model", lambda *args: pytest.fail("a model was loaded to read samples"))
+    monkeypatch.setattr(
+        "kvbench.run.lifecycle.load_model", lambda *args: pytest.fail("a model was loaded to read samples")
+    )
     again, err = run_line(BASE)
     assert again["scores"] == first["scores"] and "holds these 2 samples of a larger run" in err
     assert {path: path.read_bytes() for path in files} == files

@@ -1,0 +1,42 @@
+"""``kvbench run``: one model × policy × budget × task, written to a resumable run directory; a sweep's jobs that
+differ only in policy and budget as one group. Its files: ``progress`` (progress bars and lines), ``factories`` (a
+job's task and engine), ``records`` (each sample's record, the run's metrics), ``schedule`` (samples as rows),
+``lifecycle`` (a run opened, run and finished in its directory), ``group`` (a group's shared model, prefills and
+rows)."""
+
+from kvbench.run.factories import (
+    build_engine,
+    build_task,
+    checked_task,
+    local_tokenizer,
+    settings_key,
+    stop_ids,
+    tokenizer_or_stand_in,
+)
+from kvbench.run.group import group_key, run_group
+from kvbench.run.lifecycle import run
+from kvbench.run.progress import LOG_FORMAT, SweepProgress
+from kvbench.run.records import result_line, summarize
+from kvbench.run.schedule import context_groups, context_rows, in_sample_order, run_sample, samples_batch
+
+__all__ = [
+    "LOG_FORMAT",
+    "SweepProgress",
+    "build_engine",
+    "build_task",
+    "checked_task",
+    "context_groups",
+    "context_rows",
+    "group_key",
+    "in_sample_order",
+    "local_tokenizer",
+    "result_line",
+    "run",
+    "run_group",
+    "run_sample",
+    "samples_batch",
+    "settings_key",
+    "stop_ids",
+    "summarize",
+    "tokenizer_or_stand_in",
+]

@@ -1,0 +1,112 @@
+"""What a job is built of: its task (checked first, for the model's tokenizer or a stand-in), its engine, its stop
+tokens."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from hydra.utils import get_class
+from omegaconf import DictConfig
+
+from kvbench import config_dict
+from kvbench.engine import Engine
+from kvbench.errors import KVBenchError
+from kvbench.job import Job
+from kvbench.models import LoadedModel, check_weights, load_tokenizer
+from kvbench.tasks.base import ModelInfo, Sample, Task
+
+log = logging.getLogger("kvbench.run")  # one logger for the run layer (the jobs' log lines name it)
+
+
+def build_task(cfg: DictConfig, tokenizer) -> Task:
+    """Instantiate the task class named by ``task._target_`` for this model's tokenizer, window and id."""
+    try:
+        task_class = get_class(cfg.task._target_)
+    except Exception as error:
+        raise KVBenchError(f"task {cfg.task.name!r}: cannot import {cfg.task._target_}: {error}") from None
+    info = ModelInfo(cfg.model.name, tokenizer, int(cfg.model.context_window), cfg.model.hf_id)
+    return task_class(cfg.task, info)
+
+
+def checked_task(cfg: DictConfig, tokenizer) -> tuple[Task | None, list[str]]:
+    """The job's task, and every reason this machine cannot run the job, found at once and before anything
+    loads: weights neither here nor downloadable now, data the same, a task that cannot be built."""
+    reasons = []
+    try:
+        check_weights(cfg.model)
+    except KVBenchError as error:
+        reasons.append(str(error))
+    try:
+        task = build_task(cfg, tokenizer)
+        task.check_data()
+    except KVBenchError as error:
+        return None, [*reasons, str(error)]
+    return (task if not reasons else None), reasons
+
+
+def settings_key(node: DictConfig) -> str:
+    """A config node's settings as one string: a key for what was loaded or measured for them."""
+    return json.dumps(config_dict(node, resolve=True), sort_keys=True)
+
+
+def local_tokenizer(model: DictConfig, cache: dict[str, Any] | None = None) -> Any | None:
+    """The model's own tokenizer where this machine has it (loaded once per model with ``cache``), else None;
+    nothing is downloaded."""
+    cache = {} if cache is None else cache
+    key = settings_key(model)
+    if key not in cache:
+        try:
+            with hub_offline():
+                cache[key] = load_tokenizer(model)
+        except (KVBenchError, OSError, ValueError):
+            cache[key] = None
+    return cache[key]
+
+
+def tokenizer_or_stand_in(model: DictConfig, tokenizer: Any | None) -> Any:
+    """``tokenizer``, or where it is None a stand-in that checks everything a tokenizer does not decide."""
+    from kvbench.engine.tokenizers import stand_in_tokenizer
+
+    return stand_in_tokenizer(int(model.context_window)) if tokenizer is None else tokenizer
+
+
+@contextlib.contextmanager
+def hub_offline() -> Iterator[None]:
+    """Local files only: a checkpoint not on this machine is not downloaded to check or plan a job."""
+    previous = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("HF_HUB_OFFLINE")
+        else:
+            os.environ["HF_HUB_OFFLINE"] = previous
+
+
+def build_engine(job: Job, loaded: LoadedModel) -> Engine:
+    """The engine running the job's policy and budget on the loaded model."""
+    engine = job.cfg.engine
+    return Engine(
+        loaded.model,
+        job.policy,
+        job.budget,
+        regime=engine.regime,
+        block_size=engine.block_size,
+        decode_evict=engine.decode_evict,
+        attn_backend=loaded.attn_backend,
+        score_block=engine.score_block,
+        record_kept=engine.save_kept,
+        tokenizer=loaded.tokenizer,
+    )
+
+
+def stop_ids(sample: Sample, loaded: LoadedModel) -> list[int]:
+    """The model's stop tokens plus the last token of each of the sample's stop strings (LongBench samsum)."""
+    extra = [loaded.tokenizer.encode(text, add_special_tokens=False)[-1] for text in sample.stop_strings]
+    return [*loaded.stop_token_ids, *extra]

@@ -1,0 +1,183 @@
+"""A group: the jobs of a sweep that differ only in policy and budget, one model load, each sample prefilled once
+for all of them and their rows decoded together."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+from omegaconf import DictConfig
+
+from kvbench import config_dict
+from kvbench.engine import Engine
+from kvbench.engine.rows import Row, finished_rows, perplexity_rows
+from kvbench.errors import SharedPassWarning
+from kvbench.models import LoadedModel
+from kvbench.run.lifecycle import OpenRun, Shared, failure, job_and_directory, job_log, open_run
+from kvbench.run.lifecycle import run as run_job
+from kvbench.run.progress import SweepProgress
+from kvbench.run.records import record_of, result_line
+from kvbench.run.schedule import chunks, context_groups, context_rows, in_sample_order, run_sample, samples_batch
+from kvbench.rundir import identity
+from kvbench.tasks.base import Sample
+
+log = logging.getLogger("kvbench.run")  # one logger for the run layer (the jobs' log lines name it)
+
+
+#: the settings the jobs of one group may differ in (:func:`group_key`)
+GROUPED = ("policy", "budget")
+
+
+def group_key(cfg: DictConfig) -> str:
+    """What the jobs of one group share: every identity setting but the policy and the budget (same model,
+    task, data, regime and engine settings) and the samples asked for, so one model load and one task's samples
+    serve them all."""
+    settings = identity(config_dict(cfg, resolve=True))
+    shared = {key: value for key, value in settings.items() if key not in GROUPED}
+    return json.dumps({**shared, "num_samples": cfg.task.get("num_samples")}, sort_keys=True, default=str)
+
+
+def run_group(
+    members: Sequence[tuple[DictConfig, str | Path]], share_prefill: bool = False, sweep: SweepProgress | None = None
+) -> list[dict[str, Any] | Exception]:
+    """Jobs of one :func:`group_key` in this process, the model loaded and the task's samples built once
+    (:class:`Shared`): one after another, or with ``share_prefill`` sample by sample, every job that lacks the
+    sample generating it from one shared oneshot prefill (:func:`kvbench.engine.shared.generate_shared`). Each
+    job keeps all a single run has: its run directory, lock, resume, ``config.yaml``, records and its log
+    (``kvbench.log`` in its directory). A job that fails is logged there and does not stop the others. Returns
+    each job's metrics, or the error it failed with. ``sweep``: the progress of the sweep it is part of."""
+    shared = Shared(jobs=len(members), sweep=sweep)
+    outcomes: list[dict[str, Any] | Exception | None] = [None] * len(members)
+    logs = [Path(output_dir) / "kvbench.log" for _, output_dir in members]
+    with contextlib.ExitStack() as locks:  # with share_prefill, every run's lock is held until the group ends
+        opened: dict[int, OpenRun] = {}
+        for index, (cfg, output_dir) in enumerate(members):
+            with job_log(logs[index]), failure(outcomes, index):
+                if not share_prefill:
+                    metrics = run_job(cfg, output_dir, shared)
+                    outcomes[index] = metrics
+                    print(result_line(metrics), flush=True)
+                    continue
+                job, run_dir = job_and_directory(cfg, output_dir)
+                locks.enter_context(run_dir.lock())
+                started = open_run(job, run_dir, shared)
+                if isinstance(started, dict):
+                    outcomes[index] = started
+                else:
+                    opened[index] = started
+        if opened:
+            run_shared(opened, shared.samples, outcomes, logs)
+            for index in opened:
+                outcome = outcomes[index]
+                if isinstance(outcome, dict):
+                    print(result_line(outcome), flush=True)
+    assert all(outcome is not None for outcome in outcomes)  # each job finished, was finished, or failed
+    return cast(list[dict[str, Any] | Exception], outcomes)
+
+
+def run_shared(opened: dict[int, OpenRun], samples: list[Sample], outcomes: list[Any], logs: list[Path]) -> None:
+    """The ``samples`` of the ``opened`` runs of a group, each prefilled once for every run that lacks it
+    (:func:`~kvbench.engine.shared.prefill_shared`), the (sample, run) rows of as many samples as ``engine.batch_size``
+    holds decoding together, each sample's records written once its rows have finished, in sample order
+    (:func:`decode_shared`); a run whose sample fails is logged and dropped (its outcome the error), the others go
+    on."""
+    first = next(iter(opened.values()))
+    pending = {index: {sample.id for sample in run.pending} for index, run in opened.items()}
+    todo = [sample for sample in samples if any(sample.id in ids for ids in pending.values())]
+    batch = samples_batch(first.job.cfg, [run.engine for run in opened.values()], todo)
+    for chunk in chunks(todo, max(1, batch // len(opened))):
+        lacking = {
+            sample.id: {
+                index: run for index, run in opened.items() if outcomes[index] is None and sample.id in pending[index]
+            }
+            for sample in chunk
+        }
+        written: set[str] = set()
+        try:
+            for sample, results in decode_shared(chunk, lacking, first.loaded, batch):
+                write_sample(sample, lacking[sample.id], results, outcomes, logs)
+                written.add(sample.id)
+        except Exception as error:  # one variant failed the shared pass: each runs the rest of the chunk alone
+            log.warning("shared pass failed; the chunk's other samples run alone", exc_info=True)
+            message = f"shared pass failed ({type(error).__name__}: {error}); its samples run alone"
+            warnings.warn(message, SharedPassWarning, stacklevel=2)
+        for sample in chunk:
+            if sample.id not in written:
+                write_sample(sample, lacking[sample.id], {}, outcomes, logs)
+    for index, run in opened.items():
+        if outcomes[index] is None:
+            with job_log(logs[index]), failure(outcomes, index):
+                outcomes[index] = run.finish()
+
+
+def write_sample(
+    sample: Sample,
+    runs: dict[int, OpenRun],
+    results: dict[int, tuple[dict[str, Any], Any]],
+    outcomes: list[Any],
+    logs: list[Path],
+) -> None:
+    """Each of ``runs``' record of ``sample`` (from ``results``, else the run runs it alone), written to its run
+    directory; a run that fails here is logged and dropped."""
+    for index, run in runs.items():
+        if outcomes[index] is not None:  # failed on an earlier sample
+            continue
+        with job_log(logs[index]), failure(outcomes, index):
+            record, output = (
+                results[index] if index in results else run_sample(run.engine, run.task, sample, run.loaded)
+            )
+            run.write(sample, record, output)
+
+
+def decode_shared(
+    chunk: list[Sample], lacking: dict[str, dict[int, OpenRun]], loaded: LoadedModel, batch_size: int
+) -> Iterator[tuple[Sample, dict[int, tuple[dict[str, Any], Any]]]]:
+    """Each sample of ``chunk`` in order with the records and outputs of the runs that lack it, by run, as soon as its
+    rows have finished: each sample prefilled once for its runs (the questions of one context answered from one
+    compression of it per run, :func:`context_rows`), all the chunk's rows decoded together,
+    ``batch_size`` at a time (:func:`~kvbench.engine.rows.finished_rows`); a perplexity sample's text streamed by
+    its runs as rows (:func:`~kvbench.engine.rows.perplexity_rows`)."""
+    results: dict[int, dict[int, tuple[dict[str, Any], Any]]] = {}  # sample position -> run -> (record, output)
+    rows: list[Row] = []
+    owners: list[tuple[int, list[tuple[int, OpenRun]]]] = []  # each row's sample position and its runs (twins)
+    position_of = {sample.id: position for position, sample in enumerate(chunk)}
+    for samples in context_groups(chunk, lambda sample: lacking[sample.id].keys()):  # the same runs lack them
+        runs = lacking[samples[0].id]
+        if not runs:
+            continue
+        if samples[0].mode == "perplexity":
+            (sample,) = samples
+            outputs = perplexity_rows(
+                [run.engine for run in runs.values()], sample.input_ids, sample.context_tokens, batch_size
+            )
+            results[position_of[sample.id]] = {
+                index: (record_of(run.task, sample, output, run.loaded), output)
+                for (index, run), output in zip(runs.items(), outputs)
+            }
+            continue
+        twins: dict[tuple[str, str | None], list[tuple[int, OpenRun]]] = {}
+        for index, run in runs.items():
+            twins.setdefault(twin_key(run.engine), []).append((index, run))
+        computed = [twin[0][1].engine for twin in twins.values()]
+        rows += context_rows(computed, samples, loaded, batch_size)
+        owners += [(position_of[sample.id], twin) for sample in samples for twin in twins.values()]
+    sample_of = [position for position, _ in owners]
+    for position, finished in in_sample_order(finished_rows(rows, batch_size), sample_of, len(chunk)):
+        sample = chunk[position]
+        for row, output in finished:
+            for index, run in owners[row][1]:
+                results.setdefault(position, {})[index] = (record_of(run.task, sample, output, run.loaded), output)
+        yield sample, results.pop(position, {})
+
+
+def twin_key(engine: Engine) -> tuple[str, str | None]:
+    """The runs of a group (one :func:`group_key`: all settings alike but policy and budget) with the same key compute
+    the same thing, so :func:`decode_shared` computes it once for all of them: the policy's settings and modifiers, and
+    its budget unless it never evicts (``full`` at any budget is one full-cache run)."""
+    policy = engine.policy
+    return policy.key, engine.budget.spec if policy.evicts else None

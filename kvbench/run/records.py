@@ -1,0 +1,126 @@
+"""What a run writes: each sample's record and the run's metrics (the schema of predictions.jsonl and metrics.json),
+and its one result line."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict
+from statistics import mean
+from typing import Any
+
+from kvbench.engine.runner import GenerationOutput, PerplexityOutput
+from kvbench.job import Job
+from kvbench.models import LoadedModel
+from kvbench.tasks.base import Sample, Task
+
+log = logging.getLogger("kvbench.run")  # one logger for the run layer (the jobs' log lines name it)
+
+
+def record_of(
+    task: Task,
+    sample: Sample,
+    output: GenerationOutput | PerplexityOutput,
+    loaded: LoadedModel,
+    seconds: float | None = None,
+) -> dict[str, Any]:
+    """The predictions.jsonl record of ``sample`` from the engine's output (``seconds``: the sample's time; by default
+    its prefill and decode, shares of the forwards it shared)."""
+    seconds = output.prefill_seconds + output.decode_seconds if seconds is None else seconds
+    result: list[float] | str  # the perplexity task's NLLs, or the decoded text
+    if isinstance(output, PerplexityOutput):
+        result = output.nlls
+    else:
+        result = str(loaded.tokenizer.decode(output.token_ids, skip_special_tokens=True))
+    record = {"id": sample.id, "subtask": sample.subtask, **task.evaluate(sample, result), "answers": sample.answers}
+    if sample.context_id is not None:
+        record["context_id"] = sample.context_id
+    record["prompt_tokens"] = len(sample.input_ids)
+    record["kv"] = asdict(output.kv)
+    record["policy_stats"] = output.policy_stats
+    record["timing"] = {
+        "prefill_seconds": output.prefill_seconds,
+        "decode_seconds": output.decode_seconds,
+        "total_seconds": seconds,
+    }
+    if isinstance(output, GenerationOutput) and output.prefill_shared_by > 1:  # a share of one shared forward
+        record["timing"]["prefill_shared_by"] = output.prefill_shared_by
+    if isinstance(output, GenerationOutput) and output.context_shared_by > 1:  # a share of one context's compression
+        record["timing"]["context_shared_by"] = output.context_shared_by
+    if isinstance(output, GenerationOutput) and output.scoring_seconds > 0:  # of prefill: reconstructing the context
+        record["timing"]["scoring_seconds"] = output.scoring_seconds
+    return record
+
+
+def mean_policy_stats(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean over samples of each policy statistic (e.g. CaliDrop's recomputation rate), element-wise for lists."""
+    stats = [record.get("policy_stats") or {} for record in records]
+    merged: dict[str, Any] = {}
+    for name in sorted({key for entry in stats for key in entry}):
+        values = [entry[name] for entry in stats if name in entry]
+        if all(isinstance(value, (int, float)) for value in values):
+            merged[name] = mean(values)
+        elif all(isinstance(value, list) for value in values) and len({len(value) for value in values}) == 1:
+            merged[name] = [mean(column) for column in zip(*values)]
+    return merged
+
+
+def summarize(
+    job: Job, task: Task, records: list[dict[str, Any]], load: tuple[float, int] = (0.0, 1)
+) -> dict[str, Any]:
+    """metrics.json: task scores (0–100), KV-cache sizes (max over samples) and summed timings: the records' own
+    decode, their prefill (a shared prefill's share), and the job's share of ``load`` (the seconds this process
+    took to load the model and build the samples, and how many jobs of a group they served)."""
+    cfg, scores = job.cfg, task.aggregate(records)
+    average = scores["ppl"] if "ppl" in scores else (mean(scores.values()) if scores else None)
+    kv = [record["kv"] for record in records]
+    return {
+        "model": cfg.model.name,
+        "policy": cfg.policy.name,
+        "label": job.policy.label,
+        "budget": str(cfg.budget.spec),
+        "task": cfg.task.name,
+        "regime": cfg.engine.regime,
+        "scores": scores,
+        "average": average,
+        "num_samples": len(records),
+        "kv_cache": {
+            "after_prefill_tokens_per_layer": [
+                max(column) for column in zip(*(k["after_prefill_tokens_per_layer"] for k in kv))
+            ],
+            "peak_tokens_per_layer": [max(column) for column in zip(*(k["peak_tokens_per_layer"] for k in kv))],
+            "peak_bytes": max((k["peak_bytes"] for k in kv), default=0),
+            "full_bytes": max((k["full_bytes"] for k in kv), default=0),
+        },
+        "policy_stats": mean_policy_stats(records),
+        "timing": {
+            **{
+                name: sum(record["timing"][name] for record in records)
+                for name in ("prefill_seconds", "decode_seconds", "total_seconds")
+            },
+            "prefill_shared_by": mean([record["timing"].get("prefill_shared_by", 1) for record in records] or [1]),
+            **(
+                {"scoring_seconds": sum(record["timing"].get("scoring_seconds", 0.0) for record in records)}
+                if any("scoring_seconds" in record["timing"] for record in records)
+                else {}
+            ),
+            "load_seconds": load[0] / load[1],
+            "load_shared_by": load[1],
+        },
+    }
+
+
+def rounded(value: Any) -> Any:
+    """Scores as printed: 2 decimals (metrics.json keeps full precision)."""
+    if isinstance(value, float):
+        return round(value, 2)
+    if isinstance(value, dict):
+        return {key: rounded(item) for key, item in value.items()}
+    return value
+
+
+def result_line(metrics: dict[str, Any]) -> str:
+    """The JSON line a finished job prints: what ran and its scores, rounded."""
+    return json.dumps(
+        rounded({key: metrics[key] for key in ("model", "policy", "budget", "task", "scores", "average")})
+    )

@@ -1,0 +1,145 @@
+"""Scheduling samples: one engine's samples as rows (those sharing a context compressed once), in sample order, in
+chunks."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, cast
+
+from omegaconf import DictConfig
+
+from kvbench.engine import Engine
+from kvbench.engine.rows import Row, batch_rows, decode_rows, finished_rows
+from kvbench.engine.runner import GenerationOutput, PerplexityOutput
+from kvbench.engine.shared import Question, prefill_questions, prefill_shared
+from kvbench.models import LoadedModel
+from kvbench.run.factories import stop_ids
+from kvbench.run.records import record_of
+from kvbench.tasks.base import Sample, Task
+
+log = logging.getLogger("kvbench.run")  # one logger for the run layer (the jobs' log lines name it)
+
+
+def sample_row(engine: Engine, sample: Sample, loaded: LoadedModel) -> Row:
+    """A generated sample prefilled by ``engine`` (:meth:`~kvbench.engine.Engine.prefilled_row`): its row to decode."""
+    return engine.prefilled_row(
+        sample.input_ids, sample.max_new_tokens, stop_ids(sample, loaded), sample.min_new_tokens, sample.question_start
+    )
+
+
+def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) -> tuple[dict[str, Any], Any]:
+    """Run one sample through the engine and score it: the record written to predictions.jsonl, and the
+    engine's output."""
+    started = time.perf_counter()
+    output: PerplexityOutput | GenerationOutput
+    if sample.mode == "perplexity":
+        output = engine.perplexity(sample.input_ids, sample.context_tokens)
+    else:
+        output = decode_rows([sample_row(engine, sample, loaded)], 1)[0]
+    return record_of(task, sample, output, loaded, time.perf_counter() - started), output
+
+
+def run_samples(
+    engine: Engine, task: Task, samples: list[Sample], loaded: LoadedModel, batch_size: int
+) -> Iterator[tuple[Sample, tuple[dict[str, Any], Any]]]:
+    """:func:`run_sample` of each of ``samples``, in their order as each finishes: the generated ones prefilled one
+    by one (the questions of one context from one compression of it, :func:`context_rows`) and decoded together,
+    ``batch_size`` rows at a time (:func:`~kvbench.engine.rows.finished_rows`; perplexity samples one by one)."""
+    if len(samples) == 1 or any(sample.mode == "perplexity" for sample in samples):
+        for sample in samples:
+            yield sample, run_sample(engine, task, sample, loaded)
+        return
+    rows = [row for group in context_groups(samples) for row in context_rows([engine], group, loaded, 1)]
+    positions = list(range(len(samples)))
+    for position, finished in in_sample_order(finished_rows(rows, batch_size), positions, len(samples)):
+        ((_, output),) = finished
+        yield samples[position], (record_of(task, samples[position], output, loaded), output)
+
+
+def context_groups(samples: Sequence[Sample], key: Callable[[Sample], Any] = lambda sample: None) -> list[list[Sample]]:
+    """``samples`` in runs of consecutive ones answered from one compression of their context: query-agnostic samples
+    of one ``context_id`` (and one ``key``: the runs that lack them, in a group); every other sample alone."""
+    groups: list[list[Sample]] = []
+    for sample in samples:
+        previous = groups[-1][-1] if groups else None
+        if previous is not None and shares_context(previous, sample) and key(previous) == key(sample):
+            groups[-1].append(sample)
+        else:
+            groups.append([sample])
+    return groups
+
+
+def shares_context(sample: Sample, other: Sample) -> bool:
+    """Whether two query-agnostic samples ask about one context: one ``context_id`` and the same context tokens (a
+    LongBench prompt cut to its length keeps more or less of a context by the length of its question)."""
+    if sample.question_start is None or other.question_start is None or sample.context_id is None:
+        return False
+    same_tokens = sample.input_ids[: sample.question_start] == other.input_ids[: other.question_start]
+    return sample.context_id == other.context_id and same_tokens
+
+
+def context_rows(engines: list[Engine], samples: list[Sample], loaded: LoadedModel, batch_size: int) -> list[Row]:
+    """The prefilled rows of ``samples`` (one :func:`context_groups` group) for each of ``engines`` (one model and
+    regime), sample by sample: each sample prefilled once for all the engines
+    (:func:`~kvbench.engine.shared.prefill_shared`), or the questions of one context answered from one compression of
+    it per engine (:func:`~kvbench.engine.shared.prefill_questions`)."""
+    if len(samples) == 1:
+        (sample,) = samples
+        if len(engines) == 1:
+            return [sample_row(engines[0], sample, loaded)]
+        stops, new, least = stop_ids(sample, loaded), sample.max_new_tokens, sample.min_new_tokens
+        return prefill_shared(engines, sample.input_ids, new, stops, least, batch_size, sample.question_start)
+    questions = [
+        Question(
+            sample.input_ids,
+            cast(int, sample.question_start),
+            sample.max_new_tokens,
+            stop_ids(sample, loaded),
+            sample.min_new_tokens,
+        )
+        for sample in samples
+    ]
+    return prefill_questions(engines, questions, batch_size)
+
+
+def in_sample_order(
+    finished: Iterable[tuple[int, Any]], sample_of: list[int], samples: int
+) -> Iterator[tuple[int, list[tuple[int, Any]]]]:
+    """Rows' outputs ``(row, output)``, finishing in any order, grouped by sample: ``(sample position, its rows'
+    outputs)`` for each of ``samples`` positions in order, once all its rows (``sample_of[row]`` is a row's sample
+    position; a sample without rows has none) have finished."""
+    remaining = Counter(sample_of)
+    outputs: dict[int, list[tuple[int, Any]]] = {}
+    position = 0
+    for row, output in finished:
+        outputs.setdefault(sample_of[row], []).append((row, output))
+        remaining[sample_of[row]] -= 1
+        while position < samples and remaining[position] == 0:
+            yield position, outputs.pop(position, [])
+            position += 1
+    for left in range(position, samples):
+        yield left, outputs.pop(left, [])
+
+
+def samples_batch(cfg: DictConfig, engines: Sequence[Engine], samples: Sequence[Sample]) -> int:
+    """The rows decoding together (``engine.batch_size``: :func:`~kvbench.engine.rows.batch_rows`, for the longest
+    prompt and answer of ``samples``)."""
+    longest = max((len(sample.input_ids) for sample in samples), default=1)
+    answer = max((sample.max_new_tokens for sample in samples), default=0)
+    return batch_rows(cfg.engine.batch_size, engines, longest, answer)
+
+
+def chunks(samples: Sequence[Sample], size: int) -> Iterator[list[Sample]]:
+    """``samples`` in consecutive lists of ``size``, or more where a list would split the questions of one context
+    (:func:`context_groups`)."""
+    chunk: list[Sample] = []
+    for group in context_groups(samples):
+        if chunk and len(chunk) >= size:
+            yield chunk
+            chunk = []
+        chunk += group
+    if chunk:
+        yield chunk
