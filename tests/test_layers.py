@@ -106,3 +106,17 @@ def test_no_import_cycle():
         if node not in index:
             visit(node)
     assert cycles == []
+
+
+def test_the_floors_table_of_the_architecture_page_is_these_layers():
+    """docs/architecture.md's floors table names the modules of each floor as :data:`LAYERS` declares them (the root
+    package as ``kvbench``, the rest without their ``kvbench.`` prefix), in order: the page cannot drift from the
+    test that holds the code to it."""
+    import re
+
+    text = (PROJECT_ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| (\d+) \| ([^|]+) \|", text, flags=re.M)
+    documented = [tuple(re.findall(r"`([^`]+)`", modules)) for _, modules in rows]
+    declared = [tuple(name if name == "kvbench" else name.removeprefix("kvbench.") for name in floor) for floor in LAYERS]
+    assert [int(floor) for floor, _ in rows] == list(range(len(LAYERS)))
+    assert documented == declared
