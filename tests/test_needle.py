@@ -218,12 +218,9 @@ def test_bad_options_are_one_line_errors(essay_dir, tmp_path):
     cases = [
         (dict(context_lengths=[8192]), "above the context window 4096"),
         (dict(context_lengths=[150]), "not above task.buffer=200"),
-        (dict(depths=[120]), "percents in [0, 100]"),
-        (dict(scorer="bleu"), "unknown needle scorer"),
-        (
-            dict(prompt_format="chatty"),
-            "unknown prompt format (task.prompt_format) 'chatty'; valid choices: hf_chat, kvcache_factory, raw",
-        ),
+        (dict(depths=[120]), "task.depths=[120]: must be null (task.depth_steps points) or a number in [0, 100]"),
+        (dict(scorer="bleu"), "task.scorer=bleu: must be one of "),
+        (dict(prompt_format="chatty"), "task.prompt_format=chatty: must be one of "),
         (
             dict(prompt_format="hf_chat"),
             "task.prompt_format=hf_chat needs a chat template but the tokenizer of model tiny_llama has none",

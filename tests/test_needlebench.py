@@ -270,7 +270,7 @@ def test_missing_files_are_one_line_errors(tmp_path, monkeypatch):
                 MODEL,
             ).samples()
         )
-    with pytest.raises(KVBenchError, match="unknown NeedleBench subtask"):
+    with pytest.raises(KVBenchError, match=r"^task.subtasks=\['single_fr'\]: must be null \(all six\) or one of "):
         NeedleBenchTask(nb_cfg(subtasks=["single_fr"]), MODEL)
     with pytest.raises(KVBenchError, match="above the context window 4096"):
         NeedleBenchTask(nb_cfg(grid="8k"), MODEL)

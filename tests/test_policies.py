@@ -274,7 +274,7 @@ def test_accelerator_blocks_are_sized_by_memory():
     )
     assert on_meta.block_queries() == BLOCK_ELEMENTS // (Q_HEADS * TOKENS)
     assert score_block_size("auto") is None and score_block_size(64) == 64
-    with pytest.raises(KVBenchError, match="engine.score_block must be a positive number of queries or auto, got 0"):
+    with pytest.raises(KVBenchError, match="^engine.score_block=0: must be auto or a query count ≥ 1$"):
         score_block_size(0)
 
 

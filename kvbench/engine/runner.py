@@ -81,9 +81,8 @@ def score_block_size(setting: int | str | None) -> int | None:
     sized by memory on an accelerator: ``AttentionStats.block_queries``)."""
     if setting is None or setting == "auto":
         return None
-    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
-        raise KVBenchError(f"engine.score_block must be a positive number of queries or auto, got {setting!r}")
-    return setting
+    ENGINE_SETTINGS["score_block"].check("engine.score_block", setting)  # however the engine is built
+    return int(setting)
 
 
 def layer_weights(model, query_heads: int, num_layers: int) -> list[LayerWeights] | None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from kvbench.domains import Domain, check_table, choice
 from kvbench.tasks import prompts
@@ -122,6 +122,7 @@ class Task(ABC):
     splits_prompts: ClassVar[bool] = False
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
+        self.check(cast(dict, OmegaConf.to_container(cfg, resolve=True)))  # the domains, however the task is built
         self.cfg = cfg
         self.model = model
 

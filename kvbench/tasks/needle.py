@@ -48,7 +48,7 @@ from omegaconf import DictConfig
 
 from kvbench import cache_dir
 from kvbench.domains import PATH, PERCENT, SEED, TEXT, TOKENS, choice, integer, list_of, mapping, one_of, optional
-from kvbench.errors import KVBenchError, choose
+from kvbench.errors import KVBenchError
 from kvbench.metrics.needle import ROUGE_STATS, rouge1, substring_match
 from kvbench.tasks import prompts
 from kvbench.tasks.base import ModelInfo, Sample, Task
@@ -162,18 +162,13 @@ class NeedleTask(Task):
             self.depths = [float(depth) for depth in ([depths] if isinstance(depths, (int, float)) else depths)]
         else:
             self.depths = linear_depths(int(cfg.get("depth_steps", 10)))
-        if not self.depths or any(not 0 <= depth <= 100 for depth in self.depths):
-            raise KVBenchError(f"task.depths must be percents in [0, 100], got {self.depths}")
-        choose("prompt format (task.prompt_format)", cfg.prompt_format, PROMPT_STYLES)
         self.prompt_format = cfg.prompt_format
         self.style = PROMPT_STYLES[self.prompt_format]
         if self.prompt_format == prompts.HF_CHAT:
             prompts.check_chat_template(model.tokenizer, model.name)
         self.needle = str(cfg.get("needle") or NEEDLE)
         self.question = str(cfg.get("question") or self.style.question)
-        choose("needle scorer (task.scorer)", cfg.get("scorer", "rouge"), SCORERS)
         self.scorer = cfg.get("scorer", "rouge")
-        choose("ROUGE statistic (task.rouge_stat)", cfg.get("rouge_stat", "fmeasure"), ROUGE_STATS)
         self.rouge_stat = cfg.get("rouge_stat", "fmeasure")
         self.substring_keys = list(cfg.get("substring_keys") or ["sandwich", "dolores"])
         max_new = cfg.get("max_new_tokens")

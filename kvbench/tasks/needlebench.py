@@ -69,7 +69,7 @@ from kvbench.domains import (
     one_of,
     optional,
 )
-from kvbench.errors import KVBenchError, choose
+from kvbench.errors import KVBenchError
 from kvbench.hub import check_hub_file, hub_file
 from kvbench.metrics.needlebench import multi_reasoning_score, multi_retrieval_score, single_needle_score
 from kvbench.tasks.base import ModelInfo, Sample, Task
@@ -226,9 +226,6 @@ class NeedleBenchTask(Task):
         super().__init__(cfg, model)
         subtasks = cfg.get("subtasks") or list(SUBTASKS)
         self.subtasks = [subtasks] if isinstance(subtasks, str) else list(subtasks)
-        for subtask in self.subtasks:
-            choose("NeedleBench subtask (task.subtasks)", subtask, SUBTASKS)
-        choose("NeedleBench grid (task.grid)", str(cfg.get("grid", "8k")), GRIDS)
         self.grid = GRIDS[str(cfg.get("grid", "8k"))]
         lengths = cfg.get("context_lengths")
         self.context_lengths = list(self.grid.lengths) if lengths is None else [int(value) for value in lengths]

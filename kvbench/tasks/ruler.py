@@ -41,7 +41,7 @@ from omegaconf import DictConfig
 
 from kvbench import resolve_path
 from kvbench.domains import PATH, SAMPLES, SEED, TOKENS, choice, integer, mapping, name_list, one_of, optional
-from kvbench.errors import KVBenchError, choose
+from kvbench.errors import KVBenchError
 from kvbench.hub import hub_online
 from kvbench.tasks import prompts
 from kvbench.tasks.base import ModelInfo, Sample, TableLayout, Task
@@ -148,8 +148,6 @@ class RulerTask(Task):
             subtasks = [name for name, spec in SUBTASKS.items() if not spec.needs_data]
         elif isinstance(subtasks, str):
             subtasks = [subtasks]
-        for subtask in subtasks:
-            choose("RULER subtask (task.subtasks)", subtask, SUBTASKS)
         self.subtasks: list[str] = list(subtasks)
         self.context_length = int(cfg.context_length)
         if self.context_length > model.context_window:
@@ -215,12 +213,7 @@ class RulerTask(Task):
     def _tokens_to_generate(subtask: str, setting: Any) -> int:
         """``task.tokens_to_generate`` for one subtask: RULER's (null), one number, or a per-subtask mapping."""
         value = setting.get(subtask) if isinstance(setting, Mapping) else setting
-        value = SUBTASKS[subtask].tokens_to_generate if value is None else value
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise KVBenchError(
-                f"task.tokens_to_generate for {subtask} must be a positive number of tokens, got {value!r}"
-            )
-        return value
+        return SUBTASKS[subtask].tokens_to_generate if value is None else value  # its domain: task.check
 
     @cached_property
     def essay_words(self) -> list[str]:
