@@ -209,6 +209,7 @@ def test_metrics_are_the_per_sample_records_aggregated(tmp_path):
     job = resolve(compose([*RULER, "policy=snapkv", "budget=64"]))
 
     class Scored(Task):
+        name = "scored"
         samples = score = None  # type: ignore[assignment]
 
     summary = summarize(job, Scored(job.cfg.task, None), synthetic)
