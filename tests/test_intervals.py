@@ -150,9 +150,9 @@ def test_make_leaderboard_smoke(tmp_path):
         sample_seconds.append(json.loads((report / "provenance.json").read_text())["sample_seconds"])
     assert sample_seconds[0] > 0 and sample_seconds[1] == sample_seconds[0]
     # RULER: the full cache once, 4 policies × 2 budgets; the needle grid and perplexity: the full cache, 2 policies;
-    # RULER query-agnostic: the full cache and SnapKV
-    assert cells.count("| smollm2_135m |") == (1 + 4 * 2) + 3 + 3 + 2
-    assert "| ruler-agnostic |" in cells
+    # RULER query-agnostic: the full cache and SnapKV, and KVzip head-wise (its own cell, kvzip[headwise])
+    assert cells.count("| smollm2_135m |") == (1 + 4 * 2) + 3 + 3 + 2 + 1
+    assert "| ruler-agnostic |" in cells and "| kvzip[headwise] " in cells
     assert "| perplexity |" in cells and "| niah " in cells
     paired = (report / "leaderboard_paired.md").read_text()
     assert re.search(r"\| snapkv\+obcache_joint +\| snapkv +\|", paired) and re.search(
