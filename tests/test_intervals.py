@@ -160,7 +160,7 @@ def test_make_leaderboard_smoke(tmp_path):
     )
     made = json.loads((report / "provenance.json").read_text())
     assert made["command"] == "make leaderboard SCALE=smoke"
-    assert made["runs"] == 10 + 3 + 3 + 2 and made["samples"] == 20 + 6 + 6 + 4
+    assert made["runs"] == 10 + 3 + 3 + 2 + 1 and made["samples"] == 20 + 6 + 6 + 4 + 2
     assert made["wall_seconds"] > 0 and made["versions"]["torch"] and made["commit"]
 
 
