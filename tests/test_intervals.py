@@ -13,10 +13,10 @@ import pytest
 from kvbench import PROJECT_ROOT
 from kvbench.cli import main
 from kvbench.config import compose
+from kvbench.finished import load_runs
 from kvbench.policies import BASES, MODIFIERS
 from kvbench.results.intervals import Interval, bootstrap_mean, paired_difference
 from kvbench.results.leaderboard import leaderboard_tables
-from kvbench.results.table import load_runs
 from kvbench.run import run
 from tests.helpers import VARIANTS
 from tests.test_groups import TINY

@@ -252,8 +252,8 @@ def test_headwise_kvzip_keeps_kvpress_sets():
 def test_headwise_kvzip_has_cells_of_its_own(tmp_path):
     """``policy.headwise=true`` makes another method: its runs carry the label ``kvzip[headwise]``, by which the
     leaderboard gives them their own cells beside KVzip's per layer, at the same budget."""
+    from kvbench.finished import load_runs
     from kvbench.results.leaderboard import leaderboard_tables
-    from kvbench.results.table import load_runs
     from tests.test_plan import TINY
 
     for name, settings in (("layer", []), ("head", ["policy.headwise=true"])):

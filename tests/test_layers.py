@@ -15,7 +15,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvbench.policies",),  # eviction methods and their machinery
     ("kvbench.engine",),  # the eviction-aware engine (knows no policy by name, no task)
     ("kvbench.tasks", "kvbench.models"),  # benchmarks (know no policy, no engine); model provisioning
-    ("kvbench.rundir", "kvbench.config"),  # the run-directory store; Hydra glue
+    ("kvbench.rundir", "kvbench.finished", "kvbench.config"),  # the run-directory store and its read model; Hydra glue
     ("kvbench.job",),  # one job resolved before anything runs
     ("kvbench.results",),  # reports: tables, paper comparisons, plots, W&B
     ("kvbench.run",),  # running a job into its run directory

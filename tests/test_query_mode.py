@@ -18,12 +18,13 @@ from kvbench.engine.rows import decode_rows
 from kvbench.engine.shared import Question, generate_shared, prefill_questions
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
+from kvbench.finished import load_runs
 from kvbench.job import resolve
 from kvbench.models import load_model
 from kvbench.policies import build_policy
 from kvbench.results.intervals import bootstrap_mean, paired_difference
 from kvbench.results.leaderboard import leaderboard_tables
-from kvbench.results.table import benchmark_tables, load_runs
+from kvbench.results.table import benchmark_tables
 from kvbench.run import build_engine, build_task, run, run_group, run_sample
 from kvbench.tasks.base import ModelInfo, Task
 from kvbench.tasks.longbench import LongBenchTask

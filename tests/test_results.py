@@ -14,9 +14,11 @@ import pytest
 
 from kvbench.cli import main
 from kvbench.errors import KVBenchError
+from kvbench.finished import load_runs
 from kvbench.results.compare import Comparison, parse_spec
 from kvbench.results.plots import make_plots, niah_grid
-from kvbench.results.table import benchmark_tables, load_runs, render
+from kvbench.results.render import render
+from kvbench.results.table import benchmark_tables
 from kvbench.rundir import RunDir
 
 LONGBENCH = [
@@ -764,7 +766,7 @@ def test_latex_escapes_names_and_symbols_and_uses_booktabs():
     """Policy and task names with ``_``, the en dash of an empty cell, Δ and − come out as LaTeX that compiles."""
     import pandas as pd
 
-    from kvbench.results.table import render
+    from kvbench.results.render import render
 
     table = pd.DataFrame(
         {"policy": ["h2o+obcache_joint", "snapkv 50%"], "Δ vs base": ["−1.0 [−2.0, 0.5]*", "–"], "avg": [1.234, None]}
@@ -788,8 +790,10 @@ def test_latex_tables_compile_where_a_tex_engine_is_installed(tmp_path):
     import subprocess
 
     from kvbench import PROJECT_ROOT
+    from kvbench.finished import load_runs
     from kvbench.results.leaderboard import leaderboard_tables
-    from kvbench.results.table import benchmark_tables, load_runs, render
+    from kvbench.results.render import render
+    from kvbench.results.table import benchmark_tables
 
     if shutil.which("pdflatex") is None:
         pytest.skip("no pdflatex on this machine")

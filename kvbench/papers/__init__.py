@@ -91,6 +91,19 @@ MAIN_SETTINGS: dict[str, dict[str, str]] = {
 """Per paper, the main value of every setting its tables vary in bracketed rows: a method printed without
 brackets was run at these values."""
 
+SCALES = {("caote", "table5"): 0.01, ("caote", "table13"): 0.01}
+"""Tables printed on another scale than our 0–100 scores (CAOTE's needle accuracy is 0–1)."""
+
+ALIASES = {
+    ("needlebench", "reasoning_en"): "needlebench_multi_reasoning_en",
+    ("needlebench", "reasoning_zh"): "needlebench_multi_reasoning_zh",
+}
+"""(task, score) → the name a paper table uses for it."""
+
+AVERAGED_TASKS = {("slake", "table2"): ("slake", "table1")}
+"""Tables that print only averages -> the table whose tasks they average (SLAKE Table 2's full-SLAKE 29.76 is
+Table 1's LongBench Avg. of SLAKE at 128)."""
+
 _TABLE_NO = re.compile(r"table(\d+)$")
 
 

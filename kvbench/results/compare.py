@@ -19,7 +19,7 @@ run's context length, NeedleBench's ``reasoning_en`` as ``needlebench_multi_reas
 the run's ``overall`` score or average (CAOTE's and CaliDrop's ``niah``), ``ppl`` and ``ppl_gap`` (to the full
 cache of the same model, text and length). A printed average (``avg`` or budget ``all``) is recomputed from our
 values of the cells it averages — for a table that prints only averages, the tasks of the table named in
-:data:`AVERAGED_TASKS` — marked ``*`` when we ran only some of them.
+:data:`~kvbench.papers.AVERAGED_TASKS` — marked ``*`` when we ran only some of them.
 """
 
 from __future__ import annotations
@@ -33,32 +33,20 @@ from typing import Any
 import pandas as pd
 
 from kvbench.errors import KVBenchError, choose
-from kvbench.papers import MAIN_SETTINGS, list_tables, load_table, split_method, table_caption
-from kvbench.policies.budgets import Budget
-from kvbench.results.table import (
-    FORMATS,
-    Run,
-    budget_key,
-    context_label,
-    load_runs,
-    policy_key,
-    render,
-    task_layout,
-    write_tables,
+from kvbench.finished import Run, load_runs
+from kvbench.papers import (
+    ALIASES,
+    AVERAGED_TASKS,
+    MAIN_SETTINGS,
+    SCALES,
+    list_tables,
+    load_table,
+    split_method,
+    table_caption,
 )
-
-SCALES = {("caote", "table5"): 0.01, ("caote", "table13"): 0.01}
-"""Tables printed on another scale than our 0–100 scores (CAOTE's needle accuracy is 0–1)."""
-
-ALIASES = {
-    ("needlebench", "reasoning_en"): "needlebench_multi_reasoning_en",
-    ("needlebench", "reasoning_zh"): "needlebench_multi_reasoning_zh",
-}
-"""(task, score) → the name a paper table uses for it."""
-
-AVERAGED_TASKS = {("slake", "table2"): ("slake", "table1")}
-"""Tables that print only averages -> the table whose tasks they average (SLAKE Table 2's full-SLAKE 29.76 is
-Table 1's LongBench Avg. of SLAKE at 128)."""
+from kvbench.policies.budgets import Budget
+from kvbench.results.render import FORMATS, render, write_tables
+from kvbench.results.table import budget_key, context_label, policy_key, task_layout
 
 NOT_RUN = "not run"
 PARTIAL = "*"
@@ -346,4 +334,4 @@ def main(args: list[str]) -> None:
             print(f"wrote {path}")
 
 
-__all__ = ["AVERAGED_TASKS", "Comparison", "main", "measured_cells", "parse_spec"]
+__all__ = ["Comparison", "main", "measured_cells", "parse_spec"]

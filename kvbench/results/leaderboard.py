@@ -30,9 +30,11 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.errors import KVBenchError, choose
+from kvbench.finished import NO_BUDGET, Run, load_runs
 from kvbench.results.intervals import bootstrap_mean, paired_difference
 from kvbench.results.plots import leaderboard_figure, save
-from kvbench.results.table import FORMATS, NO_BUDGET, Run, budget_key, load_runs, print_tables, sort_rows
+from kvbench.results.render import FORMATS, print_tables
+from kvbench.results.table import budget_key, sort_rows
 
 #: what makes two runs' samples comparable, beside the budget
 CELL = ["model", "task", "subtask", "metric", "context", "regime"]
@@ -46,7 +48,7 @@ def task_label(run: Run) -> str:
 def cells(runs: list[Run]) -> tuple[pd.DataFrame, dict[tuple, dict[str, float]], dict[tuple, dict[str, str] | None]]:
     """One row per cell: its key, policy, budget, n, mean and interval; each cell's scores by sample id (the full
     cache, whose budget is no setting, once); and each cell's samples' contexts, by which its intervals are clustered
-    (:meth:`~kvbench.results.table.Run.sample_contexts`)."""
+    (:meth:`~kvbench.finished.Run.sample_contexts`)."""
     rows, scores, clusters = [], {}, {}
     for run in runs:
         identity, kind, contexts = run.identity(), run.metric, run.sample_contexts()

@@ -2,9 +2,10 @@
 
 Layouts (``--layout``; ``auto`` makes every benchmark layout the runs found have data for, and ``runs``):
 
-* ``longbench``  LongBench by task, grouped by category, with Avg. (the mean of the task scores, as the
-  papers print it), and LongBench by category (each category the mean of its tasks);
-* ``ruler``      RULER by task with Avg., one row per run and context length;
+* ``<task>``     each task that declares a table (:class:`~kvbench.tasks.base.TableLayout`; ``longbench``,
+  ``longbench_e``, ``ruler``): its subtasks in its order under the papers' headers with Avg. (the mean of the
+  subtask scores, as the papers print it), a row per run (and per length bucket or context length where the task
+  says), and by category where it declares categories (each the mean of its subtasks);
 * ``niah``       needle accuracy of the needle tasks by context length × budget (the per-record
   ``context_length``), the full cache in columns of its own, with Avg.;
 * ``ppl``        perplexity beside the full cache's for the same model, text and length, and the gap;
@@ -26,127 +27,21 @@ from __future__ import annotations
 import argparse
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pandas as pd
-from hydra.utils import get_class
-from omegaconf import OmegaConf
 
-from kvbench import CONF_DIR, config_dict
 from kvbench.errors import KVBenchError, choose
+from kvbench.finished import IDENTITY, Run
 from kvbench.policies.budgets import Budget
 from kvbench.results.intervals import paired_difference
-from kvbench.rundir import RunDir, find_run_dirs, scan_run_dirs
-from kvbench.tasks.base import TableLayout, Task
-
-IDENTITY = ["model", "policy", "budget", "regime"]
-NO_BUDGET = "–"
-"""The budget column of the full cache, which keeps every token whatever budget its run was given."""
+from kvbench.results.render import FORMATS, print_tables
+from kvbench.rundir import scan_run_dirs
+from kvbench.tasks.base import TableLayout
+from kvbench.tasks.registry import tabled_tasks, task_class
 
 AVG = "Avg."
-
-
-@dataclass
-class Run:
-    """One finished run directory: its metrics and the resolved config it ran with."""
-
-    run_dir: RunDir
-
-    @cached_property
-    def metrics(self) -> dict[str, Any]:
-        return self.run_dir.metrics()
-
-    @cached_property
-    def config(self) -> dict[str, Any]:
-        if not self.run_dir.config_path.exists():
-            return {}
-        return config_dict(OmegaConf.load(self.run_dir.config_path))
-
-    @cached_property
-    def records(self) -> list[dict[str, Any]]:
-        return self.run_dir.records()
-
-    @property
-    def task(self) -> str:
-        return self.metrics["task"]
-
-    @property
-    def context(self) -> int | None:
-        """The run's context length: RULER's ``context_length``, the perplexity window, LongBench's limit or
-        NeedleBench's grid (``8k``)."""
-        task = self.config.get("task", {})
-        for key in ("context_length", "max_tokens", "max_length"):
-            if task.get(key) is not None:
-                return int(task[key])
-        grid = str(task.get("grid") or "")
-        return int(grid[:-1]) * 1024 if grid[:-1].isdigit() and grid.endswith("k") else None
-
-    @property
-    def metric(self) -> str:
-        """What the run's sample scores are: ``perplexity`` where its records carry token NLLs (the perplexity tasks,
-        whose ``score`` is the window's perplexity), else ``score`` (0–1, shown ×100)."""
-        return "perplexity" if any("nll" in record for record in self.records) else "score"
-
-    def sample_scores(self) -> dict[str, dict[str, float]]:
-        """The run's per-sample scores by subtask (the task's name where records have none): ``{subtask: {sample id:
-        score}}``, from each record's numeric ``score``: ×100, a perplexity as it is (:attr:`metric`)."""
-        scale = 1.0 if self.metric == "perplexity" else 100.0
-        scores: dict[str, dict[str, float]] = {}
-        for record in self.records:
-            score = record.get("score")
-            if isinstance(score, int | float) and not isinstance(score, bool):
-                scores.setdefault(record.get("subtask") or self.task, {})[str(record["id"])] = scale * float(score)
-        return scores
-
-    def sample_contexts(self) -> dict[str, str] | None:
-        """Each sample id's ``context_id`` where the run's questions share contexts (RULER's
-        ``questions_per_context``, LongBench's repeated documents): their intervals resample whole contexts. None
-        where no record has one."""
-        contexts = {str(record["id"]): str(record["context_id"]) for record in self.records if "context_id" in record}
-        return contexts or None
-
-    @property
-    def query_mode(self) -> str:
-        """``task.query_mode``: ``aware`` (also a run from before the setting) or ``agnostic``."""
-        return str(self.config.get("task", {}).get("query_mode") or "aware")
-
-    @property
-    def data(self) -> str:
-        """What a perplexity run read: the text file's stem, else the task name."""
-        path = self.config.get("task", {}).get("path")
-        return Path(path).stem if path else self.task
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        """The policy's hyper-parameters (``policy.*`` of the config, without ``name``); the layer budget as its
-        name, its own settings as ``layer_budget.<key>``."""
-        settings = {key: value for key, value in self.config.get("policy", {}).items() if key != "name"}
-        layer_budget = settings.pop("layer_budget", None)
-        if isinstance(layer_budget, dict):
-            settings["layer_budget"] = layer_budget.get("name")
-            settings.update({f"layer_budget.{key}": value for key, value in layer_budget.items() if key != "name"})
-        return settings
-
-    @property
-    def label(self) -> str:
-        """``policy@budget``; the full cache as ``full`` (it keeps every token whatever its budget)."""
-        policy = self.identity()["policy"]
-        return policy if policy == "full" else f"{policy}@{self.metrics['budget']}"
-
-    def identity(self) -> dict[str, Any]:
-        """Model, policy (its label: :attr:`~kvbench.policies.base.Policy.label`), budget (none for the full cache)
-        and regime."""
-        identity = {key: self.metrics.get(key) for key in IDENTITY}
-        identity["policy"] = self.metrics.get("label", identity["policy"])
-        return {**identity, "budget": NO_BUDGET} if identity["policy"] == "full" else identity
-
-
-def load_runs(paths: list[str | Path]) -> list[Run]:
-    """Every finished run at or below ``paths`` (see :func:`find_run_dirs`)."""
-    return [Run(run_dir) for run_dir in find_run_dirs(paths)]
 
 
 def budget_key(spec: str) -> tuple[int, float]:
@@ -220,15 +115,11 @@ def _pivot(frame: pd.DataFrame, index: list[str], order: list[str]) -> pd.DataFr
     return sort_rows(table.reset_index())
 
 
-@functools.cache
 def task_layout(task: str) -> TableLayout | None:
-    """The table layout task ``task`` declares (:attr:`~kvbench.tasks.base.Task.table`; its class as
-    ``conf/task/<task>.yaml`` names it), or None: none, or a task this version does not know."""
-    path = CONF_DIR / "task" / f"{task}.yaml"
-    if not path.is_file():
-        return None
-    task_class: type[Task] = get_class(str(OmegaConf.select(OmegaConf.load(path), "_target_")))
-    return task_class.table
+    """The table task ``task`` declares (:attr:`~kvbench.tasks.base.Task.table`), or None: none, or a task this
+    version does not know."""
+    task_type = task_class(task)
+    return None if task_type is None else task_type.table
 
 
 def has_layout(run: Run) -> bool:
@@ -261,47 +152,36 @@ def runs_table(runs: list[Run]) -> pd.DataFrame:
     return sort_rows(frame)
 
 
-def longbench_tables(runs: list[Run]) -> dict[str, pd.DataFrame]:
-    """LongBench by task (papers' headers, category order, Avg. = mean of the tasks present) and by category."""
-    frame = scores_frame([run for run in runs if run.task == "longbench"])
-    if frame.empty:
+def task_tables(runs: list[Run], task: str) -> dict[str, pd.DataFrame]:
+    """Task ``task``'s runs laid out as it declares (:class:`~kvbench.tasks.base.TableLayout`): ``<task>``, its
+    subtasks as columns in the declared order under the papers' headers, a row per run (and per bucket, context
+    length and query mode where the layout or the runs have several), Avg. = the mean of the subtasks present;
+    ``<task>_categories``, each category the mean of its subtasks present."""
+    layout = task_layout(task)
+    frame = scores_frame([run for run in runs if run.task == task])
+    if layout is None or frame.empty:
         return {}
-    layout = cast(TableLayout, task_layout("longbench"))
-    by_task = _pivot(frame, IDENTITY, list(layout.order))
-    tasks = [column for column in by_task.columns if column not in IDENTITY]
-    by_category = by_task[IDENTITY].copy()
-    for category, members in layout.categories.items():
-        present = [task for task in members if task in tasks]
-        if present:
-            by_category[category] = by_task[present].mean(axis=1)
-    by_task[AVG] = by_task[tasks].mean(axis=1)
-    by_category[AVG] = by_task[AVG]
-    return {"longbench": by_task.rename(columns=layout.headers), "longbench_categories": by_category}
-
-
-def longbench_e_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
-    """LongBench-E: one row per run and length bucket (``dataset@bucket`` scores), tasks as columns, Avg."""
-    frame = scores_frame([run for run in runs if run.task == "longbench_e"])
-    if frame.empty:
-        return {}
-    frame[["score", "bucket"]] = frame["score"].str.split("@", n=1, expand=True)
-    layout = cast(TableLayout, task_layout("longbench_e"))
-    table = _pivot(frame, [*IDENTITY, "bucket"], list(layout.order))
-    tasks = [column for column in table.columns if column not in (*IDENTITY, "bucket")]
-    table[AVG] = table[tasks].mean(axis=1)
-    return {"longbench_e": table.rename(columns=layout.headers)}
-
-
-def ruler_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
-    """RULER by task with Avg., one row per run and context length."""
-    frame = scores_frame([run for run in runs if run.task == "ruler"])
-    if frame.empty:
-        return {}
-    index = [*IDENTITY, "context", *(["query_mode"] if frame["query_mode"].nunique() > 1 else [])]
-    table = _pivot(frame, index, list(cast(TableLayout, task_layout("ruler")).order))
-    tasks = [column for column in table.columns if column not in index]
-    table[AVG] = table[tasks].mean(axis=1)
-    return {"ruler": table}
+    index = list(IDENTITY)
+    if layout.buckets:
+        frame[["score", "bucket"]] = frame["score"].str.split("@", n=1, expand=True)
+        index.append("bucket")
+    if layout.by_context:
+        index.append("context")
+    if frame["query_mode"].nunique() > 1:
+        index.append("query_mode")
+    by_subtask = _pivot(frame, index, list(layout.order))
+    subtasks = [column for column in by_subtask.columns if column not in index]
+    by_subtask[AVG] = by_subtask[subtasks].mean(axis=1)
+    tables = {task: by_subtask.rename(columns=layout.headers)}
+    if layout.categories:
+        by_category = by_subtask[index].copy()
+        for category, members in layout.categories.items():
+            present = [subtask for subtask in members if subtask in subtasks]
+            if present:
+                by_category[category] = by_subtask[present].mean(axis=1)
+        by_category[AVG] = by_subtask[AVG]
+        tables[f"{task}_categories"] = by_category
+    return tables
 
 
 def record_value(record: dict[str, Any], key: str) -> Any:
@@ -432,114 +312,15 @@ def pooled(run: Run) -> dict[str, float]:
     return {sample: score for by_id in run.sample_scores().values() for sample, score in by_id.items()}
 
 
-LAYOUTS: dict[str, Callable[[list[Run]], dict[str, pd.DataFrame]]] = {
-    "longbench": lambda runs: {**longbench_tables(runs), **longbench_e_table(runs)},
-    "ruler": ruler_table,
+#: the layouts of every report, beside each task's (:func:`layouts`)
+REPORTS: dict[str, Callable[[list[Run]], dict[str, pd.DataFrame]]] = {
     "niah": niah_table,
     "ppl": ppl_table,
     "query_modes": query_mode_table,
     "runs": lambda runs: {"runs": runs_table(runs)},
 }
 
-
-def benchmark_tables(runs: list[Run], layout: str = "auto") -> dict[str, pd.DataFrame]:
-    """The named tables of ``layout``; ``auto``: every benchmark layout with data, and one row per run for
-    tasks without a layout of their own."""
-    choose("layout", layout, ["auto", *LAYOUTS])
-    if layout != "auto":
-        tables = LAYOUTS[layout](runs)
-        if not tables:
-            raise KVBenchError(
-                f"no runs fit the {layout!r} layout; valid choices for these runs: "
-                f"{', '.join(name for name in LAYOUTS if name == 'runs' or LAYOUTS[name](runs))}"
-            )
-        return tables
-    tables = {}
-    for name in ("longbench", "ruler", "niah", "ppl", "query_modes"):
-        tables.update(LAYOUTS[name](runs))
-    tables.update(LAYOUTS["runs"](runs))  # every run, one row each
-    return tables
-
-
-FORMATS = {"markdown": "md", "csv": "csv", "latex": "tex"}
-
-
-#: LaTeX's specials, escaped, and the non-ASCII symbols tables print, as text or math that pdflatex compiles
-LATEX_ESCAPES = {
-    **{char: f"\\{char}" for char in "&%$#_{}"},
-    "\\": r"\textbackslash{}",
-    "~": r"\textasciitilde{}",
-    "^": r"\textasciicircum{}",
-    "–": "--",
-    "—": "---",
-    "−": "$-$",
-    "Δ": r"$\Delta$",
-    "θ": r"$\theta$",
-    "×": r"$\times$",
-    "→": r"$\rightarrow$",
-    "§": r"\S{}",
-    "±": r"$\pm$",
-    "≥": r"$\geq$",
-    "≤": r"$\leq$",
-}
-
-
-def latex_text(text: str) -> str:
-    """``text`` as LaTeX source: specials escaped, symbols in text or math mode."""
-    return "".join(LATEX_ESCAPES.get(char, char) for char in text)
-
-
-def latex_table(table: pd.DataFrame, decimals: int) -> str:
-    """A booktabs ``tabular`` (``\\usepackage{booktabs}``): names escaped, numbers right-aligned with ``decimals``
-    places, empty cells ``--``."""
-
-    def cell(value: Any) -> str:
-        if value is None or (isinstance(value, float) and pd.isna(value)):
-            return "--"
-        if isinstance(value, float):
-            return f"{value:.{decimals}f}"
-        return latex_text(str(value))
-
-    numeric = [pd.api.types.is_numeric_dtype(dtype) for dtype in table.dtypes]
-    lines = [
-        r"\begin{tabular}{" + "".join("r" if number else "l" for number in numeric) + "}",
-        r"\toprule",
-        " & ".join(latex_text(str(name)) for name in table.columns) + r" \\",
-        r"\midrule",
-        *(" & ".join(cell(value) for value in row) + r" \\" for row in table.astype(object).itertuples(index=False)),
-        r"\bottomrule",
-        r"\end{tabular}",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def render(table: pd.DataFrame, fmt: str, decimals: int = 2) -> str:
-    """A table as Markdown, CSV or LaTeX; numbers with ``decimals`` places, empty cells as ``–``."""
-    choose("format", fmt, FORMATS)
-    if fmt == "csv":
-        return table.to_csv(index=False)
-    if fmt == "latex":
-        return latex_table(table, decimals)
-    cells = table.astype(object).where(table.notna(), None)  # tabulate prints None, not NaN, as missingval
-    return cells.to_markdown(index=False, floatfmt=f".{decimals}f", missingval="–")
-
-
-def write_tables(tables: dict[str, str], output_dir: Path, fmt: str) -> list[Path]:
-    """Write rendered tables as ``<output_dir>/<name>.<md|csv|tex>``; returns the paths."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, text in tables.items():
-        path = output_dir / f"{name}.{FORMATS[fmt]}"
-        path.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
-        paths.append(path)
-    return paths
-
-
 TITLES = {
-    "longbench": "LongBench by task",
-    "longbench_categories": "LongBench by category",
-    "longbench_e": "LongBench-E",
-    "ruler": "RULER by task",
     "niah": "Needle accuracy by context × budget",
     "ppl": "Perplexity and gap to full cache",
     "query_modes": "Query-aware and query-agnostic side by side",
@@ -547,16 +328,38 @@ TITLES = {
 }
 
 
-def print_tables(tables: dict[str, pd.DataFrame], fmt: str, output_dir: Path | None) -> None:
-    """Print each table rendered in ``fmt`` (Markdown under a heading), and write them to ``output_dir`` if given."""
-    rendered = {name: render(table, fmt) for name, table in tables.items()}
-    for name, text in rendered.items():
-        if fmt == "markdown":
-            print(f"\n### {TITLES.get(name, name)}\n")
-        print(text.rstrip("\n"))
-    if output_dir:
-        for path in write_tables(rendered, output_dir, fmt):
-            print(f"wrote {path}")
+def layouts() -> dict[str, Callable[[list[Run]], dict[str, pd.DataFrame]]]:
+    """Every ``--layout``: each task that declares a table (by name), then the reports."""
+    by_task = {task: functools.partial(task_tables, task=task) for task in tabled_tasks()}
+    return {**by_task, **REPORTS}
+
+
+def title(name: str) -> str:
+    """A table's heading: ``<benchmark> by task`` / ``by category`` for a task's tables, else the report's."""
+    task = name.removesuffix("_categories")
+    layout = task_layout(task)
+    if layout is None:
+        return TITLES.get(name, name)
+    return f"{layout.title} by {'task' if task == name else 'category'}"
+
+
+def benchmark_tables(runs: list[Run], layout: str = "auto") -> dict[str, pd.DataFrame]:
+    """The named tables of ``layout``; ``auto``: every benchmark layout with data, and one row per run for
+    tasks without a layout of their own."""
+    choices = layouts()
+    choose("layout", layout, ["auto", *choices])
+    if layout != "auto":
+        tables = choices[layout](runs)
+        if not tables:
+            raise KVBenchError(
+                f"no runs fit the {layout!r} layout; valid choices for these runs: "
+                f"{', '.join(name for name, make in choices.items() if name == 'runs' or make(runs))}"
+            )
+        return tables
+    tables = {}
+    for make in choices.values():  # the runs table last: every run, one row each
+        tables.update(make(runs))
+    return tables
 
 
 def main(args: list[str]) -> None:
@@ -564,18 +367,18 @@ def main(args: list[str]) -> None:
         prog="kvbench table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("run_dirs", nargs="+", help="run directories, or folders holding them (a sweep directory)")
-    parser.add_argument("--layout", default="auto", help=f"auto (default), {', '.join(LAYOUTS)}")
+    parser.add_argument("--layout", default="auto", help=f"auto (default), {', '.join(layouts())}")
     parser.add_argument("--format", default="markdown", help="markdown (default), csv, latex")
     parser.add_argument("--output-dir", type=Path, help="also write each table to DIR/<table>.<md|csv|tex>")
     options = parser.parse_args(args)
     choose("format", options.format, FORMATS)
     finished, left_out = scan_run_dirs(options.run_dirs)
     tables = benchmark_tables([Run(run_dir) for run_dir in finished], options.layout)
-    print_tables(tables, options.format, options.output_dir)
+    print_tables(tables, options.format, options.output_dir, title)
     if left_out:
         print(f"\nnot in the tables: {len(left_out)} run directories")
         for run_dir, reason in left_out:
             print(f"  {run_dir.path}: {reason}")
 
 
-__all__ = ["Run", "benchmark_tables", "load_runs", "main", "render", "scores_frame"]
+__all__ = ["benchmark_tables", "main", "scores_frame", "task_tables"]

@@ -102,12 +102,17 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class TableLayout:
-    """How ``kvbench table`` lays out a task's scores: the subtasks' ``order`` (any other after them), the ``headers``
-    the papers print for them, and ``categories`` (each a mean of its subtasks, in a table of its own)."""
+    """How ``kvbench table`` lays out a task's scores: under ``title``, the subtasks' ``order`` (any other after
+    them), the ``headers`` the papers print for them, ``categories`` (each a mean of its subtasks, in a table of its
+    own), whether scores are named ``<subtask>@<bucket>`` (``buckets``: a row per bucket) and whether a row is
+    one context length (``by_context``: :meth:`Task.context_size`)."""
 
+    title: str
     order: tuple[str, ...] = ()
     headers: Mapping[str, str] = field(default_factory=dict)
     categories: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    buckets: bool = False
+    by_context: bool = False
 
 
 class Task(ABC):
@@ -118,6 +123,8 @@ class Task(ABC):
     table: ClassVar[TableLayout | None] = None
     #: the domain of each of the task's settings (``task.<key>``, conf/task/<name>.yaml)
     domains: ClassVar[dict[str, Domain]] = {}
+    #: the setting that gives a run's context length in tokens (:meth:`context_size`), if one does
+    context_setting: ClassVar[str | None] = None
     #: whether the task gives its samples a ``question_start``: ``task.query_mode=agnostic`` needs it
     splits_prompts: ClassVar[bool] = False
 
@@ -137,6 +144,13 @@ class Task(ABC):
     def check(cls, settings: dict[str, Any]) -> None:
         """A one-line error for a setting outside its domain (before anything is loaded)."""
         check_table(settings, cls.setting_domains(), "task.")
+
+    @classmethod
+    def context_size(cls, settings: Mapping[str, Any]) -> int | None:
+        """The context length a run with these ``task.*`` settings ran at (its rows in the tables): the value of
+        :attr:`context_setting`; None where the task has none or the run left it unset."""
+        value = settings.get(cls.context_setting) if cls.context_setting else None
+        return None if value is None else int(value)
 
     @classmethod
     def for_model(cls, settings: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:

@@ -42,8 +42,9 @@ import random
 import zipfile
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig
 
@@ -242,7 +243,9 @@ class LongBenchTask(Task):
 
     name = "longbench"
     splits_prompts = True
+    context_setting = "max_length"
     table = TableLayout(
+        title="LongBench",
         order=tuple(dataset for members in LONGBENCH_CATEGORIES.values() for dataset in members),
         headers=LONGBENCH_SHORT,
         categories=LONGBENCH_CATEGORIES,
@@ -450,3 +453,10 @@ def _hub_records(file_name: str) -> list[dict[str, Any]]:
         raise KVBenchError(
             f"cannot read {member} from {archive} ({error}); set task.data_dir=FOLDER holding {file_name}"
         ) from None
+
+
+class LongBenchETask(LongBenchTask):
+    """LongBench-E (``task=longbench_e``, ``e: true``): LongBench's table with a row per length bucket."""
+
+    name = "longbench_e"
+    table = replace(cast(TableLayout, LongBenchTask.table), title="LongBench-E", categories={}, buckets=True)

@@ -201,6 +201,7 @@ class NeedleBenchTask(Task):
     ``prompt_format``, ``data_dir`` (null = the hub), ``seed`` (the retrieval needle draw)."""
 
     name = "needlebench"
+    context_setting = "grid"
     domains = {
         "subtasks": optional(name_list(SUBTASKS), "all six"),
         "grid": choice(*GRIDS),
@@ -221,6 +222,12 @@ class NeedleBenchTask(Task):
         "data_dir": optional(PATH, "the hub's opencompass/NeedleBench"),
         "seed": SEED,
     }
+
+    @classmethod
+    def context_size(cls, settings: Mapping[str, Any]) -> int | None:
+        """The grid's name in tokens (``8k`` → 8192; a NeedleBench table's columns are the grid's lengths)."""
+        grid = str(settings.get("grid") or "")
+        return int(grid[:-1]) * 1024 if grid[:-1].isdigit() and grid.endswith("k") else None
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         super().__init__(cfg, model)

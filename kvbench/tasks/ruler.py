@@ -115,7 +115,8 @@ class RulerTask(Task):
     ``questions_per_context`` (questions asked about one generated haystack)."""
 
     name = "ruler"
-    table = TableLayout(order=tuple(SUBTASKS))
+    table = TableLayout(title="RULER", order=tuple(SUBTASKS), by_context=True)
+    context_setting = "context_length"
     splits_prompts = True
     domains = {
         "subtasks": optional(name_list(SUBTASKS), "its 11 synthetic tasks"),

@@ -1,0 +1,115 @@
+"""Finished runs read back from their run directories: the read model of every report (``kvbench table``,
+``leaderboard``, ``compare-paper``, ``plot``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from kvbench import config_dict
+from kvbench.rundir import RunDir, find_run_dirs
+from kvbench.tasks.registry import task_class
+
+IDENTITY = ["model", "policy", "budget", "regime"]
+NO_BUDGET = "–"
+"""The budget column of the full cache, which keeps every token whatever budget its run was given."""
+
+
+@dataclass
+class Run:
+    """One finished run directory: its metrics and the resolved config it ran with."""
+
+    run_dir: RunDir
+
+    @cached_property
+    def metrics(self) -> dict[str, Any]:
+        return self.run_dir.metrics()
+
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        if not self.run_dir.config_path.exists():
+            return {}
+        return config_dict(OmegaConf.load(self.run_dir.config_path))
+
+    @cached_property
+    def records(self) -> list[dict[str, Any]]:
+        return self.run_dir.records()
+
+    @property
+    def task(self) -> str:
+        return self.metrics["task"]
+
+    @property
+    def context(self) -> int | None:
+        """The run's context length, as its task tells it from its settings
+        (:meth:`~kvbench.tasks.base.Task.context_size`); None for a task this version does not know."""
+        task = task_class(self.task)
+        return None if task is None else task.context_size(self.config.get("task", {}))
+
+    @property
+    def metric(self) -> str:
+        """What the run's sample scores are: ``perplexity`` where its records carry token NLLs (the perplexity tasks,
+        whose ``score`` is the window's perplexity), else ``score`` (0–1, shown ×100)."""
+        return "perplexity" if any("nll" in record for record in self.records) else "score"
+
+    def sample_scores(self) -> dict[str, dict[str, float]]:
+        """The run's per-sample scores by subtask (the task's name where records have none): ``{subtask: {sample id:
+        score}}``, from each record's numeric ``score``: ×100, a perplexity as it is (:attr:`metric`)."""
+        scale = 1.0 if self.metric == "perplexity" else 100.0
+        scores: dict[str, dict[str, float]] = {}
+        for record in self.records:
+            score = record.get("score")
+            if isinstance(score, int | float) and not isinstance(score, bool):
+                scores.setdefault(record.get("subtask") or self.task, {})[str(record["id"])] = scale * float(score)
+        return scores
+
+    def sample_contexts(self) -> dict[str, str] | None:
+        """Each sample id's ``context_id`` where the run's questions share contexts (RULER's
+        ``questions_per_context``, LongBench's repeated documents): their intervals resample whole contexts. None
+        where no record has one."""
+        contexts = {str(record["id"]): str(record["context_id"]) for record in self.records if "context_id" in record}
+        return contexts or None
+
+    @property
+    def query_mode(self) -> str:
+        """``task.query_mode``: ``aware`` (also a run from before the setting) or ``agnostic``."""
+        return str(self.config.get("task", {}).get("query_mode") or "aware")
+
+    @property
+    def data(self) -> str:
+        """What a perplexity run read: the text file's stem, else the task name."""
+        path = self.config.get("task", {}).get("path")
+        return Path(path).stem if path else self.task
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The policy's hyper-parameters (``policy.*`` of the config, without ``name``); the layer budget as its
+        name, its own settings as ``layer_budget.<key>``."""
+        settings = {key: value for key, value in self.config.get("policy", {}).items() if key != "name"}
+        layer_budget = settings.pop("layer_budget", None)
+        if isinstance(layer_budget, dict):
+            settings["layer_budget"] = layer_budget.get("name")
+            settings.update({f"layer_budget.{key}": value for key, value in layer_budget.items() if key != "name"})
+        return settings
+
+    @property
+    def label(self) -> str:
+        """``policy@budget``; the full cache as ``full`` (it keeps every token whatever its budget)."""
+        policy = self.identity()["policy"]
+        return policy if policy == "full" else f"{policy}@{self.metrics['budget']}"
+
+    def identity(self) -> dict[str, Any]:
+        """Model, policy (its label: :attr:`~kvbench.policies.base.Policy.label`), budget (none for the full cache)
+        and regime."""
+        identity = {key: self.metrics.get(key) for key in IDENTITY}
+        identity["policy"] = self.metrics.get("label", identity["policy"])
+        return {**identity, "budget": NO_BUDGET} if identity["policy"] == "full" else identity
+
+
+def load_runs(paths: list[str | Path]) -> list[Run]:
+    """Every finished run at or below ``paths`` (see :func:`find_run_dirs`)."""
+    return [Run(run_dir) for run_dir in find_run_dirs(paths)]

@@ -1,0 +1,26 @@
+"""Tasks by name: the class each ``conf/task/<name>.yaml`` builds (``_target_``)."""
+
+from __future__ import annotations
+
+import functools
+
+from hydra.utils import get_class
+from omegaconf import OmegaConf
+
+from kvbench import CONF_DIR
+from kvbench.tasks.base import Task
+
+
+@functools.cache
+def task_class(name: str) -> type[Task] | None:
+    """The class of task ``name``, or None for a task this version does not know (a run from another)."""
+    path = CONF_DIR / "task" / f"{name}.yaml"
+    if not path.is_file():
+        return None
+    return get_class(str(OmegaConf.select(OmegaConf.load(path), "_target_")))
+
+
+def tabled_tasks() -> list[str]:
+    """The tasks that declare a table (:attr:`~kvbench.tasks.base.Task.table`), by name."""
+    names = sorted(path.stem for path in (CONF_DIR / "task").glob("*.yaml"))
+    return [name for name in names if (task := task_class(name)) is not None and task.table is not None]
