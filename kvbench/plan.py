@@ -33,7 +33,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kvbench import config_dict, duration
-from kvbench.engine.cache import prefill_key
+from kvbench.engine.shared import prefill_key
 from kvbench.engine.threads import set_threads
 from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve

@@ -11,6 +11,19 @@ import pytest
 # before any test module imports torch, as kvbench/__init__.py does for the command line (kvbench/engine/threads.py)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+
+def pin_worker() -> None:
+    """Under pytest-xdist (``make test`` runs ``-n auto``) each worker on a CPU of its own, before torch sizes its
+    pool: the workers are the parallelism, and ``engine.threads=auto`` (the CPUs a process may use) gives each one
+    thread, as a Slurm allocation of one CPU would."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[int(worker.removeprefix("gw")) % len(cpus)]})
+
+
+pin_worker()
+
 TRUE = ("1", "true", "yes", "on")
 
 

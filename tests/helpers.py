@@ -167,6 +167,23 @@ def generated_shared(runners: list[Engine], prompt: list[int], max_new_tokens: i
     return outputs
 
 
+def assert_shared_gives_each_alone(runners: list[Engine], prompt: list[int], max_new_tokens: int, **settings) -> list:
+    """The registry's equivalence: each runner's output of :func:`generated_shared` (``settings``: ``batch_size``)
+    has the tokens, kept sets, cache sizes and policy statistics of its own :meth:`Engine.generate`; returns the
+    shared outputs."""
+    shared = generated_shared(runners, prompt, max_new_tokens, **settings)
+    for runner, other in zip(runners, shared, strict=True):
+        one = runner.generate(prompt, max_new_tokens, question_start=question_start(runner, prompt))
+        label = f"{runner.policy.spec}@{runner.budget.spec} {runner.regime}"
+        assert (other.token_ids, other.kept, other.kv, other.policy_stats) == (
+            one.token_ids,
+            one.kept,
+            one.kv,
+            one.policy_stats,
+        ), label
+    return shared
+
+
 def prefill_and_decode(runner: Engine, prompt: list[int], steps: int = 4):
     """A cache for ``prompt`` prefilled by ``runner``, then ``steps`` tokens decoded (evicting where the regime does
     while decoding: chunked, streaming)."""

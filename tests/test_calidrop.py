@@ -10,7 +10,7 @@ from kvbench.engine.attention import sdpa_attention
 from kvbench.engine.cache import EvictionCache
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy
-from kvbench.policies.base import Evicted
+from kvbench.policies.context import Evicted
 from kvbench.policies.methods.calidrop import CaliDrop, attention_lse, merge_attention
 from tests.helpers import random_prompt, tiny_model
 from tests.test_policies import KV_HEADS, Q_HEADS, SCALING, TOKENS, random_layer

@@ -12,7 +12,7 @@ import torch
 from kvbench.engine.cache import EvictionCache
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy
-from kvbench.policies.base import ScoreContext
+from kvbench.policies.context import ScoreContext
 from tests.helpers import engine, random_prompt, tiny_model
 
 BUDGET, SINKS, FUTURE = 24, 2, 16

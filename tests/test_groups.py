@@ -18,7 +18,8 @@ import kvbench.run.lifecycle
 import kvbench.run.progress
 from kvbench.config import compose
 from kvbench.engine import Engine
-from kvbench.engine.cache import EvictionCache, sums_key
+from kvbench.engine.batches import sums_key
+from kvbench.engine.cache import EvictionCache
 from kvbench.engine.shared import generate_shared
 from kvbench.errors import KVBenchError, SharedPassWarning
 from kvbench.policies import build_policy
@@ -27,7 +28,7 @@ from kvbench.rundir import RunDir
 from tests.helpers import (
     ARCHITECTURES,
     VARIANTS,
-    generated_shared,
+    assert_shared_gives_each_alone,
     question_start,
     random_prompt,
     registry_engines,
@@ -168,18 +169,6 @@ def test_plan_counts_a_shared_prefill_once(capsys):
     assert f"prefills shared: {2 * one} tokens prefilled, not {12 * one}" in printed.err
 
 
-def assert_each_as_alone(engines: list[Engine], alone: list, shared: list) -> None:
-    """Each engine's shared output has the tokens, kept sets, cache sizes and policy statistics of its own run."""
-    for engine, one, other in zip(engines, alone, shared, strict=True):
-        label = f"{engine.policy.spec}@{engine.budget.spec}"
-        assert (other.token_ids, other.kept, other.kv, other.policy_stats) == (
-            one.token_ids,
-            one.kept,
-            one.kv,
-            one.policy_stats,
-        ), label
-
-
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
     """Every base × {none, each applicable modifier} at two budgets, both head layouts, and the full cache (budget
@@ -191,13 +180,11 @@ def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
     cases = [(32, "oneshot", {}), (48, "oneshot", {}), (48, "oneshot", {"gqa": "repeat"})]
     engines, _ = registry_engines(model, cases, len(prompt), record_kept=True)
     engines.append(Engine(model, build_policy("snapkv"), 512, record_kept=True))
-    alone = [engine.generate(prompt, 6, question_start=question_start(engine, prompt)) for engine in engines]
-    shared = generated_shared(engines, prompt, 6)
+    shared = assert_shared_gives_each_alone(engines, prompt, 6)
     caches = [engine.new_cache(len(prompt), question_start(engine, prompt) is not None) for engine in engines]
     assert sum(engine.shares_prefill(cache) for engine, cache in zip(engines, caches)) > len(engines) / 2
     normalised = [output for engine, output in zip(engines, shared) if sums_key(engine.policy)]
     assert normalised and min(output.prefill_shared_by for output in normalised) > 1  # H2O reads a shared forward
-    assert_each_as_alone(engines, alone, shared)
 
 
 @pytest.mark.model
@@ -214,9 +201,7 @@ def test_on_smollm2_one_shared_prefill_gives_what_each_variant_gives_alone():
         loaded.model, [(96, "oneshot", {})], len(prompt), record_kept=True, tokenizer=loaded.tokenizer
     )
     assert len(engines) > len(VARIANTS) / 2
-    alone = [engine.generate(prompt, 4, question_start=question_start(engine, prompt)) for engine in engines]
-    shared = generated_shared(engines, prompt, 4, batch_size=8)
-    assert_each_as_alone(engines, alone, shared)
+    assert_shared_gives_each_alone(engines, prompt, 4, batch_size=8)
 
 
 def test_a_shared_group_killed_part_way_finishes_every_sample_once(tmp_path):

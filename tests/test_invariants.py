@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from kvbench.engine import Engine
-from kvbench.policies import BASES, MODIFIERS, build_policy, composable
+from kvbench.policies import build_policy
 from kvbench.policies.base import Full
 from tests.helpers import (
     TOKENIZER,
+    VARIANTS,
     kept_masks,
     masked_forward,
     query_agnostic,
@@ -29,14 +30,7 @@ from tests.helpers import (
     tiny_model,
 )
 
-SPECS = [
-    "full",
-    *(
-        f"{base}{suffix}"
-        for base in sorted(set(BASES) - {"full"})
-        for suffix in ["", *(f"+{m}" for m in sorted(MODIFIERS) if composable(base, m))]
-    ),
-]
+SPECS = [spec for spec in VARIANTS if spec != "full"]  # every registered variant but the full cache
 REGIMES = ["oneshot", "chunked", "streaming"]
 LAYERS, BLOCK = 3, 16
 
@@ -57,7 +51,7 @@ def runner(model, spec: str, budget: int, regime: str = "oneshot") -> Engine:
 
 
 @pytest.mark.parametrize("regime", REGIMES)
-@pytest.mark.parametrize("spec", SPECS[1:])
+@pytest.mark.parametrize("spec", SPECS)
 def test_a_budget_covering_the_prompt_runs_the_full_cache_and_one_short_runs_the_policy(llama, spec, regime):
     """The engine's short-circuit: at a budget of the prompt's length or more the cache is the full cache (every
     policy then generates what ``full`` generates, :func:`test_the_short_circuit_generates_what_the_full_cache_does`);
@@ -77,7 +71,7 @@ def test_the_short_circuit_generates_what_the_full_cache_does(llama):
     assert output.kv.after_prefill_tokens_per_layer == full.kv.after_prefill_tokens_per_layer
 
 
-@pytest.mark.parametrize("spec", SPECS[1:])
+@pytest.mark.parametrize("spec", SPECS)
 def test_one_token_short_of_the_prompt_every_layer_evicts_and_decodes_from_what_it_kept(llama, spec):
     """At a budget one token short of the prompt the policy runs: the layers' total is conserved (budget × layers, so
     one entry evicted per head and layer on average), and the next token sees exactly the entries kept (the masked
@@ -95,7 +89,7 @@ def test_one_token_short_of_the_prompt_every_layer_evicts_and_decodes_from_what_
         torch.testing.assert_close(step, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("spec", SPECS[1:])
+@pytest.mark.parametrize("spec", SPECS)
 def test_oneshot_eviction_shrinks_the_tensors(llama, spec):
     prompt, budget = random_prompt(200), 48
     engine = runner(llama, spec, budget)
@@ -112,7 +106,7 @@ def test_oneshot_eviction_shrinks_the_tensors(llama, spec):
             assert layer.keys.shape == layer.values.shape == (1, heads, kept, 16)
 
 
-@pytest.mark.parametrize("spec", SPECS[1:])
+@pytest.mark.parametrize("spec", SPECS)
 def test_chunked_cache_never_exceeds_budget_plus_block(llama, spec):
     engine = runner(llama, spec, 40, "chunked")
     query_agnostic(engine.policy, "chunked")  # skips a method not defined chunked
@@ -123,7 +117,7 @@ def test_chunked_cache_never_exceeds_budget_plus_block(llama, spec):
     assert output.kv.peak_bytes < output.kv.full_bytes
 
 
-@pytest.mark.parametrize("spec", SPECS[1:])
+@pytest.mark.parametrize("spec", SPECS)
 def test_decode_after_eviction_sees_exactly_the_kept_entries(spec):
     model = tiny_model("llama", layers=LAYERS)
     prompt, budget = random_prompt(60), 24

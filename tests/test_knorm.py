@@ -8,7 +8,8 @@ import torch
 
 from kvbench.engine.layer import EvictionLayer
 from kvbench.policies import build_policy
-from kvbench.policies.base import Policy, ScoreContext
+from kvbench.policies.base import Policy
+from kvbench.policies.context import ScoreContext
 from tests.helpers import engine, random_prompt, tiny_model
 
 BUDGET = 24

@@ -29,7 +29,8 @@ from kvbench.metrics.longbench import DATASET_METRIC, length_bucket, normalize_a
 from kvbench.models import load_model, load_tokenizer, model_config
 from kvbench.run import run_sample
 from kvbench.tasks.base import ModelInfo
-from kvbench.tasks.longbench import DATASETS, E_DATASETS, MAX_NEW_TOKENS, PROMPTS, LongBenchTask
+from kvbench.tasks.longbench import DATASETS, E_DATASETS, MAX_NEW_TOKENS, LongBenchTask
+from kvbench.tasks.longbench_prompts import PROMPTS
 from tests.helpers import engine, local_data, random_prompt, tiny_model
 
 with warnings.catch_warnings():

@@ -8,27 +8,15 @@ import pytest
 import kvbench.engine.rows as engine_module
 from kvbench.engine import Engine
 from kvbench.engine.rows import Row, decode_rows, perplexity_rows
-from kvbench.engine.shared import generate_shared
 from kvbench.policies import build_policy
 from tests.helpers import (
     ARCHITECTURES,
     VARIANTS,
-    generated_shared,
-    question_start,
+    assert_shared_gives_each_alone,
     random_prompt,
     registry_engines,
     tiny_model,
 )
-
-
-def same(one, other) -> bool:
-    """Tokens, kept sets, cache sizes and policy statistics equal."""
-    return (one.token_ids, one.kept, one.kv, one.policy_stats) == (
-        other.token_ids,
-        other.kept,
-        other.kv,
-        other.policy_stats,
-    )
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
@@ -41,10 +29,7 @@ def test_variants_decoded_as_rows_give_what_each_gives_alone(architecture):
     cases = [(32, "oneshot", {}), (48, "oneshot", {"gqa": "repeat"}), (48, "chunked", {})]
     engines, _ = registry_engines(model, cases, len(prompt), block_size=64, record_kept=True)
     assert len(engines) > 16 and {engine.regime for engine in engines} == {"oneshot", "chunked"}
-    alone = [engine.generate(prompt, 8, question_start=question_start(engine, prompt)) for engine in engines]
-    rows = generated_shared(engines, prompt, 8, batch_size=16)
-    for engine, one, other in zip(engines, alone, rows):
-        assert same(one, other), f"{engine.policy.spec}@{engine.budget.spec} {engine.regime}"
+    assert_shared_gives_each_alone(engines, prompt, 8, batch_size=16)
 
 
 def test_rows_of_different_prompts_stop_alone_and_leave_the_batch(monkeypatch):
@@ -105,9 +90,7 @@ def test_on_smollm2_chunked_variants_decoded_as_rows_give_what_each_gives_alone(
     prompt = prompt_tokens(loaded.tokenizer, PARAGRAPH, 384)
     engines, _ = registry_engines(loaded.model, [(96, "chunked", {})], len(prompt), (False,), record_kept=True)
     assert len(engines) > len(VARIANTS) / 2
-    alone = [engine.generate(prompt, 8) for engine in engines]
-    for engine, one, other in zip(engines, alone, generate_shared(engines, prompt, 8, batch_size=8)):
-        assert same(one, other), engine.policy.spec
+    assert_shared_gives_each_alone(engines, prompt, 8, batch_size=8)
 
 
 @pytest.mark.parametrize("batch_size", ["3", "auto"])

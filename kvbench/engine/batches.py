@@ -8,8 +8,18 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvbench.engine.cache import EvictionCache, sums_key
+from kvbench.engine.cache import EvictionCache, uses_normaliser
 from kvbench.engine.layer import in_cache_heads
+from kvbench.policies.base import Policy, settings_key
+
+
+def sums_key(policy: Policy) -> str | None:
+    """Variants with the same key add the same normalised sums of a forward to their running scores: ``policy``'s
+    settings (not its budget) and its re-weighting modifier (CAOTE, CaliDrop or SLAKE over H2O add H2O's), where
+    the cache sums from the normaliser (:func:`~kvbench.engine.cache.uses_normaliser`); None elsewhere."""
+    if not uses_normaliser(policy):
+        return None
+    return settings_key(policy) if policy.reweighting is None else settings_key(policy, policy.reweighting)
 
 
 class SharedPrefill(Cache):

@@ -23,14 +23,9 @@ from transformers.cache_utils import Cache
 
 from kvbench.engine import attention
 from kvbench.engine.layer import EvictionLayer, in_cache_heads
-from kvbench.policies.base import (
-    AttentionStats,
-    LayerWeights,
-    Modifier,
-    Policy,
-    ScoreContext,
-    settings_key,
-)
+from kvbench.engine.selection import top_slots, top_slots_per_head
+from kvbench.policies.base import AttentionStats, Modifier, Policy
+from kvbench.policies.context import LayerWeights, ScoreContext
 from kvbench.policies.layer_budget import CascadingAllocation
 from kvbench.policies.stats import NormalisedStats, reconstruction_attention
 
@@ -41,21 +36,6 @@ def uses_normaliser(policy: Policy) -> bool:
     float32 softmax), rather than from float32 attention weights: where the policy scores causally (every
     re-weighting modifier gives the same sums from such a pass, :meth:`Modifier.contribution_sums`)."""
     return policy.running and policy.scores_causally
-
-
-def sums_key(policy: Policy) -> str | None:
-    """Variants with the same key add the same normalised sums of a forward to their running scores: ``policy``'s
-    settings (not its budget) and its re-weighting modifier (CAOTE, CaliDrop or SLAKE over H2O add H2O's), where
-    the cache sums from the normaliser (:func:`uses_normaliser`); None elsewhere."""
-    if not uses_normaliser(policy):
-        return None
-    return settings_key(policy) if policy.reweighting is None else settings_key(policy, policy.reweighting)
-
-
-def prefill_key(policy: Policy) -> bool:
-    """The variants whose caches one :class:`SharedPrefill` forward can fill share this: the head layout (whether
-    ``gqa=repeat``); a policy reads the backend's attention, so any policies share a forward."""
-    return policy.gqa == "repeat"
 
 
 @dataclass
@@ -235,7 +215,8 @@ class EvictionCache(Cache):
         kept = self._select_per_head(layer_idx, budget, scores)
         if kept is not None:
             return ~kept
-        kept = self._select(layer_idx, budget, scores)
+        _, recent, sinks = self._reserved(layer_idx, budget)
+        kept = top_slots(scores, budget, recent, sinks)
         return torch.ones_like(scores, dtype=torch.bool).scatter_(-1, kept, False)
 
     def evict(self, layer_idx: int, budget: int, scaling: float) -> None:
@@ -396,16 +377,6 @@ class EvictionCache(Cache):
         recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
         return tokens, recent, max(0, min(policy.reserved_sinks(), budget - recent, tokens - recent))
 
-    def _select(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor:
-        """The ``budget`` slots kept per cache head, sorted ``[B,Hc,budget]``: the reserved sinks (the first
-        slots) and recent window (the last), plus the top-scored of the slots between them by ``scores
-        [B,Hc,T]``. The top-k runs over exactly those slots, as the reference implementations select heavy
-        hitters (KVCache-Factory: ``topk(capacity − window)`` over the prefix), so ties break as there."""
-        tokens, recent, sinks = self._reserved(layer_idx, budget)
-        heavy = scores[..., sinks : tokens - recent].float().topk(budget - recent - sinks, dim=-1).indices + sinks
-        reserved = torch.cat([torch.arange(sinks), torch.arange(tokens - recent, tokens)]).to(heavy.device)
-        return torch.cat([heavy, reserved.expand(*heavy.shape[:-1], -1)], dim=-1).sort(dim=-1).values
-
     def _select_per_head(
         self,
         layer_idx: int,
@@ -416,22 +387,19 @@ class EvictionCache(Cache):
     ) -> torch.Tensor | None:
         """The slots kept ``[B,Hc,T]`` (True = kept) where the policy gives each cache head its own share of the
         layer's ``budget × Hc`` (:meth:`~kvbench.policies.base.Policy.head_shares`), or ``per_head [B,Hc]`` slots
-        (:meth:`~kvbench.policies.base.Policy.head_budgets`), else None: each head's reserved sinks and recent window,
-        and its share's top-scored of the slots between them (of the slots it holds, ``held [B,Hc,T]``, when not all:
-        a head-wise layer :meth:`~EvictionLayer.unpack`-ed, whose padding ranks −inf)."""
+        (:meth:`~kvbench.policies.base.Policy.head_budgets`), else None (:func:`~kvbench.engine.selection.
+        top_slots_per_head`); of the slots a head holds, ``held [B,Hc,T]``, when not all: a head-wise layer
+        :meth:`~EvictionLayer.unpack`-ed, whose padding ranks −inf."""
         policy = self.policy
+        if per_head is None and not policy.shares_heads:
+            return None
         tokens, recent, sinks = self._reserved(layer_idx, budget)
         if per_head is not None:  # its sinks are among the head's slots, above every other
             sinks = min(policy.reserved_sinks(), tokens)
         middle = scores[..., sinks : tokens - recent].float()  # [B,Hc,M]
         shares = policy.head_shares(middle, budget, recent + sinks) if per_head is None else per_head - recent - sinks
-        if shares is None:
-            return None
-        shares = shares.clamp(0, middle.shape[-1])  # [B,Hc]
-        top = middle.topk(int(shares.max()), dim=-1).indices  # [B,Hc,S]
-        chosen = torch.arange(top.shape[-1], device=top.device) < shares[..., None]  # a head keeps its first shares
-        kept = torch.ones_like(scores, dtype=torch.bool)
-        kept[..., sinks : tokens - recent] = torch.zeros_like(middle, dtype=torch.bool).scatter_(-1, top, chosen)
+        assert shares is not None  # the policy shares heads
+        kept = top_slots_per_head(middle, shares, recent, sinks)
         return kept if held is None else kept & held
 
     def _evict(
@@ -453,7 +421,8 @@ class EvictionCache(Cache):
             self._account(layer_idx)
             return
         layer.ranking = scores.float()
-        kept = self._select(layer_idx, budget, scores)
+        _, recent, sinks = self._reserved(layer_idx, budget)
+        kept = top_slots(scores, budget, recent, sinks)
         evicted = layer.dropped_by(kept) if self.attending else None
         layer.keep(kept)
         if evicted is not None:  # i.e. there are attending modifiers

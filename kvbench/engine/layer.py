@@ -11,10 +11,8 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvbench.errors import KVBenchError
-from kvbench.policies.base import (
-    AttentionStats,
-    Evicted,
-)
+from kvbench.policies.base import AttentionStats
+from kvbench.policies.context import Evicted
 
 
 @dataclass

@@ -25,8 +25,9 @@ from kvbench.engine.cache import CacheSizes, EvictionCache
 from kvbench.engine.reconstruction import RepeatPrompt, reconstruct
 from kvbench.engine.threads import THREADS
 from kvbench.errors import KVBenchError, choose
-from kvbench.policies.base import Full, LayerWeights, Policy
+from kvbench.policies.base import Full, Policy
 from kvbench.policies.budgets import Budget
+from kvbench.policies.context import LayerWeights
 
 REGIMES = ["oneshot", "chunked", "streaming"]
 

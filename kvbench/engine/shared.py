@@ -7,13 +7,20 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 
 from kvbench.engine.batches import SharedPrefill
-from kvbench.engine.cache import prefill_key
 from kvbench.engine.rows import Row, decode_rows, forward_rows, lockstep_groups, prefill_rows
 from kvbench.engine.runner import GenerationOutput, Runner
+from kvbench.policies.base import Policy
+
+
+def prefill_key(policy: Policy) -> bool:
+    """The variants whose caches one :class:`SharedPrefill` forward can fill share this: the head layout (whether
+    ``gqa=repeat``); a policy reads the backend's attention, so any policies share a forward."""
+    return policy.gqa == "repeat"
 
 
 @torch.inference_mode()
@@ -28,55 +35,46 @@ def generate_shared(
 ) -> list[GenerationOutput]:
     """:meth:`Engine.generate` of each engine (its own policy and budget; one model, one regime) on one prompt,
     the variants that :meth:`Runner.shares_prefill` prefilled by one forward (:class:`SharedPrefill`) per head
-    layout (:func:`~kvbench.engine.cache.prefill_key`), whatever their policies and budgets, the others (chunked,
+    layout (:func:`prefill_key`), whatever their policies and budgets, the others (chunked,
     streaming) feeding the prompt's blocks as rows; then the variants decode as rows, ``batch_size`` at a time
     (:func:`decode_rows`). Each output reports the shared prefill's time divided among the variants that shared it.
     Outputs equal :meth:`Engine.generate`'s."""
-    rows = prefill_shared(
-        engines, input_ids, max_new_tokens, stop_token_ids, min_new_tokens, batch_size, question_start
-    )
+    prompt = Prompt(input_ids, max_new_tokens, stop_token_ids, min_new_tokens, question_start)
+    rows = prefill_shared(engines, prompt, batch_size)
     return decode_rows(rows, batch_size)
 
 
-def prefill_shared(
-    engines: Sequence[Runner],
-    input_ids: list[int],
-    max_new_tokens: int,
-    stop_token_ids=(),
-    min_new_tokens: int = 0,
-    batch_size: int = 1,
-    question_start: int | None = None,
-) -> list[Row]:
+def prefill_shared(engines: Sequence[Runner], prompt: Prompt, batch_size: int = 1) -> list[Row]:
     """The prefilled rows of :func:`generate_shared`, one per engine, ready for :func:`decode_rows`; the variants
     that do not share a forward (chunked, streaming) feed the prompt's blocks as rows, ``batch_size`` at a time.
-    With ``question_start``, what is prefilled is the context ``input_ids[:question_start]``, and then every row
-    reads the question without evicting (:func:`prefill_questions` of one question)."""
-    if question_start is not None:
-        question = Question(input_ids, question_start, max_new_tokens, stop_token_ids, min_new_tokens)
-        return prefill_questions(engines, [question], batch_size)
-    rows = compressed_rows(engines, input_ids, batch_size, context=False)
+    With a ``question_start``, what is prefilled is the prompt's context, and then every row reads the question
+    without evicting (:func:`prefill_questions` of one question)."""
+    if prompt.question_start is not None:
+        return prefill_questions(engines, [prompt], batch_size)
+    rows = compressed_rows(engines, prompt.input_ids, batch_size, context=False)
     for row in rows:
-        row.max_new_tokens, row.stop_token_ids, row.min_new_tokens = max_new_tokens, stop_token_ids, min_new_tokens
+        row.max_new_tokens, row.stop_token_ids = prompt.max_new_tokens, prompt.stop_token_ids
+        row.min_new_tokens = prompt.min_new_tokens
     return rows
 
 
 @dataclass(frozen=True)
-class Question:
-    """A prompt answered from a compressed context: ``input_ids[:question_start]`` the context, the rest the question,
-    decoded as :meth:`Engine.generate` decodes."""
+class Prompt:
+    """A prompt decoded as :meth:`Engine.generate` decodes; with ``question_start``, answered from a compressed
+    context: ``input_ids[:question_start]`` the context, the rest the question."""
 
     input_ids: list[int]
-    question_start: int
     max_new_tokens: int
     stop_token_ids: Sequence[int] = ()
     min_new_tokens: int = 0
+    question_start: int | None = None
 
     @property
     def context(self) -> list[int]:
         return self.input_ids[: self.question_start]
 
 
-def prefill_questions(engines: Sequence[Runner], questions: Sequence[Question], batch_size: int = 1) -> list[Row]:
+def prefill_questions(engines: Sequence[Runner], questions: Sequence[Prompt], batch_size: int = 1) -> list[Row]:
     """Rows of every (question, engine), question by question: the context the ``questions`` share compressed once
     per engine (:func:`compressed_rows`), then each question read into its own copy of each engine's compressed cache
     (:func:`read_question`), so each answers from the context as if it were the only one; the compression's time is
@@ -102,7 +100,7 @@ def prefill_questions(engines: Sequence[Runner], questions: Sequence[Question], 
             )
             for row in compressed
         ]
-        read_question(asked, question.input_ids, question.question_start, batch_size)
+        read_question(asked, question.input_ids, cast(int, question.question_start), batch_size)
         rows += asked
     return rows
 

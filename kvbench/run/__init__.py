@@ -1,8 +1,8 @@
 """``kvbench run``: one model × policy × budget × task, written to a resumable run directory; a sweep's jobs that
 differ only in policy and budget as one group. Its files: ``progress`` (progress bars and lines), ``factories`` (a
 job's task and engine), ``records`` (each sample's record, the run's metrics), ``schedule`` (samples as rows),
-``lifecycle`` (a run opened, run and finished in its directory), ``group`` (a group's shared model, prefills and
-rows)."""
+``lifecycle`` (a run opened and finished in its directory), ``group`` (a group's shared model, prefills and rows;
+a single job runs as a group of one)."""
 
 from kvbench.run.factories import (
     build_engine,
@@ -13,8 +13,7 @@ from kvbench.run.factories import (
     stop_ids,
     tokenizer_or_stand_in,
 )
-from kvbench.run.group import group_key, run_group
-from kvbench.run.lifecycle import run
+from kvbench.run.group import group_key, run, run_group
 from kvbench.run.progress import LOG_FORMAT, SweepProgress
 from kvbench.run.records import result_line, summarize
 from kvbench.run.schedule import context_groups, context_rows, in_sample_order, run_sample, samples_batch

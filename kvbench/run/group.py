@@ -7,7 +7,8 @@ import contextlib
 import json
 import logging
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, cast
 
@@ -19,7 +20,6 @@ from kvbench.engine.rows import Row, finished_rows, perplexity_rows
 from kvbench.errors import SharedPassWarning
 from kvbench.models import LoadedModel
 from kvbench.run.lifecycle import OpenRun, Shared, failure, job_and_directory, job_log, open_run
-from kvbench.run.lifecycle import run as run_job
 from kvbench.run.progress import SweepProgress
 from kvbench.run.records import record_of, result_line
 from kvbench.run.schedule import chunks, context_groups, context_rows, in_sample_order, run_sample, samples_batch
@@ -42,6 +42,35 @@ def group_key(cfg: DictConfig) -> str:
     return json.dumps({**shared, "num_samples": cfg.task.get("num_samples")}, sort_keys=True, default=str)
 
 
+#: what runs each of a group's steps for run ``index``: its failures caught (:func:`guarded`), or raised (one job)
+Guard = Callable[[int], AbstractContextManager[None]]
+
+
+def run(cfg: DictConfig, output_dir: str | Path, shared: Shared | None = None) -> dict[str, Any]:
+    """Run (or resume) the configured job into ``output_dir``; returns the metrics. The job is resolved
+    first (:func:`kvbench.job.resolve`); the run holds the directory's lock (:meth:`RunDir.lock`: a second
+    process on it refuses); a directory holding other settings is refused (unless ``resume=restart``); a
+    finished run of the same settings is not run again. Nothing is written to the directory before the
+    task's samples are built: a job that fails before that leaves it as it was. ``shared``: the model and
+    samples of the job's group, if it runs in one. The job runs as a group of one (:func:`run_opened`), its
+    error raised."""
+    job, run_dir = job_and_directory(cfg, output_dir)
+    with run_dir.lock():
+        opened = open_run(job, run_dir, shared or Shared())
+        if isinstance(opened, dict):
+            return opened
+        outcomes: list[Any] = [None]
+        run_opened({0: opened}, opened.pending, outcomes, lambda index: contextlib.nullcontext())
+        return outcomes[0]
+
+
+@contextlib.contextmanager
+def guarded(log_path: Path, outcomes: list[Any], index: int) -> Iterator[None]:
+    """Run ``index`` of a group: its lines also in its own log, an error its outcome (the group goes on)."""
+    with job_log(log_path), failure(outcomes, index):
+        yield
+
+
 def run_group(
     members: Sequence[tuple[DictConfig, str | Path]], share_prefill: bool = False, sweep: SweepProgress | None = None
 ) -> list[dict[str, Any] | Exception]:
@@ -59,7 +88,7 @@ def run_group(
         for index, (cfg, output_dir) in enumerate(members):
             with job_log(logs[index]), failure(outcomes, index):
                 if not share_prefill:
-                    metrics = run_job(cfg, output_dir, shared)
+                    metrics = run(cfg, output_dir, shared)
                     outcomes[index] = metrics
                     print(result_line(metrics), flush=True)
                     continue
@@ -71,7 +100,7 @@ def run_group(
                 else:
                     opened[index] = started
         if opened:
-            run_shared(opened, shared.samples, outcomes, logs)
+            run_opened(opened, shared.samples, outcomes, lambda index: guarded(logs[index], outcomes, index))
             for index in opened:
                 outcome = outcomes[index]
                 if isinstance(outcome, dict):
@@ -80,12 +109,12 @@ def run_group(
     return cast(list[dict[str, Any] | Exception], outcomes)
 
 
-def run_shared(opened: dict[int, OpenRun], samples: list[Sample], outcomes: list[Any], logs: list[Path]) -> None:
-    """The ``samples`` of the ``opened`` runs of a group, each prefilled once for every run that lacks it
-    (:func:`~kvbench.engine.shared.prefill_shared`), the (sample, run) rows of as many samples as ``engine.batch_size``
-    holds decoding together, each sample's records written once its rows have finished, in sample order
-    (:func:`decode_shared`); a run whose sample fails is logged and dropped (its outcome the error), the others go
-    on."""
+def run_opened(opened: dict[int, OpenRun], samples: list[Sample], outcomes: list[Any], guard: Guard) -> None:
+    """The ``samples`` of the ``opened`` runs of a group (one job: a group of one), each prefilled once for every run
+    that lacks it (:func:`~kvbench.engine.shared.prefill_shared`), the (sample, run) rows of as many samples as
+    ``engine.batch_size`` holds decoding together, each sample's records written once its rows have finished, in
+    sample order (:func:`decode_shared`), then each run finished (its metrics its outcome). A run's step runs under
+    ``guard``: in a group, a run whose sample fails is logged and dropped (its outcome the error), the others go on."""
     first = next(iter(opened.values()))
     pending = {index: {sample.id for sample in run.pending} for index, run in opened.items()}
     todo = [sample for sample in samples if any(sample.id in ids for ids in pending.values())]
@@ -100,18 +129,24 @@ def run_shared(opened: dict[int, OpenRun], samples: list[Sample], outcomes: list
         written: set[str] = set()
         try:
             for sample, results in decode_shared(chunk, lacking, first.loaded, batch):
-                write_sample(sample, lacking[sample.id], results, outcomes, logs)
+                write_sample(sample, lacking[sample.id], results, outcomes, guard)
                 written.add(sample.id)
-        except Exception as error:  # one variant failed the shared pass: each runs the rest of the chunk alone
+        except Exception as error:
+            if len(opened) == 1:  # a group of one shares no pass: the error is its run's (raised, or its outcome)
+                (only,) = opened
+                with guard(only):
+                    raise
+                break
+            # one variant failed the shared pass: each runs the rest of the chunk alone
             log.warning("shared pass failed; the chunk's other samples run alone", exc_info=True)
             message = f"shared pass failed ({type(error).__name__}: {error}); its samples run alone"
             warnings.warn(message, SharedPassWarning, stacklevel=2)
         for sample in chunk:
             if sample.id not in written:
-                write_sample(sample, lacking[sample.id], {}, outcomes, logs)
+                write_sample(sample, lacking[sample.id], {}, outcomes, guard)
     for index, run in opened.items():
         if outcomes[index] is None:
-            with job_log(logs[index]), failure(outcomes, index):
+            with guard(index):
                 outcomes[index] = run.finish()
 
 
@@ -120,14 +155,14 @@ def write_sample(
     runs: dict[int, OpenRun],
     results: dict[int, tuple[dict[str, Any], Any]],
     outcomes: list[Any],
-    logs: list[Path],
+    guard: Guard,
 ) -> None:
     """Each of ``runs``' record of ``sample`` (from ``results``, else the run runs it alone), written to its run
-    directory; a run that fails here is logged and dropped."""
+    directory, under ``guard``."""
     for index, run in runs.items():
         if outcomes[index] is not None:  # failed on an earlier sample
             continue
-        with job_log(logs[index]), failure(outcomes, index):
+        with guard(index):
             record, output = (
                 results[index] if index in results else run_sample(run.engine, run.task, sample, run.loaded)
             )

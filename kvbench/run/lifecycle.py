@@ -24,7 +24,6 @@ from kvbench.results.wandb_logger import log_run
 from kvbench.run.factories import build_engine, build_task, checked_task, local_tokenizer, tokenizer_or_stand_in
 from kvbench.run.progress import LOG_FORMAT, Progress, SweepProgress
 from kvbench.run.records import summarize
-from kvbench.run.schedule import chunks, run_samples, samples_batch
 from kvbench.rundir import RunDir, finished_metrics
 from kvbench.tasks.base import Sample, Task
 
@@ -79,18 +78,6 @@ class Shared:
         return self.loaded
 
 
-def run(cfg: DictConfig, output_dir: str | Path, shared: Shared | None = None) -> dict[str, Any]:
-    """Run (or resume) the configured job into ``output_dir``; returns the metrics. The job is resolved
-    first (:func:`kvbench.job.resolve`); the run holds the directory's lock (:meth:`RunDir.lock`: a second
-    process on it refuses); a directory holding other settings is refused (unless ``resume=restart``); a
-    finished run of the same settings is not run again. Nothing is written to the directory before the
-    task's samples are built: a job that fails before that leaves it as it was. ``shared``: the model and
-    samples of the job's group, if it runs in one."""
-    job, run_dir = job_and_directory(cfg, output_dir)
-    with run_dir.lock():
-        return run_locked(job, run_dir, shared or Shared())
-
-
 def job_and_directory(cfg: DictConfig, output_dir: str | Path) -> tuple[Job, RunDir]:
     """The resolved job and its run directory, the job's ``output_dir`` the directory it is written to, whatever
     named it."""
@@ -98,18 +85,6 @@ def job_and_directory(cfg: DictConfig, output_dir: str | Path) -> tuple[Job, Run
     run_dir = RunDir(output_dir)
     job.cfg.output_dir = str(run_dir.path)
     return job, run_dir
-
-
-def run_locked(job: Job, run_dir: RunDir, shared: Shared) -> dict[str, Any]:
-    """:func:`run`, its run directory's lock held."""
-    opened = open_run(job, run_dir, shared)
-    if isinstance(opened, dict):
-        return opened
-    batch = samples_batch(job.cfg, [opened.engine], opened.pending)
-    for chunk in chunks(opened.pending, batch):
-        for sample, (record, output) in run_samples(opened.engine, opened.task, chunk, opened.loaded, batch):
-            opened.write(sample, record, output)
-    return opened.finish()
 
 
 @dataclass

@@ -7,14 +7,14 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 from omegaconf import DictConfig
 
 from kvbench.engine import Engine
-from kvbench.engine.rows import Row, batch_rows, decode_rows, finished_rows
+from kvbench.engine.rows import Row, batch_rows, decode_rows
 from kvbench.engine.runner import GenerationOutput, PerplexityOutput
-from kvbench.engine.shared import Question, prefill_questions, prefill_shared
+from kvbench.engine.shared import Prompt, prefill_questions, prefill_shared
 from kvbench.models import LoadedModel
 from kvbench.run.factories import stop_ids
 from kvbench.run.records import record_of
@@ -40,23 +40,6 @@ def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) 
     else:
         output = decode_rows([sample_row(engine, sample, loaded)], 1)[0]
     return record_of(task, sample, output, loaded, time.perf_counter() - started), output
-
-
-def run_samples(
-    engine: Engine, task: Task, samples: list[Sample], loaded: LoadedModel, batch_size: int
-) -> Iterator[tuple[Sample, tuple[dict[str, Any], Any]]]:
-    """:func:`run_sample` of each of ``samples``, in their order as each finishes: the generated ones prefilled one
-    by one (the questions of one context from one compression of it, :func:`context_rows`) and decoded together,
-    ``batch_size`` rows at a time (:func:`~kvbench.engine.rows.finished_rows`; perplexity samples one by one)."""
-    if len(samples) == 1 or any(sample.mode == "perplexity" for sample in samples):
-        for sample in samples:
-            yield sample, run_sample(engine, task, sample, loaded)
-        return
-    rows = [row for group in context_groups(samples) for row in context_rows([engine], group, loaded, 1)]
-    positions = list(range(len(samples)))
-    for position, finished in in_sample_order(finished_rows(rows, batch_size), positions, len(samples)):
-        ((_, output),) = finished
-        yield samples[position], (record_of(task, samples[position], output, loaded), output)
 
 
 def context_groups(samples: Sequence[Sample], key: Callable[[Sample], Any] = lambda sample: None) -> list[list[Sample]]:
@@ -86,23 +69,21 @@ def context_rows(engines: list[Engine], samples: list[Sample], loaded: LoadedMod
     regime), sample by sample: each sample prefilled once for all the engines
     (:func:`~kvbench.engine.shared.prefill_shared`), or the questions of one context answered from one compression of
     it per engine (:func:`~kvbench.engine.shared.prefill_questions`)."""
-    if len(samples) == 1:
-        (sample,) = samples
-        if len(engines) == 1:
-            return [sample_row(engines[0], sample, loaded)]
-        stops, new, least = stop_ids(sample, loaded), sample.max_new_tokens, sample.min_new_tokens
-        return prefill_shared(engines, sample.input_ids, new, stops, least, batch_size, sample.question_start)
-    questions = [
-        Question(
+    if len(samples) == 1 and len(engines) == 1:
+        return [sample_row(engines[0], samples[0], loaded)]
+    prompts = [
+        Prompt(
             sample.input_ids,
-            cast(int, sample.question_start),
             sample.max_new_tokens,
             stop_ids(sample, loaded),
             sample.min_new_tokens,
+            sample.question_start,
         )
         for sample in samples
     ]
-    return prefill_questions(engines, questions, batch_size)
+    if len(samples) == 1:
+        return prefill_shared(engines, prompts[0], batch_size)
+    return prefill_questions(engines, prompts, batch_size)
 
 
 def in_sample_order(

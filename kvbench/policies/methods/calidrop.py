@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.domains import FLAG, Domain, integer, is_number, optional, setting
-from kvbench.policies.base import Evicted, Modifier, by_kv_head
+from kvbench.policies.base import Modifier
+from kvbench.policies.context import Evicted, by_kv_head
 from kvbench.policies.registry import register
 
 

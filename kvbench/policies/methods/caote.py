@@ -5,7 +5,8 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.domains import number, setting
-from kvbench.policies.base import Modifier, ScoreContext
+from kvbench.policies.base import Modifier
+from kvbench.policies.context import ScoreContext
 from kvbench.policies.registry import register
 from kvbench.policies.scores import caote, fast_caote
 

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.domains import integer, setting
-from kvbench.policies.base import Modifier, ScoreContext
+from kvbench.policies.base import Modifier
+from kvbench.policies.context import ScoreContext
 from kvbench.policies.registry import register
 
 

@@ -7,7 +7,8 @@ import torch
 
 from kvbench.domains import number, setting
 from kvbench.errors import KVBenchError
-from kvbench.policies.base import Modifier, ScoreContext
+from kvbench.policies.base import Modifier
+from kvbench.policies.context import ScoreContext
 from kvbench.policies.registry import register
 
 #: tokens per block of the ``‖v·W_O‖₁`` projection (bounds its ``[B,Hq,T,hidden]`` working set)

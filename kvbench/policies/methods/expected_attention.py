@@ -8,7 +8,8 @@ import torch
 
 from kvbench.domains import FLAG, integer, number, setting
 from kvbench.errors import KVBenchError
-from kvbench.policies.base import Policy, ScoreContext, Statistic
+from kvbench.policies.base import Policy
+from kvbench.policies.context import ScoreContext, Statistic
 from kvbench.policies.registry import register
 
 

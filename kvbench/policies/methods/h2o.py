@@ -6,7 +6,8 @@ from typing import Any
 import torch
 
 from kvbench.domains import FLAG, integer, optional, setting, token_window
-from kvbench.policies.base import Policy, Statistic, window_tokens
+from kvbench.policies.base import Policy, window_tokens
+from kvbench.policies.context import Statistic
 from kvbench.policies.registry import register
 
 

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.domains import FLAG, integer, setting
-from kvbench.policies.base import Policy, ScoreContext, Statistic
+from kvbench.policies.base import Policy
+from kvbench.policies.context import ScoreContext, Statistic
 from kvbench.policies.layer_budget import Uniform, conserve_total
 from kvbench.policies.registry import register
 

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.domains import SEED, setting
-from kvbench.policies.base import Policy, ScoreContext, Statistic
+from kvbench.policies.base import Policy
+from kvbench.policies.context import ScoreContext, Statistic
 from kvbench.policies.registry import register
 
 

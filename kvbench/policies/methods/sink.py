@@ -3,7 +3,8 @@
 from dataclasses import dataclass
 
 from kvbench.domains import integer, setting
-from kvbench.policies.base import Policy, Statistic
+from kvbench.policies.base import Policy
+from kvbench.policies.context import Statistic
 from kvbench.policies.registry import register
 
 

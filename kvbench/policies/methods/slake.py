@@ -30,8 +30,9 @@ import torch
 from kvbench.domains import mapping, number, optional, setting
 from kvbench.errors import KVBenchError
 from kvbench.papers import exponents
-from kvbench.policies.base import AttentionStats, Evicted, Modifier, Policy, by_kv_head
+from kvbench.policies.base import AttentionStats, Modifier, Policy
 from kvbench.policies.budgets import Budget
+from kvbench.policies.context import Evicted, by_kv_head
 from kvbench.policies.layer_budget import DynamicLayerBudget, LayerBudget
 from kvbench.policies.registry import register
 

@@ -1,0 +1,126 @@
+"""What a policy's score reads and what an eviction hands an attending modifier: the data of the policy contract
+(``kvbench.policies.base``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvbench.errors import KVBenchError
+from kvbench.policies.stats import AttentionStats
+
+#: the attention statistic a policy scores from (:attr:`~kvbench.policies.base.Policy.statistic`):
+#: ``positions`` none (newer ranks higher: full, sink); ``entries`` none either: the score reads the cached keys
+#: and values themselves (:class:`ScoreContext`; KNorm); ``window`` the attention of the last ``scoring_window``
+#: queries over the cache, gathered when it evicts (SnapKV, TOVA, PyramidKV);
+#: ``queries`` those queries themselves, no attention computed (their statistics
+#: model the queries to come: Expected Attention); ``running`` every scored query's contributions summed as it is
+#: seen (H2O eq. 2); ``reconstruction`` the most attention each slot of a context receives while the model, asked
+#: to repeat the context, reads it back chunk by chunk (KVzip: every layer scored before any evicts). How the cache
+#: computes a running sum (from the attention weights, or in one pass from each query's normaliser beside the
+#: backend's attention output) is the cache's choice (``kvbench.engine.cache.uses_normaliser``), not the policy's.
+Statistic = Literal["positions", "entries", "window", "queries", "running", "reconstruction"]
+#: the statistics that are attention scores, which a non-attending modifier re-ranks
+ATTENTION: tuple[Statistic, ...] = ("window", "running")
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """The weights of one attention layer that a score may read, as the model stores them (no copy):
+    ``output`` the output projection ``W_O [hidden, Hq·D]`` (``o_proj.weight``) and ``rotary`` the model's rotary
+    embedding (``(x, position_ids) → (cos, sin)``, Hugging Face's ``rotary_emb``), or None."""
+
+    output: torch.Tensor
+    query_heads: int
+    rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def output_per_head(self) -> torch.Tensor:
+        """``W_O`` per query head ``[Hq,D,hidden]``: head ``h``'s attention output ``o_h [D]`` adds
+        ``o_h @ W_O[h]`` to the layer's output (a view)."""
+        return self.output.T.unflatten(0, (self.query_heads, -1))
+
+    def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's float32 ``cos``/``sin [N,D]`` at ``positions [N]``: position ``p`` rotates a query or key ``x`` to
+        ``x·cos + rotate_half(x)·sin``."""
+        if self.rotary is None:
+            raise KVBenchError("this model has no rotary embedding (rotary_emb) for a score to read")
+        probe = self.output.new_empty(0, dtype=torch.float32)
+        cos, sin = self.rotary(probe, positions.to(self.output.device)[None])
+        return cos[0].float(), sin[0].float()
+
+
+@dataclass
+class ScoreContext:
+    """What :meth:`Policy.score` ranks one layer's cached slots from (B batch, Hc cache heads, T slots, D head
+    dim). Every field refers to what the cache holds, or has gathered for the statistic the policy declared:
+    nothing is computed for a policy that does not read it.
+
+    * ``keys``/``values [B,Hc,T,D]``: the cached entries as stored (keys after RoPE), in the cache's head layout
+      (``Hc``: the KV heads, or the query heads with ``gqa=repeat``); ``positions [B,Hc,T]`` their token positions;
+    * ``summed [B,Hc,T]``: the declared statistic summed per cache head (``window``, ``running``; ``reconstruction``
+      its maximum), else None;
+    * ``window``: the ``window`` or ``queries`` statistic's :class:`AttentionStats` (its queries ``[B,Hq,W,D]``,
+      and lazily their weights, logits and outputs), else None;
+    * ``recent``/``sinks``: the number of slots at the end / start that the policy reserves, ``budget`` the slots
+      the layer keeps per cache head (the reserved included; 0 where unknown);
+    * ``weights``: the layer's :class:`LayerWeights` (None in a cache built without a model).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    summed: torch.Tensor | None
+    recent: int
+    window: AttentionStats | None = None
+    weights: LayerWeights | None = None
+    sinks: int = 0
+    budget: int = 0
+
+
+@dataclass
+class Evicted:
+    """Entries evicted from one layer, the same number ``E`` per cache head: ``keys``/``values [B,Hc,E,D]``,
+    ``positions [B,Hc,E]`` and ``scores [B,Hc,E]`` (the policy's ranking they lost on)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    scores: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        return self.keys, self.values, self.positions, self.scores
+
+    def to(self, device) -> Evicted:
+        return Evicted(*(tensor.to(device) for tensor in self.parts))
+
+    def join(self, other: Evicted) -> Evicted:
+        """This set followed by ``other`` (on this set's device)."""
+        return Evicted(*(torch.cat([a, b], dim=2) for a, b in zip(self.parts, other.to(self.keys.device).parts)))
+
+    def top(self, count: int) -> Evicted:
+        """The ``count`` best-scored entries of every head."""
+        return Evicted.taken(
+            self.keys, self.values, self.positions, self.scores, self.scores.topk(count, dim=-1).indices
+        )
+
+    @staticmethod
+    def taken(
+        keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor, index: torch.Tensor
+    ) -> Evicted:
+        """The entries at ``index [B,Hc,E]`` of a layer's ``keys``/``values [B,Hc,T,D]``, ``positions`` and
+        ``scores [B,Hc,T]``."""
+        slots = index[..., None].expand(-1, -1, -1, keys.shape[-1])
+        kept_keys, kept_values = keys.gather(2, slots), values.gather(2, slots)
+        return Evicted(kept_keys, kept_values, positions.gather(2, index), scores.gather(2, index))
+
+
+def by_kv_head(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """View per-query-head rows ``[B,Hq,...]`` as ``[B,Hc,G,...]`` (query head ``h`` reads cache head ``h // G``)."""
+    return query.view(query.shape[0], kv_heads, query.shape[1] // kv_heads, *query.shape[2:])
