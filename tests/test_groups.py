@@ -97,6 +97,26 @@ def test_a_group_gives_what_separate_runs_give(tmp_path, load_count, share_prefi
         assert outcome(tmp_path / "grouped" / str(number)) == outcome(tmp_path / "separate" / str(number)), spec
 
 
+def test_a_single_jobs_failing_sample_is_its_error_raised_and_what_it_wrote_is_kept(tmp_path, monkeypatch):
+    """A job runs as a group of one: a sample that fails is the job's error, raised (``kvbench run`` prints it in one
+    line), the samples finished before it kept for a resume, no metrics written; no shared-pass warning or rerun
+    alone (a group of one shares no pass)."""
+    cfg = compose([*TINY, "policy=h2o", "budget=64", "engine.batch_size=1"])
+    decode, calls = kvbench.run.group.decode_shared, []
+
+    def second_fails(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KVBenchError("the second sample failed")
+        yield from decode(*args)
+
+    monkeypatch.setattr(kvbench.run.group, "decode_shared", second_fails)
+    with pytest.raises(KVBenchError, match="the second sample failed"):
+        run(cfg, tmp_path / "job")
+    assert len((tmp_path / "job" / "predictions.jsonl").read_text().splitlines()) == 1
+    assert not (tmp_path / "job" / "metrics.json").exists() and len(calls) == 2
+
+
 def test_a_failed_shared_pass_is_a_warning_and_its_samples_run_alone(tmp_path, monkeypatch):
     """A shared pass that raises is no silent slowness: a :class:`SharedPassWarning` naming its exception (an error
     under the tests unless expected, pyproject.toml), and each sample then runs alone, to the same records."""
