@@ -7,9 +7,11 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 KVBENCH := $(VENV)/bin/kvbench
 PYTEST_ARGS ?= -m "not slow"
+# pytest-xdist workers, each pinned to a CPU of its own (tests/conftest.py); 0 runs the tests in this process
+TEST_WORKERS ?= auto
 SCALE ?= paper
 
-.PHONY: setup run test test-all lint test-slurm clean
+.PHONY: setup run test test-all lint test-slurm gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -27,10 +29,10 @@ run: setup
 	$(KVBENCH) table results/default
 
 test: setup
-	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=20 $(PYTEST_ARGS)
 
 test-all: setup
-	$(PY) -m pytest -q -m ""
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m ""
 
 # ruff (lint and format) and mypy, as configured in pyproject.toml; CI runs it before the tests
 lint: setup
@@ -45,6 +47,11 @@ test-slurm: setup
 	$(LOCAL_SLURM) start
 	eval "$$($(LOCAL_SLURM) env)" && $(PY) -m pytest -q -m slurm tests/test_slurm.py; \
 		status=$$?; $(LOCAL_SLURM) stop; exit $$status
+
+# make gpu-check [DRY=1]: what a lent GPU machine runs in under 8 minutes (scripts/gpu_check.sh, docs/gpu.md):
+# pytest -m cuda and kvbench bench on llama31_8b_random (prefill at 8k/32k, the grid at 8k); DRY=1 only prints it
+gpu-check: setup
+	DRY=$(DRY) scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) results/default results/multirun

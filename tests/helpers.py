@@ -167,13 +167,10 @@ def generated_shared(runners: list[Engine], prompt: list[int], max_new_tokens: i
     return outputs
 
 
-def assert_shared_gives_each_alone(runners: list[Engine], prompt: list[int], max_new_tokens: int, **settings) -> list:
-    """The registry's equivalence: each runner's output of :func:`generated_shared` (``settings``: ``batch_size``)
-    has the tokens, kept sets, cache sizes and policy statistics of its own :meth:`Engine.generate`; returns the
-    shared outputs."""
-    shared = generated_shared(runners, prompt, max_new_tokens, **settings)
-    for runner, other in zip(runners, shared, strict=True):
-        one = runner.generate(prompt, max_new_tokens, question_start=question_start(runner, prompt))
+def assert_each_as_alone(runners: list[Engine], alone: list, outputs: list) -> None:
+    """The registry's comparison: each runner's output has the tokens, kept sets, cache sizes and policy statistics
+    of its ``alone`` output (its own :meth:`Engine.generate`)."""
+    for runner, one, other in zip(runners, alone, outputs, strict=True):
         label = f"{runner.policy.spec}@{runner.budget.spec} {runner.regime}"
         assert (other.token_ids, other.kept, other.kv, other.policy_stats) == (
             one.token_ids,
@@ -181,6 +178,16 @@ def assert_shared_gives_each_alone(runners: list[Engine], prompt: list[int], max
             one.kv,
             one.policy_stats,
         ), label
+
+
+def assert_shared_gives_each_alone(runners: list[Engine], prompt: list[int], max_new_tokens: int, **settings) -> list:
+    """The registry's equivalence: each runner's output of :func:`generated_shared` (``settings``: ``batch_size``)
+    is its own :meth:`Engine.generate`'s (:func:`assert_each_as_alone`); returns the shared outputs."""
+    shared = generated_shared(runners, prompt, max_new_tokens, **settings)
+    alone = [
+        runner.generate(prompt, max_new_tokens, question_start=question_start(runner, prompt)) for runner in runners
+    ]
+    assert_each_as_alone(runners, alone, shared)
     return shared
 
 

@@ -4,12 +4,14 @@ repetitions and rows stored beside it (no wall-clock assertions)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import sys
 
 import pytest
 
+from kvbench import PROJECT_ROOT
 from kvbench.bench.measure import Clock, PeakMemory, rotations
 from kvbench.bench.report import targets
 from kvbench.bench.sections import PARAGRAPH, prompt_tokens
@@ -371,3 +373,23 @@ def test_headwise_holds_the_same_bytes_as_the_same_scorer_per_layer(bench):
     ratio = seconds["snapkv+adakv"]["median_wall_seconds"] / seconds["snapkv"]["median_wall_seconds"]
     assert headwise["snapkv+adakv"]["decode_ratio"] == pytest.approx(ratio)
     assert "A length per head vs snapkv per layer" in (out / "bench.md").read_text()
+
+
+def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_compose():
+    """``make gpu-check DRY=1``: the two commands a lent GPU runs (the CUDA tests, the bench on the 8B shapes), none
+    run; the bench's overrides compose into the bench config as given (a key the config lacks would fail here)."""
+    import shlex
+    import subprocess
+
+    from kvbench.config import compose
+
+    script = PROJECT_ROOT / "scripts" / "gpu_check.sh"
+    printed = subprocess.run([script], env={**os.environ, "DRY": "1"}, capture_output=True, text=True, check=True)
+    lines = [shlex.split(line[2:]) for line in printed.stdout.splitlines() if line.startswith("+ ")]
+    tests, bench = lines
+    assert tests[1:5] == ["-m", "pytest", "-q", "-m"] and tests[5] == "cuda"
+    assert bench[1] == "bench"
+    cfg = compose(bench[2:], config_name="bench")
+    assert cfg.model.name == "llama31_8b_random" and cfg.model.device == "cuda"
+    assert list(cfg.bench.prefill.prompt_lengths) == [8192, 32768] and cfg.bench.grid.context_length == 8192
+    assert {"h2o", "h2o+obcache_joint", "snapkv"} <= set(cfg.bench.prefill.policies)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvbench.cli import main
-from tests.helpers import engine, random_prompt, tiny_model
+from tests.helpers import engine, generated_shared, question_start, random_prompt, registry_engines, tiny_model
 
 pytestmark = [
     pytest.mark.cuda,
@@ -179,3 +179,21 @@ def test_bench_on_cuda_times_with_events_and_reports_cuda_memory(tmp_path):
     assert all(row["cuda_peak_delta_bytes"] > 0 for by_length in rows.values() for row in by_length.values())
     assert rows["snapkv"]["160"]["peak_bytes"] < rows["full"]["160"]["peak_bytes"]
     assert "CUDA peak − before" in (tmp_path / "bench.md").read_text()
+
+
+def test_the_grid_engine_on_the_device_gives_each_variant_its_own_run_in_bf16(cuda_model):
+    """The grouped paths on the GPU in bfloat16: the registry's variants at two budgets and both head layouts, the
+    oneshot ones prefilled by one shared forward, the query-agnostic ones (KVzip) answering from a compressed
+    context, all decoded 8 rows at a time (:func:`~tests.helpers.generated_shared`): each keeps its own run's cache
+    sizes, and its tokens up to bfloat16 rounding (a batched matmul may round a logit another way than one row's:
+    at least 95 % of all tokens and every variant's first token equal)."""
+    prompt = random_prompt(160)
+    cases = [(32, "oneshot", {}), (48, "oneshot", {"gqa": "repeat"}), (48, "chunked", {})]
+    engines, _ = registry_engines(cuda_model, cases, len(prompt), block_size=64)
+    alone = [engine.generate(prompt, 6, question_start=question_start(engine, prompt)) for engine in engines]
+    shared = generated_shared(engines, prompt, 6, batch_size=8)
+    pairs = list(zip(alone, shared, strict=True))
+    assert all(one.kv.after_prefill_tokens_per_layer == other.kv.after_prefill_tokens_per_layer for one, other in pairs)
+    assert all(one.token_ids[:1] == other.token_ids[:1] for one, other in pairs)
+    same = sum(a == b for one, other in pairs for a, b in zip(one.token_ids, other.token_ids))
+    assert same >= 0.95 * sum(len(one.token_ids) for one, _ in pairs)

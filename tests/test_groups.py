@@ -207,6 +207,30 @@ def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
     assert normalised and min(output.prefill_shared_by for output in normalised) > 1  # H2O reads a shared forward
 
 
+@pytest.mark.parametrize(
+    ("spec", "rankings"), [("snapkv", 1), ("snapkv+obcache_joint", 1), ("snapkv+criticalkv", 3), ("h2o", 3)]
+)
+def test_a_shared_prefill_ranks_each_layer_once_per_scoring_setting(monkeypatch, spec, rankings):
+    """One base at three budgets in one shared prefill: where its windows are the budget's alike (SnapKV's 32 queries
+    and recent tokens, with or without a re-ranking modifier) each layer is ranked once and every budget selects from
+    that ranking (each variant's output equal to its own run: :func:`test_one_shared_prefill_gives_what_each_variant_
+    gives_alone`); a ranking that reads the budget (CriticalKV's first stage) or windows that scale with it (H2O's
+    recent half of the budget) are ranked per variant."""
+    model, prompt = tiny_model(), random_prompt(160)
+    counted: list[str] = []
+    scores = EvictionCache._scores
+    monkeypatch.setattr(
+        EvictionCache, "_scores", lambda cache, *args: counted.append(cache.policy.spec) or scores(cache, *args)
+    )
+    engines = [Engine(model, build_policy(spec), budget) for budget in (48, 64, 96)]
+    shared = generate_shared(engines, prompt, 2)
+    assert len(counted) == rankings * model.config.num_hidden_layers
+    counted.clear()
+    alone = [engine.generate(prompt, 2) for engine in engines]
+    assert [output.token_ids for output in shared] == [output.token_ids for output in alone]
+    assert len(counted) == 3 * model.config.num_hidden_layers
+
+
 @pytest.mark.model
 def test_on_smollm2_one_shared_prefill_gives_what_each_variant_gives_alone():
     """The same over the registry on the offline SmolLM2 (float32, a 384-token text prompt, budget 96), the variants

@@ -15,7 +15,7 @@ from kvbench.cli import main
 from kvbench.config import compose
 from kvbench.engine import Engine
 from kvbench.engine.rows import decode_rows
-from kvbench.engine.shared import Question, generate_shared, prefill_questions
+from kvbench.engine.shared import Prompt, generate_shared, prefill_questions
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
 from kvbench.finished import load_runs
@@ -29,8 +29,8 @@ from kvbench.run import build_engine, build_task, run, run_group, run_sample
 from kvbench.tasks.base import ModelInfo, Task
 from kvbench.tasks.longbench import LongBenchTask
 from kvbench.tasks.ruler import RulerTask
-from tests.helpers import VARIANTS, random_prompt, registry_engines, tiny_model
-from tests.test_groups import TINY, assert_each_as_alone, outcome
+from tests.helpers import VARIANTS, assert_each_as_alone, random_prompt, registry_engines, tiny_model
+from tests.test_groups import TINY, outcome
 from tests.test_longbench import FIXTURES
 from tests.test_ruler import ruler_cfg
 
@@ -172,7 +172,10 @@ def test_each_question_of_a_context_is_answered_as_if_it_were_alone():
     alone (tokens, kept sets, cache sizes, policy statistics), for every variant, so the cache is really restored."""
     engines = variants(tiny_model(), [32, 48])
     context = PROMPT[:QUESTION_START]
-    questions = [Question(context + random_prompt(length, seed=length), QUESTION_START, 6) for length in (30, 12, 21)]
+    questions = [
+        Prompt(context + random_prompt(length, seed=length), 6, question_start=QUESTION_START)
+        for length in (30, 12, 21)
+    ]
     rows = prefill_questions(engines, questions, batch_size=5)
     assert [row.context_shared_by for row in rows] == [3] * len(rows)
     outputs = decode_rows(rows, batch_size=7)
@@ -180,7 +183,9 @@ def test_each_question_of_a_context_is_answered_as_if_it_were_alone():
         alone = [engine.generate(question.input_ids, 6, question_start=QUESTION_START) for engine in engines]
         assert_each_as_alone(engines, alone, outputs[number * len(engines) : (number + 1) * len(engines)])
     with pytest.raises(ValueError, match="share its tokens"):
-        prefill_questions(engines[:1], [questions[0], Question(random_prompt(150, seed=9), QUESTION_START, 6)])
+        prefill_questions(
+            engines[:1], [questions[0], Prompt(random_prompt(150, seed=9), 6, question_start=QUESTION_START)]
+        )
 
 
 def test_several_questions_ask_about_one_haystack():

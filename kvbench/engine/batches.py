@@ -26,7 +26,8 @@ class SharedPrefill(Cache):
     """One oneshot prefill forward for the caches of several variants of a prompt (their own policies and budgets;
     one head layout): each layer's keys and values are computed and attended in full once, by the backend; after
     the layer's attention each variant in turn appends them, scores and evicts to its own budget (variants with the
-    same :func:`sums_key` add one normalised pass's sums), so beside the shared layer at most one variant's full
+    same :func:`sums_key` add one normalised pass's sums, those with the same ``EvictionCache.ranking_key``
+    select from one ranking), so beside the shared layer at most one variant's full
     copy of it exists, never a full cache per variant."""
 
     def __init__(self, caches: list[EvictionCache]) -> None:
@@ -63,12 +64,14 @@ class SharedPrefill(Cache):
         key_states, value_states = self.layer_states
         attended, self.layer_states, self.attended = self.attended, None, None
         sums: dict[str, torch.Tensor] = {}
+        rankings: dict[tuple, torch.Tensor] = {}  # one per ranking_key: budgets with the same windows share it
         for cache in self.caches:
             cache.update(key_states, value_states, layer_idx)
             key = sums_key(cache.policy)
             if key is not None and cache.scored and key not in sums:
                 sums[key] = cache.normalised_sums(queries, *attended, outputs, scaling)
-            cache.after_attention(layer_idx, queries, outputs, scaling, None if key is None else sums.get(key))
+            summed = None if key is None else sums.get(key)
+            cache.after_attention(layer_idx, queries, outputs, scaling, summed, rankings)
 
 
 class RowBatch(Cache):

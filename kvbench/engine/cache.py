@@ -1,9 +1,8 @@
 """A budgeted KV cache on transformers' ``Cache`` API.
 
-Every layer stores, per cache head, the kept keys/values and their absolute token positions; eviction
-gathers the kept entries into smaller tensors, so memory really shrinks. The cache is always ordered by
-position within a head (kept indices are sorted and new tokens are appended), so the most recent
-``r`` tokens of a head are its last ``r`` slots.
+Every layer stores, per cache head, the kept keys/values and their absolute token positions; eviction gathers the
+kept entries into smaller tensors, so memory really shrinks. A head is ordered by position (kept indices sorted, new
+tokens appended): its most recent ``r`` tokens are its last ``r`` slots.
 
 Attending modifiers (CaliDrop, SLAKE) get every evicted entry through ``Modifier.on_evict`` and may
 replace single-query attention through ``Modifier.attend``; each keeps its state in the layer's
@@ -15,7 +14,6 @@ statistics.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -24,6 +22,7 @@ from transformers.cache_utils import Cache
 from kvbench.engine import attention
 from kvbench.engine.layer import EvictionLayer, in_cache_heads
 from kvbench.engine.selection import top_slots, top_slots_per_head
+from kvbench.engine.sizes import CacheSizes
 from kvbench.policies.base import AttentionStats, Modifier, Policy
 from kvbench.policies.context import LayerWeights, ScoreContext
 from kvbench.policies.layer_budget import CascadingAllocation
@@ -36,20 +35,6 @@ def uses_normaliser(policy: Policy) -> bool:
     float32 softmax), rather than from float32 attention weights: where the policy scores causally (every
     re-weighting modifier gives the same sums from such a pass, :meth:`Modifier.contribution_sums`)."""
     return policy.running and policy.scores_causally
-
-
-@dataclass
-class CacheSizes:
-    """Cache sizes measured during one sample (tokens per KV head, on average where each head holds its own length;
-    bytes over all layers): ``after_prefill_head_range`` each layer's shortest and longest head after prefill, where
-    the heads' lengths differ (a head-wise eviction), else None."""
-
-    after_prefill_tokens_per_layer: list[int] = field(default_factory=list)
-    peak_tokens_per_layer: list[int] = field(default_factory=list)
-    peak_bytes: int = 0
-    full_bytes: int = 0
-    after_prefill_bytes: int = 0
-    after_prefill_head_range: list[list[int]] | None = None
 
 
 class EvictionCache(Cache):
@@ -172,13 +157,6 @@ class EvictionCache(Cache):
         assert all(tensor is not None for tensor in received)  # reconstructed first
         return cast(list[torch.Tensor], received)
 
-    def count_peak(self, other: EvictionCache) -> None:
-        """Count ``other``'s peak sizes as this cache's own where they are higher (a reconstruction run once for
-        both, which this cache alone would have run the same)."""
-        self.peak_bytes = max(self.peak_bytes, other.peak_bytes)
-        for layer, reconstructed in zip(self.eviction_layers, other.eviction_layers):
-            layer.peak_tokens = max(layer.peak_tokens, reconstructed.peak_tokens)
-
     def evict_reconstructed(self, received: list[torch.Tensor]) -> None:
         """Evict every layer of a prefilled context by the ``reconstruction`` statistic ``received`` (this cache's
         own or one gathered by a cache of the same context and settings), to the budgets the policy shares out
@@ -282,10 +260,12 @@ class EvictionCache(Cache):
         outputs: torch.Tensor,
         scaling: float,
         summed: torch.Tensor | None = None,
+        rankings: dict[tuple, torch.Tensor] | None = None,
     ) -> None:
         """Gather this forward's scoring statistics from ``queries [B,Hq,q,D]`` and their attention ``outputs
         [B,q,Hq,D]`` (the normalised ``summed`` when already computed for a variant with the same
-        :func:`sums_key`), and evict if due."""
+        :func:`~kvbench.engine.batches.sums_key`), and evict if due: by the ranking in ``rankings`` under its
+        :meth:`ranking_key` when a variant of the same forward computed it, else computed (and put there)."""
         policy, layer = self.policy, self.eviction_layers[layer_idx]
         budget = self.layer_budgets[layer_idx]
         assert self.new_positions is not None and layer.positions is not None  # set by begin_forward and update
@@ -318,7 +298,7 @@ class EvictionCache(Cache):
             if self.allocation is not None and layer_idx == len(self.allocation.preferences):
                 policy.layer_budget.cascade(self.allocation, self, layer_idx, scaling)
             else:
-                self._evict(layer_idx, budget, self._scores(layer_idx, budget, scaling), scaling)
+                self._evict(layer_idx, budget, self._shared_scores(layer_idx, budget, scaling, rankings), scaling)
 
     # -- internals -------------------------------------------------------------------------------------
     def _allocation(self) -> CascadingAllocation | None:
@@ -345,6 +325,31 @@ class EvictionCache(Cache):
         assert self.allocation is not None  # only with a dynamic layer budget
         policy = self.policy
         return policy.layer_budget.observation_window(policy.scoring_window(self.allocation.budget, self.prompt_len))
+
+    def ranking_key(self, budget: int) -> tuple | None:
+        """What a layer's ranking for ``budget`` depends on beyond its entries and statistics (one shared prefill's):
+        the policy's settings and the windows it reads; None where it also reads the budget
+        (:attr:`~kvbench.policies.base.Policy.ranking_reads_budget`), budget-dependent running sums (not from the
+        normaliser), attending modifiers' state or a cascading layer budget."""
+        policy = self.policy
+        if policy.ranking_reads_budget or self.attending or self.allocation is not None:
+            return None
+        if policy.running and not uses_normaliser(policy):
+            return None
+        recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
+        return policy.key, recent, self._query_window(budget), policy.reserved_sinks()
+
+    def _shared_scores(
+        self, layer_idx: int, budget: int, scaling: float, rankings: dict[tuple, torch.Tensor] | None
+    ) -> torch.Tensor:
+        """:meth:`_scores`, taken from (or put in) ``rankings`` under :meth:`ranking_key` with the layer's index."""
+        key = None if rankings is None else self.ranking_key(budget)
+        if rankings is None or key is None:
+            return self._scores(layer_idx, budget, scaling)
+        key = (layer_idx, *key)
+        if key not in rankings:
+            rankings[key] = self._scores(layer_idx, budget, scaling)
+        return rankings[key].clone()  # the cache keeps its ranking (EvictionLayer.ranking): its own copy
 
     def _scores(self, layer_idx: int, budget: int, scaling: float) -> torch.Tensor:
         """The policy's ranking of every cached slot ``[B,Hc,T]`` (before reserving) for ``budget``, from the
@@ -385,11 +390,9 @@ class EvictionCache(Cache):
         per_head: torch.Tensor | None = None,
         held: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """The slots kept ``[B,Hc,T]`` (True = kept) where the policy gives each cache head its own share of the
-        layer's ``budget × Hc`` (:meth:`~kvbench.policies.base.Policy.head_shares`), or ``per_head [B,Hc]`` slots
-        (:meth:`~kvbench.policies.base.Policy.head_budgets`), else None (:func:`~kvbench.engine.selection.
-        top_slots_per_head`); of the slots a head holds, ``held [B,Hc,T]``, when not all: a head-wise layer
-        :meth:`~EvictionLayer.unpack`-ed, whose padding ranks −inf."""
+        """The slots kept ``[B,Hc,T]`` (True = kept) where each cache head keeps its own share of ``budget × Hc``
+        (:meth:`~kvbench.policies.base.Policy.head_shares`) or ``per_head [B,Hc]``, of the slots it holds (``held``,
+        where a head-wise layer was :meth:`~EvictionLayer.unpack`-ed), else None (:mod:`~kvbench.engine.selection`)."""
         policy = self.policy
         if per_head is None and not policy.shares_heads:
             return None
@@ -411,9 +414,8 @@ class EvictionCache(Cache):
         per_head: torch.Tensor | None = None,
         held: torch.Tensor | None = None,
     ) -> None:
-        """Keep the top ``budget`` slots per cache head by ``scores [B,Hc,T]`` (or ``per_head [B,Hc]`` each, or a share
-        of ``budget × Hc`` of the slots ``held``), reserved slots first; hand the evicted entries to the attending
-        modifiers."""
+        """Keep the top ``budget`` slots per cache head by ``scores [B,Hc,T]`` (or head-wise: :meth:`_select_per_head`),
+        reserved slots first; hand the evicted entries to the attending modifiers."""
         layer = self.eviction_layers[layer_idx]
         kept = self._select_per_head(layer_idx, budget, scores, per_head, held)
         if kept is not None:

@@ -98,8 +98,16 @@ def reconstruct(engine: Runner, caches: list[EvictionCache], context: list[int])
         lead.reconstruct(None)
         received = lead.received()
         for cache in group:
-            cache.count_peak(lead)  # as if it had reconstructed the context itself
+            count_peak(cache, lead)  # as if it had reconstructed the context itself
             cache.evict_reconstructed(received)
         seconds = (engine.now() - start) / len(group)
         for cache in group:
             cache.scoring_seconds = seconds
+
+
+def count_peak(cache: EvictionCache, other: EvictionCache) -> None:
+    """Count ``other``'s peak sizes as ``cache``'s own where they are higher (a reconstruction run once for both,
+    which ``cache`` alone would have run the same)."""
+    cache.peak_bytes = max(cache.peak_bytes, other.peak_bytes)
+    for layer, reconstructed in zip(cache.eviction_layers, other.eviction_layers):
+        layer.peak_tokens = max(layer.peak_tokens, reconstructed.peak_tokens)

@@ -21,8 +21,9 @@ import torch
 from kvbench.domains import FLAG, Domain, choice, integer, is_int, optional
 from kvbench.engine import attention
 from kvbench.engine.batches import RowBatch, SharedPrefill
-from kvbench.engine.cache import CacheSizes, EvictionCache
+from kvbench.engine.cache import EvictionCache
 from kvbench.engine.reconstruction import RepeatPrompt, reconstruct
+from kvbench.engine.sizes import CacheSizes
 from kvbench.engine.threads import THREADS
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies.base import Full, Policy

@@ -60,6 +60,9 @@ class Modifier(Registered):
     #: gives each cache head of a layer its own share of the layer's budget (:meth:`head_shares`: AdaKV); the
     #: cache then holds a different number of entries per head
     shares_heads: ClassVar[bool] = False
+    #: its re-ranking reads the budget (``ScoreContext.budget``: CriticalKV's first stage); False: one ranking of a
+    #: layer serves every budget with the same windows (:attr:`Policy.ranking_reads_budget`)
+    reads_budget: ClassVar[bool] = False
 
     @classmethod
     def inapplicable(cls, base: type[Policy]) -> str | None:
@@ -138,6 +141,10 @@ class Policy(Registered):
     registry = "base"
     #: ``full`` never evicts, whatever the budget
     evicts: ClassVar[bool] = True
+    #: its score reads the budget (``ScoreContext.budget``); False: a layer's ranking depends on the budget only
+    #: through the windows it reads (recent, scoring, sinks), so variants at several budgets share one
+    #: (``kvbench.engine.cache.EvictionCache.ranking_key``)
+    reads_budget: ClassVar[bool] = False
 
     #: GQA: sum the scores of a KV head's query heads (OBCache App. B.5), average them, or ``repeat``
     #: (KV stored per query head, each choosing its own tokens: the SnapKV / KVCache-Factory layout)
@@ -194,6 +201,11 @@ class Policy(Registered):
         """Per-layer budgets once every layer's ranking ``[B,Hc,T_l]`` is known before any evicts (the
         ``reconstruction`` statistic), from the ``budgets`` allocated beforehand: by default those."""
         return budgets
+
+    @property
+    def ranking_reads_budget(self) -> bool:
+        """Whether the base or a modifier reads the budget to rank (:attr:`reads_budget`)."""
+        return self.reads_budget or any(modifier.reads_budget for modifier in self.modifiers)
 
     @property
     def shares_heads(self) -> bool:

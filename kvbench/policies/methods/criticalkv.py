@@ -39,6 +39,7 @@ class CriticalKV(Modifier):
     paper = "CriticalKV (arXiv 2502.03805)"
     transforms = True
     needs_attention = False
+    reads_budget = True  # the first stage keeps a share of the budget
 
     #: share of the selectable kept slots chosen by the base's score alone
     first_stage_ratio: float = setting(number(0.0, 1.0), 0.5)

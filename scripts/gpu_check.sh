@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# make gpu-check [DRY=1] [OUT=DIR]: what a lent GPU machine should run, in under 8 minutes on one CUDA GPU without
+# the hub (docs/gpu.md, "The GPU check"):
+#   1. pytest -m cuda: the engine in bfloat16 with SDPA, the grouped, shared-prefill, rows and query-agnostic paths;
+#   2. kvbench bench on llama31_8b_random (Llama-3.1-8B's shapes, random weights): the prefill section at 8k and 32k
+#      (H2O, OBCache, the window policies) and the grid section at 8k (the jobs one process each vs one grouped
+#      sweep sharing its prefills, and rows decoding together);
+#   3. OUT/summary.md: the tests' tally and bench.md, headed by the device.
+# DRY=1 prints the commands and runs none (on any machine).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+KVBENCH=${KVBENCH:-.venv/bin/kvbench}
+OUT=${OUT:-results/gpu-check/$(date -u +%Y%m%dT%H%M%SZ)}
+BENCH=(
+  model=llama31_8b_random model.device=cuda budget=1024
+  bench.repetitions=2 bench.warmup_tokens=2048
+  "bench.prefill.policies=[sink,h2o,h2o+obcache_joint,tova,snapkv,snapkv+obcache_joint,pyramidkv,cake]"
+  "bench.prefill.prompt_lengths=[8192,32768]"
+  "bench.decode.prompt_lengths=[]" "bench.memory.prompt_lengths=[]" "bench.headwise.policies=[]"
+  "bench.generate.prompt_lengths=[]" bench.kvpress.enabled=false "bench.contexts.policies=[]"
+  bench.grid.context_length=8192 bench.grid.num_samples=2 "bench.grid.policies=[full,h2o,snapkv]"
+  "bench.grid.budgets=[512,1024]" bench.grid.rows=32 bench.grid.new_tokens=16
+  "output_dir=$OUT/bench"
+)
+run() {
+  echo "+ $*"
+  [ -n "${DRY:-}" ] || "$@"
+}
+[ -n "${DRY:-}" ] || mkdir -p "$OUT"
+status=0
+run "$PY" -m pytest -q -m cuda -p no:cacheprovider --junitxml="$OUT/cuda-tests.xml" tests || status=$?
+run "$KVBENCH" bench "${BENCH[@]}" || status=$?
+if [ -z "${DRY:-}" ]; then
+  {
+    echo "# GPU check: $("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo 'no CUDA device')"
+    echo
+    "$PY" - "$OUT/cuda-tests.xml" <<'TALLY' || true
+import sys
+import xml.etree.ElementTree as ElementTree
+
+root = ElementTree.parse(sys.argv[1]).getroot()
+suite = root if root.tag == "testsuite" else root.find("testsuite")
+counts = {key: suite.get(key) for key in ("tests", "failures", "errors", "skipped")}
+print("pytest -m cuda: {tests} tests, {failures} failed, {errors} errors, {skipped} skipped".format(**counts))
+TALLY
+    echo
+    cat "$OUT/bench/bench.md" 2>/dev/null || echo "(no bench.md)"
+  } > "$OUT/summary.md"
+  echo "wrote $OUT/summary.md"
+fi
+exit $status
