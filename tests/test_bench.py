@@ -8,8 +8,11 @@ import os
 import re
 import statistics
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from omegaconf import OmegaConf
 
 from kvbench import PROJECT_ROOT
 from kvbench.bench.measure import Clock, PeakMemory, rotations
@@ -393,3 +396,38 @@ def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_com
     assert cfg.model.name == "llama31_8b_random" and cfg.model.device == "cuda"
     assert list(cfg.bench.prefill.prompt_lengths) == [8192, 32768] and cfg.bench.grid.context_length == 8192
     assert {"h2o", "h2o+obcache_joint", "snapkv"} <= set(cfg.bench.prefill.policies)
+
+
+def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_differs(tmp_path, monkeypatch):
+    """``bench.leaderboard_grid``: the full-cache job alone and the grid as one grouped sweep, each one ``kvbench
+    run`` (faked here: each writes its run directories), their cost ratio, and every prediction of the grid against
+    the committed run of the same name (a sample the committed run lacks is not compared)."""
+    import kvbench.bench.grid as grid_module
+    from kvbench.rundir import RunDir
+
+    committed = tmp_path / "project" / "results" / "board" / "m" / "ruler"
+    for name, predictions in {"snapkv-10pct-x": ["a", "b"], "tova-10pct-y": ["c", "d"]}.items():
+        run_dir = RunDir(committed / name)
+        run_dir.path.mkdir(parents=True)
+        for number, prediction in enumerate(predictions):
+            run_dir.append({"id": f"s-{number}", "prediction": prediction})
+
+    def fake_run(arguments: list[str], log) -> float:
+        if "-m" not in arguments:
+            return 2.0
+        sweep = Path(next(a for a in arguments if a.startswith("hydra.sweep.dir=")).split("=", 1)[1])
+        for name, predictions in {"snapkv-10pct-x": ["a", "B"], "tova-10pct-y": ["c", "d"]}.items():
+            run_dir = RunDir(sweep / "m" / "ruler" / name)
+            run_dir.path.mkdir(parents=True)
+            for number, prediction in enumerate(predictions):
+                run_dir.append({"id": f"s-{number}", "prediction": prediction})
+        return 9.0
+
+    monkeypatch.setattr(grid_module, "run_kvbench", fake_run)
+    monkeypatch.setattr(grid_module, "PROJECT_ROOT", tmp_path / "project")
+    section = {"experiment": "board", "num_samples": 2}
+    settings = OmegaConf.create({"leaderboard_grid": section})
+    fake = SimpleNamespace(bench=settings, cfg=OmegaConf.create({"engine": {"threads": 1}}))
+    board = grid_module.leaderboard_grid(fake)["leaderboard_grid"]
+    assert (board["jobs"], board["full_seconds"], board["grid_seconds"], board["cost_ratio"]) == (2, 2.0, 9.0, 4.5)
+    assert board["predictions_compared"] == 4 and board["differing_predictions"] == ["m/ruler/snapkv-10pct-x:s-1"]

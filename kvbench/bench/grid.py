@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kvbench import PROJECT_ROOT
 from kvbench.config import config_dict
 from kvbench.engine.rows import decode_rows
 from kvbench.engine.shared import generate_shared
@@ -109,6 +110,41 @@ def grid(bench: Bench) -> dict[str, Any]:
         "rows": decode_rows_speed(bench),
     }
     return {"grid": result, "raw": {"grid": {"separate_seconds": separate}}}
+
+
+def leaderboard_grid(bench: Bench) -> dict[str, Any]:
+    """The leaderboard's own grid (``bench.leaderboard_grid``: every job of ``+experiment=<experiment>`` on its first
+    ``num_samples`` samples) as one grouped ``kvbench run -m`` against the full-cache job alone on the same samples,
+    each one process; every prediction against the committed run of the same settings (``results/<experiment>``: a run
+    of fewer samples shares its directory's name)."""
+    section = bench.bench.leaderboard_grid
+    common = [f"+experiment={section.experiment}", f"task.num_samples={section.num_samples}"]
+    common.append(f"engine.threads={bench.cfg.engine.threads}")
+    with tempfile.TemporaryDirectory(prefix="kvbench-leaderboard-grid-") as folder:
+        root, log = Path(folder), Path(folder) / "kvbench.log"
+        full = run_kvbench(["run", *common, "policy=full", f"output_dir={root}/full"], log)  # any budget: keeps all
+        grouped = run_kvbench(["run", "-m", *common, f"hydra.sweep.dir={root}/grid"], log)
+        together = predictions(root / "grid")
+    committed = predictions(PROJECT_ROOT / "results" / section.experiment)
+    differing = sorted(
+        f"{name}:{sample}"
+        for name, by_sample in together.items()
+        for sample, prediction in by_sample.items()
+        if name in committed and committed[name].get(sample, prediction) != prediction
+    )
+    compared = sum(len(by_sample) for name, by_sample in together.items() if name in committed)
+    return {
+        "leaderboard_grid": {
+            "experiment": str(section.experiment),
+            "jobs": len(together),
+            "samples": int(section.num_samples),
+            "full_seconds": full,
+            "grid_seconds": grouped,
+            "cost_ratio": grouped / full,
+            "predictions_compared": compared,
+            "differing_predictions": differing,
+        }
+    }
 
 
 def decode_rows_speed(bench: Bench) -> dict[str, Any]:

@@ -295,6 +295,24 @@ def markdown(results: dict[str, Any]) -> str:
                 ]
             ],
         )
+    if "leaderboard_grid" in results:
+        board = results["leaderboard_grid"]
+        title = (
+            f"## The {board['experiment']} grid: {board['jobs']} jobs × {board['samples']} samples, one grouped sweep"
+        )
+        lines += ["", title, ""]
+        lines += _table(
+            ["full-cache job alone (s)", "grid (s)", "cost ratio", "predictions compared", "differing"],
+            [
+                [
+                    f"{board['full_seconds']:.1f}",
+                    f"{board['grid_seconds']:.1f}",
+                    f"{board['cost_ratio']:.1f}",
+                    board["predictions_compared"],
+                    len(board["differing_predictions"]),
+                ]
+            ],
+        )
     if "contexts" in results:
         shared = results["contexts"]
         lines += [
