@@ -64,14 +64,14 @@ class SharedPrefill(Cache):
         key_states, value_states = self.layer_states
         attended, self.layer_states, self.attended = self.attended, None, None
         sums: dict[str, torch.Tensor] = {}
-        rankings: dict[tuple, torch.Tensor] = {}  # one per ranking_key: budgets with the same windows share it
+        shared: dict[tuple, Any] = {}  # the window statistics and rankings the variants share
         for cache in self.caches:
             cache.update(key_states, value_states, layer_idx)
             key = sums_key(cache.policy)
             if key is not None and cache.scored and key not in sums:
                 sums[key] = cache.normalised_sums(queries, *attended, outputs, scaling)
             summed = None if key is None else sums.get(key)
-            cache.after_attention(layer_idx, queries, outputs, scaling, summed, rankings)
+            cache.after_attention(layer_idx, queries, outputs, scaling, summed, shared)
 
 
 class RowBatch(Cache):

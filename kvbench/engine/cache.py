@@ -23,7 +23,7 @@ from kvbench.engine import attention
 from kvbench.engine.layer import EvictionLayer, in_cache_heads
 from kvbench.engine.selection import top_slots, top_slots_per_head
 from kvbench.engine.sizes import CacheSizes
-from kvbench.policies.base import AttentionStats, Modifier, Policy
+from kvbench.policies.base import AttentionStats, Policy
 from kvbench.policies.context import LayerWeights, ScoreContext
 from kvbench.policies.layer_budget import CascadingAllocation
 from kvbench.policies.stats import NormalisedStats, reconstruction_attention
@@ -135,7 +135,7 @@ class EvictionCache(Cache):
         dynamic layer budget, each layer's ``layer_preference``."""
         stats: dict[str, Any] = {}
         for modifier in self.attending:
-            stats.update(modifier.policy_stats([self._state(layer, modifier) for layer in self.eviction_layers]))
+            stats.update(modifier.policy_stats([layer.state_of(modifier) for layer in self.eviction_layers]))
         if self.allocation is not None:
             stats["layer_preference"] = list(self.allocation.preferences)
         return stats
@@ -238,7 +238,7 @@ class EvictionCache(Cache):
         """Let attending modifiers replace a single-query forward's ``output [B,1,Hq,D]`` (in turn)."""
         layer = self.eviction_layers[layer_idx]
         for modifier in self.attending:
-            replaced = modifier.attend(self._state(layer, modifier), query, keys, values, output, scaling)
+            replaced = modifier.attend(layer.state_of(modifier), query, keys, values, output, scaling)
             output = output if replaced is None else replaced
         return output
 
@@ -260,12 +260,12 @@ class EvictionCache(Cache):
         outputs: torch.Tensor,
         scaling: float,
         summed: torch.Tensor | None = None,
-        rankings: dict[tuple, torch.Tensor] | None = None,
+        shared: dict[tuple, Any] | None = None,
     ) -> None:
         """Gather this forward's scoring statistics from ``queries [B,Hq,q,D]`` and their attention ``outputs
         [B,q,Hq,D]`` (the normalised ``summed`` when already computed for a variant with the same
-        :func:`~kvbench.engine.batches.sums_key`), and evict if due: by the ranking in ``rankings`` under its
-        :meth:`ranking_key` when a variant of the same forward computed it, else computed (and put there)."""
+        :func:`~kvbench.engine.batches.sums_key`), and evict if due. ``shared``: what the variants of one shared prefill
+        compute (window statistics by size, rankings by :meth:`ranking_key`), each by the first that needs it."""
         policy, layer = self.policy, self.eviction_layers[layer_idx]
         budget = self.layer_budgets[layer_idx]
         assert self.new_positions is not None and layer.positions is not None  # set by begin_forward and update
@@ -298,7 +298,7 @@ class EvictionCache(Cache):
             if self.allocation is not None and layer_idx == len(self.allocation.preferences):
                 policy.layer_budget.cascade(self.allocation, self, layer_idx, scaling)
             else:
-                self._evict(layer_idx, budget, self._shared_scores(layer_idx, budget, scaling, rankings), scaling)
+                self._evict(layer_idx, budget, self._shared_scores(layer_idx, budget, scaling, shared), scaling)
 
     # -- internals -------------------------------------------------------------------------------------
     def _allocation(self) -> CascadingAllocation | None:
@@ -339,30 +339,34 @@ class EvictionCache(Cache):
         recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
         return policy.key, recent, self._query_window(budget), policy.reserved_sinks()
 
-    def _shared_scores(
-        self, layer_idx: int, budget: int, scaling: float, rankings: dict[tuple, torch.Tensor] | None
-    ) -> torch.Tensor:
-        """:meth:`_scores`, taken from (or put in) ``rankings`` under :meth:`ranking_key` with the layer's index."""
-        key = None if rankings is None else self.ranking_key(budget)
-        if rankings is None or key is None:
-            return self._scores(layer_idx, budget, scaling)
-        key = (layer_idx, *key)
-        if key not in rankings:
-            rankings[key] = self._scores(layer_idx, budget, scaling)
-        return rankings[key].clone()  # the cache keeps its ranking (EvictionLayer.ranking): its own copy
+    def _shared_scores(self, layer_idx: int, budget: int, scaling: float, shared: dict | None) -> torch.Tensor:
+        """:meth:`_scores`, taken from (or put in) ``shared`` under :meth:`ranking_key` with the layer's index."""
+        key = None if shared is None else self.ranking_key(budget)
+        if shared is None or key is None:
+            return self._scores(layer_idx, budget, scaling, shared)
+        key = ("ranking", layer_idx, *key)
+        if key not in shared:
+            shared[key] = self._scores(layer_idx, budget, scaling, shared)
+        return shared[key].clone()  # the cache keeps its ranking (EvictionLayer.ranking): its own copy
 
-    def _scores(self, layer_idx: int, budget: int, scaling: float) -> torch.Tensor:
+    def _scores(
+        self, layer_idx: int, budget: int, scaling: float, shared: dict[tuple, Any] | None = None
+    ) -> torch.Tensor:
         """The policy's ranking of every cached slot ``[B,Hc,T]`` (before reserving) for ``budget``, from the
         statistic it declares (:attr:`~kvbench.policies.base.Policy.statistic`)."""
-        return self.policy.ranking(self._context(layer_idx, budget, scaling))
+        return self.policy.ranking(self._context(layer_idx, budget, scaling, shared))
 
-    def _context(self, layer_idx: int, budget: int, scaling: float = 1.0) -> ScoreContext:
+    def _context(self, layer_idx: int, budget: int, scaling: float = 1.0, shared: dict | None = None) -> ScoreContext:
         """What the policy ranks the layer's slots from for ``budget`` (its declared statistic gathered)."""
         policy, layer = self.policy, self.eviction_layers[layer_idx]
         assert layer.positions is not None
         summed, window = None, None
         if policy.statistic in ("window", "queries"):
-            window = layer.window_stats(policy.scoring_window(budget, self.prompt_len, self.decoding), scaling)
+            size = policy.scoring_window(budget, self.prompt_len, self.decoding)
+            if shared is None:
+                window = layer.window_stats(size, scaling)
+            else:  # one per layer and size for a shared prefill's variants (its tensors computed once, lazily)
+                window = shared.setdefault(("window", layer_idx, size), layer.window_stats(size, scaling))
             if policy.statistic == "window":
                 summed = policy.summed_contributions(window, self.score_block)
         elif policy.running:
@@ -430,15 +434,8 @@ class EvictionCache(Cache):
         if evicted is not None:  # i.e. there are attending modifiers
             assert layer.last_query is not None  # after_attention keeps it when modifiers attend
             for modifier in self.attending:
-                modifier.on_evict(self._state(layer, modifier), evicted, layer.last_query, scaling)
+                modifier.on_evict(layer.state_of(modifier), evicted, layer.last_query, scaling)
         self._account(layer_idx)
-
-    @staticmethod
-    def _state(layer: EvictionLayer, modifier: Modifier) -> Any:
-        """The attending modifier's state in ``layer``, created on first use."""
-        if modifier.name not in layer.modifier_state:
-            layer.modifier_state[modifier.name] = modifier.new_state()
-        return layer.modifier_state[modifier.name]
 
     def _account(self, layer_idx: int) -> None:
         layer = self.eviction_layers[layer_idx]

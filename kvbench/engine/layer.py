@@ -11,7 +11,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvbench.errors import KVBenchError
-from kvbench.policies.base import AttentionStats
+from kvbench.policies.base import AttentionStats, Modifier
 from kvbench.policies.context import Evicted
 
 
@@ -179,6 +179,12 @@ class EvictionLayer(DynamicLayer):
             positions = torch.cat([self.recent_query_positions, positions])
         self.recent_queries = queries[:, :, -window:].clone()
         self.recent_query_positions = positions[-window:].clone()
+
+    def state_of(self, modifier: Modifier) -> Any:
+        """The attending modifier's state in this layer, created on first use."""
+        if modifier.name not in self.modifier_state:
+            self.modifier_state[modifier.name] = modifier.new_state()
+        return self.modifier_state[modifier.name]
 
     def window_stats(self, window: int, scaling: float) -> AttentionStats:
         """The float32 attention statistics of the last ``window`` recorded queries over this layer's cache."""
