@@ -366,7 +366,9 @@ class EvictionCache(Cache):
             if shared is None:
                 window = layer.window_stats(size, scaling)
             else:  # one per layer and size for a shared prefill's variants (its tensors computed once, lazily)
-                window = shared.setdefault(("window", layer_idx, size), layer.window_stats(size, scaling))
+                if ("window", layer_idx, size) not in shared:
+                    shared["window", layer_idx, size] = layer.window_stats(size, scaling)
+                window = shared["window", layer_idx, size]
             if policy.statistic == "window":
                 summed = policy.summed_contributions(window, self.score_block)
         elif policy.running:

@@ -46,7 +46,7 @@ from kvbench.papers import (
 )
 from kvbench.policies.budgets import Budget
 from kvbench.results.render import FORMATS, render, write_tables
-from kvbench.results.table import budget_key, context_label, policy_key, task_layout
+from kvbench.results.table import budget_key, context_label, policy_key
 from kvbench.tasks.registry import tabled_tasks
 
 NOT_RUN = "not run"
@@ -294,7 +294,7 @@ class Comparison:
                     cells[task] = f"{values[task]:.{self.places}f}" if task in values else "–"
             lines.append({"model": model, "method": policy, "budget": budget, "row": "ours", **cells})
         frame = pd.DataFrame(lines, columns=[*KEY, "row", *self.tasks])
-        headers = {name: header for task in tabled_tasks() for name, header in task_headers(task).items()}
+        headers = {name: header for layout in tabled_tasks().values() for name, header in layout.headers.items()}
         return frame.rename(columns={**headers, "avg": "Avg."})
 
     def summary(self) -> str:
@@ -332,12 +332,6 @@ def main(args: list[str]) -> None:
     if options.output_dir:
         for path in write_tables({f"compare_{paper}_{table}": text}, options.output_dir, options.format):
             print(f"wrote {path}")
-
-
-def task_headers(task: str) -> dict[str, str]:
-    """The papers' column headers of task ``task``'s subtasks (its declared table's)."""
-    layout = task_layout(task)
-    return dict(layout.headers) if layout is not None else {}
 
 
 __all__ = ["Comparison", "main", "measured_cells", "parse_spec"]

@@ -8,7 +8,7 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from kvbench import CONF_DIR
-from kvbench.tasks.base import Task
+from kvbench.tasks.base import TableLayout, Task
 
 
 @functools.cache
@@ -20,7 +20,8 @@ def task_class(name: str) -> type[Task] | None:
     return get_class(str(OmegaConf.select(OmegaConf.load(path), "_target_")))
 
 
-def tabled_tasks() -> list[str]:
-    """The tasks that declare a table (:attr:`~kvbench.tasks.base.Task.table`), by name."""
+def tabled_tasks() -> dict[str, TableLayout]:
+    """Each task that declares a table (:attr:`~kvbench.tasks.base.Task.table`), by name: its table."""
     names = sorted(path.stem for path in (CONF_DIR / "task").glob("*.yaml"))
-    return [name for name in names if (task := task_class(name)) is not None and task.table is not None]
+    tasks = {name: task_class(name) for name in names}
+    return {name: task.table for name, task in tasks.items() if task is not None and task.table is not None}
