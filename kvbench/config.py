@@ -204,18 +204,25 @@ def register_budget(spec: str) -> None:
         ConfigStore.instance().store(group="budget", name=spec, node={"spec": spec})
 
 
+@cache
+def yaml_keys(relative: str, node: str | None = None) -> tuple[str, ...]:
+    """The keys (``defaults`` aside) of ``conf/<relative>``, or of its ``node``, sorted: read once per process (a
+    sweep checks every job's keys against the same files)."""
+    loaded = OmegaConf.load(CONF_DIR / relative)
+    return tuple(sorted(str(key) for key in (loaded if node is None else loaded[node]) if key != "defaults"))
+
+
 def group_keys(group: str, option: str) -> list[str]:
     """The settings of a config group's option: the keys of ``conf/<group>/<option>.yaml``, or of the
     generated node of a policy spec."""
     if group == "policy":
         return policy_keys(option)
-    node = OmegaConf.load(CONF_DIR / group / f"{option}.yaml")
-    return sorted(str(key) for key in node if key != "defaults")
+    return list(yaml_keys(f"{group}/{option}.yaml"))
 
 
 def engine_keys() -> list[str]:
     """The engine settings (conf/config.yaml's ``engine`` node)."""
-    return sorted(str(key) for key in OmegaConf.load(CONF_DIR / "config.yaml").engine)
+    return list(yaml_keys("config.yaml", "engine"))
 
 
 def compose(overrides: list[str], config_name: str = "config", return_hydra_config: bool = False) -> DictConfig:

@@ -16,8 +16,8 @@ from typing import Any
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench import CONF_DIR, config_dict
-from kvbench.config import engine_keys, group_keys, group_options
+from kvbench import config_dict
+from kvbench.config import engine_keys, group_keys, group_options, yaml_keys
 from kvbench.domains import Domain, check_table, choice, integer
 from kvbench.engine import ENGINE_SETTINGS
 from kvbench.engine.runner import evicts_decoding
@@ -95,8 +95,7 @@ def check_known_keys(settings: dict[str, Any]) -> None:
     (added with ``+key=``, ``key=`` or by an experiment file): top-level keys, ``engine.*``, each group's keys
     against its YAML, the policy's against its parts and ``policy.layer_budget.*`` against its strategy. A
     sweep runs it on every job before submitting any (a typed key is wrong in every job)."""
-    top = [str(key) for key in OmegaConf.load(CONF_DIR / "config.yaml") if key != "defaults"]
-    check_keys(settings, sorted([*top, *GROUPS, "policy"]), "", "the run config")
+    check_keys(settings, sorted([*yaml_keys("config.yaml"), *GROUPS, "policy"]), "", "the run config")
     check_keys(settings["engine"], engine_keys(), "engine.", "the engine")
     for group in (*GROUPS, "policy"):
         name = settings[group].get("name") if group != "budget" else None

@@ -405,22 +405,27 @@ def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_
     import kvbench.bench.grid as grid_module
     from kvbench.rundir import RunDir
 
-    committed = tmp_path / "project" / "results" / "board" / "m" / "ruler"
-    for name, predictions in {"snapkv-10pct-x": ["a", "b"], "tova-10pct-y": ["c", "d"]}.items():
-        run_dir = RunDir(committed / name)
-        run_dir.path.mkdir(parents=True)
-        for number, prediction in enumerate(predictions):
-            run_dir.append({"id": f"s-{number}", "prediction": prediction})
-
-    def fake_run(arguments: list[str], log) -> float:
-        if "-m" not in arguments:
-            return 2.0
-        sweep = Path(next(a for a in arguments if a.startswith("hydra.sweep.dir=")).split("=", 1)[1])
-        for name, predictions in {"snapkv-10pct-x": ["a", "B"], "tova-10pct-y": ["c", "d"]}.items():
-            run_dir = RunDir(sweep / "m" / "ruler" / name)
+    def write(folder: Path, runs: dict[str, list[str]], seconds: float) -> None:
+        for name, predictions in runs.items():
+            run_dir = RunDir(folder / name)
             run_dir.path.mkdir(parents=True)
             for number, prediction in enumerate(predictions):
-                run_dir.append({"id": f"s-{number}", "prediction": prediction})
+                timing = {"total_seconds": seconds * (number + 1)}
+                run_dir.append({"id": f"s-{number}", "prediction": prediction, "timing": timing})
+
+    write(
+        tmp_path / "project" / "results" / "board" / "m" / "ruler",
+        {"snapkv-10pct-x": ["a", "b"], "tova-10pct-y": ["c", "d"]},
+        0,
+    )
+
+    def fake_run(arguments: list[str], log) -> float:
+        output = next(a for a in arguments if a.startswith(("hydra.sweep.dir=", "output_dir=")))
+        folder = Path(output.split("=", 1)[1])
+        if "-m" not in arguments:
+            write(folder.parent, {folder.name: ["a", "b"]}, 0.5)
+            return 2.0
+        write(folder / "m" / "ruler", {"snapkv-10pct-x": ["a", "B"], "tova-10pct-y": ["c", "d"]}, 1.5)
         return 9.0
 
     monkeypatch.setattr(grid_module, "run_kvbench", fake_run)
@@ -430,4 +435,6 @@ def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_
     fake = SimpleNamespace(bench=settings, cfg=OmegaConf.create({"engine": {"threads": 1}}))
     board = grid_module.leaderboard_grid(fake)["leaderboard_grid"]
     assert (board["jobs"], board["full_seconds"], board["grid_seconds"], board["cost_ratio"]) == (2, 2.0, 9.0, 4.5)
+    # a sample's cost from the records: the full job 0.5 s and 1.0 s, the grid's two runs 1.5 + 1.5 s and 3.0 + 3.0 s
+    assert (board["full_sample_seconds"], board["grid_sample_seconds"], board["sample_cost_ratio"]) == (0.75, 4.5, 6.0)
     assert board["predictions_compared"] == 4 and board["differing_predictions"] == ["m/ruler/snapkv-10pct-x:s-1"]

@@ -77,6 +77,17 @@ def predictions(root: Path) -> dict[str, dict[str, str]]:
     return found
 
 
+def sample_seconds(root: Path) -> dict[str, float]:
+    """What each sample cost the runs under ``root`` together: the sum over runs of its record's
+    ``timing.total_seconds`` (each run's share of the shared prefill and of the decode steps it was in), by sample id
+    — a sweep's cost a sample, without process start, composition and model load."""
+    cost: dict[str, float] = {}
+    for path in sorted(root.rglob("predictions.jsonl")):
+        for record in RunDir(path.parent).records():
+            cost[record["id"]] = cost.get(record["id"], 0.0) + float(record["timing"]["total_seconds"])
+    return cost
+
+
 def grid(bench: Bench) -> dict[str, Any]:
     """The grid section's fields of ``bench.json``: ``grid`` (the speed-up, the predictions' agreement, the memory
     rows) and its raw per-job seconds."""
@@ -115,8 +126,9 @@ def grid(bench: Bench) -> dict[str, Any]:
 def leaderboard_grid(bench: Bench) -> dict[str, Any]:
     """The leaderboard's own grid (``bench.leaderboard_grid``: every job of ``+experiment=<experiment>`` on its first
     ``num_samples`` samples) as one grouped ``kvbench run -m`` against the full-cache job alone on the same samples,
-    each one process; every prediction against the committed run of the same settings (``results/<experiment>``: a run
-    of fewer samples shares its directory's name)."""
+    each one process: end to end, and a sample's cost (:func:`sample_seconds`, the mean over the samples); every
+    prediction against the committed run of the same settings (``results/<experiment>``: a run of fewer samples shares
+    its directory's name)."""
     section = bench.bench.leaderboard_grid
     common = [f"+experiment={section.experiment}", f"task.num_samples={section.num_samples}"]
     common.append(f"engine.threads={bench.cfg.engine.threads}")
@@ -125,6 +137,7 @@ def leaderboard_grid(bench: Bench) -> dict[str, Any]:
         full = run_kvbench(["run", *common, "policy=full", f"output_dir={root}/full"], log)  # any budget: keeps all
         grouped = run_kvbench(["run", "-m", *common, f"hydra.sweep.dir={root}/grid"], log)
         together = predictions(root / "grid")
+        full_sample, grid_sample = sample_seconds(root / "full"), sample_seconds(root / "grid")
     committed = predictions(PROJECT_ROOT / "results" / section.experiment)
     differing = sorted(
         f"{name}:{sample}"
@@ -141,6 +154,9 @@ def leaderboard_grid(bench: Bench) -> dict[str, Any]:
             "full_seconds": full,
             "grid_seconds": grouped,
             "cost_ratio": grouped / full,
+            "full_sample_seconds": statistics.mean(full_sample.values()),
+            "grid_sample_seconds": statistics.mean(grid_sample.values()),
+            "sample_cost_ratio": sum(grid_sample.values()) / sum(full_sample.values()),
             "predictions_compared": compared,
             "differing_predictions": differing,
         }

@@ -302,12 +302,24 @@ def markdown(results: dict[str, Any]) -> str:
         )
         lines += ["", title, ""]
         lines += _table(
-            ["full-cache job alone (s)", "grid (s)", "cost ratio", "predictions compared", "differing"],
+            [
+                "full-cache job alone (s)",
+                "grid (s)",
+                "cost ratio",
+                "a sample: full job (s)",
+                "a sample: grid (s)",
+                "a sample's cost ratio",
+                "predictions compared",
+                "differing",
+            ],
             [
                 [
                     f"{board['full_seconds']:.1f}",
                     f"{board['grid_seconds']:.1f}",
                     f"{board['cost_ratio']:.1f}",
+                    f"{board['full_sample_seconds']:.2f}",
+                    f"{board['grid_sample_seconds']:.1f}",
+                    f"{board['sample_cost_ratio']:.1f}",
                     board["predictions_compared"],
                     len(board["differing_predictions"]),
                 ]
