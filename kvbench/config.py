@@ -209,6 +209,7 @@ def yaml_keys(relative: str, node: str | None = None) -> tuple[str, ...]:
     """The keys (``defaults`` aside) of ``conf/<relative>``, or of its ``node``, sorted: read once per process (a
     sweep checks every job's keys against the same files)."""
     loaded = OmegaConf.load(CONF_DIR / relative)
+    assert isinstance(loaded, DictConfig)  # every conf file is a mapping
     return tuple(sorted(str(key) for key in (loaded if node is None else loaded[node]) if key != "defaults"))
 
 
