@@ -28,9 +28,9 @@ from kvbench import config_dict
 from kvbench.errors import KVBenchError
 
 #: settings that change no prediction, left out of a run's identity: where its files go, how it resumes and logs, an
-#: experiment's per-policy table (already applied to the ``policy`` node), how it runs (rows decoding together, CPU
-#: threads), and how many of the task's samples it asks for: they are prefix-stable, so a run grows in its directory
-#: and one asking for fewer reads the first ones (:func:`kvbench.run.lifecycle.first_samples`)
+#: experiment's per-policy table (already applied to the ``policy`` node), how it runs (rows decoding together and how
+#: they are attended, CPU threads), and how many of the task's samples it asks for: they are prefix-stable, so a run
+#: grows in its directory and one asking for fewer reads the first ones (:func:`kvbench.run.lifecycle.first_samples`)
 NOT_IDENTITY = (
     "hydra",
     "logger",
@@ -38,6 +38,7 @@ NOT_IDENTITY = (
     "policy_settings",
     "resume",
     "engine.batch_size",
+    "engine.rows_attention",
     "engine.threads",
     "task.num_samples",
 )

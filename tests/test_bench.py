@@ -226,7 +226,9 @@ def test_grid_is_separate_processes_over_one_grouped_sweep(bench):
     rows = grid["rows"]
     assert (rows["rows"], rows["new_tokens"], rows["policy"]) == (3, 4, "snapkv@64") and rows["tokens_equal"]
     ratio = rows["rows_tokens_per_second"] / rows["one_row_tokens_per_second"]
-    assert rows["speed_ratio"] == pytest.approx(ratio)
+    assert rows["speed_ratio"] == pytest.approx(ratio) and rows["padded_tokens_equal"]
+    padded = rows["padded_rows_tokens_per_second"] / rows["one_row_tokens_per_second"]
+    assert rows["padded_speed_ratio"] == pytest.approx(padded)
     assert results["targets"]["rows_decode_speed_ratio"]["value"] == rows["speed_ratio"]
     assert rows["memory"]["peak_rss_delta_bytes"] >= 0 and rows["memory"]["rows_cache_peak_bytes"] > 0
 

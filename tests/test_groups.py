@@ -208,14 +208,15 @@ def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
 
 
 @pytest.mark.parametrize(
-    ("spec", "rankings"), [("snapkv", 1), ("snapkv+obcache_joint", 1), ("snapkv+criticalkv", 3), ("h2o", 3)]
+    ("spec", "rankings"),
+    [("snapkv", 1), ("snapkv+obcache_joint", 1), ("cake", 1), ("snapkv+criticalkv", 3), ("h2o", 3)],
 )
 def test_a_shared_prefill_ranks_each_layer_once_per_scoring_setting(monkeypatch, spec, rankings):
     """One base at three budgets in one shared prefill: where its windows are the budget's alike (SnapKV's 32 queries
-    and recent tokens, with or without a re-ranking modifier) each layer is ranked once and every budget selects from
-    that ranking (each variant's output equal to its own run: :func:`test_one_shared_prefill_gives_what_each_variant_
-    gives_alone`); a ranking that reads the budget (CriticalKV's first stage) or windows that scale with it (H2O's
-    recent half of the budget) are ranked per variant."""
+    and recent tokens, with or without a re-ranking modifier; CAKE's cascade stage at each average budget) each layer
+    is ranked once and every budget selects from that ranking (each variant's output equal to its own run:
+    :func:`test_one_shared_prefill_gives_what_each_variant_gives_alone`); a ranking that reads the budget (CriticalKV's
+    first stage) or windows that scale with it (H2O's recent half of the budget) are ranked per variant."""
     model, prompt = tiny_model(), random_prompt(160)
     counted: list[str] = []
     scores = EvictionCache._scores

@@ -19,15 +19,18 @@ from tests.helpers import (
 )
 
 
+@pytest.mark.parametrize("rows_attention", ["each", "padded"])
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
-def test_variants_decoded_as_rows_give_what_each_gives_alone(architecture):
+def test_variants_decoded_as_rows_give_what_each_gives_alone(architecture, rows_attention):
     """Every base × {none, each applicable modifier}, both head layouts, oneshot and chunked (which evicts at every
-    decode step), decoded 16 rows at a time after one shared prefill: each variant's tokens, kept sets, cache sizes
-    and policy statistics equal its own :meth:`Engine.generate`'s."""
+    decode step), decoded 16 rows at a time after one shared prefill, each row attended alone or all the rows that
+    hold every key padded into one call per layer (``engine.rows_attention``): each variant's tokens, kept sets,
+    cache sizes and policy statistics equal its own :meth:`Engine.generate`'s (float32)."""
     model = tiny_model(architecture)
     prompt = random_prompt(160)
     cases = [(32, "oneshot", {}), (48, "oneshot", {"gqa": "repeat"}), (48, "chunked", {})]
-    engines, _ = registry_engines(model, cases, len(prompt), block_size=64, record_kept=True)
+    settings = {"block_size": 64, "record_kept": True, "rows_attention": rows_attention}
+    engines, _ = registry_engines(model, cases, len(prompt), **settings)
     assert len(engines) > 16 and {engine.regime for engine in engines} == {"oneshot", "chunked"}
     assert_shared_gives_each_alone(engines, prompt, 8, batch_size=16)
 

@@ -165,24 +165,27 @@ def leaderboard_grid(bench: Bench) -> dict[str, Any]:
 
 def decode_rows_speed(bench: Bench) -> dict[str, Any]:
     """Decode tokens/s of ``bench.grid.rows`` rows decoding together (:func:`decode_rows`: ``rows_policy`` at the
-    first budget, on prompts of the section's length starting at different essay offsets) over the same rows decoded
-    one at a time, each ``bench.grid.new_tokens`` tokens (no stop token); medians over the repetitions, and the
-    tokens equal; the peak RSS of the batch (its rows prefilled one by one, then decoded together) beside the rows'
-    cache bytes."""
+    first budget, on prompts of the section's length starting at different essay offsets), each row attended alone
+    and padded into one call per layer (``engine.rows_attention``), over the same rows decoded one at a time, each
+    ``bench.grid.new_tokens`` tokens (no stop token); medians over the repetitions, and the tokens equal; the peak RSS
+    of the batch (its rows prefilled one by one, then decoded together) beside the rows' cache bytes."""
     section = bench.bench.grid
     count, new_tokens, length = int(section.rows), int(section.new_tokens), int(section.context_length)
     engine = bench.engine(str(section.rows_policy), budget=str(section.budgets[0]))
     step = max(1, (len(bench.tokens) - length) // max(count - 1, 1))
     prompts = [bench.tokens[index * step : index * step + length] for index in range(count)]
-    seconds: dict[str, list[float]] = {"one_row": [], "rows": []}
+    kinds = {"one_row": (1, "each"), "rows": (count, "each"), "padded_rows": (count, "padded")}
+    seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     tokens: dict[str, list[list[int]]] = {}
     for _ in range(bench.repetitions):
-        for kind, batch in (("one_row", 1), ("rows", count)):
+        for kind, (batch, attention) in kinds.items():
             rows = [engine.prefilled_row(prompt, new_tokens) for prompt in prompts]
+            engine.rows_attention = attention
             wall, _, outputs = bench.clock.measure(functools.partial(decode_rows, rows, batch))
+            engine.rows_attention = "each"
             seconds[kind].append(wall)
             tokens[kind] = [output.token_ids for output in outputs]
-    one, together = statistics.median(seconds["one_row"]), statistics.median(seconds["rows"])
+    median = {kind: statistics.median(walls) for kind, walls in seconds.items()}
     generated = sum(len(ids) for ids in tokens["rows"])
     with bench.memory.track() as memory:  # the batch's peak: its rows prefilled one by one, then decoded together
         outputs = decode_rows([engine.prefilled_row(prompt, new_tokens) for prompt in prompts], count)
@@ -190,10 +193,13 @@ def decode_rows_speed(bench: Bench) -> dict[str, Any]:
         "rows": count,
         "new_tokens": new_tokens,
         "policy": f"{engine.policy.spec}@{engine.budget.spec}",
-        "one_row_tokens_per_second": generated / one,
-        "rows_tokens_per_second": generated / together,
-        "speed_ratio": one / together,
+        "one_row_tokens_per_second": generated / median["one_row"],
+        "rows_tokens_per_second": generated / median["rows"],
+        "padded_rows_tokens_per_second": generated / median["padded_rows"],
+        "speed_ratio": median["one_row"] / median["rows"],
+        "padded_speed_ratio": median["one_row"] / median["padded_rows"],
         "tokens_equal": tokens["rows"] == tokens["one_row"],
+        "padded_tokens_equal": tokens["padded_rows"] == tokens["one_row"],
         "memory": {**memory, "rows_cache_peak_bytes": sum(output.kv.peak_bytes for output in outputs)},
     }
 

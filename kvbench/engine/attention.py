@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -132,12 +133,43 @@ def kvbench_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         return sdpa_attention(query, key, value, scaling), None
     rows = getattr(kvbench_cache, "rows", None)
     if rows is not None:
+        attended = rows(module.layer_idx)
+        together = padded_outputs(module.layer_idx, query, attended, scaling) if kvbench_cache.padded else {}
         outputs = [
-            cache_attention(cache, module, query[row : row + 1], keys, values, scaling)
-            for row, (cache, keys, values) in enumerate(rows(module.layer_idx))
+            cache_attention(cache, module, query[row : row + 1], keys, values, scaling, together.get(row))
+            for row, (cache, keys, values) in enumerate(attended)
         ]
         return torch.cat(outputs), None
     return cache_attention(kvbench_cache, module, query, key, value, scaling), None
+
+
+def padded_outputs(layer_idx: int, query, rows, scaling) -> dict[int, torch.Tensor]:
+    """``engine.rows_attention=padded``: the backend's output ``[1,1,Hq,D]`` of each row of a decode step whose
+    backend is SDPA and whose heads hold every key, by row, from one SDPA call per cache-head count over the rows'
+    keys/values padded to the longest row, each row's own slots unmasked (``query [N,Hq,1,D]``, ``rows`` as
+    :meth:`RowBatch.rows`); none for a forward of several tokens."""
+    if query.shape[2] != 1:
+        return {}
+    groups: dict[int, list[int]] = {}
+    for row, (cache, keys, _) in enumerate(rows):
+        if cache.attn_backend == "sdpa" and cache.key_mask(layer_idx) is None:
+            groups.setdefault(keys.shape[1], []).append(row)
+    outputs: dict[int, torch.Tensor] = {}
+    for members in groups.values():
+        keys = pad_sequence([rows[row][1][0].transpose(0, 1) for row in members], batch_first=True)  # [n,T,Hc,D]
+        values = pad_sequence([rows[row][2][0].transpose(0, 1) for row in members], batch_first=True)
+        lengths = torch.tensor([rows[row][1].shape[2] for row in members], device=query.device)
+        held = torch.arange(keys.shape[1], device=query.device) < lengths[:, None]  # [n,T]
+        together = F.scaled_dot_product_attention(
+            query[members],
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=held[:, None, None],
+            scale=scaling,
+            enable_gqa=query.shape[1] != keys.shape[2],
+        ).transpose(1, 2)  # [n,1,Hq,D]
+        outputs.update({row: together[place : place + 1] for place, row in enumerate(members)})
+    return outputs
 
 
 class AttendedCache(Protocol):
@@ -167,19 +199,24 @@ class AttendedCache(Protocol):
         ...
 
 
-def cache_attention(cache: AttendedCache, module, query, key, value, scaling):
-    """``query [B,Hq,q,D]`` over ``key/value [B,Hc,T,D]`` of ``cache`` (an ``EvictionCache`` or ``SharedPrefill``):
-    by the backend, then the cache's attending modifiers for a single query, its scoring (from the backend's
-    output) and eviction → ``[B,q,Hq,D]``."""
+def backend_attention(cache: AttendedCache, module, query, key, value, scaling) -> torch.Tensor:
+    """``query [B,Hq,q,D]`` over ``key/value [B,Hc,T,D]`` of ``cache`` by its backend → ``[B,q,Hq,D]``."""
     key_mask = cache.key_mask(module.layer_idx)
     if cache.attn_backend == "eager":
-        output = eager_attention(query, key, value, scaling, key_mask)
-    elif key_mask is not None:  # a length per head: FlashAttention-2's varlen kernel takes no per-head lengths
-        output = sdpa_attention(query, key, value, scaling, key_mask)
-    elif cache.attn_backend == "flash_attention_2":
-        output = flash_attention(module, query, key, value, scaling)
-    else:
-        output = sdpa_attention(query, key, value, scaling)
+        return eager_attention(query, key, value, scaling, key_mask)
+    if key_mask is not None:  # a length per head: FlashAttention-2's varlen kernel takes no per-head lengths
+        return sdpa_attention(query, key, value, scaling, key_mask)
+    if cache.attn_backend == "flash_attention_2":
+        return flash_attention(module, query, key, value, scaling)
+    return sdpa_attention(query, key, value, scaling)
+
+
+def cache_attention(cache: AttendedCache, module, query, key, value, scaling, output=None):
+    """``query [B,Hq,q,D]`` over ``key/value [B,Hc,T,D]`` of ``cache`` (an ``EvictionCache`` or ``SharedPrefill``):
+    by the backend (unless its ``output [B,q,Hq,D]`` is given), then the cache's attending modifiers for a single
+    query, its scoring (from the backend's output) and eviction → ``[B,q,Hq,D]``."""
+    if output is None:
+        output = backend_attention(cache, module, query, key, value, scaling)
     attended = output
     if query.shape[2] == 1:
         output = cache.attend(module.layer_idx, query, key, value, output, scaling)

@@ -80,9 +80,12 @@ class RowBatch(Cache):
     row's keys/values go to its own cache, which the attention function attends, scores and evicts row by row at the
     row's own length (:func:`~kvbench.engine.attention.kvbench_attention`), as it would alone: no row is padded."""
 
-    def __init__(self, caches: list[EvictionCache]) -> None:
+    def __init__(self, caches: list[EvictionCache], padded: bool = False) -> None:
         super().__init__(layers=[DynamicLayer() for _ in caches[0].layers])  # never filled: the model reads length 0
         self.caches = caches
+        #: ``engine.rows_attention=padded``: a decode step's rows attended by one padded call per layer
+        #: (:func:`~kvbench.engine.attention.padded_outputs`), else each by its own
+        self.padded = padded
         self.attended: list[tuple[torch.Tensor, torch.Tensor]] = []  # this layer's, each row's cache
 
     def update(

@@ -85,6 +85,8 @@ class EvictionCache(Cache):
         self.live_bytes = [0] * len(layer_budgets)
         self.peak_bytes = 0
         self.key_masks: list[torch.Tensor | None] = [None] * len(layer_budgets)
+        #: a shared prefill's window statistics and rankings while a cascade stage runs (:meth:`after_attention`)
+        self.cascade_shared: dict[tuple, Any] | None = None
 
     @property
     def eviction_layers(self) -> list[EvictionLayer]:
@@ -178,14 +180,15 @@ class EvictionCache(Cache):
         return self.eviction_layers[layer_idx].tokens_per_head()
 
     def rank(self, layer_idx: int, budget: int, scaling: float) -> torch.Tensor:
-        """The layer's ranking ``[B,Hc,T]`` for ``budget``, kept as its ranking for a later :meth:`evict`."""
+        """The layer's ranking ``[B,Hc,T]`` for ``budget`` (a shared prefill's, :meth:`_shared_scores`), kept as its
+        ranking for a later :meth:`evict`."""
         layer = self.eviction_layers[layer_idx]
-        layer.ranking = self._scores(layer_idx, budget, scaling).float()
+        layer.ranking = self._shared_scores(layer_idx, budget, scaling, self.cascade_shared).float()
         return layer.ranking
 
     def preference_stats(self, layer_idx: int, scaling: float) -> AttentionStats:
-        """The attention statistics of the layer's observation window for its preference."""
-        return self.eviction_layers[layer_idx].window_stats(self._preference_window(), scaling)
+        """The attention statistics of the layer's observation window for its preference (a shared prefill's)."""
+        return self._window(layer_idx, self._preference_window(), scaling, self.cascade_shared)
 
     def evicted_by(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor:
         """The slots ``[B,Hc,T]`` (True = evicted) that keeping ``budget`` by ``scores [B,Hc,T]`` would evict (each
@@ -296,7 +299,9 @@ class EvictionCache(Cache):
         deferred = policy.statistic == "reconstruction"  # every layer scored first (evict_reconstructed)
         if self.evict_now and policy.evicts and not deferred and layer.get_seq_length() > budget:
             if self.allocation is not None and layer_idx == len(self.allocation.preferences):
+                self.cascade_shared = shared  # what the stage ranks and scores from (rank, preference_stats)
                 policy.layer_budget.cascade(self.allocation, self, layer_idx, scaling)
+                self.cascade_shared = None
             else:
                 self._evict(layer_idx, budget, self._shared_scores(layer_idx, budget, scaling, shared), scaling)
 
@@ -330,9 +335,10 @@ class EvictionCache(Cache):
         """What a layer's ranking for ``budget`` depends on beyond its entries and statistics (one shared prefill's):
         the policy's settings and the windows it reads; None where it also reads the budget
         (:attr:`~kvbench.policies.base.Policy.ranking_reads_budget`), budget-dependent running sums (not from the
-        normaliser), attending modifiers' state or a cascading layer budget."""
+        normaliser) or attending modifiers' state. (A cascading layer budget's stage ranks its layer in full, at the
+        average budget, like any variant's eviction.)"""
         policy = self.policy
-        if policy.ranking_reads_budget or self.attending or self.allocation is not None:
+        if policy.ranking_reads_budget or self.attending:
             return None
         if policy.running and not uses_normaliser(policy):
             return None
@@ -362,13 +368,9 @@ class EvictionCache(Cache):
         assert layer.positions is not None
         summed, window = None, None
         if policy.statistic in ("window", "queries"):
-            size = policy.scoring_window(budget, self.prompt_len, self.decoding)
-            if shared is None:
-                window = layer.window_stats(size, scaling)
-            else:  # one per layer and size for a shared prefill's variants (its tensors computed once, lazily)
-                if ("window", layer_idx, size) not in shared:
-                    shared["window", layer_idx, size] = layer.window_stats(size, scaling)
-                window = shared["window", layer_idx, size]
+            window = self._window(
+                layer_idx, policy.scoring_window(budget, self.prompt_len, self.decoding), scaling, shared
+            )
             if policy.statistic == "window":
                 summed = policy.summed_contributions(window, self.score_block)
         elif policy.running:
@@ -381,6 +383,15 @@ class EvictionCache(Cache):
         return ScoreContext(
             layer.keys, layer.values, layer.positions, summed, recent, window, weights, policy.reserved_sinks(), budget
         )
+
+    def _window(self, layer_idx: int, size: int, scaling: float, shared: dict | None) -> AttentionStats:
+        """The layer's statistics of its last ``size`` queries: one per layer and size for a shared prefill's variants
+        (``shared``; its tensors computed once, lazily)."""
+        if shared is None:
+            return self.eviction_layers[layer_idx].window_stats(size, scaling)
+        if ("window", layer_idx, size) not in shared:
+            shared["window", layer_idx, size] = self.eviction_layers[layer_idx].window_stats(size, scaling)
+        return shared["window", layer_idx, size]
 
     def _reserved(self, layer_idx: int, budget: int) -> tuple[int, int, int]:
         """The layer's slots and, of ``budget``, the recent window and sinks every head keeps (the window first)."""

@@ -14,6 +14,29 @@ from kvbench.errors import KVBenchError
 from kvbench.policies.base import AttentionStats, Modifier
 from kvbench.policies.context import Evicted
 
+#: a single-token append to a layer with no room left grows its storage by this many slots: decoding copies the
+#: layer once every ``APPEND_SPARE`` tokens rather than at every token (transformers' ``DynamicLayer`` concatenates)
+APPEND_SPARE = 32
+
+
+def appended(held: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``held [B,H,T,D]`` followed by ``new [B,H,q,D]``: written in place after ``held`` where ``held`` is the first
+    ``T`` slots of a ``[B,H,C,D]`` storage with room for ``q`` more (one this function made: a layer's other tensors are
+    their own storage, ``C = T``); else copied into a new storage, ``APPEND_SPARE`` slots to spare after a single
+    token. (Inference tensors keep no view base, so the room is read from the strides.)"""
+    batch, heads, added, dim = new.shape
+    length = held.shape[2] if held.dim() == 4 else 0
+    room = held.stride(1) // dim if length and held.stride(-1) == 1 and held.stride(2) == dim else 0
+    if room >= length + added and held.stride(0) == heads * room * dim and held.storage_offset() == 0:
+        grown = held.as_strided((batch, heads, length + added, dim), held.stride())
+        grown[:, :, length:] = new
+        return grown
+    store = new.new_empty(batch, heads, length + added + (APPEND_SPARE if added == 1 else 0), dim)
+    if length:
+        store[:, :, :length] = held
+    store[:, :, length : length + added] = new
+    return store[:, :, : length + added]
+
 
 @dataclass
 class HeadwiseEntries:
@@ -124,8 +147,11 @@ class EvictionLayer(DynamicLayer):
         self.peak_tokens = 0
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append this forward's tokens (``positions [q]``) and grow the per-token state to match."""
-        super().update(keys, values)
+        """Append this forward's tokens (``positions [q]``; in place where the storage has room, :func:`appended`) and
+        grow the per-token state to match."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        self.keys, self.values = appended(self.keys, keys), appended(self.values, values)
         batch, heads, new_tokens, _ = keys.shape
         new_positions = positions.to(keys.device).expand(batch, heads, new_tokens)
         self.positions = new_positions if self.positions is None else torch.cat([self.positions, new_positions], -1)

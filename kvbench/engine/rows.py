@@ -138,7 +138,8 @@ def forward_rows(
     positions = torch.tensor([[start + offset for offset in range(length)] for start in starts], device=lead.device)
     for cache, where, evict in zip(caches, positions, evicts):
         cache.begin_forward(where, evict=evict, decoding=int(where[0]) >= cache.prompt_len)
-    return lead.forward(RowBatch(caches), torch.tensor(token_ids, device=lead.device), positions, all_logits)
+    rows = RowBatch(caches, padded=lead.rows_attention == "padded")
+    return lead.forward(rows, torch.tensor(token_ids, device=lead.device), positions, all_logits)
 
 
 def prefill_rows(engines: Sequence[Runner], caches: list[EvictionCache], input_ids: list[int]) -> torch.Tensor:

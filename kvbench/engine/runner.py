@@ -31,6 +31,9 @@ from kvbench.policies.budgets import Budget
 from kvbench.policies.context import LayerWeights
 
 REGIMES = ["oneshot", "chunked", "streaming"]
+#: ``engine.rows_attention``: how a decode step attends its rows, each by its own backend call, or those with every
+#: key held by one padded SDPA call per layer (:func:`~kvbench.engine.attention.padded_outputs`)
+ROWS_ATTENTION = ["each", "padded"]
 
 
 def evicts_decoding(regime: str, decode_evict: bool | None) -> bool:
@@ -47,6 +50,7 @@ ENGINE_SETTINGS: dict[str, Domain] = {
     "save_kept": FLAG,
     "batch_size": Domain("auto or a row count ≥ 1", lambda value: value == "auto" or (is_int(value) and value >= 1)),
     "threads": THREADS,
+    "rows_attention": choice(*ROWS_ATTENTION),
 }
 
 
@@ -117,8 +121,10 @@ class Runner:
         score_block: int | str | None = "auto",
         record_kept: bool = False,
         tokenizer=None,
+        rows_attention: str = "each",
     ):
         choose("engine.regime", regime, REGIMES)
+        choose("engine.rows_attention", rows_attention, ROWS_ATTENTION)
         self.model = model
         #: the forward's cache argument: ``cache`` in recent transformers 5 releases, ``past_key_values`` before
         self.cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -131,6 +137,7 @@ class Runner:
         self.score_block = score_block_size(score_block)
         self.record_kept = record_kept
         self.tokenizer = tokenizer
+        self.rows_attention = rows_attention
         self._repeat_prompt: RepeatPrompt | None = None
         config = model.config.get_text_config()
         self.num_layers = config.num_hidden_layers

@@ -103,6 +103,7 @@ def build_engine(job: Job, loaded: LoadedModel) -> Engine:
         score_block=engine.score_block,
         record_kept=engine.save_kept,
         tokenizer=loaded.tokenizer,
+        rows_attention=engine.rows_attention,
     )
 
 
