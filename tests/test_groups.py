@@ -232,6 +232,26 @@ def test_a_shared_prefill_ranks_each_layer_once_per_scoring_setting(monkeypatch,
     assert len(counted) == 3 * model.config.num_hidden_layers
 
 
+def test_a_shared_prefill_computes_what_depends_on_the_entries_once(monkeypatch):
+    """CriticalKV's projected value norms (``ScoreContext.once``) over two bases at three budgets in one shared
+    prefill: computed once per layer, read by all six variants, whose tokens equal their own runs'; alone, once per
+    variant and layer."""
+    from kvbench.policies.methods import criticalkv
+
+    model, prompt = tiny_model(), random_prompt(160)
+    counted: list[int] = []
+    norms = criticalkv.projected_norms
+    monkeypatch.setattr(criticalkv, "projected_norms", lambda *args: counted.append(1) or norms(*args))
+    specs = ("snapkv+criticalkv", "tova+criticalkv")
+    engines = [Engine(model, build_policy(spec), budget) for spec in specs for budget in (48, 64, 96)]
+    shared = generate_shared(engines, prompt, 2)
+    assert len(counted) == model.config.num_hidden_layers
+    counted.clear()
+    alone = [engine.generate(prompt, 2) for engine in engines]
+    assert [output.token_ids for output in shared] == [output.token_ids for output in alone]
+    assert len(counted) == len(engines) * model.config.num_hidden_layers
+
+
 @pytest.mark.model
 def test_on_smollm2_one_shared_prefill_gives_what_each_variant_gives_alone():
     """The same over the registry on the offline SmolLM2 (float32, a 384-token text prompt, budget 96), the variants

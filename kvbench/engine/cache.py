@@ -380,8 +380,9 @@ class EvictionCache(Cache):
             summed = layer.received
         recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
         weights = None if self.layer_weights is None else self.layer_weights[layer_idx]
+        sinks = policy.reserved_sinks()
         return ScoreContext(
-            layer.keys, layer.values, layer.positions, summed, recent, window, weights, policy.reserved_sinks(), budget
+            layer.keys, layer.values, layer.positions, summed, recent, window, weights, sinks, budget, shared
         )
 
     def _window(self, layer_idx: int, size: int, scaling: float, shared: dict | None) -> AttentionStats:

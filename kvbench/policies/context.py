@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -22,6 +22,8 @@ from kvbench.policies.stats import AttentionStats
 #: to repeat the context, reads it back chunk by chunk (KVzip: every layer scored before any evicts). How the cache
 #: computes a running sum (from the attention weights, or in one pass from each query's normaliser beside the
 #: backend's attention output) is the cache's choice (``kvbench.engine.cache.uses_normaliser``), not the policy's.
+T = TypeVar("T")
+
 Statistic = Literal["positions", "entries", "window", "queries", "running", "reconstruction"]
 #: the statistics that are attention scores, which a non-attending modifier re-ranks
 ATTENTION: tuple[Statistic, ...] = ("window", "running")
@@ -66,7 +68,9 @@ class ScoreContext:
       and lazily their weights, logits and outputs), else None;
     * ``recent``/``sinks``: the number of slots at the end / start that the policy reserves, ``budget`` the slots
       the layer keeps per cache head (the reserved included; 0 where unknown);
-    * ``weights``: the layer's :class:`LayerWeights` (None in a cache built without a model).
+    * ``weights``: the layer's :class:`LayerWeights` (None in a cache built without a model);
+    * ``shared``: where the variants of a shared prefill score the same entries, what they computed from the entries
+      alone (:meth:`once`), else None.
     """
 
     keys: torch.Tensor
@@ -78,6 +82,17 @@ class ScoreContext:
     weights: LayerWeights | None = None
     sinks: int = 0
     budget: int = 0
+    shared: dict[Hashable, Any] | None = None
+
+    def once(self, name: Hashable, compute: Callable[[], T]) -> T:
+        """``compute()``, a function of the entries and the layer's weights alone (not of the budget or the
+        statistic): in a shared prefill computed by the first variant that asks for ``name``, then read by the rest."""
+        if self.shared is None:
+            return compute()
+        key = ("entries", name)
+        if key not in self.shared:
+            self.shared[key] = compute()
+        return self.shared[key]
 
 
 @dataclass

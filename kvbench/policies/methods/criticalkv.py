@@ -52,6 +52,8 @@ class CriticalKV(Modifier):
         tokens = scores.shape[-1]
         selectable = scores[..., context.sinks : tokens - context.recent]
         first = int((context.budget - context.sinks - context.recent) * self.first_stage_ratio)
-        reweighted = (scores + self.epsilon) * projected_norms(context.values, context.weights.output_per_head())
+        weights = context.weights
+        norms = context.once("projected_norms", lambda: projected_norms(context.values, weights.output_per_head()))
+        reweighted = (scores + self.epsilon) * norms
         chosen = selectable.topk(max(0, min(first, selectable.shape[-1])), dim=-1).indices + context.sinks
         return reweighted.scatter(-1, chosen, torch.finfo(reweighted.dtype).max)
