@@ -12,7 +12,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvbench.errors import KVBenchError
 from kvbench.policies.base import AttentionStats, Modifier
-from kvbench.policies.context import Evicted
+from kvbench.policies.context import Evicted, take_slots
 
 #: a single-token append to a layer with no room left grows its storage by this many slots: decoding copies the
 #: layer once every ``APPEND_SPARE`` tokens rather than at every token (transformers' ``DynamicLayer`` concatenates)
@@ -228,9 +228,7 @@ class EvictionLayer(DynamicLayer):
     def keep(self, kept: torch.Tensor) -> None:
         """Gather the kept slots ``kept [B,Hc,K]`` (sorted) into new, smaller tensors."""
         assert self.positions is not None
-        slots = kept[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        self.keys = self.keys.gather(2, slots)
-        self.values = self.values.gather(2, slots)
+        self.keys, self.values = take_slots(self.keys, kept), take_slots(self.values, kept)
         self.positions = self.positions.gather(2, kept)
         for name in ("running_score", "ranking"):
             if getattr(self, name) is not None:

@@ -24,9 +24,10 @@ query ``i`` of the forward sees slots ``0 .. T−q+i``. Shapes: B batch, Hq quer
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any, TypeVar
 
 import torch
 
@@ -200,6 +201,9 @@ class QueryTerms:
 QueryBlock = NormalisedBlock | QueryTerms
 
 
+T = TypeVar("T")
+
+
 @dataclass
 class AttentionStats:
     """Float32 attention of a window of queries over the cached tokens of one layer.
@@ -221,6 +225,18 @@ class AttentionStats:
     @property
     def group_size(self) -> int:
         return self.queries.shape[1] // self.keys.shape[1]
+
+    @cached_property
+    def memo(self) -> dict[Hashable, Any]:
+        """What was computed from these statistics alone, by name (:meth:`once`)."""
+        return {}
+
+    def once(self, name: Hashable, compute: Callable[[], T]) -> T:
+        """``compute()``, a function of these statistics alone: computed by the first that asks for ``name`` (a shared
+        prefill's variants share one window's statistics), then read."""
+        if name not in self.memo:
+            self.memo[name] = compute()
+        return self.memo[name]
 
     def per_query_head(self, tensor: torch.Tensor) -> torch.Tensor:
         """Repeat a per-KV-head tensor ``[B,Hkv,...]`` to query heads ``[B,Hq,...]`` (repeat_kv layout)."""

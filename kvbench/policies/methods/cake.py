@@ -53,7 +53,7 @@ class CakeBudget(DynamicLayerBudget):
 
     def preference(self, stats: AttentionStats, evicted: torch.Tensor) -> float:
         tau1, tau2 = (1.0 if tau is None else tau for tau in (self.tau1, self.tau2))
-        return cake_preference(stats.weights, tau1, tau2)  # CAKE eq. (6)
+        return stats.once(("cake", tau1, tau2), lambda: cake_preference(stats.weights, tau1, tau2))  # CAKE eq. (6)
 
 
 def cake_preference(weights: torch.Tensor, tau1: float, tau2: float) -> float:

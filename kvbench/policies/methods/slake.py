@@ -178,8 +178,8 @@ class Vabs(DynamicLayerBudget):
         if self.alpha is None or self.beta is None:
             raise KVBenchError("VABS needs policy.layer_budget.alpha and .beta (SLAKE Table 3 gives them per model)")
         approximate = ptaa_weights(stats.logits, stats.per_query_head(evicted)[:, :, None])
-        values = stats.per_query_head(stats.values)
-        return vabs_preference(stats.weights, approximate, values, self.alpha, self.beta, self.gamma)
+        terms = stats.once("vabs_terms", lambda: vabs_terms(stats.weights, stats.per_query_head(stats.values)))
+        return vabs_score(stats.weights, approximate, *terms, self.alpha, self.beta, self.gamma)
 
 
 def vabs_preference(
@@ -193,10 +193,29 @@ def vabs_preference(
         H_hi  = −Σ_j A_ij log A_ij                                         (eq. 17, the true attention)
         P     = (E_hi[TV_hi · VA_hi])^α · (E_hi[H_hi])^β                   (eq. 18)
     """
-    error = (approximate - weights).abs()  # [B,Hq,W,T]
-    total_variation = 0.5 * error.sum(dim=-1)  # SLAKE eq. (15)
+    return vabs_score(weights, approximate, *vabs_terms(weights, values), alpha, beta, gamma)
+
+
+def vabs_terms(weights: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What VABS reads of the window alone, whatever the budget evicts: each value's share of the norms
+    ``‖v_j‖ / Σ_j' ‖v_j'‖ [B,Hq,1,T]`` (eq. 16) and the mean entropy of the true attention ``E_hi[H_hi]`` (eq. 17)."""
     norms = torch.linalg.vector_norm(values.float(), dim=-1)  # [B,Hq,T]
     share = (norms / norms.sum(dim=-1, keepdim=True))[:, :, None]
-    value_aware = (share * error).sum(dim=-1) ** gamma  # SLAKE eq. (16)
     entropy = -torch.special.xlogy(weights, weights).sum(dim=-1)  # SLAKE eq. (17)
-    return float((total_variation * value_aware).mean() ** alpha * entropy.mean() ** beta)  # SLAKE eq. (18)
+    return share, entropy.mean()
+
+
+def vabs_score(
+    weights: torch.Tensor,
+    approximate: torch.Tensor,
+    share: torch.Tensor,
+    entropy: torch.Tensor,
+    alpha: float,
+    beta: float,
+    gamma: float,
+) -> float:
+    """:func:`vabs_preference` from the terms of :func:`vabs_terms`."""
+    error = (approximate - weights).abs()  # [B,Hq,W,T]
+    total_variation = 0.5 * error.sum(dim=-1)  # SLAKE eq. (15)
+    value_aware = (share * error).sum(dim=-1) ** gamma  # SLAKE eq. (16)
+    return float((total_variation * value_aware).mean() ** alpha * entropy**beta)  # SLAKE eq. (18)
