@@ -1,0 +1,63 @@
+"""The metrics a question-answering table names per dataset (``task=qa``'s ``task.metric``), each 0-1 per sample.
+
+* ``exact_match``: the prediction equals an answer after SQuAD's normalisation (:func:`normalize_answer`);
+* ``contains``: an answer is a case-insensitive substring of the prediction (RULER's ``string_match_part``);
+  ``contains_all``: the share of the answers found (RULER's ``string_match_all``);
+* ``choice``: the option letter the prediction gives (:func:`chosen_letter`) is the answer's;
+* ``f1``: LongBench's token F1 (``qa_f1``); ``rouge``: LongBench's ROUGE-L (``rouge_l``), each the best over the
+  answers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from kvbench.errors import choose
+from kvbench.metrics.longbench import normalize_answer, qa_f1, rouge_l
+from kvbench.metrics.ruler import string_match_all, string_match_part
+
+#: LongBench-v2's ``extract_answer`` (``pred.py``): "The correct answer is (X)", then without the parentheses
+CORRECT_ANSWER = (re.compile(r"The correct answer is \(([A-Z])\)"), re.compile(r"The correct answer is ([A-Z])"))
+#: an option letter standing alone at the start of a prediction: "B", "(B)", "B." or "B)"
+LEADING_LETTER = re.compile(r"^\s*\(?([A-Z])(?:[).:]|\s|$)")
+
+
+def chosen_letter(prediction: str) -> str | None:
+    """The option letter of ``prediction``: LongBench-v2's patterns (``*`` removed first, as there), else a letter
+    standing alone at its start; None where it gives none."""
+    text = prediction.replace("*", "")
+    for pattern in (*CORRECT_ANSWER, LEADING_LETTER):
+        if match := pattern.search(text):
+            return match.group(1)
+    return None
+
+
+def exact_match(prediction: str, answers: list[str]) -> float:
+    return float(any(normalize_answer(prediction) == normalize_answer(answer) for answer in answers))
+
+
+def choice(prediction: str, answers: list[str]) -> float:
+    letter = chosen_letter(prediction)
+    return float(letter is not None and any(letter == answer.strip().strip("()").upper() for answer in answers))
+
+
+def best_of(metric: Callable[[str, str], float]) -> Callable[[str, list[str]], float]:
+    """A per-answer metric as the best over the answers (0 with none)."""
+    return lambda prediction, answers: max((metric(prediction, answer) for answer in answers), default=0.0)
+
+
+METRICS: dict[str, Callable[[str, list[str]], float]] = {
+    "exact_match": exact_match,
+    "contains": string_match_part,
+    "contains_all": string_match_all,
+    "choice": choice,
+    "f1": best_of(qa_f1),
+    "rouge": best_of(rouge_l),
+}
+
+
+def qa_score(metric: str, prediction: str, answers: list[str]) -> float:
+    """``metric`` (one of :data:`METRICS`) of ``prediction`` against the accepted ``answers``, 0-1."""
+    choose("QA metric (task.metric)", metric, METRICS)
+    return METRICS[metric](prediction, answers)

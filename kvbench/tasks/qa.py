@@ -1,0 +1,195 @@
+"""Questions over contexts from any table of rows (``task=qa``): kvpress's dataset format, so that a new dataset in
+that shape runs with no code.
+
+A row holds ``context``, ``question`` and ``answer`` (a string, or a list of the accepted strings), and may hold
+``answer_prefix`` (written after the generation prompt), ``max_new_tokens`` and ``id``; ``task.columns`` maps these
+names to a table's own. Rows come from ``task.path`` (jsonl, json or parquet) or a hub dataset (``task.hub``,
+``task.hub_config``, ``task.split``) through ``datasets``.
+
+The prompt is ``task.prompt`` filled with the row (default ``{context}{question}``, kvpress's: the question
+right after the context, in one user turn) in ``task.prompt_format`` (the model's chat template, or the raw text with
+the tokenizer's BOS, as kvpress without a chat template), then the row's ``answer_prefix``. A prompt longer than
+``task.max_length`` tokens (default: the model's window less the row's answer) is cut in the middle as LongBench's
+``pred.py`` cuts it. The context/question boundary is where the prompt's text after ``{context}`` begins, so
+``task.query_mode=agnostic`` compresses each context alone, once for all the rows that ask about it (rows with
+identical contexts share a ``context_id``). Each dataset names its metric (``task.metric``,
+:mod:`kvbench.metrics.qa`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from kvbench import resolve_path
+from kvbench.domains import PATH, SAMPLES, TEXT, Domain, choice, integer, mapping, optional
+from kvbench.errors import KVBenchError
+from kvbench.hub import hub_online, hub_rows
+from kvbench.metrics.qa import METRICS, qa_score
+from kvbench.tasks.base import ModelInfo, Sample, TableLayout, Task
+from kvbench.tasks.prompts import after_context
+
+#: the row fields (kvpress's column names) a table must have, then those it may have
+REQUIRED = ("context", "question", "answer")
+OPTIONAL = ("answer_prefix", "max_new_tokens", "id")
+SUFFIXES = (".jsonl", ".json", ".parquet")
+PROMPT_FORMATS = ("hf_chat", "raw")
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a jsonl file (an object a line), a json file (a list of objects) or a parquet file."""
+    if path.suffix == ".parquet":
+        import pandas
+
+        return list(pandas.read_parquet(path).to_dict("records"))
+    if path.suffix not in SUFFIXES:
+        raise KVBenchError(f"task.path {path} is not a table; valid suffixes: {', '.join(SUFFIXES)}")
+    text = path.read_text(encoding="utf-8")
+    try:
+        rows = json.loads(text) if path.suffix == ".json" else [json.loads(line) for line in text.splitlines() if line]
+    except json.JSONDecodeError as error:
+        raise KVBenchError(f"{path} is not valid {path.suffix[1:]} ({error.msg}, line {error.lineno})") from None
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise KVBenchError(f"{path} must hold one object per row (a list of objects in a .json file)")
+    return rows
+
+
+def answers_of(value: Any) -> list[str]:
+    """A row's accepted answers: a string, or a list (or array) of them."""
+    return [value] if isinstance(value, str) else [str(answer) for answer in value]
+
+
+class QATask(Task):
+    """Options: ``path`` or ``hub`` (``hub_config``, ``split``), ``columns``, ``subtask_column``, ``dataset``,
+    ``prompt``, ``prompt_format``, ``metric``, ``max_new_tokens``, ``max_length``, ``num_samples``, ``query_mode``."""
+
+    name = "qa"
+    splits_prompts = True
+    table = TableLayout(title="Question answering")
+    domains = {
+        "path": optional(PATH, "the hub dataset task.hub"),
+        "hub": optional(TEXT, "task.path"),
+        "hub_config": optional(TEXT, "the dataset's default configuration"),
+        "split": TEXT,
+        "columns": mapping(
+            f"a mapping of row fields ({', '.join(REQUIRED + OPTIONAL)}) to column names",
+            lambda key, value: key in REQUIRED + OPTIONAL and isinstance(value, str),
+        ),
+        "subtask_column": optional(TEXT, "every row in the dataset's own subtask"),
+        "dataset": optional(TEXT, "the file's stem or the hub dataset's name"),
+        "prompt": Domain(
+            "a text with {context} before {question}",
+            lambda value: isinstance(value, str) and 0 <= value.find("{context}") < value.find("{question}"),
+        ),
+        "prompt_format": choice(*PROMPT_FORMATS),
+        "metric": choice(*METRICS),
+        "max_new_tokens": integer(1, "a token count"),
+        "max_length": optional(integer(2, "a token count"), "the model's window less the row's answer"),
+        "num_samples": optional(SAMPLES, "every row"),
+    }
+
+    def __init__(self, cfg: DictConfig, model: ModelInfo):
+        super().__init__(cfg, model)
+        self.path = None if cfg.get("path") is None else resolve_path(cfg.path)
+        if self.path is None and cfg.get("hub") is None:
+            raise KVBenchError("task=qa reads rows from task.path=FILE (jsonl, json, parquet) or task.hub=DATASET_ID")
+        if self.path is not None and not self.path.is_file():
+            raise KVBenchError(f"task.path {self.path} is not a file; set task.path=FILE (jsonl, json or parquet)")
+        self.columns = {field: str(cfg.columns.get(field, field)) for field in REQUIRED + OPTIONAL}
+        self.template = model.template(cfg.prompt_format, PROMPT_FORMATS)
+        self.agnostic = cfg.get("query_mode") == "agnostic"
+
+    @property
+    def dataset(self) -> str:
+        """The dataset's name: ``task.dataset``, else the file's stem or the hub dataset's last part."""
+        return str(self.cfg.get("dataset") or (self.path.stem if self.path else str(self.cfg.hub).split("/")[-1]))
+
+    def how_to_provide(self) -> str:
+        return "save its rows as jsonl or parquet and set task.path=FILE (or KVBENCH_QA_PATH)"
+
+    def check_data(self) -> None:
+        """The hub reachable when the rows come from it (the constructor checked ``task.path``)."""
+        if self.path is None and not hub_online():
+            raise KVBenchError(
+                f"the hub dataset {self.cfg.hub} ({self.cfg.split} split) is not here and the hub is unreachable; "
+                f"{self.how_to_provide()}"
+            )
+
+    def rows(self) -> Iterator[dict[str, Any]]:
+        """The table's rows in order, read from ``path`` or streamed from the hub."""
+        if self.path is not None:
+            yield from read_rows(self.path)
+        else:
+            cfg = self.cfg
+            yield from hub_rows(str(cfg.hub), str(cfg.split), self.how_to_provide(), cfg.get("hub_config"))
+
+    def records(self) -> list[dict[str, Any]]:
+        """The first ``num_samples`` rows in kvpress's field names, each checked for the required ones."""
+        limit, records = self.cfg.get("num_samples"), []
+        for index, row in enumerate(self.rows()):
+            if limit is not None and index >= int(limit):
+                break
+            missing = [field for field in REQUIRED if self.columns[field] not in row]
+            if missing:
+                column = self.columns[missing[0]]
+                raise KVBenchError(
+                    f"row {index} of {self.dataset} has no column {column!r} (columns: {', '.join(map(str, row))}); "
+                    f"name the one that holds the {missing[0]} with task.columns.{missing[0]}=COLUMN"
+                )
+            record = {field: row[column] for field, column in self.columns.items() if column in row}
+            subtask = self.cfg.get("subtask_column")
+            record["subtask"] = str(row[subtask]) if subtask else self.dataset
+            record.setdefault("id", f"{record['subtask']}-{index}")
+            records.append(record)
+        return records
+
+    def samples(self) -> Iterator[Sample]:
+        """The rows in order; in ``query_mode=agnostic`` the rows of one context follow one another (contexts in the
+        order they first appear), to be answered from one compression."""
+        records = self.records()
+        repeats = Counter(record["context"] for record in records)
+        samples = [self.sample(record, repeats[record["context"]] > 1) for record in records]
+        if self.agnostic:
+            first: dict[str, int] = {}
+            for sample in samples:
+                first.setdefault(sample.context_id or sample.id, len(first))
+            samples.sort(key=lambda sample: first[sample.context_id or sample.id])
+        return iter(samples)
+
+    def sample(self, record: dict[str, Any], shared_context: bool) -> Sample:
+        """The engine's sample for one row (``shared_context``: other rows ask about the same context)."""
+        new_tokens = int(record.get("max_new_tokens") or self.cfg.max_new_tokens)
+        text = self.prompt_text(record, new_tokens)
+        prefix = str(record.get("answer_prefix") or "")
+        if self.agnostic:
+            question = after_context(self.cfg.prompt, context="", question=record["question"])
+            ids, question_start = self.model.prompt_split(self.template, text, question, prefix)
+        else:
+            ids, question_start = self.model.prompt_ids(self.template, text, prefix), None
+        digest = hashlib.sha1(str(record["context"]).encode("utf-8")).hexdigest()[:12]
+        return Sample(
+            id=str(record["id"]),
+            subtask=record["subtask"],
+            input_ids=ids,
+            answers=answers_of(record["answer"]),
+            max_new_tokens=new_tokens,
+            question_start=question_start,
+            context_id=f"{record['subtask']}-context-{digest}" if shared_context else None,
+        )
+
+    def prompt_text(self, record: dict[str, Any], new_tokens: int) -> str:
+        """``task.prompt`` filled with the row, cut in the middle to ``max_length`` tokens (LongBench's rule)."""
+        limit = self.cfg.get("max_length")
+        limit = self.model.context_window - new_tokens if limit is None else int(limit)
+        text = self.cfg.prompt.format(context=record["context"], question=record["question"])
+        return self.model.cut_middle(text, limit)
+
+    def score(self, sample: Sample, prediction: str) -> float:
+        """The dataset's metric (``task.metric``), 0-1."""
+        return qa_score(self.cfg.metric, prediction, sample.answers)

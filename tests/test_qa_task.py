@@ -1,0 +1,183 @@
+"""``task=qa``: rows of context/question/answer from a file, prompted as kvpress prompts them, cut as LongBench cuts,
+split for query-agnostic runs, and scored by the metric the dataset names."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pyarrow
+import pyarrow.parquet
+import pytest
+from omegaconf import OmegaConf
+
+import kvbench
+from kvbench.errors import KVBenchError
+from kvbench.metrics.qa import chosen_letter, qa_score
+from kvbench.models import load_tokenizer, model_config
+from kvbench.tasks.base import ModelInfo
+from kvbench.tasks.qa import QATask, answers_of
+from tests.test_longbench import CHAT_TEMPLATE
+
+ROWS = [
+    {"context": "The lighthouse keeper was called Ada Brook.", "question": " Who kept the lighthouse?",
+     "answer": "Ada Brook", "answer_prefix": "Answer:"},
+    {"context": "The lighthouse keeper was called Ada Brook.", "question": " What did Ada keep?",
+     "answer": ["the lighthouse", "a lighthouse"], "max_new_tokens": 8},
+    {"context": "Boats leave the harbour at six.", "question": " When do boats leave?", "answer": "six"},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The tiny model's byte tokenizer (BOS prepended) with a small chat template."""
+    chat = copy.deepcopy(load_tokenizer(model_config("tiny_llama")))
+    chat.chat_template = CHAT_TEMPLATE
+    return chat
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def make_task(tokenizer, path: Path | None, window: int = 4096, **overrides) -> QATask:
+    cfg = OmegaConf.load(kvbench.CONF_DIR / "task" / "qa.yaml")
+    cfg.path = None if path is None else str(path)
+    for key, value in overrides.items():
+        cfg[key] = value
+    return QATask(cfg, ModelInfo("test", tokenizer, window))
+
+
+def kvpress_prompt(tokenizer, context: str, question: str, answer_prefix: str = "") -> list[int]:
+    """kvpress's ``KVPressTextGenerationPipeline.preprocess``: the context in a user turn of the chat template, split
+    at a separator, the question and the template's suffix after it, then the answer prefix."""
+    separator = "\n" + "#" * len(context)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": context + separator}], add_generation_prompt=True, tokenize=False
+    )
+    context_text, suffix = chat.split(separator)
+    text = context_text + question + suffix + answer_prefix
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize(
+    ("metric", "prediction", "answers", "expected"),
+    [
+        ("exact_match", "The Ada Brook.", ["ada brook"], 1.0),
+        ("exact_match", "Ada Brook, keeper", ["ada brook"], 0.0),
+        ("contains", "It was Ada Brook.", ["ada brook", "nobody"], 1.0),
+        ("contains_all", "It was Ada Brook.", ["ada brook", "nobody"], 0.5),
+        ("choice", "The correct answer is (C)", ["C"], 1.0),
+        ("choice", "**The correct answer is B**", ["C"], 0.0),
+        ("choice", "C. Because the text says so", ["C"], 1.0),
+        ("choice", "I cannot tell", ["C"], 0.0),
+        ("f1", "the cat sat", ["cat sat on mat", "dog"], 2 / 3),  # 2 shared of 2 and 4 tokens
+        ("rouge", "cat sat", ["cat sat on mat"], 2 / 3),  # LCS 2: P 1, R 1/2
+    ],
+)
+def test_metrics_hand_computed(metric, prediction, answers, expected):
+    assert qa_score(metric, prediction, answers) == pytest.approx(expected, abs=1e-6)
+
+
+def test_chosen_letter_follows_longbench_v2_first():
+    assert chosen_letter("A is tempting. The correct answer is (D).") == "D"
+    assert chosen_letter("(B) Paris") == "B" and chosen_letter("Paris") is None
+
+
+def test_prompts_are_kvpress_prompts_token_for_token(tokenizer, tmp_path):
+    task = make_task(tokenizer, write_rows(tmp_path / "rows.jsonl", ROWS))
+    samples = list(task.samples())
+    for sample, row in zip(samples, ROWS):
+        assert sample.input_ids == kvpress_prompt(
+            tokenizer, row["context"], row["question"], row.get("answer_prefix", "")
+        )
+    assert [sample.max_new_tokens for sample in samples] == [32, 8, 32]
+    assert [sample.answers for sample in samples] == [["Ada Brook"], ["the lighthouse", "a lighthouse"], ["six"]]
+    assert [sample.subtask for sample in samples] == ["rows"] * 3 and samples[0].id == "rows-0"
+    assert samples[0].context_id == samples[1].context_id is not None and samples[2].context_id is None
+
+
+def test_raw_prompts_are_the_text_after_bos(tokenizer, tmp_path):
+    task = make_task(tokenizer, write_rows(tmp_path / "rows.jsonl", ROWS[2:]), prompt_format="raw")
+    (sample,) = task.samples()
+    assert sample.input_ids == [
+        tokenizer.bos_token_id,
+        *tokenizer(ROWS[2]["context"] + ROWS[2]["question"])["input_ids"][1:],
+    ]
+
+
+def test_agnostic_splits_at_the_question_and_groups_contexts(tokenizer, tmp_path):
+    rows = [ROWS[0], ROWS[2], ROWS[1]]
+    task = make_task(tokenizer, write_rows(tmp_path / "rows.jsonl", rows), query_mode="agnostic")
+    samples = list(task.samples())
+    assert [sample.id for sample in samples] == ["rows-0", "rows-2", "rows-1"]  # one context's rows together
+    for sample, row in zip(samples, [ROWS[0], ROWS[1], ROWS[2]]):
+        context = tokenizer.decode(sample.input_ids[: sample.question_start])
+        assert context.endswith(row["context"] + " ") and row["question"].strip() in tokenizer.decode(
+            sample.input_ids[sample.question_start :]
+        )
+    aware = make_task(tokenizer, tmp_path / "rows.jsonl")
+    assert sorted(s.input_ids for s in aware.samples()) == sorted(s.input_ids for s in samples)
+
+
+def test_long_prompts_are_cut_in_the_middle_as_longbench(tokenizer, tmp_path):
+    row = {"context": "".join(f"line {n}. " for n in range(400)), "question": " Which line?", "answer": "7"}
+    task = make_task(tokenizer, write_rows(tmp_path / "rows.jsonl", [row]), max_length=200, prompt_format="raw")
+    (sample,) = task.samples()
+    text = row["context"] + row["question"]
+    assert sample.input_ids == task.model.prompt_ids("raw", task.model.cut_middle(text, 200))
+    assert len(sample.input_ids) <= 201 and tokenizer.decode(sample.input_ids).endswith("Which line?")
+    window = make_task(tokenizer, tmp_path / "rows.jsonl", window=300, prompt_format="raw")
+    assert len(next(window.samples()).input_ids) <= 300 - 32 + 1  # the window less the answer
+
+
+def test_columns_map_other_names_and_parquet_reads(tokenizer, tmp_path):
+    rows = [
+        {"document": row["context"], "query": row["question"], "answers": answers_of(row["answer"]), "task": "t"}
+        for row in ROWS
+    ]
+    path = tmp_path / "other.parquet"
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path)
+    columns = {"context": "document", "question": "query", "answer": "answers"}
+    task = make_task(tokenizer, path, columns=columns, subtask_column="task", num_samples=2)
+    samples = list(task.samples())
+    assert len(samples) == 2 and {sample.subtask for sample in samples} == {"t"}
+    assert samples[1].answers == ["the lighthouse", "a lighthouse"]
+    with pytest.raises(KVBenchError, match="has no column 'context'.*task.columns.context=COLUMN"):
+        list(make_task(tokenizer, path).samples())
+
+
+def test_bad_settings_are_one_line_errors(tokenizer, tmp_path):
+    with pytest.raises(KVBenchError, match=r"task.path=FILE .* or task.hub=DATASET_ID"):
+        make_task(tokenizer, None)
+    with pytest.raises(KVBenchError, match="is not a file"):
+        make_task(tokenizer, tmp_path / "missing.jsonl")
+    with pytest.raises(KVBenchError, match="task.metric=bleu: must be one of exact_match"):
+        make_task(tokenizer, write_rows(tmp_path / "rows.jsonl", ROWS), metric="bleu")
+    with pytest.raises(KVBenchError, match="task.prompt=.*{context} before {question}"):
+        make_task(tokenizer, tmp_path / "rows.jsonl", prompt="{question}{context}")
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("query_mode", ["aware", "agnostic"])
+def test_a_real_run_of_a_file_made_from_the_shipped_text(tmp_path, query_mode):
+    """``kvbench run task=qa`` on SmolLM2 over two questions about the bench's paragraph: a run directory with a record
+    per row, scored by the named metric; agnostic, the two questions answered from one compression."""
+    from kvbench.bench.sections import PARAGRAPH
+    from kvbench.cli import main
+
+    rows = [
+        {"context": PARAGRAPH, "question": " How many times did the ferry sound its horn?", "answer": "twice"},
+        {"context": PARAGRAPH, "question": " When did the baker open his shutters?", "answer": ["six", "6"]},
+    ]
+    path = write_rows(tmp_path / "harbour.jsonl", rows)
+    out = tmp_path / "run"
+    run = ["run", "model=smollm2_135m", "task=qa", f"task.path={path}", "policy=snapkv", "budget=64"]
+    main([*run, "task.max_new_tokens=12", f"task.query_mode={query_mode}", f"output_dir={out}"])
+    metrics = json.loads((out / "metrics.json").read_text())
+    records = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [record["id"] for record in records] == ["harbour-0", "harbour-1"] and set(metrics["scores"]) == {"harbour"}
+    assert all(record["score"] in (0.0, 1.0) and record["prediction"] for record in records)
+    assert metrics["scores"]["harbour"] == 50.0 * sum(record["score"] for record in records)
