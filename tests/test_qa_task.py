@@ -71,8 +71,9 @@ def kvpress_prompt(tokenizer, context: str, question: str, answer_prefix: str = 
         ("contains_all", "It was Ada Brook.", ["ada brook", "nobody"], 0.5),
         ("choice", "The correct answer is (C)", ["C"], 1.0),
         ("choice", "**The correct answer is B**", ["C"], 0.0),
-        ("choice", "C. Because the text says so", ["C"], 1.0),
-        ("choice", "I cannot tell", ["C"], 0.0),
+        ("choice", "C. Because the text says so", ["C"], 0.0),  # LongBench-v2 reads only its own sentence
+        ("letter", "C. Because the text says so", ["C"], 1.0),
+        ("letter", "I cannot tell", ["C"], 0.0),
         ("f1", "the cat sat", ["cat sat on mat", "dog"], 2 / 3),  # 2 shared of 2 and 4 tokens
         ("rouge", "cat sat", ["cat sat on mat"], 2 / 3),  # LCS 2: P 1, R 1/2
     ],
@@ -83,7 +84,8 @@ def test_metrics_hand_computed(metric, prediction, answers, expected):
 
 def test_chosen_letter_follows_longbench_v2_first():
     assert chosen_letter("A is tempting. The correct answer is (D).") == "D"
-    assert chosen_letter("(B) Paris") == "B" and chosen_letter("Paris") is None
+    assert chosen_letter("(B) Paris") is None and chosen_letter("(B) Paris", leading=True) == "B"
+    assert chosen_letter("Paris", leading=True) is None
 
 
 def test_prompts_are_kvpress_prompts_token_for_token(tokenizer, tmp_path):

@@ -3,7 +3,8 @@
 * ``exact_match``: the prediction equals an answer after SQuAD's normalisation (:func:`normalize_answer`);
 * ``contains``: an answer is a case-insensitive substring of the prediction (RULER's ``string_match_part``);
   ``contains_all``: the share of the answers found (RULER's ``string_match_all``);
-* ``choice``: the option letter the prediction gives (:func:`chosen_letter`) is the answer's;
+* ``choice``: the option letter LongBench-v2's ``extract_answer`` finds ("The correct answer is (X)", A-D) is the
+  answer's; ``letter``: the same, or else a letter standing alone at the prediction's start (:func:`chosen_letter`);
 * ``f1``: LongBench's token F1 (``qa_f1``); ``rouge``: LongBench's ROUGE-L (``rouge_l``), each the best over the
   answers.
 """
@@ -18,16 +19,16 @@ from kvbench.metrics.longbench import normalize_answer, qa_f1, rouge_l
 from kvbench.metrics.ruler import string_match_all, string_match_part
 
 #: LongBench-v2's ``extract_answer`` (``pred.py``): "The correct answer is (X)", then without the parentheses
-CORRECT_ANSWER = (re.compile(r"The correct answer is \(([A-Z])\)"), re.compile(r"The correct answer is ([A-Z])"))
+CORRECT_ANSWER = (re.compile(r"The correct answer is \(([A-D])\)"), re.compile(r"The correct answer is ([A-D])"))
 #: an option letter standing alone at the start of a prediction: "B", "(B)", "B." or "B)"
 LEADING_LETTER = re.compile(r"^\s*\(?([A-Z])(?:[).:]|\s|$)")
 
 
-def chosen_letter(prediction: str) -> str | None:
-    """The option letter of ``prediction``: LongBench-v2's patterns (``*`` removed first, as there), else a letter
-    standing alone at its start; None where it gives none."""
+def chosen_letter(prediction: str, leading: bool = False) -> str | None:
+    """The option letter of ``prediction`` as LongBench-v2's ``extract_answer`` finds it (``*`` removed first), or
+    with ``leading`` else a letter standing alone at its start; None where it gives none."""
     text = prediction.replace("*", "")
-    for pattern in (*CORRECT_ANSWER, LEADING_LETTER):
+    for pattern in (*CORRECT_ANSWER, LEADING_LETTER) if leading else CORRECT_ANSWER:
         if match := pattern.search(text):
             return match.group(1)
     return None
@@ -37,8 +38,8 @@ def exact_match(prediction: str, answers: list[str]) -> float:
     return float(any(normalize_answer(prediction) == normalize_answer(answer) for answer in answers))
 
 
-def choice(prediction: str, answers: list[str]) -> float:
-    letter = chosen_letter(prediction)
+def choice(prediction: str, answers: list[str], leading: bool = False) -> float:
+    letter = chosen_letter(prediction, leading)
     return float(letter is not None and any(letter == answer.strip().strip("()").upper() for answer in answers))
 
 
@@ -52,6 +53,7 @@ METRICS: dict[str, Callable[[str, list[str]], float]] = {
     "contains": string_match_part,
     "contains_all": string_match_all,
     "choice": choice,
+    "letter": lambda prediction, answers: choice(prediction, answers, leading=True),
     "f1": best_of(qa_f1),
     "rouge": best_of(rouge_l),
 }
