@@ -183,3 +183,92 @@ def test_a_real_run_of_a_file_made_from_the_shipped_text(tmp_path, query_mode):
     assert [record["id"] for record in records] == ["harbour-0", "harbour-1"] and set(metrics["scores"]) == {"harbour"}
     assert all(record["score"] in (0.0, 1.0) and record["prediction"] for record in records)
     assert metrics["scores"]["harbour"] == 50.0 * sum(record["score"] for record in records)
+
+
+# --- LongBench-v2 ------------------------------------------------------------------------------------------------
+
+#: LongBench-v2's ``prompts/0shot.txt``, as ``pred.py`` reads it
+ZERO_SHOT_TXT = (
+    "Please read the following text and answer the question below.\n\n<text>\n$DOC$\n</text>\n\n"
+    "What is the correct answer to this question: $Q$\nChoices:\n(A) $C_A$\n(B) $C_B$\n(C) $C_C$\n(D) $C_D$\n\n"
+    'Format your response as follows: "The correct answer is (insert answer here)".'
+)
+
+
+def v2_record(index: int, difficulty: str, length: str, context: str = " The tide came in at noon. ") -> dict:
+    """A record in LongBench-v2's format (written here, not taken from the dataset)."""
+    return {
+        "_id": f"q{index}", "domain": "Single-Document QA", "sub_domain": "Story", "difficulty": difficulty,
+        "length": length, "question": " When did the tide come in? ", "choice_A": " At noon ",
+        "choice_B": "At dawn", "choice_C": "At dusk", "choice_D": "At midnight", "answer": "A", "context": context,
+    }  # fmt: skip
+
+
+def pred_py_prompt(tokenizer, record: dict, max_len: int) -> list[int]:
+    """LongBench-v2 ``pred.py``: the template's fields replaced by the stripped record, cut by ``query_llm`` (token ids
+    with the special tokens, the first and last halves decoded together), sent as one user turn."""
+    prompt = ZERO_SHOT_TXT.replace("$DOC$", record["context"].strip()).replace("$Q$", record["question"].strip())
+    for letter in "ABCD":
+        prompt = prompt.replace(f"$C_{letter}$", record[f"choice_{letter}"].strip())
+    input_ids = tokenizer.encode(prompt)
+    if len(input_ids) > max_len:
+        input_ids = input_ids[: max_len // 2] + input_ids[-max_len // 2 :]
+        prompt = tokenizer.decode(input_ids, skip_special_tokens=True)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(chat, add_special_tokens=False)["input_ids"]
+
+
+def v2_task(tokenizer, path: Path, window: int = 4096, **overrides):
+    from kvbench.tasks.longbench_v2 import LongBenchV2Task
+
+    cfg = OmegaConf.load(kvbench.CONF_DIR / "task" / "longbench_v2.yaml")
+    cfg.path = str(path)
+    for key, value in overrides.items():
+        cfg[key] = value
+    return LongBenchV2Task(cfg, ModelInfo("test", tokenizer, window))
+
+
+def test_longbench_v2_prompts_and_cut_are_pred_py_token_for_token(tokenizer, tmp_path):
+    long_context = "".join(f" Day {n}: the tide came in at noon." for n in range(120))
+    records = [v2_record(0, "easy", "short"), v2_record(1, "hard", "long", long_context)]
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(records), encoding="utf-8")
+    samples = list(v2_task(tokenizer, path, max_length=1000).samples())
+    assert [sample.input_ids for sample in samples] == [pred_py_prompt(tokenizer, record, 1000) for record in records]
+    assert len(tokenizer.encode(ZERO_SHOT_TXT.replace("$DOC$", long_context))) > 1000  # the second one was cut
+    assert [sample.id for sample in samples] == ["q0", "q1"] and samples[0].subtask == "Single-Document QA"
+    assert samples[0].max_new_tokens == 128 and samples[0].answers == ["A"]
+    agnostic = next(v2_task(tokenizer, path, query_mode="agnostic").samples())
+    assert agnostic.input_ids == samples[0].input_ids
+    assert tokenizer.decode(agnostic.input_ids[agnostic.question_start :]).startswith("</text>")
+
+
+def test_longbench_v2_scores_by_result_py_splits(tokenizer, tmp_path):
+    records = [v2_record(0, "easy", "short"), v2_record(1, "hard", "short"), v2_record(2, "hard", "long")]
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(records), encoding="utf-8")
+    task = v2_task(tokenizer, path)
+    predictions = ["The correct answer is (A)", "The correct answer is B", "**The correct answer is (A)**"]
+    rows = [task.evaluate(sample, text) for sample, text in zip(task.samples(), predictions)]
+    assert [row["score"] for row in rows] == [1.0, 0.0, 1.0] and rows[0]["difficulty"] == "easy"
+    scores = task.aggregate([{**row, "subtask": "x"} for row in rows])
+    assert scores == pytest.approx({"overall": 200 / 3, "easy": 100.0, "hard": 50.0, "short": 50.0, "long": 100.0})
+
+
+def test_plan_names_what_to_download_without_the_hub(monkeypatch, capsys):
+    """``kvbench plan task=longbench_v2`` with the hub unreachable: the job is invalid, its one line saying what to
+    download and which variable names a local copy."""
+    from kvbench import hub
+    from kvbench.plan import main
+
+    monkeypatch.setattr(hub, "hub_online", lambda: False)
+    monkeypatch.setattr("kvbench.tasks.qa.hub_online", lambda: False)
+    monkeypatch.delenv("KVBENCH_LONGBENCH_V2_PATH", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        main(["model=tiny_llama", "task=longbench_v2", "task.prompt_format=raw", "policy=snapkv", "budget=64"])
+    assert exited.value.code == 2
+    (line,) = [json.loads(text) for text in capsys.readouterr().out.splitlines()]
+    assert any("download data.json of THUDM/LongBench-v2" in error and "KVBENCH_LONGBENCH_V2_PATH" in error
+               for error in line["errors"])  # fmt: skip

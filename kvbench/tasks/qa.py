@@ -111,6 +111,7 @@ class QATask(Task):
         return str(self.cfg.get("dataset") or (self.path.stem if self.path else str(self.cfg.hub).split("/")[-1]))
 
     def how_to_provide(self) -> str:
+        """The end of the one-line error where the rows are neither here nor downloadable."""
         return "save its rows as jsonl or parquet and set task.path=FILE (or KVBENCH_QA_PATH)"
 
     def check_data(self) -> None:
@@ -142,7 +143,7 @@ class QATask(Task):
                     f"row {index} of {self.dataset} has no column {column!r} (columns: {', '.join(map(str, row))}); "
                     f"name the one that holds the {missing[0]} with task.columns.{missing[0]}=COLUMN"
                 )
-            record = {field: row[column] for field, column in self.columns.items() if column in row}
+            record = {**row, **{field: row[column] for field, column in self.columns.items() if column in row}}
             subtask = self.cfg.get("subtask_column")
             record["subtask"] = str(row[subtask]) if subtask else self.dataset
             record.setdefault("id", f"{record['subtask']}-{index}")
@@ -168,7 +169,7 @@ class QATask(Task):
         text = self.prompt_text(record, new_tokens)
         prefix = str(record.get("answer_prefix") or "")
         if self.agnostic:
-            question = after_context(self.cfg.prompt, context="", question=record["question"])
+            question = after_context(self.prompt, **self.fields(record))
             ids, question_start = self.model.prompt_split(self.template, text, question, prefix)
         else:
             ids, question_start = self.model.prompt_ids(self.template, text, prefix), None
@@ -181,14 +182,33 @@ class QATask(Task):
             max_new_tokens=new_tokens,
             question_start=question_start,
             context_id=f"{record['subtask']}-context-{digest}" if shared_context else None,
+            metadata={key: record[key] for key in self.record_fields if key in record},
         )
 
+    @property
+    def prompt(self) -> str:
+        """The template of the user turn (``task.prompt``): ``{context}`` first, then ``{question}``."""
+        return str(self.cfg.prompt)
+
+    #: row fields a record keeps beside the prediction and score (:meth:`evaluate`)
+    record_fields: tuple[str, ...] = ()
+
+    def fields(self, record: dict[str, Any]) -> dict[str, Any]:
+        """What :attr:`prompt` is filled with: the row's fields, under kvpress's names too."""
+        return record
+
     def prompt_text(self, record: dict[str, Any], new_tokens: int) -> str:
-        """``task.prompt`` filled with the row, cut in the middle to ``max_length`` tokens (LongBench's rule)."""
+        """:attr:`prompt` filled with the row, cut in the middle to ``max_length`` tokens (LongBench's rule)."""
+        return self.model.cut_middle(self.prompt.format(**self.fields(record)), self.max_length(new_tokens))
+
+    def max_length(self, new_tokens: int) -> int:
+        """The prompt's token limit: ``task.max_length``, else the model's window less the answer's tokens."""
         limit = self.cfg.get("max_length")
-        limit = self.model.context_window - new_tokens if limit is None else int(limit)
-        text = self.cfg.prompt.format(context=record["context"], question=record["question"])
-        return self.model.cut_middle(text, limit)
+        return self.model.context_window - new_tokens if limit is None else int(limit)
+
+    def evaluate(self, sample: Sample, output: Any) -> dict[str, Any]:
+        """Prediction and score, and the row's :attr:`record_fields`."""
+        return {**super().evaluate(sample, output), **sample.metadata}
 
     def score(self, sample: Sample, prediction: str) -> float:
         """The dataset's metric (``task.metric``), 0-1."""

@@ -1,0 +1,55 @@
+"""LongBench-v2 (Bai et al., 2024): 503 long multiple-choice questions, prompted, cut and scored as THUDM's ``pred.py``
+and ``result.py`` (the ``THUDM/LongBench`` repository, LongBench-v2's code).
+
+The prompt (``task.prompt``) is ``prompts/0shot.txt`` with the record's context, question and four choices, each
+stripped, sent as one user turn (``pred.py`` sends it to a chat endpoint: here the model's chat template). A prompt
+longer than ``max_length`` tokens (counted with the special tokens) keeps its first and last ``max_length // 2``
+tokens, decoded together. The answer is up to 128 new tokens; its letter is the one ``extract_answer`` finds ("The
+correct answer is (X)"), right when it is the record's. ``result.py``'s table: accuracy overall, on the easy and hard
+questions and on the short, medium and long ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbench.tasks.base import TableLayout
+from kvbench.tasks.qa import QATask
+
+CHOICES = ("choice_A", "choice_B", "choice_C", "choice_D")
+SPLITS = {"difficulty": ("easy", "hard"), "length": ("short", "medium", "long")}
+
+
+class LongBenchV2Task(QATask):
+    """``task=longbench_v2``: :class:`QATask` over LongBench-v2's records (``task.path``: its ``data.json``, else the
+    hub), the official prompt in ``task.prompt``, its fields stripped, cut as ``pred.py`` cuts, scored by splits."""
+
+    name = "longbench_v2"
+    table = TableLayout(title="LongBench-v2", order=("overall", *SPLITS["difficulty"], *SPLITS["length"]))
+    record_fields = ("difficulty", "length", "domain")
+
+    def how_to_provide(self) -> str:
+        return f"download data.json of {self.cfg.hub} and set task.path=FILE (or KVBENCH_LONGBENCH_V2_PATH)"
+
+    def fields(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The record's context, question and choices stripped, as ``pred.py`` fills the template."""
+        return {key: str(record[key]).strip() for key in ("context", "question", *CHOICES)}
+
+    def prompt_text(self, record: dict[str, Any], new_tokens: int) -> str:
+        """The filled template, cut as ``pred.py``'s ``query_llm``: the first and last halves of its token ids (special
+        tokens counted) decoded as one."""
+        text, limit = self.prompt.format(**self.fields(record)), self.max_length(new_tokens)
+        ids = self.model.prompt_ids("raw", text)
+        if len(ids) <= limit:
+            return text
+        return self.model.decode(ids[: limit // 2] + ids[-(limit // 2) :])
+
+    def aggregate(self, records: list[dict]) -> dict[str, float]:
+        """Accuracy (0-100) over every record and over each difficulty and length (the splits with records)."""
+        groups: dict[str, list[float]] = {"overall": [record["score"] for record in records]}
+        for field, names in SPLITS.items():
+            for name in names:
+                scores = [record["score"] for record in records if record.get(field) == name]
+                if scores:
+                    groups[name] = scores
+        return {name: 100.0 * sum(scores) / len(scores) for name, scores in groups.items() if scores}
