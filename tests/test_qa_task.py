@@ -257,18 +257,109 @@ def test_longbench_v2_scores_by_result_py_splits(tokenizer, tmp_path):
     assert scores == pytest.approx({"overall": 200 / 3, "easy": 100.0, "hard": 50.0, "short": 50.0, "long": 100.0})
 
 
-def test_plan_names_what_to_download_without_the_hub(monkeypatch, capsys):
-    """``kvbench plan task=longbench_v2`` with the hub unreachable: the job is invalid, its one line saying what to
+@pytest.mark.parametrize(
+    ("task", "download", "variable"),
+    [
+        ("longbench_v2", "download data.json of THUDM/LongBench-v2", "KVBENCH_LONGBENCH_V2_PATH"),
+        ("infinitebench", "download <subset>.jsonl of xinrongzhang2022/InfiniteBench", "KVBENCH_INFINITEBENCH_DIR"),
+        ("qa", "set task.path=FILE", "KVBENCH_QA_PATH"),
+    ],
+)
+def test_plan_names_what_to_download_without_the_hub(monkeypatch, capsys, task, download, variable):
+    """``kvbench plan`` of each named dataset with the hub unreachable: the job is invalid, its one line saying what to
     download and which variable names a local copy."""
     from kvbench import hub
     from kvbench.plan import main
 
     monkeypatch.setattr(hub, "hub_online", lambda: False)
     monkeypatch.setattr("kvbench.tasks.qa.hub_online", lambda: False)
-    monkeypatch.delenv("KVBENCH_LONGBENCH_V2_PATH", raising=False)
+    monkeypatch.delenv(variable, raising=False)
+    hub_id = ["task.hub=someone/rows"] if task == "qa" else []
     with pytest.raises(SystemExit) as exited:
-        main(["model=tiny_llama", "task=longbench_v2", "task.prompt_format=raw", "policy=snapkv", "budget=64"])
+        main(["model=tiny_llama", f"task={task}", "task.prompt_format=raw", *hub_id, "policy=snapkv", "budget=64"])
     assert exited.value.code == 2
     (line,) = [json.loads(text) for text in capsys.readouterr().out.splitlines()]
-    assert any("download data.json of THUDM/LongBench-v2" in error and "KVBENCH_LONGBENCH_V2_PATH" in error
-               for error in line["errors"])  # fmt: skip
+    assert any(download in error and variable in error for error in line["errors"]), line["errors"]
+
+
+# --- InfiniteBench -------------------------------------------------------------------------------------------------
+
+
+def infinitebench_rows() -> dict[str, list[dict]]:
+    """A record of each subset in the hub's format (written here, not taken from the dataset)."""
+    haystack = "The grass is green. The sky is blue. " * 20
+    book = "Chapter one. Ada kept the lighthouse on the northern cape for forty years. " * 8
+    return {
+        "passkey": [{"id": 0, "context": haystack + "The pass key is 71432. Remember it. " + haystack,
+                     "input": "What is the pass key?", "answer": ["71432"], "options": []}],
+        "number_string": [{"id": 0, "context": haystack, "input": "What is the sequence number?",
+                           "answer": ["4432109"], "options": []}],
+        "kv_retrieval": [{"id": 0, "context": '{"a1b2": "c3d4", "e5f6": "g7h8"}', "input": "Key: \"e5f6\"\nThe value:",
+                          "answer": ["g7h8"], "options": []}],
+        "longbook_choice_eng": [{"id": 0, "context": book, "input": "Who kept the lighthouse?",
+                                 "answer": ["Ada"], "options": ["Bo", "Ada", "Cy", "Di"]}],
+        "longbook_qa_eng": [{"id": 0, "context": book, "input": "How long did Ada keep it?",
+                             "answer": ["forty years"], "options": []}],
+    }  # fmt: skip
+
+
+def infinitebench_task(tokenizer, folder: Path, **overrides):
+    from kvbench.tasks.infinitebench import InfiniteBenchTask
+
+    for subset, rows in infinitebench_rows().items():
+        write_rows(folder / f"{subset}.jsonl", rows)
+    cfg = OmegaConf.load(kvbench.CONF_DIR / "task" / "infinitebench.yaml")
+    cfg.data_dir = str(folder)
+    for key, value in overrides.items():
+        cfg[key] = value
+    return InfiniteBenchTask(cfg, ModelInfo("test", tokenizer, 4096))
+
+
+def official_infinitebench_prompt(tokenizer, subset: str, row: dict, templates: str, max_length: int) -> list[int]:
+    """``create_prompt`` (the record's ``input`` as its question), ``truncate_input`` on the ids ("middle"), decoded,
+    then gpt4's ``create_msgs`` turns in the chat template, or yarn-mistral's raw text with BOS."""
+    from kvbench.tasks.infinitebench import TEMPLATES
+
+    options = {f"OPTION_{letter}": option for letter, option in zip("ABCD", row["options"])}
+    prompt = TEMPLATES[templates][subset].format(context=row["context"], input=row["input"], **options)
+    ids = tokenizer.encode(prompt)
+    if len(ids) > max_length:
+        prompt = tokenizer.decode(ids[: max_length // 2] + ids[-max_length // 2 :], skip_special_tokens=True)
+    if templates == "yarn_mistral":
+        return tokenizer(prompt)["input_ids"]
+    messages = [{"role": "system", "content": "You are a helpful assistant"}, {"role": "user", "content": prompt}]
+    chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(chat, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize(("templates", "prompt_format"), [("gpt4", "hf_chat"), ("yarn_mistral", "raw")])
+def test_infinitebench_prompts_are_the_official_ones(tokenizer, tmp_path, templates, prompt_format):
+    task = infinitebench_task(tokenizer, tmp_path, templates=templates, prompt_format=prompt_format, max_length=600)
+    samples = list(task.samples())
+    rows = infinitebench_rows()
+    assert [sample.subtask for sample in samples] == list(rows)
+    for sample in samples:
+        expected = official_infinitebench_prompt(tokenizer, sample.subtask, rows[sample.subtask][0], templates, 600)
+        assert sample.input_ids == expected, sample.subtask
+    assert [sample.max_new_tokens for sample in samples] == [6, 12, 50, 40, 40]
+    assert samples[3].answers == ["Ada", "B"]  # get_answer: the option and its letter
+
+
+@pytest.mark.parametrize(
+    ("subset", "prediction", "answers", "expected"),
+    [
+        ("passkey", "The pass key is 71432.", ["71432"], 1.0),
+        ("passkey", "7143 2", ["71432"], 0.0),  # the first run of digits only
+        ("kv_retrieval", 'The value is "g7h8".', ["g7h8"], 1.0),
+        ("kv_retrieval", "g7h8x", ["g7h8"], 0.0),
+        ("longbook_choice_eng", "B", ["Ada", "B"], 1.0),
+        ("longbook_choice_eng", "The answer is: Ada, of course", ["Ada", "B"], 1.0),
+        ("longbook_choice_eng", "I think it is C here", ["Ada", "B"], 0.0),  # the first of A-D among the words
+        ("longbook_choice_eng", "I think it is B here", ["Ada", "B"], 1.0),
+        ("longbook_qa_eng", "for forty years", ["forty years"], 0.8),  # P 2/3, R 1
+    ],
+)
+def test_infinitebench_scorers_hand_computed(subset, prediction, answers, expected):
+    from kvbench.metrics.infinitebench import SCORERS
+
+    assert SCORERS[subset](prediction, answers) == pytest.approx(expected)

@@ -73,6 +73,15 @@ class ModelInfo:
         half = max_length // 2
         return self.decode(ids[:half]) + self.decode(ids[-half:])
 
+    def cut_halves(self, text: str, max_length: int) -> str:
+        """``text`` cut to ``max_length`` tokens as LongBench-v2's ``pred.py`` and InfiniteBench's ``truncate_input``
+        cut it: its token ids (with the special tokens) kept to the first and last ``max_length // 2``, decoded as
+        one text (special tokens skipped)."""
+        ids = self.prompt_ids("raw", text)
+        if len(ids) <= max_length:
+            return text
+        return self.decode(ids[: max_length // 2] + ids[-(max_length // 2) :])
+
     def template(self, prompt_format: str, valid: tuple[str, ...]) -> str:
         """The template a task's prompt format (one of ``valid``) uses for this model, checked usable here."""
         template = prompts.template_for(prompt_format, valid, self.hf_id)

@@ -36,13 +36,8 @@ class LongBenchV2Task(QATask):
         return {key: str(record[key]).strip() for key in ("context", "question", *CHOICES)}
 
     def prompt_text(self, record: dict[str, Any], new_tokens: int) -> str:
-        """The filled template, cut as ``pred.py``'s ``query_llm``: the first and last halves of its token ids (special
-        tokens counted) decoded as one."""
-        text, limit = self.prompt.format(**self.fields(record)), self.max_length(new_tokens)
-        ids = self.model.prompt_ids("raw", text)
-        if len(ids) <= limit:
-            return text
-        return self.model.decode(ids[: limit // 2] + ids[-(limit // 2) :])
+        """The filled template, cut as ``pred.py``'s ``query_llm``: the halves of its token ids decoded together."""
+        return self.model.cut_halves(self.prompt_of(record).format(**self.fields(record)), self.max_length(new_tokens))
 
     def aggregate(self, records: list[dict]) -> dict[str, float]:
         """Accuracy (0-100) over every record and over each difficulty and length (the splits with records)."""

@@ -168,11 +168,12 @@ class QATask(Task):
         new_tokens = int(record.get("max_new_tokens") or self.cfg.max_new_tokens)
         text = self.prompt_text(record, new_tokens)
         prefix = str(record.get("answer_prefix") or "")
+        messages = self.messages(text)
         if self.agnostic:
-            question = after_context(self.prompt, **self.fields(record))
-            ids, question_start = self.model.prompt_split(self.template, text, question, prefix)
+            question = after_context(self.prompt_of(record), **self.fields(record))
+            ids, question_start = self.model.prompt_split(self.template, text, question, prefix, messages)
         else:
-            ids, question_start = self.model.prompt_ids(self.template, text, prefix), None
+            ids, question_start = self.model.prompt_ids(self.template, text, prefix, messages), None
         digest = hashlib.sha1(str(record["context"]).encode("utf-8")).hexdigest()[:12]
         return Sample(
             id=str(record["id"]),
@@ -185,10 +186,13 @@ class QATask(Task):
             metadata={key: record[key] for key in self.record_fields if key in record},
         )
 
-    @property
-    def prompt(self) -> str:
-        """The template of the user turn (``task.prompt``): ``{context}`` first, then ``{question}``."""
+    def prompt_of(self, record: dict[str, Any]) -> str:
+        """The template of the row's user turn (``task.prompt``): ``{context}`` first, then ``{question}``."""
         return str(self.cfg.prompt)
+
+    def messages(self, text: str) -> list[dict[str, str]] | None:
+        """The chat turns of a prompt ``text`` (None: ``text`` as the one user turn)."""
+        return None
 
     #: row fields a record keeps beside the prediction and score (:meth:`evaluate`)
     record_fields: tuple[str, ...] = ()
@@ -199,7 +203,7 @@ class QATask(Task):
 
     def prompt_text(self, record: dict[str, Any], new_tokens: int) -> str:
         """:attr:`prompt` filled with the row, cut in the middle to ``max_length`` tokens (LongBench's rule)."""
-        return self.model.cut_middle(self.prompt.format(**self.fields(record)), self.max_length(new_tokens))
+        return self.model.cut_middle(self.prompt_of(record).format(**self.fields(record)), self.max_length(new_tokens))
 
     def max_length(self, new_tokens: int) -> int:
         """The prompt's token limit: ``task.max_length``, else the model's window less the answer's tokens."""
