@@ -300,8 +300,10 @@ class EvictionCache(Cache):
         if self.evict_now and policy.evicts and not deferred and layer.get_seq_length() > budget:
             if self.allocation is not None and layer_idx == len(self.allocation.preferences):
                 self.cascade_shared = shared  # what the stage ranks and scores from (rank, preference_stats)
-                policy.layer_budget.cascade(self.allocation, self, layer_idx, scaling)
-                self.cascade_shared = None
+                try:
+                    policy.layer_budget.cascade(self.allocation, self, layer_idx, scaling)
+                finally:
+                    self.cascade_shared = None
             else:
                 self._evict(layer_idx, budget, self._shared_scores(layer_idx, budget, scaling, shared), scaling)
 
