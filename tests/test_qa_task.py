@@ -262,6 +262,7 @@ def test_longbench_v2_scores_by_result_py_splits(tokenizer, tmp_path):
     [
         ("longbench_v2", "download data.json of THUDM/LongBench-v2", "KVBENCH_LONGBENCH_V2_PATH"),
         ("infinitebench", "download <subset>.jsonl of xinrongzhang2022/InfiniteBench", "KVBENCH_INFINITEBENCH_DIR"),
+        ("loogle", "LooGLE-testdata/<subset>.jsonl of bigai-nlco/LooGLE", "KVBENCH_LOOGLE_DIR"),
         ("qa", "set task.path=FILE", "KVBENCH_QA_PATH"),
     ],
 )
@@ -273,6 +274,7 @@ def test_plan_names_what_to_download_without_the_hub(monkeypatch, capsys, task, 
 
     monkeypatch.setattr(hub, "hub_online", lambda: False)
     monkeypatch.setattr("kvbench.tasks.qa.hub_online", lambda: False)
+    monkeypatch.setattr("kvbench.tasks.loogle.hub_online", lambda: False)
     monkeypatch.delenv(variable, raising=False)
     hub_id = ["task.hub=someone/rows"] if task == "qa" else []
     with pytest.raises(SystemExit) as exited:
@@ -363,3 +365,75 @@ def test_infinitebench_scorers_hand_computed(subset, prediction, answers, expect
     from kvbench.metrics.infinitebench import SCORERS
 
     assert SCORERS[subset](prediction, answers) == pytest.approx(expected)
+
+
+# --- LooGLE --------------------------------------------------------------------------------------------------------
+
+
+def loogle_rows() -> dict[str, list[dict]]:
+    """Rows in the repository's ``LooGLE-testdata`` format (written here, not taken from the dataset)."""
+    document = "Ada Brook kept the lighthouse on the northern cape. Her brother Tom sailed to Oslo. " * 6
+    pairs = [{"Q": "Who kept the lighthouse?", "A": "Ada Brook"}, {"Q": "Where did Tom sail?", "A": "to Oslo"}]
+    return {
+        "shortdep_qa": [{"input": document, "title": "t", "qa_pairs": str(pairs), "output": "none"}],
+        "shortdep_cloze": [{"input": document, "title": "t", "output": "none",
+                            "qa_pairs": str([{"Q": "<mask-0> kept the lighthouse; <mask-1> sailed.",
+                                              "A": ["Ada Brook", "Tom"]}])}],
+        "longdep_summarization": [{"input": document, "title": "t", "qa_pairs": "none", "output": "A keeper's story."}],
+    }  # fmt: skip
+
+
+def loogle_task(tokenizer, folder: Path, **overrides):
+    from kvbench.tasks.loogle import LooGLETask
+
+    for subset, rows in loogle_rows().items():
+        write_rows(folder / f"{subset}.jsonl", rows)
+    cfg = OmegaConf.load(kvbench.CONF_DIR / "task" / "loogle.yaml")
+    cfg.data_dir, cfg.subtasks = str(folder), list(loogle_rows())
+    for key, value in overrides.items():
+        cfg[key] = value
+    return LooGLETask(cfg, ModelInfo("test", tokenizer, 4096))
+
+
+def test_loogle_prompts_are_pred_opensource_models(tokenizer, tmp_path):
+    """``task2prompt.json`` filled with the document and question, cut as LongBench cuts (each half decoded alone),
+    tokenized with BOS; a document's questions share its ``context_id``."""
+    from kvbench.tasks.loogle import PROMPTS
+
+    task = loogle_task(tokenizer, tmp_path, max_length=300)
+    samples = list(task.samples())
+    assert [sample.subtask for sample in samples] == [
+        "shortdep_qa",
+        "shortdep_qa",
+        "shortdep_cloze",
+        "longdep_summarization",
+    ]
+    document = loogle_rows()["shortdep_qa"][0]["input"]
+    prompt = PROMPTS["shortdep_qa"].format(input=document, Q="Who kept the lighthouse?")
+    ids = tokenizer(prompt)["input_ids"]
+    assert len(ids) > 300
+    cut = tokenizer.decode(ids[:150], skip_special_tokens=True) + tokenizer.decode(ids[-150:], skip_special_tokens=True)
+    assert samples[0].input_ids == tokenizer(cut)["input_ids"]
+    assert samples[0].context_id == samples[1].context_id is not None and samples[0].max_new_tokens == 300
+    assert json.loads(samples[2].answers[0]) == {"<mask-0>": "Ada Brook", "<mask-1>": "Tom"}
+    agnostic = list(loogle_task(tokenizer, tmp_path, query_mode="agnostic").samples())
+    assert tokenizer.decode(agnostic[0].input_ids[agnostic[0].question_start :]).startswith("Question: Who kept")
+
+
+def test_loogle_metrics_hand_computed(tokenizer, tmp_path):
+    from kvbench.metrics.loogle import cloze_matches, text_metrics
+
+    scores = text_metrics("Ada Brook kept it", "Ada kept the lighthouse")
+    assert scores["rouge1"] == pytest.approx(2 / 4) and scores["rougeL"] == pytest.approx(2 / 4)
+    assert scores["bleu1"] == pytest.approx(0.5)  # 2 of 4 unigrams match; the lengths are equal (no brevity penalty)
+    reference = {"<mask-0>": "Ada Brook", "<mask-1>": "Tom"}
+    assert cloze_matches(reference, "{'<mask-0>': 'Ada', '<mask-1>': 'Tom'}") == {"exact": 1, "partial": 2, "count": 2}
+    assert cloze_matches(reference, "Ada and Tom") == {"exact": 0, "partial": 0, "count": 2}
+    task = loogle_task(tokenizer, tmp_path)
+    samples = list(task.samples())
+    outputs = ["Ada Brook", "", "{'<mask-0>': 'Ada Brook', '<mask-1>': 'Bo'}", "A keeper's story."]
+    records = [{**task.evaluate(sample, output), "subtask": sample.subtask} for sample, output in zip(samples, outputs)]
+    assert [record["score"] for record in records] == [1.0, 0.0, 0.5, 1.0]
+    assert task.aggregate(records) == pytest.approx(
+        {"shortdep_qa": 50.0, "shortdep_cloze": 50.0, "longdep_summarization": 100.0}
+    )
