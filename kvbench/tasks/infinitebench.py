@@ -14,18 +14,14 @@ against the record's answers (En.MC: the correct option's text and letter, ``get
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
-from kvbench import resolve_path
 from kvbench.domains import PATH, SAMPLES, choice, integer, name_list, optional
 from kvbench.errors import KVBenchError
 from kvbench.hub import check_hub_file, hub_file
 from kvbench.metrics.infinitebench import SCORERS
-from kvbench.tasks.base import ModelInfo, Sample, TableLayout, Task
-from kvbench.tasks.qa import QATask, read_rows
+from kvbench.tasks.base import Sample, TableLayout
+from kvbench.tasks.qa import SubsetsTask, read_rows
 
 HUB_REPO = "xinrongzhang2022/InfiniteBench"
 #: ``src/prompt.py``'s templates of the subsets, by family
@@ -71,10 +67,11 @@ HEADERS = {
 }
 
 
-class InfiniteBenchTask(QATask):
+class InfiniteBenchTask(SubsetsTask):
     """``task=infinitebench``: the subsets' records through :class:`QATask`'s sampling, with the official templates,
     cut and scorers."""
 
+    title = "InfiniteBench"
     name = "infinitebench"
     table = TableLayout(title="InfiniteBench", order=SUBSETS, headers=HEADERS)
     domains = {
@@ -85,14 +82,6 @@ class InfiniteBenchTask(QATask):
         "max_length": optional(integer(2, "a token count"), "the model's window less the subset's answer"),
         "num_samples": optional(SAMPLES, "every record"),
     }
-
-    def __init__(self, cfg: DictConfig, model: ModelInfo):
-        Task.__init__(self, cfg, model)  # the rows are the subsets' files, not QATask's path or hub
-        names = cfg.subtasks
-        self.subsets = [names] if isinstance(names, str) else list(names)
-        self.data_dir = None if cfg.get("data_dir") is None else resolve_path(cfg.data_dir)
-        self.template = model.template(cfg.prompt_format, ("hf_chat", "raw"))
-        self.agnostic = cfg.get("query_mode") == "agnostic"
 
     def how_to_provide(self) -> str:
         folder = "set task.data_dir=FOLDER (or KVBENCH_INFINITEBENCH_DIR)"
@@ -105,13 +94,6 @@ class InfiniteBenchTask(QATask):
                 check_hub_file(HUB_REPO, f"{subset}.jsonl", self.how_to_provide())
             else:
                 self.local_file(subset)
-
-    def local_file(self, subset: str) -> Path:
-        assert self.data_dir is not None
-        path = self.data_dir / f"{subset}.jsonl"
-        if not path.is_file():
-            raise KVBenchError(f"InfiniteBench subset {subset!r} not found: expected {path}; {self.how_to_provide()}")
-        return path
 
     def records(self) -> list[dict[str, Any]]:
         """The first ``num_samples`` records of each subset, in the subsets' order."""

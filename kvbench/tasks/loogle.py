@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import ast
 import json
-from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
-from kvbench import resolve_path
 from kvbench.domains import PATH, SAMPLES, choice, integer, name_list, optional
 from kvbench.errors import KVBenchError
 from kvbench.hub import hub_online, hub_rows
 from kvbench.metrics.loogle import cloze_matches, text_metrics
-from kvbench.tasks.base import ModelInfo, Sample, TableLayout, Task
-from kvbench.tasks.qa import QATask, read_rows
+from kvbench.tasks.base import Sample, TableLayout
+from kvbench.tasks.qa import SubsetsTask, read_rows
 
 HUB_REPO = "bigainlco/LooGLE"
 #: ``config/task2prompt.json``
@@ -47,10 +43,11 @@ HUB_CONFIGS = {"longdep_summarization": "summarization"}  # the hub's name of a 
 CLOZE = "shortdep_cloze"
 
 
-class LooGLETask(QATask):
+class LooGLETask(SubsetsTask):
     """``task=loogle``: each document's questions through :class:`QATask`'s sampling, with LooGLE's prompts, cut,
     answer lengths and automatic metrics."""
 
+    title = "LooGLE"
     name = "loogle"
     table = TableLayout(title="LooGLE", order=SUBSETS)
     domains = {
@@ -60,14 +57,6 @@ class LooGLETask(QATask):
         "max_length": optional(integer(2, "a token count"), "the model's window less the subset's answer"),
         "num_samples": optional(SAMPLES, "every document"),
     }
-
-    def __init__(self, cfg: DictConfig, model: ModelInfo):
-        Task.__init__(self, cfg, model)  # the rows are the subsets' files, not QATask's path or hub
-        names = cfg.subtasks
-        self.subsets = [names] if isinstance(names, str) else list(names)
-        self.data_dir = None if cfg.get("data_dir") is None else resolve_path(cfg.data_dir)
-        self.template = model.template(cfg.prompt_format, ("raw", "hf_chat"))
-        self.agnostic = cfg.get("query_mode") == "agnostic"
 
     def how_to_provide(self) -> str:
         folder = "set task.data_dir=FOLDER (or KVBENCH_LOOGLE_DIR)"
@@ -80,13 +69,6 @@ class LooGLETask(QATask):
                 self.local_file(subset)
         elif not hub_online():
             raise KVBenchError(f"the hub dataset {HUB_REPO} is unreachable; {self.how_to_provide()}")
-
-    def local_file(self, subset: str) -> Path:
-        assert self.data_dir is not None
-        path = self.data_dir / f"{subset}.jsonl"
-        if not path.is_file():
-            raise KVBenchError(f"LooGLE subset {subset!r} not found: expected {path}; {self.how_to_provide()}")
-        return path
 
     def documents(self, subset: str) -> list[dict[str, Any]]:
         """The subset's documents (the first ``num_samples``), from ``data_dir`` or the hub."""

@@ -217,3 +217,27 @@ class QATask(Task):
     def score(self, sample: Sample, prediction: str) -> float:
         """The dataset's metric (``task.metric``), 0-1."""
         return qa_score(self.cfg.metric, prediction, sample.answers)
+
+
+class SubsetsTask(QATask):
+    """A named dataset on :class:`QATask` whose subsets (``task.subtasks``) are ``<subset>.jsonl`` files of a folder
+    (``task.data_dir``) or of the hub, rather than one table at ``task.path`` or ``task.hub``."""
+
+    #: the dataset's name in errors
+    title: str = ""
+
+    def __init__(self, cfg: DictConfig, model: ModelInfo):
+        Task.__init__(self, cfg, model)
+        names = cfg.subtasks
+        self.subsets = [names] if isinstance(names, str) else list(names)
+        self.data_dir = None if cfg.get("data_dir") is None else resolve_path(cfg.data_dir)
+        self.template = model.template(cfg.prompt_format, PROMPT_FORMATS)
+        self.agnostic = cfg.get("query_mode") == "agnostic"
+
+    def local_file(self, subset: str) -> Path:
+        """``<data_dir>/<subset>.jsonl``, or a one-line error saying how to provide it."""
+        assert self.data_dir is not None
+        path = self.data_dir / f"{subset}.jsonl"
+        if not path.is_file():
+            raise KVBenchError(f"{self.title} subset {subset!r} not found: expected {path}; {self.how_to_provide()}")
+        return path
