@@ -263,6 +263,7 @@ def test_longbench_v2_scores_by_result_py_splits(tokenizer, tmp_path):
         ("longbench_v2", "download data.json of THUDM/LongBench-v2", "KVBENCH_LONGBENCH_V2_PATH"),
         ("infinitebench", "download <subset>.jsonl of xinrongzhang2022/InfiniteBench", "KVBENCH_INFINITEBENCH_DIR"),
         ("loogle", "LooGLE-testdata/<subset>.jsonl of bigai-nlco/LooGLE", "KVBENCH_LOOGLE_DIR"),
+        ("scbench", "download data/<subset>.jsonl of microsoft/SCBench", "KVBENCH_SCBENCH_DIR"),
         ("qa", "set task.path=FILE", "KVBENCH_QA_PATH"),
     ],
 )
@@ -274,7 +275,6 @@ def test_plan_names_what_to_download_without_the_hub(monkeypatch, capsys, task, 
 
     monkeypatch.setattr(hub, "hub_online", lambda: False)
     monkeypatch.setattr("kvbench.tasks.qa.hub_online", lambda: False)
-    monkeypatch.setattr("kvbench.tasks.loogle.hub_online", lambda: False)
     monkeypatch.delenv(variable, raising=False)
     hub_id = ["task.hub=someone/rows"] if task == "qa" else []
     with pytest.raises(SystemExit) as exited:
@@ -305,16 +305,22 @@ def infinitebench_rows() -> dict[str, list[dict]]:
     }  # fmt: skip
 
 
-def infinitebench_task(tokenizer, folder: Path, **overrides):
-    from kvbench.tasks.infinitebench import InfiniteBenchTask
+def subsets_task(name: str, tokenizer, folder: Path, rows: dict[str, list[dict]], **overrides):
+    """Task ``name`` (a :class:`~kvbench.tasks.qa.SubsetsTask`) from its conf file over ``rows`` written to
+    ``folder`` as ``<subset>.jsonl``, the subsets those of ``rows``."""
+    from hydra.utils import get_class
 
-    for subset, rows in infinitebench_rows().items():
-        write_rows(folder / f"{subset}.jsonl", rows)
-    cfg = OmegaConf.load(kvbench.CONF_DIR / "task" / "infinitebench.yaml")
-    cfg.data_dir = str(folder)
+    for subset, subset_rows in rows.items():
+        write_rows(folder / f"{subset}.jsonl", subset_rows)
+    cfg = OmegaConf.load(kvbench.CONF_DIR / "task" / f"{name}.yaml")
+    cfg.data_dir, cfg.subtasks = str(folder), list(rows)
     for key, value in overrides.items():
         cfg[key] = value
-    return InfiniteBenchTask(cfg, ModelInfo("test", tokenizer, 4096))
+    return get_class(cfg._target_)(cfg, ModelInfo("test", tokenizer, 4096))
+
+
+def infinitebench_task(tokenizer, folder: Path, **overrides):
+    return subsets_task("infinitebench", tokenizer, folder, infinitebench_rows(), **overrides)
 
 
 def official_infinitebench_prompt(tokenizer, subset: str, row: dict, templates: str, max_length: int) -> list[int]:
@@ -384,15 +390,7 @@ def loogle_rows() -> dict[str, list[dict]]:
 
 
 def loogle_task(tokenizer, folder: Path, **overrides):
-    from kvbench.tasks.loogle import LooGLETask
-
-    for subset, rows in loogle_rows().items():
-        write_rows(folder / f"{subset}.jsonl", rows)
-    cfg = OmegaConf.load(kvbench.CONF_DIR / "task" / "loogle.yaml")
-    cfg.data_dir, cfg.subtasks = str(folder), list(loogle_rows())
-    for key, value in overrides.items():
-        cfg[key] = value
-    return LooGLETask(cfg, ModelInfo("test", tokenizer, 4096))
+    return subsets_task("loogle", tokenizer, folder, loogle_rows(), **overrides)
 
 
 def test_loogle_prompts_are_pred_opensource_models(tokenizer, tmp_path):
@@ -437,3 +435,82 @@ def test_loogle_metrics_hand_computed(tokenizer, tmp_path):
     assert task.aggregate(records) == pytest.approx(
         {"shortdep_qa": 50.0, "shortdep_cloze": 50.0, "longdep_summarization": 100.0}
     )
+
+
+# --- SCBench -------------------------------------------------------------------------------------------------------
+
+
+def scbench_rows() -> dict[str, list[dict]]:
+    """A row of each subset in SCBench's format (written here, not taken from the dataset)."""
+    pairs = '{"a1b2": "c3d4", "e5f6": "g7h8"}'
+    book = "Ada kept the lighthouse on the northern cape for forty years. " * 10
+    return {
+        "scbench_kv": [{"id": 3, "context": pairs, "multi_turns": [
+            {"input": 'Key: "a1b2"\nThe value associated with the specified key is:', "answer": "c3d4"},
+            {"input": 'Key: "e5f6"\nThe value associated with the specified key is:', "answer": "g7h8"}]}],
+        "scbench_qa_eng": [{"id": 0, "context": book, "multi_turns": [
+            {"input": "Who kept the lighthouse?", "answer": "Ada"}]}],
+        "scbench_choice_eng": [{"id": 0, "context": book, "multi_turns": [
+            {"input": "Who kept it?", "answer": "Ada", "options": ["Bo", "Ada", "Cy", "Di"]}]}],
+    }  # fmt: skip
+
+
+def scbench_task(tokenizer, folder: Path, **overrides):
+    return subsets_task("scbench", tokenizer, folder, scbench_rows(), **overrides)
+
+
+def scdq_ids(tokenizer, context_prompt: str, query_prompt: str, max_length: int) -> tuple[list[int], list[int]]:
+    """``create_scdq_prompt`` with the chat template, then ``test_scdq``'s ids: the context prompt's (``encode``, cut by
+    ``truncate_input``) and the query's (no special tokens)."""
+    delimiter = "[SEPSEPSEP]"
+    context = tokenizer.apply_chat_template(
+        [{"role": "user", "content": context_prompt + delimiter}], add_generation_prompt=True, tokenize=False
+    ).split(delimiter)[0]
+    query = tokenizer.apply_chat_template(
+        [{"role": "system", "content": ""}, {"role": "user", "content": delimiter + query_prompt}],
+        add_generation_prompt=True,
+        tokenize=False,
+    ).split(delimiter)[1]
+    ids = tokenizer.encode(context)
+    if len(ids) > max_length:
+        ids = ids[: max_length // 2] + ids[-max_length // 2 :]
+    return ids, tokenizer.encode(query, add_special_tokens=False)
+
+
+def test_scbench_prompts_are_create_scdq_prompt_token_for_token(tokenizer, tmp_path):
+    rows = scbench_rows()
+    samples = list(scbench_task(tokenizer, tmp_path, max_length=300).samples())
+    assert [sample.id for sample in samples] == [
+        "scbench_kv-3-0", "scbench_kv-3-1", "scbench_qa_eng-0-0", "scbench_choice_eng-0-0"
+    ]  # fmt: skip
+    kv = rows["scbench_kv"][0]
+    prompt = "Extract the value corresponding to the specified key in the JSON object below.\n\n" + kv["context"]
+    for sample, turn in zip(samples[:2], kv["multi_turns"]):
+        context, query = scdq_ids(tokenizer, prompt, turn["input"], 300)
+        assert sample.input_ids == context + query and sample.question_start == len(context)
+    assert samples[0].context_id == samples[1].context_id == "scbench_kv-3" and samples[0].answers == ["c3d4"]
+    book = rows["scbench_qa_eng"][0]["context"]
+    qa_prompt = "Read the book and answer the question. Be very concise in your answer.\n\n" + book
+    context, query = scdq_ids(tokenizer, qa_prompt, "Question: Who kept the lighthouse?\nAnswer:", 300)
+    assert len(tokenizer.encode(qa_prompt)) > 300 and samples[2].input_ids == context + query  # the context was cut
+    assert samples[3].answers == ["Ada", "B"] and [s.max_new_tokens for s in samples] == [150, 150, 40, 40]
+    aware = list(scbench_task(tokenizer, tmp_path, query_mode="aware").samples())
+    assert aware[0].question_start is None
+
+
+@pytest.mark.parametrize(
+    ("subset", "prediction", "answers", "expected"),
+    [
+        ("scbench_kv", "The value is c3d4.", ["c3d4"], 1.0),
+        ("scbench_kv", "c3d", ["c3d4"], 0.0),
+        ("scbench_qa_eng", " it was ADA, surely", ["Ada"], 1.0),
+        ("scbench_choice_eng", " Eve", ["Eve", "B"], 1.0),  # the whole (stripped) prediction is a label
+        ("scbench_choice_eng", " Ada", ["Ada", "B"], 0.0),  # its first character, an option letter, decides first
+        ("scbench_choice_eng", "Option C", ["Ada", "B"], 0.0),
+        ("scbench_vt", "X1, X3", ["X1", "X2", "X3"], 0.67),
+    ],
+)
+def test_scbench_scorers_hand_computed(subset, prediction, answers, expected):
+    from kvbench.metrics.scbench import SCORERS
+
+    assert SCORERS[subset](prediction, answers) == pytest.approx(expected)

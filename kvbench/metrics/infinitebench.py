@@ -38,11 +38,16 @@ def kv_retrieval(prediction: str, labels: list[str]) -> float:
 
 
 def longbook_choice(prediction: str, labels: list[str]) -> float:
-    """En.MC (``get_score_one_longbook_choice_eng``): the first character if it is an option letter; else the text
-    after the first answer prefix ("answer is:", …) starting with a label; else the first word that is one of
-    A, B, C, D (or a substring of "ABCD", as there)."""
+    """En.MC (``get_score_one_longbook_choice_eng``): the first character if it is an option letter, else
+    :func:`choice_in_text`."""
     if prediction[:1] and prediction[0] in "ABCD":
         return float(prediction[0] in labels)
+    return choice_in_text(prediction, labels)
+
+
+def choice_in_text(prediction: str, labels: list[str]) -> float:
+    """The rest of the choice scorers: the text after the first answer prefix ("answer is:", …) starting with a
+    label, else the first word that is one of A, B, C, D (or a substring of "ABCD", as there)."""
     prediction = spaced(prediction, CHOICE_SEPARATORS)
     while "  " in prediction:
         prediction = prediction.replace("  ", " ")

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbench.domains import PATH, SAMPLES, choice, integer, name_list, optional
+from kvbench.domains import choice
 from kvbench.errors import KVBenchError
-from kvbench.hub import check_hub_file, hub_file
 from kvbench.metrics.infinitebench import SCORERS
 from kvbench.tasks.base import Sample, TableLayout
-from kvbench.tasks.qa import SubsetsTask, read_rows
+from kvbench.tasks.qa import SubsetsTask, subset_domains
 
 HUB_REPO = "xinrongzhang2022/InfiniteBench"
 #: ``src/prompt.py``'s templates of the subsets, by family
@@ -74,33 +73,19 @@ class InfiniteBenchTask(SubsetsTask):
     title = "InfiniteBench"
     name = "infinitebench"
     table = TableLayout(title="InfiniteBench", order=SUBSETS, headers=HEADERS)
-    domains = {
-        "subtasks": name_list(SUBSETS),
-        "data_dir": optional(PATH, f"the hub dataset {HUB_REPO}"),
-        "templates": choice(*TEMPLATES),
-        "prompt_format": choice("hf_chat", "raw"),
-        "max_length": optional(integer(2, "a token count"), "the model's window less the subset's answer"),
-        "num_samples": optional(SAMPLES, "every record"),
-    }
+    hub_repo = HUB_REPO
+    hub_path = "{subset}.jsonl"
+    domains = {**subset_domains(SUBSETS, HUB_REPO, "record"), "templates": choice(*TEMPLATES)}
 
     def how_to_provide(self) -> str:
         folder = "set task.data_dir=FOLDER (or KVBENCH_INFINITEBENCH_DIR)"
         return f"download <subset>.jsonl of {HUB_REPO} into a folder and {folder}"
 
-    def check_data(self) -> None:
-        """Each subset's file in ``data_dir``, or cached or downloadable from the hub."""
-        for subset in self.subsets:
-            if self.data_dir is None:
-                check_hub_file(HUB_REPO, f"{subset}.jsonl", self.how_to_provide())
-            else:
-                self.local_file(subset)
-
     def records(self) -> list[dict[str, Any]]:
         """The first ``num_samples`` records of each subset, in the subsets' order."""
         limit, records = self.cfg.get("num_samples"), []
         for subset in self.subsets:
-            path = hub_file(HUB_REPO, f"{subset}.jsonl", self.how_to_provide()) if self.data_dir is None else None
-            rows = read_rows(path or self.local_file(subset))
+            rows = self.subset_rows(subset)
             for index, row in enumerate(rows[: None if limit is None else int(limit)]):
                 options = list(row.get("options") or [])
                 labels = list(row["answer"]) if isinstance(row["answer"], list) else [row["answer"]]

@@ -18,12 +18,10 @@ import ast
 import json
 from typing import Any
 
-from kvbench.domains import PATH, SAMPLES, choice, integer, name_list, optional
-from kvbench.errors import KVBenchError
-from kvbench.hub import hub_online, hub_rows
+from kvbench.hub import hub_rows
 from kvbench.metrics.loogle import cloze_matches, text_metrics
 from kvbench.tasks.base import Sample, TableLayout
-from kvbench.tasks.qa import SubsetsTask, read_rows
+from kvbench.tasks.qa import SubsetsTask, read_rows, subset_domains
 
 HUB_REPO = "bigainlco/LooGLE"
 #: ``config/task2prompt.json``
@@ -50,25 +48,12 @@ class LooGLETask(SubsetsTask):
     title = "LooGLE"
     name = "loogle"
     table = TableLayout(title="LooGLE", order=SUBSETS)
-    domains = {
-        "subtasks": name_list(SUBSETS),
-        "data_dir": optional(PATH, f"the hub dataset {HUB_REPO}"),
-        "prompt_format": choice("raw", "hf_chat"),
-        "max_length": optional(integer(2, "a token count"), "the model's window less the subset's answer"),
-        "num_samples": optional(SAMPLES, "every document"),
-    }
+    hub_repo = HUB_REPO
+    domains = subset_domains(SUBSETS, HUB_REPO, "document")
 
     def how_to_provide(self) -> str:
         folder = "set task.data_dir=FOLDER (or KVBENCH_LOOGLE_DIR)"
         return f"put LooGLE-testdata/<subset>.jsonl of bigai-nlco/LooGLE in a folder and {folder}"
-
-    def check_data(self) -> None:
-        """Each subset's file in ``data_dir``, or the hub reachable."""
-        if self.data_dir is not None:
-            for subset in self.subsets:
-                self.local_file(subset)
-        elif not hub_online():
-            raise KVBenchError(f"the hub dataset {HUB_REPO} is unreachable; {self.how_to_provide()}")
 
     def documents(self, subset: str) -> list[dict[str, Any]]:
         """The subset's documents (the first ``num_samples``), from ``data_dir`` or the hub."""

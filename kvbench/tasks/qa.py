@@ -28,9 +28,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kvbench import resolve_path
-from kvbench.domains import PATH, SAMPLES, TEXT, Domain, choice, integer, mapping, optional
+from kvbench.domains import PATH, SAMPLES, TEXT, Domain, choice, integer, mapping, name_list, optional
 from kvbench.errors import KVBenchError
-from kvbench.hub import hub_online, hub_rows
+from kvbench.hub import check_hub_file, hub_file, hub_online, hub_rows
 from kvbench.metrics.qa import METRICS, qa_score
 from kvbench.tasks.base import ModelInfo, Sample, TableLayout, Task
 from kvbench.tasks.prompts import after_context
@@ -219,12 +219,27 @@ class QATask(Task):
         return qa_score(self.cfg.metric, prediction, sample.answers)
 
 
+def subset_domains(subsets: tuple[str, ...], hub_repo: str, counted: str) -> dict[str, Domain]:
+    """The settings every :class:`SubsetsTask` has: ``subtasks``, ``data_dir``, ``prompt_format``, ``max_length`` and
+    ``num_samples`` (the first ``counted`` of each subset)."""
+    return {
+        "subtasks": name_list(subsets),
+        "data_dir": optional(PATH, f"the hub dataset {hub_repo}"),
+        "prompt_format": choice(*PROMPT_FORMATS),
+        "max_length": optional(integer(2, "a token count"), "the model's window less the subset's answer"),
+        "num_samples": optional(SAMPLES, f"every {counted}"),
+    }
+
+
 class SubsetsTask(QATask):
     """A named dataset on :class:`QATask` whose subsets (``task.subtasks``) are ``<subset>.jsonl`` files of a folder
     (``task.data_dir``) or of the hub, rather than one table at ``task.path`` or ``task.hub``."""
 
     #: the dataset's name in errors
     title: str = ""
+    hub_repo: str = ""
+    #: a subset's file in the hub repository (``{subset}`` filled), or "" where the subsets stream through ``datasets``
+    hub_path: str = ""
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         Task.__init__(self, cfg, model)
@@ -241,3 +256,20 @@ class SubsetsTask(QATask):
         if not path.is_file():
             raise KVBenchError(f"{self.title} subset {subset!r} not found: expected {path}; {self.how_to_provide()}")
         return path
+
+    def check_data(self) -> None:
+        """Each subset's file in ``data_dir``, or cached or downloadable from the hub (the hub reachable where the
+        subsets stream)."""
+        for subset in self.subsets:
+            if self.data_dir is not None:
+                self.local_file(subset)
+            elif self.hub_path:
+                check_hub_file(self.hub_repo, self.hub_path.format(subset=subset), self.how_to_provide())
+            elif not hub_online():
+                raise KVBenchError(f"the hub dataset {self.hub_repo} is unreachable; {self.how_to_provide()}")
+
+    def subset_rows(self, subset: str) -> list[dict[str, Any]]:
+        """The subset's rows, from ``data_dir`` or the hub's file (cached or downloaded)."""
+        if self.data_dir is not None:
+            return read_rows(self.local_file(subset))
+        return read_rows(hub_file(self.hub_repo, self.hub_path.format(subset=subset), self.how_to_provide()))
