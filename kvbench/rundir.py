@@ -277,7 +277,7 @@ class RunDir:
         if not self.predictions_path.exists():
             return []
         records: dict[Any, dict[str, Any]] = {}
-        for line in self.predictions_path.read_text(encoding="utf-8").splitlines():
+        for line in self.predictions_path.read_text(encoding="utf-8").split("\n"):  # not splitlines: U+2028 is text
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:

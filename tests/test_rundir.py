@@ -268,3 +268,15 @@ def test_every_job_of_a_committed_experiment_finds_its_finished_run(experiment, 
     main(["plan", "-m", f"+experiment={experiment}"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert lines and all(line["finished"] and not line["errors"] for line in lines)
+
+
+def test_records_keep_predictions_holding_unicode_line_breaks(tmp_path):
+    """A prediction with U+2028, U+2029 or NEL (written as they are: ``ensure_ascii=False``) stays one record: the
+    file is split at newlines only, so the sample is neither dropped (and redone) nor counted short."""
+    from kvbench.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    texts = ["plain", "line\u2028separator", "para\u2029graph", "next\x85line"]
+    for number, text in enumerate(texts):
+        run.append({"id": f"s{number}", "prediction": text, "score": 0.0})
+    assert [record["prediction"] for record in run.records()] == texts

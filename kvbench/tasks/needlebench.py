@@ -237,7 +237,7 @@ class NeedleBenchTask(Task):
             path = self.data_file(name)
             try:
                 cache[name] = [
-                    json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
+                    json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()
                 ]
             except json.JSONDecodeError as error:
                 raise KVBenchError(f"{path} is not valid jsonl ({error.msg}); expected NeedleBench's {name}") from None

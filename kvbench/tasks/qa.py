@@ -52,7 +52,8 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         raise KVBenchError(f"task.path {path} is not a table; valid suffixes: {', '.join(SUFFIXES)}")
     text = path.read_text(encoding="utf-8")
     try:
-        rows = json.loads(text) if path.suffix == ".json" else [json.loads(line) for line in text.splitlines() if line]
+        lines = [line for line in text.split("\n") if line.strip()]  # not splitlines: U+2028 is text in a row
+        rows = json.loads(text) if path.suffix == ".json" else [json.loads(line) for line in lines]
     except json.JSONDecodeError as error:
         raise KVBenchError(f"{path} is not valid {path.suffix[1:]} ({error.msg}, line {error.lineno})") from None
     if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):

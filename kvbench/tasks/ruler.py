@@ -265,7 +265,7 @@ class RulerTask(Task):
         as its scripts write them; ``index`` is only kept as metadata: RULER's niah generator has written a
         character offset there since its commit d4293b9, so the sample id is the record's position."""
         path = self.data_file(data_dir, subtask)
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
         for position, line in enumerate(lines[: self.num_samples]):
             try:
                 record = json.loads(line)
