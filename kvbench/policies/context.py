@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 
 from kvbench.errors import KVBenchError
-from kvbench.policies.stats import AttentionStats
+from kvbench.policies.stats import AttentionStats, T, memoised
 
 #: the attention statistic a policy scores from (:attr:`~kvbench.policies.base.Policy.statistic`):
 #: ``positions`` none (newer ranks higher: full, sink); ``entries`` none either: the score reads the cached keys
@@ -22,8 +22,6 @@ from kvbench.policies.stats import AttentionStats
 #: to repeat the context, reads it back chunk by chunk (KVzip: every layer scored before any evicts). How the cache
 #: computes a running sum (from the attention weights, or in one pass from each query's normaliser beside the
 #: backend's attention output) is the cache's choice (``kvbench.engine.cache.uses_normaliser``), not the policy's.
-T = TypeVar("T")
-
 Statistic = Literal["positions", "entries", "window", "queries", "running", "reconstruction"]
 #: the statistics that are attention scores, which a non-attending modifier re-ranks
 ATTENTION: tuple[Statistic, ...] = ("window", "running")
@@ -87,12 +85,7 @@ class ScoreContext:
     def once(self, name: Hashable, compute: Callable[[], T]) -> T:
         """``compute()``, a function of the entries and the layer's weights alone (not of the budget or the
         statistic): in a shared prefill computed by the first variant that asks for ``name``, then read by the rest."""
-        if self.shared is None:
-            return compute()
-        key = ("entries", name)
-        if key not in self.shared:
-            self.shared[key] = compute()
-        return self.shared[key]
+        return compute() if self.shared is None else memoised(self.shared, ("entries", name), compute)
 
 
 def take_slots(entries: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

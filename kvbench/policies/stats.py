@@ -204,6 +204,13 @@ QueryBlock = NormalisedBlock | QueryTerms
 T = TypeVar("T")
 
 
+def memoised(store: dict[Hashable, Any], name: Hashable, compute: Callable[[], T]) -> T:
+    """``store[name]``, computed by ``compute()`` the first time it is asked for."""
+    if name not in store:
+        store[name] = compute()
+    return store[name]
+
+
 @dataclass
 class AttentionStats:
     """Float32 attention of a window of queries over the cached tokens of one layer.
@@ -234,9 +241,7 @@ class AttentionStats:
     def once(self, name: Hashable, compute: Callable[[], T]) -> T:
         """``compute()``, a function of these statistics alone: computed by the first that asks for ``name`` (a shared
         prefill's variants share one window's statistics), then read."""
-        if name not in self.memo:
-            self.memo[name] = compute()
-        return self.memo[name]
+        return memoised(self.memo, name, compute)
 
     def per_query_head(self, tensor: torch.Tensor) -> torch.Tensor:
         """Repeat a per-KV-head tensor ``[B,Hkv,...]`` to query heads ``[B,Hq,...]`` (repeat_kv layout)."""

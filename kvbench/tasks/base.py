@@ -5,6 +5,7 @@ A task never imports a policy and the engine never imports a task; ``kvbench.run
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -75,12 +76,10 @@ class ModelInfo:
 
     def cut_halves(self, text: str, max_length: int) -> str:
         """``text`` cut to ``max_length`` tokens as LongBench-v2's ``pred.py`` and InfiniteBench's ``truncate_input``
-        cut it: its token ids (with the special tokens) kept to the first and last ``max_length // 2``, decoded as
-        one text (special tokens skipped)."""
+        cut it: its token ids (with the special tokens) kept to the first and last ``max_length // 2``
+        (:func:`middle_cut`), decoded as one text (special tokens skipped)."""
         ids = self.prompt_ids("raw", text)
-        if len(ids) <= max_length:
-            return text
-        return self.decode(ids[: max_length // 2] + ids[-(max_length // 2) :])
+        return text if len(ids) <= max_length else self.decode(middle_cut(ids, max_length))
 
     def template(self, prompt_format: str, valid: tuple[str, ...]) -> str:
         """The template a task's prompt format (one of ``valid``) uses for this model, checked usable here."""
@@ -107,6 +106,26 @@ class ModelInfo:
         """:meth:`prompt_ids` and the index where ``question`` (the end of ``text``) starts in them."""
         prompt, special_tokens = prompts.rendered(self.tokenizer, self.name, template, text, answer_prefix, messages)
         return prompts.split_question(self.tokenizer, prompt, special_tokens, question)
+
+
+def middle_cut(ids: list[int], max_length: int) -> list[int]:
+    """``ids`` kept to their first and last ``max_length // 2`` where longer than ``max_length`` (``truncate_input``'s
+    "middle" of InfiniteBench and SCBench, LongBench-v2's ``query_llm``)."""
+    return ids if len(ids) <= max_length else ids[: max_length // 2] + ids[-(max_length // 2) :]
+
+
+def context_id(name: str, context: str) -> str:
+    """``<name>-context-<12 hex digits>``: one id for the samples of ``name`` whose contexts are identical."""
+    return f"{name}-context-{hashlib.sha1(context.encode('utf-8')).hexdigest()[:12]}"
+
+
+def contexts_together(samples: list[Sample]) -> list[Sample]:
+    """``samples`` with those of one ``context_id`` next to each other, contexts in the order they first appear (a
+    query-agnostic run answers them from one compression)."""
+    first: dict[str, int] = {}
+    for sample in samples:
+        first.setdefault(sample.context_id or sample.id, len(first))
+    return sorted(samples, key=lambda sample: first[sample.context_id or sample.id])
 
 
 @dataclass(frozen=True)

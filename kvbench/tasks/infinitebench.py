@@ -75,6 +75,7 @@ class InfiniteBenchTask(SubsetsTask):
     table = TableLayout(title="InfiniteBench", order=SUBSETS, headers=HEADERS)
     hub_repo = HUB_REPO
     hub_path = "{subset}.jsonl"
+    joined_cut = True  # truncate_input's "middle"
     domains = {**subset_domains(SUBSETS, HUB_REPO, "record"), "templates": choice(*TEMPLATES)}
 
     def how_to_provide(self) -> str:
@@ -83,10 +84,9 @@ class InfiniteBenchTask(SubsetsTask):
 
     def records(self) -> list[dict[str, Any]]:
         """The first ``num_samples`` records of each subset, in the subsets' order."""
-        limit, records = self.cfg.get("num_samples"), []
+        records = []
         for subset in self.subsets:
-            rows = self.subset_rows(subset)
-            for index, row in enumerate(rows[: None if limit is None else int(limit)]):
+            for index, row in enumerate(self.subset_rows(subset)):
                 options = list(row.get("options") or [])
                 labels = list(row["answer"]) if isinstance(row["answer"], list) else [row["answer"]]
                 if subset == "longbook_choice_eng":  # get_answer: the option's text and its letter
@@ -110,11 +110,6 @@ class InfiniteBenchTask(SubsetsTask):
 
     def prompt_of(self, record: dict[str, Any]) -> str:
         return TEMPLATES[self.cfg.templates][record["subtask"]]
-
-    def prompt_text(self, record: dict[str, Any], new_tokens: int) -> str:
-        """The subset's template filled, cut as ``truncate_input`` cuts ("middle"): its ids' halves decoded as one."""
-        text = self.prompt_of(record).format(**self.fields(record))
-        return self.model.cut_halves(text, self.max_length(new_tokens))
 
     def messages(self, text: str) -> list[dict[str, str]] | None:
         """``create_msgs``' turns for the chat template (``gpt4`` templates): the system message, then the prompt."""

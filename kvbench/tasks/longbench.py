@@ -36,7 +36,6 @@ plus that archive, which ``datasets`` >= 4 no longer runs).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import zipfile
@@ -53,7 +52,7 @@ from kvbench.domains import FLAG, PATH, SAMPLES, SEED, Domain, choice, integer, 
 from kvbench.errors import KVBenchError, choose
 from kvbench.hub import check_hub_file, hub_file
 from kvbench.metrics.longbench import length_bucket, score_sample
-from kvbench.tasks.base import ModelInfo, Sample, TableLayout, Task
+from kvbench.tasks.base import ModelInfo, Sample, TableLayout, Task, context_id, contexts_together
 from kvbench.tasks.longbench_prompts import PROMPTS
 from kvbench.tasks.prompts import after_context
 
@@ -226,15 +225,12 @@ class LongBenchTask(Task):
             if self.num_samples is not None and self.num_samples < len(records):
                 records = [records[index] for index in sorted(drawn(len(records), self.num_samples, self.seed))]
             samples = [
-                self.sample(dataset, record, context_id(dataset, record) if repeats[record["context"]] > 1 else None)
+                self.sample(
+                    dataset, record, context_id(dataset, record["context"]) if repeats[record["context"]] > 1 else None
+                )
                 for record in records
             ]
-            if self.agnostic:
-                first: dict[str, int] = {}
-                for sample in samples:
-                    first.setdefault(sample.context_id or sample.id, len(first))
-                samples.sort(key=lambda sample: first[sample.context_id or sample.id])
-            yield from samples
+            yield from contexts_together(samples) if self.agnostic else samples
 
     def check_data(self) -> None:
         """Each dataset's file in ``data_dir``, or the hub archive cached or downloadable."""
@@ -326,11 +322,6 @@ class LongBenchTask(Task):
             {**record, "subtask": f"{record['subtask']}@{length_bucket(record['length'])}"} for record in records
         ]
         return super().aggregate(bucketed)
-
-
-def context_id(dataset: str, record: dict[str, Any]) -> str:
-    """``<dataset>-context-<12 hex digits>``: one id for the records of ``dataset`` whose contexts are identical."""
-    return f"{dataset}-context-{hashlib.sha1(record['context'].encode('utf-8')).hexdigest()[:12]}"
 
 
 def _dataset_set(value: Any) -> frozenset[str]:

@@ -27,6 +27,7 @@ class LongBenchV2Task(QATask):
     name = "longbench_v2"
     table = TableLayout(title="LongBench-v2", order=("overall", *SPLITS["difficulty"], *SPLITS["length"]))
     record_fields = ("difficulty", "length", "domain")
+    joined_cut = True  # pred.py's query_llm
 
     def how_to_provide(self) -> str:
         return f"download data.json of {self.cfg.hub} and set task.path=FILE (or KVBENCH_LONGBENCH_V2_PATH)"
@@ -34,10 +35,6 @@ class LongBenchV2Task(QATask):
     def fields(self, record: dict[str, Any]) -> dict[str, Any]:
         """The record's context, question and choices stripped, as ``pred.py`` fills the template."""
         return {key: str(record[key]).strip() for key in ("context", "question", *CHOICES)}
-
-    def prompt_text(self, record: dict[str, Any], new_tokens: int) -> str:
-        """The filled template, cut as ``pred.py``'s ``query_llm``: the halves of its token ids decoded together."""
-        return self.model.cut_halves(self.prompt_of(record).format(**self.fields(record)), self.max_length(new_tokens))
 
     def aggregate(self, records: list[dict]) -> dict[str, float]:
         """Accuracy (0-100) over every record and over each difficulty and length (the splits with records)."""

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import ast
 import json
+from itertools import islice
 from typing import Any
 
 from kvbench.hub import hub_rows
 from kvbench.metrics.loogle import cloze_matches, text_metrics
 from kvbench.tasks.base import Sample, TableLayout
-from kvbench.tasks.qa import SubsetsTask, read_rows, subset_domains
+from kvbench.tasks.qa import SubsetsTask, subset_domains
 
 HUB_REPO = "bigainlco/LooGLE"
 #: ``config/task2prompt.json``
@@ -56,17 +57,11 @@ class LooGLETask(SubsetsTask):
         return f"put LooGLE-testdata/<subset>.jsonl of bigai-nlco/LooGLE in a folder and {folder}"
 
     def documents(self, subset: str) -> list[dict[str, Any]]:
-        """The subset's documents (the first ``num_samples``), from ``data_dir`` or the hub."""
-        limit = self.cfg.get("num_samples")
+        """The subset's first ``num_samples`` documents, from ``data_dir`` or streamed from the hub."""
         if self.data_dir is not None:
-            rows = read_rows(self.local_file(subset))
-        else:
-            rows = []
-            for row in hub_rows(HUB_REPO, "test", self.how_to_provide(), HUB_CONFIGS.get(subset, subset)):
-                if limit is not None and len(rows) >= int(limit):
-                    break
-                rows.append(row)
-        return rows[: None if limit is None else int(limit)]
+            return self.subset_rows(subset)
+        rows = hub_rows(HUB_REPO, "test", self.how_to_provide(), HUB_CONFIGS.get(subset, subset))
+        return list(islice(rows, self.limit))
 
     def records(self) -> list[dict[str, Any]]:
         """One record per question of each document (:func:`questions`); answers as LooGLE scores them (a cloze's: its

@@ -18,7 +18,6 @@ identical contexts share a ``context_id``). Each dataset names its metric (``tas
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import Counter
 from collections.abc import Iterator
@@ -32,7 +31,7 @@ from kvbench.domains import PATH, SAMPLES, TEXT, Domain, choice, integer, mappin
 from kvbench.errors import KVBenchError
 from kvbench.hub import check_hub_file, hub_file, hub_online, hub_rows
 from kvbench.metrics.qa import METRICS, qa_score
-from kvbench.tasks.base import ModelInfo, Sample, TableLayout, Task
+from kvbench.tasks.base import ModelInfo, Sample, TableLayout, Task, context_id, contexts_together
 from kvbench.tasks.prompts import after_context
 
 #: the row fields (kvpress's column names) a table must have, then those it may have
@@ -157,12 +156,7 @@ class QATask(Task):
         records = self.records()
         repeats = Counter(record["context"] for record in records)
         samples = [self.sample(record, repeats[record["context"]] > 1) for record in records]
-        if self.agnostic:
-            first: dict[str, int] = {}
-            for sample in samples:
-                first.setdefault(sample.context_id or sample.id, len(first))
-            samples.sort(key=lambda sample: first[sample.context_id or sample.id])
-        return iter(samples)
+        return iter(contexts_together(samples) if self.agnostic else samples)
 
     def sample(self, record: dict[str, Any], shared_context: bool) -> Sample:
         """The engine's sample for one row (``shared_context``: other rows ask about the same context)."""
@@ -175,7 +169,6 @@ class QATask(Task):
             ids, question_start = self.model.prompt_split(self.template, text, question, prefix, messages)
         else:
             ids, question_start = self.model.prompt_ids(self.template, text, prefix, messages), None
-        digest = hashlib.sha1(str(record["context"]).encode("utf-8")).hexdigest()[:12]
         return Sample(
             id=str(record["id"]),
             subtask=record["subtask"],
@@ -183,7 +176,7 @@ class QATask(Task):
             answers=answers_of(record["answer"]),
             max_new_tokens=new_tokens,
             question_start=question_start,
-            context_id=f"{record['subtask']}-context-{digest}" if shared_context else None,
+            context_id=context_id(record["subtask"], str(record["context"])) if shared_context else None,
             metadata={key: record[key] for key in self.record_fields if key in record},
         )
 
@@ -197,14 +190,17 @@ class QATask(Task):
 
     #: row fields a record keeps beside the prediction and score (:meth:`evaluate`)
     record_fields: tuple[str, ...] = ()
+    #: a long prompt's halves decoded as one (:meth:`ModelInfo.cut_halves`), else each alone as LongBench's ``pred.py``
+    joined_cut: bool = False
 
     def fields(self, record: dict[str, Any]) -> dict[str, Any]:
         """What :attr:`prompt` is filled with: the row's fields, under kvpress's names too."""
         return record
 
     def prompt_text(self, record: dict[str, Any], new_tokens: int) -> str:
-        """:attr:`prompt` filled with the row, cut in the middle to ``max_length`` tokens (LongBench's rule)."""
-        return self.model.cut_middle(self.prompt_of(record).format(**self.fields(record)), self.max_length(new_tokens))
+        """The row's template filled with it, cut in the middle to ``max_length`` tokens (:attr:`joined_cut`)."""
+        cut = self.model.cut_halves if self.joined_cut else self.model.cut_middle
+        return cut(self.prompt_of(record).format(**self.fields(record)), self.max_length(new_tokens))
 
     def max_length(self, new_tokens: int) -> int:
         """The prompt's token limit: ``task.max_length``, else the model's window less the answer's tokens."""
@@ -270,7 +266,15 @@ class SubsetsTask(QATask):
                 raise KVBenchError(f"the hub dataset {self.hub_repo} is unreachable; {self.how_to_provide()}")
 
     def subset_rows(self, subset: str) -> list[dict[str, Any]]:
-        """The subset's rows, from ``data_dir`` or the hub's file (cached or downloaded)."""
+        """The subset's first ``num_samples`` rows, from ``data_dir`` or the hub's file (cached or downloaded)."""
         if self.data_dir is not None:
-            return read_rows(self.local_file(subset))
-        return read_rows(hub_file(self.hub_repo, self.hub_path.format(subset=subset), self.how_to_provide()))
+            rows = read_rows(self.local_file(subset))
+        else:
+            rows = read_rows(hub_file(self.hub_repo, self.hub_path.format(subset=subset), self.how_to_provide()))
+        return rows[: self.limit]
+
+    @property
+    def limit(self) -> int | None:
+        """``task.num_samples``: the rows (contexts, documents) taken of each subset; None: all."""
+        limit = self.cfg.get("num_samples")
+        return None if limit is None else int(limit)

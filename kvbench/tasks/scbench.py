@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvbench.metrics.scbench import SCORERS
-from kvbench.tasks.base import Sample, TableLayout
+from kvbench.tasks.base import Sample, TableLayout, middle_cut
 from kvbench.tasks.qa import SubsetsTask, subset_domains
 
 HUB_REPO = "microsoft/SCBench"
@@ -61,10 +61,8 @@ class SCBenchTask(SubsetsTask):
 
     def samples(self) -> Iterator[Sample]:
         """Each row's turns in order (rows in file order, the first ``num_samples`` of each subset)."""
-        limit = self.cfg.get("num_samples")
         for subset in self.subsets:
-            rows = self.subset_rows(subset)
-            for index, row in enumerate(rows[: None if limit is None else int(limit)]):
+            for index, row in enumerate(self.subset_rows(subset)):
                 row_id = row.get("id", index)
                 context = self.context_ids(subset, str(row.get("context", row.get("input", ""))))
                 for turn_index, turn in enumerate(row["multi_turns"]):
@@ -85,8 +83,7 @@ class SCBenchTask(SubsetsTask):
         if self.template == "hf_chat":
             text = self.chat([{"role": "user", "content": text + DELIMITER}]).split(DELIMITER)[0]
         ids = list(self.model.tokenizer(text, verbose=False)["input_ids"])
-        limit = self.max_length(MAX_NEW_TOKENS[subset])
-        return ids if len(ids) <= limit else ids[: limit // 2] + ids[-(limit // 2) :]
+        return middle_cut(ids, self.max_length(MAX_NEW_TOKENS[subset]))
 
     def query_ids(self, subset: str, turn: dict[str, Any]) -> list[int]:
         """A turn's query ids (no special tokens added): in the chat template, a user turn after an empty system turn,
