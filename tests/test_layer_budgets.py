@@ -239,3 +239,44 @@ def test_smollm2_dynamic_budgets(spec):
     per_layer = output.kv.after_prefill_tokens_per_layer
     assert sum(per_layer) == budget * 30 and len(set(per_layer)) > 5
     assert min(per_layer) >= 32  # the observation window is kept in every layer
+
+
+@pytest.mark.parametrize(
+    "spec,params",
+    [
+        ("cake", {}),
+        ("cake+calidrop", {}),  # attending: each eviction hands its entries on
+        ("cake+slake", {"layer_budget": VABS}),
+        ("cake+adakv", {}),
+    ],
+)
+@torch.inference_mode()
+def test_a_cascade_gathers_each_layer_once_and_keeps_what_gathering_at_every_stage_keeps(
+    llama, spec, params, monkeypatch
+):
+    """A cascade re-evicts earlier layers at every stage; their keys/values are gathered once, when the forward
+    ends, from the slots every eviction kept: the same entries, bytes and decoded tokens as gathering each time."""
+    import kvbench.engine.layer as layer_module
+
+    prompt, budget = random_prompt(150), 36
+    gathers = []
+    take_slots = layer_module.take_slots
+    monkeypatch.setattr(layer_module, "take_slots", lambda *args: gathers.append(1) or take_slots(*args))
+    keep = layer_module.EvictionLayer.keep
+    runs = {}
+    for defer in (True, False):
+        if not defer:  # every eviction gathers at once
+            monkeypatch.setattr(layer_module.EvictionLayer, "keep", lambda self, kept, defer=False: keep(self, kept))
+        gathers.clear()
+        engine = Engine(llama, build_policy(spec, {"window": 8, **params}), budget)
+        cache = engine.new_cache(len(prompt))
+        engine.prefill(cache, prompt)
+        runs[defer] = (cache, len(gathers), engine.generate(random_prompt(150), 6))
+    (deferred, fewer, output), (eager, more, reference) = runs[True], runs[False]
+    assert fewer < more if spec != "cake+adakv" else fewer == more  # head-wise layers pack what they keep at once
+    assert deferred.peak_bytes == eager.peak_bytes and deferred.live_bytes == eager.live_bytes
+    assert deferred.kept_by_head() == eager.kept_by_head()
+    for a, b in zip(deferred.eviction_layers, eager.eviction_layers):
+        assert a.deferred_slots is None
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert output.token_ids == reference.token_ids and output.kv == reference.kv

@@ -77,6 +77,27 @@ def test_ptaa_output_is_its_attention_map_times_values():
     assert torch.allclose(weights.sum(-1), torch.ones(1, KV_HEADS, GROUP))
 
 
+@pytest.mark.parametrize(
+    "window,tokens,per_query", [(32, 300, False), (300, 300, False), (5, 37, True), (1, 64, False)]
+)
+def test_ptaa_weights_are_the_plain_formula_bit_for_bit(window, tokens, per_query):
+    """``ptaa_weights`` works in place on its large buffers; every weight equals eq. 11's plain (allocating)
+    evaluation exactly, so VABS's preferences and the allocations they give are unchanged."""
+    generator = torch.Generator().manual_seed(window + tokens)
+    logits = torch.randn(2, 9, window, tokens, generator=generator) * 4
+    causal = torch.arange(tokens)[None, :] <= torch.arange(tokens - window, tokens)[:, None]
+    logits = logits.masked_fill(~causal, float("-inf"))
+    evicted = torch.rand(2, 9, window if per_query else 1, tokens, generator=generator) < 0.8
+    evicted[0, 0] = False  # a head that evicted nothing: softmax
+    gone = evicted & torch.isfinite(logits)
+    kept_logits = logits.masked_fill(gone, float("-inf"))
+    mean = logits.masked_fill(~gone, 0.0).sum(dim=-1, keepdim=True) / gone.sum(dim=-1, keepdim=True).clamp_min(1)
+    reference = torch.maximum(kept_logits.amax(dim=-1, keepdim=True), mean)
+    linear = torch.exp(mean - reference) * (1.0 + logits - mean)
+    unnormalised = torch.where(gone, linear, torch.exp(kept_logits - reference))
+    assert torch.equal(ptaa_weights(logits, evicted), unnormalised / unnormalised.sum(dim=-1, keepdim=True))
+
+
 def test_ptaa_without_evicted_tokens_is_softmax_attention():
     query, keys, values, _, _ = split(4, TOKENS)
     empty = LinearState.of(keys[:, :, :0], values[:, :, :0])

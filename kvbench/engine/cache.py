@@ -87,6 +87,8 @@ class EvictionCache(Cache):
         self.key_masks: list[torch.Tensor | None] = [None] * len(layer_budgets)
         #: a shared prefill's window statistics and rankings while a cascade stage runs (:meth:`after_attention`)
         self.cascade_shared: dict[tuple, Any] | None = None
+        #: while a cascade stage runs: its evictions defer gathering keys/values to the end of the forward
+        self.cascading = False
 
     @property
     def eviction_layers(self) -> list[EvictionLayer]:
@@ -300,12 +302,16 @@ class EvictionCache(Cache):
         if self.evict_now and policy.evicts and not deferred and layer.get_seq_length() > budget:
             if self.allocation is not None and layer_idx == len(self.allocation.preferences):
                 self.cascade_shared = shared  # what the stage ranks and scores from (rank, preference_stats)
+                self.cascading = True
                 try:
                     policy.layer_budget.cascade(self.allocation, self, layer_idx, scaling)
                 finally:
-                    self.cascade_shared = None
+                    self.cascade_shared, self.cascading = None, False
             else:
                 self._evict(layer_idx, budget, self._shared_scores(layer_idx, budget, scaling, shared), scaling)
+        if layer_idx == len(self.layers) - 1:  # the forward's last layer: what its cascade kept, gathered once
+            for each in self.eviction_layers:
+                each.gather_deferred()
 
     # -- internals -------------------------------------------------------------------------------------
     def _allocation(self) -> CascadingAllocation | None:
@@ -446,7 +452,7 @@ class EvictionCache(Cache):
         _, recent, sinks = self._reserved(layer_idx, budget)
         kept = top_slots(scores, budget, recent, sinks)
         evicted = layer.dropped_by(kept) if self.attending else None
-        layer.keep(kept)
+        layer.keep(kept, defer=self.cascading)
         if evicted is not None:  # i.e. there are attending modifiers
             assert layer.last_query is not None  # after_attention keeps it when modifiers attend
             for modifier in self.attending:

@@ -144,6 +144,9 @@ class EvictionLayer(DynamicLayer):
         self.received: torch.Tensor | None = None
         self.modifier_state: dict[str, Any] = {}
         self.headwise: HeadwiseEntries | None = None
+        #: the slots of ``keys``/``values`` that a cascade's evictions keep, gathered once it ends
+        #: (:meth:`keep` with ``defer``, :meth:`gather_deferred`); None: ``keys``/``values`` are the layer's entries
+        self.deferred_slots: torch.Tensor | None = None
         self.peak_tokens = 0
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
@@ -151,6 +154,7 @@ class EvictionLayer(DynamicLayer):
         grow the per-token state to match."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
+        self.gather_deferred()
         self.keys, self.values = appended(self.keys, keys), appended(self.values, values)
         batch, heads, new_tokens, _ = keys.shape
         new_positions = positions.to(keys.device).expand(batch, heads, new_tokens)
@@ -161,6 +165,10 @@ class EvictionLayer(DynamicLayer):
         self.ranking = None
         self.peak_tokens = max(self.peak_tokens, self.tokens_per_head())
 
+    def get_seq_length(self) -> int:
+        """The slots the layer holds (after a head-wise eviction, those appended since)."""
+        return super().get_seq_length() if self.deferred_slots is None else self.deferred_slots.shape[-1]
+
     def tokens_per_head(self) -> int:
         """The entries held per cache head (on average, after a head-wise eviction)."""
         held = 0 if self.headwise is None else int(self.headwise.lengths.sum()) // self.headwise.heads
@@ -168,7 +176,8 @@ class EvictionLayer(DynamicLayer):
 
     def held_bytes(self) -> int:
         """The bytes of the keys and values held."""
-        entries = self.keys.numel() + (0 if self.headwise is None else self.headwise.keys.numel())
+        held = self.keys.numel() if self.deferred_slots is None else self.deferred_slots.numel() * self.keys.shape[-1]
+        entries = held + (0 if self.headwise is None else self.headwise.keys.numel())
         return 2 * entries * self.keys.element_size()
 
     def kept_by_head(self) -> list[torch.Tensor]:
@@ -214,6 +223,7 @@ class EvictionLayer(DynamicLayer):
 
     def window_stats(self, window: int, scaling: float) -> AttentionStats:
         """The float32 attention statistics of the last ``window`` recorded queries over this layer's cache."""
+        self.gather_deferred()
         assert self.positions is not None
         assert self.recent_queries is not None and self.recent_query_positions is not None
         return AttentionStats(
@@ -225,14 +235,24 @@ class EvictionLayer(DynamicLayer):
             scaling,
         )
 
-    def keep(self, kept: torch.Tensor) -> None:
-        """Gather the kept slots ``kept [B,Hc,K]`` (sorted) into new, smaller tensors."""
+    def keep(self, kept: torch.Tensor, defer: bool = False) -> None:
+        """Gather the kept slots ``kept [B,Hc,K]`` (sorted) into new, smaller tensors; with ``defer`` (a cascade, which
+        re-evicts a layer at every later stage) the keys/values only once the cascade ends (:meth:`gather_deferred`),
+        from the slots every eviction kept: the same entries, gathered once."""
         assert self.positions is not None
-        self.keys, self.values = take_slots(self.keys, kept), take_slots(self.values, kept)
         self.positions = self.positions.gather(2, kept)
         for name in ("running_score", "ranking"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).gather(2, kept))
+        self.deferred_slots = kept if self.deferred_slots is None else self.deferred_slots.gather(2, kept)
+        if not defer:
+            self.gather_deferred()
+
+    def gather_deferred(self) -> None:
+        """Gather the keys/values that deferred evictions kept (:meth:`keep`)."""
+        if self.deferred_slots is not None:
+            slots, self.deferred_slots = self.deferred_slots, None
+            self.keys, self.values = take_slots(self.keys, slots), take_slots(self.values, slots)
 
     def keep_per_head(self, kept: torch.Tensor, ranking: torch.Tensor) -> None:
         """Keep the slots ``kept [1,Hc,T]`` (True = kept; any number per head), ranked ``ranking [1,Hc,T]``, as
@@ -240,6 +260,7 @@ class EvictionLayer(DynamicLayer):
         assert self.positions is not None
         if kept.shape[0] != 1:
             raise KVBenchError("a head-wise eviction keeps one sequence per cache (batch 1)")
+        self.gather_deferred()
         self.headwise = HeadwiseEntries.packed(self.keys, self.values, self.positions, ranking.float(), kept)
         self.keys, self.values = self.keys[:, :, :0].clone(), self.values[:, :, :0].clone()
         self.positions = self.positions[..., :0].clone()
@@ -260,7 +281,8 @@ class EvictionLayer(DynamicLayer):
         dropped = torch.ones(batch, heads, tokens, dtype=torch.bool, device=kept.device).scatter_(-1, kept, False)
         # a stable sort puts the dropped slots first, in slot order, with no host synchronisation
         index = dropped.byte().sort(dim=-1, descending=True, stable=True).indices[..., : tokens - kept.shape[-1]]
-        return Evicted.taken(self.keys, self.values, self.positions, self.ranking, index)
+        slots = index if self.deferred_slots is None else self.deferred_slots.gather(2, index)
+        return Evicted.taken(self.keys, self.values, self.positions, self.ranking, index, slots)
 
 
 def in_cache_heads(

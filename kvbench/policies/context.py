@@ -130,11 +130,17 @@ class Evicted:
 
     @staticmethod
     def taken(
-        keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor, index: torch.Tensor
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        scores: torch.Tensor,
+        index: torch.Tensor,
+        slots: torch.Tensor | None = None,
     ) -> Evicted:
-        """The entries at ``index [B,Hc,E]`` of a layer's ``keys``/``values [B,Hc,T,D]``, ``positions`` and
-        ``scores [B,Hc,T]``."""
-        kept_keys, kept_values = take_slots(keys, index), take_slots(values, index)
+        """The entries at ``index [B,Hc,E]`` of a layer's ``positions`` and ``scores [B,Hc,T]`` and of its
+        ``keys``/``values [B,Hc,T,D]``, there at ``slots`` where a deferred eviction has not gathered them yet."""
+        slots = index if slots is None else slots
+        kept_keys, kept_values = take_slots(keys, slots), take_slots(values, slots)
         return Evicted(kept_keys, kept_values, positions.gather(2, index), scores.gather(2, index))
 
 

@@ -92,14 +92,15 @@ def ptaa_weights(logits: torch.Tensor, evicted: torch.Tensor) -> torch.Tensor:
     cannot see a key), ``evicted [...,1|W,T]`` marks the linearly attended keys. Kept key ``j`` weighs
     ``e^{x_j−m}``, evicted ``e^{μ−m}(1 + x_j − μ)``, normalised; ``m`` is the kept maximum, ``μ`` the mean
     evicted logit of the query. Returns ``[...,W,T]`` (evicted weights may be negative)."""
-    gone = evicted & torch.isfinite(logits)
+    gone = evicted & (logits > float("-inf"))  # the evicted keys each query sees
+    count = gone.sum(dim=-1, keepdim=True, dtype=torch.int32).clamp_min(1)
+    mean = torch.where(gone, logits, 0.0).sum(dim=-1, keepdim=True) / count  # μ
     kept_logits = logits.masked_fill(gone, float("-inf"))
-    count = gone.sum(dim=-1, keepdim=True).clamp_min(1)
-    mean = logits.masked_fill(~gone, 0.0).sum(dim=-1, keepdim=True) / count  # μ
     reference = torch.maximum(kept_logits.amax(dim=-1, keepdim=True), mean)
-    linear = torch.exp(mean - reference) * (1.0 + logits - mean)  # SLAKE eq. (11)
-    unnormalised = torch.where(gone, linear, torch.exp(kept_logits - reference))
-    return unnormalised / unnormalised.sum(dim=-1, keepdim=True)
+    # in place where a buffer is free: a window of the whole prompt makes each [...,W,T] tensor tens of MB
+    linear = torch.add(logits, 1.0).sub_(mean).mul_(torch.exp(mean - reference))  # SLAKE eq. (11)
+    unnormalised = torch.where(gone, linear, kept_logits.sub_(reference).exp_(), out=linear)
+    return unnormalised.div_(unnormalised.sum(dim=-1, keepdim=True))
 
 
 @register
@@ -215,7 +216,7 @@ def vabs_score(
     gamma: float,
 ) -> float:
     """:func:`vabs_preference` from the terms of :func:`vabs_terms`."""
-    error = (approximate - weights).abs()  # [B,Hq,W,T]
+    error = torch.sub(approximate, weights).abs_()  # [B,Hq,W,T]
     total_variation = 0.5 * error.sum(dim=-1)  # SLAKE eq. (15)
     value_aware = (share * error).sum(dim=-1) ** gamma  # SLAKE eq. (16)
     return float((total_variation * value_aware).mean() ** alpha * entropy**beta)  # SLAKE eq. (18)
