@@ -11,7 +11,7 @@ from kvbench.engine import Engine
 from kvbench.engine.attention import sdpa_attention
 from kvbench.engine.cache import EvictionCache
 from kvbench.policies import build_policy
-from kvbench.policies.methods.slake import LinearState, ptaa_attention, ptaa_weights
+from kvbench.policies.methods.slake import LinearState, ptaa_attention, ptaa_weights, vabs_score
 from tests.helpers import random_prompt, tiny_model
 from tests.test_policies import KV_HEADS, Q_HEADS, SCALING, TOKENS, random_layer
 
@@ -81,8 +81,8 @@ def test_ptaa_output_is_its_attention_map_times_values():
     "window,tokens,per_query", [(32, 300, False), (300, 300, False), (5, 37, True), (1, 64, False)]
 )
 def test_ptaa_weights_are_the_plain_formula_bit_for_bit(window, tokens, per_query):
-    """``ptaa_weights`` works in place on its large buffers; every weight equals eq. 11's plain (allocating)
-    evaluation exactly, so VABS's preferences and the allocations they give are unchanged."""
+    """``ptaa_weights`` and ``vabs_score`` work in place on their large buffers; every weight equals eq. 11's plain
+    (allocating) evaluation exactly, and the score eqs. 15-18's, so VABS's allocations are unchanged."""
     generator = torch.Generator().manual_seed(window + tokens)
     logits = torch.randn(2, 9, window, tokens, generator=generator) * 4
     causal = torch.arange(tokens)[None, :] <= torch.arange(tokens - window, tokens)[:, None]
@@ -95,7 +95,12 @@ def test_ptaa_weights_are_the_plain_formula_bit_for_bit(window, tokens, per_quer
     reference = torch.maximum(kept_logits.amax(dim=-1, keepdim=True), mean)
     linear = torch.exp(mean - reference) * (1.0 + logits - mean)
     unnormalised = torch.where(gone, linear, torch.exp(kept_logits - reference))
-    assert torch.equal(ptaa_weights(logits, evicted), unnormalised / unnormalised.sum(dim=-1, keepdim=True))
+    approximate = unnormalised / unnormalised.sum(dim=-1, keepdim=True)
+    assert torch.equal(ptaa_weights(logits, evicted), approximate)
+    weights, share = logits.softmax(-1), torch.rand(2, 9, 1, tokens, generator=generator)
+    error = (approximate - weights).abs()
+    plain = ((0.5 * error.sum(dim=-1)) * (share * error).sum(dim=-1) ** 0.1).mean() ** 0.5 * torch.tensor(2.0) ** 0.4
+    assert vabs_score(weights, approximate, share, torch.tensor(2.0), 0.5, 0.4, 0.1) == float(plain)  # eqs. 15-18
 
 
 def test_ptaa_without_evicted_tokens_is_softmax_attention():

@@ -218,5 +218,5 @@ def vabs_score(
     """:func:`vabs_preference` from the terms of :func:`vabs_terms`."""
     error = torch.sub(approximate, weights).abs_()  # [B,Hq,W,T]
     total_variation = 0.5 * error.sum(dim=-1)  # SLAKE eq. (15)
-    value_aware = (share * error).sum(dim=-1) ** gamma  # SLAKE eq. (16)
+    value_aware = error.mul_(share).sum(dim=-1) ** gamma  # SLAKE eq. (16)
     return float((total_variation * value_aware).mean() ** alpha * entropy**beta)  # SLAKE eq. (18)
