@@ -10,6 +10,7 @@ import pytest
 
 # before any test module imports torch, as kvbench/__init__.py does for the command line (kvbench/engine/threads.py)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 
 def pin_worker() -> None:

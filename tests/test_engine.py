@@ -4,6 +4,9 @@ policy must hold are in test_invariants.py)."""
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -101,3 +104,14 @@ def test_take_slots_is_gather_along_the_slots():
     index = torch.rand(2, 3, 40).argsort(dim=-1)[..., :17].sort(dim=-1).values  # [B,H,K]
     expected = entries.gather(2, index[..., None].expand(-1, -1, -1, 8))
     assert torch.equal(take_slots(entries, index), expected) and torch.equal(take_slots(grown, index), expected)
+
+
+def test_openmp_threads_sleep_after_a_short_spin_unless_the_environment_says_otherwise():
+    """kvbench sets GNU OpenMP's wait before torch loads it (kvbench/engine/threads.py); a value given wins."""
+    show = "import os, kvbench; print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'])"
+    environment = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    default = subprocess.run([sys.executable, "-c", show], env=environment, capture_output=True, text=True, check=True)
+    given = subprocess.run(
+        [sys.executable, "-c", show], env={**environment, "GOMP_SPINCOUNT": "0"}, capture_output=True, text=True
+    )
+    assert default.stdout.split() == ["PASSIVE", "1000"] and given.stdout.split() == ["PASSIVE", "0"]
