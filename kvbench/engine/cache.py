@@ -309,7 +309,7 @@ class EvictionCache(Cache):
                     self.cascade_shared, self.cascading = None, False
             else:
                 self._evict(layer_idx, budget, self._shared_scores(layer_idx, budget, scaling, shared), scaling)
-        if layer_idx == len(self.layers) - 1:  # the forward's last layer: what its cascade kept, gathered once
+        if self.allocation is not None and layer_idx == len(self.layers) - 1:  # what a cascade kept, gathered once
             for each in self.eviction_layers:
                 each.gather_deferred()
 

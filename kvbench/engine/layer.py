@@ -154,7 +154,7 @@ class EvictionLayer(DynamicLayer):
         grow the per-token state to match."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
-        self.gather_deferred()
+        assert self.deferred_slots is None  # a cascade's gathers end with its forward (EvictionCache.after_attention)
         self.keys, self.values = appended(self.keys, keys), appended(self.values, values)
         batch, heads, new_tokens, _ = keys.shape
         new_positions = positions.to(keys.device).expand(batch, heads, new_tokens)
@@ -223,8 +223,7 @@ class EvictionLayer(DynamicLayer):
 
     def window_stats(self, window: int, scaling: float) -> AttentionStats:
         """The float32 attention statistics of the last ``window`` recorded queries over this layer's cache."""
-        self.gather_deferred()
-        assert self.positions is not None
+        assert self.positions is not None and self.deferred_slots is None  # a cascade stage reads its own layer
         assert self.recent_queries is not None and self.recent_query_positions is not None
         return AttentionStats(
             self.recent_queries[:, :, -window:],  # [B,Hq,W,D]
