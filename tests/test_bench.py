@@ -393,8 +393,8 @@ def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_com
     lines = [shlex.split(line[2:]) for line in printed.stdout.splitlines() if line.startswith("+ ")]
     tests, bench = lines
     assert tests[1:5] == ["-m", "pytest", "-q", "-m"] and tests[5] == "cuda"
-    assert bench[1] == "bench"
-    cfg = compose(bench[2:], config_name="bench")
+    assert bench[:2] == ["timeout", "420"] and bench[3:6] == ["-m", "kvbench.cli", "bench"]
+    cfg = compose(bench[6:], config_name="bench")
     assert cfg.model.name == "llama31_8b_random" and cfg.model.device == "cuda"
     assert list(cfg.bench.prefill.prompt_lengths) == [8192, 32768] and cfg.bench.grid.context_length == 8192
     assert {"h2o", "h2o+obcache_joint", "snapkv"} <= set(cfg.bench.prefill.policies)
@@ -440,3 +440,17 @@ def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_
     # a sample's cost from the records: the full job 0.5 s and 1.0 s, the grid's two runs 1.5 + 1.5 s and 3.0 + 3.0 s
     assert (board["full_sample_seconds"], board["grid_sample_seconds"], board["sample_cost_ratio"]) == (0.75, 4.5, 6.0)
     assert board["predictions_compared"] == 4 and board["differing_predictions"] == ["m/ruler/snapkv-10pct-x:s-1"]
+
+
+def test_the_grid_jobs_run_the_benchs_model_nested_shapes_included():
+    """The grid's ``kvbench run`` processes get the bench's model as overrides: a random model's overridden shapes
+    (``model.random.*``, nested mappings too) reach the job's config, not the shapes of the YAML file."""
+    from kvbench.bench.grid import model_overrides
+    from kvbench.config import compose
+
+    given = ["model=llama31_8b_random", "model.device=cpu", "model.random.hidden_size=64", "model.random.head_dim=16"]
+    given.append("model.random.rope_parameters.factor=4.0")
+    bench_model = compose(given, config_name="bench").model
+    job_model = compose(model_overrides(bench_model)).model
+    assert OmegaConf.to_container(job_model, resolve=True) == OmegaConf.to_container(bench_model, resolve=True)
+    assert job_model.random.hidden_size == 64 and job_model.random.rope_parameters.factor == 4.0

@@ -38,12 +38,21 @@ if TYPE_CHECKING:
 
 
 def model_overrides(model: DictConfig) -> list[str]:
-    """The bench's model as ``kvbench run`` overrides: its group option and every scalar setting it runs with."""
-    overrides = [f"model={model.name}"]
-    for key, value in config_dict(model, resolve=True).items():
-        if key != "name" and not isinstance(value, dict | list):
-            overrides.append(f"model.{key}={'null' if value is None else value}")
-    return overrides
+    """The bench's model as ``kvbench run`` overrides: its group option and every scalar setting it runs with, nested
+    ones (a random model's ``model.random.*`` shapes) included."""
+
+    def scalars(prefix: str, settings: dict[str, Any]) -> list[str]:
+        found = []
+        for key, value in settings.items():
+            if isinstance(value, dict):
+                found += scalars(f"{prefix}.{key}", value)
+            elif not isinstance(value, list):
+                found.append(f"{prefix}.{key}={'null' if value is None else value}")
+        return found
+
+    settings = config_dict(model, resolve=True)
+    settings.pop("name")
+    return [f"model={model.name}", *scalars("model", settings)]
 
 
 def job_overrides(cfg: DictConfig, section: DictConfig | None = None) -> list[str]:
