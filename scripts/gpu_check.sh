@@ -7,11 +7,13 @@
 #      sweep sharing its prefills, and rows decoding together);
 #   3. OUT/summary.md: the tests' tally and bench.md, headed by the device.
 # DRY=1 prints the commands and runs none (on any machine). PY: the Python holding the project's dependencies (the
-# checkout's .venv, else python3: on a bare GPU image, kvbench from the checkout via PYTHONPATH); BENCH_TIMEOUT: the
-# bench's seconds at most (its bench.json is rewritten after each section, so a stopped bench keeps what it finished).
+# checkout's .venv, else python3: on a bare GPU image, kvbench from the checkout via PYTHONPATH); TESTS_TIMEOUT and
+# BENCH_TIMEOUT: each part's seconds at most, so one that hangs leaves the other its time (the bench's bench.json is
+# rewritten after each section: a stopped bench keeps what it finished).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-240}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-420}
 OUT=${OUT:-results/gpu-check/$(date -u +%Y%m%dT%H%M%SZ)}
 BENCH=(
@@ -33,7 +35,7 @@ run() {
 status=0
 # the test files with CUDA tests only: the other files need the CPU suite's extras (jieba, wandb) to be collected
 mapfile -t CUDA_TESTS < <(grep -l "pytest.mark.cuda" tests/test_*.py)
-run "$PY" -m pytest -q -m cuda -p no:cacheprovider --junitxml="$OUT/cuda-tests.xml" "${CUDA_TESTS[@]}" || status=$?
+run timeout "$TESTS_TIMEOUT" "$PY" -m pytest -q -m cuda -p no:cacheprovider --junitxml="$OUT/cuda-tests.xml" "${CUDA_TESTS[@]}" || status=$?
 run timeout "$BENCH_TIMEOUT" "$PY" -m kvbench.cli bench "${BENCH[@]}" || status=$?
 if [ -z "${DRY:-}" ]; then
   {

@@ -392,7 +392,7 @@ def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_com
     printed = subprocess.run([script], env={**os.environ, "DRY": "1"}, capture_output=True, text=True, check=True)
     lines = [shlex.split(line[2:]) for line in printed.stdout.splitlines() if line.startswith("+ ")]
     tests, bench = lines
-    assert tests[1:5] == ["-m", "pytest", "-q", "-m"] and tests[5] == "cuda"
+    assert tests[:2] == ["timeout", "240"] and tests[3:7] == ["-m", "pytest", "-q", "-m"] and tests[7] == "cuda"
     assert bench[:2] == ["timeout", "420"] and bench[3:6] == ["-m", "kvbench.cli", "bench"]
     cfg = compose(bench[6:], config_name="bench")
     assert cfg.model.name == "llama31_8b_random" and cfg.model.device == "cuda"

@@ -169,6 +169,9 @@ def test_bench_on_cuda_times_with_events_and_reports_cuda_memory(tmp_path):
         "bench.generate.prompt_lengths=[32]",
         "bench.generate.new_tokens=4",
         "bench.kvpress.enabled=false",
+        "bench.headwise.policies=[]",
+        "bench.grid.policies=[]",
+        "bench.contexts.policies=[]",
     ]
     main(["bench", *overrides, f"output_dir={tmp_path}"])
     results = json.loads((tmp_path / "bench.json").read_text())
