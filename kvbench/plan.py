@@ -38,7 +38,7 @@ from kvbench.engine.threads import set_threads
 from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
 from kvbench.launch.launchers import typed
-from kvbench.launch.sweeps import MULTIRUN_FLAGS, compose_job, sweep_loader, sweep_overrides
+from kvbench.launch.sweeps import MULTIRUN_FLAGS, compose_job, shared_config_files, sweep_loader, sweep_overrides
 from kvbench.run import checked_task, group_key, local_tokenizer, settings_key, tokenizer_or_stand_in
 from kvbench.rundir import RunDir, finished_metrics
 from kvbench.tasks.ppl import PerplexityTask
@@ -195,7 +195,10 @@ def plan_lines(args: list[str], estimator: Estimator | None = None) -> Iterator[
         overrides = [arg for arg in args if not arg.startswith("-")]
         yield plan_job(overrides, cfg, Path(str(cfg.output_dir)), tokenizers, estimator)
         return
-    with sweep_loader([arg for arg in args if arg not in MULTIRUN_FLAGS]) as (config_loader, master):
+    with (
+        sweep_loader([arg for arg in args if arg not in MULTIRUN_FLAGS]) as (config_loader, master),
+        shared_config_files(config_loader),
+    ):
         jobs = sweep_overrides(config_loader, master)
         print(f"kvbench plan: resolving {len(jobs)} jobs", file=sys.stderr, flush=True)
         groups: dict[str, int] = {}

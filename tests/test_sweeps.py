@@ -14,7 +14,7 @@ import pytest
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from kvbench import CONF_DIR, PROJECT_ROOT
+from kvbench import CONF_DIR, PROJECT_ROOT, config_dict
 from kvbench.cli import main
 from kvbench.config import compose as compose_run
 from kvbench.config import group_options
@@ -22,7 +22,9 @@ from kvbench.engine.tokenizers import stand_in_tokenizer
 from kvbench.errors import KVBenchError
 from kvbench.launch.launchers import array_name, last_line, refusal
 from kvbench.launch.sweeps import (
+    compose_job,
     experiment_overrides,
+    shared_config_files,
     split_pending,
     sweep_jobs,
     sweep_loader,
@@ -441,3 +443,28 @@ def test_make_reproduce_caote_smoke():
     table4 = (report / "compare_caote_table4.md").read_text()
     assert "smollm2_135m" in table4  # our own rows: SmolLM2's PPL gaps
     assert "## caote:table13" in result.stdout
+
+
+def test_a_sweeps_jobs_sharing_one_config_repository_compose_as_each_alone(tmp_path):
+    """:func:`shared_config_files`: the jobs of a sweep (experiment settings per policy, modifiers, cascades,
+    fractional budgets, a job with its own ``hydra.searchpath``) compose to the same configs, run directories and
+    logs as when Hydra gives each its own repository; the loader is left as it was."""
+    searchpath = tmp_path / "extra" / "budget"
+    searchpath.mkdir(parents=True)
+    (searchpath / "77.yaml").write_text('spec: "77"\n')
+    args = ["+experiment=leaderboard", "policy=snapkv,snapkv+calidrop,cake+slake,kvzip+slake,h2o+obcache_joint"]
+    args += ["budget=10pct,40pct", f"hydra.sweep.dir={tmp_path}/sweep"]
+
+    def composed(jobs):
+        return [(job.overrides, config_dict(job.cfg, resolve=True), job.output_dir, job.log) for job in jobs]
+
+    with sweep_loader(args) as (loader, master):
+        jobs = sweep_overrides(loader, master)
+        own = [override for override in jobs[0] if not override.startswith("budget=")]
+        jobs.insert(3, [*own, "budget='77'", f"hydra.searchpath=[file://{tmp_path / 'extra'}]"])
+        alone = composed(compose_job(loader, master, overrides) for overrides in jobs)
+        with shared_config_files(loader):
+            shared = composed(compose_job(loader, master, overrides) for overrides in jobs)
+        assert "_parse_overrides_and_create_caching_repo" not in vars(loader)
+    assert len(alone) == 11 and shared == alone
+    assert alone[3][1]["budget"] == {"spec": "77"}
