@@ -179,3 +179,46 @@ def test_a_run_saves_each_heads_own_kept_positions(tmp_path):
         sum(map(len, layer)) == 64 * len(layer) for record in saved for layer in record["kept"]
     )
     assert any(len({len(head) for head in layer}) > 1 for record in saved for layer in record["kept"])
+
+
+def test_a_length_per_head_layer_attends_the_padded_entries_then_the_tokens_appended_since(monkeypatch):
+    """:meth:`EvictionLayer.attended` after a head-wise eviction: at every decode step exactly the padded entries
+    followed by the tokens appended since, with each head's mask (the plain ``torch.cat`` of them), the padded layout
+    made once per eviction and grown in place by each token, made again after another eviction or when the appended
+    tokens move to a new storage (past ``APPEND_SPARE``)."""
+    from kvbench.engine.layer import APPEND_SPARE, EvictionLayer, HeadwiseEntries
+
+    made = []
+    padded = HeadwiseEntries.padded
+    monkeypatch.setattr(HeadwiseEntries, "padded", lambda self, entries: made.append(1) or padded(self, entries))
+    generator = torch.Generator().manual_seed(0)
+    layer = EvictionLayer()
+    heads, dim = 3, 8
+
+    def step(tokens: int, position: int) -> None:
+        keys, values = (torch.randn(1, heads, tokens, dim, generator=generator) for _ in range(2))
+        layer.append(keys, values, torch.arange(position, position + tokens))
+
+    def evict(length: int) -> None:
+        kept = torch.rand(1, heads, length, generator=generator) < 0.5
+        kept[..., -1] = True
+        layer.keep_per_head(kept, torch.rand(1, heads, length, generator=generator))
+
+    step(20, 0)
+    evict(20)
+    builds = []
+    for position in range(20, 30 + APPEND_SPARE + 3):
+        if position == 30:
+            evict(layer.get_seq_length())
+        step(1, position)
+        keys, values, mask = layer.attended()
+        entries = layer.headwise
+        assert entries is not None
+        assert torch.equal(keys, torch.cat([padded(entries, entries.keys), layer.keys], dim=2))
+        assert torch.equal(values, torch.cat([padded(entries, entries.values), layer.values], dim=2))
+        appended = torch.ones(heads, layer.get_seq_length(), dtype=torch.bool)
+        assert torch.equal(mask, torch.cat([entries.mask(), appended], dim=-1))
+        builds.append(len(made) // 2)
+    assert builds[0] == 1 and builds[9] == 1  # one layout for the ten steps after the first eviction
+    assert builds[10] == 2 and builds[10 + APPEND_SPARE] == 2  # one after the second, for APPEND_SPARE + 1 tokens
+    assert builds[-2:] == [3, 3]  # the appended tokens moved to a new storage: made again, then grown

@@ -144,6 +144,9 @@ class EvictionLayer(DynamicLayer):
         self.received: torch.Tensor | None = None
         self.modifier_state: dict[str, Any] = {}
         self.headwise: HeadwiseEntries | None = None
+        #: after a head-wise eviction, what :meth:`attended` returned last: the padded entries followed by the tokens
+        #: appended since (grown in place by the next), for the entries and the appended storage it was made from
+        self.layout: tuple[HeadwiseEntries, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         #: the slots of ``keys``/``values`` that a cascade's evictions keep, gathered once it ends
         #: (:meth:`keep` with ``defer``, :meth:`gather_deferred`); None: ``keys``/``values`` are the layer's entries
         self.deferred_slots: torch.Tensor | None = None
@@ -191,12 +194,22 @@ class EvictionLayer(DynamicLayer):
         """The keys and values ``[B,Hc,T,D]`` a forward attends to and which of them each head holds ``[Hc,T]`` (None:
         all): after a head-wise eviction its entries padded to the longest head, then the tokens appended since."""
         if self.headwise is None:
+            self.layout = None
             return self.keys, self.values, None
-        entries = self.headwise
-        keys = torch.cat([entries.padded(entries.keys), self.keys], dim=2)
-        values = torch.cat([entries.padded(entries.values), self.values], dim=2)
-        appended = torch.ones(entries.heads, self.get_seq_length(), dtype=torch.bool, device=keys.device)
-        return keys, values, torch.cat([entries.mask(), appended], dim=-1)
+        entries, tokens = self.headwise, self.get_seq_length()
+        if self.layout is None or self.layout[0] is not entries or self.layout[1].data_ptr() != self.keys.data_ptr():
+            keys, values = entries.padded(entries.keys), entries.padded(entries.values)  # [1,Hc,longest,D]
+            included = 0
+        else:  # the same entries and the same appended storage, grown in place since (appended): add the new tokens
+            _, _, keys, values = self.layout
+            included = keys.shape[2] - entries.longest
+        if included > tokens:
+            keys, values, included = entries.padded(entries.keys), entries.padded(entries.values), 0
+        keys = appended(keys, self.keys[:, :, included:tokens])
+        values = appended(values, self.values[:, :, included:tokens])
+        self.layout = (entries, self.keys, keys, values)  # holding self.keys keeps its address its own
+        appended_mask = torch.ones(entries.heads, tokens, dtype=torch.bool, device=keys.device)
+        return keys, values, torch.cat([entries.mask(), appended_mask], dim=-1)
 
     def truncate(self, length: int) -> None:
         """Drop every slot after the first ``length`` (a reconstruction forward's own tokens), freeing them (a copy:
