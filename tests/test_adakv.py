@@ -145,7 +145,7 @@ def test_a_length_per_head_holds_the_entries_kept():
         assert layer.headwise is not None and layer.held_bytes() == 2 * 2 * 32 * 16 * 4
     assert (
         max(layer.headwise.longest for layer in cache.eviction_layers if layer.headwise) > 32
-    )  # attention's padded layout: transient
+    )  # attention's padded layout: a working copy, not the cache's bytes
 
 
 @pytest.mark.parametrize(

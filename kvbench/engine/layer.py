@@ -43,8 +43,8 @@ class HeadwiseEntries:
     """A layer's entries after a head-wise eviction (batch 1), packed head after head, each head's in position order:
     ``keys``/``values [N,D]``, ``positions [N]``, ``ranking [N]`` (the scores they were kept by), ``lengths [Hc]``
     (entries per cache head) and ``slots [N]``, each entry's place in the ``[Hc, longest]`` layout that attention pads
-    them to for as long as it runs (:meth:`padded`). Only the ``N`` entries kept are held, not the longest head's
-    length × heads."""
+    them to (:meth:`padded`). The cache's bytes are the ``N`` entries kept, not the longest head's length × heads;
+    attention's padded layout is a working copy beside them while the layer decodes (:meth:`EvictionLayer.attended`)."""
 
     keys: torch.Tensor
     values: torch.Tensor
