@@ -197,14 +197,17 @@ class EvictionLayer(DynamicLayer):
             self.layout = None
             return self.keys, self.values, None
         entries, tokens = self.headwise, self.get_seq_length()
-        if self.layout is None or self.layout[0] is not entries or self.layout[1].data_ptr() != self.keys.data_ptr():
-            keys, values = entries.padded(entries.keys), entries.padded(entries.values)  # [1,Hc,longest,D]
-            included = 0
-        else:  # the same entries and the same appended storage, grown in place since (appended): add the new tokens
-            _, _, keys, values = self.layout
+        last = self.layout  # grown if made from these entries and this appended storage (grown in place since)
+        if (
+            last is not None
+            and last[0] is entries
+            and last[1].data_ptr() == self.keys.data_ptr()
+            and last[2].shape[2] <= entries.longest + tokens
+        ):
+            _, _, keys, values = last
             included = keys.shape[2] - entries.longest
-        if included > tokens:
-            keys, values, included = entries.padded(entries.keys), entries.padded(entries.values), 0
+        else:
+            keys, values, included = entries.padded(entries.keys), entries.padded(entries.values), 0  # [1,Hc,longest,D]
         keys = appended(keys, self.keys[:, :, included:tokens])
         values = appended(values, self.values[:, :, included:tokens])
         self.layout = (entries, self.keys, keys, values)  # holding self.keys keeps its address its own

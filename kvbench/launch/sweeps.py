@@ -308,9 +308,9 @@ def run_sweep(sweeper: Any) -> list[list[JobReturn]] | None:
 __all__ = [
     "SweepJob",
     "expand_sweep",
-    "shared_config_files",
     "experiment_overrides",
     "run_sweep",
+    "shared_config_files",
     "split_pending",
     "sweep_jobs",
     "sweeper_params",
