@@ -8,9 +8,7 @@ from functools import lru_cache
 
 import pytest
 
-# before any test module imports torch, as kvbench/__init__.py does for the command line (kvbench/engine/threads.py)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+import kvbench  # noqa: F401  sets OpenMP's wait before any test module imports torch (kvbench/engine/threads.py)
 
 
 def pin_worker() -> None:

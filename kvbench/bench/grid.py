@@ -31,7 +31,7 @@ from kvbench.engine.rows import decode_rows
 from kvbench.engine.shared import generate_shared
 from kvbench.errors import KVBenchError
 from kvbench.models import load_model
-from kvbench.rundir import RunDir
+from kvbench.rundir import RunDir, flatten
 
 if TYPE_CHECKING:
     from kvbench.bench.sections import Bench
@@ -40,19 +40,13 @@ if TYPE_CHECKING:
 def model_overrides(model: DictConfig) -> list[str]:
     """The bench's model as ``kvbench run`` overrides: its group option and every scalar setting it runs with, nested
     ones (a random model's ``model.random.*`` shapes) included."""
-
-    def scalars(prefix: str, settings: dict[str, Any]) -> list[str]:
-        found = []
-        for key, value in settings.items():
-            if isinstance(value, dict):
-                found += scalars(f"{prefix}.{key}", value)
-            elif not isinstance(value, list):
-                found.append(f"{prefix}.{key}={'null' if value is None else value}")
-        return found
-
-    settings = config_dict(model, resolve=True)
-    settings.pop("name")
-    return [f"model={model.name}", *scalars("model", settings)]
+    settings = flatten(config_dict(model, resolve=True), "model.")
+    scalars = [
+        f"{key}={'null' if value is None else value}"
+        for key, value in settings.items()
+        if key != "model.name" and not isinstance(value, dict | list)
+    ]
+    return [f"model={model.name}", *scalars]
 
 
 def job_overrides(cfg: DictConfig, section: DictConfig | None = None) -> list[str]:

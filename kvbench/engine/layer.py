@@ -194,7 +194,6 @@ class EvictionLayer(DynamicLayer):
         """The keys and values ``[B,Hc,T,D]`` a forward attends to and which of them each head holds ``[Hc,T]`` (None:
         all): after a head-wise eviction its entries padded to the longest head, then the tokens appended since."""
         if self.headwise is None:
-            self.layout = None
             return self.keys, self.values, None
         entries, tokens = self.headwise, self.get_seq_length()
         last = self.layout  # grown if made from these entries and this appended storage (grown in place since)
@@ -286,7 +285,7 @@ class EvictionLayer(DynamicLayer):
         eviction (:meth:`HeadwiseEntries.unpacked`); returns which slots each head holds ``[1,Hc,L]``."""
         assert self.headwise is not None and self.get_seq_length() == 0  # re-evicted in the forward that kept them
         self.keys, self.values, self.positions, self.ranking, held = self.headwise.unpacked(sinks)
-        self.headwise = None
+        self.headwise = self.layout = None
         return held
 
     def dropped_by(self, kept: torch.Tensor) -> Evicted:

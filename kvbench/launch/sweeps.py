@@ -139,15 +139,12 @@ def shared_config_files(config_loader: Any) -> Iterator[None]:
     own config sources) gets a fresh one. Same configs: tests/test_sweeps.py."""
     from hydra._internal.config_repository import CachingConfigRepository
 
-    shared: list[Any] = []
+    shared = CachingConfigRepository(config_loader.repository)
 
     def parse_overrides_and_repository(config_name: str | None, overrides: list[str]) -> tuple[list[Any], Any]:
         parsed = OverridesParser.create().parse_overrides(overrides=overrides)
-        if any(override.get_key_element() == "hydra.searchpath" for override in parsed):
-            repository = CachingConfigRepository(config_loader.repository)
-        else:
-            shared[:] = shared or [CachingConfigRepository(config_loader.repository)]
-            repository = shared[0]
+        own_sources = any(override.get_key_element() == "hydra.searchpath" for override in parsed)
+        repository = CachingConfigRepository(config_loader.repository) if own_sources else shared
         config_loader._process_config_searchpath(config_name, parsed, repository)
         return parsed, repository
 
