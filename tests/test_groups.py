@@ -232,6 +232,33 @@ def test_a_shared_prefill_ranks_each_layer_once_per_scoring_setting(monkeypatch,
     assert len(counted) == 3 * model.config.num_hidden_layers
 
 
+def test_modifiers_that_do_not_re_rank_share_their_bases_ranking(monkeypatch):
+    """SnapKV alone, sharing heads (AdaKV) and attending the evicted (CaliDrop, SLAKE), each at two budgets, and CAKE
+    with SLAKE's VABS layer budget beside CAKE's own: one shared prefill ranks each layer once for the SnapKV family and
+    once for CAKE's (its cascade stages, at the one average budget), however the layers share the budget; each
+    variant's tokens equal its own run's, which ranks once per variant and layer."""
+    model, prompt = tiny_model(), random_prompt(160)
+    counted: list[str] = []
+    scores = EvictionCache._scores
+    monkeypatch.setattr(
+        EvictionCache, "_scores", lambda cache, *args: counted.append(cache.policy.spec) or scores(cache, *args)
+    )
+    family = ("snapkv", "snapkv+adakv", "snapkv+calidrop", "snapkv+slake")
+    engines = [Engine(model, build_policy(spec), budget) for spec in family for budget in (48, 96)]
+    vabs = {"name": "vabs", "alpha": 0.5, "beta": 0.4}
+    engines += [
+        Engine(model, build_policy("cake"), 64),
+        Engine(model, build_policy("cake+slake", {"layer_budget": vabs}), 64),
+    ]
+    assert engines[-1].policy.layer_budget.name == "vabs"
+    shared = generate_shared(engines, prompt, 2)
+    assert sorted(set(counted)) == ["cake", "snapkv"] and len(counted) == 2 * model.config.num_hidden_layers
+    counted.clear()
+    alone = [engine.generate(prompt, 2) for engine in engines]
+    assert [output.token_ids for output in shared] == [output.token_ids for output in alone]
+    assert len(counted) >= len(engines) * model.config.num_hidden_layers
+
+
 def test_a_shared_prefill_computes_what_depends_on_the_entries_once(monkeypatch):
     """CriticalKV's projected value norms (``ScoreContext.once``) over two bases at three budgets in one shared
     prefill: computed once per layer, read by all six variants, whose tokens equal their own runs'; alone, once per
@@ -358,12 +385,14 @@ def test_a_group_computes_a_full_cache_once_whatever_its_budgets(tmp_path):
 
 
 def test_a_shared_prefill_computes_each_normalised_sum_once(monkeypatch):
-    """In one shared forward H2O's normalised sums are computed once per :func:`sums_key`: ``h2o`` at two budgets and
-    ``h2o+caote`` (CAOTE re-weights H2O's sums, it does not replace them) take one pass a layer, ``h2o+obcache_joint``
-    (its own sums) another."""
+    """In one shared forward H2O's normalised sums are computed once per :func:`sums_key`: ``h2o`` at two budgets,
+    ``h2o+caote`` (CAOTE re-weights H2O's sums, it does not replace them) and ``h2o+calidrop`` with PyramidKV's layer
+    budgets take one pass a layer, ``h2o+obcache_joint`` (its own sums) another."""
     model, prompt = tiny_model(), random_prompt(100)
     specs = [("h2o", 32), ("h2o", 48), ("h2o+caote", 32), ("h2o+obcache_joint", 32)]
     engines = [Engine(model, build_policy(spec), budget) for spec, budget in specs]
+    pyramid = build_policy("h2o+calidrop", {"layer_budget": "pyramid"})  # another layer budget: the same sums
+    engines.append(Engine(model, pyramid, 48))
     passes: list[str] = []
     computed = EvictionCache.normalised_sums
 

@@ -15,11 +15,13 @@ from kvbench.policies.base import Policy, settings_key
 
 def sums_key(policy: Policy) -> str | None:
     """Variants with the same key add the same normalised sums of a forward to their running scores: ``policy``'s
-    settings (not its budget) and its re-weighting modifier (CAOTE, CaliDrop or SLAKE over H2O add H2O's), where
-    the cache sums from the normaliser (:func:`~kvbench.engine.cache.uses_normaliser`); None elsewhere."""
+    settings (not its budget, nor how its layers share it) and its re-weighting modifier (CAOTE, CaliDrop or SLAKE
+    over H2O add H2O's), where the cache sums from the normaliser (:func:`~kvbench.engine.cache.uses_normaliser`);
+    None elsewhere."""
     if not uses_normaliser(policy):
         return None
-    return settings_key(policy) if policy.reweighting is None else settings_key(policy, policy.reweighting)
+    reweighting = [] if policy.reweighting is None else [policy.reweighting]
+    return settings_key(policy, *reweighting, without=("layer_budget",))
 
 
 class SharedPrefill(Cache):

@@ -341,17 +341,16 @@ class EvictionCache(Cache):
 
     def ranking_key(self, budget: int) -> tuple | None:
         """What a layer's ranking for ``budget`` depends on beyond its entries and statistics (one shared prefill's):
-        the policy's settings and the windows it reads; None where it also reads the budget
-        (:attr:`~kvbench.policies.base.Policy.ranking_reads_budget`), budget-dependent running sums (not from the
-        normaliser) or attending modifiers' state. (A cascading layer budget's stage ranks its layer in full, at the
+        what the policy ranks by (:attr:`~kvbench.policies.base.Policy.ranking_key`) and the windows it reads; None
+        where it also reads the budget (:attr:`~kvbench.policies.base.Policy.ranking_reads_budget`) or budget-dependent
+        running sums (not from the normaliser). (A cascading layer budget's stage ranks its layer in full, at the
         average budget, like any variant's eviction.)"""
         policy = self.policy
-        if policy.ranking_reads_budget or self.attending:
-            return None
-        if policy.running and not uses_normaliser(policy):
+        if policy.ranking_reads_budget or (policy.running and not uses_normaliser(policy)):
             return None
         recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
-        return policy.key, recent, self._query_window(budget), policy.reserved_sinks()
+        window = policy.scoring_window(budget, self.prompt_len, self.decoding)
+        return policy.ranking_key, recent, window, policy.reserved_sinks()
 
     def _shared_scores(self, layer_idx: int, budget: int, scaling: float, shared: dict | None) -> torch.Tensor:
         """:meth:`_scores`, taken from (or put in) ``shared`` under :meth:`ranking_key` with the layer's index."""

@@ -280,6 +280,14 @@ class Policy(Registered):
         return settings_key(self, *self.modifiers)
 
     @property
+    def ranking_key(self) -> str:
+        """What makes two policies rank a layer alike (the budget not among it): the base's settings but how layers
+        share the budget, and the modifiers that re-rank or re-weight; one that only shares a layer's budget over its
+        heads (AdaKV) or attends the evicted (CaliDrop, SLAKE) ranks as its base."""
+        ranking = [modifier for modifier in self.modifiers if modifier.transforms or modifier.reweights]
+        return settings_key(self, *ranking, without=("layer_budget",))
+
+    @property
     def label(self) -> str:
         """The name results give this policy's cells: its spec, unless a setting makes it another method (KVzip's
         ``headwise``), which tags it."""
@@ -367,12 +375,13 @@ class Policy(Registered):
         return node
 
 
-def settings_key(*parts: Policy | Modifier) -> str:
-    """An explicit identity of a base and modifiers: each part's name and the settings it was built with, as JSON
-    (a layer budget as its node; a base's own, not its modifiers')."""
+def settings_key(*parts: Policy | Modifier, without: tuple[str, ...] = ()) -> str:
+    """An explicit identity of a base and modifiers: each part's name and the settings it was built with (but those
+    named in ``without``), as JSON (a layer budget as its node; a base's own, not its modifiers')."""
     named = []
     for part in parts:
-        settings = {item.name: getattr(part, item.name) for item in fields(part) if item.name != "modifiers"}
+        left_out = ("modifiers", *without)
+        settings = {item.name: getattr(part, item.name) for item in fields(part) if item.name not in left_out}
         named.append([part.name, {k: v.parameters() if isinstance(v, LayerBudget) else v for k, v in settings.items()}])
     return json.dumps(named, sort_keys=True)
 
