@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvbench.allocator import release_freed_memory
 from kvbench.errors import KVBenchError
 
 
@@ -107,6 +108,7 @@ class PeakMemory:
         ``peak_rss_delta_bytes`` (and on CUDA ``cuda_before_bytes``, ``cuda_peak_bytes``, ``cuda_peak_delta_bytes``:
         the allocator's live bytes before the block, its peak during it, and the difference)."""
         gc.collect()
+        release_freed_memory()  # what the block allocates counts, not what it reuses (kvbench/allocator.py)
         if self.resettable:
             self.CLEAR_REFS.write_text("5")
         before = self._status("VmRSS") if self.STATUS.exists() else self._peak_rss()

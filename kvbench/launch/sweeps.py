@@ -17,7 +17,6 @@ A job's run directory is named after its settings (``hydra.sweep.subdir``: ``${r
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import sys
 from collections.abc import Iterator
@@ -98,11 +97,10 @@ def compose_job(config_loader: Any, master: DictConfig, overrides: list[str]) ->
         log = output_dir / f"{config.hydra.job.name}.log"
     except (HydraException, OmegaConfBaseException) as error:
         raise KVBenchError(f"job {' '.join(typed(overrides))}: {last_line(str(error).splitlines()[0])}") from None
-    cfg = copy.deepcopy(config)
-    with read_write(cfg), open_dict(cfg):
-        del cfg["hydra"]
-    check_known_keys(config_dict(cfg, resolve=True))
-    return SweepJob(overrides, cfg, output_dir, log)
+    with read_write(config), open_dict(config):  # the job's own composition: no copy needed
+        del config["hydra"]
+    check_known_keys(config_dict(config, resolve=True))
+    return SweepJob(overrides, config, output_dir, log)
 
 
 def sweep_overrides(config_loader: Any, master: DictConfig) -> list[list[str]]:
