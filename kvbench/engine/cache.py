@@ -285,7 +285,9 @@ class EvictionCache(Cache):
             return
         if self.attending:
             layer.last_query = queries[:, :, -1].clone()
-        if policy.running and self.scored:
+        if not self.scored:  # a decode step with no eviction to follow: nothing to gather (a row's usual step)
+            return
+        if policy.running:
             assert layer.running_score is not None  # created by update for scored forwards
             if uses_normaliser(policy):
                 if summed is None:
@@ -296,7 +298,7 @@ class EvictionCache(Cache):
                 stats = AttentionStats(queries, layer.keys, layer.values, seen, layer.positions, scaling)
                 layer.running_score += policy.summed_contributions(stats, self.score_block)
         window = self._query_window(budget)
-        if window and self.scored:  # an unscored forward decodes with no eviction to follow: its queries are never read
+        if window:
             layer.remember_queries(queries, positions, window)
         deferred = policy.statistic == "reconstruction"  # every layer scored first (evict_reconstructed)
         if self.evict_now and policy.evicts and not deferred and layer.get_seq_length() > budget:
