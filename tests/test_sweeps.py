@@ -23,6 +23,7 @@ from kvbench.errors import KVBenchError
 from kvbench.launch.launchers import array_name, last_line, refusal
 from kvbench.launch.sweeps import (
     compose_job,
+    expand_sweep,
     experiment_overrides,
     shared_config_files,
     split_pending,
@@ -468,3 +469,32 @@ def test_a_sweeps_jobs_sharing_one_config_repository_compose_as_each_alone(tmp_p
         assert "_parse_overrides_and_create_caching_repo" not in vars(loader)
     assert len(alone) == 11 and shared == alone
     assert alone[3][1]["budget"] == {"spec": "77"}
+
+
+def test_a_large_sweep_composed_by_forked_processes_gives_the_same_jobs_in_order(tmp_path, monkeypatch):
+    """:func:`expand_sweep` with two composers of two jobs or more each (the leaderboard's settings, 10 jobs): the same
+    overrides, configs, run directories and logs, in the same order, as composed in this process; each job's
+    ``${run_name:}`` resolves to its own settings."""
+    import kvbench.launch.sweeps as sweeps
+
+    args = ["+experiment=leaderboard", "policy=snapkv,snapkv+calidrop,cake+slake,kvzip+slake,h2o+obcache_joint"]
+    args += ["budget=10pct,40pct", f"hydra.sweep.dir={tmp_path}/sweep"]
+
+    def composed(jobs):
+        return [(job.overrides, config_dict(job.cfg, resolve=True), job.output_dir, job.log) for job in jobs]
+
+    forks: list[int] = []
+    pool = sweeps.multiprocessing.get_context
+
+    def counted(method):
+        forks.append(1)
+        return pool(method)
+
+    monkeypatch.setattr(sweeps, "usable_cpus", lambda: 2)
+    with sweep_loader(args) as (loader, master):
+        here = composed(expand_sweep(loader, master))
+        monkeypatch.setattr(sweeps, "JOBS_PER_COMPOSER", 4)
+        monkeypatch.setattr(sweeps.multiprocessing, "get_context", counted)
+        forked = composed(expand_sweep(loader, master))
+    assert len(here) == 10 and forked == here and forks == [1]
+    assert len({config["output_dir"] for _, config, _, _ in here}) == 10  # each job's nodes its own (the deep copy)
