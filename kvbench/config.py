@@ -138,9 +138,11 @@ def selected_policy_settings(selections: tuple[tuple[str, str], ...]) -> dict[st
 
 
 def _values(override) -> list[str]:
+    """An override's value(s) as text, a quoted one without its quotes (``budget='10pct'`` is ``10pct``)."""
     if override.is_sweep_override():
         return [str(value) for value in override.sweep_string_iterator()]
-    return [str(override.get_value_element_as_str())]
+    value = override.value()
+    return [value if isinstance(value, str) else str(override.get_value_element_as_str())]
 
 
 def prepare_overrides(args: list[str]) -> list[str]:

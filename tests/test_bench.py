@@ -422,24 +422,28 @@ def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_
     )
 
     def fake_run(arguments: list[str], log) -> float:
-        output = next(a for a in arguments if a.startswith(("hydra.sweep.dir=", "output_dir=")))
+        output = next(a for a in arguments if a.startswith("hydra.sweep.dir="))
         folder = Path(output.split("=", 1)[1])
-        if "-m" not in arguments:
-            write(folder.parent, {folder.name: ["a", "b"]}, 0.5)
+        if folder.name == "full":
+            assert arguments[:4] == ["run", "-m", "policy=full", "task.context_length=1024"]  # the grid's full job
+            write(folder / "m" / "ruler", {"full-10pct-z": ["e", "f"]}, 0.5)
             return 2.0
-        write(folder / "m" / "ruler", {"snapkv-10pct-x": ["a", "B"], "tova-10pct-y": ["c", "d"]}, 1.5)
+        runs = {"snapkv-10pct-x": ["a", "B"], "tova-10pct-y": ["c", "d"], "full-10pct-z": ["e", "f"]}
+        write(folder / "m" / "ruler", runs, 1.5)
         return 9.0
 
     monkeypatch.setattr(grid_module, "run_kvbench", fake_run)
+    monkeypatch.setattr(grid_module, "full_cache_job", lambda arguments: ["policy=full", "task.context_length=1024"])
     monkeypatch.setattr(grid_module, "PROJECT_ROOT", tmp_path / "project")
     section = {"experiment": "board", "num_samples": 2}
     settings = OmegaConf.create({"leaderboard_grid": section})
     fake = SimpleNamespace(bench=settings, cfg=OmegaConf.create({"engine": {"threads": 1}}))
     board = grid_module.leaderboard_grid(fake)["leaderboard_grid"]
-    assert (board["jobs"], board["full_seconds"], board["grid_seconds"], board["cost_ratio"]) == (2, 2.0, 9.0, 4.5)
-    # a sample's cost from the records: the full job 0.5 s and 1.0 s, the grid's two runs 1.5 + 1.5 s and 3.0 + 3.0 s
-    assert (board["full_sample_seconds"], board["grid_sample_seconds"], board["sample_cost_ratio"]) == (0.75, 4.5, 6.0)
+    assert (board["jobs"], board["full_seconds"], board["grid_seconds"], board["cost_ratio"]) == (3, 2.0, 9.0, 4.5)
+    # a sample's cost from the records: the full job 0.5 s and 1.0 s, the grid's three runs 1.5 s each and 3.0 s each
+    assert (board["full_sample_seconds"], board["grid_sample_seconds"], board["sample_cost_ratio"]) == (0.75, 6.75, 9.0)
     assert board["predictions_compared"] == 4 and board["differing_predictions"] == ["m/ruler/snapkv-10pct-x:s-1"]
+    assert board["full_predictions_equal"]
 
 
 def test_the_grid_jobs_run_the_benchs_model_nested_shapes_included():
@@ -454,3 +458,12 @@ def test_the_grid_jobs_run_the_benchs_model_nested_shapes_included():
     job_model = compose(model_overrides(bench_model)).model
     assert OmegaConf.to_container(job_model, resolve=True) == OmegaConf.to_container(bench_model, resolve=True)
     assert job_model.random.hidden_size == 64 and job_model.random.rope_parameters.factor == 4.0
+
+
+def test_the_leaderboard_grids_full_cache_job_reads_the_grids_prompts():
+    """The full-cache job the leaderboard grid is measured against gets what the sweep gives its jobs (the
+    experiment's sweeper params: RULER at 1k), not the task's own default context length."""
+    from kvbench.bench.grid import full_cache_job
+
+    job = full_cache_job(["+experiment=leaderboard", "task.num_samples=2"])
+    assert "policy=full" in job and "++task.context_length=1024" in job and "++task.num_samples=2" in job

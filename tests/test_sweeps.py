@@ -254,6 +254,15 @@ def test_the_sweep_is_hydras_basic_product_and_other_sweeps_are_one_line():
         sweep_overrides(None, master)
 
 
+def test_a_sweep_jobs_overrides_typed_back_give_the_same_job(tmp_path):
+    """A job's overrides as the sweep lists them (a budget in Hydra's quotes: ``budget='10pct'``), typed back as a
+    sweep of that one job, give the same run directory and config (the bench runs a grid's full-cache job so)."""
+    grid = sweep_jobs([*TINY, "policy=full,snapkv", "budget=10pct,20pct", f"hydra.sweep.dir={tmp_path}"])
+    assert "budget='10pct'" in grid[0].overrides
+    (alone,) = sweep_jobs([*grid[0].overrides, f"hydra.sweep.dir={tmp_path}"])
+    assert alone.output_dir == grid[0].output_dir and alone.cfg == grid[0].cfg
+
+
 def test_sweep_jobs_compose_every_job_before_submission(tmp_path):
     """sweep_jobs: each job's overrides, config, run directory and log, as the sweeper submits them."""
     jobs = sweep_jobs([*TINY, "policy=snapkv,h2o+caote", "budget=32,64", f"hydra.sweep.dir={tmp_path}"])

@@ -30,6 +30,7 @@ from kvbench.config import config_dict
 from kvbench.engine.rows import decode_rows
 from kvbench.engine.shared import generate_shared
 from kvbench.errors import KVBenchError
+from kvbench.launch.sweeps import sweep_loader, sweep_overrides
 from kvbench.models import load_model
 from kvbench.rundir import RunDir, flatten
 
@@ -126,20 +127,33 @@ def grid(bench: Bench) -> dict[str, Any]:
     return {"grid": result, "raw": {"grid": {"separate_seconds": separate}}}
 
 
+def full_cache_job(arguments: list[str]) -> list[str]:
+    """The overrides of the first full-cache job (``policy=full``) of the sweep ``kvbench run -m ARGUMENTS``: every
+    setting the sweep gives it (an experiment's ``hydra.sweeper.params``, such as its task's context length, apply to
+    a sweep's jobs only), to run it alone, as a sweep of that one job, on the grid's own samples."""
+    with sweep_loader(arguments) as (config_loader, master):
+        jobs = sweep_overrides(config_loader, master)
+    full = next((job for job in jobs if "policy=full" in job), None)
+    if full is None:
+        raise KVBenchError(f"bench leaderboard_grid: kvbench run -m {' '.join(arguments)} has no policy=full job")
+    return full
+
+
 def leaderboard_grid(bench: Bench) -> dict[str, Any]:
     """The leaderboard's own grid (``bench.leaderboard_grid``: every job of ``+experiment=<experiment>`` on its first
-    ``num_samples`` samples) as one grouped ``kvbench run -m`` against the full-cache job alone on the same samples,
-    each one process: end to end, and a sample's cost (:func:`sample_seconds`, the mean over the samples); every
-    prediction against the committed run of the same settings (``results/<experiment>``: a run of fewer samples shares
-    its directory's name)."""
+    ``num_samples`` samples) as one grouped ``kvbench run -m`` against its full-cache job alone (:func:`full_cache_job`:
+    the same prompts), each one process: end to end, and a sample's cost (:func:`sample_seconds`, the mean over the
+    samples); every prediction against the committed run of the same settings (``results/<experiment>``: a run of
+    fewer samples shares its directory's name), and the full-cache job's against the grid's run of it."""
     section = bench.bench.leaderboard_grid
     common = [f"+experiment={section.experiment}", f"task.num_samples={section.num_samples}"]
     common.append(f"engine.threads={bench.cfg.engine.threads}")
+    alone = full_cache_job(common)
     with tempfile.TemporaryDirectory(prefix="kvbench-leaderboard-grid-") as folder:
         root, log = Path(folder), Path(folder) / "kvbench.log"
-        full = run_kvbench(["run", *common, "policy=full", f"output_dir={root}/full"], log)  # any budget: keeps all
+        full = run_kvbench(["run", "-m", *alone, f"hydra.sweep.dir={root}/full"], log)  # a sweep of one job
         grouped = run_kvbench(["run", "-m", *common, f"hydra.sweep.dir={root}/grid"], log)
-        together = predictions(root / "grid")
+        full_alone, together = predictions(root / "full"), predictions(root / "grid")
         full_sample, grid_sample = sample_seconds(root / "full"), sample_seconds(root / "grid")
     committed = predictions(PROJECT_ROOT / "results" / section.experiment)
     differing = sorted(
@@ -154,6 +168,7 @@ def leaderboard_grid(bench: Bench) -> dict[str, Any]:
             "experiment": str(section.experiment),
             "jobs": len(together),
             "samples": int(section.num_samples),
+            "full_job": alone,
             "full_seconds": full,
             "grid_seconds": grouped,
             "cost_ratio": grouped / full,
@@ -162,6 +177,7 @@ def leaderboard_grid(bench: Bench) -> dict[str, Any]:
             "sample_cost_ratio": sum(grid_sample.values()) / sum(full_sample.values()),
             "predictions_compared": compared,
             "differing_predictions": differing,
+            "full_predictions_equal": all(together.get(name) == by_sample for name, by_sample in full_alone.items()),
         }
     }
 

@@ -38,9 +38,9 @@ from kvbench.policies.registry import register
 def attention_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float):
     """Float32 ``(lse [B,Hc,G], out [B,Hc,G,D])`` of ``query [B,Hc,G,D]`` over ``keys``/``values [B,Hc,E,D]``:
     ``lse = log Σ_e exp(q·k_e·scaling)`` and ``out = Att(q, K, V)``."""
-    logits = torch.einsum("bhgd,bhed->bhge", query, keys.float()) * scaling
+    logits = query @ keys.float().transpose(-1, -2) * scaling  # [B,Hc,G,E]
     lse = logits.logsumexp(dim=-1)
-    return lse, torch.einsum("bhge,bhed->bhgd", torch.exp(logits - lse[..., None]), values.float())
+    return lse, torch.exp(logits - lse[..., None]) @ values.float()
 
 
 def merge_attention(lse_a: torch.Tensor, out_a: torch.Tensor, lse_b: torch.Tensor, out_b: torch.Tensor):

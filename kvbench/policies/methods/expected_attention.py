@@ -73,7 +73,10 @@ class ExpectedAttention(Policy):
         queries = unrotated(stats.queries.float(), cos, sin)[:, :, stats.query_positions >= self.n_sink]  # [B,Hq,W',D]
         mean = queries.mean(dim=2)  # [B,Hq,D]
         following = int(context.positions.max()) + 1
-        rotation = averaged_rotation(*weights.rotation(torch.arange(following, following + self.n_future_positions)))
+        future = torch.arange(following, following + self.n_future_positions)
+        rotation = context.once(
+            ("rotation", following, self.n_future_positions), lambda: averaged_rotation(*weights.rotation(future))
+        )
         mean = mean @ rotation.T
         keys, values = context.keys.float()[:, :, self.n_sink :], context.values.float()[:, :, self.n_sink :]
         batch, heads, tokens, dim = keys.shape  # [B,Hc,T',D]

@@ -75,15 +75,15 @@ def ptaa_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     [B,Hc,T,D]`` and the evicted tokens folded in ``state``: ``[B,Hc,G,D]``. With ``ℓ = 0`` it is softmax
     attention. The reference point of the exponentials is ``max(m, μ)`` instead of ``m``: the ratio is the
     same and nothing overflows when the evicted mean logit exceeds the kept maximum."""
-    logits = torch.einsum("bhgd,bhtd->bhgt", query, keys.float()) * scaling  # s_j [B,Hc,G,T]
+    logits = query @ keys.float().transpose(-1, -2) * scaling  # s_j [B,Hc,G,T]
     count = state.count[:, :, None]  # ℓ [B,Hc,1]
     mean = torch.einsum("bhgd,bhd->bhg", query, state.key_sum) * scaling / count.clamp_min(1.0)  # μ
     reference = torch.maximum(logits.amax(dim=-1), mean)  # [B,Hc,G]
     exact = torch.exp(logits - reference[..., None])  # e^{s_j − m}
     scale = torch.exp(mean - reference)  # λ = e^{μ − m}
-    linear = torch.einsum("bhgd,bhdf->bhgf", query, state.linear) * scaling  # (q·L)/√d
+    linear = query @ state.linear * scaling  # (q·L)/√d [B,Hc,G,D]
     linear = (linear + (1.0 - mean)[..., None] * state.value_sum[:, :, None]) * scale[..., None]
-    numerator = torch.einsum("bhgt,bhtd->bhgd", exact, values.float()) + linear  # Alg. 1 'combine outputs'
+    numerator = exact @ values.float() + linear  # Alg. 1 'combine outputs'
     return numerator / (exact.sum(dim=-1) + scale * count)[..., None]
 
 
