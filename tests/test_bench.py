@@ -314,6 +314,7 @@ def test_targets_hold_each_kind_of_policy_to_its_limit():
         },
         "decode_latency_ratio": 1.2,
         "harness_vs_generate": 0.97,
+        "leaderboard_grid": {"sample_cost_ratio": 32.7},
     }
     found = targets(results)
     limits = {name: row["limit"] for name, row in found.items() if name.startswith("prefill")}
@@ -328,7 +329,9 @@ def test_targets_hold_each_kind_of_policy_to_its_limit():
         "prefill_overhead[snapkv+obcache_value]@4096",
         "prefill_overhead[h2o]@4096",
         "decode_latency_ratio",
+        "leaderboard_grid_sample_cost_ratio",
     ]
+    assert found["leaderboard_grid_sample_cost_ratio"]["limit"] == 6.0
     assert "kvpress_speed_ratio" not in found
 
 

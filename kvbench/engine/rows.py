@@ -16,10 +16,11 @@ from kvbench.engine.memory import free_memory
 from kvbench.engine.runner import GenerationOutput, PerplexityOutput, Runner
 
 #: ``engine.batch_size=auto``: the rows' caches take at most this share of the free memory, and at most
-#: ``AUTO_MAX_ROWS`` rows decode together (:func:`batch_rows`; more rows held at once, of several samples of a group,
-#: were slower here: 51 s against 45 s for the 18-job grid of the README)
+#: ``AUTO_MAX_ROWS`` rows decode together (:func:`batch_rows`): the 18-job grid of the README (4 samples of 18 rows)
+#: decodes its samples' rows together at 128 (41.3 and 41.7 s end to end) rather than one sample at a time at 32
+#: (43.7 and 45.1 s, interleaved); the leaderboard's 267 rows a sample decode fastest at 256 a step
 AUTO_MEMORY_SHARE = 0.5
-AUTO_MAX_ROWS = 32
+AUTO_MAX_ROWS = 128
 
 
 @dataclass
