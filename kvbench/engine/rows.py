@@ -16,11 +16,12 @@ from kvbench.engine.memory import free_memory
 from kvbench.engine.runner import GenerationOutput, PerplexityOutput, Runner
 
 #: ``engine.batch_size=auto``: the rows' caches take at most this share of the free memory, and at most
-#: ``AUTO_MAX_ROWS`` rows decode together (:func:`batch_rows`): the 18-job grid of the README (4 samples of 18 rows)
-#: decodes its samples' rows together at 128 (41.3 and 41.7 s end to end) rather than one sample at a time at 32
-#: (43.7 and 45.1 s, interleaved); the leaderboard's 267 rows a sample decode fastest at 256 a step
+#: ``AUTO_MAX_ROWS`` rows decode together (:func:`batch_rows`). More rows a step are faster here (the 18-job grid of
+#: the README decoding its 4 samples' rows together at 72: 41.3 and 41.7 s end to end against 43.7 and 45.1 s at 32,
+#: interleaved; the leaderboard sets 256), but a run's samples then finish in larger bursts: a kill loses more in
+#: flight and progress comes later, so ``auto`` stays at 32
 AUTO_MEMORY_SHARE = 0.5
-AUTO_MAX_ROWS = 128
+AUTO_MAX_ROWS = 32
 
 
 @dataclass
