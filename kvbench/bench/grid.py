@@ -177,7 +177,8 @@ def leaderboard_grid(bench: Bench) -> dict[str, Any]:
             "sample_cost_ratio": sum(grid_sample.values()) / sum(full_sample.values()),
             "predictions_compared": compared,
             "differing_predictions": differing,
-            "full_predictions_equal": all(together.get(name) == by_sample for name, by_sample in full_alone.items()),
+            "full_predictions_equal": bool(full_alone)
+            and all(together.get(name) == by_sample for name, by_sample in full_alone.items()),
         }
     }
 

@@ -83,7 +83,6 @@ class EvictionCache(Cache):
         self.scored = False
         self.decoding = False
         self.live_bytes = [0] * len(layer_budgets)
-        self.live_total = 0  # sum(live_bytes), kept as they change
         self.peak_bytes = 0
         self.key_masks: list[torch.Tensor | None] = [None] * len(layer_budgets)
         #: a shared prefill's window statistics and rankings while a cascade stage runs (:meth:`after_attention`)
@@ -274,10 +273,11 @@ class EvictionCache(Cache):
         compute (window statistics by size, rankings by :meth:`ranking_key`), each by the first that needs it."""
         policy, layer = self.policy, self.eviction_layers[layer_idx]
         self.scaling = scaling
-        if not self.scored and self.chunk is None:  # a decode step with no eviction to follow (a row's usual step)
+        if self.chunk is None:
             if self.attending:
                 layer.last_query = queries[:, :, -1].clone()
-            return
+            if not self.scored:  # a decode step with no eviction to follow: nothing to gather (a row's usual step)
+                return
         budget = self.layer_budgets[layer_idx]
         assert self.new_positions is not None and layer.positions is not None  # set by begin_forward and update
         positions = self.new_positions.to(queries.device)
@@ -288,8 +288,6 @@ class EvictionCache(Cache):
             layer.truncate(self.context_len)
             self._account(layer_idx)
             return
-        if self.attending:
-            layer.last_query = queries[:, :, -1].clone()
         if policy.running:
             assert layer.running_score is not None  # created by update for scored forwards
             if uses_normaliser(policy):
@@ -464,10 +462,8 @@ class EvictionCache(Cache):
         self._account(layer_idx)
 
     def _account(self, layer_idx: int) -> None:
-        held = self.eviction_layers[layer_idx].held_bytes()
-        self.live_total += held - self.live_bytes[layer_idx]
-        self.live_bytes[layer_idx] = held
-        self.peak_bytes = max(self.peak_bytes, self.live_total)
+        self.live_bytes[layer_idx] = self.eviction_layers[layer_idx].held_bytes()
+        self.peak_bytes = max(self.peak_bytes, sum(self.live_bytes))
 
     # -- transformers Cache API --------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:

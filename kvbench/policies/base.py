@@ -378,9 +378,8 @@ class Policy(Registered):
 def settings_key(*parts: Policy | Modifier, without: tuple[str, ...] = ()) -> str:
     """An explicit identity of a base and modifiers: each part's name and the settings it was built with (but those
     named in ``without``), as JSON (a layer budget as its node; a base's own, not its modifiers')."""
-    named = []
+    named, left_out = [], ("modifiers", *without)
     for part in parts:
-        left_out = ("modifiers", *without)
         settings = {item.name: getattr(part, item.name) for item in fields(part) if item.name not in left_out}
         named.append([part.name, {k: v.parameters() if isinstance(v, LayerBudget) else v for k, v in settings.items()}])
     return json.dumps(named, sort_keys=True)
