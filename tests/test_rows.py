@@ -203,3 +203,69 @@ def test_samples_are_given_in_order_as_soon_as_their_rows_finish():
     assert given == [(0, [(0, "a"), (1, "b")], 4), (1, [(2, "c")], 4), (2, [(3, "d")], 4), (3, [], 4)]
     early = list(in_sample_order(iter([(0, "a"), (1, "b")]), [0, 1], 3))
     assert early == [(0, [(0, "a")]), (1, [(1, "b")]), (2, [])]
+
+
+def test_rows_made_on_demand_join_the_batch_as_they_fit_and_give_what_each_gives_alone(monkeypatch):
+    """Groups of rows made on demand (a grouped sweep's samples, each prefilled for its variants): a group is made
+    only once its rows fit in the batch beside the rows made and not finished, so it joins while the rows before it
+    finish (a step holds rows of two groups), no more rows are ever held than the batch; each row's tokens are its
+    engine's alone."""
+    model = tiny_model()
+    engines = [Engine(model, build_policy("snapkv", {"window": 8}), budget) for budget in (16, 24, 32)]
+    prompts = [random_prompt(length, seed=length) for length in (40, 64, 90, 120)]
+    limits = [3, 9, 5, 12]
+    alone = [  # each variant its own limit: a group's rows finish at different steps
+        [engine.generate(prompt, limit + 3 * place).token_ids for place, engine in enumerate(engines)]
+        for prompt, limit in zip(prompts, limits)
+    ]
+    rows: list[Row] = []
+    finished: list[int] = []
+    held: list[int] = []  # rows made and not finished, at each group made and at each step
+    group_of: list[int] = []
+    steps: list[set[int]] = []
+    step_rows = engine_module.step_rows
+
+    def stepped(stepping):
+        held.append(len(rows) - len(finished))
+        steps.append({group_of[rows.index(row)] for row, _ in stepping})
+        return step_rows(stepping)
+
+    monkeypatch.setattr(engine_module, "step_rows", stepped)
+
+    def group(number: int):
+        def make() -> list[Row]:
+            made = []
+            for place, engine in enumerate(engines):
+                cache = engine.new_cache(len(prompts[number]))
+                logits = engine.prefill(cache, prompts[number])[0, -1]
+                made.append(Row(engine, cache, logits, len(prompts[number]), limits[number] + 3 * place))
+            group_of.extend([number] * len(made))
+            held.append(len(rows) + len(made) - len(finished))
+            return made
+
+        return len(engines), make
+
+    for index, output in engine_module.finished_rows(rows, 5, (group(number) for number in range(len(prompts)))):
+        finished.append(index)
+        assert output.token_ids == alone[group_of[index]][index % len(engines)]
+    assert sorted(finished) == list(range(len(prompts) * len(engines)))
+    assert max(held) <= 5 and any(len(groups) == 2 for groups in steps)
+
+
+def test_samples_whose_rows_are_made_as_they_decode_are_given_once_made_and_finished():
+    """Rows made as they decode: ``sample_of`` grows with them and a sample is given only once its rows are made (a
+    sample without rows, once the samples before it are given and it is made)."""
+    from kvbench.run import in_sample_order
+
+    sample_of: list[int] = [0]
+    made = [1]
+
+    def finishing():
+        yield 0, "a"  # sample 0's one row: sample 1 (no rows) is not made yet
+        sample_of.extend([2, 2])
+        made[0] = 3  # samples 1 and 2 made
+        yield 2, "c"
+        yield 1, "b"
+
+    given = list(in_sample_order(finishing(), sample_of, 4, lambda: made[0]))
+    assert given == [(0, [(0, "a")]), (1, []), (2, [(2, "c"), (1, "b")]), (3, [])]

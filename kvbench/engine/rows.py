@@ -5,7 +5,7 @@ lockstep; each row gives what its engine gives alone."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +14,7 @@ from kvbench.engine.batches import RowBatch
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.memory import free_memory
 from kvbench.engine.runner import GenerationOutput, PerplexityOutput, Runner
+from kvbench.engine.sizes import CacheSizes
 
 #: ``engine.batch_size=auto``: the rows' caches take at most this share of the free memory, and at most
 #: ``AUTO_MAX_ROWS`` rows decode together (:func:`batch_rows`). More rows a step are faster here (the 18-job grid of
@@ -66,14 +67,31 @@ def decode_rows(rows: list[Row], batch_size: int) -> list[GenerationOutput]:
     return [output for _, output in sorted(finished_rows(rows, batch_size), key=lambda finished: finished[0])]
 
 
-def finished_rows(rows: list[Row], batch_size: int) -> Iterator[tuple[int, GenerationOutput]]:
+#: rows made on demand (:func:`finished_rows`): how many a group has, and what makes them (a prefill)
+RowGroup = tuple[int, Callable[[], list[Row]]]
+
+
+def finished_rows(
+    rows: list[Row], batch_size: int, more: Iterable[RowGroup] = ()
+) -> Iterator[tuple[int, GenerationOutput]]:
     """Greedy decoding of ``rows`` (one model), up to ``batch_size`` at a time: every step feeds each active row's
     token at its own position through one forward of the model over a :class:`RowBatch`, where each row's cache
     attends, scores and evicts as alone (its engine's ``decode_evict``); a finished row leaves the batch, is yielded
-    as ``(its index in rows, its output)``, and the next waiting row takes its place. Each row is charged its share of
-    the steps it was in."""
-    after_prefill = [row.cache.sizes_now() for row in rows]
-    kept = [row.cache.kept_by_head() if row.engine.record_kept else None for row in rows]
+    as ``(its index in rows, its output)``, and the next waiting row takes its place. ``more``: groups of rows made
+    (appended to ``rows``) one by one, in order, as soon as they fit beside the rows made and not finished (or when
+    none are left), so a group's rows join the batch while the rows before them finish. Each row is charged its share
+    of the steps it was in."""
+    after_prefill: list[CacheSizes] = []
+    kept: list[list[list[list[int]]] | None] = []
+    waiting, active = deque[int](), list[int]()
+    groups = iter(more)
+    upcoming = next(groups, None)
+
+    def made(count: int) -> None:  # the rows' state after their prefill, before any step
+        for row in rows[count:]:
+            after_prefill.append(row.cache.sizes_now())
+            kept.append(row.cache.kept_by_head() if row.engine.record_kept else None)
+        waiting.extend(range(count, len(rows)))
 
     def output(index: int) -> tuple[int, GenerationOutput]:
         row = rows[index]
@@ -86,9 +104,18 @@ def finished_rows(rows: list[Row], batch_size: int) -> Iterator[tuple[int, Gener
         finished.scoring_seconds = row.scoring_seconds
         return index, finished
 
-    waiting, active = deque(range(len(rows))), list[int]()
-    lead = rows[0].engine if rows else None
-    while lead is not None and (waiting or active):
+    made(0)
+    while True:
+        while upcoming is not None and (
+            not (waiting or active) or len(waiting) + len(active) + upcoming[0] <= batch_size
+        ):
+            count = len(rows)
+            rows += upcoming[1]()
+            made(count)
+            upcoming = next(groups, None)
+        if not (waiting or active):
+            return
+        lead = rows[0].engine
         start = lead.now()
         stepping: list[tuple[int, int]] = []  # (row index, its next token)
         done: list[int] = []

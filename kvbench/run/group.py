@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from kvbench import config_dict
 from kvbench.engine import Engine
-from kvbench.engine.rows import Row, finished_rows, perplexity_rows
+from kvbench.engine.rows import Row, RowGroup, finished_rows, perplexity_rows
 from kvbench.errors import SharedPassWarning
 from kvbench.models import LoadedModel
 from kvbench.run.lifecycle import OpenRun, Shared, failure, job_and_directory, job_log, open_run
@@ -111,15 +111,16 @@ def run_group(
 
 def run_opened(opened: dict[int, OpenRun], samples: list[Sample], outcomes: list[Any], guard: Guard) -> None:
     """The ``samples`` of the ``opened`` runs of a group (one job: a group of one), each prefilled once for every run
-    that lacks it (:func:`~kvbench.engine.shared.prefill_shared`), the (sample, run) rows of as many samples as
-    ``engine.batch_size`` holds decoding together, each sample's records written once its rows have finished, in
-    sample order (:func:`decode_shared`), then each run finished (its metrics its outcome). A run's step runs under
-    ``guard``: in a group, a run whose sample fails is logged and dropped (its outcome the error), the others go on."""
+    that lacks it (:func:`~kvbench.engine.shared.prefill_shared`) once its rows fit, the (sample, run) rows of
+    ``engine.batch_size`` samples at a time decoding together, ``engine.batch_size`` rows a step, each sample's
+    records written once its rows have finished, in sample order (:func:`decode_shared`), then each run finished (its
+    metrics its outcome). A run's step runs under ``guard``: in a group, a run whose sample fails is logged and
+    dropped (its outcome the error), the others go on."""
     first = next(iter(opened.values()))
     pending = {index: {sample.id for sample in run.pending} for index, run in opened.items()}
     todo = [sample for sample in samples if any(sample.id in ids for ids in pending.values())]
     batch = samples_batch(first.job.cfg, [run.engine for run in opened.values()], todo)
-    for chunk in chunks(todo, max(1, batch // len(opened))):
+    for chunk in chunks(todo, batch):
         lacking = {
             sample.id: {
                 index: run for index, run in opened.items() if outcomes[index] is None and sample.id in pending[index]
@@ -174,37 +175,50 @@ def decode_shared(
 ) -> Iterator[tuple[Sample, dict[int, tuple[dict[str, Any], Any]]]]:
     """Each sample of ``chunk`` in order with the records and outputs of the runs that lack it, by run, as soon as its
     rows have finished: each sample prefilled once for its runs (the questions of one context answered from one
-    compression of it per run, :func:`context_rows`), all the chunk's rows decoded together,
-    ``batch_size`` at a time (:func:`~kvbench.engine.rows.finished_rows`); a perplexity sample's text streamed by
-    its runs as rows (:func:`~kvbench.engine.rows.perplexity_rows`)."""
+    compression of it per run, :func:`context_rows`) once its rows fit in the batch, the chunk's rows decoded
+    together, ``batch_size`` at a time (:func:`~kvbench.engine.rows.finished_rows`: a sample's rows join as those
+    before them finish); a perplexity sample's text streamed by its runs as rows
+    (:func:`~kvbench.engine.rows.perplexity_rows`)."""
     results: dict[int, dict[int, tuple[dict[str, Any], Any]]] = {}  # sample position -> run -> (record, output)
-    rows: list[Row] = []
     owners: list[tuple[int, list[tuple[int, OpenRun]]]] = []  # each row's sample position and its runs (twins)
+    sample_of: list[int] = []  # each row's sample position
+    made = [0]  # the positions whose rows are made
     position_of = {sample.id: position for position, sample in enumerate(chunk)}
-    for samples in context_groups(chunk, lambda sample: lacking[sample.id].keys()):  # the same runs lack them
+
+    def group_rows(samples: list[Sample]) -> RowGroup:
+        """The rows of one context group, made on demand: how many, and what prefills them."""
+        positions = [position_of[sample.id] for sample in samples]
         runs = lacking[samples[0].id]
-        if not runs:
-            continue
-        if samples[0].mode == "perplexity":
-            (sample,) = samples
-            outputs = perplexity_rows(
-                [run.engine for run in runs.values()], sample.input_ids, sample.context_tokens, batch_size
-            )
-            results[position_of[sample.id]] = {
-                index: (record_of(run.task, sample, output, run.loaded), output)
-                for (index, run), output in zip(runs.items(), outputs)
-            }
-            continue
         twins: dict[tuple[str, str | None], list[tuple[int, OpenRun]]] = {}
         for index, run in runs.items():
             twins.setdefault(twin_key(run.engine), []).append((index, run))
-        computed = [twin[0][1].engine for twin in twins.values()]
-        rows += context_rows(computed, samples, loaded, batch_size)
-        owners += [(position_of[sample.id], twin) for sample in samples for twin in twins.values()]
-    sample_of = [position for position, _ in owners]
-    for position, finished in in_sample_order(finished_rows(rows, batch_size), sample_of, len(chunk)):
+
+        def make() -> list[Row]:
+            rows: list[Row] = []
+            if runs and samples[0].mode == "perplexity":
+                (sample,) = samples
+                outputs = perplexity_rows(
+                    [run.engine for run in runs.values()], sample.input_ids, sample.context_tokens, batch_size
+                )
+                results[positions[0]] = {
+                    index: (record_of(run.task, sample, output, run.loaded), output)
+                    for (index, run), output in zip(runs.items(), outputs)
+                }
+            elif runs:
+                rows = context_rows([twin[0][1].engine for twin in twins.values()], samples, loaded, batch_size)
+                owners.extend((position, twin) for position in positions for twin in twins.values())
+                sample_of.extend(position for position in positions for _ in twins)
+            made[0] = positions[-1] + 1
+            return rows
+
+        generated = runs and samples[0].mode != "perplexity"
+        return (len(samples) * len(twins) if generated else 0), make
+
+    groups = (group_rows(samples) for samples in context_groups(chunk, lambda sample: lacking[sample.id].keys()))
+    finished = finished_rows([], batch_size, groups)
+    for position, done in in_sample_order(finished, sample_of, len(chunk), lambda: made[0]):
         sample = chunk[position]
-        for row, output in finished:
+        for row, output in done:
             for index, run in owners[row][1]:
                 results.setdefault(position, {})[index] = (record_of(run.task, sample, output, run.loaded), output)
         yield sample, results.pop(position, {})

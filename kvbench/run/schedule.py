@@ -87,18 +87,23 @@ def context_rows(engines: list[Engine], samples: list[Sample], loaded: LoadedMod
 
 
 def in_sample_order(
-    finished: Iterable[tuple[int, Any]], sample_of: list[int], samples: int
+    finished: Iterable[tuple[int, Any]], sample_of: list[int], samples: int, made: Callable[[], int] = lambda: -1
 ) -> Iterator[tuple[int, list[tuple[int, Any]]]]:
     """Rows' outputs ``(row, output)``, finishing in any order, grouped by sample: ``(sample position, its rows'
     outputs)`` for each of ``samples`` positions in order, once all its rows (``sample_of[row]`` is a row's sample
-    position; a sample without rows has none) have finished."""
-    remaining = Counter(sample_of)
+    position; a sample without rows has none) have finished. Rows made as they are decoded: ``sample_of`` grows with
+    them, and ``made()`` says how many positions have all their rows made (all of them when it is negative)."""
+    remaining: Counter[int] = Counter()
+    counted = 0  # the rows of sample_of in remaining
     outputs: dict[int, list[tuple[int, Any]]] = {}
     position = 0
     for row, output in finished:
+        remaining.update(sample_of[counted:])
+        counted = len(sample_of)
         outputs.setdefault(sample_of[row], []).append((row, output))
         remaining[sample_of[row]] -= 1
-        while position < samples and remaining[position] == 0:
+        ready = samples if made() < 0 else made()
+        while position < ready and remaining[position] == 0:
             yield position, outputs.pop(position, [])
             position += 1
     for left in range(position, samples):
