@@ -17,10 +17,9 @@ from kvbench.engine.runner import GenerationOutput, PerplexityOutput, Runner
 from kvbench.engine.sizes import CacheSizes
 
 #: ``engine.batch_size=auto``: the rows' caches take at most this share of the free memory, and at most
-#: ``AUTO_MAX_ROWS`` rows decode together (:func:`batch_rows`). More rows a step are faster here (the 18-job grid of
-#: the README decoding its 4 samples' rows together at 72: 41.3 and 41.7 s end to end against 43.7 and 45.1 s at 32,
-#: interleaved; the leaderboard sets 256), but a run's samples then finish in larger bursts: a kill loses more in
-#: flight and progress comes later, so ``auto`` stays at 32
+#: ``AUTO_MAX_ROWS`` rows decode together (:func:`batch_rows`). A grouped sweep's next sample joins as its rows fit
+#: (:func:`finished_rows`' groups made on demand); more rows a step would decode a single run's samples in larger
+#: bursts (a kill loses more in flight, progress comes later), so ``auto`` stays at 32 (the leaderboard sets 256)
 AUTO_MEMORY_SHARE = 0.5
 AUTO_MAX_ROWS = 32
 
