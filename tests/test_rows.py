@@ -259,13 +259,17 @@ def test_samples_whose_rows_are_made_as_they_decode_are_given_once_made_and_fini
 
     sample_of: list[int] = [0]
     made = [1]
+    events = [0]  # rows finished so far
 
     def finishing():
+        events[0] += 1
         yield 0, "a"  # sample 0's one row: sample 1 (no rows) is not made yet
         sample_of.extend([2, 2])
         made[0] = 3  # samples 1 and 2 made
+        events[0] += 1
         yield 2, "c"
+        events[0] += 1
         yield 1, "b"
 
-    given = list(in_sample_order(finishing(), sample_of, 4, lambda: made[0]))
-    assert given == [(0, [(0, "a")]), (1, []), (2, [(2, "c"), (1, "b")]), (3, [])]
+    given = [(*item, events[0]) for item in in_sample_order(finishing(), sample_of, 4, lambda: made[0])]
+    assert given == [(0, [(0, "a")], 1), (1, [], 2), (2, [(2, "c"), (1, "b")], 3), (3, [], 3)]

@@ -86,7 +86,7 @@ def finished_rows(
     groups = iter(more)
     upcoming = next(groups, None)
 
-    def made(count: int) -> None:  # the rows' state after their prefill, before any step
+    def wait(count: int) -> None:  # the rows from ``count`` on wait, their state after their prefill kept
         for row in rows[count:]:
             after_prefill.append(row.cache.sizes_now())
             kept.append(row.cache.kept_by_head() if row.engine.record_kept else None)
@@ -103,14 +103,14 @@ def finished_rows(
         finished.scoring_seconds = row.scoring_seconds
         return index, finished
 
-    made(0)
+    wait(0)
     while True:
         while upcoming is not None and (
             not (waiting or active) or len(waiting) + len(active) + upcoming[0] <= batch_size
         ):
             count = len(rows)
             rows += upcoming[1]()
-            made(count)
+            wait(count)
             upcoming = next(groups, None)
         if not (waiting or active):
             return

@@ -180,8 +180,8 @@ def decode_shared(
     before them finish); a perplexity sample's text streamed by its runs as rows
     (:func:`~kvbench.engine.rows.perplexity_rows`)."""
     results: dict[int, dict[int, tuple[dict[str, Any], Any]]] = {}  # sample position -> run -> (record, output)
-    owners: list[tuple[int, list[tuple[int, OpenRun]]]] = []  # each row's sample position and its runs (twins)
     sample_of: list[int] = []  # each row's sample position
+    owners: list[list[tuple[int, OpenRun]]] = []  # each row's runs (twins)
     made = [0]  # the positions whose rows are made
     position_of = {sample.id: position for position, sample in enumerate(chunk)}
 
@@ -189,13 +189,14 @@ def decode_shared(
         """The rows of one context group, made on demand: how many, and what prefills them."""
         positions = [position_of[sample.id] for sample in samples]
         runs = lacking[samples[0].id]
+        streamed = bool(runs) and samples[0].mode == "perplexity"
         twins: dict[tuple[str, str | None], list[tuple[int, OpenRun]]] = {}
         for index, run in runs.items():
             twins.setdefault(twin_key(run.engine), []).append((index, run))
 
         def make() -> list[Row]:
             rows: list[Row] = []
-            if runs and samples[0].mode == "perplexity":
+            if streamed:
                 (sample,) = samples
                 outputs = perplexity_rows(
                     [run.engine for run in runs.values()], sample.input_ids, sample.context_tokens, batch_size
@@ -206,20 +207,19 @@ def decode_shared(
                 }
             elif runs:
                 rows = context_rows([twin[0][1].engine for twin in twins.values()], samples, loaded, batch_size)
-                owners.extend((position, twin) for position in positions for twin in twins.values())
                 sample_of.extend(position for position in positions for _ in twins)
+                owners.extend(twin for _ in positions for twin in twins.values())
             made[0] = positions[-1] + 1
             return rows
 
-        generated = runs and samples[0].mode != "perplexity"
-        return (len(samples) * len(twins) if generated else 0), make
+        return (0 if streamed else len(samples) * len(twins)), make
 
     groups = (group_rows(samples) for samples in context_groups(chunk, lambda sample: lacking[sample.id].keys()))
     finished = finished_rows([], batch_size, groups)
     for position, done in in_sample_order(finished, sample_of, len(chunk), lambda: made[0]):
         sample = chunk[position]
         for row, output in done:
-            for index, run in owners[row][1]:
+            for index, run in owners[row]:
                 results.setdefault(position, {})[index] = (record_of(run.task, sample, output, run.loaded), output)
         yield sample, results.pop(position, {})
 

@@ -87,12 +87,12 @@ def context_rows(engines: list[Engine], samples: list[Sample], loaded: LoadedMod
 
 
 def in_sample_order(
-    finished: Iterable[tuple[int, Any]], sample_of: list[int], samples: int, made: Callable[[], int] = lambda: -1
+    finished: Iterable[tuple[int, Any]], sample_of: list[int], samples: int, made: Callable[[], int] | None = None
 ) -> Iterator[tuple[int, list[tuple[int, Any]]]]:
     """Rows' outputs ``(row, output)``, finishing in any order, grouped by sample: ``(sample position, its rows'
     outputs)`` for each of ``samples`` positions in order, once all its rows (``sample_of[row]`` is a row's sample
     position; a sample without rows has none) have finished. Rows made as they are decoded: ``sample_of`` grows with
-    them, and ``made()`` says how many positions have all their rows made (all of them when it is negative)."""
+    them, and ``made()`` says how many positions have all their rows made (None: all of them)."""
     remaining: Counter[int] = Counter()
     counted = 0  # the rows of sample_of in remaining
     outputs: dict[int, list[tuple[int, Any]]] = {}
@@ -102,7 +102,7 @@ def in_sample_order(
         counted = len(sample_of)
         outputs.setdefault(sample_of[row], []).append((row, output))
         remaining[sample_of[row]] -= 1
-        ready = samples if made() < 0 else made()
+        ready = samples if made is None else made()
         while position < ready and remaining[position] == 0:
             yield position, outputs.pop(position, [])
             position += 1
