@@ -65,7 +65,7 @@ def test_vabs_preference_follows_eqs_15_to_18():
             products.append(total_variation * value_aware)
             entropies.append(-sum(a * math.log(a) for a in weights[0, head, i].tolist() if a > 0))  # eq. 17
     expected = (sum(products) / len(products)) ** alpha * (sum(entropies) / len(entropies)) ** beta  # eq. 18
-    assert vabs_preference(weights, approximate, values, alpha, beta, gamma) == pytest.approx(expected, rel=1e-4)
+    assert vabs_preference(logits, evicted, values, alpha, beta, gamma) == pytest.approx(expected, rel=1e-4)
 
 
 def test_conserve_total_is_proportional_and_respects_caps():

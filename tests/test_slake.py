@@ -78,11 +78,12 @@ def test_ptaa_output_is_its_attention_map_times_values():
 
 
 @pytest.mark.parametrize(
-    "window,tokens,per_query", [(32, 300, False), (300, 300, False), (5, 37, True), (1, 64, False)]
+    "window,tokens,per_query", [(32, 300, False), (300, 300, False), (5, 37, True), (130, 200, True), (1, 64, False)]
 )
 def test_ptaa_weights_are_the_plain_formula_bit_for_bit(window, tokens, per_query):
-    """``ptaa_weights`` and ``vabs_score`` work in place on their large buffers; every weight equals eq. 11's plain
-    (allocating) evaluation exactly, and the score eqs. 15-18's, so VABS's allocations are unchanged."""
+    """``ptaa_weights`` and ``vabs_score`` work in place on their large buffers, the score a block of queries at a
+    time; every weight equals eq. 11's plain (allocating, whole-window) evaluation exactly, and the score eqs. 15-18's,
+    so VABS's allocations are unchanged."""
     generator = torch.Generator().manual_seed(window + tokens)
     logits = torch.randn(2, 9, window, tokens, generator=generator) * 4
     causal = torch.arange(tokens)[None, :] <= torch.arange(tokens - window, tokens)[:, None]
@@ -100,7 +101,8 @@ def test_ptaa_weights_are_the_plain_formula_bit_for_bit(window, tokens, per_quer
     weights, share = logits.softmax(-1), torch.rand(2, 9, 1, tokens, generator=generator)
     error = (approximate - weights).abs()
     plain = ((0.5 * error.sum(dim=-1)) * (share * error).sum(dim=-1) ** 0.1).mean() ** 0.5 * torch.tensor(2.0) ** 0.4
-    assert vabs_score(weights, approximate, share, torch.tensor(2.0), 0.5, 0.4, 0.1) == float(plain)  # eqs. 15-18
+    # eqs. 15-18, VABS_BLOCK queries at a time (a window of 300 is five blocks)
+    assert vabs_score(weights, logits, evicted, share, torch.tensor(2.0), 0.5, 0.4, 0.1) == float(plain)
 
 
 def test_ptaa_without_evicted_tokens_is_softmax_attention():

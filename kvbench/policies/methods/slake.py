@@ -178,23 +178,25 @@ class Vabs(DynamicLayerBudget):
     def preference(self, stats: AttentionStats, evicted: torch.Tensor) -> float:
         if self.alpha is None or self.beta is None:
             raise KVBenchError("VABS needs policy.layer_budget.alpha and .beta (SLAKE Table 3 gives them per model)")
-        approximate = ptaa_weights(stats.logits, stats.per_query_head(evicted)[:, :, None])
+        evicted = stats.per_query_head(evicted)[:, :, None]  # [B,Hq,1,T]
         terms = stats.once("vabs_terms", lambda: vabs_terms(stats.weights, stats.per_query_head(stats.values)))
-        return vabs_score(stats.weights, approximate, *terms, self.alpha, self.beta, self.gamma)
+        return vabs_score(stats.weights, stats.logits, evicted, *terms, self.alpha, self.beta, self.gamma)
 
 
 def vabs_preference(
-    weights: torch.Tensor, approximate: torch.Tensor, values: torch.Tensor, alpha: float, beta: float, gamma: float
+    logits: torch.Tensor, evicted: torch.Tensor, values: torch.Tensor, alpha: float, beta: float, gamma: float
 ) -> float:
-    """SLAKE's VABS preference (eqs. 15–18) from the window's true ``weights`` and PTAA ``approximate``
-    weights ``[B,Hq,W,T]`` and the cached ``values [B,Hq,T,D]`` (per query head)::
+    """SLAKE's VABS preference (eqs. 15–18) of a window of queries from their ``logits [B,Hq,W,T]`` (-inf where a
+    query cannot see a key), the keys PTAA stands in for (``evicted [B,Hq,1|W,T]``) and the cached ``values
+    [B,Hq,T,D]`` (per query head), with ``A`` the true attention and ``Ã`` PTAA's (:func:`ptaa_weights`)::
 
         TV_hi = ½ Σ_j |Ã_ij − A_ij|                                       (eq. 15)
         VA_hi = (Σ_j ‖v_j‖ / Σ_j' ‖v_j'‖ · |Ã_ij − A_ij|)^γ                (eq. 16)
         H_hi  = −Σ_j A_ij log A_ij                                         (eq. 17, the true attention)
         P     = (E_hi[TV_hi · VA_hi])^α · (E_hi[H_hi])^β                   (eq. 18)
     """
-    return vabs_score(weights, approximate, *vabs_terms(weights, values), alpha, beta, gamma)
+    weights = logits.softmax(dim=-1)
+    return vabs_score(weights, logits, evicted, *vabs_terms(weights, values), alpha, beta, gamma)
 
 
 def vabs_terms(weights: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,17 +208,29 @@ def vabs_terms(weights: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
     return share, entropy.mean()
 
 
+#: queries of a window whose PTAA map VABS holds at once (:func:`vabs_score`): its working copies are
+#: ``[B,Hq,VABS_BLOCK,T]``, not the whole window's (Expected Attention's window is the whole prompt)
+VABS_BLOCK = 64
+
+
 def vabs_score(
     weights: torch.Tensor,
-    approximate: torch.Tensor,
+    logits: torch.Tensor,
+    evicted: torch.Tensor,
     share: torch.Tensor,
     entropy: torch.Tensor,
     alpha: float,
     beta: float,
     gamma: float,
 ) -> float:
-    """:func:`vabs_preference` from the terms of :func:`vabs_terms`."""
-    error = torch.sub(approximate, weights).abs_()  # [B,Hq,W,T]
-    total_variation = 0.5 * error.sum(dim=-1)  # SLAKE eq. (15)
-    value_aware = error.mul_(share).sum(dim=-1) ** gamma  # SLAKE eq. (16)
-    return float((total_variation * value_aware).mean() ** alpha * entropy**beta)  # SLAKE eq. (18)
+    """:func:`vabs_preference` from the window's true ``weights`` and ``logits [B,Hq,W,T]``, ``evicted`` and the terms
+    of :func:`vabs_terms`, ``VABS_BLOCK`` queries at a time (each query's terms are its own row's)."""
+    products = []
+    for start in range(0, logits.shape[2], VABS_BLOCK):
+        rows = slice(start, start + VABS_BLOCK)
+        approximate = ptaa_weights(logits[:, :, rows], evicted if evicted.shape[2] == 1 else evicted[:, :, rows])
+        error = approximate.sub_(weights[:, :, rows]).abs_()  # |Ã − A| [B,Hq,w,T]
+        total_variation = 0.5 * error.sum(dim=-1)  # SLAKE eq. (15)
+        value_aware = error.mul_(share).sum(dim=-1) ** gamma  # SLAKE eq. (16)
+        products.append(total_variation * value_aware)
+    return float(torch.cat(products, dim=-1).mean() ** alpha * entropy**beta)  # SLAKE eq. (18)
