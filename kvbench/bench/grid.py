@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import PROJECT_ROOT
-from kvbench.config import config_dict
+from kvbench.config import compose, config_dict
 from kvbench.engine.rows import decode_rows
 from kvbench.engine.shared import generate_shared
 from kvbench.errors import KVBenchError
 from kvbench.launch.sweeps import sweep_loader, sweep_overrides
-from kvbench.models import load_model
+from kvbench.models import load_model, resolve_device
 from kvbench.rundir import RunDir, flatten
 
 if TYPE_CHECKING:
@@ -144,11 +144,14 @@ def leaderboard_grid(bench: Bench) -> dict[str, Any]:
     ``num_samples`` samples) as one grouped ``kvbench run -m`` against its full-cache job alone (:func:`full_cache_job`:
     the same prompts), each one process: end to end, and a sample's cost (:func:`sample_seconds`, the mean over the
     samples); every prediction against the committed run of the same settings (``results/<experiment>``: a run of
-    fewer samples shares its directory's name), and the full-cache job's against the grid's run of it."""
+    fewer samples shares its directory's name), and the full-cache job's against the grid's run of it; the device the
+    jobs ran on. ``overrides``: both runs', after the experiment's (another model: its runs have other names, and no
+    prediction is compared)."""
     section = bench.bench.leaderboard_grid
     common = [f"+experiment={section.experiment}", f"task.num_samples={section.num_samples}"]
-    common.append(f"engine.threads={bench.cfg.engine.threads}")
+    common += [f"engine.threads={bench.cfg.engine.threads}", *section.overrides]
     alone = full_cache_job(common)
+    device = resolve_device(compose(alone).model.device).type  # where the jobs run (``auto``: a GPU if there is one)
     with tempfile.TemporaryDirectory(prefix="kvbench-leaderboard-grid-") as folder:
         root, log = Path(folder), Path(folder) / "kvbench.log"
         full = run_kvbench(["run", "-m", *alone, f"hydra.sweep.dir={root}/full"], log)  # a sweep of one job
@@ -166,6 +169,7 @@ def leaderboard_grid(bench: Bench) -> dict[str, Any]:
     return {
         "leaderboard_grid": {
             "experiment": str(section.experiment),
+            "device": device,
             "jobs": len(together),
             "samples": int(section.num_samples),
             "full_job": alone,
