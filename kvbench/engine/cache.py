@@ -274,10 +274,10 @@ class EvictionCache(Cache):
         policy, layer = self.policy, self.eviction_layers[layer_idx]
         self.scaling = scaling
         if self.chunk is None:
-            if self.attending:
-                layer.last_query = queries[:, :, -1].clone()
             if not self.scored:  # a decode step with no eviction to follow: nothing to gather (a row's usual step)
                 return
+            if self.attending:  # the newest query an eviction of this forward hands the attending modifiers
+                layer.last_query = queries[:, :, -1].clone()
         budget = self.layer_budgets[layer_idx]
         assert self.new_positions is not None and layer.positions is not None  # set by begin_forward and update
         positions = self.new_positions.to(queries.device)

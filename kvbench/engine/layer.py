@@ -118,8 +118,9 @@ class EvictionLayer(DynamicLayer):
     ``Hc`` is the number of KV heads, or of query heads in the KV-repeated layout. ``running_score [B,Hc,T]``
     holds the running score of running policies (H2O); ``recent_queries [B,Hq,W,D]`` the last
     ``W`` queries for window policies (SnapKV's observation window, TOVA's last query) and layer
-    preferences; ``last_query [B,Hq,D]`` the newest query (CaliDrop's initial calibration query);
-    ``ranking [B,Hc,T]`` the scores of the last eviction (re-used when cascading shrinks the layer again);
+    preferences; ``last_query [B,Hq,D]`` the newest query of the last forward that could evict (CaliDrop's initial
+    calibration query); ``ranking [B,Hc,T]`` the scores of the last eviction (re-used when cascading shrinks the layer
+    again);
     ``received [B,Hc,T]`` the ``reconstruction`` statistic of the slots reconstructed so far.
 
     After a head-wise eviction (:meth:`keep_per_head`) the kept entries are ``headwise`` (:class:`HeadwiseEntries`,
