@@ -182,7 +182,7 @@ def decode_shared(
     results: dict[int, dict[int, tuple[dict[str, Any], Any]]] = {}  # sample position -> run -> (record, output)
     sample_of: list[int] = []  # each row's sample position
     owners: list[list[tuple[int, OpenRun]]] = []  # each row's runs (twins)
-    made = [0]  # the positions whose rows are made
+    made = 0  # the positions whose rows are made
     position_of = {sample.id: position for position, sample in enumerate(chunk)}
 
     def group_rows(samples: list[Sample]) -> RowGroup:
@@ -195,6 +195,7 @@ def decode_shared(
             twins.setdefault(twin_key(run.engine), []).append((index, run))
 
         def make() -> list[Row]:
+            nonlocal made
             rows: list[Row] = []
             if streamed:
                 (sample,) = samples
@@ -209,14 +210,14 @@ def decode_shared(
                 rows = context_rows([twin[0][1].engine for twin in twins.values()], samples, loaded, batch_size)
                 sample_of.extend(position for position in positions for _ in twins)
                 owners.extend(twin for _ in positions for twin in twins.values())
-            made[0] = positions[-1] + 1
+            made = positions[-1] + 1
             return rows
 
         return (0 if streamed else len(samples) * len(twins)), make
 
     groups = (group_rows(samples) for samples in context_groups(chunk, lambda sample: lacking[sample.id].keys()))
     finished = finished_rows([], batch_size, groups)
-    for position, done in in_sample_order(finished, sample_of, len(chunk), lambda: made[0]):
+    for position, done in in_sample_order(finished, sample_of, len(chunk), lambda: made):
         sample = chunk[position]
         for row, output in done:
             for index, run in owners[row]:
