@@ -63,6 +63,29 @@ def test_a_budget_covering_the_prompt_runs_the_full_cache_and_one_short_runs_the
     assert runner(llama, spec, 89, regime).new_cache(90, context).policy.spec == spec
 
 
+@pytest.mark.parametrize("length", [1, 20])
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_cache_that_grows_before_it_evicts_decodes_as_the_full_cache(llama, spec, regime, length):
+    """A budget above the prompt (and a one-token prompt): the cache grows before any eviction, in every regime the
+    policy is defined in, decoded as a run decodes (:func:`~kvbench.engine.rows.finished_rows`, a generator whose
+    caller is not under inference mode); the tokens equal the full cache's. Then a budget the generation crosses:
+    the cache grows, then evicts, and the run finishes."""
+    from kvbench.engine.rows import finished_rows
+
+    prompt = random_prompt(length, seed=length)
+    engine = runner(llama, spec, 4096, regime)
+    question = max(length // 2, 1) if query_agnostic(engine.policy, regime) else None
+
+    def tokens(engine: Engine, new_tokens: int) -> list[int]:
+        (_, output), *_ = finished_rows([engine.prefilled_row(prompt, new_tokens, question_start=question)], 1)
+        return output.token_ids
+
+    full = runner(llama, "full", 4096, regime).generate(prompt, 12, question_start=question).token_ids
+    assert tokens(engine, 12) == full
+    assert len(tokens(runner(llama, spec, length + 4, regime), 12)) == 12
+
+
 def test_the_short_circuit_generates_what_the_full_cache_does(llama):
     prompt = random_prompt(90)
     full = runner(llama, "full", 4096).generate(prompt, max_new_tokens=10)

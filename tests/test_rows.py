@@ -240,16 +240,48 @@ def test_rows_made_on_demand_join_the_batch_as_they_fit_and_give_what_each_gives
                 logits = engine.prefill(cache, prompts[number])[0, -1]
                 made.append(Row(engine, cache, logits, len(prompts[number]), limits[number] + 3 * place))
             group_of.extend([number] * len(made))
-            held.append(len(rows) + len(made) - len(finished))
+            rows.extend(made)
+            held.append(len(rows) - len(finished))
             return made
 
         return len(engines), make
 
-    for index, output in engine_module.finished_rows(rows, 5, (group(number) for number in range(len(prompts)))):
+    for index, output in engine_module.finished_rows([], 5, (group(number) for number in range(len(prompts)))):
         finished.append(index)
         assert output.token_ids == alone[group_of[index]][index % len(engines)]
     assert sorted(finished) == list(range(len(prompts) * len(engines)))
     assert max(held) <= 5 and any(len(groups) == 2 for groups in steps)
+
+
+def test_finished_rows_are_let_go_so_a_long_sweep_holds_only_the_batch():
+    """A row that has finished is not held by the decoding: however many groups are decoded, the rows alive (their
+    caches) are at most the batch, not every row decoded so far (what grew a grouped sweep's memory sample after
+    sample)."""
+    import gc
+    import weakref
+
+    model = tiny_model()
+    engines = [Engine(model, build_policy("snapkv", {"window": 8}), budget) for budget in (16, 24)]
+    made: list[weakref.ref] = []
+    alive: list[int] = []
+
+    def group(number: int):
+        def make() -> list[Row]:
+            prompt = random_prompt(40 + number, seed=number)
+            rows = []
+            for engine in engines:
+                cache = engine.new_cache(len(prompt))
+                rows.append(Row(engine, cache, engine.prefill(cache, prompt)[0, -1], len(prompt), 2 + number % 3))
+            made.extend(weakref.ref(row.cache) for row in rows)
+            return rows
+
+        return len(engines), make
+
+    for _ in engine_module.finished_rows([], 4, (group(number) for number in range(12))):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in made))
+    assert len(made) == 24 and len(alive) == 24
+    assert max(alive) <= 4, alive
 
 
 def test_samples_whose_rows_are_made_as_they_decode_are_given_once_made_and_finished():

@@ -70,6 +70,7 @@ def decode_rows(rows: list[Row], batch_size: int) -> list[GenerationOutput]:
 RowGroup = tuple[int, Callable[[], list[Row]]]
 
 
+@torch.inference_mode()
 def finished_rows(
     rows: list[Row], batch_size: int, more: Iterable[RowGroup] = ()
 ) -> Iterator[tuple[int, GenerationOutput]]:
@@ -77,66 +78,71 @@ def finished_rows(
     token at its own position through one forward of the model over a :class:`RowBatch`, where each row's cache
     attends, scores and evicts as alone (its engine's ``decode_evict``); a finished row leaves the batch, is yielded
     as ``(its index in rows, its output)``, and the next waiting row takes its place. ``more``: groups of rows made
-    (appended to ``rows``) one by one, in order, as soon as they fit beside the rows made and not finished (or when
+    (numbered after ``rows``) one by one, in order, as soon as they fit beside the rows made and not finished (or when
     none are left), so a group's rows join the batch while the rows before them finish. Each row is charged its share
-    of the steps it was in."""
-    after_prefill: list[CacheSizes] = []
-    kept: list[list[list[list[int]]] | None] = []
+    of the steps it was in. A finished row is let go (its cache freed once the caller drops it): the rows held are
+    at most the batch and the rows waiting, however many were decoded. Runs under inference mode at each step (a
+    generator's caller may not be)."""
+    held: dict[int, Row] = {}  # the rows made and not finished, by index
+    after_prefill: dict[int, CacheSizes] = {}
+    kept: dict[int, list[list[list[int]]] | None] = {}
     waiting, active = deque[int](), list[int]()
     groups = iter(more)
     upcoming = next(groups, None)
+    count = 0  # the rows made
 
-    def wait(count: int) -> None:  # the rows from ``count`` on wait, their state after their prefill kept
-        for row in rows[count:]:
-            after_prefill.append(row.cache.sizes_now())
-            kept.append(row.cache.kept_by_head() if row.engine.record_kept else None)
-        waiting.extend(range(count, len(rows)))
+    def wait(made: list[Row]) -> None:  # the rows made wait, their state after their prefill kept
+        nonlocal count
+        for row in made:
+            held[count] = row
+            after_prefill[count] = row.cache.sizes_now()
+            kept[count] = row.cache.kept_by_head() if row.engine.record_kept else None
+            waiting.append(count)
+            count += 1
 
     def output(index: int) -> tuple[int, GenerationOutput]:
-        row = rows[index]
-        kv = row.engine.cache_sizes(row.cache, after_prefill[index], row.prompt_tokens + len(row.generated))
+        row = held.pop(index)
+        kv = row.engine.cache_sizes(row.cache, after_prefill.pop(index), row.prompt_tokens + len(row.generated))
         stats = row.cache.policy_stats()
         finished = GenerationOutput(
-            row.generated, row.prompt_tokens, row.prefill_seconds, row.decode_seconds, kv, stats, kept[index]
+            row.generated, row.prompt_tokens, row.prefill_seconds, row.decode_seconds, kv, stats, kept.pop(index)
         )
         finished.prefill_shared_by, finished.context_shared_by = row.prefill_shared_by, row.context_shared_by
         finished.scoring_seconds = row.scoring_seconds
         return index, finished
 
-    wait(0)
+    wait(rows)
     while True:
         while upcoming is not None and (
             not (waiting or active) or len(waiting) + len(active) + upcoming[0] <= batch_size
         ):
-            count = len(rows)
-            rows += upcoming[1]()
-            wait(count)
+            wait(upcoming[1]())
             upcoming = next(groups, None)
         if not (waiting or active):
             return
-        lead = rows[0].engine
+        lead = held[(active or waiting)[0]].engine
         start = lead.now()
         stepping: list[tuple[int, int]] = []  # (row index, its next token)
         done: list[int] = []
         for index in active:
-            if (token := rows[index].next_token()) is None:
+            if (token := held[index].next_token()) is None:
                 done.append(index)
             else:
                 stepping.append((index, token))
         while waiting and len(stepping) < batch_size:  # waiting rows take the places of finished ones
             index = waiting.popleft()
-            if (token := rows[index].next_token()) is None:
+            if (token := held[index].next_token()) is None:
                 done.append(index)
             else:
                 stepping.append((index, token))
         if stepping:
-            logits = step_rows([(rows[index], token) for index, token in stepping])  # [N,V]
+            logits = step_rows([(held[index], token) for index, token in stepping])  # [N,V]
             for place, (index, _) in enumerate(stepping):
-                rows[index].logits = logits[place]
+                held[index].logits = logits[place]
         active = [index for index, _ in stepping]
         share = (lead.now() - start) / max(len(stepping), 1)
         for index in active:
-            rows[index].decode_seconds += share
+            held[index].decode_seconds += share
         for index in done:
             yield output(index)
 

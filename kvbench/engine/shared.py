@@ -139,8 +139,11 @@ def compressed_rows(engines: Sequence[Runner], prompt: list[int], batch_size: in
 def read_question(rows: list[Row], input_ids: list[int], question_start: int, batch_size: int) -> None:
     """Query-agnostic: each row reads its prompt's question ``input_ids[question_start:]`` into the cache its context
     was compressed into, at the question's own positions and without evicting, ``batch_size`` rows a forward; the
-    question's last logits become the row's, its time is added to the row's prefill."""
+    question's last logits become the row's, its time is added to the row's prefill. An empty question reads nothing
+    (the context's last logits stay the row's)."""
     question = input_ids[question_start:]
+    if not question:
+        return
     for begin in range(0, len(rows), batch_size):
         group = rows[begin : begin + batch_size]
         lead = group[0].engine
