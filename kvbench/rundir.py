@@ -38,7 +38,6 @@ NOT_IDENTITY = (
     "policy_settings",
     "resume",
     "engine.batch_size",
-    "engine.rows_attention",
     "engine.threads",
     "task.num_samples",
 )
@@ -50,7 +49,24 @@ ADDED_SETTINGS = {
     "task.questions_per_context": 1,
     "policy.compress_above": "budget",  # CAKE's, +compat=cakekv
     "policy.layer_budget.rounding": "proportional",
+    "engine.rows_attention": "each",  # padded rounds otherwise than each (docs/running.md): another run
 }
+
+#: what every finished sample's line holds that a task's aggregate reads (:func:`kvbench.run.records.record_of`
+#: writes more), with the types it has; a task adds
+#: the fields its aggregate reads (``Task.required_fields``). A line without them is not a finished sample: it is redone
+RECORD_FIELDS: dict[str, type | tuple[type, ...]] = {"id": str, "subtask": (str, type(None)), "score": (int, float)}
+
+
+def complete(record: Any, fields: tuple[str, ...] = ()) -> bool:
+    """Whether ``record`` (a parsed line) is a finished sample's: a dict with :data:`RECORD_FIELDS` of their types,
+    and ``fields``."""
+    return (
+        isinstance(record, dict)
+        and all(isinstance(record.get(key, ...), kind) for key, kind in RECORD_FIELDS.items())
+        and all(key in record for key in fields)
+    )
+
 
 #: ``resume=``: ``auto`` resumes a directory holding the same settings and refuses one holding others;
 #: ``restart`` moves the directory's files into a dated ``superseded-*`` sub-folder and starts afresh
@@ -81,11 +97,16 @@ def flatten(settings: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """``key=saved there, current here`` for each identity setting that differs, sorted by key."""
+    """``key=saved there, current here`` for each identity setting that differs, sorted by key (a setting of
+    :data:`ADDED_SETTINGS` left out of one side at its value older runs had: that value)."""
     before, after = flatten(identity(saved)), flatten(identity(current))
     missing = "(unset)"
+
+    def shown(settings: Mapping[str, Any], key: str) -> Any:
+        return settings.get(key, ADDED_SETTINGS.get(key, missing))
+
     return [
-        f"{key}={before.get(key, missing)} there, {after.get(key, missing)} here"
+        f"{key}={shown(before, key)} there, {shown(after, key)} here"
         for key in sorted(set(before) | set(after))
         if before.get(key, missing) != after.get(key, missing)
     ]
@@ -248,13 +269,14 @@ class RunDir:
             shutil.move(path, folder / path.name)
         return folder
 
-    def start(self, cfg: DictConfig) -> None:
+    def start(self, cfg: DictConfig, fields: tuple[str, ...] = ()) -> None:
         """The job is valid: name this process in the held lock file, write ``config.yaml`` and repair
-        ``predictions.jsonl`` for appending."""
+        ``predictions.jsonl`` for appending (``fields``: what the task's records hold besides
+        :data:`RECORD_FIELDS`)."""
         self.claim()
         if self.saved_config() != config_dict(cfg, resolve=True):
             self.write_config(cfg)
-        self.repair()
+        self.repair(fields)
 
     def locked(self) -> bool:
         """Whether a process holds the directory's lock now (is writing it)."""
@@ -271,9 +293,10 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, self.config_path, resolve=True)
 
-    def records(self) -> list[dict[str, Any]]:
+    def records(self, fields: tuple[str, ...] = ()) -> list[dict[str, Any]]:
         """Finished samples, one per id (the first line written for it), in the order written; a line cut short
-        by an interrupted run is ignored (that sample is redone), so is a second line for an id."""
+        by an interrupted run is ignored (that sample is redone), so is a second line for an id, and a line that is
+        not a finished sample's (:func:`complete`, with the task's ``fields``)."""
         if not self.predictions_path.exists():
             return []
         records: dict[Any, dict[str, Any]] = {}
@@ -282,7 +305,7 @@ class RunDir:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(record, dict) and "id" in record:
+            if complete(record, fields):
                 records.setdefault(record["id"], record)
         return list(records.values())
 
@@ -295,10 +318,10 @@ class RunDir:
             os.fsync(handle.fileno())
             RunDir.appended += 1
 
-    def repair(self) -> None:
-        """Rewrite predictions.jsonl as :meth:`records` reads it (no truncated or repeated line), so appends
-        start on a fresh line."""
-        records = self.records()
+    def repair(self, fields: tuple[str, ...] = ()) -> None:
+        """Rewrite predictions.jsonl as :meth:`records` reads it (no truncated, repeated or incomplete line), so
+        appends start on a fresh line."""
+        records = self.records(fields)
         if self.predictions_path.exists():
             text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
             if text != self.predictions_path.read_text(encoding="utf-8"):

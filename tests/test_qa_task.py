@@ -514,3 +514,18 @@ def test_scbench_scorers_hand_computed(subset, prediction, answers, expected):
     from kvbench.metrics.scbench import SCORERS
 
     assert SCORERS[subset](prediction, answers) == pytest.approx(expected)
+
+
+def test_rows_sharing_an_id_are_refused_in_one_line_and_nothing_is_written(tmp_path, capsys):
+    """Two rows of one id would be one line of the run directory (the second never written, or taken for the
+    first): refused before the directory is made."""
+    from kvbench.cli import main
+
+    rows = [{**ROWS[0], "id": "same"}, {**ROWS[2], "id": "same"}, {**ROWS[1], "id": "other"}]
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "model=tiny_llama", "task=qa", f"task.path={path}", "task.prompt_format=raw", f"output_dir={out}"])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and error.count("\n") == 1
+    assert "samples share the id 'same'" in error and not out.exists()

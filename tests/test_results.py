@@ -242,11 +242,11 @@ def test_records_are_read_by_id(tmp_path):
     """A repeated id (two writers, or a resumed run that rewrote a sample) counts once; repair rewrites the file
     with one line per id."""
     run_dir = RunDir(tmp_path)
-    lines = [{"id": "a", "score": 1}, {"id": "b", "score": 0}, {"id": "a", "score": 0}]
+    lines = [{"id": i, "subtask": "t", "score": score} for i, score in (("a", 1), ("b", 0), ("a", 0))]
     run_dir.predictions_path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"id": "c", "sc')
-    assert run_dir.records() == [{"id": "a", "score": 1}, {"id": "b", "score": 0}]
+    assert run_dir.records() == lines[:2]
     run_dir.repair()
-    assert run_dir.predictions_path.read_text().splitlines() == ['{"id": "a", "score": 1}', '{"id": "b", "score": 0}']
+    assert run_dir.predictions_path.read_text().splitlines() == [json.dumps(line) for line in lines[:2]]
 
 
 def test_run_dir_lock_refuses_a_second_writer_and_dies_with_its_holder(tmp_path):

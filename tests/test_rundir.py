@@ -32,6 +32,10 @@ CHANGES = {
 }
 
 
+#: a finished sample's line (every field :data:`kvbench.rundir.RECORD_FIELDS` asks for)
+COMPLETE = {"id": "s", "subtask": "t", "prediction": "p", "score": 0.0}
+
+
 def changed(override: str) -> list[str]:
     key = override.split("=")[0]
     return [arg for arg in BASE if arg.split("=")[0] != key] + [override]
@@ -278,5 +282,53 @@ def test_records_keep_predictions_holding_unicode_line_breaks(tmp_path):
     run = RunDir(tmp_path)
     texts = ["plain", "line\u2028separator", "para\u2029graph", "next\x85line"]
     for number, text in enumerate(texts):
-        run.append({"id": f"s{number}", "prediction": text, "score": 0.0})
+        run.append({**COMPLETE, "id": f"s{number}", "prediction": text})
     assert [record["prediction"] for record in run.records()] == texts
+
+
+@pytest.mark.parametrize(
+    "poison",
+    [{"id": "ID"}, {"id": "ID", "subtask": "niah_single_1"}, {**COMPLETE, "id": "ID", "score": "1"}, ["ID"], "ID"],
+)
+def test_a_line_that_is_not_a_finished_sample_is_redone_and_the_directory_finishes(poison, tmp_path, capsys):
+    """A valid-JSON line that is not a finished sample's (an ``id`` alone, a field missing or of another type, not an
+    object) is not taken for one: the rerun drops it, redoes that sample and finishes the run."""
+    out = tmp_path / "run"
+    main(["run", *BASE, f"output_dir={out}"])
+    predictions = out / "predictions.jsonl"
+    lines = predictions.read_text().splitlines()
+    second = json.loads(lines[1])
+    poisoned = json.loads(json.dumps(poison).replace('"ID"', json.dumps(second["id"])))
+    predictions.write_text(lines[0] + "\n" + json.dumps(poisoned) + "\n")
+    (out / "metrics.json").unlink()
+    main(["run", *BASE, f"output_dir={out}"])
+    records = [json.loads(line) for line in predictions.read_text().splitlines()]
+    assert [record["id"] for record in records] == [json.loads(lines[0])["id"], second["id"]]
+    assert records[1]["prediction"] == second["prediction"]
+    assert json.loads((out / "metrics.json").read_text())["num_samples"] == 2
+
+
+def test_a_task_adds_the_fields_its_aggregate_reads():
+    """A record lacking a field its task's aggregate reads (the perplexity task's NLL) is not finished."""
+    from kvbench.rundir import complete
+    from kvbench.tasks.ppl import PerplexityTask
+
+    record = {**COMPLETE, "prediction": None, "nll": 1.0, "num_tokens": 4}
+    assert complete(record, PerplexityTask.required_fields)
+    assert not complete({key: value for key, value in record.items() if key != "nll"}, PerplexityTask.required_fields)
+
+
+def test_rows_attention_is_part_of_a_run_and_each_keeps_older_runs_their_directory(tmp_path, capsys):
+    """``engine.rows_attention=padded`` rounds otherwise than ``each``: a run of one into the directory of the other is
+    refused in one line, nothing appended; ``each`` (what every older run ran with) leaves the identity as it was."""
+    from kvbench.rundir import identity
+
+    out = tmp_path / "run"
+    main(["run", *BASE, "task.num_samples=1", "engine.rows_attention=padded", f"output_dir={out}"])
+    before = snapshot(out)
+    error = refused([*BASE, "task.num_samples=1", "engine.rows_attention=each", f"output_dir={out}"], capsys)
+    assert "engine.rows_attention=padded there, each here" in error
+    assert snapshot(out) == before
+    settings = {"engine": {"rows_attention": "each", "regime": "oneshot"}}
+    assert identity(settings) == {"engine": {"regime": "oneshot"}}
+    assert identity({"engine": {"rows_attention": "padded"}}) == {"engine": {"rows_attention": "padded"}}

