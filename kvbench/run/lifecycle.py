@@ -7,6 +7,7 @@ import contextlib
 import logging
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,8 +121,8 @@ class OpenRun:
 
 def unique_ids(samples: list[Sample], task: str) -> list[Sample]:
     """``samples``, refused in one line where two share an id (a run directory keeps one line per id)."""
-    seen: set[str] = set()
-    repeated = [sample.id for sample in samples if sample.id in seen or seen.add(sample.id)]
+    counts = Counter(sample.id for sample in samples)
+    repeated = [name for name, count in counts.items() if count > 1]
     if repeated:
         more = f" (and {len(repeated) - 1} more)" if len(repeated) > 1 else ""
         raise KVBenchError(f"task {task}: samples share the id {repeated[0]!r}{more}; each sample needs its own id")
