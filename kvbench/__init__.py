@@ -29,6 +29,13 @@ def resolve_path(path: str | os.PathLike) -> Path:
     return PROJECT_ROOT / candidate
 
 
+def file_name(text: str, suffix: str) -> str:
+    """A file name made from a value read out of data or a run directory (a subtask, a sample id): every character
+    but letters, digits and ``-_.`` replaced by ``_``, then ``suffix``; it names a file inside the folder it is
+    joined to (no separator, never ``..`` nor empty, since it ends in ``suffix``)."""
+    return "".join(char if char.isalnum() or char in "-_." else "_" for char in text) + suffix
+
+
 def cache_dir() -> Path:
     """The kvbench cache root (converted models, essays): ``$KVBENCH_CACHE`` or ``~/.cache/kvbench``."""
     return Path(os.environ.get("KVBENCH_CACHE") or Path.home() / ".cache" / "kvbench").expanduser()

@@ -134,7 +134,9 @@ def command_policies(args: list[str]) -> None:
 
 
 def command_prepare(args: list[str]) -> None:
-    """Write a task's samples as ``<output_dir>/<subtask>.jsonl`` (prompt text, answers, token length)."""
+    """Write a task's samples as ``<output_dir>/<subtask>.jsonl`` (prompt text, answers, token length; the subtask
+    made a file name inside ``output_dir``, :func:`kvbench.file_name`)."""
+    from kvbench import file_name
     from kvbench.config import compose
     from kvbench.models import load_tokenizer
     from kvbench.run import build_task
@@ -148,7 +150,7 @@ def command_prepare(args: list[str]) -> None:
     counts: dict[str, int] = {}
     for sample in task.samples():
         if sample.subtask not in handles:
-            handles[sample.subtask] = (out_dir / f"{sample.subtask}.jsonl").open("w", encoding="utf-8")
+            handles[sample.subtask] = (out_dir / file_name(sample.subtask, ".jsonl")).open("w", encoding="utf-8")
         record = {
             "id": sample.id,
             "subtask": sample.subtask,
@@ -162,7 +164,7 @@ def command_prepare(args: list[str]) -> None:
     for handle in handles.values():
         handle.close()
     for subtask, count in counts.items():
-        print(f"{out_dir / (subtask + '.jsonl')}: {count} samples")
+        print(f"{out_dir / file_name(subtask, '.jsonl')}: {count} samples")
 
 
 def command_plan(args: list[str]) -> None:

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench import config_dict
+from kvbench import config_dict, file_name
 from kvbench.errors import KVBenchError
 
 #: settings that change no prediction, left out of a run's identity: where its files go, how it resumes and logs, an
@@ -332,8 +332,8 @@ class RunDir:
         (``engine.save_kept``), written before the sample's prediction line."""
         folder = self.path / "kept"
         folder.mkdir(parents=True, exist_ok=True)
-        name = "".join(char if char.isalnum() or char in "-_." else "_" for char in sample_id)
-        (folder / f"{name}.json").write_text(json.dumps({"id": sample_id, "prompt_ids": prompt_ids, "kept": kept}))
+        record = {"id": sample_id, "prompt_ids": prompt_ids, "kept": kept}
+        (folder / file_name(sample_id, ".json")).write_text(json.dumps(record))
 
     def write_metrics(self, metrics: dict[str, Any]) -> None:
         temporary = self.metrics_path.with_suffix(".json.tmp")

@@ -332,3 +332,36 @@ def test_rows_attention_is_part_of_a_run_and_each_keeps_older_runs_their_directo
     settings = {"engine": {"rows_attention": "each", "regime": "oneshot"}}
     assert identity(settings) == {"engine": {"regime": "oneshot"}}
     assert identity({"engine": {"rows_attention": "padded"}}) == {"engine": {"rows_attention": "padded"}}
+
+
+@pytest.mark.parametrize("value", ["../escaped", "/tmp/absolute", "..", "a/../../b", "", "x\x00y"])
+def test_a_value_read_from_data_or_a_run_directory_names_a_file_inside_its_folder(value, tmp_path):
+    """Subtasks (``kvbench prepare``), sample ids (kept sets), table names and task names read from a run directory
+    never make a path outside their folder."""
+    from kvbench import file_name
+    from kvbench.results.render import write_tables
+    from kvbench.tasks.registry import task_class
+
+    name = file_name(value, ".jsonl")
+    assert (tmp_path / name).parent == tmp_path and "/" not in name and name not in (".", "..")
+    run = RunDir(tmp_path / "run")
+    run.write_kept(value, [1, 2], [[[0]]])
+    (written,) = write_tables({value: "x"}, tmp_path / "tables", "markdown")
+    assert written.parent == tmp_path / "tables" and [p.parent for p in (run.path / "kept").iterdir()] == [
+        run.path / "kept"
+    ]
+    assert task_class(f"../task/{value}ruler") is None and task_class("../../conf/task/ruler") is None
+    assert not (tmp_path.parent / "escaped.jsonl").exists()
+
+
+def test_prepare_writes_each_subtask_inside_the_output_directory(tmp_path, capsys):
+    """``kvbench prepare`` of a QA file whose subtask column says ``../escaped``: the file is written inside
+    ``output_dir``."""
+    rows = [{"context": "c", "question": " q?", "answer": "a", "task": "../escaped"}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out" / "inner"
+    main(["prepare", "model=tiny_llama", "task=qa", f"task.path={data}", "task.subtask_column=task",
+          "task.prompt_format=raw", f"output_dir={out}"])  # fmt: skip
+    assert [path.name for path in out.iterdir()] == [".._escaped.jsonl"]
+    assert not (tmp_path / "out" / "escaped.jsonl").exists()

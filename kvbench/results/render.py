@@ -8,6 +8,7 @@ from typing import Any
 
 import pandas as pd
 
+from kvbench import file_name
 from kvbench.errors import choose
 
 FORMATS = {"markdown": "md", "csv": "csv", "latex": "tex"}
@@ -74,11 +75,12 @@ def render(table: pd.DataFrame, fmt: str, decimals: int = 2) -> str:
 
 
 def write_tables(tables: dict[str, str], output_dir: Path, fmt: str) -> list[Path]:
-    """Write rendered tables as ``<output_dir>/<name>.<md|csv|tex>``; returns the paths."""
+    """Write rendered tables as ``<output_dir>/<name>.<md|csv|tex>`` (the name made a file name inside
+    ``output_dir``: it may come from a run directory); returns the paths."""
     output_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, text in tables.items():
-        path = output_dir / f"{name}.{FORMATS[fmt]}"
+        path = output_dir / file_name(name, f".{FORMATS[fmt]}")
         path.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
         paths.append(path)
     return paths

@@ -13,9 +13,10 @@ from kvbench.tasks.base import TableLayout, Task
 
 @functools.cache
 def task_class(name: str) -> type[Task] | None:
-    """The class of task ``name``, or None for a task this version does not know (a run from another)."""
+    """The class of task ``name``, or None for a task this version does not know (a run from another, or a name
+    that is not one of conf/task's file names: read out of a run directory, it is never a path)."""
     path = CONF_DIR / "task" / f"{name}.yaml"
-    if not path.is_file():
+    if path.parent != CONF_DIR / "task" or name.startswith(".") or not path.is_file():
         return None
     return get_class(str(OmegaConf.select(OmegaConf.load(path), "_target_")))
 
