@@ -22,11 +22,13 @@ sample is on disk, and the same command resumes the rest.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
@@ -37,7 +39,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from kvbench import CONF_DIR, __version__
-from kvbench.errors import KVBenchError, fail
+from kvbench.errors import KVBenchError, fail, system_error
 from kvbench.rundir import RunDir, held_back, register_run_name
 
 register_run_name()  # conf/config.yaml's ${run_name:}, also in a sweep's job processes (they import this module)
@@ -98,7 +100,32 @@ def command_run(args: list[str]) -> None:
     from kvbench.launch.sweeps import experiment_overrides
 
     sys.argv = [sys.argv[0], *prepare_overrides(experiment_overrides(args))]
-    hydra_run()
+    with one_line_errors():
+        hydra_run()
+
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Hydra's composition errors (``foo=1``: an unknown key) and the system's (an output directory that cannot be
+    made, a full disk) as one-line errors: Hydra is asked to raise them (``HYDRA_FULL_ERROR``) instead of printing
+    its trace and exiting 1."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    except (ConfigCompositionException, MissingConfigException, OverrideParseException) as error:
+        reason = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        cause = str(error.__cause__ or "").strip().split("\n")[0]
+        raise KVBenchError(f"{reason} ({cause})" if cause and cause not in reason else reason) from None
+    except OSError as error:
+        raise system_error(error) from None
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
 
 
 def command_policies(args: list[str]) -> None:

@@ -1,6 +1,8 @@
 """User-facing errors: the CLI prints them as one line and exits with status 2."""
 
+import shutil
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -32,3 +34,15 @@ def check_keys(given, valid: list[str], prefix: str, where: str) -> None:
     unknown = sorted(set(map(str, given)) - set(valid))
     if unknown:
         raise KVBenchError(f"unknown key {prefix}{unknown[0]} for {where}; valid keys: {', '.join(valid)}")
+
+
+def system_error(error: OSError, path: str | Path | None = None) -> KVBenchError:
+    """An operating system's refusal to make or write ``path`` (the error's own file name if it has one) as one line:
+    the path, the reason, and the free space on its disk."""
+    where = Path(error.filename if error.filename is not None else path or ".")
+    disk = next((folder for folder in (where, *where.parents) if folder.exists()), Path("."))
+    try:
+        free = f"; {shutil.disk_usage(disk).free / 2**30:.1f} GiB free on {disk}"
+    except OSError:
+        free = ""
+    return KVBenchError(f"cannot write {where}: {error.strerror or error}{free}")

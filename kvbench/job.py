@@ -9,11 +9,11 @@ model's Hugging Face id) and the task's (LongBench's truncation length), and ret
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import config_dict
@@ -71,10 +71,23 @@ def resolve(cfg: DictConfig) -> Job:
     if refusal is not None:
         raise KVBenchError(refusal)
     settings["policy"] = policy.settings()
-    task_class: type[Task] = get_class(settings["task"]["_target_"])
+    task_class = task_of(settings["task"]["_target_"])
     task_class.check(settings["task"])
     settings["task"] = task_class.for_model(settings["task"], settings["model"])
     return Job(OmegaConf.create(settings), policy, budget)
+
+
+def task_of(target: str) -> type[Task]:
+    """The task class ``task._target_`` names (conf/task/<name>.yaml's, or a researcher's own), or a one-line error
+    where it names no :class:`~kvbench.tasks.base.Task` class."""
+    module, _, name = str(target).rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name) if module else None
+    except (ImportError, AttributeError, ValueError):
+        found = None
+    if not (isinstance(found, type) and issubclass(found, Task)):
+        raise KVBenchError(f"task._target_={target!r} is not a task class (a Task, e.g. kvbench.tasks.ruler.RulerTask)")
+    return found
 
 
 def check_settings(settings: dict[str, Any]) -> None:

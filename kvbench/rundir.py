@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import config_dict, file_name
-from kvbench.errors import KVBenchError
+from kvbench.errors import KVBenchError, system_error
 
 #: settings that change no prediction, left out of a run's identity: where its files go, how it resumes and logs, an
 #: experiment's per-policy table (already applied to the ``policy`` node), how it runs (rows decoding together and how
@@ -311,12 +311,17 @@ class RunDir:
 
     def append(self, record: dict[str, Any]) -> None:
         """One finished sample's line, on disk when this returns (counted in :attr:`appended`; a stop signal waits
-        until it is both written and counted)."""
-        with stops_held(), self.predictions_path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-            RunDir.appended += 1
+        until it is both written and counted); a disk that refuses it is a one-line error naming the file and the
+        free space."""
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        try:
+            with stops_held(), self.predictions_path.open("a", encoding="utf-8") as handle:
+                handle.write(line)
+                handle.flush()
+                os.fsync(handle.fileno())
+                RunDir.appended += 1
+        except OSError as error:  # a full disk: a partial line, which the next run's repair drops
+            raise system_error(error, self.predictions_path) from None
 
     def repair(self, fields: tuple[str, ...] = ()) -> None:
         """Rewrite predictions.jsonl as :meth:`records` reads it (no truncated, repeated or incomplete line), so

@@ -124,6 +124,10 @@ def test_perplexity_task(tmp_path):
             "policy.layer_budget.betta=2",
             "unknown key policy.layer_budget.betta for layer budget uniform; valid keys: name",
         ),
+        ("foo=1", "Could not override 'foo'. To append to your config use +foo=1 (Key 'foo' is not in struct)"),
+        ("task._target_=os.system", "task._target_='os.system' is not a task class"),
+        ("task._target_=no.such.Task", "task._target_='no.such.Task' is not a task class"),
+        ("output_dir=/proc/kvbench", "cannot write /proc/kvbench: No such file or directory; "),
     ],
 )
 def test_bad_values_exit_with_one_line(override, message, capsys):
@@ -363,3 +367,35 @@ def test_the_readme_python_example_runs(capsys):
     (example,) = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
     exec(compile(example, "README.md", "exec"), {})
     assert "[128, 128" in capsys.readouterr().out
+
+
+def test_a_sweeps_unknown_key_is_one_line(tmp_path, capsys):
+    """Hydra's composition error in a multirun (``-m``): one line, exit 2, no sweep folder."""
+    with pytest.raises(SystemExit) as exit_info:
+        kvbench("run", "-m", "model=tiny_llama", "policy=snapkv,h2o", "foo=1", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and error.count("\n") == 1 and "Could not override 'foo'" in error
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_a_disk_that_refuses_a_line_is_one_line_naming_the_file_and_the_free_space(tmp_path, monkeypatch):
+    """A full disk while a sample's line is written: one line naming predictions.jsonl and the free space; the
+    partial line it may leave is dropped by the next run's repair."""
+    import errno
+
+    from kvbench import rundir
+    from kvbench.errors import KVBenchError
+
+    def full(_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    run = rundir.RunDir(tmp_path)
+    monkeypatch.setattr(rundir.os, "fsync", full)
+    with pytest.raises(KVBenchError) as error:
+        run.append({"id": "a", "subtask": "t", "score": 1.0})
+    assert str(error.value).startswith(f"cannot write {run.predictions_path}: No space left on device; ")
+    assert "GiB free on " in str(error.value) and "\n" not in str(error.value)
+    monkeypatch.undo()
+    run.predictions_path.write_text(run.predictions_path.read_text() + '{"id": "b", "sub')
+    run.repair()
+    assert [record["id"] for record in run.records()] == ["a"]

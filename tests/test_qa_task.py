@@ -529,3 +529,15 @@ def test_rows_sharing_an_id_are_refused_in_one_line_and_nothing_is_written(tmp_p
     error = capsys.readouterr().err
     assert exit_info.value.code == 2 and error.count("\n") == 1
     assert "samples share the id 'same'" in error and not out.exists()
+
+
+def test_answers_may_be_numbers_and_anything_else_is_one_line(tokenizer, tmp_path):
+    """A parquet column of ints (``answer: 42``) is the answer's text; a value that is none of text, a number or a
+    list of them is a one-line error."""
+    rows = [{"context": "The number is 42.", "question": " What is the number?", "answer": 42}]
+    path = tmp_path / "numbers.parquet"
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path)
+    (sample,) = make_task(tokenizer, path, prompt_format="raw").samples()
+    assert sample.answers == ["42"] and answers_of(4.5) == ["4.5"] and answers_of(["a", 1]) == ["a", "1"]
+    with pytest.raises(KVBenchError, match="a row's answer None is not text, a number or a list of them"):
+        answers_of(None)

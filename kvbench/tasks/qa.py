@@ -61,8 +61,13 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def answers_of(value: Any) -> list[str]:
-    """A row's accepted answers: a string, or a list (or array) of them."""
-    return [value] if isinstance(value, str) else [str(answer) for answer in value]
+    """A row's accepted answers: a string or a number (its text), or a list (or array) of them."""
+    if isinstance(value, (str, int, float)):
+        return [str(value)]
+    try:
+        return [str(answer) for answer in value]
+    except TypeError:
+        raise KVBenchError(f"a row's answer {value!r} is not text, a number or a list of them") from None
 
 
 class QATask(Task):
