@@ -157,7 +157,8 @@ def prepare_overrides(args: list[str]) -> list[str]:
     selected: dict[str, list[str]] = {"policy": [], "task": [], "model": []}
     for override in overrides:
         key, values = override.key_or_group.lstrip("+~"), _values(override)
-        if key == "budget":
+        if key == "budget":  # each named as Budget names it (budget=1e9, a float to Hydra, is 1000000000)
+            values = [Budget.parse(value).spec for value in values]
             rewritten.append(f"{override.get_key_element()}=" + ",".join(f"'{value}'" for value in values))
         elif key == "policy.layer_budget" and isinstance(override.value(), (dict, str)):  # replace the node
             node = override.value()

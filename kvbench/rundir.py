@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import config_dict, file_name
@@ -222,10 +223,22 @@ class RunDir:
             folder = folder.parent
 
     def saved_config(self) -> dict[str, Any] | None:
-        """``config.yaml`` as a plain dict, or None when there is none."""
+        """``config.yaml`` as a plain dict, or None when there is none; a one-line error where it is not a YAML
+        mapping."""
         if not self.config_path.exists():
             return None
-        return config_dict(OmegaConf.load(self.config_path))
+        try:
+            saved = OmegaConf.load(self.config_path)
+        except (yaml.YAMLError, UnicodeDecodeError) as error:
+            reason = str(error).strip().splitlines()[0]
+            raise KVBenchError(
+                f"{self.config_path} is not readable YAML ({reason}); move it aside, or run with resume=restart"
+            ) from None
+        if not isinstance(saved, DictConfig):
+            raise KVBenchError(
+                f"{self.config_path} is not a mapping of settings; move it aside, or run with resume=restart"
+            )
+        return config_dict(saved)
 
     def holds_results(self) -> bool:
         """Whether any result file (config, predictions, metrics, kept sets) is in the directory."""
@@ -395,6 +408,8 @@ def unfinished_reason(run_dir: RunDir) -> str | None:
         missing = [key for key in (*LABELS, "scores") if key not in metrics]
         saved = run_dir.saved_config()
         done = len(run_dir.records())
+    except KVBenchError as error:
+        return str(error)
     except (OSError, ValueError, TypeError) as error:
         return f"cannot read its files ({type(error).__name__}: {error})"
     if missing:
@@ -424,7 +439,8 @@ def scan_run_dirs(paths: list[str | Path]) -> tuple[list[RunDir], list[tuple[Run
             else:
                 left_out.append((run_dir, reason))
     if not finished:
-        unfinished = f"; {len(left_out)} run directories without readable metrics" if left_out else ""
+        first = f" ({left_out[0][0].path}: {left_out[0][1]}{', ...' if len(left_out) > 1 else ''})" if left_out else ""
+        unfinished = f"; {len(left_out)} run directories left out{first}" if left_out else ""
         raise KVBenchError(f"no finished runs (metrics.json) under {', '.join(map(str, paths))}{unfinished}")
     return finished, left_out
 

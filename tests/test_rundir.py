@@ -365,3 +365,32 @@ def test_prepare_writes_each_subtask_inside_the_output_directory(tmp_path, capsy
           "task.prompt_format=raw", f"output_dir={out}"])  # fmt: skip
     assert [path.name for path in out.iterdir()] == [".._escaped.jsonl"]
     assert not (tmp_path / "out" / "escaped.jsonl").exists()
+
+
+@pytest.mark.parametrize("text", ["model: [unclosed\n", "- a list\n", "\udcff".encode("utf-8", "surrogateescape")])
+def test_an_unreadable_config_is_one_line_everywhere(text, tmp_path, capsys):
+    """A config.yaml that is not a YAML mapping: ``table`` and ``leaderboard`` say why the directory is left out (and
+    name it when every directory is), ``run`` into it refuses in one line; nothing is written."""
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    config = run / "config.yaml"
+    config.write_bytes(text if isinstance(text, bytes) else text.encode())
+    (run / "metrics.json").write_text("{}")
+    before = snapshot(tmp_path)
+    for command in (["table", str(tmp_path / "runs")], ["leaderboard", str(tmp_path / "runs")]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(command)
+        error = capsys.readouterr().err
+        assert exit_info.value.code == 2 and error.count("\n") == 1
+        assert f"1 run directories left out ({run}: {config} is not" in error
+    error = refused([*BASE, f"output_dir={run}"], capsys)
+    assert f"{config} is not" in error and "resume=restart" in error
+    assert snapshot(tmp_path) == before
+
+
+def test_a_budget_hydra_reads_as_a_float_is_named_by_its_digits():
+    """``budget=1e9`` (a float to Hydra) is the budget 1000000000, named so in the config and the directory."""
+    from kvbench.config import compose
+
+    assert compose(["model=tiny_llama", "budget=1e9"]).budget.spec == "1000000000"
+    assert compose(["model=tiny_llama", "budget=2K"]).budget.spec == "2k"

@@ -37,7 +37,8 @@ class Budget:
         tokens = number * 1024 if unit == "k" else number
         if tokens != int(tokens):
             raise KVBenchError(f"invalid budget {spec!r}: a token count must be a whole number")
-        return cls(text, tokens=int(tokens))
+        # a plain count is named by its digits (Hydra reads budget=1e9 as the float 1000000000.0)
+        return cls(text if unit else str(int(tokens)), tokens=int(tokens))
 
     def resolve(self, prompt_len: int) -> int:
         """Tokens per layer for a prompt of ``prompt_len`` tokens (at least 1)."""
