@@ -420,7 +420,8 @@ def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_
             run_dir.path.mkdir(parents=True)
             for number, prediction in enumerate(predictions):
                 timing = {"total_seconds": seconds * (number + 1)}
-                run_dir.append({"id": f"s-{number}", "prediction": prediction, "timing": timing})
+                record = {"id": f"s-{number}", "subtask": "t", "score": 0.0, "prediction": prediction}
+                run_dir.append({**record, "timing": timing})
 
     write(
         tmp_path / "project" / "results" / "board" / "m" / "ruler",
@@ -428,21 +429,24 @@ def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_
         0,
     )
 
-    def fake_run(arguments: list[str], log) -> float:
+    def fake_run(arguments: list[str], log) -> tuple[float, int]:
         output = next(a for a in arguments if a.startswith("hydra.sweep.dir="))
         folder = Path(output.split("=", 1)[1])
         if folder.name == "full":
             assert arguments[:4] == ["run", "-m", "policy=full", "task.context_length=1024"]  # the grid's full job
             write(folder / "m" / "ruler", {"full-10pct-z": ["e", "f"]}, 0.5)
-            return 2.0
+            return 2.0, 100
+        if folder.name.startswith("grid-"):  # the grid again at another sample count, for its peak memory
+            assert f"task.num_samples={folder.name[5:]}" in arguments
+            return 1.0, 300 + int(folder.name[5:])
         runs = {"snapkv-10pct-x": ["a", "B"], "tova-10pct-y": ["c", "d"], "full-10pct-z": ["e", "f"]}
         write(folder / "m" / "ruler", runs, 1.5)
-        return 9.0
+        return 9.0, 300
 
-    monkeypatch.setattr(grid_module, "run_kvbench", fake_run)
+    monkeypatch.setattr(grid_module, "run_measured", fake_run)
     monkeypatch.setattr(grid_module, "full_cache_job", lambda arguments: ["policy=full", "task.context_length=1024"])
     monkeypatch.setattr(grid_module, "PROJECT_ROOT", tmp_path / "project")
-    section = {"experiment": "board", "num_samples": 2, "overrides": []}
+    section = {"experiment": "board", "num_samples": 2, "overrides": [], "memory_samples": [2, 6]}
     settings = OmegaConf.create({"leaderboard_grid": section})
     fake = SimpleNamespace(bench=settings, cfg=OmegaConf.create({"engine": {"threads": 1}}))
     board = grid_module.leaderboard_grid(fake)["leaderboard_grid"]
@@ -451,6 +455,17 @@ def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_
     assert (board["full_sample_seconds"], board["grid_sample_seconds"], board["sample_cost_ratio"]) == (0.75, 6.75, 9.0)
     assert board["predictions_compared"] == 4 and board["differing_predictions"] == ["m/ruler/snapkv-10pct-x:s-1"]
     assert board["full_predictions_equal"] and board["device"] == "cpu"  # the jobs' model, device auto, here
+    assert (board["full_peak_rss_bytes"], board["grid_peak_rss_bytes"]) == (100, 300)
+    assert board["grid_peak_rss_bytes_by_samples"] == {"2": 302, "6": 306}
+
+
+def test_a_kvbench_process_is_measured_by_its_own_peak_memory(tmp_path):
+    """:func:`~kvbench.bench.grid.run_measured`: a real ``kvbench`` process, its wall time and its own peak resident
+    memory (more than the interpreter's, less than this machine's)."""
+    from kvbench.bench.grid import run_measured
+
+    seconds, peak = run_measured(["policies"], tmp_path / "log")
+    assert seconds > 0 and 20 * 2**20 < peak < 64 * 2**30
 
 
 def test_the_grid_jobs_run_the_benchs_model_nested_shapes_included():

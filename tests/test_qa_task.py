@@ -541,3 +541,54 @@ def test_answers_may_be_numbers_and_anything_else_is_one_line(tokenizer, tmp_pat
     assert sample.answers == ["42"] and answers_of(4.5) == ["4.5"] and answers_of(["a", 1]) == ["a", "1"]
     with pytest.raises(KVBenchError, match="a row's answer None is not text, a number or a list of them"):
         answers_of(None)
+
+
+@pytest.mark.parametrize("prompt_format", ["hf_chat", "raw"])
+@pytest.mark.parametrize("name", ["qa", "longbench_v2", "infinitebench", "loogle", "scbench"])
+def test_a_default_cut_leaves_room_for_the_template_and_the_answer(name, prompt_format, tokenizer, tmp_path):
+    """Contexts far longer than the window, cut by the task's default (``task.max_length: null``): every prompt as the
+    model sees it (template included) plus the tokens it may generate fit the window, and fill it to within a few
+    tokens (the cut is the window's, not a smaller one)."""
+    window, long = 700, " The harbour bell rang twice at dawn and the gulls rose over the pier." * 40
+    if name == "qa":
+        rows = [{**ROWS[0], "context": long}, {**ROWS[2], "context": long}]
+        task = make_task(tokenizer, write_rows(tmp_path / "rows.jsonl", rows), window, prompt_format=prompt_format)
+    elif name == "longbench_v2":
+        path = write_rows(tmp_path / "data.json", [])
+        path.write_text(json.dumps([v2_record(0, "easy", "short", long)]))
+        task = v2_task(tokenizer, path, window, prompt_format=prompt_format)
+    else:
+        rows = {"infinitebench": infinitebench_rows, "loogle": loogle_rows, "scbench": scbench_rows}[name]()
+        for subset_rows in rows.values():
+            for row in subset_rows:
+                row["input" if name == "loogle" else "context"] = long + str(row.get("context", ""))
+        task = subsets_task(name, tokenizer, tmp_path, rows, prompt_format=prompt_format)
+        task.model = ModelInfo("test", tokenizer, window)
+    samples = list(task.samples())
+    assert samples
+    for sample in samples:
+        assert len(sample.input_ids) + sample.max_new_tokens <= window, sample.id
+        assert len(sample.input_ids) + sample.max_new_tokens >= window - 40, sample.id
+
+
+@pytest.mark.parametrize(
+    "max_length,message",
+    [
+        (4090, "task.max_length=4090 and up to 32 generated tokens exceed the context window 4096 of model tiny_llama"),
+        (4062, "beyond the context window 4096 of model tiny_llama; lower task.max_length"),  # the template's tokens
+    ],
+)
+def test_a_users_cut_past_the_window_is_refused_in_one_line(max_length, message, tmp_path, capsys):
+    """``task.max_length`` set so that prompt and answer cannot fit the model's window (from the settings alone, or
+    once the prompt is built with its template): one line, exit 2, nothing written; ``plan`` says so too."""
+    from kvbench.cli import main
+
+    rows = [{**ROWS[0], "context": "The harbour bell rang twice at dawn. " * 200}]
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "model=tiny_llama", "task=qa", f"task.path={path}", "task.prompt_format=raw",
+              f"task.max_length={max_length}", f"output_dir={out}"])  # fmt: skip
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and error.count("\n") == 1 and not out.exists()
+    assert message in error

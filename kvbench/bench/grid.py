@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import os
 import statistics
 import subprocess
 import sys
@@ -63,12 +64,20 @@ def job_overrides(cfg: DictConfig, section: DictConfig | None = None) -> list[st
 
 def run_kvbench(arguments: list[str], log: Path) -> float:
     """Run ``kvbench ARGUMENTS`` in a new process (its output to ``log``); its wall seconds."""
+    return run_measured(arguments, log)[0]
+
+
+def run_measured(arguments: list[str], log: Path) -> tuple[float, int]:
+    """Run ``kvbench ARGUMENTS`` in a new process (its output to ``log``); its wall seconds and peak resident bytes
+    (the kernel's ``ru_maxrss`` of that process, reaped with ``wait4``)."""
     start = time.perf_counter()
     with log.open("a", encoding="utf-8") as output:
-        done = subprocess.run([sys.executable, "-m", "kvbench.cli", *arguments], stdout=output, stderr=output)
-    if done.returncode:
-        raise KVBenchError(f"bench grid: kvbench {' '.join(arguments)} failed (exit {done.returncode}); see {log}")
-    return time.perf_counter() - start
+        process = subprocess.Popen([sys.executable, "-m", "kvbench.cli", *arguments], stdout=output, stderr=output)
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        raise KVBenchError(f"bench grid: kvbench {' '.join(arguments)} failed (exit {process.returncode}); see {log}")
+    return time.perf_counter() - start, usage.ru_maxrss * 1024  # kilobytes on Linux
 
 
 def predictions(root: Path) -> dict[str, dict[str, str]]:
@@ -154,10 +163,14 @@ def leaderboard_grid(bench: Bench) -> dict[str, Any]:
     device = resolve_device(compose(alone).model.device).type  # where the jobs run (``auto``: a GPU if there is one)
     with tempfile.TemporaryDirectory(prefix="kvbench-leaderboard-grid-") as folder:
         root, log = Path(folder), Path(folder) / "kvbench.log"
-        full = run_kvbench(["run", "-m", *alone, f"hydra.sweep.dir={root}/full"], log)  # a sweep of one job
-        grouped = run_kvbench(["run", "-m", *common, f"hydra.sweep.dir={root}/grid"], log)
+        full, full_peak = run_measured(["run", "-m", *alone, f"hydra.sweep.dir={root}/full"], log)  # a sweep of one
+        grouped, grid_peak = run_measured(["run", "-m", *common, f"hydra.sweep.dir={root}/grid"], log)
         full_alone, together = predictions(root / "full"), predictions(root / "grid")
         full_sample, grid_sample = sample_seconds(root / "full"), sample_seconds(root / "grid")
+        peaks = {}  # the grid's peak at other sample counts: bounded by the batch, not by the samples
+        for count in section.memory_samples:
+            more = [*common, f"task.num_samples={count}", f"hydra.sweep.dir={root}/grid-{count}"]
+            peaks[str(count)] = run_measured(["run", "-m", *more], log)[1]
     committed = predictions(PROJECT_ROOT / "results" / section.experiment)
     differing = sorted(
         f"{name}:{sample}"
@@ -183,6 +196,9 @@ def leaderboard_grid(bench: Bench) -> dict[str, Any]:
             "differing_predictions": differing,
             "full_predictions_equal": bool(full_alone)
             and all(together.get(name) == by_sample for name, by_sample in full_alone.items()),
+            "full_peak_rss_bytes": full_peak,
+            "grid_peak_rss_bytes": grid_peak,
+            "grid_peak_rss_bytes_by_samples": peaks,
         }
     }
 

@@ -324,6 +324,7 @@ def markdown(results: dict[str, Any]) -> str:
                 "a sample's cost ratio",
                 "predictions compared",
                 "differing",
+                "peak RSS: full job / grid (MiB)",
             ],
             [
                 [
@@ -335,9 +336,14 @@ def markdown(results: dict[str, Any]) -> str:
                     f"{board['sample_cost_ratio']:.1f}",
                     board["predictions_compared"],
                     len(board["differing_predictions"]),
+                    f"{_mib(board['full_peak_rss_bytes'])} / {_mib(board['grid_peak_rss_bytes'])}",
                 ]
             ],
         )
+        by_samples = board.get("grid_peak_rss_bytes_by_samples") or {}
+        if by_samples:
+            peaks = ", ".join(f"{count} samples {_mib(peak)}" for count, peak in by_samples.items())
+            lines += ["", f"The grid's peak RSS (MiB) at other sample counts: {peaks}."]
     if "contexts" in results:
         shared = results["contexts"]
         lines += [

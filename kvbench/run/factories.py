@@ -43,6 +43,9 @@ def checked_task(cfg: DictConfig, tokenizer) -> tuple[Task | None, list[str]]:
         reasons.append(str(error))
     try:
         task = build_task(cfg, tokenizer)
+        refusal = task.window_refusal()
+        if refusal is not None:
+            raise KVBenchError(refusal)
         task.check_data()
     except KVBenchError as error:
         return None, [*reasons, str(error)]

@@ -62,7 +62,7 @@ class Shared:
             try:
                 if tokenizer is None:  # checked with a stand-in: the model's own, downloadable, builds the samples
                     task = build_task(cfg, load_tokenizer(cfg.model))
-                self.samples = unique_ids(list(task.samples()), cfg.task.name)
+                self.samples = within_window(unique_ids(list(task.samples()), cfg.task.name), cfg)
             except KVBenchError as error:
                 self.error = error
                 raise
@@ -126,6 +126,20 @@ def unique_ids(samples: list[Sample], task: str) -> list[Sample]:
     if repeated:
         more = f" (and {len(repeated) - 1} more)" if len(repeated) > 1 else ""
         raise KVBenchError(f"task {task}: samples share the id {repeated[0]!r}{more}; each sample needs its own id")
+    return samples
+
+
+def within_window(samples: list[Sample], cfg: DictConfig) -> list[Sample]:
+    """``samples``, refused in one line where a prompt and the tokens it may generate exceed the model's window
+    (a user's ``task.max_length`` or context length too long for the model: the task's defaults leave room)."""
+    window = int(cfg.model.context_window)
+    for sample in samples:  # (a perplexity text is streamed past the window by design: StreamingLLM's protocol)
+        if sample.mode == "generate" and len(sample.input_ids) + sample.max_new_tokens > window:
+            raise KVBenchError(
+                f"task {cfg.task.name}: sample {sample.id} has {len(sample.input_ids)} prompt tokens and may generate "
+                f"{sample.max_new_tokens}, beyond the context window {window} of model {cfg.model.name}; lower "
+                "task.max_length or the context length"
+            )
     return samples
 
 

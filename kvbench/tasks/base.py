@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, cast
+from typing import Any, ClassVar, Literal, TypeVar, cast
 
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.domains import Domain, check_table, choice
 from kvbench.tasks import prompts
+
+T = TypeVar("T")  # what Task.fitted builds
 
 
 @dataclass
@@ -210,6 +212,24 @@ class Task(ABC):
         receive the per-token negative log-likelihoods (list of floats).
         """
         return {"prediction": output, "score": self.score(sample, output)}
+
+    def fitted(self, build: Callable[[int], T], length: Callable[[T], int], limit: int, new_tokens: int) -> T:
+        """``build(limit)`` (a prompt cut to ``limit`` tokens of its text), the limit lowered by what the prompt the
+        model sees and ``new_tokens`` overflow its window (a template's tokens around the cut text, a re-tokenised
+        cut): the default cut of a task counts every token the model will see and leaves room for the answer."""
+        built = build(limit)
+        for _ in range(4):  # a cut re-tokenised may merge or split a token: settles in one or two rounds
+            over = length(built) + new_tokens - self.model.context_window
+            if over <= 0 or limit <= over:
+                break
+            limit -= over
+            built = build(limit)
+        return built
+
+    def window_refusal(self) -> str | None:
+        """Why the settings alone cannot fit a prompt and its answer in the model's window (``kvbench plan`` and
+        ``run``, before any data is read), else None; each sample is checked again once built."""
+        return None
 
     def planned_tokens(self) -> tuple[int, int] | None:
         """``(prompt tokens to prefill, tokens to generate at most)`` over every sample, where the settings alone

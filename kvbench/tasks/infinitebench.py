@@ -72,6 +72,10 @@ class InfiniteBenchTask(SubsetsTask):
 
     title = "InfiniteBench"
     name = "infinitebench"
+
+    def answer_tokens(self) -> int:
+        return max(MAX_NEW_TOKENS[subset] for subset in self.subsets)
+
     table = TableLayout(title="InfiniteBench", order=SUBSETS, headers=HEADERS)
     hub_repo = HUB_REPO
     hub_path = "{subset}.jsonl"

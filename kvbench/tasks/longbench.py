@@ -207,6 +207,16 @@ class LongBenchTask(Task):
             return {**settings, "max_length": MAX_LENGTH[model["hf_id"]]}
         return settings
 
+    def window_refusal(self) -> str | None:
+        """A ``task.max_length`` that leaves no room for the longest answer of the datasets in the model's window."""
+        answer, window = max(MAX_NEW_TOKENS[dataset] for dataset in self.datasets), self.model.context_window
+        if self.fixed_max_length is not None and self.fixed_max_length + answer > window:
+            return (
+                f"task.max_length={self.fixed_max_length} and up to {answer} generated tokens exceed the context "
+                f"window {window} of model {self.model.name}; lower task.max_length (null: the window's)"
+            )
+        return None
+
     def max_length(self, dataset: str) -> int:
         """Prompt tokens kept for ``dataset``: ``task.max_length``, else :data:`MAX_LENGTH`, else the context
         window less the dataset's generation length."""
@@ -264,10 +274,17 @@ class LongBenchTask(Task):
         """The engine's sample for one record (``context``: its ``context_id``); samsum carries ``stop_strings =
         ["\\n"]``, the datasets of ``min_length_datasets`` at least one new token; in ``query_mode=agnostic``, where
         its question starts (:meth:`split_prompt_ids`)."""
-        if self.agnostic:
-            ids, question_start = self.split_prompt_ids(dataset, record)
+
+        def prompt(limit: int) -> tuple[list[int], int | None]:
+            if self.agnostic:
+                return self.split_prompt_ids(dataset, record, limit)
+            return self.prompt_ids(dataset, record, limit), None
+
+        limit, new_tokens = self.max_length(dataset), MAX_NEW_TOKENS[dataset]
+        if self.fixed_max_length is None:  # the window's default: what the model sees and the answer fit it
+            ids, question_start = self.fitted(prompt, lambda built: len(built[0]), limit, new_tokens)
         else:
-            ids, question_start = self.prompt_ids(dataset, record), None
+            ids, question_start = prompt(limit)
         return Sample(
             id=record["_id"],
             subtask=dataset,
@@ -287,20 +304,20 @@ class LongBenchTask(Task):
             return "raw"
         return self.format_template
 
-    def prompt(self, dataset: str, record: dict[str, Any]) -> str:
-        """The official prompt text, cut in the middle to ``max_length`` tokens as ``pred.py``."""
-        return self.model.cut_middle(PROMPTS[dataset].format(**record), self.max_length(dataset))
+    def prompt(self, dataset: str, record: dict[str, Any], limit: int | None = None) -> str:
+        """The official prompt text, cut in the middle to ``limit`` (default ``max_length``) tokens as ``pred.py``."""
+        return self.model.cut_middle(PROMPTS[dataset].format(**record), limit or self.max_length(dataset))
 
-    def prompt_ids(self, dataset: str, record: dict[str, Any]) -> list[int]:
+    def prompt_ids(self, dataset: str, record: dict[str, Any], limit: int | None = None) -> list[int]:
         """:meth:`prompt` in the prompt format, as token ids."""
-        return self.model.prompt_ids(self.template(dataset), self.prompt(dataset, record))
+        return self.model.prompt_ids(self.template(dataset), self.prompt(dataset, record, limit))
 
-    def split_prompt_ids(self, dataset: str, record: dict[str, Any]) -> tuple[list[int], int]:
+    def split_prompt_ids(self, dataset: str, record: dict[str, Any], limit: int | None = None) -> tuple[list[int], int]:
         """:meth:`prompt_ids` and where the question starts in them: the dataset's template after ``{context}``
         (every LongBench template puts its question, if any, after the context; the summaries and code completion
         have only an instruction there)."""
         question = after_context(PROMPTS[dataset], **record)
-        return self.model.prompt_split(self.template(dataset), self.prompt(dataset, record), question)
+        return self.model.prompt_split(self.template(dataset), self.prompt(dataset, record, limit), question)
 
     def score(self, sample: Sample, prediction: str) -> float:
         """The official metric of the sample's dataset, 0-1."""

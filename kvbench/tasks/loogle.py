@@ -48,6 +48,10 @@ class LooGLETask(SubsetsTask):
 
     title = "LooGLE"
     name = "loogle"
+
+    def answer_tokens(self) -> int:
+        return max(MAX_NEW_TOKENS[subset] for subset in self.subsets)
+
     table = TableLayout(title="LooGLE", order=SUBSETS)
     hub_repo = HUB_REPO
     domains = subset_domains(SUBSETS, HUB_REPO, "document")

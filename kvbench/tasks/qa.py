@@ -166,14 +166,21 @@ class QATask(Task):
     def sample(self, record: dict[str, Any], shared_context: bool) -> Sample:
         """The engine's sample for one row (``shared_context``: other rows ask about the same context)."""
         new_tokens = int(record.get("max_new_tokens") or self.cfg.max_new_tokens)
-        text = self.prompt_text(record, new_tokens)
         prefix = str(record.get("answer_prefix") or "")
-        messages = self.messages(text)
-        if self.agnostic:
-            question = after_context(self.prompt_of(record), **self.fields(record))
-            ids, question_start = self.model.prompt_split(self.template, text, question, prefix, messages)
+
+        def prompt(limit: int) -> tuple[list[int], int | None]:
+            text = self.prompt_text(record, limit)
+            messages = self.messages(text)
+            if self.agnostic:
+                question = after_context(self.prompt_of(record), **self.fields(record))
+                return self.model.prompt_split(self.template, text, question, prefix, messages)
+            return self.model.prompt_ids(self.template, text, prefix, messages), None
+
+        limit = self.max_length(new_tokens)
+        if self.cfg.get("max_length") is None:  # the default: what the model sees and the answer fit its window
+            ids, question_start = self.fitted(prompt, lambda built: len(built[0]), limit, new_tokens)
         else:
-            ids, question_start = self.model.prompt_ids(self.template, text, prefix, messages), None
+            ids, question_start = prompt(limit)
         return Sample(
             id=str(record["id"]),
             subtask=record["subtask"],
@@ -202,15 +209,30 @@ class QATask(Task):
         """What :attr:`prompt` is filled with: the row's fields, under kvpress's names too."""
         return record
 
-    def prompt_text(self, record: dict[str, Any], new_tokens: int) -> str:
-        """The row's template filled with it, cut in the middle to ``max_length`` tokens (:attr:`joined_cut`)."""
+    def prompt_text(self, record: dict[str, Any], limit: int) -> str:
+        """The row's template filled with it, cut in the middle to ``limit`` tokens (:attr:`joined_cut`)."""
         cut = self.model.cut_halves if self.joined_cut else self.model.cut_middle
-        return cut(self.prompt_of(record).format(**self.fields(record)), self.max_length(new_tokens))
+        return cut(self.prompt_of(record).format(**self.fields(record)), limit)
 
     def max_length(self, new_tokens: int) -> int:
-        """The prompt's token limit: ``task.max_length``, else the model's window less the answer's tokens."""
+        """The prompt's token limit: ``task.max_length``, else the model's window less the answer's tokens (and,
+        in :meth:`sample`, less the template's tokens: :meth:`Task.fitted`)."""
         limit = self.cfg.get("max_length")
         return self.model.context_window - new_tokens if limit is None else int(limit)
+
+    def answer_tokens(self) -> int:
+        """The most tokens a row may generate (``task.max_new_tokens``; a row's own column aside)."""
+        return int(self.cfg.max_new_tokens)
+
+    def window_refusal(self) -> str | None:
+        """A ``task.max_length`` that leaves no room for the answer in the model's window."""
+        limit, answer, window = self.cfg.get("max_length"), self.answer_tokens(), self.model.context_window
+        if limit is not None and int(limit) + answer > window:
+            return (
+                f"task.max_length={limit} and up to {answer} generated tokens exceed the context window {window} of "
+                f"model {self.model.name}; lower task.max_length (null: the window's)"
+            )
+        return None
 
     def evaluate(self, sample: Sample, output: Any) -> dict[str, Any]:
         """Prediction and score, and the row's :attr:`record_fields`."""

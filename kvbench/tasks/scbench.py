@@ -50,6 +50,10 @@ class SCBenchTask(SubsetsTask):
 
     title = "SCBench"
     name = "scbench"
+
+    def answer_tokens(self) -> int:
+        return max(MAX_NEW_TOKENS[subset] for subset in self.subsets)
+
     table = TableLayout(title="SCBench", order=SUBSETS)
     hub_repo = HUB_REPO
     hub_path = "data/{subset}.jsonl"
@@ -64,9 +68,12 @@ class SCBenchTask(SubsetsTask):
         for subset in self.subsets:
             for index, row in enumerate(self.subset_rows(subset)):
                 row_id = row.get("id", index)
-                context = self.context_ids(subset, str(row.get("context", row.get("input", ""))))
-                for turn_index, turn in enumerate(row["multi_turns"]):
-                    query = self.query_ids(subset, turn)
+                queries = [self.query_ids(subset, turn) for turn in row["multi_turns"]]
+                limit = self.max_length(MAX_NEW_TOKENS[subset])
+                if self.cfg.get("max_length") is None:  # the default: the longest turn and its answer fit the window
+                    limit -= max(map(len, queries), default=0)
+                context = self.context_ids(subset, str(row.get("context", row.get("input", ""))), limit)
+                for turn_index, (turn, query) in enumerate(zip(row["multi_turns"], queries)):
                     yield Sample(
                         id=f"{subset}-{row_id}-{turn_index}",
                         subtask=subset,
@@ -77,13 +84,13 @@ class SCBenchTask(SubsetsTask):
                         context_id=f"{subset}-{row_id}",
                     )
 
-    def context_ids(self, subset: str, context: str) -> list[int]:
-        """The context prompt's ids (special tokens added), cut as ``truncate_input`` ("middle")."""
+    def context_ids(self, subset: str, context: str, limit: int) -> list[int]:
+        """The context prompt's ids (special tokens added), cut to ``limit`` as ``truncate_input`` ("middle")."""
         text = CONTEXT_TEMPLATES[subset].format(context=context)
         if self.template == "hf_chat":
             text = self.chat([{"role": "user", "content": text + DELIMITER}]).split(DELIMITER)[0]
         ids = list(self.model.tokenizer(text, verbose=False)["input_ids"])
-        return middle_cut(ids, self.max_length(MAX_NEW_TOKENS[subset]))
+        return middle_cut(ids, limit)
 
     def query_ids(self, subset: str, turn: dict[str, Any]) -> list[int]:
         """A turn's query ids (no special tokens added): in the chat template, a user turn after an empty system turn,
