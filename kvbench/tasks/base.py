@@ -76,12 +76,12 @@ class ModelInfo:
         half = max_length // 2
         return self.decode(ids[:half]) + self.decode(ids[-half:])
 
-    def cut_halves(self, text: str, max_length: int) -> str:
+    def cut_halves(self, text: str, max_length: int, odd_to_tail: bool = False) -> str:
         """``text`` cut to ``max_length`` tokens as LongBench-v2's ``pred.py`` and InfiniteBench's ``truncate_input``
-        cut it: its token ids (with the special tokens) kept to the first and last ``max_length // 2``
-        (:func:`middle_cut`), decoded as one text (special tokens skipped)."""
+        cut it: its token ids (with the special tokens) kept to their first and last halves (:func:`middle_cut`, the
+        odd token to the tail with ``odd_to_tail``), decoded as one text (special tokens skipped)."""
         ids = self.prompt_ids("raw", text)
-        return text if len(ids) <= max_length else self.decode(middle_cut(ids, max_length))
+        return text if len(ids) <= max_length else self.decode(middle_cut(ids, max_length, odd_to_tail))
 
     def template(self, prompt_format: str, valid: tuple[str, ...]) -> str:
         """The template a task's prompt format (one of ``valid``) uses for this model, checked usable here."""
@@ -110,10 +110,16 @@ class ModelInfo:
         return prompts.split_question(self.tokenizer, prompt, special_tokens, question)
 
 
-def middle_cut(ids: list[int], max_length: int) -> list[int]:
+def middle_cut(ids: list[int], max_length: int, odd_to_tail: bool = False) -> list[int]:
     """``ids`` kept to their first and last ``max_length // 2`` where longer than ``max_length`` (``truncate_input``'s
-    "middle" of InfiniteBench and SCBench, LongBench-v2's ``query_llm``)."""
-    return ids if len(ids) <= max_length else ids[: max_length // 2] + ids[-(max_length // 2) :]
+    "middle" of SCBench and of InfiniteBench's ``eval_yarn_mistral.py``); with ``odd_to_tail`` the last
+    ``-max_length // 2`` (Python's floor: one more where ``max_length`` is odd, so ``max_length`` in all) as
+    InfiniteBench's ``eval_utils.py`` (line 401 at 88b3daa) and LongBench-v2's ``pred.py`` (``input_ids[-max_len//2:]``)
+    keep them."""
+    if len(ids) <= max_length:
+        return ids
+    tail = -max_length // 2 if odd_to_tail else -(max_length // 2)
+    return ids[: max_length // 2] + ids[tail:]
 
 
 def context_id(name: str, context: str) -> str:

@@ -38,9 +38,9 @@ TEMPLATES = {
         "longbook_qa_eng": "Read the book below and answer a question.\n\n{context}\n\nQuestion: {input}\n\nBe very "
         "concise.",
     },
-    "yarn_mistral": {
-        "passkey": "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I "
-        "will quiz you about the important information there.\n\n{context}\n\n{input}\n\nThe pass key is",
+    "yarn_mistral": {  # at 88b3daa, after c27d624 "Fix prompt template error" (passkey: "memorize it. ...information.")
+        "passkey": "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I "
+        "will quiz you about the important information.\n\n{context}\n\n{input}\n\nThe pass key is",
         "number_string": "There is an important info hidden inside a lot of irrelevant text. Find it. I will quiz you "
         "about the important information there.\n\n{context}\n\n{input}\n\nThe sequence of digits is",
         "kv_retrieval": "Extract the value corresponding to the specified key in the JSON object below.\n\n{context}"
@@ -108,6 +108,12 @@ class InfiniteBenchTask(SubsetsTask):
                 }
                 records.append(record)
         return records
+
+    @property
+    def odd_to_tail(self) -> bool:  # type: ignore[override]
+        """The gpt4 path cuts with ``eval_utils.py``'s ``truncate_input`` (``input[-max_length // 2:]``: an odd
+        length's extra token at the tail); ``eval_yarn_mistral.py``'s own cuts ``max_length // 2`` from each end."""
+        return self.cfg.templates == "gpt4"
 
     def fields(self, record: dict[str, Any]) -> dict[str, Any]:
         return {**record, "input": record["question"]}

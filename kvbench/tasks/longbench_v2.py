@@ -27,14 +27,22 @@ class LongBenchV2Task(QATask):
     name = "longbench_v2"
     table = TableLayout(title="LongBench-v2", order=("overall", *SPLITS["difficulty"], *SPLITS["length"]))
     record_fields = ("difficulty", "length", "domain")
-    joined_cut = True  # pred.py's query_llm
+    joined_cut = odd_to_tail = True  # pred.py's query_llm: input_ids[:max_len//2] + input_ids[-max_len//2:]
 
     def how_to_provide(self) -> str:
         return f"download data.json of {self.cfg.hub} and set task.path=FILE (or KVBENCH_LONGBENCH_V2_PATH)"
 
     def fields(self, record: dict[str, Any]) -> dict[str, Any]:
-        """The record's context, question and choices stripped, as ``pred.py`` fills the template."""
-        return {key: str(record[key]).strip() for key in ("context", "question", *CHOICES)}
+        """The record's context, question and choices stripped, as ``pred.py`` fills the template: by a chain of
+        ``str.replace`` (line 93 at 2e00731: ``$DOC$``, then ``$Q$``, then ``$C_A$``..``$C_D$``), so a later field's
+        placeholder written inside an earlier field's text is replaced too (a document quoting ``$Q$`` gets the
+        question); each field here is the text that chain leaves in its place."""
+        values = [str(record[key]).strip() for key in ("context", "question", *CHOICES)]
+        placeholders = ("$Q$", "$C_A$", "$C_B$", "$C_C$", "$C_D$")  # what follows each field in the chain
+        for index in range(len(values)):
+            for placeholder, later in zip(placeholders[index:], values[index + 1 :]):
+                values[index] = values[index].replace(placeholder, later)
+        return dict(zip(("context", "question", *CHOICES), values))
 
     def aggregate(self, records: list[dict]) -> dict[str, float]:
         """Accuracy (0-100) over every record and over each difficulty and length (the splits with records)."""

@@ -97,12 +97,13 @@ class LooGLETask(SubsetsTask):
         return {"context": record["context"], "Q": record["question"]}
 
     def evaluate(self, sample: Sample, output: Any) -> dict[str, Any]:
-        """The prediction, its score and every metric of its subset."""
-        answer = sample.answers[0]
+        """The prediction, its score and every metric of its subset; an empty prediction is scored as the text
+        ``None`` (``Evaluation/automatic_eval.py`` lines 23-24 at 6734382: ``if hyp == '': hyp = 'None'``)."""
+        answer, scored = sample.answers[0], output if output != "" else "None"
         if sample.subtask == CLOZE:
-            matches = cloze_matches(json.loads(answer), output)
+            matches = cloze_matches(json.loads(answer), scored)
             return {"prediction": output, "score": matches["exact"] / max(matches["count"], 1), **matches}
-        metrics = text_metrics(answer, output)
+        metrics = text_metrics(answer, scored)
         return {"prediction": output, "score": metrics["rougeL"], **metrics}
 
     def score(self, sample: Sample, prediction: str) -> float:

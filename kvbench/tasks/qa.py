@@ -204,6 +204,8 @@ class QATask(Task):
     record_fields: tuple[str, ...] = ()
     #: a long prompt's halves decoded as one (:meth:`ModelInfo.cut_halves`), else each alone as LongBench's ``pred.py``
     joined_cut: bool = False
+    #: with :attr:`joined_cut`, an odd cut length's extra token kept at the tail (:func:`.base.middle_cut`)
+    odd_to_tail: bool = False
 
     def fields(self, record: dict[str, Any]) -> dict[str, Any]:
         """What :attr:`prompt` is filled with: the row's fields, under kvpress's names too."""
@@ -211,8 +213,10 @@ class QATask(Task):
 
     def prompt_text(self, record: dict[str, Any], limit: int) -> str:
         """The row's template filled with it, cut in the middle to ``limit`` tokens (:attr:`joined_cut`)."""
-        cut = self.model.cut_halves if self.joined_cut else self.model.cut_middle
-        return cut(self.prompt_of(record).format(**self.fields(record)), limit)
+        text = self.prompt_of(record).format(**self.fields(record))
+        if self.joined_cut:
+            return self.model.cut_halves(text, limit, self.odd_to_tail)
+        return self.model.cut_middle(text, limit)
 
     def max_length(self, new_tokens: int) -> int:
         """The prompt's token limit: ``task.max_length``, else the model's window less the answer's tokens (and,
