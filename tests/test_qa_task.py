@@ -50,16 +50,33 @@ def make_task(tokenizer, path: Path | None, window: int = 4096, **overrides) -> 
     return QATask(cfg, ModelInfo("test", tokenizer, window))
 
 
-def kvpress_prompt(tokenizer, context: str, question: str, answer_prefix: str = "") -> list[int]:
-    """kvpress's ``KVPressTextGenerationPipeline.preprocess``: the context in a user turn of the chat template, split
-    at a separator, the question and the template's suffix after it, then the answer prefix."""
-    separator = "\n" + "#" * len(context)
-    chat = tokenizer.apply_chat_template(
-        [{"role": "user", "content": context + separator}], add_generation_prompt=True, tokenize=False
-    )
-    context_text, suffix = chat.split(separator)
-    text = context_text + question + suffix + answer_prefix
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def kvpress_preprocess(tokenizer, context, questions, answer_prefix, max_context_length):
+    """NVIDIA/kvpress ``kvpress/pipeline.py`` lines 139-171 at 8bb29b9, ``KVPressTextGenerationPipeline.preprocess``
+    (copied; its warning and ``enable_thinking`` dropped, ids as lists)."""
+    if tokenizer.chat_template is None:
+        bos_token = getattr(tokenizer, "bos_token", "")
+        context = bos_token + context
+        question_suffix = "\n"  # to separate the question from the answer
+    else:
+        separator = "#" * (len(context) + 10)
+        context = tokenizer.apply_chat_template(
+            [{"role": "user", "content": context + separator}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        context, question_suffix = context.split(separator)
+    questions = [question + question_suffix + answer_prefix for question in questions]
+    context_ids = tokenizer.encode(context, add_special_tokens=False)
+    question_ids = [tokenizer.encode(question, add_special_tokens=False) for question in questions]
+    if len(context_ids) > max_context_length:
+        context_ids = context_ids[:max_context_length]
+    return {"context_ids": context_ids, "questions_ids": question_ids}
+
+
+def kvpress_prompt(tokenizer, context: str, question: str, answer_prefix: str = "", max_length=10**10) -> list[int]:
+    """The ids kvpress's pipeline prefills and then feeds for one question: the context's, then the question's."""
+    made = kvpress_preprocess(tokenizer, context, [question], answer_prefix, max_length)
+    return made["context_ids"] + made["questions_ids"][0]
 
 
 @pytest.mark.parametrize(
@@ -101,13 +118,16 @@ def test_prompts_are_kvpress_prompts_token_for_token(tokenizer, tmp_path):
     assert samples[0].context_id == samples[1].context_id is not None and samples[2].context_id is None
 
 
-def test_raw_prompts_are_the_text_after_bos(tokenizer, tmp_path):
-    task = make_task(tokenizer, write_rows(tmp_path / "rows.jsonl", ROWS[2:]), prompt_format="raw")
-    (sample,) = task.samples()
-    assert sample.input_ids == [
-        tokenizer.bos_token_id,
-        *tokenizer(ROWS[2]["context"] + ROWS[2]["question"])["input_ids"][1:],
-    ]
+def test_raw_prompts_are_kvpress_without_a_chat_template(tokenizer, tmp_path):
+    """``prompt_format=raw``: kvpress's prompt for a tokenizer without a chat template, the BOS text before the
+    context and a newline after the question."""
+    task = make_task(tokenizer, write_rows(tmp_path / "rows.jsonl", ROWS), prompt_format="raw")
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    for sample, row in zip(task.samples(), ROWS):
+        expected = kvpress_prompt(plain, row["context"], row["question"], row.get("answer_prefix", ""))
+        assert sample.input_ids == expected
+    assert sample.input_ids[0] == tokenizer.bos_token_id and tokenizer.decode(sample.input_ids).endswith("?\n")
 
 
 def test_agnostic_splits_at_the_question_and_groups_contexts(tokenizer, tmp_path):
@@ -115,24 +135,28 @@ def test_agnostic_splits_at_the_question_and_groups_contexts(tokenizer, tmp_path
     task = make_task(tokenizer, write_rows(tmp_path / "rows.jsonl", rows), query_mode="agnostic")
     samples = list(task.samples())
     assert [sample.id for sample in samples] == ["rows-0", "rows-2", "rows-1"]  # one context's rows together
-    for sample, row in zip(samples, [ROWS[0], ROWS[1], ROWS[2]]):
-        context = tokenizer.decode(sample.input_ids[: sample.question_start])
-        assert context.endswith(row["context"] + " ") and row["question"].strip() in tokenizer.decode(
-            sample.input_ids[sample.question_start :]
-        )
+    for sample, row in zip(samples, [ROWS[0], ROWS[1], ROWS[2]]):  # kvpress's context ids, then its question ids
+        made = kvpress_preprocess(tokenizer, row["context"], [row["question"]], row.get("answer_prefix", ""), 10**9)
+        assert sample.input_ids[: sample.question_start] == made["context_ids"]
+        assert sample.input_ids[sample.question_start :] == made["questions_ids"][0]
     aware = make_task(tokenizer, tmp_path / "rows.jsonl")
     assert sorted(s.input_ids for s in aware.samples()) == sorted(s.input_ids for s in samples)
 
 
-def test_long_prompts_are_cut_in_the_middle_as_longbench(tokenizer, tmp_path):
+@pytest.mark.parametrize("prompt_format", ["hf_chat", "raw"])
+def test_long_contexts_keep_their_first_tokens_as_kvpress(tokenizer, tmp_path, prompt_format):
+    """A context past ``task.max_length`` (kvpress's ``max_context_length``) keeps its first tokens, the template's
+    included; the question follows whole. By default the context leaves the question and the answer room in the
+    window."""
     row = {"context": "".join(f"line {n}. " for n in range(400)), "question": " Which line?", "answer": "7"}
-    task = make_task(tokenizer, write_rows(tmp_path / "rows.jsonl", [row]), max_length=200, prompt_format="raw")
+    task = make_task(tokenizer, write_rows(tmp_path / "rows.jsonl", [row]), max_length=200, prompt_format=prompt_format)
     (sample,) = task.samples()
-    text = row["context"] + row["question"]
-    assert sample.input_ids == task.model.prompt_ids("raw", task.model.cut_middle(text, 200))
-    assert len(sample.input_ids) <= 201 and tokenizer.decode(sample.input_ids).endswith("Which line?")
-    window = make_task(tokenizer, tmp_path / "rows.jsonl", window=300, prompt_format="raw")
-    assert len(next(window.samples()).input_ids) <= 300 - 32 + 1  # the window less the answer
+    kvpress_tokenizer = tokenizer if prompt_format == "hf_chat" else copy.deepcopy(tokenizer)
+    if prompt_format == "raw":
+        kvpress_tokenizer.chat_template = None
+    assert sample.input_ids == kvpress_prompt(kvpress_tokenizer, row["context"], row["question"], "", 200)
+    window = make_task(tokenizer, tmp_path / "rows.jsonl", window=300, prompt_format=prompt_format)
+    assert len(next(window.samples()).input_ids) == 300 - 32  # the window less the answer
 
 
 def test_columns_map_other_names_and_parquet_reads(tokenizer, tmp_path):
@@ -670,3 +694,34 @@ def test_loogle_scores_an_empty_prediction_as_the_text_none(tokenizer, tmp_path)
     sample.answers = ["None of them"]
     record = task.evaluate(sample, "")
     assert record["prediction"] == "" and record["score"] == text_metrics("None of them", "None")["rougeL"] > 0
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("prompt_format", ["hf_chat", "raw"])
+def test_kvpress_rows_on_a_real_tokenizer_join_separately_tokenized_ids(prompt_format, tmp_path):
+    """SmolLM2's BPE tokenizer, where tokenizing the context and the question apart differs from tokenizing the prompt
+    at once (a word split at the join: " pass" + "word" vs " password"): the ids are kvpress's."""
+    from kvbench.models import load_tokenizer
+
+    real = load_tokenizer(model_config("smollm2_135m"))
+    rows = [
+        {"context": "The vault's secret is the pass", "question": "word written below.", "answer": "x"},
+        {
+            "context": "Boats leave the harbour at six. " * 3,
+            "question": " When?",
+            "answer": "six",
+            "answer_prefix": "A:",
+        },
+    ]
+    cfg = OmegaConf.load(kvbench.CONF_DIR / "task" / "qa.yaml")
+    cfg.path, cfg.prompt_format = str(write_rows(tmp_path / "rows.jsonl", rows)), prompt_format
+    task = QATask(cfg, ModelInfo("smollm2_135m", real, 8192))
+    kvpress_tokenizer = real if prompt_format == "hf_chat" else copy.deepcopy(real)
+    if prompt_format == "raw":
+        kvpress_tokenizer.chat_template = None
+    for sample, row in zip(task.samples(), rows):
+        assert sample.input_ids == kvpress_prompt(kvpress_tokenizer, row["context"], row["question"],
+                                                  row.get("answer_prefix", ""))  # fmt: skip
+    joint = real("The vault's secret is the password written below.", add_special_tokens=False)["input_ids"]
+    apart = real.encode("The vault's secret is the pass", add_special_tokens=False)
+    assert joint[: len(apart)] != apart  # the join splits a word: the two definitions differ here

@@ -27,6 +27,7 @@ class LongBenchV2Task(QATask):
     name = "longbench_v2"
     table = TableLayout(title="LongBench-v2", order=("overall", *SPLITS["difficulty"], *SPLITS["length"]))
     record_fields = ("difficulty", "length", "domain")
+    kvpress_rows = False
     joined_cut = odd_to_tail = True  # pred.py's query_llm: input_ids[:max_len//2] + input_ids[-max_len//2:]
 
     def how_to_provide(self) -> str:

@@ -167,6 +167,10 @@ class QATask(Task):
         """The engine's sample for one row (``shared_context``: other rows ask about the same context)."""
         new_tokens = int(record.get("max_new_tokens") or self.cfg.max_new_tokens)
         prefix = str(record.get("answer_prefix") or "")
+        if self.kvpress_rows:
+            ids, context_end = self.kvpress_ids(record, prefix, new_tokens)
+            question_start: int | None = context_end if self.agnostic else None
+            return self.made_sample(record, ids, new_tokens, question_start, shared_context)
 
         def prompt(limit: int) -> tuple[list[int], int | None]:
             text = self.prompt_text(record, limit)
@@ -181,6 +185,43 @@ class QATask(Task):
             ids, question_start = self.fitted(prompt, lambda built: len(built[0]), limit, new_tokens)
         else:
             ids, question_start = prompt(limit)
+        return self.made_sample(record, ids, new_tokens, question_start, shared_context)
+
+    def kvpress_ids(self, record: dict[str, Any], answer_prefix: str, new_tokens: int) -> tuple[list[int], int]:
+        """A row's ids as kvpress's ``KVPressTextGenerationPipeline.preprocess`` makes them (pipeline.py at 8bb29b9),
+        and where its context ends: the context (the prompt's text before its question) in a user turn of the chat
+        template, split off at a separator (no chat template, ``raw``: the BOS text before it and a newline after the
+        question), and the question with the template's suffix and the answer prefix, each tokenized alone and
+        joined; the context's ids kept to their first ``task.max_length`` (kvpress's ``max_context_length``; null:
+        what leaves the question and the answer room in the window)."""
+        text = self.prompt_of(record).format(**self.fields(record))
+        question = after_context(self.prompt_of(record), **self.fields(record))
+        context = text[: len(text) - len(question)]
+        tokenizer = self.model.tokenizer
+        if self.template == "hf_chat":
+            separator = "#" * (len(context) + 10)
+            chat = tokenizer.apply_chat_template(
+                [{"role": "user", "content": context + separator}], add_generation_prompt=True, tokenize=False
+            )
+            context, suffix = chat.split(separator)
+        else:
+            context, suffix = (getattr(tokenizer, "bos_token", None) or "") + context, "\n"
+        question_ids = self.model.encode(question + suffix + answer_prefix)
+        context_ids = self.model.encode(context)
+        limit = self.cfg.get("max_length")
+        limit = self.model.context_window - len(question_ids) - new_tokens if limit is None else int(limit)
+        context_ids = context_ids[: max(limit, 0)]
+        return context_ids + question_ids, len(context_ids)
+
+    def made_sample(
+        self,
+        record: dict[str, Any],
+        ids: list[int],
+        new_tokens: int,
+        question_start: int | None,
+        shared_context: bool,
+    ) -> Sample:
+        """The engine's sample of a row whose prompt is ``ids``."""
         return Sample(
             id=str(record["id"]),
             subtask=record["subtask"],
@@ -202,6 +243,9 @@ class QATask(Task):
 
     #: row fields a record keeps beside the prediction and score (:meth:`evaluate`)
     record_fields: tuple[str, ...] = ()
+    #: rows built as kvpress builds them (:meth:`kvpress_ids`: ``task=qa``); a benchmark's own task (a subclass) builds
+    #: its prompt as its code does: the whole prompt cut in the middle, then templated
+    kvpress_rows: bool = True
     #: a long prompt's halves decoded as one (:meth:`ModelInfo.cut_halves`), else each alone as LongBench's ``pred.py``
     joined_cut: bool = False
     #: with :attr:`joined_cut`, an odd cut length's extra token kept at the tail (:func:`.base.middle_cut`)
@@ -268,6 +312,8 @@ class SubsetsTask(QATask):
     hub_repo: str = ""
     #: a subset's file in the hub repository (``{subset}`` filled), or "" where the subsets stream through ``datasets``
     hub_path: str = ""
+
+    kvpress_rows = False
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         Task.__init__(self, cfg, model)
