@@ -283,13 +283,18 @@ class RunDir:
         return folder
 
     def start(self, cfg: DictConfig, fields: tuple[str, ...] = ()) -> None:
-        """The job is valid: name this process in the held lock file, write ``config.yaml`` and repair
-        ``predictions.jsonl`` for appending (``fields``: what the task's records hold besides
-        :data:`RECORD_FIELDS`)."""
+        """The job is valid: name this process in the held lock file, repair ``predictions.jsonl`` for appending
+        (``fields``: what the task's records hold besides :data:`RECORD_FIELDS`) and write ``config.yaml``: the job's
+        settings, or where the directory already holds records, the saved settings that made them with only
+        ``task.num_samples`` (how far the run goes) made the job's (a setting outside the identity, such as
+        ``engine.batch_size``, is not rewritten under records it did not make)."""
         self.claim()
-        if self.saved_config() != config_dict(cfg, resolve=True):
-            self.write_config(cfg)
         self.repair(fields)
+        settings, saved = config_dict(cfg, resolve=True), self.saved_config()
+        if saved is not None and self.records(fields):
+            settings = {**saved, "task": {**saved.get("task", {}), "num_samples": settings["task"].get("num_samples")}}
+        if saved != settings:
+            self.write_config(OmegaConf.create(settings))
 
     def locked(self) -> bool:
         """Whether a process holds the directory's lock now (is writing it)."""

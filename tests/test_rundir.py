@@ -394,3 +394,66 @@ def test_a_budget_hydra_reads_as_a_float_is_named_by_its_digits():
 
     assert compose(["model=tiny_llama", "budget=1e9"]).budget.spec == "1000000000"
     assert compose(["model=tiny_llama", "budget=2K"]).budget.spec == "2k"
+
+
+def test_a_resumed_run_keeps_the_settings_that_made_its_records(tmp_path):
+    """A run grown from 1 to 2 samples with another ``engine.batch_size`` (outside the identity): config.yaml keeps
+    the batch size that made the first record; only ``task.num_samples`` follows the run."""
+    out = tmp_path / "run"
+    main(["run", *BASE, "task.num_samples=1", "engine.batch_size=1", f"output_dir={out}"])
+    main(["run", *BASE, "task.num_samples=2", "engine.batch_size=3", f"output_dir={out}"])
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["engine"]["batch_size"] == 1 and saved["task"]["num_samples"] == 2
+    assert len((out / "predictions.jsonl").read_text().splitlines()) == 2
+
+
+#: why each setting left out of a run's identity changes no prediction: what it is, or the test that shows it
+NOT_IDENTITY_EVIDENCE = {
+    "hydra": "where a sweep writes its files and how it launches (no engine setting)",
+    "logger": "where metrics are logged",
+    "output_dir": "where the run's files go",
+    "resume": "what happens to earlier files",
+    "policy_settings": "test_an_experiments_policy_settings_reach_the_identity_through_the_policy",
+    "engine.batch_size": "tests/test_rows.py::test_a_batched_run_and_group_give_what_batch_1_gives",
+    "engine.threads": "test_the_thread_count_changes_no_prediction",
+    "task.num_samples": "test_a_tasks_samples_are_prefix_stable",
+}
+
+
+def test_every_setting_outside_the_identity_says_why_it_changes_no_prediction():
+    """A setting joins :data:`kvbench.rundir.NOT_IDENTITY` only with its reason here (engine.rows_attention, which
+    rounds otherwise, left it for the identity)."""
+    from kvbench.rundir import NOT_IDENTITY
+
+    assert set(NOT_IDENTITY) == set(NOT_IDENTITY_EVIDENCE)
+
+
+def test_the_thread_count_changes_no_prediction(tmp_path):
+    """One CPU thread or two: the same records (timings aside) and kept sets."""
+    from tests.test_groups import outcome
+
+    for threads in (1, 2):
+        main(
+            [
+                "run",
+                *BASE,
+                "engine.save_kept=true",
+                f"engine.threads={threads}",
+                f"output_dir={tmp_path / str(threads)}",
+            ]
+        )
+    assert outcome(tmp_path / "1") == outcome(tmp_path / "2")
+
+
+def test_an_experiments_policy_settings_reach_the_identity_through_the_policy():
+    """``policy_settings`` (an experiment's per-policy defaults) are applied to ``policy.*``, which is identity: a
+    run under other policy settings has another identity, though the ``policy_settings`` node itself is left out."""
+    from omegaconf import OmegaConf
+
+    from kvbench.config import compose
+    from kvbench.rundir import identity
+
+    board = compose(["+experiment=leaderboard", "policy=snapkv+slake", "budget=10pct"])
+    assert board.policy.layer_budget.alpha == 0.5 and board.policy.layer_budget.beta == 0.4  # its policy_settings
+    settings = identity(OmegaConf.to_container(board, resolve=True))
+    assert "policy_settings" not in settings and settings["policy"]["layer_budget"]["alpha"] == 0.5
