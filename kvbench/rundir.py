@@ -51,6 +51,7 @@ ADDED_SETTINGS = {
     "policy.compress_above": "budget",  # CAKE's, +compat=cakekv
     "policy.layer_budget.rounding": "proportional",
     "engine.rows_attention": "each",  # padded rounds otherwise than each (docs/running.md): another run
+    "policy.counting": "selectable",  # ChunkKV's and CriticalKV's, +compat=kvpress
 }
 
 #: what every finished sample's line holds that a task's aggregate reads (:func:`kvbench.run.records.record_of`

@@ -64,6 +64,28 @@ def presses(kvpress) -> dict[str, object]:
     }
 
 
+#: fixtures at kvpress's default chunk length (20, which divides neither the prompt nor these kept counts: the prompt's
+#: last chunk is partial) and over a base that reserves its window (SnapKV, kvpress's window 64): name → (kept, press)
+COUNTING = {
+    "knorm+chunkkv-k100": (
+        100,
+        lambda kvpress, ratio: kvpress.ChunkKVPress(kvpress.KnormPress(compression_ratio=ratio)),
+    ),
+    "knorm+chunkkv-k200": (
+        200,
+        lambda kvpress, ratio: kvpress.ChunkKVPress(kvpress.KnormPress(compression_ratio=ratio)),
+    ),
+    "snapkv+chunkkv-k200": (
+        200,
+        lambda kvpress, ratio: kvpress.ChunkKVPress(kvpress.SnapKVPress(compression_ratio=ratio)),
+    ),
+    "snapkv+criticalkv-k200": (
+        200,
+        lambda kvpress, ratio: kvpress.CriticalKVPress(kvpress.SnapKVPress(compression_ratio=ratio)),
+    ),
+}
+
+
 def kept_masks(model, press, ids: list[int]) -> list[str]:
     """Per layer: the press's kept positions ``[Hkv, LENGTH]`` as a packed bit mask, base64: the top of its recorded
     scores (a scorer press), or else each kept key's position among the keys of an uncompressed prefill (ChunkKV,
@@ -158,6 +180,11 @@ def main(output: Path, only: list[str]) -> None:
         if not only or spec in only:
             masks = [{"ids": ids, "kept_masks": kept_masks(loaded.model, press, ids)} for ids in prompts]
             write(spec, {"press": repr(press), "prompts": masks})
+    for spec, (kept, make) in COUNTING.items():
+        if not only or spec in only:
+            press = make(kvpress, 1.0 - kept / LENGTH)
+            masks = [{"ids": ids, "kept_masks": kept_masks(loaded.model, press, ids)} for ids in prompts]
+            write(spec, {"press": repr(press), "kept": kept, "prompts": masks})
     if not only or "kvzip" in only:
         press = f"KVzipPress(compression_ratio={1.0 - KEPT / LENGTH}, chunk_size={KVZIP_CHUNK})"
         records = [

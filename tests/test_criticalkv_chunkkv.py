@@ -62,19 +62,18 @@ def test_criticalkv_keeps_the_bases_first_half_then_the_projected_scores(regime,
 @pytest.mark.parametrize("regime", ["oneshot", "chunked", "streaming"])
 def test_chunkkv_keeps_whole_chunks_by_their_mean_score(regime, gqa, monkeypatch):
     """Chunks of ``CHUNK`` slots (the last shorter) ranked by the mean over their slots of −‖k‖ summed over the cache
-    heads; whole chunks kept in that order, the budget's remainder the best slots of the next; one set per layer."""
+    heads; the best ``max(1, int(chunks · budget / slots))`` kept whole (kvpress's count: fewer slots than the budget
+    where it is not whole chunks, or more where the last chunk is short); one set per layer."""
 
     def expected(layer_idx, keys, values, budget):
         score = -keys.norm(dim=-1).sum(dim=0)  # [T]
-        chunks = list(torch.arange(score.shape[0]).split(CHUNK))
+        tokens = score.shape[0]
+        chunks = list(torch.arange(tokens).split(CHUNK))
         order = sorted(chunks, key=lambda chunk: float(score[chunk].mean()), reverse=True)
-        kept, left = [], budget
-        for chunk in order:
-            take = chunk[score[chunk].argsort(descending=True)][:left]
-            kept.extend(take.tolist())
-            left -= len(take)
-        mask = torch.zeros(score.shape[0], dtype=torch.bool)
-        mask[kept] = True
+        count = max(1, int(len(chunks) * budget / tokens))
+        mask = torch.zeros(tokens, dtype=torch.bool)
+        for chunk in order[:count]:
+            mask[chunk] = True
         return mask.expand(keys.shape[0], -1)
 
     evictions = checked_evictions(monkeypatch, matching(expected))

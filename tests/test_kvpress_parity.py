@@ -35,7 +35,21 @@ REFERENCE_SETTINGS = {
     "knorm+chunkkv": {"norm_bits": None, "chunk_length": 16},  # the fixture's chunks
     "snapkv+adakv": {"window": 64},  # SnapKVPress's window
     "expected_attention+adakv": {},
+    # kvpress's default chunk length 20 over 512 tokens (25 chunks and one of 12) at kept counts that are not whole
+    # chunks: kvbench's default counting, kvpress's where the base reserves nothing
+    "knorm+chunkkv-k100": {"norm_bits": None},
+    "knorm+chunkkv-k200": {"norm_bits": None},
+    # over SnapKV (its window reserved): +compat=kvpress, chunks and the first stage counted over every slot
+    "snapkv+chunkkv-k200": {"window": 64, "gqa": "mean", "counting": "kvpress"},
+    "snapkv+criticalkv-k200": {"window": 64, "gqa": "mean", "counting": "kvpress"},
 }
+
+
+def spec_of(name: str) -> str:
+    """A fixture's policy spec: its name less a ``-k<kept>`` suffix."""
+    spec, _, kept = name.rpartition("-k")
+    return spec if spec and kept.isdigit() else name
+
 
 pytestmark = pytest.mark.model
 
@@ -45,10 +59,11 @@ def fixture(spec: str) -> dict:
     return json.loads((FIXTURES / f"{spec}.json").read_text())
 
 
-def kept_masks(spec: str, settings: dict, ids: list[int]) -> list[torch.Tensor]:
-    """kvbench's kept positions of every layer after a oneshot prefill of ``ids``, as masks ``[Hkv, len(ids)]``."""
+def kept_masks(name: str, settings: dict, ids: list[int]) -> list[torch.Tensor]:
+    """kvbench's kept positions of every layer after a oneshot prefill of ``ids`` at fixture ``name``'s kept count,
+    as masks ``[Hkv, len(ids)]``."""
     model = load_model(compose(["model=smollm2_135m"]).model).model
-    engine = Engine(model, build_policy(spec, settings), fixture(spec)["kept"], "oneshot")
+    engine = Engine(model, build_policy(spec_of(name), settings), fixture(name)["kept"], "oneshot")
     cache = engine.new_cache(len(ids))
     engine.prefill(cache, ids)
     return helpers.kept_masks(cache, len(ids))
@@ -96,3 +111,10 @@ def test_knorm_default_differs_from_kvpress_only_where_norms_tie():
                 assert len(only_mine) == len(only_theirs)
                 if len(only_mine):
                     assert only_mine.max() - only_theirs.min() <= 2.0**-15 * only_theirs.min(), f"layer {layer}"
+
+
+@pytest.mark.parametrize("name", ["snapkv+chunkkv-k200", "snapkv+criticalkv-k200"])
+def test_the_kvpress_profile_is_the_reference_settings(name):
+    """``+compat=kvpress`` composes exactly the settings that keep kvpress's sets over SnapKV."""
+    cfg = compose([f"policy={spec_of(name)}", "+compat=kvpress"])
+    assert {key: cfg.policy[key] for key in REFERENCE_SETTINGS[name]} == REFERENCE_SETTINGS[name]

@@ -452,6 +452,9 @@ class EvictionCache(Cache):
             return
         layer.ranking = scores.float()
         _, recent, sinks = self._reserved(layer_idx, budget)
+        if any(modifier.keeps_ranked_only for modifier in self.policy.modifiers):  # whole chunks: the ranked slots
+            ranked = torch.isfinite(scores[..., sinks : scores.shape[-1] - recent]).sum(dim=-1).min()
+            budget = sinks + recent + int(ranked)
         kept = top_slots(scores, budget, recent, sinks)
         evicted = layer.dropped_by(kept) if self.attending else None
         layer.keep(kept, defer=self.cascading)

@@ -63,6 +63,9 @@ class Modifier(Registered):
     #: its re-ranking reads the budget (``ScoreContext.budget``: CriticalKV's first stage); False: one ranking of a
     #: layer serves every budget with the same windows (:attr:`Policy.ranking_reads_budget`)
     reads_budget: ClassVar[bool] = False
+    #: its ranking marks the slots it does not keep ``-inf`` (:meth:`transform`): the layer keeps its reserved slots
+    #: and the ranked ones, which may be fewer or more than the budget (ChunkKV keeps whole chunks)
+    keeps_ranked_only: ClassVar[bool] = False
 
     @classmethod
     def inapplicable(cls, base: type[Policy]) -> str | None:

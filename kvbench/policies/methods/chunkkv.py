@@ -1,40 +1,78 @@
-"""ChunkKV (Liu et al., 2025, arXiv 2502.00299): keep chunks of consecutive tokens, chosen by their summed score."""
+"""ChunkKV (Liu et al., 2025, arXiv 2502.00299): keep whole chunks of consecutive tokens, chosen by their mean score."""
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kvbench.domains import integer, setting
+from kvbench.domains import choice, integer, setting
 from kvbench.policies.base import Modifier
 from kvbench.policies.context import ScoreContext
 from kvbench.policies.registry import register
+
+#: how a modifier counts what it keeps: over the slots the base leaves to choose (its sinks and window reserved), or
+#: as kvpress counts, over every slot with the reserved ones scored highest (``+compat=kvpress``)
+COUNTINGS = ("selectable", "kvpress")
 
 
 @register
 @dataclass
 class ChunkKV(Modifier):
-    """The cache is cut into chunks of ``chunk_length`` slots (the last one shorter); a chunk scores the mean over its
-    slots of the base's score summed over the layer's cache heads (ChunkKV eq. 3, kvpress's ``ChunkKVPress``), and
-    the layer keeps whole chunks in that order, one set for every head. A budget that is not whole chunks takes the
-    best slots (by the base's score summed over heads) of the next chunk."""
+    """The chosen slots are cut into chunks of ``chunk_length`` (the last one shorter); a chunk scores the mean over
+    its slots of the base's score summed over the layer's cache heads (ChunkKV eq. 3), and the layer keeps the best
+    ``max(1, int(chunks · kept / slots))`` whole chunks, one set for every head, as kvpress's ``ChunkKVPress``
+    (chunkkv_press.py at 8bb29b9): a budget that is not whole chunks keeps fewer slots (or, where the last chunk is
+    short, up to a chunk more); with no whole chunk, the base's own selection. ``counting``: ``selectable`` chunks the
+    slots between the base's sinks and window (kept besides), ``kvpress`` every slot, the reserved ones scored above
+    all (as kvpress's SnapKV pads its window's scores)."""
 
     name = "chunkkv"
     paper = "ChunkKV (arXiv 2502.00299)"
     transforms = True
     needs_attention = False
+    reads_budget = True  # how many chunks: a share of the budget
+    keeps_ranked_only = True  # the unchosen chunks rank -inf
 
     #: slots per chunk (ChunkKV's and kvpress's default)
     chunk_length: int = setting(integer(1, "a token count"), 20)
+    counting: str = setting(choice(*COUNTINGS), "selectable")
 
     def transform(self, scores: torch.Tensor, context: ScoreContext) -> torch.Tensor:
-        layer = scores.float().sum(dim=1)  # [B,T]: one selection per layer
-        tokens, length = layer.shape[-1], self.chunk_length
-        chunks = -(-tokens // length)
-        padded = F.pad(layer, (0, chunks * length - tokens)).view(-1, chunks, length)  # [B,C,L]
+        tokens, length = scores.shape[-1], self.chunk_length
+        reserved = context.sinks + context.recent
+        if self.counting == "kvpress":  # every slot, the reserved above all (kvpress: scores.max() + 1)
+            start, end, kept = 0, tokens, context.budget
+            top = scores[..., context.sinks : tokens - context.recent].max() + 1
+            slot = torch.arange(tokens, device=scores.device)
+            scores = scores.masked_fill((slot < context.sinks) | (slot >= tokens - context.recent), float(top))
+        else:
+            start, end, kept = context.sinks, tokens - context.recent, context.budget - reserved
+        span = end - start
+        if span // length == 0 or kept <= 0:  # no whole chunk: the base's selection (kvpress: the press's compress)
+            return self.base_selection(scores, context)
+        layer = scores[..., start:end].float().sum(dim=1)  # [B,S]: one selection per layer
+        chunks = -(-span // length)
+        padded = F.pad(layer, (0, chunks * length - span)).view(-1, chunks, length)  # [B,C,L]
         sizes = torch.full((chunks,), length, device=layer.device)
-        sizes[-1] = tokens - (chunks - 1) * length
-        chunk_rank = (padded.sum(dim=-1) / sizes).argsort(dim=-1).argsort(dim=-1)  # [B,C]
+        sizes[-1] = span - (chunks - 1) * length
+        chunk_scores = padded.sum(dim=-1) / sizes  # [B,C]
+        count = max(1, int(chunks * (1 - (1 - kept / span))))  # kvpress: int(chunks * (1 - compression_ratio))
+        chosen = chunk_scores.topk(count, dim=-1).indices  # [B,K]
+        chunk_rank = torch.full_like(chunk_scores, -torch.inf).scatter(
+            -1, chosen, torch.arange(count, 0, -1, device=layer.device, dtype=layer.dtype).expand_as(chosen)
+        )  # [B,C]: the best chunk highest, the unchosen -inf
         slot_rank = torch.where(padded == padded, padded, 0.0).argsort(dim=-1).argsort(dim=-1)  # [B,C,L]
-        ranking = (chunk_rank[..., None] * length + slot_rank).flatten(1)[:, :tokens]  # a chunk above every later one
-        return ranking.float()[:, None].expand_as(scores)
+        ranking = (chunk_rank[..., None] * length + slot_rank).flatten(1)[:, :span]  # [B,S]
+        full = torch.full(scores.shape[::2], torch.inf, device=scores.device)  # [B,T]: reserved slots kept anyway
+        full[:, start:end] = ranking
+        return full[:, None].expand_as(scores)
+
+    @staticmethod
+    def base_selection(scores: torch.Tensor, context: ScoreContext) -> torch.Tensor:
+        """The base's ranking with only its top ``budget`` (reserved slots kept besides) ranked, the rest -inf."""
+        tokens = scores.shape[-1]
+        middle = scores[..., context.sinks : tokens - context.recent]
+        count = min(max(context.budget - context.sinks - context.recent, 0), middle.shape[-1])
+        top = middle.topk(count, dim=-1).indices
+        ranked = torch.full_like(middle, -torch.inf).scatter(-1, top, middle.gather(-1, top))
+        return torch.cat([scores[..., : context.sinks], ranked, scores[..., tokens - context.recent :]], dim=-1)

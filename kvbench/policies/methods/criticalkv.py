@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.domains import number, setting
+from kvbench.domains import choice, number, setting
 from kvbench.errors import KVBenchError
 from kvbench.policies.base import Modifier
 from kvbench.policies.context import ScoreContext
@@ -32,8 +32,11 @@ def projected_norms(values: torch.Tensor, output_per_head: torch.Tensor) -> torc
 class CriticalKV(Modifier):
     """Two stages over the slots the budget leaves to choose (CriticalKV Alg. 1): the base's top
     ``first_stage_ratio`` of them are kept first, the rest ranked by ``(s_p + ε)·‖v_p·W_O‖₁`` (averaged over each KV
-    group), as kvpress's ``CriticalKVPress``. Any base that scores (attention or cached entries); the first stage is
-    counted over the slots not reserved (kvpress, which reserves none, counts every kept slot)."""
+    group), as kvpress's ``CriticalKVPress``. Any base that scores (attention or cached entries). ``counting``:
+    ``selectable`` counts the first stage over the slots the base leaves to choose (CriticalKV Alg. 1 over the
+    budget after SnapKV's window); ``kvpress`` over every kept slot, the base's reserved ones first
+    (criticalkv_press.py at 8bb29b9: ``int(kept · first_stage_ratio)`` of all slots, SnapKV's window scored above
+    all), and ε on the scale of kvpress's window scores (a mean over the window's queries, kvbench's a sum)."""
 
     name = "criticalkv"
     paper = "CriticalKV (arXiv 2502.03805)"
@@ -45,15 +48,23 @@ class CriticalKV(Modifier):
     first_stage_ratio: float = setting(number(0.0, 1.0), 0.5)
     #: added to the base's score before the projected norm
     epsilon: float = setting(number(0.0), 1e-4)
+    counting: str = setting(choice("selectable", "kvpress"), "selectable")
 
     def transform(self, scores: torch.Tensor, context: ScoreContext) -> torch.Tensor:
         if context.weights is None:
             raise KVBenchError(f"{self.name} needs the layer's output projection (a Llama-style o_proj)")
         tokens = scores.shape[-1]
         selectable = scores[..., context.sinks : tokens - context.recent]
-        first = int((context.budget - context.sinks - context.recent) * self.first_stage_ratio)
+        reserved = context.sinks + context.recent
+        if self.counting == "kvpress":  # of every kept slot, the reserved first (kvpress: (1 - ratio) · T · share)
+            first = int((1 - (1 - context.budget / tokens)) * tokens * self.first_stage_ratio) - reserved
+        else:
+            first = int((context.budget - reserved) * self.first_stage_ratio)
         weights = context.weights
         norms = context.once("projected_norms", lambda: projected_norms(context.values, weights.output_per_head()))
-        reweighted = (scores + self.epsilon) * norms
+        epsilon = self.epsilon
+        if self.counting == "kvpress" and context.window is not None:  # kvpress's window scores are means over its
+            epsilon *= context.window.queries.shape[-2]  # queries, kvbench's sums: ε on the same scale
+        reweighted = (scores + epsilon) * norms
         chosen = selectable.topk(max(0, min(first, selectable.shape[-1])), dim=-1).indices + context.sinks
         return reweighted.scatter(-1, chosen, torch.finfo(reweighted.dtype).max)
