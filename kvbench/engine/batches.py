@@ -27,10 +27,11 @@ def sums_key(policy: Policy) -> str | None:
 class SharedPrefill(Cache):
     """One oneshot prefill forward for the caches of several variants of a prompt (their own policies and budgets;
     one head layout): each layer's keys and values are computed and attended in full once, by the backend; after
-    the layer's attention each variant in turn appends them, scores and evicts to its own budget (variants with the
-    same :func:`sums_key` add one normalised pass's sums, those with the same ``EvictionCache.ranking_key``
-    select from one ranking), so beside the shared layer at most one variant's full
-    copy of it exists, never a full cache per variant."""
+    the layer's attention each variant in turn takes them (one contiguous copy, which every variant holds until it
+    evicts: a cascade's deferred evictions hold it to the forward's end), scores and evicts to its own budget
+    (variants with the same :func:`sums_key` add one normalised pass's sums, those with the same
+    ``EvictionCache.ranking_key`` select from one ranking, those with one query window hold one copy of it), so
+    never a full cache per variant."""
 
     def __init__(self, caches: list[EvictionCache]) -> None:
         lead = caches[0]
@@ -63,7 +64,7 @@ class SharedPrefill(Cache):
         """Each variant in turn: append the layer's keys/values, score with ``queries [B,Hq,T,D]`` and their
         ``outputs [B,T,Hq,D]`` (the normalised sums computed once per :func:`sums_key`) and evict."""
         assert self.layer_states is not None and self.attended is not None  # update comes before the attention
-        key_states, value_states = self.layer_states
+        key_states, value_states = (states.contiguous() for states in self.layer_states)  # one copy all variants hold
         attended, self.layer_states, self.attended = self.attended, None, None
         sums: dict[str, torch.Tensor] = {}
         shared: dict[tuple, Any] = {}  # the window statistics and rankings the variants share

@@ -300,7 +300,7 @@ class EvictionCache(Cache):
                 layer.running_score += policy.summed_contributions(stats, self.score_block)
         window = self._query_window(budget)
         if window:
-            layer.remember_queries(queries, positions, window)
+            layer.remember_queries(queries, positions, window, shared, layer_idx)
         deferred = policy.statistic == "reconstruction"  # every layer scored first (evict_reconstructed)
         if self.evict_now and policy.evicts and not deferred and layer.get_seq_length() > budget:
             if self.allocation is not None and layer_idx == len(self.allocation.preferences):

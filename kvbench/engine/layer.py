@@ -23,9 +23,14 @@ def appended(held: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """``held [B,H,T,D]`` followed by ``new [B,H,q,D]``: written in place after ``held`` where ``held`` is the first
     ``T`` slots of a ``[B,H,C,D]`` storage with room for ``q`` more (one this function made: a layer's other tensors are
     their own storage, ``C = T``); else copied into a new storage, ``APPEND_SPARE`` slots to spare after a single
-    token. (Inference tensors keep no view base, so the room is read from the strides.)"""
+    token. A layer's first forward of several tokens holds ``new`` itself where it is contiguous (no copy: the variants
+    of a shared prefill hold one tensor until each evicts, :class:`~kvbench.engine.batches.SharedPrefill`); it has
+    no room, so nothing is ever written into it. (Inference tensors keep no view base, so the room is read from the
+    strides.)"""
     batch, heads, added, dim = new.shape
     length = held.shape[2] if held.dim() == 4 else 0
+    if length == 0 and added > 1 and new.is_contiguous():
+        return new
     room = held.stride(1) // dim if length and held.stride(-1) == 1 and held.stride(2) == dim else 0
     if room >= length + added and held.stride(0) == heads * room * dim and held.storage_offset() == 0:
         grown = held.as_strided((batch, heads, length + added, dim), held.stride())
@@ -221,9 +226,23 @@ class EvictionLayer(DynamicLayer):
         self.keys, self.values = self.keys[:, :, :length].clone(), self.values[:, :, :length].clone()
         self.positions = self.positions[..., :length]
 
-    def remember_queries(self, queries: torch.Tensor, positions: torch.Tensor, window: int) -> None:
+    def remember_queries(
+        self,
+        queries: torch.Tensor,
+        positions: torch.Tensor,
+        window: int,
+        shared: dict[tuple, Any] | None = None,
+        layer_idx: int = 0,
+    ) -> None:
         """Keep the last ``window`` queries ``[B,Hq,W,D]`` (and their positions), copied so that the
-        forward's full query tensor is not held."""
+        forward's full query tensor is not held; in a shared prefill (``shared``) the variants of one window hold one
+        copy (Expected Attention's window is the whole prompt)."""
+        if self.recent_queries is None and shared is not None:
+            key = ("recent_queries", layer_idx, window)
+            if key not in shared:
+                shared[key] = queries[:, :, -window:].clone(), positions[-window:].clone()
+            self.recent_queries, self.recent_query_positions = shared[key]
+            return
         if self.recent_queries is not None:
             assert self.recent_query_positions is not None  # set together with recent_queries
             queries = torch.cat([self.recent_queries, queries], dim=2)
