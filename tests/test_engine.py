@@ -115,3 +115,22 @@ def test_openmp_threads_sleep_after_a_short_spin_unless_the_environment_says_oth
         [sys.executable, "-c", show], env={**environment, "GOMP_SPINCOUNT": "0"}, capture_output=True, text=True
     )
     assert default.stdout.split() == ["PASSIVE", "1000"] and given.stdout.split() == ["PASSIVE", "0"]
+
+
+@pytest.mark.model
+def test_on_smollm2_a_streaming_cache_that_grows_before_it_evicts_runs_as_the_full_cache(tmp_path):
+    """The bar that caught the regression: ``kvbench run`` on SmolLM2, RULER, ``engine.regime=streaming`` at a budget
+    above the prompt (the cache grows, token by token, before any eviction): sink, h2o and tova write what the full
+    cache writes."""
+    import json
+
+    from kvbench.cli import main
+
+    args = ["run", "model=smollm2_135m", "task=ruler", "task.subtasks=[niah_single_1]", "task.context_length=256",
+            "task.num_samples=1", "budget=100000", "engine.regime=streaming"]  # fmt: skip
+    predictions = {}
+    for policy in ("full", "sink", "h2o", "tova"):
+        out = tmp_path / policy
+        main([*args, f"policy={policy}", f"output_dir={out}"])
+        predictions[policy] = json.loads((out / "predictions.jsonl").read_text())["prediction"]
+    assert predictions["full"] and set(predictions.values()) == {predictions["full"]}
