@@ -65,24 +65,13 @@ def presses(kvpress) -> dict[str, object]:
 
 
 #: fixtures at kvpress's default chunk length (20, which divides neither the prompt nor these kept counts: the prompt's
-#: last chunk is partial) and over a base that reserves its window (SnapKV, kvpress's window 64): name → (kept, press)
+#: last chunk is partial) and over a base that reserves its window (SnapKV, kvpress's window 64): name → (kept,
+#: the wrapping press, its scorer press)
 COUNTING = {
-    "knorm+chunkkv-k100": (
-        100,
-        lambda kvpress, ratio: kvpress.ChunkKVPress(kvpress.KnormPress(compression_ratio=ratio)),
-    ),
-    "knorm+chunkkv-k200": (
-        200,
-        lambda kvpress, ratio: kvpress.ChunkKVPress(kvpress.KnormPress(compression_ratio=ratio)),
-    ),
-    "snapkv+chunkkv-k200": (
-        200,
-        lambda kvpress, ratio: kvpress.ChunkKVPress(kvpress.SnapKVPress(compression_ratio=ratio)),
-    ),
-    "snapkv+criticalkv-k200": (
-        200,
-        lambda kvpress, ratio: kvpress.CriticalKVPress(kvpress.SnapKVPress(compression_ratio=ratio)),
-    ),
+    "knorm+chunkkv-k100": (100, "ChunkKVPress", "KnormPress"),
+    "knorm+chunkkv-k200": (200, "ChunkKVPress", "KnormPress"),
+    "snapkv+chunkkv-k200": (200, "ChunkKVPress", "SnapKVPress"),
+    "snapkv+criticalkv-k200": (200, "CriticalKVPress", "SnapKVPress"),
 }
 
 
@@ -180,9 +169,9 @@ def main(output: Path, only: list[str]) -> None:
         if not only or spec in only:
             masks = [{"ids": ids, "kept_masks": kept_masks(loaded.model, press, ids)} for ids in prompts]
             write(spec, {"press": repr(press), "prompts": masks})
-    for spec, (kept, make) in COUNTING.items():
+    for spec, (kept, wrapper, scorer) in COUNTING.items():
         if not only or spec in only:
-            press = make(kvpress, 1.0 - kept / LENGTH)
+            press = getattr(kvpress, wrapper)(getattr(kvpress, scorer)(compression_ratio=1.0 - kept / LENGTH))
             masks = [{"ids": ids, "kept_masks": kept_masks(loaded.model, press, ids)} for ids in prompts]
             write(spec, {"press": repr(press), "kept": kept, "prompts": masks})
     if not only or "kvzip" in only:
