@@ -52,6 +52,7 @@ ADDED_SETTINGS = {
     "policy.layer_budget.rounding": "proportional",
     "engine.rows_attention": "each",  # padded rounds otherwise than each (docs/running.md): another run
     "policy.counting": "selectable",  # ChunkKV's and CriticalKV's, +compat=kvpress
+    "task.empty_answers": "wrong",  # LongBench-v2's
 }
 
 #: what every finished sample's line holds that a task's aggregate reads (:func:`kvbench.run.records.record_of`

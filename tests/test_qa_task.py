@@ -284,6 +284,22 @@ def test_longbench_v2_scores_by_result_py_splits(tokenizer, tmp_path):
     assert scores == pytest.approx({"overall": 200 / 3, "easy": 100.0, "hard": 50.0, "short": 50.0, "long": 100.0})
 
 
+def test_longbench_v2_empty_answers_score_0_or_are_left_out_as_pred_py_leaves_them(tokenizer, tmp_path):
+    """An empty answer is a wrong one by default; ``task.empty_answers=skipped`` leaves it out of every split, as
+    ``pred.py`` writes no record for it (``if output == '': continue``)."""
+    records = [v2_record(0, "easy", "short"), v2_record(1, "hard", "short"), v2_record(2, "hard", "long")]
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(records), encoding="utf-8")
+    predictions = ["The correct answer is (A)", "", "The correct answer is (B)"]
+    for setting, expected in (
+        ("wrong", {"overall": 100 / 3, "easy": 100.0, "hard": 0.0, "short": 50.0, "long": 0.0}),
+        ("skipped", {"overall": 50.0, "easy": 100.0, "hard": 0.0, "short": 100.0, "long": 0.0}),
+    ):
+        task = v2_task(tokenizer, path, empty_answers=setting)
+        rows = [{**task.evaluate(sample, text), "subtask": "x"} for sample, text in zip(task.samples(), predictions)]
+        assert task.aggregate(rows) == pytest.approx(expected), setting
+
+
 @pytest.mark.parametrize(
     ("task", "download", "variable"),
     [

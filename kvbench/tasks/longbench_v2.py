@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbench.domains import choice
 from kvbench.tasks.base import TableLayout
 from kvbench.tasks.qa import QATask
 
@@ -28,6 +29,7 @@ class LongBenchV2Task(QATask):
     table = TableLayout(title="LongBench-v2", order=("overall", *SPLITS["difficulty"], *SPLITS["length"]))
     record_fields = ("difficulty", "length", "domain")
     kvpress_rows = False
+    domains = {**QATask.domains, "empty_answers": choice("wrong", "skipped")}
     joined_cut = odd_to_tail = True  # pred.py's query_llm: input_ids[:max_len//2] + input_ids[-max_len//2:]
 
     def how_to_provide(self) -> str:
@@ -46,7 +48,11 @@ class LongBenchV2Task(QATask):
         return dict(zip(("context", "question", *CHOICES), values))
 
     def aggregate(self, records: list[dict]) -> dict[str, float]:
-        """Accuracy (0-100) over every record and over each difficulty and length (the splits with records)."""
+        """Accuracy (0-100) over every record and over each difficulty and length (the splits with records); with
+        ``task.empty_answers=skipped`` the questions answered with nothing are left out, as ``pred.py`` (line 98 at
+        2e00731: ``if output == '': continue``) writes no record for them."""
+        if self.cfg.get("empty_answers") == "skipped":
+            records = [record for record in records if record["prediction"] != ""]
         groups: dict[str, list[float]] = {"overall": [record["score"] for record in records]}
         for field, names in SPLITS.items():
             for name in names:
