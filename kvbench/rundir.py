@@ -284,19 +284,20 @@ class RunDir:
             shutil.move(path, folder / path.name)
         return folder
 
-    def start(self, cfg: DictConfig, fields: tuple[str, ...] = ()) -> None:
+    def start(self, cfg: DictConfig, fields: tuple[str, ...] = ()) -> list[dict[str, Any]]:
         """The job is valid: name this process in the held lock file, repair ``predictions.jsonl`` for appending
         (``fields``: what the task's records hold besides :data:`RECORD_FIELDS`) and write ``config.yaml``: the job's
         settings, or where the directory already holds records, the saved settings that made them with only
         ``task.num_samples`` (how far the run goes) made the job's (a setting outside the identity, such as
-        ``engine.batch_size``, is not rewritten under records it did not make)."""
+        ``engine.batch_size``, is not rewritten under records it did not make). Returns the finished records."""
         self.claim()
-        self.repair(fields)
+        records = self.repair(fields)
         settings, saved = config_dict(cfg, resolve=True), self.saved_config()
-        if saved is not None and self.records(fields):
+        if saved is not None and records:
             settings = {**saved, "task": {**saved.get("task", {}), "num_samples": settings["task"].get("num_samples")}}
         if saved != settings:
             self.write_config(OmegaConf.create(settings))
+        return records
 
     def locked(self) -> bool:
         """Whether a process holds the directory's lock now (is writing it)."""
@@ -343,14 +344,15 @@ class RunDir:
         except OSError as error:  # a full disk: a partial line, which the next run's repair drops
             raise system_error(error, self.predictions_path) from None
 
-    def repair(self, fields: tuple[str, ...] = ()) -> None:
+    def repair(self, fields: tuple[str, ...] = ()) -> list[dict[str, Any]]:
         """Rewrite predictions.jsonl as :meth:`records` reads it (no truncated, repeated or incomplete line), so
-        appends start on a fresh line."""
+        appends start on a fresh line; returns those records."""
         records = self.records(fields)
         if self.predictions_path.exists():
             text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
             if text != self.predictions_path.read_text(encoding="utf-8"):
                 self.predictions_path.write_text(text, encoding="utf-8")
+        return records
 
     def write_kept(self, sample_id: str, prompt_ids: list[int], kept: list[list[list[int]]]) -> None:
         """``kept/<sample id>.json``: the prompt ids and the positions kept after prefill, ``kept[layer][head]``

@@ -452,7 +452,7 @@ class EvictionCache(Cache):
             return
         layer.ranking = scores.float()
         _, recent, sinks = self._reserved(layer_idx, budget)
-        if any(modifier.keeps_ranked_only for modifier in self.policy.modifiers):  # whole chunks: the ranked slots
+        if self.policy.keeps_ranked_only:  # whole chunks: the reserved and the ranked slots
             ranked = torch.isfinite(scores[..., sinks : scores.shape[-1] - recent]).sum(dim=-1).min()
             budget = sinks + recent + int(ranked)
         kept = top_slots(scores, budget, recent, sinks)

@@ -39,6 +39,10 @@ from kvbench.policies.scores import GqaMode, reduce_gqa
 from kvbench.policies.stats import AttentionStats, NormalisedBlock, NormalisedStats, QueryBlock
 
 GQA_MODES = ("sum", "mean", "repeat")
+#: how a modifier that reads the budget counts what it keeps (ChunkKV, CriticalKV): over the slots the base leaves to
+#: choose (its sinks and window reserved), or as kvpress counts, over every slot with the reserved ones scored highest
+#: (``+compat=kvpress``)
+COUNTINGS = ("selectable", "kvpress")
 
 
 @dataclass
@@ -214,6 +218,11 @@ class Policy(Registered):
     def shares_heads(self) -> bool:
         """Whether a modifier gives each cache head its own share of a layer's budget (:meth:`head_shares`)."""
         return any(modifier.shares_heads for modifier in self.modifiers)
+
+    @property
+    def keeps_ranked_only(self) -> bool:
+        """Whether a modifier ranks only the slots it keeps (:attr:`Modifier.keeps_ranked_only`)."""
+        return any(modifier.keeps_ranked_only for modifier in self.modifiers)
 
     def head_shares(self, scores: torch.Tensor, budget: int, reserved: int) -> torch.Tensor | None:
         """How many of a layer's unreserved slots each cache head keeps ``[B,Hc]`` given their ranking ``scores

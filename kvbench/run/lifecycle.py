@@ -181,10 +181,9 @@ def open_run(job: Job, run_dir: RunDir, shared: Shared) -> OpenRun | dict[str, A
         moved = run_dir.move_aside()
         if moved is not None:
             log.info("resume=restart: the earlier files of %s moved to %s", run_dir.path, moved)
-    run_dir.start(job.cfg, task.required_fields)
     wanted = {sample.id for sample in samples}
     # a larger run's others stay
-    records = [record for record in run_dir.records(task.required_fields) if record["id"] in wanted]
+    records = [record for record in run_dir.start(job.cfg, task.required_fields) if record["id"] in wanted]
     finished = {record["id"] for record in records}
     samples = [sample for sample in samples if sample.id not in finished]
     state = f"resuming, {len(finished)} samples done" if finished else "new run"

@@ -232,9 +232,24 @@ class Task(ABC):
             built = build(limit)
         return built
 
+    def cut_limit(self) -> int | None:
+        """The user's prompt token limit (``task.max_length``), or None: the task's default, which fits the window."""
+        return None
+
+    def answer_tokens(self) -> int:
+        """The most tokens a sample may generate, as the settings tell."""
+        return 0
+
     def window_refusal(self) -> str | None:
         """Why the settings alone cannot fit a prompt and its answer in the model's window (``kvbench plan`` and
-        ``run``, before any data is read), else None; each sample is checked again once built."""
+        ``run``, before any data is read: a :meth:`cut_limit` with no room for :meth:`answer_tokens`), else None;
+        each sample is checked again once built."""
+        limit, answer, window = self.cut_limit(), self.answer_tokens(), self.model.context_window
+        if limit is not None and limit + answer > window:
+            return (
+                f"task.max_length={limit} and up to {answer} generated tokens exceed the context window {window} of "
+                f"model {self.model.name}; lower task.max_length (null: the window's)"
+            )
         return None
 
     def planned_tokens(self) -> tuple[int, int] | None:

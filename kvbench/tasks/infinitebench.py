@@ -72,9 +72,7 @@ class InfiniteBenchTask(SubsetsTask):
 
     title = "InfiniteBench"
     name = "infinitebench"
-
-    def answer_tokens(self) -> int:
-        return max(MAX_NEW_TOKENS[subset] for subset in self.subsets)
+    new_tokens = MAX_NEW_TOKENS
 
     table = TableLayout(title="InfiniteBench", order=SUBSETS, headers=HEADERS)
     hub_repo = HUB_REPO

@@ -207,15 +207,11 @@ class LongBenchTask(Task):
             return {**settings, "max_length": MAX_LENGTH[model["hf_id"]]}
         return settings
 
-    def window_refusal(self) -> str | None:
-        """A ``task.max_length`` that leaves no room for the longest answer of the datasets in the model's window."""
-        answer, window = max(MAX_NEW_TOKENS[dataset] for dataset in self.datasets), self.model.context_window
-        if self.fixed_max_length is not None and self.fixed_max_length + answer > window:
-            return (
-                f"task.max_length={self.fixed_max_length} and up to {answer} generated tokens exceed the context "
-                f"window {window} of model {self.model.name}; lower task.max_length (null: the window's)"
-            )
-        return None
+    def cut_limit(self) -> int | None:
+        return self.fixed_max_length
+
+    def answer_tokens(self) -> int:
+        return max(MAX_NEW_TOKENS[dataset] for dataset in self.datasets)
 
     def max_length(self, dataset: str) -> int:
         """Prompt tokens kept for ``dataset``: ``task.max_length``, else :data:`MAX_LENGTH`, else the context

@@ -48,9 +48,7 @@ class LooGLETask(SubsetsTask):
 
     title = "LooGLE"
     name = "loogle"
-
-    def answer_tokens(self) -> int:
-        return max(MAX_NEW_TOKENS[subset] for subset in self.subsets)
+    new_tokens = MAX_NEW_TOKENS
 
     table = TableLayout(title="LooGLE", order=SUBSETS)
     hub_repo = HUB_REPO

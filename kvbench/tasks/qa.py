@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import DictConfig
 
@@ -181,7 +181,7 @@ class QATask(Task):
             return self.model.prompt_ids(self.template, text, prefix, messages), None
 
         limit = self.max_length(new_tokens)
-        if self.cfg.get("max_length") is None:  # the default: what the model sees and the answer fit its window
+        if self.cut_limit() is None:  # the default: what the model sees and the answer fit its window
             ids, question_start = self.fitted(prompt, lambda built: len(built[0]), limit, new_tokens)
         else:
             ids, question_start = prompt(limit)
@@ -208,8 +208,9 @@ class QATask(Task):
             context, suffix = (getattr(tokenizer, "bos_token", None) or "") + context, "\n"
         question_ids = self.model.encode(question + suffix + answer_prefix)
         context_ids = self.model.encode(context)
-        limit = self.cfg.get("max_length")
-        limit = self.model.context_window - len(question_ids) - new_tokens if limit is None else int(limit)
+        limit = self.cut_limit()
+        if limit is None:
+            limit = self.model.context_window - len(question_ids) - new_tokens
         context_ids = context_ids[: max(limit, 0)]
         return context_ids + question_ids, len(context_ids)
 
@@ -265,22 +266,16 @@ class QATask(Task):
     def max_length(self, new_tokens: int) -> int:
         """The prompt's token limit: ``task.max_length``, else the model's window less the answer's tokens (and,
         in :meth:`sample`, less the template's tokens: :meth:`Task.fitted`)."""
-        limit = self.cfg.get("max_length")
-        return self.model.context_window - new_tokens if limit is None else int(limit)
+        limit = self.cut_limit()
+        return self.model.context_window - new_tokens if limit is None else limit
 
     def answer_tokens(self) -> int:
         """The most tokens a row may generate (``task.max_new_tokens``; a row's own column aside)."""
         return int(self.cfg.max_new_tokens)
 
-    def window_refusal(self) -> str | None:
-        """A ``task.max_length`` that leaves no room for the answer in the model's window."""
-        limit, answer, window = self.cfg.get("max_length"), self.answer_tokens(), self.model.context_window
-        if limit is not None and int(limit) + answer > window:
-            return (
-                f"task.max_length={limit} and up to {answer} generated tokens exceed the context window {window} of "
-                f"model {self.model.name}; lower task.max_length (null: the window's)"
-            )
-        return None
+    def cut_limit(self) -> int | None:
+        limit = self.cfg.get("max_length")
+        return None if limit is None else int(limit)
 
     def evaluate(self, sample: Sample, output: Any) -> dict[str, Any]:
         """Prediction and score, and the row's :attr:`record_fields`."""
@@ -314,6 +309,8 @@ class SubsetsTask(QATask):
     hub_path: str = ""
 
     kvpress_rows = False
+    #: each subset's generation length (the dataset's own table)
+    new_tokens: ClassVar[Mapping[str, int]] = {}
 
     def __init__(self, cfg: DictConfig, model: ModelInfo):
         Task.__init__(self, cfg, model)
@@ -322,6 +319,10 @@ class SubsetsTask(QATask):
         self.data_dir = None if cfg.get("data_dir") is None else resolve_path(cfg.data_dir)
         self.template = model.template(cfg.prompt_format, PROMPT_FORMATS)
         self.agnostic = cfg.get("query_mode") == "agnostic"
+
+    def answer_tokens(self) -> int:
+        """The most tokens a subset of the task generates (:attr:`new_tokens`)."""
+        return max(self.new_tokens[subset] for subset in self.subsets)
 
     def local_file(self, subset: str) -> Path:
         """``<data_dir>/<subset>.jsonl``, or a one-line error saying how to provide it."""

@@ -50,9 +50,7 @@ class SCBenchTask(SubsetsTask):
 
     title = "SCBench"
     name = "scbench"
-
-    def answer_tokens(self) -> int:
-        return max(MAX_NEW_TOKENS[subset] for subset in self.subsets)
+    new_tokens = MAX_NEW_TOKENS
 
     table = TableLayout(title="SCBench", order=SUBSETS)
     hub_repo = HUB_REPO
@@ -70,7 +68,7 @@ class SCBenchTask(SubsetsTask):
                 row_id = row.get("id", index)
                 queries = [self.query_ids(subset, turn) for turn in row["multi_turns"]]
                 limit = self.max_length(MAX_NEW_TOKENS[subset])
-                if self.cfg.get("max_length") is None:  # the default: the longest turn and its answer fit the window
+                if self.cut_limit() is None:  # the default: the longest turn and its answer fit the window
                     limit -= max(map(len, queries), default=0)
                 context = self.context_ids(subset, str(row.get("context", row.get("input", ""))), limit)
                 for turn_index, (turn, query) in enumerate(zip(row["multi_turns"], queries)):

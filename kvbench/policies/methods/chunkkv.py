@@ -6,13 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.domains import choice, integer, setting
-from kvbench.policies.base import Modifier
+from kvbench.policies.base import COUNTINGS, Modifier
 from kvbench.policies.context import ScoreContext
 from kvbench.policies.registry import register
-
-#: how a modifier counts what it keeps: over the slots the base leaves to choose (its sinks and window reserved), or
-#: as kvpress counts, over every slot with the reserved ones scored highest (``+compat=kvpress``)
-COUNTINGS = ("selectable", "kvpress")
 
 
 @register

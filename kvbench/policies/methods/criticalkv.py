@@ -7,7 +7,7 @@ import torch
 
 from kvbench.domains import choice, number, setting
 from kvbench.errors import KVBenchError
-from kvbench.policies.base import Modifier
+from kvbench.policies.base import COUNTINGS, Modifier
 from kvbench.policies.context import ScoreContext
 from kvbench.policies.registry import register
 
@@ -48,7 +48,7 @@ class CriticalKV(Modifier):
     first_stage_ratio: float = setting(number(0.0, 1.0), 0.5)
     #: added to the base's score before the projected norm
     epsilon: float = setting(number(0.0), 1e-4)
-    counting: str = setting(choice("selectable", "kvpress"), "selectable")
+    counting: str = setting(choice(*COUNTINGS), "selectable")
 
     def transform(self, scores: torch.Tensor, context: ScoreContext) -> torch.Tensor:
         if context.weights is None:
