@@ -30,10 +30,10 @@ def resolve_path(path: str | os.PathLike) -> Path:
 
 
 def file_name(text: str, suffix: str) -> str:
-    """A file name made from a value read out of data or a run directory (a subtask, a sample id): every character
-    but letters, digits and ``-_.`` replaced by ``_``, then ``suffix``; it names a file inside the folder it is
-    joined to (no separator, never ``..`` nor empty, since it ends in ``suffix``)."""
-    return "".join(char if char.isalnum() or char in "-_." else "_" for char in text) + suffix
+    """A file name made from a value read out of data or a run directory (a subtask, a sample id, a run's title):
+    every character but letters, digits and ``-_.+@`` replaced by ``_``, then ``suffix``; it names a file inside the
+    folder it is joined to (no separator, never ``..`` nor empty, since it ends in ``suffix``)."""
+    return "".join(char if char.isalnum() or char in "-_.+@" else "_" for char in text) + suffix
 
 
 def cache_dir() -> Path:

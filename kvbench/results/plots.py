@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.colors import LinearSegmentedColormap  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from kvbench import file_name  # noqa: E402
 from kvbench.errors import KVBenchError, choose  # noqa: E402
 from kvbench.finished import Run, load_runs  # noqa: E402
 from kvbench.policies.budgets import Budget  # noqa: E402
@@ -33,11 +33,6 @@ from kvbench.results.table import budget_key, context_label, needle_records, pol
 
 KAMRADT = LinearSegmentedColormap.from_list("kamradt", ["#F0496E", "#EBB839", "#0CD79F"])
 """Red → yellow → green, the colour map of Kamradt's needle-in-a-haystack heatmaps."""
-
-
-def slug(text: str) -> str:
-    """A file-name-safe form of ``text``."""
-    return re.sub(r"[^A-Za-z0-9_.+@-]+", "_", text).strip("_")
 
 
 def niah_grid(records: list[dict[str, Any]]) -> pd.DataFrame:
@@ -78,7 +73,7 @@ def heatmaps(runs: list[Run], output_dir: Path) -> list[Path]:
         records = needle_records(run)
         if records:
             figure = niah_figure(records, run_title(run))
-            paths.append(save(figure, output_dir / f"heatmap_{slug(run_title(run).replace(' ', '_'))}.png"))
+            paths.append(save(figure, output_dir / file_name(f"heatmap_{run_title(run)}", ".png")))
     return paths
 
 

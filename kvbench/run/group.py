@@ -4,6 +4,7 @@ for all of them and their rows decoded together."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import warnings
@@ -17,6 +18,7 @@ from omegaconf import DictConfig
 from kvbench import config_dict
 from kvbench.engine import Engine
 from kvbench.engine.rows import Row, RowGroup, finished_rows, perplexity_rows
+from kvbench.engine.shared import prefill_key
 from kvbench.errors import SharedPassWarning
 from kvbench.models import LoadedModel
 from kvbench.run.lifecycle import OpenRun, Shared, failure, job_and_directory, job_log, open_run
@@ -185,37 +187,55 @@ def decode_shared(
     made = 0  # the positions whose rows are made
     position_of = {sample.id: position for position, sample in enumerate(chunk)}
 
-    def group_rows(samples: list[Sample]) -> RowGroup:
-        """The rows of one context group, made on demand: how many, and what prefills them."""
+    def group_rows(samples: list[Sample]) -> list[RowGroup]:
+        """The rows of one context group, made on demand in pieces of at most ``batch_size`` rows (each piece
+        prefilled by its own shared forward, so the rows held are the batch's, whatever the number of variants): how
+        many each has, and what prefills it."""
         positions = [position_of[sample.id] for sample in samples]
         runs = lacking[samples[0].id]
-        streamed = bool(runs) and samples[0].mode == "perplexity"
+        if runs and samples[0].mode == "perplexity":
+            return [(0, lambda: streamed(samples, positions, runs))]
         twins: dict[tuple[str, str | None], list[tuple[int, OpenRun]]] = {}
         for index, run in runs.items():
             twins.setdefault(twin_key(run.engine), []).append((index, run))
+        # one head layout a piece (one forward each); pieces as even as the batch allows
+        ordered = sorted(twins.values(), key=lambda twin: prefill_key(twin[0][1].engine.policy))
+        spans = even_pieces(len(ordered), batch_size, len(samples))
+        pieces = [ordered[begin : begin + size] for begin, size in spans] or [[]]  # no runs: no rows, made all the same
 
-        def make() -> list[Row]:
+        def make(piece: list[list[tuple[int, OpenRun]]], last: bool) -> list[Row]:
             nonlocal made
-            rows: list[Row] = []
-            if streamed:
-                (sample,) = samples
-                outputs = perplexity_rows(
-                    [run.engine for run in runs.values()], sample.input_ids, sample.context_tokens, batch_size
-                )
-                results[positions[0]] = {
-                    index: (record_of(run.task, sample, output, run.loaded), output)
-                    for (index, run), output in zip(runs.items(), outputs)
-                }
-            elif runs:
-                rows = context_rows([twin[0][1].engine for twin in twins.values()], samples, loaded, batch_size)
-                sample_of.extend(position for position in positions for _ in twins)
-                owners.extend(twin for _ in positions for twin in twins.values())
-            made = positions[-1] + 1
+            rows = context_rows([twin[0][1].engine for twin in piece], samples, loaded, batch_size) if piece else []
+            sample_of.extend(position for position in positions for _ in piece)
+            owners.extend(twin for _ in positions for twin in piece)
+            if last:
+                made = positions[-1] + 1
             return rows
 
-        return (0 if streamed else len(samples) * len(twins)), make
+        return [
+            (len(samples) * len(piece), functools.partial(make, piece, number == len(pieces) - 1))
+            for number, piece in enumerate(pieces)
+        ]
 
-    groups = (group_rows(samples) for samples in context_groups(chunk, lambda sample: lacking[sample.id].keys()))
+    def streamed(samples: list[Sample], positions: list[int], runs: dict[int, OpenRun]) -> list[Row]:
+        """A perplexity sample's text streamed by its runs as rows: no rows to decode."""
+        nonlocal made
+        (sample,) = samples
+        outputs = perplexity_rows(
+            [run.engine for run in runs.values()], sample.input_ids, sample.context_tokens, batch_size
+        )
+        results[positions[0]] = {
+            index: (record_of(run.task, sample, output, run.loaded), output)
+            for (index, run), output in zip(runs.items(), outputs)
+        }
+        made = positions[-1] + 1
+        return []
+
+    groups = (
+        group
+        for samples in context_groups(chunk, lambda sample: lacking[sample.id].keys())
+        for group in group_rows(samples)
+    )
     finished = finished_rows([], batch_size, groups)
     for position, done in in_sample_order(finished, sample_of, len(chunk), lambda: made):
         sample = chunk[position]
@@ -231,3 +251,14 @@ def twin_key(engine: Engine) -> tuple[str, str | None]:
     its budget unless it never evicts (``full`` at any budget is one full-cache run)."""
     policy = engine.policy
     return policy.key, engine.budget.spec if policy.evicts else None
+
+
+def even_pieces(count: int, batch_size: int, questions: int = 1) -> list[tuple[int, int]]:
+    """``count`` variants in as few pieces as keep a piece's rows (``questions`` each) within ``batch_size``, as even
+    as that allows: ``(begin, size)`` of each."""
+    most = max(1, batch_size // max(questions, 1))
+    number = -(-count // most)
+    if not number:
+        return []
+    bounds = [piece * count // number for piece in range(number + 1)]
+    return [(begin, end - begin) for begin, end in zip(bounds, bounds[1:])]

@@ -326,11 +326,6 @@ class RulerTask(Task):
         context_id: str | None = None,
     ) -> Sample:
         max_new_tokens = self.tokens_to_generate[subtask]
-        if len(ids) + max_new_tokens > self.model.context_window:
-            raise KVBenchError(
-                f"RULER {subtask} sample {position} has {len(ids)} prompt tokens + {max_new_tokens} to generate, "
-                f"beyond the context window {self.model.context_window} of model {self.model.name}"
-            )
         return Sample(
             id=f"{subtask}-{position}",
             subtask=subtask,
