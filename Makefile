@@ -139,7 +139,9 @@ reproduce-slake: setup
 # (conf/experiment/leaderboard[_needle|_ppl|_agnostic|_headwise][_smoke].yaml), each a grouped sweep sharing each
 # prompt's prefill; then kvbench leaderboard's cells (mean, 95% bootstrap interval, n), the paired modifier-vs-base comparisons and the plot
 # in DIR/report/, with provenance.json (the command, versions, commit, this invocation's wall time and the seconds
-# summed over every record). Stopped, it resumes where it was when run again.
+# summed over every record). Stopped, it resumes where it was when run again. The runs are committed packed
+# (DIR/runs.tar.xz, read as the run directories they hold; a sweep into DIR unpacks them to resume them), packed
+# again once the report is written.
 LEADERBOARD_DIR ?= $(RESULTS)/leaderboard
 LEADERBOARD_SWEEPS = leaderboard leaderboard_needle leaderboard_ppl leaderboard_agnostic leaderboard_headwise
 leaderboard: setup
@@ -148,14 +150,17 @@ leaderboard: setup
 		$(RUN) +experiment=$${sweep}$(if $(SMOKE),_smoke) hydra.sweep.dir=$(LEADERBOARD_DIR) $(LAUNCH) || exit 1; \
 	done && \
 	$(if $(PLAN),true,$(KVBENCH) leaderboard $(LEADERBOARD_DIR) --output-dir $(LEADERBOARD_DIR)/report \
-		--provenance "make leaderboard SCALE=$(SCALE)" --started $$start --commit "$$commit")
+		--provenance "make leaderboard SCALE=$(SCALE)" --started $$start --commit "$$commit" && \
+		$(KVBENCH) pack $(LEADERBOARD_DIR))
 
 # --- Shared context ---------------------------------------------------------------------------------------------
 # make shared-context [SCALE=paper|smoke|plan] [SHARED_CONTEXT_DIR=DIR]: every base policy answering RULER
 # niah_multikey_1's four questions per haystack with the question seen while evicting (aware) and with each haystack
 # compressed once before its questions (agnostic), conf/experiment/shared_context[_smoke].yaml; then the two side by
-# side with the paired intervals (kvbench table --layout query_modes) in DIR/report/.
+# side with the paired intervals (kvbench table --layout query_modes) in DIR/report/; its runs packed
+# as the leaderboard's.
 SHARED_CONTEXT_DIR ?= $(RESULTS)/shared_context
 shared-context: setup
 	$(RUN) +experiment=shared_context$(if $(SMOKE),_smoke) hydra.sweep.dir=$(SHARED_CONTEXT_DIR) $(LAUNCH) && \
-	$(if $(PLAN),true,$(KVBENCH) table $(SHARED_CONTEXT_DIR) --layout query_modes --output-dir $(SHARED_CONTEXT_DIR)/report)
+	$(if $(PLAN),true,$(KVBENCH) table $(SHARED_CONTEXT_DIR) --layout query_modes \
+		--output-dir $(SHARED_CONTEXT_DIR)/report && $(KVBENCH) pack $(SHARED_CONTEXT_DIR))

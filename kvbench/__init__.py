@@ -1,6 +1,9 @@
 """kvbench: reproduce and extend KV-cache token eviction research."""
 
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -34,6 +37,25 @@ def file_name(text: str, suffix: str) -> str:
     every character but letters, digits and ``-_.+@`` replaced by ``_``, then ``suffix``; it names a file inside the
     folder it is joined to (no separator, never ``..`` nor empty, since it ends in ``suffix``)."""
     return "".join(char if char.isalnum() or char in "-_.+@" else "_" for char in text) + suffix
+
+
+def published(target: Path, write: Callable[[Path], object]) -> Path:
+    """The folder ``target``, made once and atomically: ``write`` fills a hidden sibling that is renamed into place,
+    so concurrent processes never see it half-written; if another process made it first, its (identical) folder is
+    kept."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        write(staging)
+        staging.chmod(0o755)  # mkdtemp makes it private to its owner
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 def cache_dir() -> Path:

@@ -11,6 +11,8 @@
     kvbench compare-paper caote:table2 RUN_DIR... [--output-dir DIR]           # a paper's table beside ours
     kvbench plot RUN_DIR... --kind heatmap|budget|ppl|all [--output-dir DIR]   # NIAH heatmaps, curves
     kvbench bench [overrides]                                                 # overhead, latency, memory (JSON)
+    kvbench pack DIR                                  # DIR's run directories as one DIR/runs.tar.xz, read as they were
+    kvbench unpack DIR                                # DIR/runs.tar.xz's run directories back in DIR
     kvbench --version
 
     -v / --verbose (before the command): third-party INFO lines too (quiet by default).
@@ -245,6 +247,36 @@ def command_plot(args: list[str]) -> None:
     plot_main(args)
 
 
+def folder_argument(command: str, args: list[str]) -> Path:
+    """The one folder ``kvbench pack`` and ``unpack`` take."""
+    if len(args) != 1 or args[0].startswith("-"):
+        raise KVBenchError(
+            f"kvbench {command} takes one folder (kvbench {command} DIR), not {' '.join(args) or 'none'}"
+        )
+    folder = Path(args[0])
+    if not folder.is_dir():
+        raise KVBenchError(f"kvbench {command}: {folder} is not a folder")
+    return folder
+
+
+def command_pack(args: list[str]) -> None:
+    """DIR's run directories and sweep files as one DIR/runs.tar.xz, which table, leaderboard and plot read as
+    they were (``kvbench.packed``)."""
+    from kvbench.packed import pack, packed_files
+
+    folder = folder_argument("pack", args)
+    archive = pack(folder)
+    print(f"wrote {archive}: {len(packed_files(folder))} files, {archive.stat().st_size} bytes")
+
+
+def command_unpack(args: list[str]) -> None:
+    """DIR/runs.tar.xz's files put back in DIR, the files already there kept (a sweep then resumes them)."""
+    from kvbench.packed import PACKED, unpack
+
+    folder = folder_argument("unpack", args)
+    print(f"{folder / PACKED}: {len(unpack(folder))} files written to {folder}")
+
+
 COMMANDS = {
     "run": command_run,
     "plan": command_plan,
@@ -255,6 +287,8 @@ COMMANDS = {
     "compare-paper": command_compare_paper,
     "plot": command_plot,
     "bench": command_bench,
+    "pack": command_pack,
+    "unpack": command_unpack,
 }
 
 

@@ -19,9 +19,7 @@ treat ``LoadedModel.model`` as read-only.
 import hashlib
 import importlib.util
 import json
-import os
 import re
-import shutil
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -34,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvbench import CONF_DIR, cache_dir, config_dict
+from kvbench import CONF_DIR, cache_dir, config_dict, published
 from kvbench.domains import Domain, choice, integer, mapping, optional
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError, choose
@@ -341,30 +339,14 @@ def fetch_smollm2_gguf(workdir: Path) -> Path:
 def convert_gguf(gguf_file: Path, target: Path) -> Path:
     """De-quantise a GGUF checkpoint into a float32 safetensors directory at ``target``, atomically.
 
-    The files are written into a hidden sibling directory that is renamed into place, so
-    concurrent processes never see a half-written cache; if another process won the race,
-    its (identical) directory is kept.
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
-    try:
+    (:func:`kvbench.published`: concurrent processes never see a half-written cache), its files readable by all."""
+
+    def write(staging: Path) -> None:
         _write_dequantised(gguf_file, staging)
-        _make_readable(staging)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not target.is_dir():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+        for file in staging.iterdir():
+            file.chmod(0o644)
 
-
-def _make_readable(directory: Path) -> None:
-    """Give a staged cache directory the usual permissions (mkdtemp makes it private to its owner)."""
-    directory.chmod(0o755)
-    for file in directory.iterdir():
-        file.chmod(0o644)
+    return published(target, write)
 
 
 def _write_dequantised(gguf_file: Path, directory: Path) -> None:

@@ -39,6 +39,7 @@ from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
 from kvbench.launch.launchers import typed
 from kvbench.launch.sweeps import MULTIRUN_FLAGS, compose_job, shared_config_files, sweep_loader, sweep_overrides
+from kvbench.packed import packed_run
 from kvbench.run import checked_task, group_key, local_tokenizer, settings_key, tokenizer_or_stand_in
 from kvbench.rundir import RunDir, finished_metrics
 from kvbench.tasks.ppl import PerplexityTask
@@ -176,8 +177,9 @@ def plan_job(
         tokens = task.planned_tokens()
         line["tokens"] = None if tokens is None else {"prefill": tokens[0], "decode": tokens[1]}
         if job.cfg.resume != "restart":
-            RunDir(output_dir).check_same_run(line["config"])
-            line["finished"] = finished_metrics(RunDir(output_dir), job.cfg) is not None
+            run_dir = RunDir(packed_run(output_dir))  # a sweep resumes its folder's packed runs
+            run_dir.check_same_run(line["config"])
+            line["finished"] = finished_metrics(run_dir, job.cfg) is not None
         if estimator is not None and tokens is not None and not line["finished"]:
             line["seconds"] = round(estimator.seconds(job, tokens[0], group, line["prefill_group"]), 1)
     except KVBenchError as error:

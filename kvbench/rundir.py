@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench import config_dict, file_name
 from kvbench.errors import KVBenchError, system_error
+from kvbench.packed import PACKED, unpacked
 
 #: settings that change no prediction, left out of a run's identity: where its files go, how it resumes and logs, an
 #: experiment's per-policy table (already applied to the ``policy`` node), how it runs (rows decoding together and how
@@ -392,14 +393,20 @@ RUN_FILES = ("metrics.json", "predictions.jsonl", "config.yaml", "run.lock")
 
 def run_dirs_below(path: Path) -> list[Path]:
     """The run directories at or below ``path``, sorted; hidden folders (``.hydra``, ``.submitit``) are not
-    searched, nor is a run directory's inside (its ``wandb/`` folder)."""
+    searched, nor is a run directory's inside (its ``wandb/`` folder). A folder's packed runs (``runs.tar.xz``:
+    :mod:`kvbench.packed`) are read from their extraction in the cache, where the folder has no run directory of the
+    same path."""
     if any((path / name).exists() for name in RUN_FILES):
         return [path]
-    found = []
+    found = {}  # path below ``path`` -> run directory
     for child in sorted(path.iterdir()):
         if child.is_dir() and not child.name.startswith("."):
-            found.extend(run_dirs_below(child))
-    return found
+            found.update({run.relative_to(path): run for run in run_dirs_below(child)})
+    if (path / PACKED).is_file():
+        extracted = unpacked(path / PACKED)
+        for run in run_dirs_below(extracted):
+            found.setdefault(run.relative_to(extracted), run)
+    return [found[below] for below in sorted(found, key=lambda below: below.parts)]
 
 
 LABELS = ("model", "policy", "budget", "task")

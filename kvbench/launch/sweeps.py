@@ -41,6 +41,7 @@ from kvbench.engine.threads import usable_cpus
 from kvbench.errors import KVBenchError, fail
 from kvbench.job import check_known_keys, resolve
 from kvbench.launch.launchers import JobFailure, array_name, last_line, launch_groups, typed
+from kvbench.packed import PACKED, unpack
 from kvbench.run import SweepProgress, group_key
 from kvbench.rundir import RunDir, finished_metrics
 
@@ -273,8 +274,10 @@ def launch_pending(sweeper: Any) -> list[list[JobReturn]]:
     context, config, launcher = sweeper.hydra_context, sweeper.config, sweeper.launcher
     assert context is not None and config is not None and launcher is not None  # set by Hydra's setup()
     jobs = expand_sweep(context.config_loader, config)
-    finished, running, todo = split_pending(jobs)
     sweep_dir = Path(str(config.hydra.sweep.dir))
+    if unpacked := unpack(sweep_dir):  # a folder's packed runs (kvbench pack) resume as run directories
+        print(f"kvbench: {sweep_dir / PACKED}: {len(unpacked)} files unpacked to resume its runs", flush=True)
+    finished, running, todo = split_pending(jobs)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(config, sweep_dir / "multirun.yaml")  # the latest sweep, as Hydra writes it; and each one's:
     OmegaConf.save(config, sweep_dir / datetime.now(timezone.utc).strftime("multirun-%Y%m%dT%H%M%S.%fZ.yaml"))
