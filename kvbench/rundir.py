@@ -54,6 +54,7 @@ ADDED_SETTINGS = {
     "engine.rows_attention": "each",  # padded rounds otherwise than each (docs/running.md): another run
     "policy.counting": "selectable",  # ChunkKV's and CriticalKV's, +compat=kvpress
     "task.empty_answers": "wrong",  # LongBench-v2's
+    "engine.sums_kernel": "torch",  # triton's fused pass rounds otherwise
 }
 
 #: what every finished sample's line holds that a task's aggregate reads (:func:`kvbench.run.records.record_of`

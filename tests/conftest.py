@@ -11,6 +11,15 @@ import pytest
 import kvbench  # noqa: F401  sets OpenMP's wait before any test module imports torch (kvbench/engine/threads.py)
 
 
+def interpret_kernels() -> None:
+    """Without a CUDA device the Triton kernels (kvbench/kernels) run under Triton's interpreter, so that CI tests
+    them; triton reads the switch when a kernel is defined, before any test module imports one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pin_worker() -> None:
     """Under pytest-xdist (``make test`` runs ``-n auto``) each worker on a CPU of its own, before torch sizes its
     pool: the workers are the parallelism, and ``engine.threads=auto`` (the CPUs a process may use) gives each one
@@ -22,6 +31,7 @@ def pin_worker() -> None:
 
 
 pin_worker()
+interpret_kernels()
 
 TRUE = ("1", "true", "yes", "on")
 

@@ -386,8 +386,9 @@ def test_headwise_holds_the_same_bytes_as_the_same_scorer_per_layer(bench):
 
 
 def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_compose():
-    """``make gpu-check DRY=1``: the two commands a lent GPU runs (the CUDA tests, the bench on the 8B shapes), none
-    run; the bench's overrides compose into the bench config as given (a key the config lacks would fail here)."""
+    """``make gpu-check DRY=1``: the three commands a lent GPU runs (the CUDA and kernel tests, the fused pass's prefill
+    bench, the bench on the 8B shapes), none run; the benches' overrides compose into the bench config as given (a key
+    the config lacks would fail here)."""
     import shlex
     import subprocess
 
@@ -396,9 +397,14 @@ def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_com
     script = PROJECT_ROOT / "scripts" / "gpu_check.sh"
     printed = subprocess.run([script], env={**os.environ, "DRY": "1"}, capture_output=True, text=True, check=True)
     lines = [shlex.split(line[2:]) for line in printed.stdout.splitlines() if line.startswith("+ ")]
-    tests, bench = lines
-    assert tests[:2] == ["timeout", "240"] and tests[3:7] == ["-m", "pytest", "-q", "-m"] and tests[7] == "cuda"
-    assert bench[:2] == ["timeout", "420"] and bench[3:6] == ["-m", "kvbench.cli", "bench"]
+    tests, fused, bench = lines
+    assert tests[:2] == ["timeout", "180"] and tests[3:8] == ["-m", "pytest", "-q", "-m", "cuda or kernel"]
+    assert "tests/test_sums_kernel.py" in tests
+    assert fused[:2] == ["timeout", "120"] and bench[:2] == ["timeout", "330"]
+    first = compose(fused[6:], config_name="bench")
+    assert first.engine.sums_kernel == "triton" and list(first.bench.prefill.prompt_lengths) == [8192, 32768]
+    assert list(first.bench.grid.policies) == [] and first.bench.leaderboard_grid.num_samples == 0
+    assert bench[3:6] == ["-m", "kvbench.cli", "bench"]
     cfg = compose(bench[6:], config_name="bench")
     assert cfg.model.name == "llama31_8b_random" and cfg.model.device == "cuda"
     assert list(cfg.bench.prefill.prompt_lengths) == [8192, 32768] and cfg.bench.grid.context_length == 8192

@@ -11,11 +11,12 @@ from kvbench import PROJECT_ROOT
 #: the layers, lowest first: a module may import from its own layer and those below it
 LAYERS: list[tuple[str, ...]] = [
     ("kvbench", "kvbench.errors", "kvbench.domains", "kvbench.hub"),  # the ground: no kvbench imports above it
-    ("kvbench.metrics", "kvbench.papers"),  # official metrics, transcribed paper tables
+    ("kvbench.metrics", "kvbench.papers", "kvbench.kernels"),  # official metrics, paper tables, Triton kernels
     ("kvbench.policies",),  # eviction methods and their machinery
     ("kvbench.engine",),  # the eviction-aware engine (knows no policy by name, no task)
     ("kvbench.tasks", "kvbench.models"),  # benchmarks (know no policy, no engine); model provisioning
-    ("kvbench.rundir", "kvbench.finished", "kvbench.config"),  # the run-directory store and its read model; Hydra glue
+    # the run-directory store, its packed form and its read model; Hydra glue
+    ("kvbench.rundir", "kvbench.packed", "kvbench.finished", "kvbench.config"),
     ("kvbench.job",),  # one job resolved before anything runs
     ("kvbench.results",),  # reports: tables, paper comparisons, plots, W&B
     ("kvbench.run",),  # running a job into its run directory

@@ -149,6 +149,7 @@ class Bench:
                 decode_evict=self.cfg.engine.decode_evict,
                 attn_backend=self.loaded.attn_backend,
                 score_block=self.cfg.engine.score_block,
+                sums_kernel=self.cfg.engine.sums_kernel,
             )
         return self._engines[key]
 

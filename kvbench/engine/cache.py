@@ -59,6 +59,7 @@ class EvictionCache(Cache):
         score_block: int | None = None,
         decode_evict: bool = False,
         layer_weights: list[LayerWeights] | None = None,
+        sums_kernel: str = "torch",
     ) -> None:
         super().__init__(layers=[EvictionLayer() for _ in layer_budgets])
         self.layer_weights = layer_weights
@@ -70,6 +71,7 @@ class EvictionCache(Cache):
         self.cache_heads = num_query_heads if self.repeat_layout else num_kv_heads
         self.attn_backend = attn_backend
         self.score_block = score_block
+        self.sums_kernel = sums_kernel
         self.attending = [modifier for modifier in policy.modifiers if modifier.attends]
         self.allocation = self._allocation()
         self.new_positions: torch.Tensor | None = None
@@ -252,9 +254,11 @@ class EvictionCache(Cache):
     ) -> torch.Tensor:
         """The policy's sums ``[B,Hc,T]`` of ``queries [B,Hq,q,D]`` over ``keys``/``values [B,Hc,T,D]`` with their
         attention ``outputs [B,q,Hq,D]``, each weight from its query's normaliser: a fused kernel's on
-        ``NORMALISER_KERNEL_DEVICES``, else each block's own (``kvbench.policies.stats``)."""
-        stats = NormalisedStats(queries, keys, values, scaling, outputs.transpose(1, 2).contiguous())
-        if queries.device.type in attention.NORMALISER_KERNEL_DEVICES:
+        ``NORMALISER_KERNEL_DEVICES`` (and for ``engine.sums_kernel=triton``, whose one pass then gives the sums),
+        else each block's own (``kvbench.policies.stats``)."""
+        fused = self.sums_kernel == "triton"
+        stats = NormalisedStats(queries, keys, values, scaling, outputs.transpose(1, 2).contiguous(), fused=fused)
+        if fused or queries.device.type in attention.NORMALISER_KERNEL_DEVICES:
             stats.lse = attention.attention_with_lse(queries, keys, values, scaling)[1]
         return self.policy.normalised_sums(stats, self.score_block)
 

@@ -13,6 +13,7 @@ The engine knows nothing about benchmarks: it takes token ids and returns token 
 from __future__ import annotations
 
 import inspect
+import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -26,6 +27,7 @@ from kvbench.engine.reconstruction import RepeatPrompt, reconstruct
 from kvbench.engine.sizes import CacheSizes
 from kvbench.engine.threads import THREADS
 from kvbench.errors import KVBenchError, choose
+from kvbench.kernels import sums
 from kvbench.policies.base import Full, Policy
 from kvbench.policies.budgets import Budget
 from kvbench.policies.context import LayerWeights
@@ -34,6 +36,9 @@ REGIMES = ["oneshot", "chunked", "streaming"]
 #: ``engine.rows_attention``: how a decode step attends its rows, each by its own backend call, or those with every
 #: key held by one padded SDPA call per layer (:func:`~kvbench.engine.attention.padded_outputs`)
 ROWS_ATTENTION = ["each", "padded"]
+#: ``engine.sums_kernel``: how a running policy's sums are gathered, block by block in PyTorch or by one fused Triton
+#: pass (:mod:`kvbench.kernels.sums`: on CUDA, or on CPU under ``TRITON_INTERPRET=1``)
+SUMS_KERNELS = ["torch", "triton"]
 
 
 def evicts_decoding(regime: str, decode_evict: bool | None) -> bool:
@@ -51,6 +56,7 @@ ENGINE_SETTINGS: dict[str, Domain] = {
     "batch_size": Domain("auto or a row count ≥ 1", lambda value: value == "auto" or (is_int(value) and value >= 1)),
     "threads": THREADS,
     "rows_attention": choice(*ROWS_ATTENTION),
+    "sums_kernel": choice(*SUMS_KERNELS),
 }
 
 
@@ -91,6 +97,17 @@ def score_block_size(setting: int | str | None) -> int | None:
     return int(setting)
 
 
+def check_sums_kernel(device: torch.device) -> None:
+    """``engine.sums_kernel=triton`` needs triton, and a CUDA device or its interpreter (``TRITON_INTERPRET=1``)."""
+    if not sums.available():
+        raise KVBenchError("engine.sums_kernel=triton needs triton (pip install triton); valid choices: torch, triton")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise KVBenchError(
+            f"engine.sums_kernel=triton runs on a CUDA device (here {device.type}), or under TRITON_INTERPRET=1; "
+            "valid choices: torch, triton"
+        )
+
+
 def layer_weights(model, query_heads: int, num_layers: int) -> list[LayerWeights] | None:
     """Each attention layer's weights that a score may read, in layer order: its modules with an output projection
     (``o_proj``, the Llama/Qwen2/Mistral layout) and a ``layer_idx``, and the model's rotary embedding where it has
@@ -122,9 +139,11 @@ class Runner:
         record_kept: bool = False,
         tokenizer=None,
         rows_attention: str = "each",
+        sums_kernel: str = "torch",
     ):
         choose("engine.regime", regime, REGIMES)
         choose("engine.rows_attention", rows_attention, ROWS_ATTENTION)
+        choose("engine.sums_kernel", sums_kernel, SUMS_KERNELS)
         self.model = model
         #: the forward's cache argument: ``cache`` in recent transformers 5 releases, ``past_key_values`` before
         self.cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -145,6 +164,9 @@ class Runner:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         model.set_attn_implementation(attention.register())
         self.device = next(model.parameters()).device
+        if sums_kernel == "triton":
+            check_sums_kernel(self.device)
+        self.sums_kernel = sums_kernel
         self.layer_weights = layer_weights(model, self.num_query_heads, self.num_layers)
 
     def row_bytes(self, prompt_tokens: int, new_tokens: int) -> int:
@@ -184,6 +206,7 @@ class Runner:
             self.score_block,
             decode_evict=self.decode_evict,
             layer_weights=self.layer_weights,
+            sums_kernel=self.sums_kernel,
         )
 
     @torch.inference_mode()

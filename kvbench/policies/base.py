@@ -25,12 +25,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from kvbench.domains import choice, setting
 from kvbench.errors import KVBenchError
+from kvbench.kernels.sums import attention_sums
 from kvbench.policies.budgets import Budget
 from kvbench.policies.context import ATTENTION, Evicted, ScoreContext, Statistic
 from kvbench.policies.layer_budget import LayerBudget, Uniform
@@ -109,6 +110,12 @@ class Modifier(Registered):
         (``[B,Hkv,G,W,T]``: one sum per query head) and a normalised pass's
         :class:`~kvbench.policies.stats.NormalisedBlock` (rows = the group's queries: one sum per cache head)."""
         raise NotImplementedError(f"{self.name} declares reweights and defines no contribution_sums")
+
+    def sum_terms(self) -> tuple[float, float, float] | None:
+        """Where :meth:`contribution_sums` is an output error ``Σ_i A_ip² ‖α_ip v_p − β_ip o_i‖²`` with
+        ``α = a0 + a1·Z`` and ``β = b1·Z``: ``(a0, a1, b1)``, which the fused pass computes
+        (:mod:`kvbench.kernels.sums`); else None."""
+        return None
 
     def transform(self, scores: torch.Tensor, context: ScoreContext) -> torch.Tensor:
         """Re-rank the base's ranking ``[B,Hc,T]`` of the layer's slots given what the base read (``transforms``)."""
@@ -335,12 +342,29 @@ class Policy(Registered):
         ``Σ_i contributions[i]`` reduced over each KV group ``[B,Hc,T]`` (H2O eq. 2, or the last modifier's
         replacement), equal to :meth:`summed_contributions` up to rounding."""
         batch, heads, tokens, _ = stats.keys.shape
-        total = torch.zeros(batch, heads, tokens, device=stats.keys.device)  # [B,Hc,T]
-        for block in stats.blocks(block_size):
-            part = self.block_sums(block)  # [B,Hc,T_b]
-            total[..., : part.shape[-1]] += part
+        fused = self.fused_terms() if stats.fused else False
+        if fused is not False:  # one fused pass (the engine asked for it: engine.sums_kernel=triton)
+            assert stats.lse is not None  # the engine gives the normaliser with the fused pass
+            total = attention_sums(
+                stats.queries, stats.keys, stats.values, stats.outputs, stats.lse, stats.scaling, fused
+            )
+        else:
+            total = torch.zeros(batch, heads, tokens, device=stats.keys.device)  # [B,Hc,T]
+            for block in stats.blocks(block_size):
+                part = self.block_sums(block)  # [B,Hc,T_b]
+                total[..., : part.shape[-1]] += part
         group = stats.queries.shape[1] // heads
         return total / group if self.gqa == "mean" else total
+
+    def fused_terms(self) -> tuple[float, float, float] | None | Literal[False]:
+        """What the fused pass computes for :meth:`normalised_sums` (:func:`~kvbench.kernels.sums.attention_sums`'
+        ``terms``): None for H2O's ``Σ_i A_ip``, the re-weighting modifier's :meth:`Modifier.sum_terms`, or False where
+        it has none (its blocks are summed as they are)."""
+        modifier = self.reweighting
+        if modifier is None:
+            return None
+        terms = modifier.sum_terms()
+        return False if terms is None else terms
 
     def block_sums(self, block: NormalisedBlock) -> torch.Tensor:
         """``Σ_i contributions[i]`` over one normalised block ``[B,Hc,T_b]``: the re-weighting modifier's, else

@@ -105,6 +105,8 @@ def joint_tiles(block: QueryBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 #: OBCache's pruning kinds: the tiles of each one's first-order output change
 OBCACHE_TILES = {"value": value_tiles, "key": key_tiles, "joint": joint_tiles}
+#: the same as ``(a0, a1, b1)`` of ``α = a0 + a1·Z``, ``β = b1·Z`` (the fused pass: :mod:`kvbench.kernels.sums`)
+OBCACHE_TERMS = {"value": (1.0, 0.0, 0.0), "key": (0.0, 1.0, 1.0), "joint": (1.0, 1.0, 1.0)}
 
 
 def obcache_sums(block: QueryBlock, kind: str) -> torch.Tensor:

@@ -132,6 +132,8 @@ class NormalisedStats:
     scaling: float
     outputs: torch.Tensor
     lse: torch.Tensor | None = None
+    #: the sums from one fused pass (:mod:`kvbench.kernels.sums`) where the policy has such a form (``lse`` given)
+    fused: bool = False
 
     @cached_property
     def value_norms(self) -> torch.Tensor:

@@ -107,6 +107,7 @@ def build_engine(job: Job, loaded: LoadedModel) -> Engine:
         record_kept=engine.save_kept,
         tokenizer=loaded.tokenizer,
         rows_attention=engine.rows_attention,
+        sums_kernel=engine.sums_kernel,
     )
 
 

@@ -6,7 +6,7 @@ import torch
 
 from kvbench.policies.base import Modifier
 from kvbench.policies.registry import register
-from kvbench.policies.scores import obcache_sums
+from kvbench.policies.scores import OBCACHE_TERMS, obcache_sums
 from kvbench.policies.stats import QueryBlock
 
 
@@ -22,6 +22,9 @@ class OBCacheModifier(Modifier):
 
     def contribution_sums(self, block: QueryBlock) -> torch.Tensor:
         return obcache_sums(block, self.kind)  # OBCache eqs. (4)–(6)
+
+    def sum_terms(self) -> tuple[float, float, float]:
+        return OBCACHE_TERMS[self.kind]
 
 
 @register
