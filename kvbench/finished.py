@@ -11,7 +11,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from kvbench import config_dict
-from kvbench.rundir import RunDir, find_run_dirs
+from kvbench.errors import KVBenchError
+from kvbench.rundir import RunDir, run_dirs_below
 from kvbench.tasks.registry import task_class
 
 IDENTITY = ["model", "policy", "budget", "regime"]
@@ -113,3 +114,60 @@ class Run:
 def load_runs(paths: list[str | Path]) -> list[Run]:
     """Every finished run at or below ``paths`` (see :func:`find_run_dirs`)."""
     return [Run(run_dir) for run_dir in find_run_dirs(paths)]
+
+
+LABELS = ("model", "policy", "budget", "task")
+"""What metrics.json says a run is, each read from config.yaml as ``<group>.name`` (the budget's ``spec``)."""
+
+
+def unfinished_reason(run_dir: RunDir) -> str | None:
+    """Why ``run_dir`` cannot go into a table (no or unreadable metrics.json, metrics that its config.yaml or
+    its predictions contradict), else None."""
+    if not run_dir.metrics_path.exists():
+        state = "being written now" if run_dir.locked() else "unfinished or failed"
+        return f"no metrics.json ({state})"
+    try:
+        metrics = run_dir.metrics()
+        missing = [key for key in (*LABELS, "scores") if key not in metrics]
+        saved = run_dir.saved_config()
+        done = len(run_dir.records())
+    except KVBenchError as error:
+        return str(error)
+    except (OSError, ValueError, TypeError) as error:
+        return f"cannot read its files ({type(error).__name__}: {error})"
+    if missing:
+        return f"metrics.json has no {', '.join(missing)}"
+    if saved is None:
+        return "no config.yaml"
+    for label in LABELS:
+        configured = saved.get(label, {}).get("spec" if label == "budget" else "name")
+        if str(configured) != str(metrics[label]):
+            return f"metrics.json is of {label} {metrics[label]}, config.yaml of {label} {configured}"
+    if done != metrics.get("num_samples"):
+        return f"metrics.json counts {metrics.get('num_samples')} samples, predictions.jsonl holds {done}"
+    return None
+
+
+def scan_run_dirs(paths: list[str | Path]) -> tuple[list[RunDir], list[tuple[RunDir, str]]]:
+    """The run directories at or below ``paths``: those with readable metrics, and the others with the reason
+    each is left out (see :func:`unfinished_reason`)."""
+    finished, left_out = [], []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise KVBenchError(f"run directory {path} does not exist")
+        for run_dir in map(RunDir, run_dirs_below(path)):
+            reason = unfinished_reason(run_dir)
+            if reason is None:
+                finished.append(run_dir)
+            else:
+                left_out.append((run_dir, reason))
+    if not finished:
+        first = f" ({left_out[0][0].path}: {left_out[0][1]}{', ...' if len(left_out) > 1 else ''})" if left_out else ""
+        unfinished = f"; {len(left_out)} run directories left out{first}" if left_out else ""
+        raise KVBenchError(f"no finished runs (metrics.json) under {', '.join(map(str, paths))}{unfinished}")
+    return finished, left_out
+
+
+def find_run_dirs(paths: list[str | Path]) -> list[RunDir]:
+    """Every finished run directory (readable metrics.json) at or below the given paths."""
+    return scan_run_dirs(paths)[0]

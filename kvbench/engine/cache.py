@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache
 
 from kvbench.engine import attention
 from kvbench.engine.layer import EvictionLayer, in_cache_heads
-from kvbench.engine.selection import top_slots, top_slots_per_head
+from kvbench.engine.selection import kept_per_head, reserved_slots, top_slots
 from kvbench.engine.sizes import CacheSizes
 from kvbench.policies.base import AttentionStats, Policy
 from kvbench.policies.context import LayerWeights, ScoreContext
@@ -197,10 +197,11 @@ class EvictionCache(Cache):
     def evicted_by(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor:
         """The slots ``[B,Hc,T]`` (True = evicted) that keeping ``budget`` by ``scores [B,Hc,T]`` would evict (each
         head its own share where the policy shares the layer's budget across its heads)."""
-        kept = self._select_per_head(layer_idx, budget, scores)
+        tokens = self.eviction_layers[layer_idx].get_seq_length()
+        kept = kept_per_head(self.policy, scores, tokens, budget, self.prompt_len)
         if kept is not None:
             return ~kept
-        _, recent, sinks = self._reserved(layer_idx, budget)
+        recent, sinks = reserved_slots(self.policy, tokens, budget, self.prompt_len)
         kept = top_slots(scores, budget, recent, sinks)
         return torch.ones_like(scores, dtype=torch.bool).scatter_(-1, kept, False)
 
@@ -408,35 +409,6 @@ class EvictionCache(Cache):
             shared["window", layer_idx, size] = self.eviction_layers[layer_idx].window_stats(size, scaling)
         return shared["window", layer_idx, size]
 
-    def _reserved(self, layer_idx: int, budget: int) -> tuple[int, int, int]:
-        """The layer's slots and, of ``budget``, the recent window and sinks every head keeps (the window first)."""
-        policy, tokens = self.policy, self.eviction_layers[layer_idx].get_seq_length()
-        recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
-        return tokens, recent, max(0, min(policy.reserved_sinks(), budget - recent, tokens - recent))
-
-    def _select_per_head(
-        self,
-        layer_idx: int,
-        budget: int,
-        scores: torch.Tensor,
-        per_head: torch.Tensor | None = None,
-        held: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
-        """The slots kept ``[B,Hc,T]`` (True = kept) where each cache head keeps its own share of ``budget × Hc``
-        (:meth:`~kvbench.policies.base.Policy.head_shares`) or ``per_head [B,Hc]``, of the slots it holds (``held``,
-        where a head-wise layer was :meth:`~EvictionLayer.unpack`-ed), else None (:mod:`~kvbench.engine.selection`)."""
-        policy = self.policy
-        if per_head is None and not policy.shares_heads:
-            return None
-        tokens, recent, sinks = self._reserved(layer_idx, budget)
-        if per_head is not None:  # its sinks are among the head's slots, above every other
-            sinks = min(policy.reserved_sinks(), tokens)
-        middle = scores[..., sinks : tokens - recent].float()  # [B,Hc,M]
-        shares = policy.head_shares(middle, budget, recent + sinks) if per_head is None else per_head - recent - sinks
-        assert shares is not None  # the policy shares heads
-        kept = top_slots_per_head(middle, shares, recent, sinks)
-        return kept if held is None else kept & held
-
     def _evict(
         self,
         layer_idx: int,
@@ -446,16 +418,16 @@ class EvictionCache(Cache):
         per_head: torch.Tensor | None = None,
         held: torch.Tensor | None = None,
     ) -> None:
-        """Keep the top ``budget`` slots per cache head by ``scores [B,Hc,T]`` (or head-wise: :meth:`_select_per_head`),
+        """Keep the top ``budget`` slots per cache head by ``scores [B,Hc,T]`` (or head-wise: :func:`kept_per_head`),
         reserved slots first; hand the evicted entries to the attending modifiers."""
         layer = self.eviction_layers[layer_idx]
-        kept = self._select_per_head(layer_idx, budget, scores, per_head, held)
+        kept = kept_per_head(self.policy, scores, layer.get_seq_length(), budget, self.prompt_len, per_head, held)
         if kept is not None:
             layer.keep_per_head(kept, scores)
             self._account(layer_idx)
             return
         layer.ranking = scores.float()
-        _, recent, sinks = self._reserved(layer_idx, budget)
+        recent, sinks = reserved_slots(self.policy, layer.get_seq_length(), budget, self.prompt_len)
         if self.policy.keeps_ranked_only:  # whole chunks: the reserved and the ranked slots
             ranked = torch.isfinite(scores[..., sinks : scores.shape[-1] - recent]).sum(dim=-1).min()
             budget = sinks + recent + int(ranked)

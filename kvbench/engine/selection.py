@@ -5,6 +5,39 @@ from __future__ import annotations
 
 import torch
 
+from kvbench.policies.base import Policy
+
+
+def reserved_slots(policy: Policy, tokens: int, budget: int, prompt_len: int) -> tuple[int, int]:
+    """Of ``budget``, the recent window and the sinks every cache head of a layer of ``tokens`` slots keeps (the
+    window first)."""
+    recent = min(policy.reserved_recent(budget, prompt_len), budget)
+    return recent, max(0, min(policy.reserved_sinks(), budget - recent, tokens - recent))
+
+
+def kept_per_head(
+    policy: Policy,
+    scores: torch.Tensor,
+    tokens: int,
+    budget: int,
+    prompt_len: int,
+    per_head: torch.Tensor | None = None,
+    held: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The slots kept ``[B,Hc,T]`` (True = kept) of a layer of ``tokens`` slots ranked by ``scores [B,Hc,T]``, where
+    each cache head keeps its own share of ``budget × Hc`` (:meth:`~kvbench.policies.base.Policy.head_shares`) or
+    ``per_head [B,Hc]``, of the slots it holds (``held``, where a head-wise layer was unpacked); else None."""
+    if per_head is None and not policy.shares_heads:
+        return None
+    recent, sinks = reserved_slots(policy, tokens, budget, prompt_len)
+    if per_head is not None:  # its sinks are among the head's slots, above every other
+        sinks = min(policy.reserved_sinks(), tokens)
+    middle = scores[..., sinks : tokens - recent].float()  # [B,Hc,M]
+    shares = policy.head_shares(middle, budget, recent + sinks) if per_head is None else per_head - recent - sinks
+    assert shares is not None  # the policy shares heads
+    kept = top_slots_per_head(middle, shares, recent, sinks)
+    return kept if held is None else kept & held
+
 
 def top_slots(scores: torch.Tensor, budget: int, recent: int, sinks: int) -> torch.Tensor:
     """The ``budget`` slots kept per cache head, sorted ``[B,Hc,budget]``: ``sinks`` first slots, ``recent`` last

@@ -33,11 +33,10 @@ from typing import Any
 import pandas as pd
 
 from kvbench.errors import KVBenchError, choose
-from kvbench.finished import IDENTITY, Run
+from kvbench.finished import IDENTITY, Run, scan_run_dirs
 from kvbench.policies.budgets import Budget
 from kvbench.results.intervals import paired_difference
 from kvbench.results.render import FORMATS, print_tables
-from kvbench.rundir import scan_run_dirs
 from kvbench.tasks.base import TableLayout
 from kvbench.tasks.registry import tabled_tasks, task_class
 
