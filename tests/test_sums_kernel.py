@@ -9,7 +9,7 @@ import torch
 from kvbench.errors import KVBenchError
 from kvbench.kernels import sums
 from kvbench.policies.scores import OBCACHE_TERMS, obcache
-from tests.helpers import TOKENIZER, random_prompt, tiny_model
+from tests.helpers import TOKENIZER, assert_shared_gives_each_alone, random_prompt, tiny_model
 
 pytestmark = [pytest.mark.kernel, pytest.mark.skipif(not sums.available(), reason="triton is not installed")]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,28 +83,55 @@ SPECS = ["h2o", "h2o+obcache_value", "h2o+obcache_key", "h2o+obcache_joint", "h2
 
 
 @pytest.mark.parametrize("regime", ["oneshot", "chunked"])
-def test_the_engine_keeps_the_same_tokens_with_the_fused_pass(regime):
+def test_the_engine_keeps_the_same_tokens_with_the_fused_pass(regime, monkeypatch):
     """``engine.sums_kernel=triton`` against ``torch`` through the engine on a tiny GQA model: every layer's running
     scores equal within float32 rounding and the same slots kept, for H2O alone and with each re-weighting modifier
-    (CAOTE, which has no fused form, sums its blocks as before)."""
-    from kvbench.engine import Engine
+    (CAOTE, which has no fused form, sums its blocks as before). Each query's log-sum-exp is one fused call a layer
+    and forward: the attention's own where it is one call (the whole causal square: oneshot, a chunked prompt's first
+    block), a second beside the backend's where a block attends earlier slots too."""
+    from kvbench.engine import Engine, attention
     from kvbench.policies import build_policy
 
+    calls, backend = [], []  # the fused calls with log-sum-exps, the backend's attention calls
+    with_lse, by_backend = attention.attention_with_lse, attention.backend_attention
+    monkeypatch.setattr(attention, "attention_with_lse", lambda *args: calls.append(args[0].shape) or with_lse(*args))
+    monkeypatch.setattr(attention, "backend_attention", lambda *args: backend.append(1) or by_backend(*args))
     model = tiny_model().to(DEVICE)
     prompt = random_prompt(150)
+    layers = model.config.num_hidden_layers
     for spec in SPECS:
         caches = []
         for kernel in ("torch", "triton"):
+            calls.clear(), backend.clear()
             runner = Engine(
                 model, build_policy(spec, {}), 48, regime=regime, block_size=32, tokenizer=TOKENIZER, sums_kernel=kernel
             )
             cache = runner.new_cache(len(prompt))
             runner.prefill(cache, prompt)
             caches.append(cache)
+        forwards = 1 if regime == "oneshot" else -(-len(prompt) // 32)
+        assert len(calls) == forwards * layers, spec  # the triton run's: one a layer and forward
+        assert len(backend) == (forwards - 1) * layers, spec  # the whole square's output from the fused call
         for reference, fused in zip(caches[0].eviction_layers, caches[1].eviction_layers):
             torch.testing.assert_close(fused.positions, reference.positions, msg=spec)
             scale = float(reference.running_score.abs().max())
             torch.testing.assert_close(fused.running_score, reference.running_score, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_a_shared_prefill_and_rows_with_the_fused_pass_give_what_each_gives_alone():
+    """The grid engine with ``engine.sums_kernel=triton``: variants of one prompt (H2O and OBCache over it at two
+    budgets, SnapKV beside them) prefilled by one shared forward — whose attention gives the log-sum-exps once for
+    all — and decoded as rows, each as its own ``generate``."""
+    from kvbench.engine import Engine
+    from kvbench.policies import build_policy
+
+    model = tiny_model().to(DEVICE)
+    runners = [
+        Engine(model, build_policy(spec, {}), budget, tokenizer=TOKENIZER, sums_kernel="triton", record_kept=True)
+        for spec in ("h2o", "h2o+obcache_joint", "h2o+obcache_value", "snapkv")
+        for budget in (40, 64)
+    ]
+    assert_shared_gives_each_alone(runners, random_prompt(120), 6, batch_size=4)
 
 
 def test_the_fused_pass_needs_a_gpu_or_the_interpreter(monkeypatch):

@@ -194,8 +194,16 @@ class AttendedCache(Protocol):
         """A single query's ``output [B,1,Hq,D]``, replaced by the attending modifiers or not."""
         ...
 
-    def after_attention(self, layer_idx: int, queries: torch.Tensor, outputs: torch.Tensor, scaling: float) -> None:
-        """Gather the forward's scoring statistics from ``queries`` and their ``outputs``, and evict if due."""
+    def wants_normaliser(self, layer_idx: int) -> bool:
+        """Whether this forward's scoring reads each query's log-sum-exp (a fused pass of running sums), which the
+        backend's attention may then give with its output."""
+        ...
+
+    def after_attention(
+        self, layer_idx: int, queries: torch.Tensor, outputs: torch.Tensor, scaling: float, lse: torch.Tensor | None
+    ) -> None:
+        """Gather the forward's scoring statistics from ``queries``, their ``outputs`` (and their log-sum-exps ``lse
+        [B,Hq,q]`` where the attention gave them), and evict if due."""
         ...
 
 
@@ -214,13 +222,26 @@ def backend_attention(cache: AttendedCache, module, query, key, value, scaling) 
 def cache_attention(cache: AttendedCache, module, query, key, value, scaling, output=None):
     """``query [B,Hq,q,D]`` over ``key/value [B,Hc,T,D]`` of ``cache`` (an ``EvictionCache`` or ``SharedPrefill``):
     by the backend (unless its ``output [B,q,Hq,D]`` is given), then the cache's attending modifiers for a single
-    query, its scoring (from the backend's output) and eviction → ``[B,q,Hq,D]``."""
+    query, its scoring (from the backend's output) and eviction → ``[B,q,Hq,D]``. Where the scoring reads each
+    query's log-sum-exp and one fused kernel call gives it with the output (SDPA, every key held, one query or the
+    whole causal square: :func:`attention_with_lse`), that call is the attention."""
+    lse = None
     if output is None:
-        output = backend_attention(cache, module, query, key, value, scaling)
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if (
+            cache.attn_backend == "sdpa"
+            and (q_len == 1 or q_len == kv_len)
+            and cache.key_mask(module.layer_idx) is None
+            and cache.wants_normaliser(module.layer_idx)
+        ):
+            output, lse = attention_with_lse(query, key, value, scaling)
+            output = output.transpose(1, 2).contiguous()
+        else:
+            output = backend_attention(cache, module, query, key, value, scaling)
     attended = output
     if query.shape[2] == 1:
         output = cache.attend(module.layer_idx, query, key, value, output, scaling)
-    cache.after_attention(module.layer_idx, query, attended, scaling)
+    cache.after_attention(module.layer_idx, query, attended, scaling, lse)
     return output
 
 

@@ -60,9 +60,21 @@ class SharedPrefill(Cache):
         """Every head holds every key of a shared prefill (its caches evict after it)."""
         return None
 
-    def after_attention(self, layer_idx: int, queries: torch.Tensor, outputs: torch.Tensor, scaling: float) -> None:
-        """Each variant in turn: append the layer's keys/values, score with ``queries [B,Hq,T,D]`` and their
-        ``outputs [B,T,Hq,D]`` (the normalised sums computed once per :func:`sums_key`) and evict."""
+    def wants_normaliser(self, layer_idx: int) -> bool:
+        """Whether a variant's scoring reads each query's log-sum-exp (:meth:`EvictionCache.wants_normaliser`)."""
+        return any(cache.wants_normaliser(layer_idx) for cache in self.caches)
+
+    def after_attention(
+        self,
+        layer_idx: int,
+        queries: torch.Tensor,
+        outputs: torch.Tensor,
+        scaling: float,
+        lse: torch.Tensor | None = None,
+    ) -> None:
+        """Each variant in turn: append the layer's keys/values, score with ``queries [B,Hq,T,D]``, their
+        ``outputs [B,T,Hq,D]`` and ``lse`` where the attention gave it (the normalised sums computed once per
+        :func:`sums_key`) and evict."""
         assert self.layer_states is not None and self.attended is not None  # update comes before the attention
         key_states, value_states = (states.contiguous() for states in self.layer_states)  # one copy all variants hold
         attended, self.layer_states, self.attended = self.attended, None, None
@@ -72,9 +84,9 @@ class SharedPrefill(Cache):
             cache.update(key_states, value_states, layer_idx)
             key = sums_key(cache.policy)
             if key is not None and cache.scored and key not in sums:
-                sums[key] = cache.normalised_sums(queries, *attended, outputs, scaling)
+                sums[key] = cache.normalised_sums(queries, *attended, outputs, scaling, lse)
             summed = None if key is None else sums.get(key)
-            cache.after_attention(layer_idx, queries, outputs, scaling, summed, shared)
+            cache.after_attention(layer_idx, queries, outputs, scaling, None, summed, shared)
 
 
 class RowBatch(Cache):

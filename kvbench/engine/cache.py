@@ -250,16 +250,30 @@ class EvictionCache(Cache):
             output = output if replaced is None else replaced
         return output
 
+    def wants_normaliser(self, layer_idx: int) -> bool:
+        """Whether this forward adds the fused pass's running sums (``engine.sums_kernel=triton``), which read each
+        query's log-sum-exp: the attention then gives it with its output (:func:`~kvbench.engine.attention.
+        cache_attention`) rather than a second call."""
+        return self.sums_kernel == "triton" and self.scored and self.chunk is None and uses_normaliser(self.policy)
+
     def normalised_sums(
-        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, outputs: torch.Tensor, scaling: float
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        outputs: torch.Tensor,
+        scaling: float,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The policy's sums ``[B,Hc,T]`` of ``queries [B,Hq,q,D]`` over ``keys``/``values [B,Hc,T,D]`` with their
         attention ``outputs [B,q,Hq,D]``, each weight from its query's normaliser: a fused kernel's on
-        ``NORMALISER_KERNEL_DEVICES`` (and for ``engine.sums_kernel=triton``, whose one pass then gives the sums),
-        else each block's own (``kvbench.policies.stats``)."""
+        ``NORMALISER_KERNEL_DEVICES`` (and for ``engine.sums_kernel=triton``, whose one pass then gives the sums;
+        ``lse [B,Hq,q]`` where the attention gave it with its output), else each block's own
+        (``kvbench.policies.stats``)."""
         fused = self.sums_kernel == "triton"
-        stats = NormalisedStats(queries, keys, values, scaling, outputs.transpose(1, 2).contiguous(), fused=fused)
-        if fused or queries.device.type in attention.NORMALISER_KERNEL_DEVICES:
+        transposed = outputs.transpose(1, 2).contiguous()
+        stats = NormalisedStats(queries, keys, values, scaling, transposed, lse, fused=fused)
+        if lse is None and (fused or queries.device.type in attention.NORMALISER_KERNEL_DEVICES):
             stats.lse = attention.attention_with_lse(queries, keys, values, scaling)[1]
         return self.policy.normalised_sums(stats, self.score_block)
 
@@ -269,11 +283,13 @@ class EvictionCache(Cache):
         queries: torch.Tensor,
         outputs: torch.Tensor,
         scaling: float,
+        lse: torch.Tensor | None = None,
         summed: torch.Tensor | None = None,
         shared: dict[tuple, Any] | None = None,
     ) -> None:
-        """Gather this forward's scoring statistics from ``queries [B,Hq,q,D]`` and their attention ``outputs
-        [B,q,Hq,D]`` (the normalised ``summed`` when already computed for a variant with the same
+        """Gather this forward's scoring statistics from ``queries [B,Hq,q,D]``, their attention ``outputs
+        [B,q,Hq,D]`` and ``lse`` where the attention gave it (the normalised ``summed`` when already computed for a
+        variant with the same
         :func:`~kvbench.engine.batches.sums_key`), and evict if due. ``shared``: what the variants of one shared prefill
         compute (window statistics by size, rankings by :meth:`ranking_key`), each by the first that needs it."""
         policy, layer = self.policy, self.eviction_layers[layer_idx]
@@ -297,7 +313,7 @@ class EvictionCache(Cache):
             assert layer.running_score is not None  # created by update for scored forwards
             if uses_normaliser(policy):
                 if summed is None:
-                    summed = self.normalised_sums(queries, layer.keys, layer.values, outputs, scaling)
+                    summed = self.normalised_sums(queries, layer.keys, layer.values, outputs, scaling, lse)
                 layer.running_score += summed
             else:
                 seen = policy.scoring_positions(positions, budget, self.prompt_len)
