@@ -263,8 +263,12 @@ def command_pack(args: list[str]) -> None:
     """DIR's run directories and sweep files as one DIR/runs.tar.xz, which table, leaderboard and plot read as
     they were (``kvbench.packed``)."""
     from kvbench.packed import pack, packed_files
+    from kvbench.rundir import run_dirs_below
 
     folder = folder_argument("pack", args)
+    writing = [run_dir.path for run_dir in map(RunDir, run_dirs_below(folder)) if run_dir.locked()]
+    if writing:
+        raise KVBenchError(f"kvbench pack: {writing[0]} is being written now (its run.lock is held); pack it once done")
     archive = pack(folder)
     print(f"wrote {archive}: {len(packed_files(folder))} files, {archive.stat().st_size} bytes")
 

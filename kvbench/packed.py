@@ -5,6 +5,7 @@ in place to resume a sweep, ``kvbench pack`` writes the archive again (the same 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import lzma
@@ -85,11 +86,17 @@ def unpack(folder: str | Path) -> list[Path]:
     return extract(archive, folder, keep_existing=True) if archive.is_file() else []
 
 
+@functools.lru_cache(maxsize=16)
+def digest(archive: Path, size: int, modified: int) -> str:
+    """The first 16 hex digits of the archive's SHA-256 (read once for its size and modification time)."""
+    return hashlib.sha256(archive.read_bytes()).hexdigest()[:16]
+
+
 def unpacked(archive: Path) -> Path:
     """A read-only extraction of ``archive`` in the cache (``$KVBENCH_CACHE/packed/<its hash>``), made once: another
     process extracting it at the same time finds it made."""
-    digest = hashlib.sha256(archive.read_bytes()).hexdigest()[:16]
-    target = cache_dir() / "packed" / digest
+    stat = archive.stat()
+    target = cache_dir() / "packed" / digest(archive.resolve(), stat.st_size, stat.st_mtime_ns)
     if target.is_dir():
         return target
     return published(target, lambda scratch: extract(archive, scratch, keep_existing=False))

@@ -92,6 +92,18 @@ def test_an_archive_member_outside_its_folder_is_refused(tmp_path, monkeypatch, 
     assert not (tmp_path / "escaped").exists() and sorted(path.name for path in folder.iterdir()) == [PACKED]
 
 
+def test_a_folder_with_a_run_being_written_is_not_packed(tmp_path, capsys):
+    from kvbench.rundir import RunDir
+
+    folder = sweep_folder(tmp_path / "sweep")
+    with RunDir(folder / "m" / "t" / "b-2").lock():
+        with pytest.raises(SystemExit) as exit_info:
+            main(["pack", str(folder)])
+    assert exit_info.value.code == 2 and not (folder / PACKED).exists()
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("kvbench: error: kvbench pack: ") and "b-2 is being written now" in line
+
+
 @pytest.mark.parametrize("args", [["pack"], ["unpack", "a", "b"], ["pack", "--all"], ["pack", "/nonexistent/x"]])
 def test_pack_and_unpack_take_one_folder(args, capsys):
     with pytest.raises(SystemExit) as exit_info:
