@@ -392,19 +392,23 @@ RUN_FILES = ("metrics.json", "predictions.jsonl", "config.yaml", "run.lock")
 """Files only a run directory holds; a folder with any of them is one (they do not nest)."""
 
 
-def run_dirs_below(path: Path) -> list[Path]:
-    """The run directories at or below ``path``, sorted; hidden folders (``.hydra``, ``.submitit``) are not
-    searched, nor is a run directory's inside (its ``wandb/`` folder). A folder's packed runs (``runs.tar.xz``:
-    :mod:`kvbench.packed`) are read from their extraction in the cache, where the folder has no run directory of the
-    same path."""
+def runs_below(path: Path) -> dict[Path, Path]:
+    """The run directories at or below ``path`` by their path below it, sorted; hidden folders (``.hydra``,
+    ``.submitit``) are not searched, nor is a run directory's inside (its ``wandb/`` folder). A folder's packed runs
+    (``runs.tar.xz``: :mod:`kvbench.packed`) are read from their extraction in the cache, where the folder has no run
+    directory of the same path."""
     if any((path / name).exists() for name in RUN_FILES):
-        return [path]
-    found = {}  # path below ``path`` -> run directory
+        return {Path(): path}
+    found = {}
     for child in sorted(path.iterdir()):
         if child.is_dir() and not child.name.startswith("."):
-            found.update({run.relative_to(path): run for run in run_dirs_below(child)})
+            found.update({child.name / below: run for below, run in runs_below(child).items()})
     if (path / PACKED).is_file():
-        extracted = unpacked(path / PACKED)
-        for run in run_dirs_below(extracted):
-            found.setdefault(run.relative_to(extracted), run)
-    return [found[below] for below in sorted(found, key=lambda below: below.parts)]
+        for below, run in runs_below(unpacked(path / PACKED)).items():
+            found.setdefault(below, run)
+    return {below: found[below] for below in sorted(found, key=lambda below: below.parts)}
+
+
+def run_dirs_below(path: Path) -> list[Path]:
+    """The run directories at or below ``path``, sorted by their path below it (:func:`runs_below`)."""
+    return list(runs_below(path).values())

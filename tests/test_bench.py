@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -413,10 +414,12 @@ def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_com
     assert board.num_samples == 1 and list(board.overrides) == ["model=smollm2_135m_random"]
 
 
-def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_differs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_differs(tmp_path, monkeypatch, packed):
     """``bench.leaderboard_grid``: the full-cache job alone and the grid as one grouped sweep, each one ``kvbench
     run`` (faked here: each writes its run directories), their cost ratio, and every prediction of the grid against
-    the committed run of the same name (a sample the committed run lacks is not compared)."""
+    the committed run of the same name (a sample the committed run lacks is not compared), the committed runs
+    plain or packed (``kvbench pack``, as results/ commits them)."""
     import kvbench.bench.grid as grid_module
     from kvbench.rundir import RunDir
 
@@ -429,11 +432,14 @@ def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_
                 record = {"id": f"s-{number}", "subtask": "t", "score": 0.0, "prediction": prediction}
                 run_dir.append({**record, "timing": timing})
 
-    write(
-        tmp_path / "project" / "results" / "board" / "m" / "ruler",
-        {"snapkv-10pct-x": ["a", "b"], "tova-10pct-y": ["c", "d"]},
-        0,
-    )
+    committed = tmp_path / "project" / "results" / "board"
+    write(committed / "m" / "ruler", {"snapkv-10pct-x": ["a", "b"], "tova-10pct-y": ["c", "d"]}, 0)
+    if packed:
+        from kvbench.packed import pack
+
+        monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
+        pack(committed)
+        shutil.rmtree(committed / "m")
 
     def fake_run(arguments: list[str], log) -> tuple[float, int]:
         output = next(a for a in arguments if a.startswith("hydra.sweep.dir="))

@@ -33,7 +33,7 @@ from kvbench.engine.shared import generate_shared
 from kvbench.errors import KVBenchError
 from kvbench.launch.sweeps import sweep_loader, sweep_overrides
 from kvbench.models import load_model, resolve_device
-from kvbench.rundir import RunDir, flatten
+from kvbench.rundir import RunDir, flatten, runs_below
 
 if TYPE_CHECKING:
     from kvbench.bench.sections import Bench
@@ -81,13 +81,13 @@ def run_measured(arguments: list[str], log: Path) -> tuple[float, int]:
 
 
 def predictions(root: Path) -> dict[str, dict[str, str]]:
-    """Each run directory under ``root`` (by its path below it): its predictions by sample id."""
-    found = {}
-    for path in sorted(root.rglob("predictions.jsonl")):
-        found[str(path.parent.relative_to(root))] = {
-            record["id"]: record["prediction"] for record in RunDir(path.parent).records()
-        }
-    return found
+    """Each run directory under ``root`` (by its path below it; a packed folder's too): its predictions by sample
+    id."""
+    return {
+        str(below): {record["id"]: record["prediction"] for record in RunDir(run).records()}
+        for below, run in runs_below(root).items()
+        if (run / "predictions.jsonl").exists()
+    }
 
 
 def sample_seconds(root: Path) -> dict[str, float]:
@@ -95,8 +95,8 @@ def sample_seconds(root: Path) -> dict[str, float]:
     ``timing.total_seconds`` (each run's share of the shared prefill and of the decode steps it was in), by sample id
     — a sweep's cost a sample, without process start, composition and model load."""
     cost: dict[str, float] = {}
-    for path in sorted(root.rglob("predictions.jsonl")):
-        for record in RunDir(path.parent).records():
+    for run in runs_below(root).values():
+        for record in RunDir(run).records():
             cost[record["id"]] = cost.get(record["id"], 0.0) + float(record["timing"]["total_seconds"])
     return cost
 
