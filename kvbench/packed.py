@@ -1,7 +1,8 @@
 """Packed results: a folder's run directories in one archive (``runs.tar.xz``), so that a committed experiment is one
-file rather than four per run. Readers see the archive's run directories as the folder's own (:func:`packed_below`,
-extracted once into the cache), a folder's own run directory of the same path first; ``kvbench unpack`` puts them back
-in place to resume a sweep, ``kvbench pack`` writes the archive again (the same bytes for the same files)."""
+file rather than four per run. Readers see the archive's run directories as the folder's own
+(:func:`kvbench.rundir.runs_below`, extracted once into the cache), a folder's own run directory of the same path
+first; ``kvbench unpack`` puts them back in place to resume a sweep, ``kvbench pack`` writes the archive again (the
+same bytes for the same files)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ The engine knows nothing about benchmarks: it takes token ids and returns token 
 from __future__ import annotations
 
 import inspect
-import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -101,7 +100,7 @@ def check_sums_kernel(device: torch.device) -> None:
     """``engine.sums_kernel=triton`` needs triton, and a CUDA device or its interpreter (``TRITON_INTERPRET=1``)."""
     if not sums.available():
         raise KVBenchError("engine.sums_kernel=triton needs triton (pip install triton); valid choices: torch, triton")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type != "cuda" and not sums.interpreted():
         raise KVBenchError(
             f"engine.sums_kernel=triton runs on a CUDA device (here {device.type}), or under TRITON_INTERPRET=1; "
             "valid choices: torch, triton"

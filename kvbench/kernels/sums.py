@@ -34,6 +34,11 @@ def available() -> bool:
     return triton is not None
 
 
+def interpreted() -> bool:
+    """Whether Triton runs its kernels under its interpreter (``TRITON_INTERPRET=1``: on CPU, as the tests do)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 if triton is not None:
 
     @triton.jit
@@ -44,7 +49,7 @@ if triton is not None:
         stride_vb, stride_vh, stride_vt,
         stride_ob, stride_oh, stride_ot,
         stride_lb, stride_lh,
-        heads, q_len, kv_len, dim, scale_log2,
+        heads, q_len, kv_len, dim, scaling, scale_log2,
         GROUP: tl.constexpr, WEIGHT_SUMS: tl.constexpr, A0: tl.constexpr, A1: tl.constexpr, B1: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
@@ -81,11 +86,11 @@ if triton is not None:
                 lse = tl.load(lse_ptr + batch * stride_lb + q_head * stride_lh + rows, mask=row_ok, other=0.0)
                 logits = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee")  # [M,N] float32
                 seen = row_ok[:, None] & key_ok[None, :] & (keys[None, :] <= past + rows[:, None])
-                weights = tl.where(seen, tl.exp2(logits * scale_log2 - lse[:, None] * 1.4426950408889634), 0.0)
+                weights = tl.where(seen, tl.exp2(logits * scale_log2 - lse[:, None]), 0.0)  # lse in base 2
                 if WEIGHT_SUMS:
                     total += tl.sum(weights, axis=0)
                 else:
-                    z = tl.where(seen, logits * (scale_log2 * 0.6931471805599453), 0.0)  # Z_ip
+                    z = tl.where(seen, logits * scaling, 0.0)  # Z_ip
                     squared = weights * weights
                     alpha = A0 + A1 * z
                     squares += tl.sum(squared * alpha * alpha, axis=0)
@@ -134,7 +139,7 @@ def attention_sums(
     queries, keys, values, outputs = (
         x if x.stride(-1) == 1 else x.contiguous() for x in (queries, keys, values, outputs)
     )
-    lse = lse.float().contiguous()
+    lse = (lse.float() * LOG2E).contiguous()  # base 2, as the kernel exponentiates
     out = torch.empty(batch, heads, kv_len, dtype=torch.float32, device=keys.device)
     a0, a1, b1 = (0.0, 0.0, 0.0) if terms is None else terms
     grid = (triton.cdiv(kv_len, block_n), batch * heads)
@@ -145,9 +150,9 @@ def attention_sums(
         values.stride(0), values.stride(1), values.stride(2),
         outputs.stride(0), outputs.stride(1), outputs.stride(2),
         lse.stride(0), lse.stride(1),
-        heads, q_len, kv_len, dim, scaling * LOG2E,
+        heads, q_len, kv_len, dim, scaling, scaling * LOG2E,
         GROUP=q_heads // heads, WEIGHT_SUMS=terms is None, A0=a0, A1=a1, B1=b1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
+        UPCAST=interpreted(),
     )  # fmt: skip
     return out
