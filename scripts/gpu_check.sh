@@ -33,7 +33,7 @@ FUSED=(
 BENCH=(
   model=llama31_8b_random model.device=cuda budget=1024
   bench.repetitions=2 bench.warmup_tokens=2048
-  "bench.prefill.policies=[sink,h2o,h2o+obcache_joint,tova,snapkv,snapkv+obcache_joint,pyramidkv,cake]"
+  "bench.prefill.policies=[sink,h2o,h2o+obcache_joint,tova,snapkv,snapkv+obcache_joint,pyramidkv,cake,expected_attention]"
   "bench.prefill.prompt_lengths=[8192,32768]"
   "${NO_SECTIONS[@]}"
   bench.grid.context_length=8192 bench.grid.num_samples=2 "bench.grid.policies=[full,h2o,snapkv]"

@@ -11,6 +11,7 @@ import torch
 
 from kvbench.cli import main as kvbench_main
 from kvbench.engine.cache import EvictionCache
+from kvbench.engine.cascade import CascadeStages
 from tests.helpers import engine, kept_masks, masked_forward, random_prompt, tiny_model
 
 LAYERS = 3
@@ -68,14 +69,14 @@ def test_a_cascading_layer_budget_shares_each_layers_final_total_across_its_head
     from the start would keep (the kept sets are nested in the budget), by the ranking of its own stage; the budgets are
     the cascade's, CAKE's the same as the per-layer cache's (its preference reads no evicted set)."""
     rankings: dict[int, torch.Tensor] = {}
-    rank = EvictionCache.rank
+    rank = CascadeStages.rank
 
-    def recording(cache, layer_idx, budget, scaling):
-        ranking = rank(cache, layer_idx, budget, scaling)
+    def recording(stages, layer_idx, budget, scaling):
+        ranking = rank(stages, layer_idx, budget, scaling)
         rankings[layer_idx] = ranking[0].clone()
         return ranking
 
-    monkeypatch.setattr(EvictionCache, "rank", recording)
+    monkeypatch.setattr(CascadeStages, "rank", recording)
     prompt = random_prompt(90)
     runner = engine(tiny_model(layers=4), spec, 24, **params)
     cache = runner.new_cache(len(prompt))

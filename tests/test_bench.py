@@ -13,10 +13,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from kvbench import PROJECT_ROOT
-from kvbench.bench.measure import Clock, PeakMemory, rotations
+from kvbench.bench.measure import Clock, Operators, PeakMemory, rotations
 from kvbench.bench.report import targets
 from kvbench.bench.sections import PARAGRAPH, prompt_tokens
 from kvbench.cli import main
@@ -102,6 +103,22 @@ def test_prefill_overhead_is_each_policy_over_full(bench):
             assert ratio == pytest.approx(median_ratio(raw[spec][length], raw["full"][length]))
             cpu = results["prefill_overhead_cpu"][spec][length]
             assert cpu == pytest.approx(median_ratio(raw[spec][length], raw["full"][length], "cpu"))
+
+
+def test_prefill_operators_count_each_prefill_against_full(bench):
+    """Every policy's prefill dispatches what full's does and its scoring on top; a recount of a count matches it."""
+    results, out = bench
+    counts = results["prefill_operators"]["by_policy"]
+    assert results["prefill_operators"]["prompt_length"] == 96
+    assert set(counts) == {"full", "sink", "snapkv", "h2o+obcache_joint"}
+    for row in counts.values():
+        assert row["ratio"] == pytest.approx(row["operators"] / counts["full"]["operators"])
+        assert row["ratio"] >= 1.0 and row["host_reads"] >= 0
+    assert counts["h2o+obcache_joint"]["ratio"] > counts["sink"]["ratio"]
+    with Operators() as counted:
+        torch.ones(3).add(1).sum().item()
+    assert counted.figures() == {"operators": 4, "host_reads": 1}  # ones, add, sum, the read (a view is none)
+    assert "## Operators a prefill of 96 tokens dispatches" in (out / "bench.md").read_text()
 
 
 def test_decode_ratio_is_longest_over_shortest_prompt(bench):

@@ -99,3 +99,17 @@ def test_expected_attention_without_a_rotary_embedding_is_one_line():
     keys = torch.zeros(1, 2, 8, 4)
     with pytest.raises(KVBenchError, match="rotary embedding"):
         policy.score(ScoreContext(keys, keys, torch.arange(8).expand(1, 2, 8), None, 0))
+
+
+@pytest.mark.parametrize("regime,decode_evict", [("oneshot", False), ("chunked", False), ("oneshot", True)])
+def test_the_prompts_queries_are_held_only_while_an_eviction_may_read_them(regime, decode_evict):
+    """Expected Attention's window is every query of the prompt: once no forward evicts after it, no layer holds it
+    (32 layers × the prompt's queries would outweigh the kept cache); where decoding evicts, each layer keeps it."""
+    runner = engine(tiny_model(), "expected_attention", BUDGET, regime, n_sink=SINKS, n_future_positions=FUTURE)
+    runner.decode_evict = decode_evict
+    output = runner.generate(random_prompt(60), 3)
+    cache = runner.new_cache(60)
+    runner.prefill(cache, random_prompt(60))
+    held = [layer.recent_queries is not None for layer in cache.eviction_layers]
+    assert held == [decode_evict] * len(held)
+    assert len(output.token_ids) == 3

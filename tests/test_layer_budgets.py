@@ -11,6 +11,7 @@ from kvbench.config import compose
 from kvbench.engine import Engine
 from kvbench.engine.attention import sdpa_attention
 from kvbench.engine.cache import EvictionCache
+from kvbench.engine.cascade import CascadeStages
 from kvbench.errors import KVBenchError
 from kvbench.job import resolve
 from kvbench.policies import build_policy
@@ -242,41 +243,53 @@ def test_smollm2_dynamic_budgets(spec):
 
 
 @pytest.mark.parametrize(
-    "spec,params",
+    "spec,params,recorded",
     [
-        ("cake", {}),
-        ("cake+calidrop", {}),  # attending: each eviction hands its entries on
-        ("cake+slake", {"layer_budget": VABS}),
-        ("cake+adakv", {}),
+        ("cake", {}, True),
+        ("cake+calidrop", {}, False),  # attending: each eviction hands its entries on
+        ("cake+slake", {"layer_budget": VABS}, False),
+        ("cake+adakv", {}, False),  # head-wise: each head's share of the layer's budget
     ],
 )
 @torch.inference_mode()
-def test_a_cascade_gathers_each_layer_once_and_keeps_what_gathering_at_every_stage_keeps(
-    llama, spec, params, monkeypatch
+def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_at_every_stage_keeps(
+    llama, spec, params, recorded, monkeypatch
 ):
-    """A cascade re-evicts earlier layers at every stage; their keys/values are gathered once, when the forward
-    ends, from the slots every eviction kept: the same entries, bytes and decoded tokens as gathering each time."""
+    """A cascade shrinks earlier layers at every stage. Where nothing reads the entries an eviction drops, a layer is
+    selected once, at its last budget; elsewhere each stage selects, and the keys/values are gathered once, when the
+    forward ends. Either way: the same entries, bytes and decoded tokens as evicting and gathering at every stage."""
+    import kvbench.engine.cache as cache_module
     import kvbench.engine.layer as layer_module
 
     prompt, budget = random_prompt(150), 36
-    gathers = []
-    take_slots = layer_module.take_slots
+    gathers, selections = [], []
+    take_slots, top_slots = layer_module.take_slots, cache_module.top_slots
     monkeypatch.setattr(layer_module, "take_slots", lambda *args: gathers.append(1) or take_slots(*args))
-    keep = layer_module.EvictionLayer.keep
+    monkeypatch.setattr(cache_module, "top_slots", lambda *args: selections.append(1) or top_slots(*args))
+    keep, stages = layer_module.EvictionLayer.keep, CascadeStages.__init__
+
+    def per_stage(stages: CascadeStages) -> None:
+        stages.records = False
+
     runs = {}
-    for defer in (True, False):
-        if not defer:  # every eviction gathers at once
+    for mode in ("recorded", "per_stage", "eager"):
+        if mode == "per_stage":  # every stage evicts the layers over their budgets
+            monkeypatch.setattr(CascadeStages, "__init__", lambda self, cache: stages(self, cache) or per_stage(self))
+        if mode == "eager":  # every eviction gathers at once
             monkeypatch.setattr(layer_module.EvictionLayer, "keep", lambda self, kept, defer=False: keep(self, kept))
-        gathers.clear()
+        gathers.clear(), selections.clear()
         engine = Engine(llama, build_policy(spec, {"window": 8, **params}), budget)
         cache = engine.new_cache(len(prompt))
         engine.prefill(cache, prompt)
-        runs[defer] = (cache, len(gathers), engine.generate(random_prompt(150), 6))
-    (deferred, fewer, output), (eager, more, reference) = runs[True], runs[False]
-    assert fewer < more if spec != "cake+adakv" else fewer == more  # head-wise layers pack what they keep at once
-    assert deferred.peak_bytes == eager.peak_bytes and deferred.live_bytes == eager.live_bytes
-    assert deferred.kept_by_head() == eager.kept_by_head()
-    for a, b in zip(deferred.eviction_layers, eager.eviction_layers):
-        assert a.deferred_slots is None
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-    assert output.token_ids == reference.token_ids and output.kv == reference.kv
+        runs[mode] = (cache, len(gathers), len(selections), engine.generate(random_prompt(150), 6))
+    (recorded_cache, *counts, output), reference = runs["recorded"], runs["eager"]
+    assert (counts[1] < runs["per_stage"][2]) == recorded  # selections
+    assert counts[0] <= runs["per_stage"][1]
+    assert (runs["per_stage"][1] < reference[1]) == (spec != "cake+adakv")  # head-wise layers pack what they keep
+    for cache in (recorded_cache, runs["per_stage"][0]):
+        assert cache.peak_bytes == reference[0].peak_bytes and cache.live_bytes == reference[0].live_bytes
+        assert cache.kept_by_head() == reference[0].kept_by_head()
+        for a, b in zip(cache.eviction_layers, reference[0].eviction_layers):
+            assert a.deferred_slots is None
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert output.token_ids == reference[3].token_ids and output.kv == reference[3].kv

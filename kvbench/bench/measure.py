@@ -1,5 +1,5 @@
-"""Measuring: wall and CPU clocks (CUDA events on CUDA), peak process memory, and the interleaving and
-medians every comparison of ``kvbench bench`` is made of.
+"""Measuring: wall and CPU clocks (CUDA events on CUDA), peak process memory, the operators a call dispatches,
+and the interleaving and medians every comparison of ``kvbench bench`` is made of.
 
 The machines are shared, so every comparison is a ratio of medians over repetitions taken in one run, with
 the compared variants interleaved (in a rotating order) within every repetition. CPU time
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvbench.allocator import release_freed_memory
 from kvbench.errors import KVBenchError
@@ -77,6 +78,33 @@ class Clock:
         finally:
             for handle in handles:
                 handle.remove()
+
+
+class Operators(TorchDispatchMode):
+    """Counts the ATen operators a block dispatches (``with Operators() as counted: ...``), the same on every device:
+    ``launched``, those that compute (on a GPU each at least one kernel launch: views and metadata left out), and
+    ``host_reads``, the tensor values read back by the host (``.item()``, ``int(t)``: on a GPU each a synchronisation).
+    Triton kernels are not ATen operators: a fused pass counts as none."""
+
+    #: operators that only describe a tensor differently (no kernel)
+    VIEWS = frozenset(
+        "view _unsafe_view _reshape_alias expand slice select t transpose unsqueeze squeeze permute alias as_strided "
+        "detach detach_ unbind split split_with_sizes diagonal unflatten narrow lift_fresh".split()
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launched = 0
+        self.host_reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        self.launched += name not in self.VIEWS
+        self.host_reads += name == "_local_scalar_dense"
+        return func(*args, **(kwargs or {}))
+
+    def figures(self) -> dict[str, int]:
+        return {"operators": self.launched, "host_reads": self.host_reads}
 
 
 class PeakMemory:

@@ -124,6 +124,14 @@ def markdown(results: dict[str, Any]) -> str:
             [spec, *(f"{ratios[n]:.3f} ({cpu[spec][n]:.3f})" for n in lengths)] for spec, ratios in overhead.items()
         ]
         lines += _table(["policy", *(f"{n} tokens" for n in lengths)], rows)
+    if results.get("prefill_operators"):
+        counts = results["prefill_operators"]
+        lines += ["", f"## Operators a prefill of {counts['prompt_length']} tokens dispatches", ""]
+        rows = [
+            [spec, row["operators"], f"{row['ratio']:.2f}", row["host_reads"]]
+            for spec, row in counts["by_policy"].items()
+        ]
+        lines += _table(["policy", "operators", "÷ full's", "values read back by the host"], rows)
     if results["kv_bytes"]:
         lines += ["", "## KV-cache bytes at the longest prefill prompt (MiB)", ""]
         rows = []

@@ -2,7 +2,9 @@
 lengths is skipped):
 
 * ``prefill``  — prefill time with scoring and eviction against the same prefill with ``policy=full``,
-  per policy and prompt length (``prefill_overhead``: ratio of medians, wall clock; CPU-time ratios beside).
+  per policy and prompt length (``prefill_overhead``: ratio of medians, wall clock; CPU-time ratios beside),
+  and the operators a prefill of the shortest prompt dispatches and the values it reads back (``prefill_operators``:
+  on a GPU the kernel launches and host synchronisations, counted the same on any device).
 * ``decode``   — per-token decode latency at the fixed budget as the prompt grows
   (``decode_latency_ratio``: longest / shortest prompt).
 * ``memory``   — KV-cache bytes and the process's peak memory (peak RSS, or CUDA peak allocation) under
@@ -29,7 +31,7 @@ import transformers
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import config_dict
-from kvbench.bench.measure import Clock, PeakMemory, median_ratio, rotations, summary
+from kvbench.bench.measure import Clock, Operators, PeakMemory, median_ratio, rotations, summary
 from kvbench.engine import Engine
 from kvbench.errors import KVBenchError, choose
 from kvbench.models import LoadedModel, load_model
@@ -180,6 +182,10 @@ class Bench:
                         kv[spec][str(length)] = self.kv_bytes(self.engine(spec), output.kv, length)
                 log.info("prefill repetition %d, %d tokens done", repetition + 1, length)
         raw = {spec: {str(n): summary(wall[spec][n], cpu[spec][n]) for n in lengths} for spec in policies}
+        shortest = min(lengths)  # untimed, at the shortest prompt: each operator goes through Python
+        operators = {spec: self.operators(spec, shortest) for spec in policies}
+        for row in operators.values():
+            row["ratio"] = row["operators"] / operators["full"]["operators"]
 
         def ratios(clock: str) -> dict[str, dict[str, float]]:
             return {
@@ -191,9 +197,17 @@ class Bench:
         return {
             "prefill_overhead": ratios("wall"),
             "prefill_overhead_cpu": ratios("cpu"),
+            "prefill_operators": {"prompt_length": shortest, "by_policy": operators},
             "kv_bytes": kv,
             "raw": {"prefill": raw},
         }
+
+    def operators(self, spec: str, length: int) -> dict[str, Any]:
+        """The operators one prefill of ``length`` tokens dispatches and the values it reads back
+        (:class:`~kvbench.bench.measure.Operators`): kernel launches and host synchronisations on a GPU."""
+        with Operators() as counted:
+            self.engine(spec).generate(self.prompt(length), 1)
+        return counted.figures()
 
     def kv_bytes(self, engine: Engine, stats, prompt_len: int) -> dict[str, Any]:
         """KV-cache bytes after prefill and at peak against the full cache of the prompt."""

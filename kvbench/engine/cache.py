@@ -20,6 +20,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvbench.engine import attention
+from kvbench.engine.cascade import CascadeStages
 from kvbench.engine.layer import EvictionLayer, in_cache_heads
 from kvbench.engine.selection import kept_per_head, reserved_slots, top_slots
 from kvbench.engine.sizes import CacheSizes
@@ -84,13 +85,13 @@ class EvictionCache(Cache):
         self.scoring_seconds = 0.0  # spent reconstructing the context (reconstruction.reconstruct)
         self.scored = False
         self.decoding = False
+        self.seen = 0  # the tokens the forwards declared so far (begin_forward)
+        self.last_eviction = False
         self.live_bytes = [0] * len(layer_budgets)
         self.peak_bytes = 0
         self.key_masks: list[torch.Tensor | None] = [None] * len(layer_budgets)
-        #: a shared prefill's window statistics and rankings while a cascade stage runs (:meth:`after_attention`)
-        self.cascade_shared: dict[tuple, Any] | None = None
-        #: while a cascade stage runs: its evictions defer gathering keys/values to the end of the forward
-        self.cascading = False
+        #: the cascade of the forward that allocates a dynamic layer budget, while it runs
+        self.stages: CascadeStages | None = None
 
     @property
     def eviction_layers(self) -> list[EvictionLayer]:
@@ -107,6 +108,9 @@ class EvictionCache(Cache):
         self.evict_now = evict
         self.scored = evict or self.decode_evict
         self.decoding = decoding
+        self.seen += positions.shape[-1]
+        #: no forward after this one evicts: what only an eviction reads is let go once this one has evicted
+        self.last_eviction = evict and not self.decode_evict and self.seen >= self.prompt_len
 
     def tokens_per_layer(self) -> list[int]:
         """Cached tokens per cache head, for every layer."""
@@ -179,39 +183,19 @@ class EvictionCache(Cache):
                 self._evict(index, budget, self._scores(index, budget, self.scaling), self.scaling, per_head)
             layer.received = None
 
-    # -- called by a dynamic layer budget's cascade (kvbench.policies.layer_budget.CascadedCache) ---------
-    def layer_size(self, layer_idx: int) -> int:
-        return self.eviction_layers[layer_idx].tokens_per_head()
-
-    def rank(self, layer_idx: int, budget: int, scaling: float) -> torch.Tensor:
-        """The layer's ranking ``[B,Hc,T]`` for ``budget`` (a shared prefill's, :meth:`_shared_scores`), kept as its
-        ranking for a later :meth:`evict`."""
-        layer = self.eviction_layers[layer_idx]
-        layer.ranking = self._shared_scores(layer_idx, budget, scaling, self.cascade_shared).float()
-        return layer.ranking
-
-    def preference_stats(self, layer_idx: int, scaling: float) -> AttentionStats:
+    # -- called by a cascade's stages (kvbench.engine.cascade) -----------------------------------------
+    def preference_stats(self, layer_idx: int, scaling: float, shared: dict | None) -> AttentionStats:
         """The attention statistics of the layer's observation window for its preference (a shared prefill's)."""
-        return self._window(layer_idx, self._preference_window(), scaling, self.cascade_shared)
+        return self._window(layer_idx, self._preference_window(), scaling, shared)
 
-    def evicted_by(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor:
-        """The slots ``[B,Hc,T]`` (True = evicted) that keeping ``budget`` by ``scores [B,Hc,T]`` would evict (each
-        head its own share where the policy shares the layer's budget across its heads)."""
-        tokens = self.eviction_layers[layer_idx].get_seq_length()
-        kept = kept_per_head(self.policy, scores, tokens, budget, self.prompt_len)
-        if kept is not None:
-            return ~kept
-        recent, sinks = reserved_slots(self.policy, tokens, budget, self.prompt_len)
-        kept = top_slots(scores, budget, recent, sinks)
-        return torch.ones_like(scores, dtype=torch.bool).scatter_(-1, kept, False)
-
-    def evict(self, layer_idx: int, budget: int, scaling: float) -> None:
-        """Evict the layer to ``budget`` by its kept ranking (:meth:`rank`, gathered by earlier evictions); a head-wise
-        layer shares ``budget × Hc`` across its heads again, from the entries each holds."""
+    def evict(self, layer_idx: int, budget: int, scaling: float, defer: bool = False) -> None:
+        """Evict the layer to ``budget`` by its kept ranking (gathered by earlier evictions), its keys and values
+        gathered later with ``defer``; a head-wise layer shares ``budget × Hc`` across its heads again, from the
+        entries each holds."""
         layer = self.eviction_layers[layer_idx]
         held = None if layer.headwise is None else layer.unpack(self.policy.reserved_sinks())
         assert layer.ranking is not None  # ranked at its own stage of this forward
-        self._evict(layer_idx, budget, layer.ranking, scaling, held=held)
+        self._evict(layer_idx, budget, layer.ranking, scaling, held=held, defer=defer)
 
     # -- called by the model / attention function ------------------------------------------------------
     def update(
@@ -225,7 +209,7 @@ class EvictionCache(Cache):
             layer.running_score = key_states.new_zeros(batch, heads, 0, dtype=torch.float32)
         assert self.new_positions is not None  # begin_forward comes before the model's forward
         layer.append(key_states, value_states, self.new_positions)
-        self._account(layer_idx)
+        self.account(layer_idx)
         keys, values, self.key_masks[layer_idx] = layer.attended()
         return keys, values
 
@@ -307,7 +291,7 @@ class EvictionCache(Cache):
             sinks = policy.reserved_sinks()
             layer.received[..., self.chunk] = reconstruction_attention(queries, layer.keys, sinks, self.chunk, scaling)
             layer.truncate(self.context_len)
-            self._account(layer_idx)
+            self.account(layer_idx)
             return
         if policy.running:
             assert layer.running_score is not None  # created by update for scored forwards
@@ -325,17 +309,16 @@ class EvictionCache(Cache):
         deferred = policy.statistic == "reconstruction"  # every layer scored first (evict_reconstructed)
         if self.evict_now and policy.evicts and not deferred and layer.get_seq_length() > budget:
             if self.allocation is not None and layer_idx == len(self.allocation.preferences):
-                self.cascade_shared = shared  # what the stage ranks and scores from (rank, preference_stats)
-                self.cascading = True
-                try:
-                    policy.layer_budget.cascade(self.allocation, self, layer_idx, scaling)
-                finally:
-                    self.cascade_shared, self.cascading = None, False
+                self.stages = self.stages or CascadeStages(self)
+                self.stages.shared = shared  # what the stage ranks and scores from
+                policy.layer_budget.cascade(self.allocation, self.stages, layer_idx, scaling)
             else:
-                self._evict(layer_idx, budget, self._shared_scores(layer_idx, budget, scaling, shared), scaling)
-        if self.allocation is not None and layer_idx == len(self.layers) - 1:  # what a cascade kept, gathered once
-            for each in self.eviction_layers:
-                each.gather_deferred()
+                self._evict(layer_idx, budget, self.shared_scores(layer_idx, budget, scaling, shared), scaling)
+        if window and self.last_eviction:  # Expected Attention's: the prompt's queries, not held for 32 layers
+            layer.recent_queries = layer.recent_query_positions = None
+        if self.stages is not None and layer_idx == len(self.layers) - 1:  # the cascade's evictions, made once
+            stages, self.stages = self.stages, None
+            stages.finish(scaling)
 
     # -- internals -------------------------------------------------------------------------------------
     def _allocation(self) -> CascadingAllocation | None:
@@ -376,7 +359,7 @@ class EvictionCache(Cache):
         window = policy.scoring_window(budget, self.prompt_len, self.decoding)
         return policy.ranking_key, recent, window, policy.reserved_sinks()
 
-    def _shared_scores(self, layer_idx: int, budget: int, scaling: float, shared: dict | None) -> torch.Tensor:
+    def shared_scores(self, layer_idx: int, budget: int, scaling: float, shared: dict | None) -> torch.Tensor:
         """:meth:`_scores`, taken from (or put in) ``shared`` under :meth:`ranking_key` with the layer's index."""
         key = None if shared is None else self.ranking_key(budget)
         if shared is None or key is None:
@@ -433,6 +416,7 @@ class EvictionCache(Cache):
         scaling: float,
         per_head: torch.Tensor | None = None,
         held: torch.Tensor | None = None,
+        defer: bool = False,
     ) -> None:
         """Keep the top ``budget`` slots per cache head by ``scores [B,Hc,T]`` (or head-wise: :func:`kept_per_head`),
         reserved slots first; hand the evicted entries to the attending modifiers."""
@@ -440,7 +424,7 @@ class EvictionCache(Cache):
         kept = kept_per_head(self.policy, scores, layer.get_seq_length(), budget, self.prompt_len, per_head, held)
         if kept is not None:
             layer.keep_per_head(kept, scores)
-            self._account(layer_idx)
+            self.account(layer_idx)
             return
         layer.ranking = scores.float()
         recent, sinks = reserved_slots(self.policy, layer.get_seq_length(), budget, self.prompt_len)
@@ -449,15 +433,16 @@ class EvictionCache(Cache):
             budget = sinks + recent + int(ranked)
         kept = top_slots(scores, budget, recent, sinks)
         evicted = layer.dropped_by(kept) if self.attending else None
-        layer.keep(kept, defer=self.cascading)
+        layer.keep(kept, defer=defer)
         if evicted is not None:  # i.e. there are attending modifiers
             assert layer.last_query is not None  # after_attention keeps it when modifiers attend
             for modifier in self.attending:
                 modifier.on_evict(layer.state_of(modifier), evicted, layer.last_query, scaling)
-        self._account(layer_idx)
+        self.account(layer_idx)
 
-    def _account(self, layer_idx: int) -> None:
-        self.live_bytes[layer_idx] = self.eviction_layers[layer_idx].held_bytes()
+    def account(self, layer_idx: int, tokens: int | None = None) -> None:
+        """The layer's bytes held (``tokens`` per cache head where an eviction to them is yet to be made)."""
+        self.live_bytes[layer_idx] = self.eviction_layers[layer_idx].held_bytes(tokens)
         self.peak_bytes = max(self.peak_bytes, sum(self.live_bytes))
 
     # -- transformers Cache API --------------------------------------------------------------------------

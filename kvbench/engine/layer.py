@@ -183,9 +183,11 @@ class EvictionLayer(DynamicLayer):
         held = 0 if self.headwise is None else int(self.headwise.lengths.sum()) // self.headwise.heads
         return held + self.get_seq_length()
 
-    def held_bytes(self) -> int:
-        """The bytes of the keys and values held."""
-        held = self.keys.numel() if self.deferred_slots is None else self.deferred_slots.numel() * self.keys.shape[-1]
+    def held_bytes(self, tokens: int | None = None) -> int:
+        """The bytes of the keys and values held (``tokens`` of them per cache head where given)."""
+        batch, heads, _, dim = self.keys.shape
+        slots = self.keys.shape[2] if self.deferred_slots is None else self.deferred_slots.shape[-1]
+        held = batch * heads * (slots if tokens is None else tokens) * dim
         entries = held + (0 if self.headwise is None else self.headwise.keys.numel())
         return 2 * entries * self.keys.element_size()
 

@@ -188,11 +188,12 @@ def spread(shares: np.ndarray, open_: np.ndarray, amount: int) -> None:
 
 class CascadedCache(Protocol):
     """What a dynamic strategy's :meth:`~LayerBudget.cascade` sees of the cache it allocates
-    (``kvbench.engine.cache.EvictionCache``): per-layer budgets it re-shares, and per layer its size, a ranking at
+    (``kvbench.engine.cascade.CascadeStages``): per-layer budgets it re-shares, and per layer its size, a ranking at
     a budget (kept as the layer's ranking), the attention of its observation window, the slots a budget would
     evict, and eviction to a budget by the kept ranking."""
 
-    layer_budgets: list[int]
+    @property
+    def layer_budgets(self) -> list[int]: ...  # re-shared in place
 
     def layer_size(self, layer_idx: int) -> int: ...
 

@@ -1,0 +1,104 @@
+"""One forward of CAKE's cascading allocation (CAKE Alg. 1) on an :class:`~kvbench.engine.cache.EvictionCache`: what a
+dynamic layer budget's :meth:`~kvbench.policies.layer_budget.LayerBudget.cascade` sees of the cache
+(:class:`~kvbench.policies.layer_budget.CascadedCache`).
+
+Each stage ranks its own layer and shrinks the earlier ones. A layer's evictions are recorded as its budget and made
+once, when the forward ends (:meth:`CascadeStages.finish`): budgets only shrink from stage to stage and a layer keeps
+the ranking of its own stage, so the top slots at its last budget are those the stages' successive evictions keep
+(tests/test_layer_budgets.py: cascading equals evicting once to the final budgets). One selection per layer instead of
+one per layer and later stage (L²/2 on a 32-layer model: 528 selections, each a handful of kernel launches on a GPU).
+Where an eviction hands its entries to attending modifiers, shares a layer's budget across its heads or keeps whole
+chunks, each stage evicts as it goes (its gathers of keys and values still made once at the end).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from kvbench.engine.layer import EvictionLayer
+from kvbench.engine.selection import kept_per_head, reserved_slots, top_slots
+from kvbench.policies.base import Policy
+from kvbench.policies.stats import AttentionStats
+
+
+class StagedCache(Protocol):
+    """What the stages use of the cache (:class:`~kvbench.engine.cache.EvictionCache`)."""
+
+    policy: Policy
+    prompt_len: int
+    layer_budgets: list[int]
+    attending: list
+
+    @property
+    def eviction_layers(self) -> list[EvictionLayer]: ...
+
+    def shared_scores(self, layer_idx: int, budget: int, scaling: float, shared: dict | None) -> torch.Tensor: ...
+
+    def preference_stats(self, layer_idx: int, scaling: float, shared: dict | None) -> AttentionStats: ...
+
+    def evict(self, layer_idx: int, budget: int, scaling: float, defer: bool = False) -> None: ...
+
+    def account(self, layer_idx: int, tokens: int | None = None) -> None: ...
+
+
+class CascadeStages:
+    """The stages of one forward's cascade over ``cache``; ``shared`` what the running stage ranks and scores from in a
+    shared prefill (its variants' rankings and window statistics)."""
+
+    def __init__(self, cache: StagedCache) -> None:
+        self.cache = cache
+        self.shared: dict[tuple, Any] | None = None
+        policy = cache.policy
+        #: whether an eviction only records the layer's budget (see the module's docstring)
+        self.records = not (cache.attending or policy.shares_heads or policy.keeps_ranked_only)
+        #: the budget each layer is to be evicted to when the forward ends
+        self.budgets: dict[int, int] = {}
+
+    @property
+    def layer_budgets(self) -> list[int]:
+        return self.cache.layer_budgets  # the cache's own list: a stage's slice assignment re-shares it
+
+    def layer_size(self, layer_idx: int) -> int:
+        held = self.cache.eviction_layers[layer_idx].tokens_per_head()
+        return min(held, self.budgets.get(layer_idx, held))
+
+    def rank(self, layer_idx: int, budget: int, scaling: float) -> torch.Tensor:
+        """The layer's ranking ``[B,Hc,T]`` at ``budget``, kept as its ranking for :meth:`evict`."""
+        layer = self.cache.eviction_layers[layer_idx]
+        layer.ranking = self.cache.shared_scores(layer_idx, budget, scaling, self.shared).float()
+        return layer.ranking
+
+    def preference_stats(self, layer_idx: int, scaling: float) -> AttentionStats:
+        """The attention statistics of the layer's observation window, for its preference."""
+        return self.cache.preference_stats(layer_idx, scaling, self.shared)
+
+    def evicted_by(self, layer_idx: int, budget: int, scores: torch.Tensor) -> torch.Tensor:
+        """The slots ``[B,Hc,T]`` (True = evicted) that keeping ``budget`` by ``scores [B,Hc,T]`` would evict (each
+        head its own share where the policy shares the layer's budget across its heads)."""
+        policy, prompt_len = self.cache.policy, self.cache.prompt_len
+        tokens = self.cache.eviction_layers[layer_idx].get_seq_length()
+        kept = kept_per_head(policy, scores, tokens, budget, prompt_len)
+        if kept is not None:
+            return ~kept
+        recent, sinks = reserved_slots(policy, tokens, budget, prompt_len)
+        kept = top_slots(scores, budget, recent, sinks)
+        return torch.ones_like(scores, dtype=torch.bool).scatter_(-1, kept, False)
+
+    def evict(self, layer_idx: int, budget: int, scaling: float) -> None:
+        """Evict the layer to ``budget`` by its stage's ranking: recorded, or made now (see the module's docstring)."""
+        layer = self.cache.eviction_layers[layer_idx]
+        if self.records and layer.headwise is None:
+            self.budgets[layer_idx] = budget
+            self.cache.account(layer_idx, budget)
+        else:
+            self.cache.evict(layer_idx, budget, scaling, defer=True)
+
+    def finish(self, scaling: float) -> None:
+        """Make the recorded evictions, then gather what every eviction kept."""
+        cache = self.cache
+        for layer_idx, budget in self.budgets.items():
+            cache.evict(layer_idx, budget, scaling, defer=True)
+        for layer in cache.eviction_layers:
+            layer.gather_deferred()
