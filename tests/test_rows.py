@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import kvbench.engine.rows as engine_module
+from kvbench.bench.measure import Operators
 from kvbench.engine import Engine
 from kvbench.engine.rows import Row, decode_rows, perplexity_rows
 from kvbench.policies import build_policy
@@ -78,6 +79,24 @@ def test_min_new_tokens_hold_per_row():
         rows.append(Row(engine, cache, engine.prefill(cache, prompt)[0, -1], len(prompt), 6, stop, minimum))
     outputs = decode_rows(rows, batch_size=2)
     assert outputs[0].token_ids == [] and [output.token_ids for output in outputs] == [e.token_ids for e in expected]
+
+
+def test_a_decode_step_reads_nothing_back_row_by_row():
+    """Rows that do not evict while decoding: the step's positions come from the host and every row's greedy token
+    from one argmax (read back once: ``.tolist()``, no operator on a CPU), so no value is read back row by row; the
+    tokens are each row's alone."""
+    model = tiny_model()
+    engine = Engine(model, build_policy("snapkv", {"window": 8}), 24)
+    prompts = [random_prompt(length, seed=length) for length in (40, 64, 90, 33)]
+    alone = [engine.generate(prompt, 6) for prompt in prompts]
+    rows = []
+    for prompt in prompts:
+        cache = engine.new_cache(len(prompt))
+        rows.append(Row(engine, cache, engine.prefill(cache, prompt)[0, -1], len(prompt), 6))
+    with Operators() as counted:
+        outputs = decode_rows(rows, batch_size=4)
+    assert counted.host_reads == 0
+    assert [output.token_ids for output in outputs] == [output.token_ids for output in alone]
 
 
 @pytest.mark.model

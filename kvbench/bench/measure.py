@@ -83,7 +83,8 @@ class Clock:
 class Operators(TorchDispatchMode):
     """Counts the ATen operators a block dispatches (``with Operators() as counted: ...``), the same on every device:
     ``launched``, those that compute (on a GPU each at least one kernel launch: views and metadata left out), and
-    ``host_reads``, the tensor values read back by the host (``.item()``, ``int(t)``: on a GPU each a synchronisation).
+    ``host_reads``, the tensor values read back by the host (``.item()``, ``int(t)``, an accelerator's ``.tolist()``:
+    on a GPU each a synchronisation; on a CPU ``.tolist()`` dispatches nothing).
     Triton kernels are not ATen operators: a fused pass counts as none."""
 
     #: operators that only describe a tensor differently (no kernel)
@@ -100,11 +101,17 @@ class Operators(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
         self.launched += name not in self.VIEWS
-        self.host_reads += name == "_local_scalar_dense"
+        self.host_reads += name == "_local_scalar_dense" or (name == "_to_copy" and copies_to_host(args, kwargs))
         return func(*args, **(kwargs or {}))
 
     def figures(self) -> dict[str, int]:
         return {"operators": self.launched, "host_reads": self.host_reads}
+
+
+def copies_to_host(args, kwargs) -> bool:
+    """Whether a ``_to_copy`` brings an accelerator's tensor to the host (``.cpu()``, ``.tolist()`` on a GPU)."""
+    device = (kwargs or {}).get("device")
+    return device is not None and torch.device(device).type == "cpu" and args[0].device.type != "cpu"
 
 
 class PeakMemory:

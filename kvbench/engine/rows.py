@@ -43,21 +43,33 @@ class Row:
     scoring_seconds: float = 0.0  # of prefill_seconds, the context's reconstruction
     generated: list[int] = field(default_factory=list)
     decode_seconds: float = 0.0
+    #: the greedy choice from ``logits`` where a step of several rows made it (:func:`greedy_tokens`)
+    chosen: int | None = None
 
     def next_token(self) -> int | None:
         """The greedy choice from the row's logits, or None when the row is done (a stop token, or its last)."""
         if len(self.generated) >= self.max_new_tokens:
             return None
-        scores = self.logits
-        stop = self.stop_token_ids
-        if len(self.generated) < self.min_new_tokens and len(stop):
-            banned = torch.tensor(sorted(set(stop)), dtype=torch.long, device=scores.device)
-            scores = scores.index_fill(0, banned, float("-inf"))
-        token = int(scores.argmax())
-        if token in stop:
+        token, self.chosen = greedy_tokens([self], self.logits[None])[0] if self.chosen is None else self.chosen, None
+        if token in self.stop_token_ids:
             return None
         self.generated.append(token)
         return None if len(self.generated) == self.max_new_tokens else token
+
+
+def greedy_tokens(rows: Sequence[Row], logits: torch.Tensor) -> list[int]:
+    """Each row's greedy choice from its logits ``[N,V]``, a stop token never chosen before the row's
+    ``min_new_tokens``: one argmax and one read back for all rows."""
+    banned = [
+        (place, token)
+        for place, row in enumerate(rows)
+        if len(row.generated) < row.min_new_tokens
+        for token in sorted(set(row.stop_token_ids))
+    ]
+    if banned:
+        where = torch.tensor(banned, device=logits.device).T  # [2,K]: (row, token) pairs
+        logits = logits.index_put((where[0], where[1]), logits.new_tensor(float("-inf")))
+    return logits.argmax(dim=-1).tolist()
 
 
 @torch.inference_mode()
@@ -137,8 +149,9 @@ def finished_rows(
                 stepping.append((index, token))
         if stepping:
             logits = step_rows([(held[index], token) for index, token in stepping])  # [N,V]
+            chosen = greedy_tokens([held[index] for index, _ in stepping], logits)
             for place, (index, _) in enumerate(stepping):
-                held[index].logits = logits[place]
+                held[index].logits, held[index].chosen = logits[place], chosen[place]
         active = [index for index, _ in stepping]
         share = (lead.now() - start) / max(len(stepping), 1)
         for index in active:
@@ -170,8 +183,8 @@ def forward_rows(
     cache as :meth:`Runner.step` feeds it alone. Returns the logits ``[N,q|1,V]``."""
     length = len(token_ids[0])
     positions = torch.tensor([[start + offset for offset in range(length)] for start in starts], device=lead.device)
-    for cache, where, evict in zip(caches, positions, evicts):
-        cache.begin_forward(where, evict=evict, decoding=int(where[0]) >= cache.prompt_len)
+    for cache, where, start, evict in zip(caches, positions, starts, evicts):
+        cache.begin_forward(where, evict=evict, decoding=start >= cache.prompt_len)
     rows = RowBatch(caches, padded=lead.rows_attention == "padded")
     return lead.forward(rows, torch.tensor(token_ids, device=lead.device), positions, all_logits)
 
