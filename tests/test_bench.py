@@ -245,8 +245,9 @@ def test_grid_is_separate_processes_over_one_grouped_sweep(bench):
     assert (rows["rows"], rows["new_tokens"], rows["policy"]) == (3, 4, "snapkv@64") and rows["tokens_equal"]
     ratio = rows["rows_tokens_per_second"] / rows["one_row_tokens_per_second"]
     assert rows["speed_ratio"] == pytest.approx(ratio) and rows["padded_tokens_equal"]
-    padded = rows["padded_rows_tokens_per_second"] / rows["one_row_tokens_per_second"]
-    assert rows["padded_speed_ratio"] == pytest.approx(padded)
+    for kind in ("padded", "stored"):
+        together = rows[f"{kind}_rows_tokens_per_second"] / rows["one_row_tokens_per_second"]
+        assert rows[f"{kind}_speed_ratio"] == pytest.approx(together) and rows[f"{kind}_tokens_equal"]
     assert results["targets"]["rows_decode_speed_ratio"]["value"] == rows["speed_ratio"]
     assert rows["memory"]["peak_rss_delta_bytes"] >= 0 and rows["memory"]["rows_cache_peak_bytes"] > 0
 
@@ -428,7 +429,8 @@ def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_com
     assert list(cfg.bench.prefill.prompt_lengths) == [8192, 32768] and cfg.bench.grid.context_length == 8192
     assert {"h2o", "h2o+obcache_joint", "snapkv"} <= set(cfg.bench.prefill.policies)
     board = cfg.bench.leaderboard_grid
-    assert board.num_samples == 1 and list(board.overrides) == ["model=smollm2_135m_random"]
+    assert board.num_samples == 1
+    assert list(board.overrides) == ["model=smollm2_135m_random", "engine.rows_attention=stored"]
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -184,12 +184,12 @@ def test_bench_on_cuda_times_with_events_and_reports_cuda_memory(tmp_path):
     assert "CUDA peak − before" in (tmp_path / "bench.md").read_text()
 
 
-@pytest.mark.parametrize("rows_attention", ["each", "padded"])
+@pytest.mark.parametrize("rows_attention", ["each", "padded", "stored"])
 def test_the_grid_engine_on_the_device_gives_each_variant_its_own_run_in_bf16(cuda_model, rows_attention):
     """The grouped paths on the GPU in bfloat16: the registry's variants at two budgets and both head layouts, the
     oneshot ones prefilled by one shared forward, the query-agnostic ones (KVzip) answering from a compressed
-    context, all decoded 8 rows at a time (:func:`~tests.helpers.generated_shared`), each row attended alone or
-    padded into one call per layer (``engine.rows_attention``): each keeps its own run's cache
+    context, all decoded 8 rows at a time (:func:`~tests.helpers.generated_shared`), each row attended alone,
+    padded into one call per layer or held together (``engine.rows_attention``): each keeps its own run's cache
     sizes, and its tokens up to bfloat16 rounding (a batched matmul may round a logit another way than one row's:
     at least 95 % of all tokens and every variant's first token equal)."""
     prompt = random_prompt(160)

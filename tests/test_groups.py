@@ -21,6 +21,7 @@ from kvbench.engine import Engine
 from kvbench.engine.batches import sums_key
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.shared import generate_shared
+from kvbench.engine.store import Shelf
 from kvbench.errors import KVBenchError, SharedPassWarning
 from kvbench.policies import build_policy
 from kvbench.run import group_key, run, run_group
@@ -99,6 +100,26 @@ def test_a_group_gives_what_separate_runs_give(tmp_path, load_count, share_prefi
     assert (max(timing["prefill_shared_by"] for timing in timings) > 1) == share_prefill
     for number, spec in enumerate(VARIANTS):
         assert outcome(tmp_path / "grouped" / str(number)) == outcome(tmp_path / "separate" / str(number)), spec
+
+
+def test_stored_rows_give_what_separate_runs_attended_each_alone_give(tmp_path, monkeypatch):
+    """``engine.rows_attention=stored``: a group's rows that only append and attend decode held together (the others,
+    attending, head-wise or evicting as they decode, alone); each run's predictions, kept sets and cache sizes are
+    those of its run with every row attended alone."""
+    specs = ["full", "snapkv", "pyramidkv", "cake", "h2o", "snapkv+calidrop", "snapkv+adakv", "tova"]
+    settings = [*TINY, "task.num_samples=2", "budget=64", "engine.batch_size=8"]
+    alone = [compose([*settings, f"policy={spec}"]) for spec in specs]
+    stored = [compose([*settings, f"policy={spec}", "engine.rows_attention=stored"]) for spec in specs]
+    run_group([(cfg, tmp_path / "each" / str(number)) for number, cfg in enumerate(alone)], True)
+    added: list[str] = []
+    add = Shelf.add
+    monkeypatch.setattr(
+        Shelf, "add", lambda shelf, cache, position: added.append(cache.policy.spec) or add(shelf, cache, position)
+    )
+    run_group([(cfg, tmp_path / "stored" / str(number)) for number, cfg in enumerate(stored)], True)
+    assert set(added) == {"full", "snapkv", "pyramidkv", "cake", "h2o", "tova"}  # not those attending or head-wise
+    for number, spec in enumerate(specs):
+        assert outcome(tmp_path / "stored" / str(number)) == outcome(tmp_path / "each" / str(number)), spec
 
 
 def test_a_single_jobs_failing_sample_is_its_error_raised_and_what_it_wrote_is_kept(tmp_path, monkeypatch):

@@ -21,7 +21,13 @@ from tests.helpers import (
 
 
 @pytest.mark.parametrize(
-    ("architecture", "rows_attention"), [*((name, "each") for name in sorted(ARCHITECTURES)), ("llama", "padded")]
+    ("architecture", "rows_attention"),
+    [
+        *((name, "each") for name in sorted(ARCHITECTURES)),
+        ("llama", "padded"),
+        ("llama", "stored"),
+        ("qwen2", "stored"),
+    ],
 )
 def test_variants_decoded_as_rows_give_what_each_gives_alone(architecture, rows_attention):
     """Every base × {none, each applicable modifier}, both head layouts, oneshot and chunked (which evicts at every
@@ -48,7 +54,9 @@ def test_rows_of_different_prompts_stop_alone_and_leave_the_batch(monkeypatch):
     stops = [[alone[2].token_ids[2]], []]  # the third row stops on its own third token
     sizes: list[int] = []
     step_rows = engine_module.step_rows
-    monkeypatch.setattr(engine_module, "step_rows", lambda stepping: sizes.append(len(stepping)) or step_rows(stepping))
+    monkeypatch.setattr(
+        engine_module, "step_rows", lambda stepping, store: sizes.append(len(stepping)) or step_rows(stepping, store)
+    )
     rows = []
     for index, (prompt, limit) in enumerate(zip(prompts, limits)):
         cache = engine.new_cache(len(prompt))
@@ -79,6 +87,32 @@ def test_min_new_tokens_hold_per_row():
         rows.append(Row(engine, cache, engine.prefill(cache, prompt)[0, -1], len(prompt), 6, stop, minimum))
     outputs = decode_rows(rows, batch_size=2)
     assert outputs[0].token_ids == [] and [output.token_ids for output in outputs] == [e.token_ids for e in expected]
+
+
+@pytest.mark.parametrize("rows_attention", ["each", "stored"])
+def test_stored_rows_step_in_operators_per_layer_not_per_row(rows_attention):
+    """A decode step of rows that only append and attend, held together (``engine.rows_attention=stored``), dispatches
+    as many operators for 12 rows as for 4 (each layer one scatter and one attention for all); attended each alone,
+    more with every row. The tokens are each row's alone."""
+    model = tiny_model()
+    engine = Engine(model, build_policy("snapkv", {"window": 8}), 24, rows_attention=rows_attention)
+    prompts = [random_prompt(40 + 7 * index, seed=index) for index in range(12)]
+
+    def per_step(count: int) -> float:
+        operators = []
+        for new_tokens in (4, 8):
+            rows = []
+            for prompt in prompts[:count]:
+                cache = engine.new_cache(len(prompt))
+                rows.append(Row(engine, cache, engine.prefill(cache, prompt)[0, -1], len(prompt), new_tokens))
+            with Operators() as counted:
+                outputs = decode_rows(rows, batch_size=count)
+            operators.append(counted.launched)
+        assert [output.token_ids for output in outputs] == [engine.generate(p, 8).token_ids for p in prompts[:count]]
+        return (operators[1] - operators[0]) / 4
+
+    few, many = per_step(4), per_step(12)
+    assert few == many if rows_attention == "stored" else many > few + 8 * 4 * 2  # ≥ a few per row and layer
 
 
 def test_a_decode_step_reads_nothing_back_row_by_row():
@@ -244,10 +278,10 @@ def test_rows_made_on_demand_join_the_batch_as_they_fit_and_give_what_each_gives
     steps: list[set[int]] = []
     step_rows = engine_module.step_rows
 
-    def stepped(stepping):
+    def stepped(stepping, store):
         held.append(len(rows) - len(finished))
         steps.append({group_of[rows.index(row)] for row, _ in stepping})
-        return step_rows(stepping)
+        return step_rows(stepping, store)
 
     monkeypatch.setattr(engine_module, "step_rows", stepped)
 

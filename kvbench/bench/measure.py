@@ -101,7 +101,10 @@ class Operators(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
         self.launched += name not in self.VIEWS
-        self.host_reads += name == "_local_scalar_dense" or (name == "_to_copy" and copies_to_host(args, kwargs))
+        # a read is ``item`` under inference mode, ``_local_scalar_dense`` outside it
+        self.host_reads += name in ("item", "_local_scalar_dense") or (
+            name == "_to_copy" and copies_to_host(args, kwargs)
+        )
         return func(*args, **(kwargs or {}))
 
     def figures(self) -> dict[str, int]:

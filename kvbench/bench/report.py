@@ -298,6 +298,9 @@ def markdown(results: dict[str, Any]) -> str:
                 "padded: tokens/s",
                 "padded: speed ratio",
                 "padded: same tokens",
+                "stored: tokens/s",
+                "stored: speed ratio",
+                "stored: same tokens",
                 "peak MiB",
                 "caches MiB",
             ],
@@ -307,9 +310,15 @@ def markdown(results: dict[str, Any]) -> str:
                     f"{decoding['rows_tokens_per_second']:.1f}",
                     f"{decoding['speed_ratio']:.2f}",
                     decoding["tokens_equal"],
-                    f"{decoding['padded_rows_tokens_per_second']:.1f}",
-                    f"{decoding['padded_speed_ratio']:.2f}",
-                    decoding["padded_tokens_equal"],
+                    *(
+                        cell
+                        for kind in ("padded", "stored")
+                        for cell in (
+                            f"{decoding[f'{kind}_rows_tokens_per_second']:.1f}",
+                            f"{decoding[f'{kind}_speed_ratio']:.2f}",
+                            decoding[f"{kind}_tokens_equal"],
+                        )
+                    ),
                     _mib(decoding["memory"]["peak_rss_delta_bytes"]),
                     _mib(decoding["memory"]["rows_cache_peak_bytes"]),
                 ]

@@ -126,20 +126,20 @@ def flash_attention(module, query, key, value, scaling):
 def kvbench_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, kvbench_cache=None, **_):
     """Attention over the (budgeted) cache, decode modifiers and scoring/eviction by ``kvbench_cache`` if given;
     over a :class:`~kvbench.engine.batches.RowBatch`, each row ``query[r:r+1]`` over its own cache, at its own length
-    (no row padded: each gives what it gives alone). The leading parameters are in transformers' order, for
-    wrappers that pass them positionally (kvpress)."""
+    (no row padded: each gives what it gives alone), or a stored row with the others of its shelf. The leading
+    parameters are in transformers' order, for wrappers that pass them positionally (kvpress)."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if kvbench_cache is None:
         return sdpa_attention(query, key, value, scaling), None
     rows = getattr(kvbench_cache, "rows", None)
     if rows is not None:
-        attended = rows(module.layer_idx)
-        together = padded_outputs(module.layer_idx, query, attended, scaling) if kvbench_cache.padded else {}
+        attended, queries = rows(module.layer_idx), kvbench_cache.alone_queries(query)
+        together = padded_outputs(module.layer_idx, queries, attended, scaling) if kvbench_cache.padded else {}
         outputs = [
-            cache_attention(cache, module, query[row : row + 1], keys, values, scaling, together.get(row))
+            cache_attention(cache, module, queries[row : row + 1], keys, values, scaling, together.get(row))
             for row, (cache, keys, values) in enumerate(attended)
         ]
-        return torch.cat(outputs), None
+        return kvbench_cache.joined(module.layer_idx, query, outputs, scaling), None
     return cache_attention(kvbench_cache, module, query, key, value, scaling), None
 
 

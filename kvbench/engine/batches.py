@@ -10,6 +10,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvbench.engine.cache import EvictionCache, uses_normaliser
 from kvbench.engine.layer import in_cache_heads
+from kvbench.engine.store import RowStore
 from kvbench.policies.base import Policy, settings_key
 
 
@@ -93,28 +94,61 @@ class RowBatch(Cache):
     """The caches of several rows — one (sample, variant) each, with its own policy, budget, length per layer and
     positions — stepped by one model forward of batch ``N``: the model's weights apply to all rows at once, and each
     row's keys/values go to its own cache, which the attention function attends, scores and evicts row by row at the
-    row's own length (:func:`~kvbench.engine.attention.kvbench_attention`), as it would alone: no row is padded."""
+    row's own length (:func:`~kvbench.engine.attention.kvbench_attention`), as it would alone: no row is padded.
+    ``store``: the stored rows' shelves for this step (``engine.rows_attention=stored``), each appended and attended
+    in one call per layer; ``alone`` the batch places of the others (all rows without a store)."""
 
-    def __init__(self, caches: list[EvictionCache], padded: bool = False) -> None:
+    def __init__(
+        self,
+        caches: list[EvictionCache],
+        padded: bool = False,
+        store: RowStore | None = None,
+        alone: list[int] | None = None,
+    ) -> None:
         super().__init__(layers=[DynamicLayer() for _ in caches[0].layers])  # never filled: the model reads length 0
-        self.caches = caches
+        self.alone = list(range(len(caches))) if alone is None else alone
+        self.caches = [caches[place] for place in self.alone]
         #: ``engine.rows_attention=padded``: a decode step's rows attended by one padded call per layer
         #: (:func:`~kvbench.engine.attention.padded_outputs`), else each by its own
         self.padded = padded
+        self.shelves = [] if store is None else store.stepping
         self.attended: list[tuple[torch.Tensor, torch.Tensor]] = []  # this layer's, each row's cache
+        self.everyone = len(self.alone) == len(caches)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append row ``r``'s keys/values ``[r:r+1]`` of ``[N,Hkv,q,D]`` to row ``r``'s cache; the rows' caches are
-        attended by :meth:`rows` (what is returned here is not read)."""
+        """Append row ``r``'s keys/values ``[r:r+1]`` of ``[N,Hkv,q,D]`` to row ``r``'s cache (the stored rows' to their
+        shelves); the rows' caches are attended by :meth:`rows` (what is returned here is not read)."""
+        for shelf in self.shelves:
+            shelf.append(layer_idx, key_states, value_states)
         self.attended = [
-            cache.update(key_states[row : row + 1], value_states[row : row + 1], layer_idx)
-            for row, cache in enumerate(self.caches)
+            cache.update(key_states[place : place + 1], value_states[place : place + 1], layer_idx)
+            for place, cache in zip(self.alone, self.caches)
         ]
         return key_states, value_states
 
     def rows(self, layer_idx: int) -> list[tuple[EvictionCache, torch.Tensor, torch.Tensor]]:
-        """Each row's cache with the keys/values ``[1,Hc,T_r,D]`` it holds at ``layer_idx`` (after :meth:`update`)."""
+        """Each row attended alone: its cache with the keys/values ``[1,Hc,T_r,D]`` it holds at ``layer_idx`` (after
+        :meth:`update`), in the order of :meth:`alone_queries`."""
         attended, self.attended = self.attended, []
         return [(cache, keys, values) for cache, (keys, values) in zip(self.caches, attended)]
+
+    def alone_queries(self, query: torch.Tensor) -> torch.Tensor:
+        """The queries ``[N,Hq,q,D]`` of the rows attended alone."""
+        return query if self.everyone else query[self.places(query)]
+
+    def places(self, query: torch.Tensor) -> torch.Tensor:
+        """The batch places of the rows attended alone, on the queries' device."""
+        return torch.tensor(self.alone, dtype=torch.long, device=query.device)
+
+    def joined(self, layer_idx: int, query: torch.Tensor, outputs: list[torch.Tensor], scaling: float) -> torch.Tensor:
+        """The batch's outputs ``[N,q,Hq,D]``: ``outputs`` of the rows attended alone and the shelves' own."""
+        if self.everyone:
+            return torch.cat(outputs)
+        joined = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+        for shelf in self.shelves:
+            joined.index_copy_(0, shelf.members, shelf.attend(layer_idx, query, scaling))
+        if outputs:
+            joined.index_copy_(0, self.places(query), torch.cat(outputs))
+        return joined

@@ -15,6 +15,7 @@ from kvbench.engine.cache import EvictionCache
 from kvbench.engine.memory import free_memory
 from kvbench.engine.runner import GenerationOutput, PerplexityOutput, Runner
 from kvbench.engine.sizes import CacheSizes
+from kvbench.engine.store import RowStore
 
 #: ``engine.batch_size=auto``: the rows' caches take at most this share of the free memory, and at most
 #: ``AUTO_MAX_ROWS`` rows decode together (:func:`batch_rows`). A grouped sweep's next sample joins as its rows fit
@@ -96,6 +97,7 @@ def finished_rows(
     at most the batch and the rows waiting, however many were decoded. Runs under inference mode at each step (a
     generator's caller may not be)."""
     held: dict[int, Row] = {}  # the rows made and not finished, by index
+    store: RowStore | None = None  # the rows held together (engine.rows_attention=stored), made with the first step
     after_prefill: dict[int, CacheSizes] = {}
     kept: dict[int, list[list[list[int]]] | None] = {}
     waiting, active = deque[int](), list[int]()
@@ -114,6 +116,8 @@ def finished_rows(
 
     def output(index: int) -> tuple[int, GenerationOutput]:
         row = held.pop(index)
+        if store is not None:
+            store.release(row.cache)
         kv = row.engine.cache_sizes(row.cache, after_prefill.pop(index), row.prompt_tokens + len(row.generated))
         stats = row.cache.policy_stats()
         finished = GenerationOutput(
@@ -133,6 +137,8 @@ def finished_rows(
         if not (waiting or active):
             return
         lead = held[(active or waiting)[0]].engine
+        if store is None and lead.rows_attention == "stored":
+            store = RowStore()
         start = lead.now()
         stepping: list[tuple[int, int]] = []  # (row index, its next token)
         done: list[int] = []
@@ -148,7 +154,7 @@ def finished_rows(
             else:
                 stepping.append((index, token))
         if stepping:
-            logits = step_rows([(held[index], token) for index, token in stepping])  # [N,V]
+            logits = step_rows([(held[index], token) for index, token in stepping], store)  # [N,V]
             chosen = greedy_tokens([held[index] for index, _ in stepping], logits)
             for place, (index, _) in enumerate(stepping):
                 held[index].logits, held[index].chosen = logits[place], chosen[place]
@@ -160,13 +166,18 @@ def finished_rows(
             yield output(index)
 
 
-def step_rows(stepping: list[tuple[Row, int]]) -> torch.Tensor:
+def step_rows(stepping: list[tuple[Row, int]], store: RowStore | None = None) -> torch.Tensor:
     """One forward of each row's next token at its position (the prompt's length plus what it generated before),
-    evicting as its engine decodes; returns the logits ``[N,V]``."""
+    evicting as its engine decodes (``store``: where the rows that only append and attend are held together);
+    returns the logits ``[N,V]``."""
     rows = [row for row, _ in stepping]
     positions = [row.prompt_tokens + len(row.generated) - 1 for row in rows]
     evicts = [row.engine.decode_evict for row in rows]
-    logits = forward_rows(rows[0].engine, [row.cache for row in rows], [[t] for _, t in stepping], positions, evicts)
+    caches, tokens = [row.cache for row in rows], [[token] for _, token in stepping]
+    alone = None
+    if store is not None:
+        alone = store.begin_step(caches, positions, [row.max_new_tokens - len(row.generated) + 1 for row in rows])
+    logits = forward_rows(rows[0].engine, caches, tokens, positions, evicts, store=store, alone=alone)
     return logits[:, -1]
 
 
@@ -177,15 +188,20 @@ def forward_rows(
     starts: list[int],
     evicts: list[bool],
     all_logits: bool = False,
+    store: RowStore | None = None,
+    alone: list[int] | None = None,
 ) -> torch.Tensor:
     """One forward of ``lead``'s model over rows of as many tokens each, row ``r``'s ``token_ids[r]`` at positions
     ``starts[r]..`` into ``caches[r]``, which evicts after it if ``evicts[r]``: through a :class:`RowBatch`, each
-    cache as :meth:`Runner.step` feeds it alone. Returns the logits ``[N,q|1,V]``."""
+    cache as :meth:`Runner.step` feeds it alone (but the rows of ``store`` outside ``alone``, which a step declared
+    to it). Returns the logits ``[N,q|1,V]``."""
     length = len(token_ids[0])
     positions = torch.tensor([[start + offset for offset in range(length)] for start in starts], device=lead.device)
-    for cache, where, start, evict in zip(caches, positions, starts, evicts):
-        cache.begin_forward(where, evict=evict, decoding=start >= cache.prompt_len)
-    rows = RowBatch(caches, padded=lead.rows_attention == "padded")
+    for place in range(len(caches)) if alone is None else alone:
+        caches[place].begin_forward(
+            positions[place], evict=evicts[place], decoding=starts[place] >= caches[place].prompt_len
+        )
+    rows = RowBatch(caches, padded=lead.rows_attention == "padded", store=store, alone=alone)
     return lead.forward(rows, torch.tensor(token_ids, device=lead.device), positions, all_logits)
 
 

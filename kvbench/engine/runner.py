@@ -33,8 +33,9 @@ from kvbench.policies.context import LayerWeights
 
 REGIMES = ["oneshot", "chunked", "streaming"]
 #: ``engine.rows_attention``: how a decode step attends its rows, each by its own backend call, or those with every
-#: key held by one padded SDPA call per layer (:func:`~kvbench.engine.attention.padded_outputs`)
-ROWS_ATTENTION = ["each", "padded"]
+#: key held by one padded SDPA call per layer (:func:`~kvbench.engine.attention.padded_outputs`), or those that only
+#: append and attend held together, one scatter and one SDPA call per layer (:mod:`~kvbench.engine.store`)
+ROWS_ATTENTION = ["each", "padded", "stored"]
 #: ``engine.sums_kernel``: how a running policy's sums are gathered, block by block in PyTorch or by one fused Triton
 #: pass (:mod:`kvbench.kernels.sums`: on CUDA, or on CPU under ``TRITON_INTERPRET=1``)
 SUMS_KERNELS = ["torch", "triton"]
