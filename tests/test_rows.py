@@ -9,6 +9,7 @@ import kvbench.engine.rows as engine_module
 from kvbench.bench.measure import Operators
 from kvbench.engine import Engine
 from kvbench.engine.rows import Row, decode_rows, perplexity_rows
+from kvbench.engine.store import RowStore
 from kvbench.policies import build_policy
 from tests.helpers import (
     ARCHITECTURES,
@@ -113,6 +114,25 @@ def test_stored_rows_step_in_operators_per_layer_not_per_row(rows_attention):
 
     few, many = per_step(4), per_step(12)
     assert few == many if rows_attention == "stored" else many > few + 8 * 4 * 2  # ≥ a few per row and layer
+
+
+def test_a_store_lets_each_shelf_go_once_its_rows_have_left(monkeypatch):
+    """Rows of prompts of several lengths on shelves of several capacities, joining as places free: when the decode
+    ends every row has moved back into its own cache and no shelf is held."""
+    model = tiny_model()
+    engine = Engine(model, build_policy("full"), 400, rows_attention="stored")
+    prompts = [random_prompt(length, seed=length) for length in (20, 40, 70, 130, 33)]
+    alone = [engine.generate(prompt, 5).token_ids for prompt in prompts]
+    stores: list[RowStore] = []
+    monkeypatch.setattr(engine_module, "RowStore", lambda: stores.append(RowStore()) or stores[-1])
+    rows = []
+    for prompt in prompts:
+        cache = engine.new_cache(len(prompt))
+        rows.append(Row(engine, cache, engine.prefill(cache, prompt)[0, -1], len(prompt), 5))
+    outputs = decode_rows(rows, batch_size=2)
+    assert [output.token_ids for output in outputs] == alone
+    assert len(stores) == 1 and stores[0].shelves == {} and stores[0].places == {}
+    assert [row.cache.get_seq_length() for row in rows] == [len(prompt) + 4 for prompt in prompts]
 
 
 def test_a_decode_step_reads_nothing_back_row_by_row():

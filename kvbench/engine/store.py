@@ -166,7 +166,10 @@ class RowStore:
         return alone
 
     def release(self, cache: EvictionCache) -> None:
-        """Move a leaving row's entries back into its cache (nothing where it was not stored)."""
+        """Move a leaving row's entries back into its cache (nothing where it was not stored); a shelf left empty is
+        let go (a long sweep's rows come and go: its shelves are those of the rows in flight)."""
         if id(cache) in self.places:
             shelf, slot = self.places.pop(id(cache))
             shelf.release(slot)
+            if all(owner is None for owner in shelf.owners):
+                self.shelves = {key: kept for key, kept in self.shelves.items() if kept is not shelf}
