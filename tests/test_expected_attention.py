@@ -113,3 +113,23 @@ def test_the_prompts_queries_are_held_only_while_an_eviction_may_read_them(regim
     held = [layer.recent_queries is not None for layer in cache.eviction_layers]
     assert held == [decode_evict] * len(held)
     assert len(output.token_ids) == 3
+
+
+@pytest.mark.parametrize("regime", ["oneshot", "chunked", "streaming"])
+def test_the_next_position_comes_from_the_host_and_is_one_past_the_newest_entry(regime, monkeypatch):
+    """Expected Attention averages RoPE from the next position on: the cache hands it over as counted on the host (no
+    value read back from the device at every layer), one past the newest cached position at every eviction, prefill
+    and decode."""
+    from kvbench.policies.methods.expected_attention import ExpectedAttention
+
+    seen: list[tuple[int | None, int]] = []
+    score = ExpectedAttention.score
+
+    def recording(policy, context):
+        seen.append((context.next_position, int(context.positions.max()) + 1))
+        return score(policy, context)
+
+    monkeypatch.setattr(ExpectedAttention, "score", recording)
+    runner = engine(tiny_model(), "expected_attention", BUDGET, regime, n_sink=SINKS, n_future_positions=FUTURE)
+    runner.generate(random_prompt(60), 4)
+    assert len(seen) >= 3 and all(given == newest for given, newest in seen)

@@ -396,7 +396,7 @@ class EvictionCache(Cache):
         weights = None if self.layer_weights is None else self.layer_weights[layer_idx]
         sinks = policy.reserved_sinks()
         return ScoreContext(
-            layer.keys, layer.values, layer.positions, summed, recent, window, weights, sinks, budget, shared
+            layer.keys, layer.values, layer.positions, summed, recent, window, weights, sinks, budget, shared, self.seen
         )
 
     def _window(self, layer_idx: int, size: int, scaling: float, shared: dict | None) -> AttentionStats:

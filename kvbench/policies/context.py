@@ -68,7 +68,9 @@ class ScoreContext:
       the layer keeps per cache head (the reserved included; 0 where unknown);
     * ``weights``: the layer's :class:`LayerWeights` (None in a cache built without a model);
     * ``shared``: where the variants of a shared prefill score the same entries, what they computed from the entries
-      alone (:meth:`once`), else None.
+      alone (:meth:`once`), else None;
+    * ``next_position``: the position the next token takes (the tokens the forwards declared, counted on the host),
+      or None: one past the newest cached position.
     """
 
     keys: torch.Tensor
@@ -81,6 +83,7 @@ class ScoreContext:
     sinks: int = 0
     budget: int = 0
     shared: dict[Hashable, Any] | None = None
+    next_position: int | None = None
 
     def once(self, name: Hashable, compute: Callable[[], T]) -> T:
         """``compute()``, a function of the entries and the layer's weights alone (not of the budget or the

@@ -72,7 +72,7 @@ class ExpectedAttention(Policy):
         cos, sin = weights.rotation(stats.query_positions)  # [W,D]
         queries = unrotated(stats.queries.float(), cos, sin)[:, :, stats.query_positions >= self.n_sink]  # [B,Hq,W',D]
         mean = queries.mean(dim=2)  # [B,Hq,D]
-        following = int(context.positions.max()) + 1
+        following = int(context.positions.max()) + 1 if context.next_position is None else context.next_position
         future = torch.arange(following, following + self.n_future_positions)
         rotation = context.once(
             ("rotation", following, self.n_future_positions), lambda: averaged_rotation(*weights.rotation(future))
