@@ -114,6 +114,7 @@ class RowBatch(Cache):
         self.shelves = [] if store is None else store.stepping
         self.attended: list[tuple[torch.Tensor, torch.Tensor]] = []  # this layer's, each row's cache
         self.everyone = len(self.alone) == len(caches)
+        self.alone_places: torch.Tensor | None = None  # ``alone`` on the queries' device, made once a step
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -139,8 +140,10 @@ class RowBatch(Cache):
         return query if self.everyone else query[self.places(query)]
 
     def places(self, query: torch.Tensor) -> torch.Tensor:
-        """The batch places of the rows attended alone, on the queries' device."""
-        return torch.tensor(self.alone, dtype=torch.long, device=query.device)
+        """The batch places of the rows attended alone, on the queries' device (made at the first layer)."""
+        if self.alone_places is None:
+            self.alone_places = torch.tensor(self.alone, dtype=torch.long, device=query.device)
+        return self.alone_places
 
     def joined(self, layer_idx: int, query: torch.Tensor, outputs: list[torch.Tensor], scaling: float) -> torch.Tensor:
         """The batch's outputs ``[N,q,Hq,D]``: ``outputs`` of the rows attended alone and the shelves' own."""

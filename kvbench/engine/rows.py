@@ -51,7 +51,8 @@ class Row:
         """The greedy choice from the row's logits, or None when the row is done (a stop token, or its last)."""
         if len(self.generated) >= self.max_new_tokens:
             return None
-        token, self.chosen = greedy_tokens([self], self.logits[None])[0] if self.chosen is None else self.chosen, None
+        token = greedy_tokens([self], self.logits[None])[0] if self.chosen is None else self.chosen
+        self.chosen = None
         if token in self.stop_token_ids:
             return None
         self.generated.append(token)

@@ -39,6 +39,7 @@ class Shelf:
         self.repeat_layout, self.query_heads = like.repeat_layout, like.num_query_heads
         self.dtype, self.device = first.dtype, first.device
         self.num_layers = len(like.eviction_layers)
+        self.head_index = torch.arange(self.heads, device=self.device)[None]  # [1,Hc]: every head of a slot
         self.keys: list[torch.Tensor] = [self._empty(0) for _ in range(self.num_layers)]
         self.values: list[torch.Tensor] = [self._empty(0) for _ in range(self.num_layers)]
         self.owners: list[EvictionCache | None] = []
@@ -56,11 +57,10 @@ class Shelf:
     def add(self, cache: EvictionCache, position: int) -> int:
         """Move ``cache``'s kept entries into a free slot (the row's first stored token at ``position``)."""
         if None not in self.owners:  # twice the slots: a step's appends stay one scatter
-            grown = max(1, 2 * len(self.owners))
+            added = max(1, len(self.owners))
             for index in range(self.num_layers):
-                self.keys[index] = torch.cat([self.keys[index], self._empty(grown - len(self.owners))])
-                self.values[index] = torch.cat([self.values[index], self._empty(grown - len(self.owners))])
-            added = grown - len(self.owners)
+                self.keys[index] = torch.cat([self.keys[index], self._empty(added)])
+                self.values[index] = torch.cat([self.values[index], self._empty(added)])
             self.owners += [None] * added
             self.lengths += [[0] * self.num_layers for _ in range(added)]
             self.kept += [[0] * self.num_layers for _ in range(added)]
@@ -106,8 +106,7 @@ class Shelf:
         keys, values = in_cache_heads(
             key_states[self.members], value_states[self.members], self.query_heads, self.repeat_layout
         )  # [n,Hc,1,D]
-        heads = torch.arange(self.heads, device=self.device)[None]
-        where = (self.slots[:, None], heads, self.write_at[:, layer, None])  # [n,Hc] each
+        where = (self.slots[:, None], self.head_index, self.write_at[:, layer, None])  # [n,Hc] each
         self.keys[layer].index_put_(where, keys[:, :, 0])
         self.values[layer].index_put_(where, values[:, :, 0])
 
@@ -137,9 +136,6 @@ class RowStore:
         self.places: dict[int, tuple[Shelf, int]] = {}  # id(cache) → its shelf and slot
         self.stepping: list[Shelf] = []
 
-    def holds(self, cache: EvictionCache) -> bool:
-        return id(cache) in self.places
-
     def begin_step(self, caches: list[EvictionCache], positions: list[int], to_come: list[int]) -> list[int]:
         """Store the step's storable rows not stored yet (``to_come``: the tokens each may still append) and declare
         the step; returns the batch places of the rows attended each alone."""
@@ -150,7 +146,9 @@ class RowStore:
                 needed = max(layer.get_seq_length() for layer in cache.eviction_layers) + more
                 capacity = 1 << max(needed - 1, 1).bit_length()
                 key = (cache.cache_heads, capacity)
-                shelf = self.shelves.get(key) or self.shelves.setdefault(key, Shelf(cache, capacity))
+                if key not in self.shelves:
+                    self.shelves[key] = Shelf(cache, capacity)
+                shelf = self.shelves[key]
                 self.places[id(cache)] = shelf, shelf.add(cache, position)
             if id(cache) not in self.places:
                 alone.append(place)
