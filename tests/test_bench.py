@@ -178,6 +178,7 @@ def test_targets_hold_the_figures_they_name(bench):
         "harness_vs_generate",
         "grid_speed_ratio",
         "rows_decode_speed_ratio",
+        "stored_rows_spare",
     }
     floors = {"harness_vs_generate", "grid_speed_ratio", "rows_decode_speed_ratio"}
     for name, row in found.items():
@@ -185,6 +186,8 @@ def test_targets_hold_the_figures_they_name(bench):
         value = results["prefill_overhead"][prefill[1]][prefill[2]] if prefill else results.get(name)
         value = results["grid"]["speed_ratio"] if name == "grid_speed_ratio" else value
         value = results["grid"]["rows"]["speed_ratio"] if name == "rows_decode_speed_ratio" else value
+        stored = results["grid"]["rows"]
+        value = stored["stored_peak_bytes"] / stored["stored_reserved_bytes"] if name == "stored_rows_spare" else value
         assert row["value"] == value
         assert row["met"] == (value >= row["limit"] if name in floors else value <= row["limit"])
     assert found["prefill_overhead[sink]@160"]["limit"] == 1.05
@@ -249,6 +252,8 @@ def test_grid_is_separate_processes_over_one_grouped_sweep(bench):
         together = rows[f"{kind}_rows_tokens_per_second"] / rows["one_row_tokens_per_second"]
         assert rows[f"{kind}_speed_ratio"] == pytest.approx(together) and rows[f"{kind}_tokens_equal"]
     assert results["targets"]["rows_decode_speed_ratio"]["value"] == rows["speed_ratio"]
+    assert 0 < rows["stored_reserved_bytes"] <= rows["stored_peak_bytes"] < 1.15 * rows["stored_reserved_bytes"]
+    assert results["targets"]["stored_rows_spare"]["met"]
     assert rows["memory"]["peak_rss_delta_bytes"] >= 0 and rows["memory"]["rows_cache_peak_bytes"] > 0
 
 

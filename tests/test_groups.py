@@ -112,9 +112,9 @@ def test_stored_rows_give_what_separate_runs_attended_each_alone_give(tmp_path, 
     stored = [compose([*settings, f"policy={spec}", "engine.rows_attention=stored"]) for spec in specs]
     run_group([(cfg, tmp_path / "each" / str(number)) for number, cfg in enumerate(alone)], True)
     added: list[str] = []
-    add = Shelf.add
+    place = Shelf.place
     monkeypatch.setattr(
-        Shelf, "add", lambda shelf, cache, position: added.append(cache.policy.spec) or add(shelf, cache, position)
+        Shelf, "place", lambda shelf, rows: added.extend(row.cache.policy.spec for row in rows) or place(shelf, rows)
     )
     run_group([(cfg, tmp_path / "stored" / str(number)) for number, cfg in enumerate(stored)], True)
     assert set(added) == {"full", "snapkv", "pyramidkv", "cake", "h2o", "tova"}  # not those attending or head-wise

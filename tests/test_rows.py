@@ -9,7 +9,7 @@ import kvbench.engine.rows as engine_module
 from kvbench.bench.measure import Operators
 from kvbench.engine import Engine
 from kvbench.engine.rows import Row, decode_rows, perplexity_rows
-from kvbench.engine.store import RowStore
+from kvbench.engine.store import RowStore, capacity_class
 from kvbench.policies import build_policy
 from tests.helpers import (
     ARCHITECTURES,
@@ -133,6 +133,39 @@ def test_a_store_lets_each_shelf_go_once_its_rows_have_left(monkeypatch):
     assert [output.token_ids for output in outputs] == alone
     assert len(stores) == 1 and stores[0].shelves == {} and stores[0].places == {}
     assert [row.cache.get_seq_length() for row in rows] == [len(prompt) + 4 for prompt in prompts]
+
+
+def test_a_capacity_class_spares_under_an_eighth_and_an_octave_holds_eight():
+    """A row needing ``n`` slots gets ``n`` up to 16, above it ``n`` rounded up to an eighth of its octave: never less,
+    under 12.5 % more, classes non-decreasing, eight in each octave."""
+    classes = [capacity_class(needed) for needed in range(1, 5000)]
+    assert classes[:16] == list(range(1, 17))
+    assert all(needed <= given < needed * 1.125 for needed, given in enumerate(classes, start=1))
+    assert classes == sorted(classes)
+    assert len({given for given in classes if 1024 < given <= 2048}) == 8
+
+
+@pytest.mark.parametrize("spec", ["full", "pyramidkv"])
+def test_a_stores_shelves_hold_what_its_rows_reserve_and_an_eighth_at_most(spec):
+    """Rows of prompts of several lengths (and, under PyramidKV, a length per layer), joining as places free and
+    leaving at different steps: the shelves at their largest held under 1.15 × the bytes the rows then reserved (their
+    kept entries and the tokens to come), and the tokens are those each row decodes alone."""
+    model = tiny_model()
+    engine = Engine(model, build_policy(spec), 48, rows_attention="stored")
+    prompts = [random_prompt(length, seed=length) for length in (60, 75, 90, 130, 170, 210, 97, 64, 150)]
+    new_tokens = [3 + index % 4 for index in range(len(prompts))]
+    alone = [engine.generate(prompt, count).token_ids for prompt, count in zip(prompts, new_tokens)]
+    rows = []
+    for prompt, count in zip(prompts, new_tokens):
+        cache = engine.new_cache(len(prompt))
+        rows.append(Row(engine, cache, engine.prefill(cache, prompt)[0, -1], len(prompt), count))
+    if spec == "pyramidkv":
+        assert len({length for row in rows for length in row.cache.tokens_per_layer()}) > 2
+    store = RowStore()
+    outputs = decode_rows(rows, batch_size=6, store=store)
+    assert [output.token_ids for output in outputs] == alone
+    assert 0 < store.reserved_at_peak <= store.peak_bytes < 1.15 * store.reserved_at_peak
+    assert store.shelves == {} and store.places == {} and store.reserved == 0
 
 
 def test_a_decode_step_reads_nothing_back_row_by_row():

@@ -30,6 +30,7 @@ from kvbench import PROJECT_ROOT
 from kvbench.config import compose, config_dict
 from kvbench.engine.rows import decode_rows
 from kvbench.engine.shared import generate_shared
+from kvbench.engine.store import RowStore
 from kvbench.errors import KVBenchError
 from kvbench.launch.sweeps import sweep_loader, sweep_overrides
 from kvbench.models import load_model, resolve_device
@@ -209,7 +210,8 @@ def decode_rows_speed(bench: Bench) -> dict[str, Any]:
     padded into one call per layer and held together (``engine.rows_attention``: each, padded, stored), over the same
     rows decoded one at a time, each
     ``bench.grid.new_tokens`` tokens (no stop token); medians over the repetitions, and the tokens equal; the peak RSS
-    of the batch (its rows prefilled one by one, then decoded together) beside the rows' cache bytes."""
+    of the batch (its rows prefilled one by one, then decoded together) beside the rows' cache bytes, and what the
+    stored rows' shelves held at their largest beside the bytes the rows then reserved (kept and to come)."""
     section = bench.bench.grid
     count, new_tokens, length = int(section.rows), int(section.new_tokens), int(section.context_length)
     engine = bench.engine(str(section.rows_policy), budget=str(section.budgets[0]))
@@ -223,11 +225,13 @@ def decode_rows_speed(bench: Bench) -> dict[str, Any]:
     }
     seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     tokens: dict[str, list[list[int]]] = {}
+    store = RowStore()  # the stored rows' shelves: what they held at their largest
     for _ in range(bench.repetitions):
         for kind, (batch, attention) in kinds.items():
             rows = [engine.prefilled_row(prompt, new_tokens) for prompt in prompts]
             engine.rows_attention = attention
-            wall, _, outputs = bench.clock.measure(functools.partial(decode_rows, rows, batch))
+            decode = functools.partial(decode_rows, rows, batch, store if attention == "stored" else None)
+            wall, _, outputs = bench.clock.measure(decode)
             engine.rows_attention = "each"
             seconds[kind].append(wall)
             tokens[kind] = [output.token_ids for output in outputs]
@@ -252,6 +256,8 @@ def decode_rows_speed(bench: Bench) -> dict[str, Any]:
                 (f"{kind}_tokens_equal", tokens[f"{kind}_rows"] == tokens["one_row"]),
             )
         },
+        "stored_peak_bytes": store.peak_bytes,
+        "stored_reserved_bytes": store.reserved_at_peak,
         "memory": {**memory, "rows_cache_peak_bytes": sum(output.kv.peak_bytes for output in outputs)},
     }
 

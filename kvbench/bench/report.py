@@ -28,6 +28,8 @@ HARNESS_SPEED_FLOOR, KVPRESS_SPEED_FLOOR = 0.95, 1.0
 GRID_SPEED_FLOOR = 11.0
 #: decode tokens/s of ``bench.grid.rows`` rows decoding together against the same rows one at a time
 ROWS_SPEED_FLOOR = 8.0
+#: what the stored rows' shelves hold at their largest against the bytes the rows then reserve (kept and to come)
+STORE_SPARE_LIMIT = 1.15
 #: a sample's cost to the leaderboard's grid (every job of its experiment, one grouped sweep) against its full-cache
 #: job's on the same samples, by the device its jobs ran on
 LEADERBOARD_GRID_LIMIT = {"cpu": 6.0, "cuda": 3.0}
@@ -60,6 +62,8 @@ def targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     check("grid_speed_ratio", results.get("grid", {}).get("speed_ratio"), GRID_SPEED_FLOOR, at_most=False)
     rows = results.get("grid", {}).get("rows", {}).get("speed_ratio")
     check("rows_decode_speed_ratio", rows, ROWS_SPEED_FLOOR, at_most=False)
+    if (stored := results.get("grid", {}).get("rows", {})).get("stored_reserved_bytes"):
+        check("stored_rows_spare", stored["stored_peak_bytes"] / stored["stored_reserved_bytes"], STORE_SPARE_LIMIT)
     if "leaderboard_grid" in results:
         board = results["leaderboard_grid"]
         check("leaderboard_grid_sample_cost_ratio", board["sample_cost_ratio"], LEADERBOARD_GRID_LIMIT[board["device"]])
@@ -301,6 +305,7 @@ def markdown(results: dict[str, Any]) -> str:
                 "stored: tokens/s",
                 "stored: speed ratio",
                 "stored: same tokens",
+                "stored: shelves ÷ reserved",
                 "peak MiB",
                 "caches MiB",
             ],
@@ -319,6 +324,7 @@ def markdown(results: dict[str, Any]) -> str:
                             decoding[f"{kind}_tokens_equal"],
                         )
                     ),
+                    f"{decoding['stored_peak_bytes'] / max(decoding['stored_reserved_bytes'], 1):.3f}",
                     _mib(decoding["memory"]["peak_rss_delta_bytes"]),
                     _mib(decoding["memory"]["rows_cache_peak_bytes"]),
                 ]

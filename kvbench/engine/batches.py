@@ -111,7 +111,7 @@ class RowBatch(Cache):
         #: ``engine.rows_attention=padded``: a decode step's rows attended by one padded call per layer
         #: (:func:`~kvbench.engine.attention.padded_outputs`), else each by its own
         self.padded = padded
-        self.shelves = [] if store is None else store.stepping
+        self.shelves = [[] for _ in caches[0].layers] if store is None else store.stepping  # by layer
         self.attended: list[tuple[torch.Tensor, torch.Tensor]] = []  # this layer's, each row's cache
         self.everyone = len(self.alone) == len(caches)
         self.alone_places: torch.Tensor | None = None  # ``alone`` on the queries' device, made once a step
@@ -121,8 +121,8 @@ class RowBatch(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append row ``r``'s keys/values ``[r:r+1]`` of ``[N,Hkv,q,D]`` to row ``r``'s cache (the stored rows' to their
         shelves); the rows' caches are attended by :meth:`rows` (what is returned here is not read)."""
-        for shelf in self.shelves:
-            shelf.append(layer_idx, key_states, value_states)
+        for shelf in self.shelves[layer_idx]:
+            shelf.append(key_states, value_states)
         self.attended = [
             cache.update(key_states[place : place + 1], value_states[place : place + 1], layer_idx)
             for place, cache in zip(self.alone, self.caches)
@@ -150,8 +150,8 @@ class RowBatch(Cache):
         if self.everyone:
             return torch.cat(outputs)
         joined = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-        for shelf in self.shelves:
-            joined.index_copy_(0, shelf.members, shelf.attend(layer_idx, query, scaling))
+        for shelf in self.shelves[layer_idx]:
+            joined.index_copy_(0, shelf.members, shelf.attend(query, scaling))
         if outputs:
             joined.index_copy_(0, self.places(query), torch.cat(outputs))
         return joined

@@ -75,9 +75,10 @@ def greedy_tokens(rows: Sequence[Row], logits: torch.Tensor) -> list[int]:
 
 
 @torch.inference_mode()
-def decode_rows(rows: list[Row], batch_size: int) -> list[GenerationOutput]:
+def decode_rows(rows: list[Row], batch_size: int, store: RowStore | None = None) -> list[GenerationOutput]:
     """:func:`finished_rows`' outputs in the order of ``rows``; one row at a time gives :meth:`Engine.generate`'s."""
-    return [output for _, output in sorted(finished_rows(rows, batch_size), key=lambda finished: finished[0])]
+    finished = finished_rows(rows, batch_size, store=store)
+    return [output for _, output in sorted(finished, key=lambda pair: pair[0])]
 
 
 #: rows made on demand (:func:`finished_rows`): how many a group has, and what makes them (a prefill)
@@ -86,7 +87,7 @@ RowGroup = tuple[int, Callable[[], list[Row]]]
 
 @torch.inference_mode()
 def finished_rows(
-    rows: list[Row], batch_size: int, more: Iterable[RowGroup] = ()
+    rows: list[Row], batch_size: int, more: Iterable[RowGroup] = (), store: RowStore | None = None
 ) -> Iterator[tuple[int, GenerationOutput]]:
     """Greedy decoding of ``rows`` (one model), up to ``batch_size`` at a time: every step feeds each active row's
     token at its own position through one forward of the model over a :class:`RowBatch`, where each row's cache
@@ -96,9 +97,9 @@ def finished_rows(
     none are left), so a group's rows join the batch while the rows before them finish. Each row is charged its share
     of the steps it was in. A finished row is let go (its cache freed once the caller drops it): the rows held are
     at most the batch and the rows waiting, however many were decoded. Runs under inference mode at each step (a
-    generator's caller may not be)."""
+    generator's caller may not be). ``store``: where the rows that only append and attend are held together (else
+    one is made with the first step of an engine that stores them, ``engine.rows_attention=stored``)."""
     held: dict[int, Row] = {}  # the rows made and not finished, by index
-    store: RowStore | None = None  # the rows held together (engine.rows_attention=stored), made with the first step
     after_prefill: dict[int, CacheSizes] = {}
     kept: dict[int, list[list[list[int]]] | None] = {}
     waiting, active = deque[int](), list[int]()
