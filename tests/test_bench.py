@@ -442,8 +442,8 @@ def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_com
 def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_differs(tmp_path, monkeypatch, packed):
     """``bench.leaderboard_grid``: the full-cache job alone and the grid as one grouped sweep, each one ``kvbench
     run`` (faked here: each writes its run directories), their cost ratio, and every prediction of the grid against
-    the committed run of the same name (a sample the committed run lacks is not compared), the committed runs
-    plain or packed (``kvbench pack``, as results/ commits them)."""
+    the committed run of the same name but for its digest (a sample the committed run lacks is not compared), the
+    committed runs plain or packed (``kvbench pack``, as results/ commits them)."""
     import kvbench.bench.grid as grid_module
     from kvbench.rundir import RunDir
 
@@ -475,7 +475,7 @@ def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_
         if folder.name.startswith("grid-"):  # the grid again at another sample count, for its peak memory
             assert f"task.num_samples={folder.name[5:]}" in arguments
             return 1.0, 300 + int(folder.name[5:])
-        runs = {"snapkv-10pct-x": ["a", "B"], "tova-10pct-y": ["c", "d"], "full-10pct-z": ["e", "f"]}
+        runs = {"snapkv-10pct-w": ["a", "B"], "tova-10pct-y": ["c", "d"], "full-10pct-z": ["e", "f"]}  # w: stored
         write(folder / "m" / "ruler", runs, 1.5)
         return 9.0, 300
 
@@ -489,7 +489,7 @@ def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_
     assert (board["jobs"], board["full_seconds"], board["grid_seconds"], board["cost_ratio"]) == (3, 2.0, 9.0, 4.5)
     # a sample's cost from the records: the full job 0.5 s and 1.0 s, the grid's three runs 1.5 s each and 3.0 s each
     assert (board["full_sample_seconds"], board["grid_sample_seconds"], board["sample_cost_ratio"]) == (0.75, 6.75, 9.0)
-    assert board["predictions_compared"] == 4 and board["differing_predictions"] == ["m/ruler/snapkv-10pct-x:s-1"]
+    assert board["predictions_compared"] == 4 and board["differing_predictions"] == ["m/ruler/snapkv-10pct-w:s-1"]
     assert board["full_predictions_equal"] and board["device"] == "cpu"  # the jobs' model, device auto, here
     assert (board["full_peak_rss_bytes"], board["grid_peak_rss_bytes"]) == (100, 300)
     assert board["grid_peak_rss_bytes_by_samples"] == {"2": 302, "6": 306}

@@ -19,7 +19,7 @@ import kvbench.run.progress
 from kvbench.config import compose
 from kvbench.engine import Engine
 from kvbench.engine.batches import sums_key
-from kvbench.engine.cache import EvictionCache
+from kvbench.engine.scoring import Scorer
 from kvbench.engine.shared import generate_shared
 from kvbench.engine.store import Shelf
 from kvbench.errors import KVBenchError, SharedPassWarning
@@ -244,9 +244,9 @@ def test_a_shared_prefill_ranks_each_layer_once_per_scoring_setting(monkeypatch,
     first stage) or windows that scale with it (H2O's recent half of the budget) are ranked per variant."""
     model, prompt = tiny_model(), random_prompt(160)
     counted: list[str] = []
-    scores = EvictionCache._scores
+    scores = Scorer.scores
     monkeypatch.setattr(
-        EvictionCache, "_scores", lambda cache, *args: counted.append(cache.policy.spec) or scores(cache, *args)
+        Scorer, "scores", lambda scorer, *args: counted.append(scorer.policy.spec) or scores(scorer, *args)
     )
     engines = [Engine(model, build_policy(spec), budget) for budget in (48, 64, 96)]
     shared = generate_shared(engines, prompt, 2)
@@ -264,9 +264,9 @@ def test_modifiers_that_do_not_re_rank_share_their_bases_ranking(monkeypatch):
     variant's tokens equal its own run's, which ranks once per variant and layer."""
     model, prompt = tiny_model(), random_prompt(160)
     counted: list[str] = []
-    scores = EvictionCache._scores
+    scores = Scorer.scores
     monkeypatch.setattr(
-        EvictionCache, "_scores", lambda cache, *args: counted.append(cache.policy.spec) or scores(cache, *args)
+        Scorer, "scores", lambda scorer, *args: counted.append(scorer.policy.spec) or scores(scorer, *args)
     )
     family = ("snapkv", "snapkv+adakv", "snapkv+calidrop", "snapkv+slake")
     engines = [Engine(model, build_policy(spec), budget) for spec in family for budget in (48, 96)]
@@ -419,13 +419,13 @@ def test_a_shared_prefill_computes_each_normalised_sum_once(monkeypatch):
     pyramid = build_policy("h2o+calidrop", {"layer_budget": "pyramid"})  # another layer budget: the same sums
     engines.append(Engine(model, pyramid, 48))
     passes: list[str] = []
-    computed = EvictionCache.normalised_sums
+    computed = Scorer.normalised_sums
 
-    def counted(cache, *args):
-        passes.append(cache.policy.spec)
-        return computed(cache, *args)
+    def counted(scorer, *args):
+        passes.append(scorer.policy.spec)
+        return computed(scorer, *args)
 
-    monkeypatch.setattr(EvictionCache, "normalised_sums", counted)
+    monkeypatch.setattr(Scorer, "normalised_sums", counted)
     generate_shared(engines, prompt, 1)
     assert sorted(set(passes)) == ["h2o", "h2o+obcache_joint"] and len(passes) == 2 * engines[0].num_layers
 

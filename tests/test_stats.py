@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvbench.engine import attention
-from kvbench.engine import cache as cache_module
+from kvbench.engine import scoring as scoring_module
 from kvbench.engine.attention import attention_with_lse
 from kvbench.policies import build_policy
 from kvbench.policies.base import AttentionStats
@@ -126,7 +126,7 @@ def test_engine_keeps_the_reference_token_sets(spec, regime, monkeypatch):
         patch.setattr(attention, "NORMALISER_KERNEL_DEVICES", {"cpu"})
         kernel_run = kept_and_tokens(model, spec, regime, prompt)
     with monkeypatch.context() as patch:
-        patch.setattr(cache_module, "uses_normaliser", lambda policy: False)
+        patch.setattr(scoring_module, "uses_normaliser", lambda policy: False)
         reference_run = kept_and_tokens(model, spec, regime, prompt)
     assert normalised_run == reference_run and kernel_run == reference_run
 

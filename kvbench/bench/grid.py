@@ -91,6 +91,17 @@ def predictions(root: Path) -> dict[str, dict[str, str]]:
     }
 
 
+def by_settings_shown(committed: dict[str, dict[str, str]], runs: dict[str, dict[str, str]]) -> dict[str, dict]:
+    """``committed``'s runs under the names of ``runs`` whose names differ from theirs only in the digest (a setting
+    the experiment does not show, such as ``engine.rows_attention``, changes it: :func:`~kvbench.rundir.run_name`),
+    where one committed run has that name but for its digest."""
+    shown: dict[str, list[str]] = {}
+    for name in committed:
+        shown.setdefault(name.rsplit("-", 1)[0], []).append(name)
+    found = {name: shown.get(name.rsplit("-", 1)[0], []) for name in runs}
+    return {name: committed[named[0]] for name, named in found.items() if len(named) == 1}
+
+
 def sample_seconds(root: Path) -> dict[str, float]:
     """What each sample cost the runs under ``root`` together: the sum over runs of its record's
     ``timing.total_seconds`` (each run's share of the shared prefill and of the decode steps it was in), by sample id
@@ -153,8 +164,9 @@ def leaderboard_grid(bench: Bench) -> dict[str, Any]:
     """The leaderboard's own grid (``bench.leaderboard_grid``: every job of ``+experiment=<experiment>`` on its first
     ``num_samples`` samples) as one grouped ``kvbench run -m`` against its full-cache job alone (:func:`full_cache_job`:
     the same prompts), each one process: end to end, and a sample's cost (:func:`sample_seconds`, the mean over the
-    samples); every prediction against the committed run of the same settings (``results/<experiment>``: a run of
-    fewer samples shares its directory's name), and the full-cache job's against the grid's run of it; the device the
+    samples); every prediction against the committed run of the same settings shown (``results/<experiment>``: a run
+    of fewer samples shares its directory's name, one of an engine setting the experiment leaves alone all of it but
+    the digest: :func:`by_settings_shown`), and the full-cache job's against the grid's run of it; the device the
     jobs ran on. ``overrides``: both runs', after the experiment's (another model: its runs have other names, and no
     prediction is compared)."""
     section = bench.bench.leaderboard_grid
@@ -172,7 +184,7 @@ def leaderboard_grid(bench: Bench) -> dict[str, Any]:
         for count in section.memory_samples:
             more = [*common, f"task.num_samples={count}", f"hydra.sweep.dir={root}/grid-{count}"]
             peaks[str(count)] = run_measured(["run", "-m", *more], log)[1]
-    committed = predictions(PROJECT_ROOT / "results" / section.experiment)
+    committed = by_settings_shown(predictions(PROJECT_ROOT / "results" / section.experiment), together)
     differing = sorted(
         f"{name}:{sample}"
         for name, by_sample in together.items()

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvbench.engine.cache import EvictionCache, uses_normaliser
+from kvbench.engine.cache import EvictionCache
 from kvbench.engine.layer import in_cache_heads
+from kvbench.engine.scoring import uses_normaliser
 from kvbench.engine.store import RowStore
 from kvbench.policies.base import Policy, settings_key
 
@@ -17,7 +18,7 @@ from kvbench.policies.base import Policy, settings_key
 def sums_key(policy: Policy) -> str | None:
     """Variants with the same key add the same normalised sums of a forward to their running scores: ``policy``'s
     settings (not its budget, nor how its layers share it) and its re-weighting modifier (CAOTE, CaliDrop or SLAKE
-    over H2O add H2O's), where the cache sums from the normaliser (:func:`~kvbench.engine.cache.uses_normaliser`);
+    over H2O add H2O's), where the cache sums from the normaliser (:func:`~kvbench.engine.scoring.uses_normaliser`);
     None elsewhere."""
     if not uses_normaliser(policy):
         return None
@@ -31,7 +32,7 @@ class SharedPrefill(Cache):
     the layer's attention each variant in turn takes them (one contiguous copy, which every variant holds until it
     evicts: a cascade's deferred evictions hold it to the forward's end), scores and evicts to its own budget
     (variants with the same :func:`sums_key` add one normalised pass's sums, those with the same
-    ``EvictionCache.ranking_key`` select from one ranking, those with one query window hold one copy of it), so
+    ``Scorer.ranking_key`` select from one ranking, those with one query window hold one copy of it), so
     never a full cache per variant."""
 
     def __init__(self, caches: list[EvictionCache]) -> None:
@@ -84,8 +85,8 @@ class SharedPrefill(Cache):
         for cache in self.caches:
             cache.update(key_states, value_states, layer_idx)
             key = sums_key(cache.policy)
-            if key is not None and cache.scored and key not in sums:
-                sums[key] = cache.normalised_sums(queries, *attended, outputs, scaling, lse)
+            if key is not None and cache.forward is not None and cache.forward.scored and key not in sums:
+                sums[key] = cache.scorer.normalised_sums(queries, *attended, outputs, scaling, lse)
             summed = None if key is None else sums.get(key)
             cache.after_attention(layer_idx, queries, outputs, scaling, None, summed, shared)
 

@@ -19,23 +19,15 @@ from typing import Any, cast
 import torch
 from transformers.cache_utils import Cache
 
-from kvbench.engine import attention
 from kvbench.engine.cascade import CascadeStages
 from kvbench.engine.layer import EvictionLayer, in_cache_heads
+from kvbench.engine.scoring import Forward, Scorer
 from kvbench.engine.selection import kept_per_head, reserved_slots, top_slots
 from kvbench.engine.sizes import CacheSizes
 from kvbench.policies.base import AttentionStats, Policy
-from kvbench.policies.context import LayerWeights, ScoreContext
+from kvbench.policies.context import LayerWeights
 from kvbench.policies.layer_budget import CascadingAllocation
-from kvbench.policies.stats import NormalisedStats, reconstruction_attention
-
-
-def uses_normaliser(policy: Policy) -> bool:
-    """Whether the cache adds a running policy's sums in one pass per forward, each weight from its query's
-    normaliser beside the backend's attention output (``kvbench.policies.stats``: no second attention, no
-    float32 softmax), rather than from float32 attention weights: where the policy scores causally (every
-    re-weighting modifier gives the same sums from such a pass, :meth:`Modifier.contribution_sums`)."""
-    return policy.running and policy.scores_causally
+from kvbench.policies.stats import reconstruction_attention
 
 
 class EvictionCache(Cache):
@@ -63,7 +55,6 @@ class EvictionCache(Cache):
         sums_kernel: str = "torch",
     ) -> None:
         super().__init__(layers=[EvictionLayer() for _ in layer_budgets])
-        self.layer_weights = layer_weights
         self.policy = policy
         self.layer_budgets = list(layer_budgets)
         self.prompt_len = prompt_len
@@ -71,22 +62,18 @@ class EvictionCache(Cache):
         self.repeat_layout = policy.gqa == "repeat"
         self.cache_heads = num_query_heads if self.repeat_layout else num_kv_heads
         self.attn_backend = attn_backend
-        self.score_block = score_block
-        self.sums_kernel = sums_kernel
         self.attending = [modifier for modifier in policy.modifiers if modifier.attends]
         self.allocation = self._allocation()
-        self.new_positions: torch.Tensor | None = None
+        args = (score_block, sums_kernel, layer_weights, self.allocation)
+        self.scorer = Scorer(policy, self.eviction_layers, prompt_len, *args)
         self.decode_evict = decode_evict
-        self.evict_now = False
+        self.forward: Forward | None = None  # the forward under way (begin_forward)
         #: the context slots the next forward reconstructs (``reconstruction``; :meth:`reconstruct`), or None
         self.chunk: slice | None = None
         self.context_len = 0
         self.scaling = 1.0
         self.scoring_seconds = 0.0  # spent reconstructing the context (reconstruction.reconstruct)
-        self.scored = False
-        self.decoding = False
         self.seen = 0  # the tokens the forwards declared so far (begin_forward)
-        self.last_eviction = False
         self.live_bytes = [0] * len(layer_budgets)
         self.peak_bytes = 0
         self.key_masks: list[torch.Tensor | None] = [None] * len(layer_budgets)
@@ -101,16 +88,13 @@ class EvictionCache(Cache):
 
     # -- called by the engine --------------------------------------------------------------------------
     def begin_forward(self, positions: torch.Tensor, evict: bool, decoding: bool = False) -> None:
-        """Declare the next forward: ``positions [q]`` of its tokens, whether to evict after it, and whether it
-        generates (after the prompt) rather than prefills. Its queries are ``scored`` (added to a running score)
-        when an eviction may follow: it evicts, or later forwards do (``decode_evict``)."""
-        self.new_positions = positions
-        self.evict_now = evict
-        self.scored = evict or self.decode_evict
-        self.decoding = decoding
+        """Declare the next forward (:class:`~kvbench.engine.scoring.Forward`): ``positions [q]`` of its tokens,
+        whether to evict after it, and whether it generates (after the prompt) rather than prefills. Its queries are
+        scored (added to a running score) when an eviction may follow: it evicts, or later forwards do
+        (``decode_evict``)."""
         self.seen += positions.shape[-1]
-        #: no forward after this one evicts: what only an eviction reads is let go once this one has evicted
-        self.last_eviction = evict and not self.decode_evict and self.seen >= self.prompt_len
+        last = evict and not self.decode_evict and self.seen >= self.prompt_len
+        self.forward = Forward(positions, evict, evict or self.decode_evict, decoding, self.seen, last)
 
     def tokens_per_layer(self) -> list[int]:
         """Cached tokens per cache head, for every layer."""
@@ -174,19 +158,27 @@ class EvictionCache(Cache):
         policy = self.policy
         for layer, statistic in zip(self.eviction_layers, received):
             layer.received = statistic
-        bases = [policy.score(self._context(index, budget)) for index, budget in enumerate(self.layer_budgets)]
+        forward = self._forward()
+        bases = [
+            policy.score(self.scorer.context(index, budget, forward)) for index, budget in enumerate(self.layer_budgets)
+        ]
         head_budgets = policy.head_budgets(bases, self.layer_budgets)
         self.layer_budgets = policy.layer_shares(bases, self.layer_budgets)
         for index, (layer, budget) in enumerate(zip(self.eviction_layers, self.layer_budgets)):
             per_head = None if head_budgets is None else head_budgets[index]
             if layer.get_seq_length() > budget or per_head is not None:
-                self._evict(index, budget, self._scores(index, budget, self.scaling), self.scaling, per_head)
+                scores = self.scorer.scores(index, budget, self.scaling, None, forward)
+                self._evict(index, budget, scores, self.scaling, per_head)
             layer.received = None
 
     # -- called by a cascade's stages (kvbench.engine.cascade) -----------------------------------------
+    def shared_scores(self, layer_idx: int, budget: int, scaling: float, shared: dict | None) -> torch.Tensor:
+        """The layer's ranking for ``budget`` in this forward (:meth:`Scorer.shared_scores`)."""
+        return self.scorer.shared_scores(layer_idx, budget, scaling, shared, self._forward())
+
     def preference_stats(self, layer_idx: int, scaling: float, shared: dict | None) -> AttentionStats:
         """The attention statistics of the layer's observation window for its preference (a shared prefill's)."""
-        return self._window(layer_idx, self._preference_window(), scaling, shared)
+        return self.scorer.window(layer_idx, self.scorer.preference_window(), scaling, shared)
 
     def evict(self, layer_idx: int, budget: int, scaling: float, defer: bool = False) -> None:
         """Evict the layer to ``budget`` by its kept ranking (gathered by earlier evictions), its keys and values
@@ -203,12 +195,11 @@ class EvictionCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new keys/values ``[B,Hkv,q,D]`` (repeated to query heads in the repeat layout)."""
         key_states, value_states = in_cache_heads(key_states, value_states, self.num_query_heads, self.repeat_layout)
-        layer = self.eviction_layers[layer_idx]
-        if self.policy.running and self.scored and layer.running_score is None:
+        layer, forward = self.eviction_layers[layer_idx], self._forward()
+        if self.policy.running and forward.scored and layer.running_score is None:
             batch, heads, _, _ = key_states.shape
             layer.running_score = key_states.new_zeros(batch, heads, 0, dtype=torch.float32)
-        assert self.new_positions is not None  # begin_forward comes before the model's forward
-        layer.append(key_states, value_states, self.new_positions)
+        layer.append(key_states, value_states, forward.positions)
         self.account(layer_idx)
         keys, values, self.key_masks[layer_idx] = layer.attended()
         return keys, values
@@ -235,31 +226,8 @@ class EvictionCache(Cache):
         return output
 
     def wants_normaliser(self, layer_idx: int) -> bool:
-        """Whether this forward adds the fused pass's running sums (``engine.sums_kernel=triton``), which read each
-        query's log-sum-exp: the attention then gives it with its output (:func:`~kvbench.engine.attention.
-        cache_attention`) rather than a second call."""
-        return self.sums_kernel == "triton" and self.scored and self.chunk is None and uses_normaliser(self.policy)
-
-    def normalised_sums(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        outputs: torch.Tensor,
-        scaling: float,
-        lse: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The policy's sums ``[B,Hc,T]`` of ``queries [B,Hq,q,D]`` over ``keys``/``values [B,Hc,T,D]`` with their
-        attention ``outputs [B,q,Hq,D]``, each weight from its query's normaliser: a fused kernel's on
-        ``NORMALISER_KERNEL_DEVICES`` (and for ``engine.sums_kernel=triton``, whose one pass then gives the sums;
-        ``lse [B,Hq,q]`` where the attention gave it with its output), else each block's own
-        (``kvbench.policies.stats``)."""
-        fused = self.sums_kernel == "triton"
-        transposed = outputs.transpose(1, 2).contiguous()
-        stats = NormalisedStats(queries, keys, values, scaling, transposed, lse, fused=fused)
-        if lse is None and (fused or queries.device.type in attention.NORMALISER_KERNEL_DEVICES):
-            stats.lse = attention.attention_with_lse(queries, keys, values, scaling)[1]
-        return self.policy.normalised_sums(stats, self.score_block)
+        """Whether this forward's running sums read each query's log-sum-exp (:meth:`Scorer.wants_normaliser`)."""
+        return self.chunk is None and self.scorer.wants_normaliser(self._forward())
 
     def after_attention(
         self,
@@ -273,19 +241,17 @@ class EvictionCache(Cache):
     ) -> None:
         """Gather this forward's scoring statistics from ``queries [B,Hq,q,D]``, their attention ``outputs
         [B,q,Hq,D]`` and ``lse`` where the attention gave it (the normalised ``summed`` when already computed for a
-        variant with the same
-        :func:`~kvbench.engine.batches.sums_key`), and evict if due. ``shared``: what the variants of one shared prefill
-        compute (window statistics by size, rankings by :meth:`ranking_key`), each by the first that needs it."""
-        policy, layer = self.policy, self.eviction_layers[layer_idx]
+        variant with the same :func:`~kvbench.engine.batches.sums_key`), and evict if due. ``shared``: what the
+        variants of one shared prefill compute (window statistics by size, rankings by :meth:`Scorer.ranking_key`),
+        each by the first that needs it."""
+        policy, layer, forward = self.policy, self.eviction_layers[layer_idx], self._forward()
         self.scaling = scaling
         if self.chunk is None:
-            if not self.scored:  # a decode step with no eviction to follow: nothing to gather (a row's usual step)
+            if not forward.scored:  # a decode step with no eviction to follow: nothing to gather (a row's usual step)
                 return
             if self.attending:  # the newest query an eviction of this forward hands the attending modifiers
                 layer.last_query = queries[:, :, -1].clone()
         budget = self.layer_budgets[layer_idx]
-        assert self.new_positions is not None and layer.positions is not None  # set by begin_forward and update
-        positions = self.new_positions.to(queries.device)
         if self.chunk is not None:
             assert layer.received is not None  # reconstruct sets it up
             sinks = policy.reserved_sinks()
@@ -294,27 +260,18 @@ class EvictionCache(Cache):
             self.account(layer_idx)
             return
         if policy.running:
-            assert layer.running_score is not None  # created by update for scored forwards
-            if uses_normaliser(policy):
-                if summed is None:
-                    summed = self.normalised_sums(queries, layer.keys, layer.values, outputs, scaling, lse)
-                layer.running_score += summed
-            else:
-                seen = policy.scoring_positions(positions, budget, self.prompt_len)
-                stats = AttentionStats(queries, layer.keys, layer.values, seen, layer.positions, scaling)
-                layer.running_score += policy.summed_contributions(stats, self.score_block)
-        window = self._query_window(budget)
-        if window:
-            layer.remember_queries(queries, positions, window, shared, layer_idx)
+            self.scorer.add_running(layer, forward, queries, outputs, scaling, budget, lse, summed)
+        if window := self.scorer.query_window(budget):
+            layer.remember_queries(queries, forward.positions.to(queries.device), window, shared, layer_idx)
         deferred = policy.statistic == "reconstruction"  # every layer scored first (evict_reconstructed)
-        if self.evict_now and policy.evicts and not deferred and layer.get_seq_length() > budget:
+        if forward.evict and policy.evicts and not deferred and layer.get_seq_length() > budget:
             if self.allocation is not None and layer_idx == len(self.allocation.preferences):
                 self.stages = self.stages or CascadeStages(self)
                 self.stages.shared = shared  # what the stage ranks and scores from
                 policy.layer_budget.cascade(self.allocation, self.stages, layer_idx, scaling)
             else:
                 self._evict(layer_idx, budget, self.shared_scores(layer_idx, budget, scaling, shared), scaling)
-        if window and self.last_eviction:  # Expected Attention's: the prompt's queries, not held for 32 layers
+        if window and forward.last_eviction:  # Expected Attention's: the prompt's queries, not held for 32 layers
             layer.recent_queries = layer.recent_query_positions = None
         if self.stages is not None and layer_idx == len(self.layers) - 1:  # the cascade's evictions, made once
             stages, self.stages = self.stages, None
@@ -329,84 +286,9 @@ class EvictionCache(Cache):
             return None
         return self.policy.layer_budget.allocation(budget, reserved, len(self.layers))
 
-    def _query_window(self, budget: int) -> int:
-        """How many recent queries to keep: the scoring window, and the preference window with a dynamic
-        layer budget."""
-        policy = self.policy
-        window = 0
-        if policy.statistic in ("window", "queries"):
-            window = policy.scoring_window(budget, self.prompt_len)
-        if self.allocation is not None:
-            window = max(window, self._preference_window())
-        return window
-
-    def _preference_window(self) -> int:
-        """The observation window of a dynamic layer budget's preference, at the average budget."""
-        assert self.allocation is not None  # only with a dynamic layer budget
-        policy = self.policy
-        return policy.layer_budget.observation_window(policy.scoring_window(self.allocation.budget, self.prompt_len))
-
-    def ranking_key(self, budget: int) -> tuple | None:
-        """What a layer's ranking for ``budget`` depends on beyond its entries and statistics (one shared prefill's):
-        what the policy ranks by (:attr:`~kvbench.policies.base.Policy.ranking_key`) and the windows it reads; None
-        where it also reads the budget (:attr:`~kvbench.policies.base.Policy.ranking_reads_budget`) or budget-dependent
-        running sums (not from the normaliser). (A cascading layer budget's stage ranks its layer in full, at the
-        average budget, like any variant's eviction.)"""
-        policy = self.policy
-        if policy.ranking_reads_budget or (policy.running and not uses_normaliser(policy)):
-            return None
-        recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
-        window = policy.scoring_window(budget, self.prompt_len, self.decoding)
-        return policy.ranking_key, recent, window, policy.reserved_sinks()
-
-    def shared_scores(self, layer_idx: int, budget: int, scaling: float, shared: dict | None) -> torch.Tensor:
-        """:meth:`_scores`, taken from (or put in) ``shared`` under :meth:`ranking_key` with the layer's index."""
-        key = None if shared is None else self.ranking_key(budget)
-        if shared is None or key is None:
-            return self._scores(layer_idx, budget, scaling, shared)
-        key = ("ranking", layer_idx, *key)
-        if key not in shared:
-            shared[key] = self._scores(layer_idx, budget, scaling, shared)
-        return shared[key].clone()  # the cache keeps its ranking (EvictionLayer.ranking): its own copy
-
-    def _scores(
-        self, layer_idx: int, budget: int, scaling: float, shared: dict[tuple, Any] | None = None
-    ) -> torch.Tensor:
-        """The policy's ranking of every cached slot ``[B,Hc,T]`` (before reserving) for ``budget``, from the
-        statistic it declares (:attr:`~kvbench.policies.base.Policy.statistic`)."""
-        return self.policy.ranking(self._context(layer_idx, budget, scaling, shared))
-
-    def _context(self, layer_idx: int, budget: int, scaling: float = 1.0, shared: dict | None = None) -> ScoreContext:
-        """What the policy ranks the layer's slots from for ``budget`` (its declared statistic gathered)."""
-        policy, layer = self.policy, self.eviction_layers[layer_idx]
-        assert layer.positions is not None
-        summed, window = None, None
-        if policy.statistic in ("window", "queries"):
-            window = self._window(
-                layer_idx, policy.scoring_window(budget, self.prompt_len, self.decoding), scaling, shared
-            )
-            if policy.statistic == "window":
-                summed = policy.summed_contributions(window, self.score_block)
-        elif policy.running:
-            assert layer.running_score is not None  # running policies evict only after scored forwards
-            summed = layer.running_score
-        elif policy.statistic == "reconstruction":
-            summed = layer.received
-        recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
-        weights = None if self.layer_weights is None else self.layer_weights[layer_idx]
-        sinks = policy.reserved_sinks()
-        return ScoreContext(
-            layer.keys, layer.values, layer.positions, summed, recent, window, weights, sinks, budget, shared, self.seen
-        )
-
-    def _window(self, layer_idx: int, size: int, scaling: float, shared: dict | None) -> AttentionStats:
-        """The layer's statistics of its last ``size`` queries: one per layer and size for a shared prefill's variants
-        (``shared``; its tensors computed once, lazily)."""
-        if shared is None:
-            return self.eviction_layers[layer_idx].window_stats(size, scaling)
-        if ("window", layer_idx, size) not in shared:
-            shared["window", layer_idx, size] = self.eviction_layers[layer_idx].window_stats(size, scaling)
-        return shared["window", layer_idx, size]
+    def _forward(self) -> Forward:
+        assert self.forward is not None  # begin_forward comes before the model's forward
+        return self.forward
 
     def _evict(
         self,

@@ -157,7 +157,7 @@ class Policy(Registered):
     evicts: ClassVar[bool] = True
     #: its score reads the budget (``ScoreContext.budget``); False: a layer's ranking depends on the budget only
     #: through the windows it reads (recent, scoring, sinks), so variants at several budgets share one
-    #: (``kvbench.engine.cache.EvictionCache.ranking_key``)
+    #: (``kvbench.engine.scoring.Scorer.ranking_key``)
     reads_budget: ClassVar[bool] = False
 
     #: GQA: sum the scores of a KV head's query heads (OBCache App. B.5), average them, or ``repeat``

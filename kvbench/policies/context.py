@@ -21,7 +21,7 @@ from kvbench.policies.stats import AttentionStats, T, memoised
 #: seen (H2O eq. 2); ``reconstruction`` the most attention each slot of a context receives while the model, asked
 #: to repeat the context, reads it back chunk by chunk (KVzip: every layer scored before any evicts). How the cache
 #: computes a running sum (from the attention weights, or in one pass from each query's normaliser beside the
-#: backend's attention output) is the cache's choice (``kvbench.engine.cache.uses_normaliser``), not the policy's.
+#: backend's attention output) is the cache's choice (``kvbench.engine.scoring.uses_normaliser``), not the policy's.
 Statistic = Literal["positions", "entries", "window", "queries", "running", "reconstruction"]
 #: the statistics that are attention scores, which a non-attending modifier re-ranks
 ATTENTION: tuple[Statistic, ...] = ("window", "running")
