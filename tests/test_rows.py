@@ -145,25 +145,28 @@ def test_a_capacity_class_spares_under_an_eighth_and_an_octave_holds_eight():
     assert len({given for given in classes if 1024 < given <= 2048}) == 8
 
 
-@pytest.mark.parametrize("spec", ["full", "pyramidkv"])
+@pytest.mark.parametrize("spec", ["full", "pyramidkv", "snapkv+adakv"])
 def test_a_stores_shelves_hold_what_its_rows_reserve_and_an_eighth_at_most(spec):
-    """Rows of prompts of several lengths (and, under PyramidKV, a length per layer), joining as places free and
-    leaving at different steps: the shelves at their largest held under 1.15 × the bytes the rows then reserved (their
-    kept entries and the tokens to come), and the tokens are those each row decodes alone."""
+    """Rows of prompts of several lengths (under PyramidKV a length per layer, under AdaKV one per head), joining as
+    places free and leaving at different steps: the shelves at their largest held under 1.15 × the bytes the rows then
+    reserved (their kept entries and the tokens to come), and each row's tokens, kept sets and sizes are those it
+    gives decoded alone."""
     model = tiny_model()
     engine = Engine(model, build_policy(spec), 48, rows_attention="stored")
     prompts = [random_prompt(length, seed=length) for length in (60, 75, 90, 130, 170, 210, 97, 64, 150)]
     new_tokens = [3 + index % 4 for index in range(len(prompts))]
-    alone = [engine.generate(prompt, count).token_ids for prompt, count in zip(prompts, new_tokens)]
+    alone = [engine.generate(prompt, count) for prompt, count in zip(prompts, new_tokens)]
     rows = []
     for prompt, count in zip(prompts, new_tokens):
         cache = engine.new_cache(len(prompt))
         rows.append(Row(engine, cache, engine.prefill(cache, prompt)[0, -1], len(prompt), count))
     if spec == "pyramidkv":
         assert len({length for row in rows for length in row.cache.tokens_per_layer()}) > 2
+    if spec == "snapkv+adakv":
+        assert any(row.cache.sizes_now().after_prefill_head_range for row in rows)  # a length per head
     store = RowStore()
     outputs = decode_rows(rows, batch_size=6, store=store)
-    assert [output.token_ids for output in outputs] == alone
+    assert [(output.token_ids, output.kv) for output in outputs] == [(output.token_ids, output.kv) for output in alone]
     assert 0 < store.reserved_at_peak <= store.peak_bytes < 1.15 * store.reserved_at_peak
     assert store.shelves == {} and store.places == {} and store.reserved == 0
 

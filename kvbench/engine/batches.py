@@ -152,7 +152,7 @@ class RowBatch(Cache):
             return torch.cat(outputs)
         joined = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
         for shelf in self.shelves[layer_idx]:
-            joined.index_copy_(0, shelf.members, shelf.attend(query, scaling))
+            shelf.attend(query, scaling, joined)
         if outputs:
             joined.index_copy_(0, self.places(query), torch.cat(outputs))
         return joined

@@ -2,16 +2,19 @@
 with one scatter per shelf of a layer and attends them with one SDPA call per shelf, whatever the number of rows.
 
 A row is stored where its decode steps only append and attend (:func:`storable`): no eviction while decoding (so no
-scoring), no attending modifier, every head holding every key, the SDPA backend. Each of its layers' kept entries
-moves into a free slot of a :class:`Shelf` of that layer — one buffer ``[S,Hc,C,D]`` for the rows of one head count
-whose kept entries and tokens to come fit ``C`` slots (:func:`capacity_class`: at most an eighth to spare; a layer
-budget's rows hold a length per layer, each on its own layer's shelf) — and moves back into its own cache, with the
-tokens it decoded appended, when it leaves (:meth:`RowStore.release`): its outputs (sizes, kept sets, statistics) are
-those of a row attended alone. The other rows of a step are attended each alone.
+scoring), no attending modifier, the SDPA backend. The unit is one cache head of one row (a ``(row, head)``): each
+of a row's layers moves its heads' kept entries into free slots of that layer's :class:`Shelf` of their length — one
+buffer ``[S,C,D]`` for the units whose kept entries and tokens to come fit ``C`` slots (:func:`capacity_class`: under
+an eighth to spare), so a layer budget's lengths per layer and a head-wise eviction's lengths per head (AdaKV) are
+held without padding — and moves back into the row's own cache, with the tokens it decoded appended, when the row
+leaves (:meth:`RowStore.release`): its outputs (sizes, kept sets, statistics) are those of a row attended alone. A
+unit is attended by the query heads that read its cache head (``Hq / Hc`` of them; one in the repeat layout). The
+other rows of a step are attended each alone.
 
-Memory: a shelf grows by exactly the rows arriving (into its free slots first) and is copied without its free slots
+Memory: a shelf grows by exactly the units arriving (into its free slots first) and is copied without its free slots
 once they are more than a sixteenth of it; an empty one is let go. :attr:`RowStore.peak_bytes` is what the shelves
-held at their largest, beside :attr:`RowStore.reserved_at_peak`, the entries the rows then reserved (kept and to come).
+held at their largest, beside :attr:`RowStore.reserved_at_peak`, the entries the rows then reserved (kept and to
+come).
 """
 
 from __future__ import annotations
@@ -22,100 +25,124 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.engine.cache import EvictionCache
-from kvbench.engine.layer import in_cache_heads
+from kvbench.engine.layer import EvictionLayer, in_cache_heads
 
 
 def storable(cache: EvictionCache) -> bool:
     """Whether a row's decode steps only append its token and attend (see the module's docstring)."""
-    return (
-        cache.attn_backend == "sdpa"
-        and not cache.decode_evict
-        and not cache.attending
-        and all(layer.headwise is None for layer in cache.eviction_layers)
-    )
+    return cache.attn_backend == "sdpa" and not cache.decode_evict and not cache.attending
 
 
 def capacity_class(needed: int) -> int:
-    """The slots a row needing ``needed`` is given: ``needed`` rounded up to an eighth of its octave (``< 12.5 %``
-    spare; exact up to 16), so that a layer's rows share a few shelves."""
+    """The slots a unit needing ``needed`` is given: ``needed`` rounded up to an eighth of its octave (``< 12.5 %``
+    spare; exact up to 16), so that a layer's units share a few shelves."""
     step = 1 << max(0, (needed - 1).bit_length() - 4)
     return -(-needed // step) * step
 
 
+def head_lengths(layer: EvictionLayer) -> list[int]:
+    """The entries each cache head of ``layer`` holds (its own after a head-wise eviction, then those appended)."""
+    appended = layer.get_seq_length()
+    if layer.headwise is None:
+        return [appended] * layer.keys.shape[1]
+    return [own + appended for own in layer.headwise.lengths.tolist()]
+
+
+def head_entries(layer: EvictionLayer, head: int, own: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A head-wise layer's entries of cache ``head`` in position order ``[T_h,D]``: its own (``own``: each head's
+    count), then those appended."""
+    assert layer.headwise is not None
+    start, length = sum(own[:head]), own[head]
+    keys = torch.cat([layer.headwise.keys[start : start + length], layer.keys[0, head]])
+    return keys, torch.cat([layer.headwise.values[start : start + length], layer.values[0, head]])
+
+
 @dataclass(eq=False)
 class Stored:
-    """A stored row: its cache, the position of its first stored token, each layer's kept entries and slot."""
+    """A stored row: its cache, the position of its first stored token, each layer's entries per head when stored and
+    each unit's shelf and slot."""
 
     cache: EvictionCache
     first_position: int
-    kept: list[int]
-    reserved: int  # the bytes of the entries it may hold, every layer's (kept and to come)
-    slots: dict[int, tuple[Shelf, int]] = field(default_factory=dict)  # by layer
+    kept: list[list[int]]  # [layer][head]
+    appended: list[int]  # by layer, the entries appended to it before (after a head-wise eviction, beside its own)
+    reserved: int  # the bytes of the entries it may hold, every unit's (kept and to come)
+    slots: list[list[tuple[Shelf, int] | None]] = field(default_factory=list)  # [layer][head]
 
 
 class Shelf:
-    """One layer's rows of one cache-head count and capacity ``C``: ``keys``/``values [S,Hc,C,D]``, slot ``s`` holding
-    ``lengths[s]`` entries (its row's kept ones, then the tokens appended since); ``lengths`` on the host."""
+    """One layer's units of capacity ``C``: ``keys``/``values [S,C,D]``, slot ``s`` holding ``lengths[s]`` entries
+    (its unit's kept ones, then the tokens appended since); ``lengths`` on the host. ``heads``: the cache heads of
+    its rows, ``query_heads`` their queries' (one head layout per shelf)."""
 
     def __init__(self, like: EvictionCache, layer: int, capacity: int) -> None:
         first = like.eviction_layers[layer].keys
-        self.layer, self.heads, self.dim, self.capacity = layer, first.shape[1], first.shape[-1], capacity
-        self.repeat_layout, self.query_heads = like.repeat_layout, like.num_query_heads
-        self.keys, self.values = self._empty(first, 0), self._empty(first, 0)
-        self.owners: list[Stored | None] = []
+        self.layer, self.capacity, self.dim = layer, capacity, first.shape[-1]
+        self.heads, self.query_heads, self.repeat_layout = like.cache_heads, like.num_query_heads, like.repeat_layout
+        self.keys, self.values = first.new_zeros(0, capacity, self.dim), first.new_zeros(0, capacity, self.dim)
+        self.owners: list[tuple[Stored, int] | None] = []
+        self.count = 0  # the slots owned
         self.lengths = torch.zeros(0, dtype=torch.long)
-        self.head_index = torch.arange(self.heads, device=first.device)[None]  # [1,Hc]: every head of a slot
-        #: this step's: the stored rows' places in the batch [n], their slots [n], where each writes [n], the entries
-        #: each slot holds after it [S] (an empty slot one) and the longest slot
+        #: this step's: the stored units (row place × Hc + head) [n], their slots [n], where each writes [n], the
+        #: entries each slot holds after it [S] (an empty slot one) and the longest slot
         self.members = self.slots = self.write_at = self.held = torch.empty(0)
         self.longest = 0
-
-    def _empty(self, like: torch.Tensor, slots: int) -> torch.Tensor:
-        return like.new_zeros(slots, self.heads, self.capacity, self.dim)
 
     def bytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
 
-    def place(self, owners: list[Stored]) -> None:
-        """Move the layer's kept entries of ``owners``' caches into free slots, the shelf grown once by the missing."""
+    def place(self, units: list[tuple[Stored, list[int]]]) -> None:
+        """Move the layer's kept entries of each row's ``heads`` into free slots, the shelf grown once by the
+        missing."""
         free = [slot for slot, owner in enumerate(self.owners) if owner is None]
-        if (missing := len(owners) - len(free)) > 0:
+        if (missing := sum(len(heads) for _, heads in units) - len(free)) > 0:
             free += range(len(self.owners), len(self.owners) + missing)
-            self.keys = torch.cat([self.keys, self._empty(self.keys, missing)])
-            self.values = torch.cat([self.values, self._empty(self.values, missing)])
+            self.keys = torch.cat([self.keys, self.keys.new_zeros(missing, self.capacity, self.dim)])
+            self.values = torch.cat([self.values, self.values.new_zeros(missing, self.capacity, self.dim)])
             self.owners += [None] * missing
             self.lengths = torch.cat([self.lengths, torch.zeros(missing, dtype=torch.long)])
-        for slot, owner in zip(free, owners):
-            entries = owner.cache.eviction_layers[self.layer]
-            length = entries.get_seq_length()
-            self.keys[slot, :, :length] = entries.keys[0]
-            self.values[slot, :, :length] = entries.values[0]
-            entries.keys, entries.values = entries.keys[:, :, :0].clone(), entries.values[:, :, :0].clone()  # held here
-            self.lengths[slot], self.owners[slot] = length, owner
-            owner.slots[self.layer] = (self, slot)
+        for row, heads in units:
+            slots, free = free[: len(heads)], free[len(heads) :]
+            layer = row.cache.eviction_layers[self.layer]
+            appended = row.appended[self.layer]
+            own = [length - appended for length in row.kept[self.layer]]
+            if layer.headwise is None:  # every head as long: one copy
+                length = layer.get_seq_length()
+                index = torch.tensor(slots, device=self.keys.device)
+                self.keys[index, :length] = layer.keys[0, heads]
+                self.values[index, :length] = layer.values[0, heads]
+            for head, slot in zip(heads, slots):
+                if layer.headwise is not None:
+                    keys, values = head_entries(layer, head, own)
+                    self.keys[slot, : keys.shape[0]], self.values[slot, : keys.shape[0]] = keys, values
+                self.lengths[slot], self.owners[slot] = row.kept[self.layer][head], (row, head)
+                row.slots[self.layer][head] = (self, slot)
+            self.count += len(heads)
 
     def take(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Free ``slot``; its entries ``[1,Hc,length,D]`` (views of the shelf: copy what is kept)."""
+        """Free ``slot``; its entries ``[length,D]`` (views of the shelf: copy what is kept)."""
         length = int(self.lengths[slot])
         self.owners[slot], self.lengths[slot] = None, 0
-        return self.keys[slot : slot + 1, :, :length], self.values[slot : slot + 1, :, :length]
+        self.count -= 1
+        return self.keys[slot, :length], self.values[slot, :length]
 
     def compact(self) -> bool:
         """Copy the shelf without its free slots where they are more than a sixteenth of it; whether it did."""
-        held = [slot for slot, owner in enumerate(self.owners) if owner is not None]
-        if len(self.owners) - len(held) <= len(self.owners) // 16:
+        if len(self.owners) - self.count <= len(self.owners) // 16:
             return False
+        held = [slot for slot, owner in enumerate(self.owners) if owner is not None]
         index = torch.tensor(held, device=self.keys.device)
         self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
         self.lengths, self.owners = self.lengths[held], [self.owners[slot] for slot in held]
         for slot, owner in enumerate(self.owners):
             assert owner is not None  # a held slot
-            owner.slots[self.layer] = (self, slot)
+            row, head = owner
+            row.slots[self.layer][head] = (self, slot)
         return True
 
     def begin_step(self, members: torch.Tensor, slots: torch.Tensor, on_host: torch.Tensor) -> None:
-        """This step's rows: batch places ``members [n]`` in ``slots [n]`` (``on_host``: the same on the host), one
-        token each."""
+        """This step's units: ``members [n]`` (row place × Hc + head) in ``slots [n]`` (``on_host``: the same on the
+        host), one token each."""
         device = self.keys.device
         self.members, self.slots = members, slots
         self.write_at = self.lengths[on_host].to(device)
@@ -124,44 +151,45 @@ class Shelf:
         self.held = self.lengths.clamp(min=1).to(device)
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Write the step's keys/values of the stored rows (``[N,Hkv,1,D]`` of the batch) at each row's length."""
-        keys, values = in_cache_heads(
-            key_states[self.members], value_states[self.members], self.query_heads, self.repeat_layout
-        )  # [n,Hc,1,D]
-        where = (self.slots[:, None], self.head_index, self.write_at[:, None])  # [n,Hc] each
-        self.keys.index_put_(where, keys[:, :, 0])
-        self.values.index_put_(where, values[:, :, 0])
+        """Write the step's keys/values of the stored units (``[N,Hkv,1,D]`` of the batch) at each unit's length."""
+        keys, values = in_cache_heads(key_states, value_states, self.query_heads, self.repeat_layout)  # [N,Hc,1,D]
+        self.keys.index_put_((self.slots, self.write_at), keys.flatten(0, 1)[self.members, 0])
+        self.values.index_put_((self.slots, self.write_at), values.flatten(0, 1)[self.members, 0])
 
-    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """The stored rows' attention outputs ``[n,1,Hq,D]`` for the batch's single queries ``query [N,Hq,1,D]``:
-        one SDPA call over every slot (an empty slot's output is dropped)."""
-        queries = query.new_zeros(len(self.owners), *query.shape[1:]).index_copy_(0, self.slots, query[self.members])
+    def attend(self, query: torch.Tensor, scaling: float, joined: torch.Tensor) -> None:
+        """Write the stored units' attention outputs into the batch's ``joined [N,1,Hq,D]`` for its single queries
+        ``query [N,Hq,1,D]``: one SDPA call over every slot, each unit's query heads (``G = Hq / Hc``) over its
+        entries (an empty slot's output is dropped)."""
+        group = self.query_heads // self.heads
+        units = query.reshape(-1, group, query.shape[-1])[self.members]  # [n,G,D]: (row, head) → its query heads
+        queries = query.new_zeros(len(self.owners), group, 1, query.shape[-1])
+        queries.index_copy_(0, self.slots, units[:, :, None])
         visible = torch.arange(self.longest, device=query.device) < self.held[:, None]  # [S,T]
         output = F.scaled_dot_product_attention(
             queries,
-            self.keys[:, :, : self.longest],
-            self.values[:, :, : self.longest],
+            self.keys[:, None, : self.longest],
+            self.values[:, None, : self.longest],
             attn_mask=visible[:, None, None],
             scale=scaling,
-            enable_gqa=query.shape[1] != self.heads,
-        )  # [S,Hq,1,D]
-        return output.index_select(0, self.slots).transpose(1, 2)
+            enable_gqa=group > 1,
+        )  # [S,G,1,D]
+        joined.view(-1, group, query.shape[-1]).index_copy_(0, self.members, output[self.slots, :, 0])
 
 
-#: a shelf stepped: its rows' batch places and slots on its device, the slots on the host
+#: a shelf stepped: its units (row place × Hc + head) and slots on its device, the slots on the host
 Stepping = tuple[Shelf, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class RowStore:
-    """The stored rows of a decode (:func:`~kvbench.engine.rows.finished_rows`), on shelves by layer, head count and
+    """The stored rows of a decode (:func:`~kvbench.engine.rows.finished_rows`), on shelves by layer, head layout and
     capacity."""
 
     def __init__(self) -> None:
-        self.shelves: dict[tuple[int, int, int], Shelf] = {}
+        self.shelves: dict[tuple[int, int, bool, int], Shelf] = {}
         self.places: dict[int, Stored] = {}  # id(cache) → the row stored
         self.stepping: list[list[Shelf]] = []  # by layer, this step's shelves
-        #: the step's rows (by id; -1 where attended alone) and by layer each shelf with its rows' batch places and
-        #: slots (on the device, and on the host): made again when the rows or their slots change
+        #: the step's rows (by id; -1 where attended alone) and by layer each shelf with its units and slots (on the
+        #: device, and on the host): made again when the rows or their slots change
         self.layout: tuple[tuple[int, ...], list[list[Stepping]]] | None = None
         self.reserved = 0  # the bytes the rows reserve (Stored.reserved) now
         self.peak_bytes = self.reserved_at_peak = 0
@@ -169,23 +197,35 @@ class RowStore:
     def begin_step(self, caches: list[EvictionCache], positions: list[int], to_come: list[int]) -> list[int]:
         """Store the step's storable rows not stored yet (``to_come``: the tokens each may still append) and declare
         the step; returns the batch places of the rows attended each alone."""
-        arriving: dict[tuple[int, int, int], list[Stored]] = {}
+        arriving: dict[tuple[int, int, bool, int], list[tuple[Stored, list[int]]]] = {}
         for cache, position, more in zip(caches, positions, to_come):
             if id(cache) in self.places or not storable(cache):
                 continue
-            kept = [layer.get_seq_length() for layer in cache.eviction_layers]
+            kept = [head_lengths(layer) for layer in cache.eviction_layers]
             keys = cache.eviction_layers[0].keys  # [1,Hc,T,D]
-            entry = 2 * keys[0, :, 0].numel() * keys.element_size()  # a token's keys and values in one layer
-            row = Stored(cache, position, kept, (sum(kept) + more * len(kept)) * entry)
-            for layer, length in enumerate(kept):
-                key = (layer, cache.cache_heads, capacity_class(length + more))
-                if key not in self.shelves:
-                    self.shelves[key] = Shelf(cache, layer, key[2])
-                arriving.setdefault(key, []).append(row)
+            entry = 2 * keys.shape[-1] * keys.element_size()  # a token's key and value in one cache head
+            reserved = sum(length + more for lengths in kept for length in lengths) * entry
+            appended = [layer.get_seq_length() for layer in cache.eviction_layers]
+            row = Stored(cache, position, kept, appended, reserved, [[None] * len(lengths) for lengths in kept])
+            for layer, lengths in enumerate(kept):
+                by_class: dict[int, list[int]] = {}
+                for head, length in enumerate(lengths):
+                    by_class.setdefault(capacity_class(length + more), []).append(head)
+                for capacity, heads in by_class.items():
+                    key = (layer, cache.cache_heads, cache.repeat_layout, capacity)
+                    if key not in self.shelves:
+                        self.shelves[key] = Shelf(cache, layer, capacity)
+                    arriving.setdefault(key, []).append((row, heads))
             self.places[id(cache)] = row
             self.reserved += row.reserved
-        for key, rows in arriving.items():
-            self.shelves[key].place(rows)
+        for key, units in arriving.items():
+            self.shelves[key].place(units)
+        for row in {id(row): row for units in arriving.values() for row, _ in units}.values():
+            for entries in row.cache.eviction_layers:  # held on the shelves now
+                entries.keys, entries.values = entries.keys[:, :, :0].clone(), entries.values[:, :, :0].clone()
+                if (own := entries.headwise) is not None:
+                    own.keys, own.values = own.keys[:0].clone(), own.values[:0].clone()
+                    entries.layout = None
         if any([shelf.compact() for shelf in self.shelves.values()]):
             self.layout = None
         members = tuple(id(cache) if id(cache) in self.places else -1 for cache in caches)
@@ -201,18 +241,21 @@ class RowStore:
         return [place for place, cache in enumerate(caches) if id(cache) not in self.places]
 
     def _layout(self, caches: list[EvictionCache], layers: int) -> list[list[Stepping]]:
-        """By layer, each shelf with the batch places and slots of its rows in this step."""
+        """By layer, each shelf with the units (row place × Hc + head) and slots of its rows in this step."""
         by_layer: list[dict[int, tuple[Shelf, list[int], list[int]]]] = [{} for _ in range(layers)]
         for place, cache in enumerate(caches):
             if (row := self.places.get(id(cache))) is not None:
-                for layer, (shelf, slot) in row.slots.items():
-                    _, places, slots = by_layer[layer].setdefault(id(shelf), (shelf, [], []))
-                    places.append(place)
-                    slots.append(slot)
+                for layer, by_head in enumerate(row.slots):
+                    for head, found in enumerate(by_head):
+                        assert found is not None  # every unit of a stored row is on a shelf
+                        shelf, slot = found
+                        _, units, slots = by_layer[layer].setdefault(id(shelf), (shelf, [], []))
+                        units.append(place * shelf.heads + head)
+                        slots.append(slot)
         return [
             [
-                (shelf, torch.tensor(places, device=shelf.keys.device), on_host.to(shelf.keys.device), on_host)
-                for shelf, places, slots in shelves.values()
+                (shelf, torch.tensor(units, device=shelf.keys.device), on_host.to(shelf.keys.device), on_host)
+                for shelf, units, slots in shelves.values()
                 for on_host in [torch.tensor(slots)]
             ]
             for shelves in by_layer
@@ -226,13 +269,23 @@ class RowStore:
             return
         self.layout = None
         self.reserved -= row.reserved
-        for index, (entries, kept) in enumerate(zip(cache.eviction_layers, row.kept)):
-            shelf, slot = row.slots[index]
-            keys, values = shelf.take(slot)
-            entries.keys, entries.values = keys[:, :, :kept].clone(), values[:, :, :kept].clone()
-            if (decoded := keys.shape[2] - kept) > 0:
+        for index, (layer, kept, by_head) in enumerate(zip(cache.eviction_layers, row.kept, row.slots)):
+            entries = []
+            for found in by_head:
+                assert found is not None  # every unit of a stored row is on a shelf
+                shelf, slot = found
+                entries.append(shelf.take(slot))
+                if shelf.count == 0:
+                    self.shelves.pop((index, shelf.heads, shelf.repeat_layout, shelf.capacity), None)
+            decoded, appended = entries[0][0].shape[0] - kept[0], row.appended[index]  # the same for every head
+            start = [length - appended for length in kept]  # each head's own entries, before those appended
+            if layer.headwise is not None:  # packed back, head after head
+                layer.headwise.keys = torch.cat([keys[:first] for (keys, _), first in zip(entries, start)])
+                layer.headwise.values = torch.cat([values[:first] for (_, values), first in zip(entries, start)])
+            keys = torch.stack([keys[first:] for (keys, _), first in zip(entries, start)])[None]  # [1,Hc,a+d,D]
+            values = torch.stack([values[first:] for (_, values), first in zip(entries, start)])[None]
+            layer.keys, layer.values = keys[:, :, :appended].clone(), values[:, :, :appended].clone()
+            if decoded > 0:
                 positions = torch.arange(row.first_position, row.first_position + decoded)
-                entries.append(keys[:, :, kept:], values[:, :, kept:], positions)
+                layer.append(keys[:, :, appended:], values[:, :, appended:], positions)
                 cache.account(index)
-            if all(owner is None for owner in shelf.owners):
-                del self.shelves[(index, shelf.heads, shelf.capacity)]
