@@ -442,22 +442,26 @@ def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_com
 def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_differs(tmp_path, monkeypatch, packed):
     """``bench.leaderboard_grid``: the full-cache job alone and the grid as one grouped sweep, each one ``kvbench
     run`` (faked here: each writes its run directories), their cost ratio, and every prediction of the grid against
-    the committed run of the same name but for its digest (a sample the committed run lacks is not compared), the
-    committed runs plain or packed (``kvbench pack``, as results/ commits them)."""
+    the committed run of the same settings but for the engine's added ones (``engine.rows_attention``: another
+    digest; a sample the committed run lacks is not compared), the committed runs plain or packed (``kvbench pack``,
+    as results/ commits them)."""
     import kvbench.bench.grid as grid_module
     from kvbench.rundir import RunDir
 
-    def write(folder: Path, runs: dict[str, list[str]], seconds: float) -> None:
+    def write(folder: Path, runs: dict[str, list[str]], seconds: float, engine: str = "each") -> None:
         for name, predictions in runs.items():
             run_dir = RunDir(folder / name)
             run_dir.path.mkdir(parents=True)
+            settings = {"policy": name.split("-")[0], "seed": 1 if name.endswith("-v") else 0}
+            run_dir.write_config(OmegaConf.create({**settings, "engine": {"rows_attention": engine}}))
             for number, prediction in enumerate(predictions):
                 timing = {"total_seconds": seconds * (number + 1)}
                 record = {"id": f"s-{number}", "subtask": "t", "score": 0.0, "prediction": prediction}
                 run_dir.append({**record, "timing": timing})
 
     committed = tmp_path / "project" / "results" / "board"
-    write(committed / "m" / "ruler", {"snapkv-10pct-x": ["a", "b"], "tova-10pct-y": ["c", "d"]}, 0)
+    runs = {"snapkv-10pct-v": ["b", "B"], "snapkv-10pct-x": ["a", "b"], "tova-10pct-y": ["c", "d"]}  # v: seed 1
+    write(committed / "m" / "ruler", runs, 0)
     if packed:
         from kvbench.packed import pack
 
@@ -475,8 +479,8 @@ def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_
         if folder.name.startswith("grid-"):  # the grid again at another sample count, for its peak memory
             assert f"task.num_samples={folder.name[5:]}" in arguments
             return 1.0, 300 + int(folder.name[5:])
-        runs = {"snapkv-10pct-w": ["a", "B"], "tova-10pct-y": ["c", "d"], "full-10pct-z": ["e", "f"]}  # w: stored
-        write(folder / "m" / "ruler", runs, 1.5)
+        runs = {"snapkv-10pct-w": ["a", "B"], "tova-10pct-y": ["c", "d"], "full-10pct-z": ["e", "f"]}
+        write(folder / "m" / "ruler", runs, 1.5, "stored")  # snapkv: another digest, x's settings but stored
         return 9.0, 300
 
     monkeypatch.setattr(grid_module, "run_measured", fake_run)

@@ -13,6 +13,7 @@ layer's full keys/values.
 from __future__ import annotations
 
 import functools
+import json
 import multiprocessing
 import os
 import statistics
@@ -34,7 +35,7 @@ from kvbench.engine.store import RowStore
 from kvbench.errors import KVBenchError
 from kvbench.launch.sweeps import sweep_loader, sweep_overrides
 from kvbench.models import load_model, resolve_device
-from kvbench.rundir import RunDir, flatten, runs_below
+from kvbench.rundir import ADDED_SETTINGS, RunDir, flatten, identity, runs_below
 
 if TYPE_CHECKING:
     from kvbench.bench.sections import Bench
@@ -91,15 +92,35 @@ def predictions(root: Path) -> dict[str, dict[str, str]]:
     }
 
 
-def by_settings_shown(committed: dict[str, dict[str, str]], runs: dict[str, dict[str, str]]) -> dict[str, dict]:
-    """``committed``'s runs under the names of ``runs`` whose names differ from theirs only in the digest (a setting
-    the experiment does not show, such as ``engine.rows_attention``, changes it: :func:`~kvbench.rundir.run_name`),
-    where one committed run has that name but for its digest."""
-    shown: dict[str, list[str]] = {}
-    for name in committed:
-        shown.setdefault(name.rsplit("-", 1)[0], []).append(name)
-    found = {name: shown.get(name.rsplit("-", 1)[0], []) for name in runs}
-    return {name: committed[named[0]] for name, named in found.items() if len(named) == 1}
+def engine_free(run: Path) -> str | None:
+    """A run's identity with the engine settings added since its first runs at their first values
+    (:data:`~kvbench.rundir.ADDED_SETTINGS`: how rows are attended, the sums' kernel), as JSON; None where it saved no
+    settings."""
+    settings = RunDir(run).saved_config()
+    if settings is None:
+        return None
+    engine = settings.setdefault("engine", {})
+    engine.update({key.split(".", 1)[1]: ADDED_SETTINGS[key] for key in ENGINE_ADDED})
+    return json.dumps(identity(settings), sort_keys=True, default=str)
+
+
+#: the engine settings added since the first runs: a run of another value than their first is the same run but for
+#: how it is computed
+ENGINE_ADDED = {key for key in ADDED_SETTINGS if key.startswith("engine.")}
+
+
+def twins(runs: dict[Path, Path], committed: dict[Path, Path]) -> dict[str, str]:
+    """Each of ``runs`` (by path below their root) to the committed run of the same settings but for the engine's
+    added ones (:func:`engine_free`; a run of fewer samples shares its directory), or of its own name where neither
+    saved settings."""
+    by_settings = {settings: str(below) for below, run in committed.items() if (settings := engine_free(run))}
+    found = {}
+    for below, run in runs.items():
+        settings = engine_free(run)
+        twin = by_settings.get(settings) if settings else (str(below) if below in committed else None)
+        if twin is not None:
+            found[str(below)] = twin
+    return found
 
 
 def sample_seconds(root: Path) -> dict[str, float]:
@@ -164,11 +185,10 @@ def leaderboard_grid(bench: Bench) -> dict[str, Any]:
     """The leaderboard's own grid (``bench.leaderboard_grid``: every job of ``+experiment=<experiment>`` on its first
     ``num_samples`` samples) as one grouped ``kvbench run -m`` against its full-cache job alone (:func:`full_cache_job`:
     the same prompts), each one process: end to end, and a sample's cost (:func:`sample_seconds`, the mean over the
-    samples); every prediction against the committed run of the same settings shown (``results/<experiment>``: a run
-    of fewer samples shares its directory's name, one of an engine setting the experiment leaves alone all of it but
-    the digest: :func:`by_settings_shown`), and the full-cache job's against the grid's run of it; the device the
-    jobs ran on. ``overrides``: both runs', after the experiment's (another model: its runs have other names, and no
-    prediction is compared)."""
+    samples); every prediction against the committed run of the same settings (``results/<experiment>``: a run of
+    fewer samples shares its directory; the engine's added settings, such as ``engine.rows_attention``, aside:
+    :func:`twins`), and the full-cache job's against the grid's run of it; the device the jobs ran on. ``overrides``:
+    both runs', after the experiment's (another model: its runs have other settings, and no prediction is compared)."""
     section = bench.bench.leaderboard_grid
     common = [f"+experiment={section.experiment}", f"task.num_samples={section.num_samples}"]
     common += [f"engine.threads={bench.cfg.engine.threads}", *section.overrides]
@@ -179,12 +199,14 @@ def leaderboard_grid(bench: Bench) -> dict[str, Any]:
         full, full_peak = run_measured(["run", "-m", *alone, f"hydra.sweep.dir={root}/full"], log)  # a sweep of one
         grouped, grid_peak = run_measured(["run", "-m", *common, f"hydra.sweep.dir={root}/grid"], log)
         full_alone, together = predictions(root / "full"), predictions(root / "grid")
+        matched = twins(runs_below(root / "grid"), runs_below(PROJECT_ROOT / "results" / section.experiment))
         full_sample, grid_sample = sample_seconds(root / "full"), sample_seconds(root / "grid")
         peaks = {}  # the grid's peak at other sample counts: bounded by the batch, not by the samples
         for count in section.memory_samples:
             more = [*common, f"task.num_samples={count}", f"hydra.sweep.dir={root}/grid-{count}"]
             peaks[str(count)] = run_measured(["run", "-m", *more], log)[1]
-    committed = by_settings_shown(predictions(PROJECT_ROOT / "results" / section.experiment), together)
+    saved = predictions(PROJECT_ROOT / "results" / section.experiment)
+    committed = {name: saved[twin] for name, twin in matched.items() if twin in saved}
     differing = sorted(
         f"{name}:{sample}"
         for name, by_sample in together.items()
