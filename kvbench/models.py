@@ -46,6 +46,8 @@ RANDOM_ARCHITECTURES = {
     "LlamaForCausalLM": "LlamaConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
     "MistralForCausalLM": "MistralConfig",
+    "Qwen3ForCausalLM": "Qwen3Config",
+    "Phi3ForCausalLM": "Phi3Config",
 }
 
 

@@ -15,8 +15,12 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -31,17 +35,22 @@ from kvbench.policies.budgets import Budget
 #: the tiny models' tokenizer (byte ids below their vocabulary), for a policy that reads text (KVzip's requests)
 TOKENIZER = byte_tokenizer(4096)
 
+#: the tiny architectures the registry's tests run every policy on, with what each needs beside the shared shapes:
+#: Qwen3's QK-norm, Phi-3's fused projections (its padding id within the tiny vocabulary)
 ARCHITECTURES = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+    "phi3": (Phi3Config, Phi3ForCausalLM, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
 }
 
 
 def tiny_model(architecture: str = "llama", seed: int = 0, layers: int = 3, vocab: int = 300, **overrides):
     """A randomly initialised GQA model (4 query heads, 2 KV heads) with non-flat attention."""
-    config_class, model_class = ARCHITECTURES[architecture]
+    config_class, model_class, own = ARCHITECTURES[architecture]
     settings = dict(
+        **own,
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvbench.errors import KVBenchError
-from tests.helpers import engine, random_prompt, tiny_model
+from tests.helpers import ARCHITECTURES, engine, random_prompt, tiny_model
 
 REGIMES = ["oneshot", "chunked", "streaming"]
 
@@ -22,7 +22,7 @@ def llama():
     return tiny_model("llama")
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 @pytest.mark.parametrize("regime", REGIMES)
 def test_full_cache_equals_hf_generate(architecture, regime):
     model = tiny_model(architecture)
@@ -30,6 +30,36 @@ def test_full_cache_equals_hf_generate(architecture, regime):
     expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
     output = engine(model, "full", 64, regime).generate(prompt, max_new_tokens=12)
     assert output.token_ids == expected
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_full_perplexity_matches_one_forward_on_every_architecture(architecture):
+    """Each token's NLL through the engine's full cache (chunked: several forwards) equals one forward of the model."""
+    model, stream = tiny_model(architecture), random_prompt(70)
+    nlls = engine(model, "full", 4096, "chunked").perplexity(stream).nlls
+    with torch.no_grad():
+        logits = model(torch.tensor([stream])).logits[0, :-1]
+    expected = torch.nn.functional.cross_entropy(logits, torch.tensor(stream[1:]), reduction="none")
+    torch.testing.assert_close(torch.tensor(nlls), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_sliding_window_layer_is_attended_only_within_its_window():
+    """Gemma 3 (two sliding layers of a 16-token window beside a global one): a sequence within the window gives what
+    ``model.generate`` gives; one beyond it is refused in one line naming the layer and the window (the model's own
+    sliding layers would not read what kvbench's cache holds)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    layers = ["sliding_attention", "sliding_attention", "full_attention"]
+    shapes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = Gemma3TextConfig(vocab_size=300, **shapes, num_hidden_layers=3, layer_types=layers, sliding_window=16)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config).eval()
+    prompt = random_prompt(10)
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt) :].tolist()
+    assert engine(model, "full", 64).generate(prompt, max_new_tokens=6).token_ids == expected
+    refusal = "layer 0 attends a sliding window of 16 tokens and this sequence reaches 30"
+    with pytest.raises(KVBenchError, match=refusal):
+        engine(model, "full", 64).generate(random_prompt(30), max_new_tokens=4)
 
 
 def test_streaming_peak_is_budget_plus_one(llama):

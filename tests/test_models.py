@@ -18,7 +18,7 @@ from kvbench.models import (
     model_config,
 )
 
-TINY_MODELS = ["tiny_llama", "tiny_qwen2", "tiny_mistral"]
+TINY_MODELS = ["tiny_llama", "tiny_qwen2", "tiny_mistral", "tiny_qwen3", "tiny_phi3"]
 SCHEMA_KEYS = {
     "name",
     "source",

@@ -21,6 +21,8 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvbench.errors import KVBenchError
+
 ATTENTION_NAME = "kvbench"
 #: devices where H2O-style sums take each query's normaliser from a fused kernel (``attention_with_lse``) and
 #: add one Q·Kᵀ pass; elsewhere (CPU) each block of queries normalises its own logits, cheaper there than a
@@ -123,14 +125,20 @@ def flash_attention(module, query, key, value, scaling):
     return output
 
 
-def kvbench_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, kvbench_cache=None, **_):
+def kvbench_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, kvbench_cache=None, sliding_window=None, **_
+):
     """Attention over the (budgeted) cache, decode modifiers and scoring/eviction by ``kvbench_cache`` if given;
     over a :class:`~kvbench.engine.batches.RowBatch`, each row ``query[r:r+1]`` over its own cache, at its own length
     (no row padded: each gives what it gives alone), or a stored row with the others of its shelf. The leading
-    parameters are in transformers' order, for wrappers that pass them positionally (kvpress)."""
+    parameters are in transformers' order, for wrappers that pass them positionally (kvpress). A layer the model
+    attends through a ``sliding_window`` is attended as the model does only while the sequence fits it
+    (:func:`within_window`)."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if kvbench_cache is None:
         return sdpa_attention(query, key, value, scaling), None
+    if sliding_window is not None:
+        within_window(module.layer_idx, sliding_window, kvbench_cache.span())
     rows = getattr(kvbench_cache, "rows", None)
     if rows is not None:
         attended, queries = rows(module.layer_idx), kvbench_cache.alone_queries(query)
@@ -141,6 +149,17 @@ def kvbench_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         ]
         return kvbench_cache.joined(module.layer_idx, query, outputs, scaling), None
     return cache_attention(kvbench_cache, module, query, key, value, scaling), None
+
+
+def within_window(layer_idx: int, window: int, span: int) -> None:
+    """Refuse a sequence of ``span`` tokens through a layer the model attends through a sliding ``window`` longer than
+    it: the layer's queries would read keys the model's own do not (Gemma 3's, Mistral v0.1's)."""
+    if span > window:
+        raise KVBenchError(
+            f"the model's layer {layer_idx} attends a sliding window of {window} tokens and this sequence reaches "
+            f"{span}: kvbench attends a sliding-window layer as the model does only within its window; keep the "
+            f"prompt and the tokens generated within {window}"
+        )
 
 
 def padded_outputs(layer_idx: int, query, rows, scaling) -> dict[int, torch.Tensor]:
@@ -177,6 +196,10 @@ class AttendedCache(Protocol):
     each head holds, the attending modifiers' say over a single query, and the scoring and eviction after it."""
 
     attn_backend: str
+
+    def span(self) -> int:
+        """The tokens of the longest sequence through this forward, its own included."""
+        ...
 
     def key_mask(self, layer_idx: int) -> torch.Tensor | None:
         """Which keys of the last update each cache head holds ``[Hc,T]``, or None: all."""

@@ -58,6 +58,10 @@ class SharedPrefill(Cache):
         self.attended = in_cache_heads(key_states, value_states, self.num_query_heads, self.repeat_layout)
         return self.attended
 
+    def span(self) -> int:
+        """The prompt's tokens through this forward (the same for every variant)."""
+        return self.caches[0].span()
+
     def key_mask(self, layer_idx: int) -> None:
         """Every head holds every key of a shared prefill (its caches evict after it)."""
         return None
@@ -105,6 +109,7 @@ class RowBatch(Cache):
         padded: bool = False,
         store: RowStore | None = None,
         alone: list[int] | None = None,
+        span: int = 0,
     ) -> None:
         super().__init__(layers=[DynamicLayer() for _ in caches[0].layers])  # never filled: the model reads length 0
         self.alone = list(range(len(caches))) if alone is None else alone
@@ -116,6 +121,7 @@ class RowBatch(Cache):
         self.attended: list[tuple[torch.Tensor, torch.Tensor]] = []  # this layer's, each row's cache
         self.everyone = len(self.alone) == len(caches)
         self.alone_places: torch.Tensor | None = None  # ``alone`` on the queries' device, made once a step
+        self.longest = span  # the tokens of the longest row through this forward
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -129,6 +135,10 @@ class RowBatch(Cache):
             for place, cache in zip(self.alone, self.caches)
         ]
         return key_states, value_states
+
+    def span(self) -> int:
+        """The tokens of the longest row through this forward, its own included."""
+        return self.longest
 
     def rows(self, layer_idx: int) -> list[tuple[EvictionCache, torch.Tensor, torch.Tensor]]:
         """Each row attended alone: its cache with the keys/values ``[1,Hc,T_r,D]`` it holds at ``layer_idx`` (after

@@ -204,6 +204,10 @@ class EvictionCache(Cache):
         keys, values, self.key_masks[layer_idx] = layer.attended()
         return keys, values
 
+    def span(self) -> int:
+        """The tokens of the sequence through this forward, its own included."""
+        return self._forward().seen
+
     def key_mask(self, layer_idx: int) -> torch.Tensor | None:
         """Which of the keys the last :meth:`update` of ``layer_idx`` returned each cache head holds ``[Hc,T]``, or
         None: all of them."""

@@ -203,7 +203,8 @@ def forward_rows(
         caches[place].begin_forward(
             positions[place], evict=evicts[place], decoding=starts[place] >= caches[place].prompt_len
         )
-    rows = RowBatch(caches, padded=lead.rows_attention == "padded", store=store, alone=alone)
+    padded, span = lead.rows_attention == "padded", max(starts) + length
+    rows = RowBatch(caches, padded=padded, store=store, alone=alone, span=span)
     return lead.forward(rows, torch.tensor(token_ids, device=lead.device), positions, all_logits)
 
 
