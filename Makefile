@@ -133,8 +133,9 @@ reproduce-slake: setup
 	$(call report,slake,$(SLAKE_TABLES))
 
 # --- Leaderboard ------------------------------------------------------------------------------------------------
-# make leaderboard [SCALE=paper|smoke|plan] [LEADERBOARD_DIR=DIR]: every base alone and with every modifier that
-# applies to it, under one protocol on the offline SmolLM2-135M, on RULER, the needle grid and perplexity, and every
+# make leaderboard [SCALE=paper|smoke|plan] [MODEL=NAME] [LEADERBOARD_DIR=DIR]: every base alone and with every modifier
+# that applies to it, under one protocol on the offline SmolLM2-135M (MODEL: any conf/model name, into
+# results/leaderboard-NAME), on RULER, the needle grid and perplexity, and every
 # base on RULER query-agnostic, KVzip head-wise among them
 # (conf/experiment/leaderboard[_needle|_ppl|_agnostic|_headwise][_smoke].yaml), each a grouped sweep sharing each
 # prompt's prefill; then kvbench leaderboard's cells (mean, 95% bootstrap interval, n), the paired modifier-vs-base comparisons and the plot
@@ -142,15 +143,18 @@ reproduce-slake: setup
 # summed over every record). Stopped, it resumes where it was when run again. The runs are committed packed
 # (DIR/runs.tar.xz, read as the run directories they hold; a sweep into DIR unpacks them to resume them), packed
 # again once the report is written.
-LEADERBOARD_DIR ?= $(RESULTS)/leaderboard
+MODEL ?=
+LEADERBOARD_DIR ?= $(RESULTS)/leaderboard$(if $(MODEL),-$(MODEL))
 LEADERBOARD_SWEEPS = leaderboard leaderboard_needle leaderboard_ppl leaderboard_agnostic leaderboard_headwise
 leaderboard: setup
 	start=$$(date +%s); commit=$$(git describe --always --dirty --abbrev=40 2>/dev/null); \
 	for sweep in $(LEADERBOARD_SWEEPS); do \
-		$(RUN) +experiment=$${sweep}$(if $(SMOKE),_smoke) hydra.sweep.dir=$(LEADERBOARD_DIR) $(LAUNCH) || exit 1; \
+		$(RUN) +experiment=$${sweep}$(if $(SMOKE),_smoke) $(if $(MODEL),model=$(MODEL)) \
+			hydra.sweep.dir=$(LEADERBOARD_DIR) $(LAUNCH) || exit 1; \
 	done && \
 	$(if $(PLAN),true,$(KVBENCH) leaderboard $(LEADERBOARD_DIR) --output-dir $(LEADERBOARD_DIR)/report \
-		--provenance "make leaderboard SCALE=$(SCALE)" --started $$start --commit "$$commit" && \
+		--provenance "make leaderboard SCALE=$(SCALE)$(if $(MODEL), MODEL=$(MODEL))" --started $$start \
+		--commit "$$commit" && \
 		$(KVBENCH) pack $(LEADERBOARD_DIR))
 
 # --- Shared context ---------------------------------------------------------------------------------------------

@@ -164,6 +164,22 @@ def test_make_leaderboard_smoke(tmp_path):
     assert made["wall_seconds"] > 0 and made["versions"]["torch"] and made["commit"]
 
 
+def test_make_leaderboard_smoke_on_another_model(tmp_path):
+    """``make leaderboard SCALE=smoke MODEL=tiny_qwen3``: the leaderboard's sweeps on a tiny Qwen3 (the command line's
+    model over the experiments' SmolLM2), every cell that model's, the provenance naming it. The needle grid's chat
+    prompts are left out: the tiny models' byte tokenizer has no chat template (a real Qwen3's has)."""
+    command = ["make", "-o", ".venv/.installed", "leaderboard", "SCALE=smoke", "MODEL=tiny_qwen3"]
+    sweeps = "LEADERBOARD_SWEEPS=leaderboard leaderboard_ppl leaderboard_agnostic leaderboard_headwise"
+    done = subprocess.run(
+        [*command, sweeps, f"LEADERBOARD_DIR={tmp_path}"], capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    cells = (tmp_path / "report" / "leaderboard_cells.md").read_text()
+    assert cells.count("| tiny_qwen3 |") == (1 + 4 * 2) + 3 + 2 + 1 and "smollm2" not in cells
+    made = json.loads((tmp_path / "report" / "provenance.json").read_text())
+    assert made["command"] == "make leaderboard SCALE=smoke MODEL=tiny_qwen3" and made["runs"] == 10 + 3 + 2 + 1
+
+
 def test_the_committed_leaderboard_regenerates_its_report_and_the_results_page(tmp_path, capsys):
     """``results/leaderboard``'s run directories give its report's tables byte for byte, and the README's results
     page (docs/results.md) quotes the two summaries as they are (``kvbench leaderboard results/leaderboard``)."""

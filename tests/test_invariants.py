@@ -8,7 +8,7 @@ A policy added as one file in ``kvbench/policies/`` is covered here without edit
 * in the chunked regime a layer's live cache never exceeds its budget + block;
 * the token decoded after eviction sees exactly the kept entries: its logits equal a full forward whose last
   query is masked, per layer and cache head, to the kept positions (attending modifiers, which replace decode
-  attention by design, are checked to differ from it instead).
+  attention by design, are checked to differ from it instead), on every tiny architecture.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from kvbench.engine import Engine
 from kvbench.policies import build_policy
 from kvbench.policies.base import Full
 from tests.helpers import (
+    ARCHITECTURES,
     TOKENIZER,
     VARIANTS,
     kept_masks,
@@ -154,25 +155,27 @@ def test_chunked_cache_never_exceeds_budget_plus_block(llama, spec):
     assert output.kv.peak_bytes < output.kv.full_bytes
 
 
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 @pytest.mark.parametrize("spec", SPECS)
-def test_decode_after_eviction_sees_exactly_the_kept_entries(spec):
-    model = tiny_model("llama", layers=LAYERS)
+def test_decode_after_eviction_sees_exactly_the_kept_entries(spec, architecture):
+    model = tiny_model(architecture, layers=LAYERS)
     prompt, budget = random_prompt(60), 24
     engine = runner(model, spec, budget)
     cache = engine.new_cache(len(prompt), query_agnostic(engine.policy))
     token = int(engine.prefill(cache, prompt)[0, -1].argmax())
     kept = kept_masks(cache, len(prompt))
     step = engine.step(cache, [token], len(prompt), evict=False)[0, -1]
-    expected = masked_forward(tiny_model("llama", layers=LAYERS), prompt + [token], kept, len(prompt))[-1]
+    expected = masked_forward(tiny_model(architecture, layers=LAYERS), prompt + [token], kept, len(prompt))[-1]
     if any(modifier.attends for modifier in engine.policy.modifiers):
         assert not torch.allclose(step, expected, rtol=1e-4, atol=1e-4)  # it recovers evicted information
     else:
         torch.testing.assert_close(step, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_masked_reference_without_eviction_is_the_model():
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_masked_reference_without_eviction_is_the_model(architecture):
     """The reference keeping every position is the plain causal forward (so its masking is what differs)."""
-    model = tiny_model("llama", layers=LAYERS)
+    model = tiny_model(architecture, layers=LAYERS)
     tokens = random_prompt(30)
     with torch.no_grad():
         expected = model(torch.tensor([tokens])).logits[0, -1]
