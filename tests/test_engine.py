@@ -62,6 +62,20 @@ def test_a_sliding_window_layer_is_attended_only_within_its_window():
         engine(model, "full", 64).generate(random_prompt(30), max_new_tokens=4)
 
 
+def test_an_attention_with_learned_sinks_is_refused_in_one_line():
+    """GPT-OSS adds a learned sink to each head's softmax (``s_aux``), which kvbench's attention does not take: a run
+    stops in one line rather than give other outputs than the model's."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    shapes = dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    experts = dict(num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(vocab_size=300, num_hidden_layers=2, **shapes, **experts)).eval()
+    with pytest.raises(KVBenchError, match=r"adds learned sinks to its softmax \(GPT-OSS\)") as error:
+        engine(model, "full", 64).generate(random_prompt(20), max_new_tokens=2)
+    assert "\n" not in str(error.value)
+
+
 def test_streaming_peak_is_budget_plus_one(llama):
     output = engine(llama, "h2o", 32, "streaming").generate(random_prompt(80), max_new_tokens=5)
     assert output.kv.peak_tokens_per_layer == [33] * 3

@@ -126,14 +126,29 @@ def flash_attention(module, query, key, value, scaling):
 
 
 def kvbench_attention(
-    module, query, key, value, attention_mask, dropout=0.0, scaling=None, kvbench_cache=None, sliding_window=None, **_
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    kvbench_cache=None,
+    sliding_window=None,
+    s_aux=None,
+    **_,
 ):
     """Attention over the (budgeted) cache, decode modifiers and scoring/eviction by ``kvbench_cache`` if given;
     over a :class:`~kvbench.engine.batches.RowBatch`, each row ``query[r:r+1]`` over its own cache, at its own length
     (no row padded: each gives what it gives alone), or a stored row with the others of its shelf. The leading
     parameters are in transformers' order, for wrappers that pass them positionally (kvpress). A layer the model
     attends through a ``sliding_window`` is attended as the model does only while the sequence fits it
-    (:func:`within_window`)."""
+    (:func:`within_window`); one whose softmax adds learned sinks (``s_aux``: GPT-OSS) is refused."""
+    if s_aux is not None:
+        raise KVBenchError(
+            "the model's attention adds learned sinks to its softmax (GPT-OSS): kvbench's attention does not take "
+            "them yet, so it would not give the model's own outputs"
+        )
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if kvbench_cache is None:
         return sdpa_attention(query, key, value, scaling), None
