@@ -51,6 +51,16 @@ RANDOM_ARCHITECTURES = {
 }
 
 
+def weights_digest(model: PreTrainedModel) -> str:
+    """The first 16 hex digits of the SHA-256 of a model's parameters (by name, in float32): one model in two
+    environments (a reference's fixtures, ``scripts/kvpress_fixtures.py``)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().float().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def available_models() -> list[str]:
     """Names of the model configurations in conf/model."""
     return sorted(path.stem for path in MODEL_CONF_DIR.glob("*.yaml"))

@@ -4,6 +4,11 @@
 Run in kvpress's own environment (kvpress pins transformers < 5.3; docs/benchmarks.md shows how to make it):
 
     /tmp/kvp/bin/python scripts/kvpress_fixtures.py tests/fixtures/kvpress [SPEC ...]   # every spec by default
+    /tmp/kvp/bin/python scripts/kvpress_fixtures.py tests/fixtures/kvpress/tiny_qwen3 --model tiny_qwen3
+
+``--model NAME``: SnapKV's and KNorm's kept sets on another configured model (a tiny random one: its weights depend
+only on its seed, the same in both environments, recorded as ``weights_sha256``), on the same essay prompts in its
+tokenizer's ids.
 
 Each prompt is ``LENGTH`` tokens of the Paul Graham essays (the RULER/NIAH haystack; kvbench's bench prompt, from
 ``OFFSETS`` characters in) prefilled once through the press with transformers' SDPA attention; the press keeps
@@ -36,7 +41,7 @@ import transformers
 from kvbench.bench.kvpress import press_prefill, recorded_scores
 from kvbench.bench.sections import prompt_tokens
 from kvbench.config import compose
-from kvbench.models import load_model
+from kvbench.models import load_model, weights_digest
 from kvbench.tasks.resources import paul_graham_essays
 
 LENGTH, KEPT = 512, 128
@@ -139,6 +144,34 @@ def kvzip_record(model, tokenizer, kvpress, text_ids: list[int], scores: bool) -
     return {**record, "kept_per_layer": kept_per_layer, "kept_masks": recorded["masks"]}
 
 
+def other_model(output: Path, name: str) -> None:
+    """SnapKV's and KNorm's kept sets on model ``name`` (see the module's docstring)."""
+    kvpress = kvpress_module()
+    loaded = load_model(compose([f"model={name}"]).model)
+    text = paul_graham_essays()
+    prompts = [prompt_tokens(loaded.tokenizer, text[offset:], LENGTH) for offset in OFFSETS]
+    output.mkdir(parents=True, exist_ok=True)
+    ratio = 1.0 - KEPT / LENGTH
+    for spec, press in {
+        "snapkv": kvpress.SnapKVPress(compression_ratio=ratio),
+        "knorm": kvpress.KnormPress(compression_ratio=ratio),
+    }.items():
+        record = {
+            "made_by": "scripts/kvpress_fixtures.py --model",
+            "kvpress": importlib.metadata.version("kvpress"),
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "model": name,
+            "weights_sha256": weights_digest(loaded.model),
+            "length": LENGTH,
+            "kept": KEPT,
+            "press": repr(press),
+            "prompts": [{"ids": ids, "kept_masks": kept_masks(loaded.model, press, ids)} for ids in prompts],
+        }
+        (output / f"{spec}.json").write_text(json.dumps(record) + "\n")
+        print(f"wrote {output / f'{spec}.json'}")
+
+
 def kvpress_module():
     import kvpress
 
@@ -184,4 +217,7 @@ def main(output: Path, only: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/kvpress"), sys.argv[2:])
+    if "--model" in sys.argv:
+        other_model(Path(sys.argv[1]), sys.argv[sys.argv.index("--model") + 1])
+    else:
+        main(Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/kvpress"), sys.argv[2:])

@@ -18,7 +18,7 @@ import torch
 
 from kvbench.config import compose
 from kvbench.engine.engine import Engine
-from kvbench.models import load_model
+from kvbench.models import load_model, weights_digest
 from kvbench.policies import build_policy
 from tests import helpers
 from tests.helpers import unpacked_mask
@@ -111,6 +111,27 @@ def test_knorm_default_differs_from_kvpress_only_where_norms_tie():
                 assert len(only_mine) == len(only_theirs)
                 if len(only_mine):
                     assert only_mine.max() - only_theirs.min() <= 2.0**-15 * only_theirs.min(), f"layer {layer}"
+
+
+#: on the tiny Qwen3 (QK-norm; ``tests/fixtures/kvpress/tiny_qwen3``, made by ``scripts/kvpress_fixtures.py --model``):
+#: spec → the settings that give kvpress's convention (SnapKVPress's 64-query window)
+QWEN3_SETTINGS = {"snapkv": {"window": 64}, "knorm": {"norm_bits": None}}
+
+
+@pytest.mark.parametrize("spec", sorted(QWEN3_SETTINGS))
+def test_kept_sets_equal_kvpress_on_qwen3(spec):
+    """On a tiny random Qwen3 (the same weights as the fixture's: their digest), every layer and KV head keeps exactly
+    the positions the press keeps."""
+    record = json.loads((FIXTURES / "tiny_qwen3" / f"{spec}.json").read_text())
+    model = load_model(compose(["model=tiny_qwen3"]).model).model
+    assert weights_digest(model) == record["weights_sha256"]
+    for prompt in record["prompts"]:
+        ids = prompt["ids"]
+        engine = Engine(model, build_policy(spec, QWEN3_SETTINGS[spec]), record["kept"], "oneshot")
+        cache = engine.new_cache(len(ids))
+        engine.prefill(cache, ids)
+        for layer, (kept, packed) in enumerate(zip(helpers.kept_masks(cache, len(ids)), prompt["kept_masks"])):
+            assert torch.equal(kept, unpacked_mask(packed, kept.shape[0], record["length"])), f"{spec} layer {layer}"
 
 
 @pytest.mark.parametrize("name", ["snapkv+chunkkv-k200", "snapkv+criticalkv-k200"])
