@@ -28,6 +28,7 @@ from tests.helpers import (
         ("llama", "padded"),
         ("llama", "stored"),
         ("qwen2", "stored"),
+        ("qwen3", "stored"),
     ],
 )
 def test_variants_decoded_as_rows_give_what_each_gives_alone(architecture, rows_attention):
