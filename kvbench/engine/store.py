@@ -284,7 +284,8 @@ class RowStore:
                 layer.headwise.values = torch.cat([values[:first] for (_, values), first in zip(entries, start)])
             keys = torch.stack([keys[first:] for (keys, _), first in zip(entries, start)])[None]  # [1,Hc,a+d,D]
             values = torch.stack([values[first:] for (_, values), first in zip(entries, start)])[None]
-            layer.keys, layer.values = keys[:, :, :appended].clone(), values[:, :, :appended].clone()
+            # the stacked copy itself, the decoded tokens after it: appending them writes in place (layer.appended)
+            layer.keys, layer.values = keys[:, :, :appended], values[:, :, :appended]
             if decoded > 0:
                 positions = torch.arange(row.first_position, row.first_position + decoded)
                 layer.append(keys[:, :, appended:], values[:, :, appended:], positions)
