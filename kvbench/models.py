@@ -48,6 +48,7 @@ RANDOM_ARCHITECTURES = {
     "MistralForCausalLM": "MistralConfig",
     "Qwen3ForCausalLM": "Qwen3Config",
     "Phi3ForCausalLM": "Phi3Config",
+    "Gemma3ForCausalLM": "Gemma3TextConfig",
 }
 
 

@@ -11,6 +11,8 @@ import pytest
 import torch
 from transformers import (
     AttentionInterface,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -35,6 +37,8 @@ from kvbench.policies.budgets import Budget
 #: the tiny models' tokenizer (byte ids below their vocabulary), for a policy that reads text (KVzip's requests)
 TOKENIZER = byte_tokenizer(4096)
 
+#: the tiny Gemma 3's sliding window: shorter than the tests' prompts, so that its local layers drop their oldest tokens
+GEMMA3_WINDOW = 16
 #: the tiny architectures the registry's tests run every policy on, with what each needs beside the shared shapes:
 #: Qwen3's QK-norm, Phi-3's fused projections (its padding id within the tiny vocabulary)
 ARCHITECTURES = {
@@ -43,7 +47,14 @@ ARCHITECTURES = {
     "mistral": (MistralConfig, MistralForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
     "phi3": (Phi3Config, Phi3ForCausalLM, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {"head_dim": 16, "sliding_window": GEMMA3_WINDOW}),
 }
+
+
+def gemma3_layers(layers: int) -> list[str]:
+    """The tiny Gemma 3's layer types: every third layer and the last global, the others sliding (two of three)."""
+    glob = [layer % 3 == 2 or layer == layers - 1 for layer in range(layers)]
+    return ["full_attention" if full else "sliding_attention" for full in glob]
 
 
 def tiny_model(architecture: str = "llama", seed: int = 0, layers: int = 3, vocab: int = 300, **overrides):
@@ -60,6 +71,8 @@ def tiny_model(architecture: str = "llama", seed: int = 0, layers: int = 3, voca
         max_position_embeddings=4096,
         initializer_range=0.2,
     )
+    if architecture == "gemma3":
+        settings["layer_types"] = gemma3_layers(layers)
     settings.update(overrides)
     torch.manual_seed(seed)
     return model_class(config_class(**settings)).eval()
@@ -144,10 +157,13 @@ def registry_engines(
             policy = registry_policy(spec, params)
             refusals = [policy.refusal(regime, context, decode_evict) for context in contexts]
             refusal = refusals[0] if all(refusals) else policy.budget_refusal(budget, prompt_len)
+            if not refusal:  # beside a model's sliding-window layers (Gemma 3's)
+                engine = Engine(model, policy, budget, regime, **settings)
+                refusal = engine.sliding_refusal(policy)
             if refusal:
                 left_out.append(f"{spec}@{budget} {regime} {params}: {refusal}")
             else:
-                engines.append(Engine(model, policy, budget, regime, **settings))
+                engines.append(engine)
     return engines, left_out
 
 
@@ -237,9 +253,11 @@ def masked_forward(model, tokens: list[int], kept: list[torch.Tensor], context: 
     and the tokens after the context up to itself."""
     length = len(tokens)
 
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **_):
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **_):
         heads, group = query.shape[1], query.shape[1] // key.shape[1]
         allowed = torch.ones(heads, length, length, dtype=torch.bool).tril()
+        if sliding_window is not None:  # transformers' band: the last ``sliding_window`` positions, itself included
+            allowed &= torch.ones(length, length, dtype=torch.bool).triu(1 - sliding_window)
         allowed[:, context:, :context] &= kept[module.layer_idx].repeat_interleave(group, dim=0)[:, None]
         logits = torch.einsum("bhqd,bhtd->bhqt", query, key.repeat_interleave(group, 1)).float() * scaling
         weights = logits.masked_fill(~allowed[None], float("-inf")).softmax(-1)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvbench.errors import KVBenchError
-from tests.helpers import ARCHITECTURES, engine, random_prompt, tiny_model
+from tests.helpers import ARCHITECTURES, GEMMA3_WINDOW, engine, random_prompt, tiny_model
 
 REGIMES = ["oneshot", "chunked", "streaming"]
 
@@ -36,30 +36,47 @@ def test_full_cache_equals_hf_generate(architecture, regime):
 def test_full_perplexity_matches_one_forward_on_every_architecture(architecture):
     """Each token's NLL through the engine's full cache (chunked: several forwards) equals one forward of the model."""
     model, stream = tiny_model(architecture), random_prompt(70)
-    nlls = engine(model, "full", 4096, "chunked").perplexity(stream).nlls
-    with torch.no_grad():
+    with torch.no_grad():  # the model's own attention (an engine sets kvbench's)
         logits = model(torch.tensor([stream])).logits[0, :-1]
+    nlls = engine(model, "full", 4096, "chunked").perplexity(stream).nlls
     expected = torch.nn.functional.cross_entropy(logits, torch.tensor(stream[1:]), reduction="none")
     torch.testing.assert_close(torch.tensor(nlls), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_a_sliding_window_layer_is_attended_only_within_its_window():
-    """Gemma 3 (two sliding layers of a 16-token window beside a global one): a sequence within the window gives what
-    ``model.generate`` gives; one beyond it is refused in one line naming the layer and the window (the model's own
-    sliding layers would not read what kvbench's cache holds)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+def test_sliding_window_layers_are_held_as_the_model_holds_them():
+    """Gemma 3 (a 16-token window on two of three layers) over a 120-token prompt: the full cache generates what
+    ``model.generate`` generates in every regime, its sliding layers holding the window's last 15 tokens as the
+    model's own cache does (the global layer every token); a policy evicts the global layer to its budget and never
+    the sliding ones."""
+    assert engine(tiny_model("gemma3")).windows == [GEMMA3_WINDOW, GEMMA3_WINDOW, None]
+    model = tiny_model("gemma3")
+    prompt = random_prompt(120)
+    reference = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    expected = reference.sequences[0, len(prompt) :].tolist()
+    held = [layer.keys.shape[2] for layer in reference.past_key_values.layers]
+    assert held == [GEMMA3_WINDOW - 1, GEMMA3_WINDOW - 1, len(prompt) + 7]
+    for regime in REGIMES:
+        output = engine(model, "full", 4096, regime).generate(prompt, max_new_tokens=8)
+        assert output.token_ids == expected, regime
+        assert output.kv.after_prefill_tokens_per_layer == [GEMMA3_WINDOW - 1, GEMMA3_WINDOW - 1, len(prompt)]
+        entry = 2 * 2 * 16 * 4  # a token's key and value: 2 KV heads of 16 float32s
+        assert output.kv.full_bytes == entry * (2 * (GEMMA3_WINDOW - 1) + len(prompt) + 8)  # the model's own cache
+    kept = engine(model, "snapkv", 48).generate(prompt, max_new_tokens=4).kv
+    assert kept.after_prefill_tokens_per_layer == [GEMMA3_WINDOW - 1, GEMMA3_WINDOW - 1, 48]
+    streamed = engine(model, "h2o", 48, "streaming").generate(prompt, max_new_tokens=4).kv
+    assert streamed.peak_tokens_per_layer == [GEMMA3_WINDOW, GEMMA3_WINDOW, 49]  # a step's own token beside them
 
-    layers = ["sliding_attention", "sliding_attention", "full_attention"]
-    shapes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    config = Gemma3TextConfig(vocab_size=300, **shapes, num_hidden_layers=3, layer_types=layers, sliding_window=16)
-    torch.manual_seed(0)
-    model = Gemma3ForCausalLM(config).eval()
-    prompt = random_prompt(10)
-    expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt) :].tolist()
-    assert engine(model, "full", 64).generate(prompt, max_new_tokens=6).token_ids == expected
-    refusal = "layer 0 attends a sliding window of 16 tokens and this sequence reaches 30"
-    with pytest.raises(KVBenchError, match=refusal):
-        engine(model, "full", 64).generate(random_prompt(30), max_new_tokens=4)
+
+@pytest.mark.parametrize("spec", ["cake", "cake+slake"])
+def test_a_budget_shared_across_layers_is_refused_beside_sliding_layers(spec):
+    """A dynamic layer budget (CAKE's cascade, SLAKE's VABS over it) allocates each layer as the prefill passes it;
+    beside layers held as the model holds them it is refused in one line naming the policy and the choices."""
+    model = tiny_model("gemma3")
+    runner = engine(model, spec, 48)
+    refusal = r"shares the budget across every layer, and 2 of this model's 3 layers"
+    with pytest.raises(KVBenchError, match=refusal) as error:
+        runner.generate(random_prompt(120), max_new_tokens=2)
+    assert "\n" not in str(error.value)
 
 
 def test_an_attention_with_learned_sinks_is_refused_in_one_line():

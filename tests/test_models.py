@@ -18,7 +18,7 @@ from kvbench.models import (
     model_config,
 )
 
-TINY_MODELS = ["tiny_llama", "tiny_qwen2", "tiny_mistral", "tiny_qwen3", "tiny_phi3"]
+TINY_MODELS = ["tiny_llama", "tiny_qwen2", "tiny_mistral", "tiny_qwen3", "tiny_phi3", "tiny_gemma3"]
 SCHEMA_KEYS = {
     "name",
     "source",
@@ -111,7 +111,7 @@ def test_tiny_model_has_gqa_shapes_and_its_settings(name):
     config = loaded.model.config
     prompt = loaded.tokenizer("GQA keeps fewer KV heads.", return_tensors="pt").input_ids
     output = loaded.model(prompt, use_cache=True)
-    keys = output.past_key_values.layers[0].keys
+    keys = output.past_key_values.layers[-1].keys  # a global layer (tiny Gemma 3's first two are sliding)
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (3, 4, 2)
     assert keys.shape == (1, 2, prompt.shape[1], 16)
     assert output.logits.shape == (1, prompt.shape[1], len(loaded.tokenizer))
@@ -128,6 +128,40 @@ def test_tiny_model_architectures_keep_their_features():
     mistral = load_model(model_config("tiny_mistral")).model
     assert qwen2.model.layers[0].self_attn.k_proj.bias is not None
     assert mistral.config.sliding_window is None
+
+
+def test_a_gemma3_checkpoint_as_the_hub_gives_it_runs_its_text_with_its_windows_held(tmp_path):
+    """Gemma 3 4B/12B on the hub are multimodal (``Gemma3ForConditionalGeneration``): such a checkpoint (tiny, random,
+    saved here with a byte tokenizer) loads by ``model.path`` as ``gemma3_12b`` does, its text config's sliding
+    layers held by the engine (two of three, a 16-token window), and its full cache generates the model's own greedy
+    tokens from forwards without a cache over a prompt eight windows long."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    from kvbench.engine import Engine
+    from kvbench.engine.tokenizers import byte_tokenizer
+    from kvbench.policies import build_policy
+
+    shapes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    layers = ["sliding_attention", "sliding_attention", "full_attention"]
+    text = Gemma3TextConfig(vocab_size=300, num_hidden_layers=3, layer_types=layers, sliding_window=16, **shapes)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_index=299)
+    torch.manual_seed(0)
+    Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path)
+    byte_tokenizer(4096).save_pretrained(tmp_path)
+    loaded = load_model(config_with("gemma3_12b", path=str(tmp_path), dtype="float32", device="cpu"))
+    assert type(loaded.model).__name__ == "Gemma3ForConditionalGeneration"
+    prompt = loaded.tokenizer("a window of sixteen tokens, eight times over: " * 3).input_ids
+    assert len(prompt) > 8 * 16
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            tokens.append(int(loaded.model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    engine = Engine(loaded.model, build_policy("full"), 4096)
+    assert engine.windows == [16, 16, None]
+    output = engine.generate(prompt, max_new_tokens=6)
+    assert output.token_ids == tokens[len(prompt) :]
+    assert output.kv.after_prefill_tokens_per_layer == [15, 15, len(prompt)]
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)

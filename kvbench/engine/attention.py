@@ -30,35 +30,37 @@ ATTENTION_NAME = "kvbench"
 NORMALISER_KERNEL_DEVICES = {"cuda"}
 
 
-def bottom_right_causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
-    """Boolean ``[q,T]`` mask, True where query ``i`` may attend slot ``j`` (``j <= T - q + i``)."""
+def bottom_right_causal_mask(q_len: int, kv_len: int, device, window: int | None = None) -> torch.Tensor:
+    """Boolean ``[q,T]`` mask, True where query ``i`` may attend slot ``j`` (``j <= T - q + i``; through a sliding
+    ``window`` of slots holding consecutive tokens also ``j > T - q + i - window``, transformers' band)."""
     slots = torch.arange(kv_len, device=device)
     last_visible = torch.arange(kv_len - q_len, kv_len, device=device)
-    return slots[None, :] <= last_visible[:, None]
+    mask = slots[None, :] <= last_visible[:, None]
+    return mask if window is None else mask & (slots[None, :] > last_visible[:, None] - window)
 
 
-def attention_mask(query, key, key_mask) -> torch.Tensor | None:
+def attention_mask(query, key, key_mask, window: int | None = None) -> torch.Tensor | None:
     """The boolean mask ``[q,T]`` or ``[Hq,q,T]`` (True = attended) of ``query [B,Hq,q,D]`` over ``key [B,Hc,T,D]``:
-    bottom-right causal, and with ``key_mask [Hc,T]`` only the slots each cache head holds; None where one query sees
-    every slot."""
+    bottom-right causal (in a sliding ``window``: a band), and with ``key_mask [Hc,T]`` only the slots each cache head
+    holds; None where one query sees every slot (a sliding layer's single query: its layer holds the window)."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    mask = bottom_right_causal_mask(q_len, kv_len, query.device) if q_len > 1 else None
+    mask = bottom_right_causal_mask(q_len, kv_len, query.device, window) if q_len > 1 else None
     if key_mask is None:
         return mask
     held = key_mask.repeat_interleave(query.shape[1] // key.shape[1], dim=0)[:, None]  # [Hq,1,T]
     return held if mask is None else held & mask
 
 
-def sdpa_attention(query, key, value, scaling, key_mask=None):
-    """``query [B,Hq,q,D]``, ``key/value [B,Hc,T,D]`` (``key_mask [Hc,T]``: the slots each head holds, or None) →
-    ``[B,q,Hq,D]`` with PyTorch SDPA."""
+def sdpa_attention(query, key, value, scaling, key_mask=None, window=None):
+    """``query [B,Hq,q,D]``, ``key/value [B,Hc,T,D]`` (``key_mask [Hc,T]``: the slots each head holds, or None;
+    ``window``: a sliding window's band) → ``[B,q,Hq,D]`` with PyTorch SDPA."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    causal = key_mask is None and 1 < q_len == kv_len  # SDPA's own causal mask, no mask tensor
+    causal = key_mask is None and window is None and 1 < q_len == kv_len  # SDPA's own causal mask, no mask tensor
     output = F.scaled_dot_product_attention(
         query,
         key,
         value,
-        attn_mask=None if causal else attention_mask(query, key, key_mask),
+        attn_mask=None if causal else attention_mask(query, key, key_mask, window),
         is_causal=causal,
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
@@ -66,14 +68,14 @@ def sdpa_attention(query, key, value, scaling, key_mask=None):
     return output.transpose(1, 2).contiguous()
 
 
-def eager_attention(query, key, value, scaling, key_mask=None):
-    """Reference attention with an explicit float32 softmax (``key_mask`` as :func:`sdpa_attention`'s):
+def eager_attention(query, key, value, scaling, key_mask=None, window=None):
+    """Reference attention with an explicit float32 softmax (``key_mask``, ``window`` as :func:`sdpa_attention`'s):
     ``[B,q,Hq,D]``."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     grouped = query.view(batch, kv_heads, q_heads // kv_heads, q_len, dim)
     logits = torch.einsum("bhgqd,bhtd->bhgqt", grouped, key).float() * scaling
-    mask = attention_mask(query, key, key_mask)
+    mask = attention_mask(query, key, key_mask, window)
     if mask is not None:
         mask = mask.view(kv_heads, -1, q_len, kv_len) if mask.dim() == 3 else mask  # [Hc,G,q,T] or [q,T]
         logits = logits.masked_fill(~mask, float("-inf"))
@@ -142,8 +144,9 @@ def kvbench_attention(
     over a :class:`~kvbench.engine.batches.RowBatch`, each row ``query[r:r+1]`` over its own cache, at its own length
     (no row padded: each gives what it gives alone), or a stored row with the others of its shelf. The leading
     parameters are in transformers' order, for wrappers that pass them positionally (kvpress). A layer the model
-    attends through a ``sliding_window`` is attended as the model does only while the sequence fits it
-    (:func:`within_window`); one whose softmax adds learned sinks (``s_aux``: GPT-OSS) is refused."""
+    attends through a ``sliding_window`` is held and attended as the model does where the cache holds that window
+    (Gemma 3's local layers), else only while the sequence fits it (:func:`within_window`); one whose softmax adds
+    learned sinks (``s_aux``: GPT-OSS) is refused."""
     if s_aux is not None:
         raise KVBenchError(
             "the model's attention adds learned sinks to its softmax (GPT-OSS): kvbench's attention does not take "
@@ -151,8 +154,8 @@ def kvbench_attention(
         )
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if kvbench_cache is None:
-        return sdpa_attention(query, key, value, scaling), None
-    if sliding_window is not None:
+        return sdpa_attention(query, key, value, scaling, window=sliding_window), None
+    if sliding_window is not None and kvbench_cache.window(module.layer_idx) != sliding_window:
         within_window(module.layer_idx, sliding_window, kvbench_cache.span())
     rows = getattr(kvbench_cache, "rows", None)
     if rows is not None:
@@ -220,6 +223,10 @@ class AttendedCache(Protocol):
         """Which keys of the last update each cache head holds ``[Hc,T]``, or None: all."""
         ...
 
+    def window(self, layer_idx: int) -> int | None:
+        """The sliding window the layer holds and attends through, or None: a global layer."""
+        ...
+
     def attend(
         self,
         layer_idx: int,
@@ -247,11 +254,13 @@ class AttendedCache(Protocol):
 
 def backend_attention(cache: AttendedCache, module, query, key, value, scaling) -> torch.Tensor:
     """``query [B,Hq,q,D]`` over ``key/value [B,Hc,T,D]`` of ``cache`` by its backend → ``[B,q,Hq,D]``."""
-    key_mask = cache.key_mask(module.layer_idx)
+    key_mask, window = cache.key_mask(module.layer_idx), cache.window(module.layer_idx)
     if cache.attn_backend == "eager":
-        return eager_attention(query, key, value, scaling, key_mask)
+        return eager_attention(query, key, value, scaling, key_mask, window)
     if key_mask is not None:  # a length per head: FlashAttention-2's varlen kernel takes no per-head lengths
         return sdpa_attention(query, key, value, scaling, key_mask)
+    if window is not None and query.shape[2] > 1:  # a band by slots (the layer's, not the model's positions)
+        return sdpa_attention(query, key, value, scaling, window=window)
     if cache.attn_backend == "flash_attention_2":
         return flash_attention(module, query, key, value, scaling)
     return sdpa_attention(query, key, value, scaling)

@@ -66,6 +66,10 @@ class SharedPrefill(Cache):
         """Every head holds every key of a shared prefill (its caches evict after it)."""
         return None
 
+    def window(self, layer_idx: int) -> int | None:
+        """The sliding window of the layer (the same for every variant: the model's)."""
+        return self.caches[0].window(layer_idx)
+
     def wants_normaliser(self, layer_idx: int) -> bool:
         """Whether a variant's scoring reads each query's log-sum-exp (:meth:`EvictionCache.wants_normaliser`)."""
         return any(cache.wants_normaliser(layer_idx) for cache in self.caches)
@@ -89,7 +93,8 @@ class SharedPrefill(Cache):
         for cache in self.caches:
             cache.update(key_states, value_states, layer_idx)
             key = sums_key(cache.policy)
-            if key is not None and cache.forward is not None and cache.forward.scored and key not in sums:
+            scored = cache.forward is not None and cache.forward.scored and cache.window(layer_idx) is None
+            if key is not None and scored and key not in sums:
                 sums[key] = cache.scorer.normalised_sums(queries, *attended, outputs, scaling, lse)
             summed = None if key is None else sums.get(key)
             cache.after_attention(layer_idx, queries, outputs, scaling, None, summed, shared)
@@ -122,6 +127,7 @@ class RowBatch(Cache):
         self.everyone = len(self.alone) == len(caches)
         self.alone_places: torch.Tensor | None = None  # ``alone`` on the queries' device, made once a step
         self.longest = span  # the tokens of the longest row through this forward
+        self.windows = caches[0].windows  # the model's: every row's
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -139,6 +145,10 @@ class RowBatch(Cache):
     def span(self) -> int:
         """The tokens of the longest row through this forward, its own included."""
         return self.longest
+
+    def window(self, layer_idx: int) -> int | None:
+        """The sliding window every row's cache holds the layer through, or None."""
+        return self.windows[layer_idx]
 
     def rows(self, layer_idx: int) -> list[tuple[EvictionCache, torch.Tensor, torch.Tensor]]:
         """Each row attended alone: its cache with the keys/values ``[1,Hc,T_r,D]`` it holds at ``layer_idx`` (after

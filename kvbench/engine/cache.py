@@ -53,6 +53,7 @@ class EvictionCache(Cache):
         decode_evict: bool = False,
         layer_weights: list[LayerWeights] | None = None,
         sums_kernel: str = "torch",
+        windows: list[int | None] | None = None,
     ) -> None:
         super().__init__(layers=[EvictionLayer() for _ in layer_budgets])
         self.policy = policy
@@ -63,6 +64,8 @@ class EvictionCache(Cache):
         self.cache_heads = num_query_heads if self.repeat_layout else num_kv_heads
         self.attn_backend = attn_backend
         self.attending = [modifier for modifier in policy.modifiers if modifier.attends]
+        #: by layer, the sliding window held as the model holds it (:meth:`slide`), or None: a global layer
+        self.windows = [None] * len(layer_budgets) if windows is None else list(windows)
         self.allocation = self._allocation()
         args = (score_block, sums_kernel, layer_weights, self.allocation)
         self.scorer = Scorer(policy, self.eviction_layers, prompt_len, *args)
@@ -196,7 +199,7 @@ class EvictionCache(Cache):
         """Append new keys/values ``[B,Hkv,q,D]`` (repeated to query heads in the repeat layout)."""
         key_states, value_states = in_cache_heads(key_states, value_states, self.num_query_heads, self.repeat_layout)
         layer, forward = self.eviction_layers[layer_idx], self._forward()
-        if self.policy.running and forward.scored and layer.running_score is None:
+        if self.policy.running and forward.scored and layer.running_score is None and self.windows[layer_idx] is None:
             batch, heads, _, _ = key_states.shape
             layer.running_score = key_states.new_zeros(batch, heads, 0, dtype=torch.float32)
         layer.append(key_states, value_states, forward.positions)
@@ -212,6 +215,11 @@ class EvictionCache(Cache):
         """Which of the keys the last :meth:`update` of ``layer_idx`` returned each cache head holds ``[Hc,T]``, or
         None: all of them."""
         return self.key_masks[layer_idx]
+
+    def window(self, layer_idx: int) -> int | None:
+        """The sliding window the layer is held and attended through (its slots are the latest tokens, in order), or
+        None: a global layer."""
+        return self.windows[layer_idx]
 
     def attend(
         self,
@@ -231,7 +239,7 @@ class EvictionCache(Cache):
 
     def wants_normaliser(self, layer_idx: int) -> bool:
         """Whether this forward's running sums read each query's log-sum-exp (:meth:`Scorer.wants_normaliser`)."""
-        return self.chunk is None and self.scorer.wants_normaliser(self._forward())
+        return self.chunk is None and self.windows[layer_idx] is None and self.scorer.wants_normaliser(self._forward())
 
     def after_attention(
         self,
@@ -250,6 +258,10 @@ class EvictionCache(Cache):
         each by the first that needs it."""
         policy, layer, forward = self.policy, self.eviction_layers[layer_idx], self._forward()
         self.scaling = scaling
+        if (sliding := self.windows[layer_idx]) is not None:  # held as the model holds it, not scored nor evicted
+            layer.slide(sliding)
+            self.account(layer_idx)
+            return
         if self.chunk is None:
             if not forward.scored:  # a decode step with no eviction to follow: nothing to gather (a row's usual step)
                 return

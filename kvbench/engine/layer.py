@@ -228,6 +228,15 @@ class EvictionLayer(DynamicLayer):
         self.keys, self.values = self.keys[:, :, :length].clone(), self.values[:, :, :length].clone()
         self.positions = self.positions[..., :length]
 
+    def slide(self, window: int) -> None:
+        """Hold only the last ``window - 1`` tokens, those the next query of a layer the model attends through a sliding
+        ``window`` reads (transformers' ``DynamicSlidingWindowLayer``); copied, so that the longer tensors are freed."""
+        assert self.positions is not None and self.headwise is None  # a sliding layer is never evicted by a policy
+        if self.get_seq_length() >= window:
+            start = self.get_seq_length() - window + 1
+            self.keys, self.values = self.keys[:, :, start:].clone(), self.values[:, :, start:].clone()
+            self.positions = self.positions[..., start:]
+
     def remember_queries(
         self,
         queries: torch.Tensor,

@@ -12,6 +12,7 @@ The engine knows nothing about benchmarks: it takes token ids and returns token 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from dataclasses import dataclass, field, replace
@@ -118,7 +119,26 @@ def layer_weights(model, query_heads: int, num_layers: int) -> list[LayerWeights
     rotary = [module for name, module in model.named_modules() if name.endswith("rotary_emb")]
     shared = rotary[0] if len(rotary) == 1 else None
     ordered = sorted(layers, key=lambda m: m.layer_idx)
-    return [LayerWeights(layer.o_proj.weight, query_heads, shared) for layer in ordered]
+    if shared is None or "layer_type" not in inspect.signature(shared.forward).parameters:
+        return [LayerWeights(layer.o_proj.weight, query_heads, shared) for layer in ordered]
+    # one embedding of a frequency per layer type (Gemma 3's local and global layers): each layer's own
+    return [
+        LayerWeights(layer.o_proj.weight, query_heads, functools.partial(shared, layer_type=layer.layer_type))
+        for layer in ordered
+    ]
+
+
+def held_windows(config) -> list[int | None]:
+    """Each layer's sliding window where the cache holds it as the model does (:meth:`EvictionCache.slide`: the last
+    ``W - 1`` tokens, a band mask, never evicted by the policy, whose budgets are the global layers'): the layers
+    ``config.layer_types`` names ``sliding_attention`` beside global ones (Gemma 3). None for every other layer, and
+    for every layer of a model attending each through one window (Mistral v0.1, Phi-3-mini-4k: no global layer to
+    compress; a sequence beyond the window is refused, :func:`~kvbench.engine.attention.within_window`)."""
+    types = list(getattr(config, "layer_types", None) or [])
+    window = getattr(config, "sliding_window", None)
+    if window is None or "sliding_attention" not in types or all(kind == "sliding_attention" for kind in types):
+        return [None] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in types]
 
 
 class Runner:
@@ -168,6 +188,7 @@ class Runner:
             check_sums_kernel(self.device)
         self.sums_kernel = sums_kernel
         self.layer_weights = layer_weights(model, self.num_query_heads, self.num_layers)
+        self.windows = held_windows(config)
 
     def row_bytes(self, prompt_tokens: int, new_tokens: int) -> int:
         """The most memory one row of a ``prompt_tokens`` prompt holds while it decodes ``new_tokens``: the full cache
@@ -177,8 +198,12 @@ class Runner:
         heads = self.num_query_heads if self.policy.gqa == "repeat" else self.num_kv_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         element = next(self.model.parameters()).element_size()
-        per_token = 2 * self.num_layers * heads * head_dim * element
-        return (prompt_tokens + new_tokens) * per_token + 4 * config.vocab_size
+        return self.held_tokens(prompt_tokens + new_tokens) * 2 * heads * head_dim * element + 4 * config.vocab_size
+
+    def held_tokens(self, tokens: int) -> int:
+        """The entries a full cache of ``tokens`` holds per cache head, summed over layers: a sliding layer its
+        window's last ``W - 1`` (:func:`held_windows`)."""
+        return sum(tokens if window is None else min(tokens, window - 1) for window in self.windows)
 
     def shares_prefill(self, cache: EvictionCache) -> bool:
         """Whether ``cache`` can take its prefill from one of :func:`generate_shared`'s forwards: oneshot and a prompt
@@ -195,7 +220,7 @@ class Runner:
         budget = self.budget.resolve(prompt_len)
         policy = self.policy if self.policy.compresses(budget, prompt_len) else Full(gqa=self.policy.gqa)
         policy.check_budget(budget, prompt_len)
-        budgets = policy.layer_budget.allocate(budget, self.num_layers, policy.reserved(budget, prompt_len), prompt_len)
+        budgets = self.layer_budgets(policy, budget, prompt_len)
         return EvictionCache(
             policy,
             budgets,
@@ -207,7 +232,37 @@ class Runner:
             decode_evict=self.decode_evict,
             layer_weights=self.layer_weights,
             sums_kernel=self.sums_kernel,
+            windows=self.windows,
         )
+
+    def sliding_refusal(self, policy: Policy) -> str | None:
+        """Why ``policy`` is not defined beside this model's sliding-window layers (:func:`held_windows`), or None: it
+        shares the budget across the layers as the prefill passes them (a dynamic layer budget, the ``reconstruction``
+        statistic), which the sliding layers, never evicted, do not take part in."""
+        if not any(self.windows):
+            return None
+        across = f"policy.layer_budget={policy.layer_budget.name}" if policy.layer_budget.dynamic else None
+        if policy.statistic == "reconstruction":
+            across = "its context's reconstruction"
+        if across is None:
+            return None
+        sliding = sum(window is not None for window in self.windows)
+        return (
+            f"policy {policy.spec}: {across} shares the budget across every layer, and {sliding} of this model's "
+            f"{self.num_layers} layers attend a sliding window, held as the model holds it; valid choices here: a "
+            "static policy.layer_budget (uniform, pyramidkv) and a policy scoring from attention"
+        )
+
+    def layer_budgets(self, policy: Policy, budget: int, prompt_len: int) -> list[int]:
+        """Each layer's budget: the policy's allocation over the global layers, a sliding layer its window's ``W - 1``
+        tokens (:func:`held_windows`)."""
+        reserved = policy.reserved(budget, prompt_len)
+        if not any(self.windows):
+            return policy.layer_budget.allocate(budget, self.num_layers, reserved, prompt_len)
+        if (refusal := self.sliding_refusal(policy)) is not None:
+            raise KVBenchError(refusal)
+        shares = iter(policy.layer_budget.allocate(budget, self.windows.count(None), reserved, prompt_len))
+        return [next(shares) if window is None else window - 1 for window in self.windows]
 
     @torch.inference_mode()
     def prefill(self, cache: EvictionCache | SharedPrefill, input_ids: list[int]) -> torch.Tensor:
@@ -270,15 +325,15 @@ class Runner:
         return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
 
     def cache_sizes(self, cache: EvictionCache, after_prefill: CacheSizes, total_tokens: int) -> CacheSizes:
-        """``after_prefill`` (:meth:`EvictionCache.sizes_now` then) with the peaks and the full cache's bytes."""
-        bytes_per_token = sum(
-            2 * self.num_kv_heads * layer.keys.shape[-1] * layer.keys.element_size() for layer in cache.eviction_layers
-        )
+        """``after_prefill`` (:meth:`EvictionCache.sizes_now` then) with the peaks and the full cache's bytes (the
+        model's own: a sliding layer's window)."""
+        layer = cache.eviction_layers[0]
+        bytes_per_token = 2 * self.num_kv_heads * layer.keys.shape[-1] * layer.keys.element_size()  # one layer's
         return replace(
             after_prefill,
             peak_tokens_per_layer=[layer.peak_tokens for layer in cache.eviction_layers],
             peak_bytes=cache.peak_bytes,
-            full_bytes=bytes_per_token * total_tokens,
+            full_bytes=bytes_per_token * self.held_tokens(total_tokens),
         )
 
     def now(self) -> float:
