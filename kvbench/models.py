@@ -30,7 +30,7 @@ import torch
 import transformers
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbench import CONF_DIR, cache_dir, config_dict, published
 from kvbench.domains import Domain, choice, integer, mapping, optional
@@ -49,6 +49,7 @@ RANDOM_ARCHITECTURES = {
     "Qwen3ForCausalLM": "Qwen3Config",
     "Phi3ForCausalLM": "Phi3Config",
     "Gemma3ForCausalLM": "Gemma3TextConfig",
+    "GptOssForCausalLM": "GptOssConfig",
 }
 
 
@@ -170,7 +171,7 @@ def _load_uncached(cfg: DictConfig) -> LoadedModel:
         name=cfg.name,
         context_window=int(cfg.context_window),
         stop_token_ids=stop_token_ids(model, tokenizer),
-        attn_backend=model.config._attn_implementation,
+        attn_backend=cfg.attn_backend,
         device=model.device,
         dtype=model.dtype,
     )
@@ -182,8 +183,17 @@ def _load_weights(cfg: DictConfig, tokenizer, dtype: torch.dtype, device: torch.
         return _random_model(cfg, tokenizer, dtype, device)
     options = {"dtype": dtype, "attn_implementation": cfg.attn_backend, "device_map": _device_map(cfg.device, device)}
     if cfg.source == "hub":
+        options["attn_implementation"] = loading_backend(_from_hub(AutoConfig.from_pretrained, cfg), cfg.attn_backend)
         return _from_hub(AutoModelForCausalLM.from_pretrained, cfg, **options)
     return AutoModelForCausalLM.from_pretrained(_smollm2_dir(cfg), local_files_only=True, **options)
+
+
+def loading_backend(config, backend: str) -> str:
+    """The attention implementation transformers loads ``config``'s model with: ``model.attn_backend``, or eager for
+    SDPA where the model's class has none of its own (GPT-OSS: its sinks). kvbench's attention replaces it in every
+    engine and attends by ``model.attn_backend`` (:mod:`kvbench.engine.attention`, which adds the sinks to SDPA's)."""
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return "eager" if backend == "sdpa" and not getattr(model_class, "_supports_sdpa", True) else backend
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -400,4 +410,5 @@ def _random_model(cfg: DictConfig, tokenizer, dtype: torch.dtype, device: torch.
     )
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
         torch.manual_seed(int(cfg.seed))
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=cfg.attn_backend)
+        backend = loading_backend(config, cfg.attn_backend)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=backend)

@@ -13,6 +13,8 @@ from transformers import (
     AttentionInterface,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -39,6 +41,9 @@ TOKENIZER = byte_tokenizer(4096)
 
 #: the tiny Gemma 3's sliding window: shorter than the tests' prompts, so that its local layers drop their oldest tokens
 GEMMA3_WINDOW = 16
+#: the tiny GPT-OSS: four experts, two per token, learned sinks, sliding layers (every other one) of Gemma 3's window
+GPT_OSS = dict(head_dim=16, sliding_window=GEMMA3_WINDOW, num_local_experts=4, num_experts_per_tok=2)
+GPT_OSS.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 #: the tiny architectures the registry's tests run every policy on, with what each needs beside the shared shapes:
 #: Qwen3's QK-norm, Phi-3's fused projections (its padding id within the tiny vocabulary)
 ARCHITECTURES = {
@@ -48,6 +53,7 @@ ARCHITECTURES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
     "phi3": (Phi3Config, Phi3ForCausalLM, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {"head_dim": 16, "sliding_window": GEMMA3_WINDOW}),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM, GPT_OSS),
 }
 
 
@@ -159,7 +165,7 @@ def registry_engines(
             refusal = refusals[0] if all(refusals) else policy.budget_refusal(budget, prompt_len)
             if not refusal:  # beside a model's sliding-window layers (Gemma 3's)
                 engine = Engine(model, policy, budget, regime, **settings)
-                refusal = engine.sliding_refusal(policy)
+                refusal = engine.model_refusal(policy)
             if refusal:
                 left_out.append(f"{spec}@{budget} {regime} {params}: {refusal}")
             else:
@@ -253,14 +259,19 @@ def masked_forward(model, tokens: list[int], kept: list[torch.Tensor], context: 
     and the tokens after the context up to itself."""
     length = len(tokens)
 
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **_):
+    def attention(
+        module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, s_aux=None, **_
+    ):
         heads, group = query.shape[1], query.shape[1] // key.shape[1]
         allowed = torch.ones(heads, length, length, dtype=torch.bool).tril()
         if sliding_window is not None:  # transformers' band: the last ``sliding_window`` positions, itself included
             allowed &= torch.ones(length, length, dtype=torch.bool).triu(1 - sliding_window)
         allowed[:, context:, :context] &= kept[module.layer_idx].repeat_interleave(group, dim=0)[:, None]
         logits = torch.einsum("bhqd,bhtd->bhqt", query, key.repeat_interleave(group, 1)).float() * scaling
-        weights = logits.masked_fill(~allowed[None], float("-inf")).softmax(-1)
+        logits = logits.masked_fill(~allowed[None], float("-inf"))
+        if s_aux is not None:  # GPT-OSS's learned sink: a logit per head in each denominator
+            logits = torch.cat([logits, s_aux.float().view(1, heads, 1, 1).expand(1, heads, length, 1)], dim=-1)
+        weights = logits.softmax(-1)[..., :length]
         return torch.einsum("bhqt,bhtd->bqhd", weights, value.repeat_interleave(group, 1)), None
 
     AttentionInterface.register("kvbench_test_masked", attention)

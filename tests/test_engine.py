@@ -79,17 +79,37 @@ def test_a_budget_shared_across_layers_is_refused_beside_sliding_layers(spec):
     assert "\n" not in str(error.value)
 
 
-def test_an_attention_with_learned_sinks_is_refused_in_one_line():
-    """GPT-OSS adds a learned sink to each head's softmax (``s_aux``), which kvbench's attention does not take: a run
-    stops in one line rather than give other outputs than the model's."""
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    shapes = dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    experts = dict(num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = GptOssForCausalLM(GptOssConfig(vocab_size=300, num_hidden_layers=2, **shapes, **experts)).eval()
-    with pytest.raises(KVBenchError, match=r"adds learned sinks to its softmax \(GPT-OSS\)") as error:
-        engine(model, "full", 64).generate(random_prompt(20), max_new_tokens=2)
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_learned_sinks_are_in_every_softmax_as_the_models(backend):
+    """GPT-OSS adds a learned logit per head to each softmax's denominator (``s_aux``) and attends every other layer
+    through a sliding window: over a 120-token prompt (a 16-token window) the full cache generates the model's own
+    greedy tokens from forwards without a cache, in every regime and with either backend (SDPA rescales its output by
+    each query's log-sum-exp); without the sinks the model would answer otherwise. An attending modifier (its own
+    attention of the kept entries, without the sinks) is refused in one line."""
+    model, prompt = tiny_model("gpt_oss"), random_prompt(120)
+    sinks = [module.sinks for module in model.modules() if hasattr(module, "sinks")]
+    tokens = list(prompt)
+    with torch.no_grad():
+        for sink in sinks:  # far from their initial zeros, each head its own
+            sink.copy_(torch.linspace(-2.0, 3.0, sink.numel()))
+        for _ in range(8):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+        with_sinks = model(torch.tensor([prompt])).logits[0, -1]
+        saved = [sink.clone() for sink in sinks]
+        for sink in sinks:  # at -inf: a plain softmax
+            sink.fill_(-1e4)
+        without = model(torch.tensor([prompt])).logits[0, -1]
+        for sink, value in zip(sinks, saved):
+            sink.copy_(value)
+    assert not torch.allclose(with_sinks, without, atol=1e-2)
+    for regime in REGIMES:
+        runner = engine(model, "full", 4096, regime)
+        runner.attn_backend = backend
+        output = runner.generate(prompt, max_new_tokens=8)
+        assert output.token_ids == tokens[len(prompt) :], regime
+        assert output.kv.after_prefill_tokens_per_layer == [GEMMA3_WINDOW - 1, len(prompt), GEMMA3_WINDOW - 1]
+    with pytest.raises(KVBenchError, match=r"calidrop replaces decode attention .* learned attention sinks") as error:
+        engine(model, "snapkv+calidrop", 48).generate(prompt, max_new_tokens=2)
     assert "\n" not in str(error.value)
 
 

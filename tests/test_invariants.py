@@ -161,7 +161,7 @@ def test_decode_after_eviction_sees_exactly_the_kept_entries(spec, architecture)
     model = tiny_model(architecture, layers=LAYERS)
     prompt, budget = random_prompt(60), 24
     engine = runner(model, spec, budget)
-    if (refusal := engine.sliding_refusal(engine.policy)) is not None:
+    if (refusal := engine.model_refusal(engine.policy)) is not None:
         pytest.skip(refusal)  # a budget shared across the layers, beside Gemma 3's sliding ones
     cache = engine.new_cache(len(prompt), query_agnostic(engine.policy))
     token = int(engine.prefill(cache, prompt)[0, -1].argmax())

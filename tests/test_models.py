@@ -18,7 +18,7 @@ from kvbench.models import (
     model_config,
 )
 
-TINY_MODELS = ["tiny_llama", "tiny_qwen2", "tiny_mistral", "tiny_qwen3", "tiny_phi3", "tiny_gemma3"]
+TINY_MODELS = ["tiny_llama", "tiny_qwen2", "tiny_mistral", "tiny_qwen3", "tiny_phi3", "tiny_gemma3", "tiny_gpt_oss"]
 SCHEMA_KEYS = {
     "name",
     "source",
@@ -111,7 +111,9 @@ def test_tiny_model_has_gqa_shapes_and_its_settings(name):
     config = loaded.model.config
     prompt = loaded.tokenizer("GQA keeps fewer KV heads.", return_tensors="pt").input_ids
     output = loaded.model(prompt, use_cache=True)
-    keys = output.past_key_values.layers[-1].keys  # a global layer (tiny Gemma 3's first two are sliding)
+    kinds = getattr(config, "layer_types", None) or ["full_attention"]
+    glob = kinds.index("full_attention")  # a global layer (the first two of tiny Gemma 3 slide, GPT-OSS's first)
+    keys = output.past_key_values.layers[glob].keys
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (3, 4, 2)
     assert keys.shape == (1, 2, prompt.shape[1], 16)
     assert output.logits.shape == (1, prompt.shape[1], len(loaded.tokenizer))

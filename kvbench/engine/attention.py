@@ -68,9 +68,9 @@ def sdpa_attention(query, key, value, scaling, key_mask=None, window=None):
     return output.transpose(1, 2).contiguous()
 
 
-def eager_attention(query, key, value, scaling, key_mask=None, window=None):
-    """Reference attention with an explicit float32 softmax (``key_mask``, ``window`` as :func:`sdpa_attention`'s):
-    ``[B,q,Hq,D]``."""
+def eager_attention(query, key, value, scaling, key_mask=None, window=None, sinks=None):
+    """Reference attention with an explicit float32 softmax (``key_mask``, ``window`` as :func:`sdpa_attention`'s;
+    ``sinks [Hq]``: a learned logit per head in each softmax's denominator, GPT-OSS's): ``[B,q,Hq,D]``."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     grouped = query.view(batch, kv_heads, q_heads // kv_heads, q_len, dim)
@@ -79,7 +79,11 @@ def eager_attention(query, key, value, scaling, key_mask=None, window=None):
     if mask is not None:
         mask = mask.view(kv_heads, -1, q_len, kv_len) if mask.dim() == 3 else mask  # [Hc,G,q,T] or [q,T]
         logits = logits.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(logits, dim=-1).to(value.dtype)
+    if sinks is not None:  # a column of each head's sink logit, dropped after the softmax
+        column = sinks.float().view(1, kv_heads, -1, 1, 1).expand(batch, -1, -1, q_len, 1)
+        weights = torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1].to(value.dtype)
+    else:
+        weights = torch.softmax(logits, dim=-1).to(value.dtype)
     output = torch.einsum("bhgqt,bhtd->bhgqd", weights, value).reshape(batch, q_heads, q_len, dim)
     return output.transpose(1, 2).contiguous()
 
@@ -119,6 +123,36 @@ def attention_with_lse(query, key, value, scaling) -> tuple[torch.Tensor, torch.
     return output.to(query.dtype), lse
 
 
+def masked_lse(query, key, scaling, mask, block: int = 1024) -> torch.Tensor:
+    """Each query's float32 log-sum-exp ``[B,Hq,q]`` of its logits over the slots ``mask`` (``[q,T]`` or ``[Hq,q,T]``,
+    True = attended) lets it see, ``block`` queries at a time."""
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    parts = []
+    for begin in range(0, q_len, block):
+        grouped = query[:, :, begin : begin + block].reshape(batch, kv_heads, q_heads // kv_heads, -1, dim)
+        logits = torch.einsum("bhgqd,bhtd->bhgqt", grouped.float(), key.float()) * scaling
+        visible = mask[..., begin : begin + block, :]
+        visible = visible.view(kv_heads, -1, visible.shape[-2], kv_len) if visible.dim() == 3 else visible
+        parts.append(logits.masked_fill(~visible, float("-inf")).logsumexp(dim=-1).reshape(batch, q_heads, -1))
+    return torch.cat(parts, dim=-1)
+
+
+def sink_attention(query, key, value, scaling, sinks, key_mask=None, window=None):
+    """Attention whose softmax adds a learned sink logit per head to its denominator (GPT-OSS's ``s_aux``, ``sinks
+    [Hq]``): the attention over the keys scaled by ``Z / (Z + e^s) = sigmoid(lse - s)`` — ``(output [B,q,Hq,D], lse
+    [B,Hq,q])``, ``lse`` over the keys alone. The output and its log-sum-exp come from one fused call where no mask is
+    needed beyond causality, else SDPA's masked output and one float32 Q·Kᵀ pass (:func:`masked_lse`)."""
+    if key_mask is None and (window is None or query.shape[2] == 1):
+        output, lse = attention_with_lse(query, key, value, scaling)  # [B,Hq,q,D]
+    else:
+        output = sdpa_attention(query, key, value, scaling, key_mask, window).transpose(1, 2)
+        lse = masked_lse(query, key, scaling, attention_mask(query, key, key_mask, window))
+    kept = torch.sigmoid(lse - sinks.float()[None, :, None])  # the keys' share beside the sink
+    output = (output.float() * kept[..., None]).to(query.dtype)
+    return output.transpose(1, 2).contiguous(), lse
+
+
 def flash_attention(module, query, key, value, scaling):
     """FlashAttention-2 through transformers' integration (causal is bottom-right aligned there)."""
     from transformers.integrations.flash_attention import flash_attention_forward
@@ -145,28 +179,26 @@ def kvbench_attention(
     (no row padded: each gives what it gives alone), or a stored row with the others of its shelf. The leading
     parameters are in transformers' order, for wrappers that pass them positionally (kvpress). A layer the model
     attends through a ``sliding_window`` is held and attended as the model does where the cache holds that window
-    (Gemma 3's local layers), else only while the sequence fits it (:func:`within_window`); one whose softmax adds
-    learned sinks (``s_aux``: GPT-OSS) is refused."""
-    if s_aux is not None:
-        raise KVBenchError(
-            "the model's attention adds learned sinks to its softmax (GPT-OSS): kvbench's attention does not take "
-            "them yet, so it would not give the model's own outputs"
-        )
+    (Gemma 3's local layers), else only while the sequence fits it (:func:`within_window`); learned sinks in the
+    softmax (``s_aux``: GPT-OSS) are added to each query's denominator (:func:`sink_attention`)."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if kvbench_cache is None:
+        if s_aux is not None:
+            return sink_attention(query, key, value, scaling, s_aux, window=sliding_window)[0], None
         return sdpa_attention(query, key, value, scaling, window=sliding_window), None
     if sliding_window is not None and kvbench_cache.window(module.layer_idx) != sliding_window:
         within_window(module.layer_idx, sliding_window, kvbench_cache.span())
     rows = getattr(kvbench_cache, "rows", None)
     if rows is not None:
         attended, queries = rows(module.layer_idx), kvbench_cache.alone_queries(query)
-        together = padded_outputs(module.layer_idx, queries, attended, scaling) if kvbench_cache.padded else {}
+        padded = kvbench_cache.padded and s_aux is None
+        together = padded_outputs(module.layer_idx, queries, attended, scaling) if padded else {}
         outputs = [
-            cache_attention(cache, module, queries[row : row + 1], keys, values, scaling, together.get(row))
+            cache_attention(cache, module, queries[row : row + 1], keys, values, scaling, together.get(row), s_aux)
             for row, (cache, keys, values) in enumerate(attended)
         ]
         return kvbench_cache.joined(module.layer_idx, query, outputs, scaling), None
-    return cache_attention(kvbench_cache, module, query, key, value, scaling), None
+    return cache_attention(kvbench_cache, module, query, key, value, scaling, sinks=s_aux), None
 
 
 def within_window(layer_idx: int, window: int, span: int) -> None:
@@ -252,11 +284,14 @@ class AttendedCache(Protocol):
         ...
 
 
-def backend_attention(cache: AttendedCache, module, query, key, value, scaling) -> torch.Tensor:
-    """``query [B,Hq,q,D]`` over ``key/value [B,Hc,T,D]`` of ``cache`` by its backend → ``[B,q,Hq,D]``."""
+def backend_attention(cache: AttendedCache, module, query, key, value, scaling, sinks=None) -> torch.Tensor:
+    """``query [B,Hq,q,D]`` over ``key/value [B,Hc,T,D]`` of ``cache`` by its backend (``sinks [Hq]``: learned sink
+    logits, :func:`sink_attention`) → ``[B,q,Hq,D]``."""
     key_mask, window = cache.key_mask(module.layer_idx), cache.window(module.layer_idx)
     if cache.attn_backend == "eager":
-        return eager_attention(query, key, value, scaling, key_mask, window)
+        return eager_attention(query, key, value, scaling, key_mask, window, sinks)
+    if sinks is not None:  # SDPA and FlashAttention-2 take no sink: their output rescaled by each query's lse
+        return sink_attention(query, key, value, scaling, sinks, key_mask, window)[0]
     if key_mask is not None:  # a length per head: FlashAttention-2's varlen kernel takes no per-head lengths
         return sdpa_attention(query, key, value, scaling, key_mask)
     if window is not None and query.shape[2] > 1:  # a band by slots (the layer's, not the model's positions)
@@ -266,12 +301,13 @@ def backend_attention(cache: AttendedCache, module, query, key, value, scaling) 
     return sdpa_attention(query, key, value, scaling)
 
 
-def cache_attention(cache: AttendedCache, module, query, key, value, scaling, output=None):
+def cache_attention(cache: AttendedCache, module, query, key, value, scaling, output=None, sinks=None):
     """``query [B,Hq,q,D]`` over ``key/value [B,Hc,T,D]`` of ``cache`` (an ``EvictionCache`` or ``SharedPrefill``):
     by the backend (unless its ``output [B,q,Hq,D]`` is given), then the cache's attending modifiers for a single
     query, its scoring (from the backend's output) and eviction → ``[B,q,Hq,D]``. Where the scoring reads each
     query's log-sum-exp and one fused kernel call gives it with the output (SDPA, every key held, one query or the
-    whole causal square: :func:`attention_with_lse`), that call is the attention."""
+    whole causal square: :func:`attention_with_lse`), that call is the attention. ``sinks [Hq]``: the model's learned
+    sink logits (GPT-OSS), in the attention and not in the scoring's statistics."""
     lse = None
     if output is None:
         q_len, kv_len = query.shape[2], key.shape[2]
@@ -281,10 +317,13 @@ def cache_attention(cache: AttendedCache, module, query, key, value, scaling, ou
             and cache.key_mask(module.layer_idx) is None
             and cache.wants_normaliser(module.layer_idx)
         ):
-            output, lse = attention_with_lse(query, key, value, scaling)
-            output = output.transpose(1, 2).contiguous()
+            if sinks is not None:  # the keys' log-sum-exp, the sink left out
+                output, lse = sink_attention(query, key, value, scaling, sinks)
+            else:
+                output, lse = attention_with_lse(query, key, value, scaling)
+                output = output.transpose(1, 2).contiguous()
         else:
-            output = backend_attention(cache, module, query, key, value, scaling)
+            output = backend_attention(cache, module, query, key, value, scaling, sinks)
     attended = output
     if query.shape[2] == 1:
         output = cache.attend(module.layer_idx, query, key, value, output, scaling)

@@ -54,6 +54,7 @@ class EvictionCache(Cache):
         layer_weights: list[LayerWeights] | None = None,
         sums_kernel: str = "torch",
         windows: list[int | None] | None = None,
+        learned_sinks: bool = False,
     ) -> None:
         super().__init__(layers=[EvictionLayer() for _ in layer_budgets])
         self.policy = policy
@@ -66,6 +67,7 @@ class EvictionCache(Cache):
         self.attending = [modifier for modifier in policy.modifiers if modifier.attends]
         #: by layer, the sliding window held as the model holds it (:meth:`slide`), or None: a global layer
         self.windows = [None] * len(layer_budgets) if windows is None else list(windows)
+        self.learned_sinks = learned_sinks  # the model's softmax adds a learned logit per head (GPT-OSS)
         self.allocation = self._allocation()
         args = (score_block, sums_kernel, layer_weights, self.allocation)
         self.scorer = Scorer(policy, self.eviction_layers, prompt_len, *args)

@@ -189,6 +189,10 @@ class Runner:
         self.sums_kernel = sums_kernel
         self.layer_weights = layer_weights(model, self.num_query_heads, self.num_layers)
         self.windows = held_windows(config)
+        #: the model's softmax adds a learned logit per head (GPT-OSS's ``sinks``, given to attention as ``s_aux``)
+        self.learned_sinks = any(
+            isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules()
+        )
 
     def row_bytes(self, prompt_tokens: int, new_tokens: int) -> int:
         """The most memory one row of a ``prompt_tokens`` prompt holds while it decodes ``new_tokens``: the full cache
@@ -214,7 +218,7 @@ class Runner:
         """A cache for a prompt of ``prompt_len`` tokens (``context``: a context, its question read after it is
         compressed); a budget ≥ the prompt means no eviction. Dynamic layer budgets (``cake``, ``vabs``) start
         uniform and are re-allocated by the cache during prefill. A policy not defined here is a one-line error."""
-        refusal = self.policy.refusal(self.regime, context, self.decode_evict)
+        refusal = self.policy.refusal(self.regime, context, self.decode_evict) or self.model_refusal(self.policy)
         if refusal is not None:
             raise KVBenchError(refusal)
         budget = self.budget.resolve(prompt_len)
@@ -233,12 +237,21 @@ class Runner:
             layer_weights=self.layer_weights,
             sums_kernel=self.sums_kernel,
             windows=self.windows,
+            learned_sinks=self.learned_sinks,
         )
 
-    def sliding_refusal(self, policy: Policy) -> str | None:
-        """Why ``policy`` is not defined beside this model's sliding-window layers (:func:`held_windows`), or None: it
-        shares the budget across the layers as the prefill passes them (a dynamic layer budget, the ``reconstruction``
-        statistic), which the sliding layers, never evicted, do not take part in."""
+    def model_refusal(self, policy: Policy) -> str | None:
+        """Why ``policy`` is not defined on this model, or None: beside sliding-window layers (:func:`held_windows`,
+        never evicted) a policy that shares the budget across the layers as the prefill passes them (a dynamic layer
+        budget, the ``reconstruction`` statistic); with learned attention sinks (GPT-OSS) an attending modifier, which
+        merges its own attention of the kept entries (without the sinks)."""
+        attending = [modifier.name for modifier in policy.modifiers if modifier.attends]
+        if self.learned_sinks and attending:
+            return (
+                f"policy {policy.spec}: {', '.join(attending)} replaces decode attention with its own over the kept "
+                "entries, which leaves out this model's learned attention sinks (GPT-OSS); valid choices here: a "
+                "policy without calidrop or slake"
+            )
         if not any(self.windows):
             return None
         across = f"policy.layer_budget={policy.layer_budget.name}" if policy.layer_budget.dynamic else None
@@ -259,8 +272,6 @@ class Runner:
         reserved = policy.reserved(budget, prompt_len)
         if not any(self.windows):
             return policy.layer_budget.allocate(budget, self.num_layers, reserved, prompt_len)
-        if (refusal := self.sliding_refusal(policy)) is not None:
-            raise KVBenchError(refusal)
         shares = iter(policy.layer_budget.allocate(budget, self.windows.count(None), reserved, prompt_len))
         return [next(shares) if window is None else window - 1 for window in self.windows]
 

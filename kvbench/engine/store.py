@@ -2,14 +2,14 @@
 with one scatter per shelf of a layer and attends them with one SDPA call per shelf, whatever the number of rows.
 
 A row is stored where its decode steps only append and attend (:func:`storable`): no eviction while decoding (so no
-scoring), no attending modifier, no sliding-window layer (which drops its oldest token at each step), the SDPA backend.
-The unit is one cache head of one row (a ``(row, head)``): each of a row's layers moves its heads' kept entries into
-free slots of that layer's :class:`Shelf` of their length — one buffer ``[S,C,D]`` for the units whose kept entries and
-tokens to come fit ``C`` slots (:func:`capacity_class`: under an eighth to spare), so a layer budget's lengths per layer
-and a head-wise eviction's lengths per head (AdaKV) are held without padding — and moves back into the row's own cache,
-with the tokens it decoded appended, when the row leaves (:meth:`RowStore.release`): its outputs (sizes, kept sets,
-statistics) are those of a row attended alone. A unit is attended by the query heads that read its cache head (``Hq /
-Hc`` of them; one in the repeat layout). The other rows of a step are attended each alone.
+scoring), no attending modifier, no sliding-window layer (which drops its oldest token at each step), no learned sinks,
+the SDPA backend. The unit is one cache head of one row (a ``(row, head)``): each of a row's layers moves its heads'
+kept entries into free slots of that layer's :class:`Shelf` of their length — one buffer ``[S,C,D]`` for the units whose
+kept entries and tokens to come fit ``C`` slots (:func:`capacity_class`: under an eighth to spare), so a layer budget's
+lengths per layer and a head-wise eviction's lengths per head (AdaKV) are held without padding — and moves back into the
+row's own cache, with the tokens it decoded appended, when the row leaves (:meth:`RowStore.release`): its outputs
+(sizes, kept sets, statistics) are those of a row attended alone. A unit is attended by the query heads that read its
+cache head (``Hq / Hc`` of them; one in the repeat layout). The other rows of a step are attended each alone.
 
 Memory: a shelf grows by exactly the units arriving (into its free slots first) and is copied without its free slots
 once they are more than a sixteenth of it; an empty one is let go. :attr:`RowStore.peak_bytes` is what the shelves
@@ -30,7 +30,8 @@ from kvbench.engine.layer import EvictionLayer, in_cache_heads
 
 def storable(cache: EvictionCache) -> bool:
     """Whether a row's decode steps only append its token and attend (see the module's docstring)."""
-    return cache.attn_backend == "sdpa" and not cache.decode_evict and not cache.attending and not any(cache.windows)
+    plain = not any(cache.windows) and not cache.learned_sinks
+    return cache.attn_backend == "sdpa" and not cache.decode_evict and not cache.attending and plain
 
 
 def capacity_class(needed: int) -> int:

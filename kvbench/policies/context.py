@@ -49,6 +49,8 @@ class LayerWeights:
             raise KVBenchError("this model has no rotary embedding (rotary_emb) for a score to read")
         probe = self.output.new_empty(0, dtype=torch.float32)
         cos, sin = self.rotary(probe, positions.to(self.output.device)[None])
+        if 2 * cos.shape[-1] == self.output.shape[1] // self.query_heads:  # one per pair (GPT-OSS's): both halves
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         return cos[0].float(), sin[0].float()
 
 
