@@ -25,17 +25,20 @@ def llama():
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 @pytest.mark.parametrize("regime", REGIMES)
 def test_full_cache_equals_hf_generate(architecture, regime):
+    """20 greedy tokens after a 120-token prompt (Gemma 3's and GPT-OSS's windows are 16 tokens)."""
     model = tiny_model(architecture)
     prompt = random_prompt(120)
-    expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
-    output = engine(model, "full", 64, regime).generate(prompt, max_new_tokens=12)
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt) :].tolist()
+    output = engine(model, "full", 64, regime).generate(prompt, max_new_tokens=20)
     assert output.token_ids == expected
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_full_perplexity_matches_one_forward_on_every_architecture(architecture):
-    """Each token's NLL through the engine's full cache (chunked: several forwards) equals one forward of the model."""
+    """Each token's NLL through the engine's full cache (chunked: several forwards) equals one eager forward of the
+    model (its sliding windows shorter than the text)."""
     model, stream = tiny_model(architecture), random_prompt(70)
+    model.set_attn_implementation("eager")
     with torch.no_grad():  # the model's own attention (an engine sets kvbench's)
         logits = model(torch.tensor([stream])).logits[0, :-1]
     nlls = engine(model, "full", 4096, "chunked").perplexity(stream).nlls
@@ -61,6 +64,8 @@ def test_sliding_window_layers_are_held_as_the_model_holds_them():
         assert output.kv.after_prefill_tokens_per_layer == [GEMMA3_WINDOW - 1, GEMMA3_WINDOW - 1, len(prompt)]
         entry = 2 * 2 * 16 * 4  # a token's key and value: 2 KV heads of 16 float32s
         assert output.kv.full_bytes == entry * (2 * (GEMMA3_WINDOW - 1) + len(prompt) + 8)  # the model's own cache
+        model_bytes = sum(layer.keys.numel() + layer.values.numel() for layer in reference.past_key_values.layers)
+        assert output.kv.peak_bytes == 4 * model_bytes  # float32: the model's own cache, each sliding layer its window
     kept = engine(model, "snapkv", 48).generate(prompt, max_new_tokens=4).kv
     assert kept.after_prefill_tokens_per_layer == [GEMMA3_WINDOW - 1, GEMMA3_WINDOW - 1, 48]
     streamed = engine(model, "h2o", 48, "streaming").generate(prompt, max_new_tokens=4).kv
@@ -108,6 +113,10 @@ def test_learned_sinks_are_in_every_softmax_as_the_models(backend):
         output = runner.generate(prompt, max_new_tokens=8)
         assert output.token_ids == tokens[len(prompt) :], regime
         assert output.kv.after_prefill_tokens_per_layer == [GEMMA3_WINDOW - 1, len(prompt), GEMMA3_WINDOW - 1]
+    with torch.no_grad():  # the model's own cache after the prompt: a sliding layer after the global one included
+        held = model(torch.tensor([prompt]), use_cache=True).past_key_values.layers
+    peak = engine(model, "full", 4096).generate(prompt, max_new_tokens=1).kv.peak_bytes
+    assert peak == 4 * sum(layer.keys.numel() + layer.values.numel() for layer in held) == 2 * 2 * 16 * 4 * (120 + 30)
     with pytest.raises(KVBenchError, match=r"calidrop replaces decode attention .* learned attention sinks") as error:
         engine(model, "snapkv+calidrop", 48).generate(prompt, max_new_tokens=2)
     assert "\n" not in str(error.value)

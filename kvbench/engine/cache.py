@@ -205,7 +205,8 @@ class EvictionCache(Cache):
             batch, heads, _, _ = key_states.shape
             layer.running_score = key_states.new_zeros(batch, heads, 0, dtype=torch.float32)
         layer.append(key_states, value_states, forward.positions)
-        self.account(layer_idx)
+        window = self.windows[layer_idx]  # a sliding layer holds its window (the forward's own keys pass through)
+        self.account(layer_idx, None if window is None else min(layer.get_seq_length(), window - 1))
         keys, values, self.key_masks[layer_idx] = layer.attended()
         return keys, values
 
