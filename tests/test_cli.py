@@ -138,6 +138,25 @@ def test_bad_values_exit_with_one_line(override, message, capsys):
     assert error.startswith("kvbench: error: ") and message in error and error.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("model", "policy", "message"),
+    [
+        ("tiny_gemma3", "cake", "policy.layer_budget=cake shares the budget across every layer, and 2 of this model's"),
+        ("tiny_gemma3", "kvzip task.query_mode=agnostic", "its context's reconstruction shares the budget across"),
+        ("tiny_gpt_oss", "snapkv+slake", "slake replaces decode attention with its own over the kept entries"),
+    ],
+)
+def test_a_policy_the_model_does_not_take_is_one_line_and_nothing_written(tmp_path, capsys, model, policy, message):
+    """Read from the model's skeleton (its sliding layers, its learned sinks) before the run's directory is made."""
+    with pytest.raises(SystemExit) as exit_info:
+        policy, *more = policy.split()
+        kvbench("run", *RULER, f"model={model}", f"policy={policy}", *more, f"output_dir={tmp_path / 'run'}")
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("kvbench: error: ") and message in error and error.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
 def test_missing_file_is_one_line_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         kvbench("run", "model=tiny_llama", "task=ppl", f"task.path={tmp_path / 'absent.txt'}", f"output_dir={tmp_path}")

@@ -141,6 +141,37 @@ def held_windows(config) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in types]
 
 
+def has_learned_sinks(model) -> bool:
+    """Whether the model's softmax adds a learned logit per head (GPT-OSS's ``sinks``, given to attention as
+    ``s_aux``)."""
+    return any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules())
+
+
+def model_refusal(policy: Policy, windows: list[int | None], learned_sinks: bool) -> str | None:
+    """Why ``policy`` is not defined on a model of sliding ``windows`` (:func:`held_windows`) and ``learned_sinks``,
+    or None: beside sliding-window layers (never evicted) a policy that shares the budget across the layers as the
+    prefill passes them (a dynamic layer budget, the ``reconstruction`` statistic); with learned attention sinks
+    (GPT-OSS) an attending modifier, which merges its own attention of the kept entries (without the sinks)."""
+    attending = [modifier.name for modifier in policy.modifiers if modifier.attends]
+    if learned_sinks and attending:
+        return (
+            f"policy {policy.spec}: {', '.join(attending)} replaces decode attention with its own over the kept "
+            "entries, which leaves out this model's learned attention sinks (GPT-OSS); valid choices here: a policy "
+            "without calidrop or slake"
+        )
+    across = f"policy.layer_budget={policy.layer_budget.name}" if policy.layer_budget.dynamic else None
+    if policy.statistic == "reconstruction":
+        across = "its context's reconstruction"
+    if across is None or not any(windows):
+        return None
+    sliding = sum(window is not None for window in windows)
+    return (
+        f"policy {policy.spec}: {across} shares the budget across every layer, and {sliding} of this model's "
+        f"{len(windows)} layers attend a sliding window, held as the model holds it; valid choices here: a static "
+        "policy.layer_budget (uniform, pyramidkv) and a policy scoring from attention"
+    )
+
+
 class Runner:
     """Runs a causal LM with ``policy`` keeping ``budget`` tokens per layer under ``regime``: a cache for a prompt,
     its prefill, each step and the measuring; :class:`~kvbench.engine.engine.Engine` adds generation and perplexity
@@ -190,9 +221,7 @@ class Runner:
         self.layer_weights = layer_weights(model, self.num_query_heads, self.num_layers)
         self.windows = held_windows(config)
         #: the model's softmax adds a learned logit per head (GPT-OSS's ``sinks``, given to attention as ``s_aux``)
-        self.learned_sinks = any(
-            isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules()
-        )
+        self.learned_sinks = has_learned_sinks(model)
 
     def row_bytes(self, prompt_tokens: int, new_tokens: int) -> int:
         """The most memory one row of a ``prompt_tokens`` prompt holds while it decodes ``new_tokens``: the full cache
@@ -241,30 +270,8 @@ class Runner:
         )
 
     def model_refusal(self, policy: Policy) -> str | None:
-        """Why ``policy`` is not defined on this model, or None: beside sliding-window layers (:func:`held_windows`,
-        never evicted) a policy that shares the budget across the layers as the prefill passes them (a dynamic layer
-        budget, the ``reconstruction`` statistic); with learned attention sinks (GPT-OSS) an attending modifier, which
-        merges its own attention of the kept entries (without the sinks)."""
-        attending = [modifier.name for modifier in policy.modifiers if modifier.attends]
-        if self.learned_sinks and attending:
-            return (
-                f"policy {policy.spec}: {', '.join(attending)} replaces decode attention with its own over the kept "
-                "entries, which leaves out this model's learned attention sinks (GPT-OSS); valid choices here: a "
-                "policy without calidrop or slake"
-            )
-        if not any(self.windows):
-            return None
-        across = f"policy.layer_budget={policy.layer_budget.name}" if policy.layer_budget.dynamic else None
-        if policy.statistic == "reconstruction":
-            across = "its context's reconstruction"
-        if across is None:
-            return None
-        sliding = sum(window is not None for window in self.windows)
-        return (
-            f"policy {policy.spec}: {across} shares the budget across every layer, and {sliding} of this model's "
-            f"{self.num_layers} layers attend a sliding window, held as the model holds it; valid choices here: a "
-            "static policy.layer_budget (uniform, pyramidkv) and a policy scoring from attention"
-        )
+        """Why ``policy`` is not defined on this model (:func:`model_refusal`), or None."""
+        return model_refusal(policy, self.windows, self.learned_sinks)
 
     def layer_budgets(self, policy: Policy, budget: int, prompt_len: int) -> list[int]:
         """Each layer's budget: the policy's allocation over the global layers, a sliding layer its window's ``W - 1``

@@ -15,9 +15,11 @@ from omegaconf import DictConfig
 
 from kvbench import config_dict
 from kvbench.engine import Engine
+from kvbench.engine.runner import has_learned_sinks, held_windows, model_refusal
 from kvbench.errors import KVBenchError
 from kvbench.job import Job
-from kvbench.models import LoadedModel, check_weights, load_tokenizer
+from kvbench.models import LoadedModel, check_weights, load_tokenizer, model_skeleton
+from kvbench.policies import build_policy
 from kvbench.tasks.base import ModelInfo, Sample, Task
 
 log = logging.getLogger("kvbench.run")  # one logger for the run layer (the jobs' log lines name it)
@@ -42,6 +44,12 @@ def checked_task(cfg: DictConfig, tokenizer) -> tuple[Task | None, list[str]]:
     except KVBenchError as error:
         reasons.append(str(error))
     try:
+        refusal = model_refusal_of(cfg)
+        if refusal is not None:
+            reasons.append(refusal)
+    except KVBenchError as error:
+        reasons.append(str(error))
+    try:
         task = build_task(cfg, tokenizer)
         refusal = task.window_refusal()
         if refusal is not None:
@@ -50,6 +58,17 @@ def checked_task(cfg: DictConfig, tokenizer) -> tuple[Task | None, list[str]]:
     except KVBenchError as error:
         return None, [*reasons, str(error)]
     return (task if not reasons else None), reasons
+
+
+def model_refusal_of(cfg: DictConfig) -> str | None:
+    """Why the job's policy is not defined on its model (:func:`~kvbench.engine.runner.model_refusal`: its sliding
+    layers, its learned sinks), read from the model's skeleton before anything loads; None where it is, or where the
+    model's config is not on this machine (the weights' check says so)."""
+    skeleton = model_skeleton(cfg.model)
+    if skeleton is None:
+        return None
+    policy = build_policy(cfg.policy.name, cfg.policy)
+    return model_refusal(policy, held_windows(skeleton.config.get_text_config()), has_learned_sinks(skeleton))
 
 
 def settings_key(node: DictConfig) -> str:
