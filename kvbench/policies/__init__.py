@@ -2,7 +2,8 @@
 
 The machinery (``base``, ``stats``, ``scores``, ``budgets``, ``layer_budget``, ``registry``) lies here; the
 methods, one small module each, in :mod:`kvbench.policies.methods`, each registering its classes with
-``@register`` when that package is imported below, so adding a method means adding a file there.
+``@register`` when that package is imported below, so adding a method means adding a file there; a method of one's
+own, outside the package, registers alike from ``KVBENCH_METHODS`` or an entry point (:mod:`kvbench.policies.outside`).
 ``build_policy("h2o+obcache_joint", params)`` parses a spec and sets each part's dataclass fields from ``params``.
 """
 
@@ -16,7 +17,10 @@ import kvbench.policies.methods  # noqa: F401  (each method registers itself whe
 from kvbench.errors import KVBenchError, check_keys, choose
 from kvbench.policies.base import Modifier, Policy
 from kvbench.policies.layer_budget import build_layer_budget
+from kvbench.policies.outside import load_outside_methods
 from kvbench.policies.registry import BASES, MODIFIERS
+
+load_outside_methods()  # the researcher's own (KVBENCH_METHODS, kvbench.methods entry points), after the built-in
 
 
 def parse_spec(spec: str) -> tuple[str, list[str]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from kvbench.domains import check_fields
+from kvbench.errors import KVBenchError
 
 BASES: dict[str, Any] = {}  # name -> Policy subclass
 MODIFIERS: dict[str, Any] = {}  # name -> Modifier subclass
@@ -32,6 +33,14 @@ class Registered:
 
 
 def register(cls: Any) -> Any:
-    """Class decorator: ``cls`` goes to the registry its ``registry`` names, under its ``name``."""
-    REGISTRIES[cls.registry][cls.name] = cls
+    """Class decorator: ``cls`` goes to the registry its ``registry`` names, under its ``name`` (one line where another
+    module registered that name: a method of one's own cannot replace kvbench's)."""
+    registry = REGISTRIES[cls.registry]
+    existing = registry.get(cls.name)
+    if existing is not None and existing.__module__ != cls.__module__:
+        raise KVBenchError(
+            f"{cls.registry} {cls.name!r} of {cls.__module__} is already registered by {existing.__module__}; "
+            "give it another name"
+        )
+    registry[cls.name] = cls
     return cls
