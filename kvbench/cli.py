@@ -11,6 +11,7 @@
     kvbench compare-paper caote:table2 RUN_DIR... [--output-dir DIR]           # a paper's table beside ours
     kvbench plot RUN_DIR... --kind heatmap|budget|ppl|all [--output-dir DIR]   # NIAH heatmaps, curves
     kvbench bench [overrides]                                                 # overhead, latency, memory (JSON)
+    kvbench check-method SPEC [--model NAME]          # the invariants every policy holds, checked on one (your own)
     kvbench pack DIR                                  # DIR's run directories as one DIR/runs.tar.xz, read as they were
     kvbench unpack DIR                                # DIR/runs.tar.xz's run directories back in DIR
     kvbench --version
@@ -281,6 +282,27 @@ def command_unpack(args: list[str]) -> None:
     print(f"{folder / PACKED}: {len(unpack(folder))} files written to {folder}")
 
 
+def command_check_method(args: list[str]) -> None:
+    """The invariants of every policy, checked on one (``SPEC [--model NAME]``; kvbench/check.py): a line per check,
+    exit 1 where one fails."""
+    from kvbench.check import check_method
+
+    model = "tiny_llama"
+    if len(args) == 3 and args[1] == "--model":
+        model = args[2]
+    elif len(args) != 1 or args[0].startswith("-"):
+        raise KVBenchError(
+            f"kvbench check-method takes a policy spec (SPEC [--model NAME]), not {' '.join(args) or 'none'}"
+        )
+    results = check_method(args[0], model)
+    for what, differs in results:
+        print(f"{'ok' if differs is None else 'FAILED'}  {what}" + ("" if differs is None else f": {differs}"))
+    failed = sum(differs is not None for _, differs in results)
+    print(f"kvbench check-method {args[0]}: {len(results) - failed} of {len(results)} checks hold on {model}")
+    if failed:
+        raise SystemExit(1)
+
+
 COMMANDS = {
     "run": command_run,
     "plan": command_plan,
@@ -293,6 +315,7 @@ COMMANDS = {
     "bench": command_bench,
     "pack": command_pack,
     "unpack": command_unpack,
+    "check-method": command_check_method,
 }
 
 

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from transformers import (
-    AttentionInterface,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GptOssConfig,
@@ -26,9 +25,9 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
-from transformers.masking_utils import AttentionMaskInterface
 
 from kvbench import PROJECT_ROOT
+from kvbench.check import kept_masks, masked_forward  # noqa: F401  (the tests' references)
 from kvbench.engine import Engine
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
@@ -232,14 +231,6 @@ def prefill_and_decode(runner: Engine, prompt: list[int], steps: int = 4):
     return cache
 
 
-def kept_masks(cache, length: int) -> list[torch.Tensor]:
-    """Each layer's kept positions in ``cache`` (row 0; a length per head or not) as masks ``[Hc, length]``."""
-    return [
-        torch.stack([torch.zeros(length, dtype=torch.bool).scatter_(0, torch.tensor(head), True) for head in heads])
-        for heads in cache.kept_by_head()
-    ]
-
-
 def unpacked_mask(packed: str, heads: int, length: int) -> torch.Tensor:
     """A reference's kept positions of one layer, a bit mask packed per head and base64-encoded (the fixture
     scripts' format), as a mask ``[heads, length]``."""
@@ -251,31 +242,3 @@ def local_data(variable: str, *shared: str) -> Path:
     """Test data the user points to with the environment ``variable`` (as kvbench's task files read it), else
     the workplace's copy beside the project (``../shared/<shared...>``); callers skip when it is absent."""
     return Path(os.environ.get(variable) or PROJECT_ROOT.parent.joinpath("shared", *shared))
-
-
-def masked_forward(model, tokens: list[int], kept: list[torch.Tensor], context: int) -> torch.Tensor:
-    """Logits ``[len(tokens) − context, V]`` of a full forward in which each token after the first ``context`` sees,
-    in layer ``l`` and query head ``h``, only the context positions ``kept[l][h // G]`` (a mask ``[Hc, context]``)
-    and the tokens after the context up to itself."""
-    length = len(tokens)
-
-    def attention(
-        module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, s_aux=None, **_
-    ):
-        heads, group = query.shape[1], query.shape[1] // key.shape[1]
-        allowed = torch.ones(heads, length, length, dtype=torch.bool).tril()
-        if sliding_window is not None:  # transformers' band: the last ``sliding_window`` positions, itself included
-            allowed &= torch.ones(length, length, dtype=torch.bool).triu(1 - sliding_window)
-        allowed[:, context:, :context] &= kept[module.layer_idx].repeat_interleave(group, dim=0)[:, None]
-        logits = torch.einsum("bhqd,bhtd->bhqt", query, key.repeat_interleave(group, 1)).float() * scaling
-        logits = logits.masked_fill(~allowed[None], float("-inf"))
-        if s_aux is not None:  # GPT-OSS's learned sink: a logit per head in each denominator
-            logits = torch.cat([logits, s_aux.float().view(1, heads, 1, 1).expand(1, heads, length, 1)], dim=-1)
-        weights = logits.softmax(-1)[..., :length]
-        return torch.einsum("bhqt,bhtd->bqhd", weights, value.repeat_interleave(group, 1)), None
-
-    AttentionInterface.register("kvbench_test_masked", attention)
-    AttentionMaskInterface.register("kvbench_test_masked", lambda *args, **kwargs: None)
-    model.set_attn_implementation("kvbench_test_masked")
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0, context:]

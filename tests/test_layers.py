@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvbench.job",),  # one job resolved before anything runs
     ("kvbench.results",),  # reports: tables, paper comparisons, plots, W&B
     ("kvbench.run",),  # running a job into its run directory
-    ("kvbench.launch", "kvbench.bench"),  # sweeps and launchers; benchmarks
+    ("kvbench.launch", "kvbench.bench", "kvbench.check"),  # sweeps and launchers; benchmarks; a method checked
     ("kvbench.plan",),
     ("kvbench.cli",),
 ]

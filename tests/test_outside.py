@@ -110,3 +110,20 @@ def test_an_installed_packages_entry_point_registers_its_method(tmp_path):
     (info / "entry_points.txt").write_text("[kvbench.methods]\nmine = my_methods.mine\n")
     listed = kvbench("policies", path=str(tmp_path / "site"))
     assert listed.returncode == 0 and "mine" in listed.stdout, listed.stderr
+
+
+def test_one_command_checks_ones_own_method_and_says_what_fails(tmp_path):
+    """``kvbench check-method NAME``: the registry's invariants on a method of one's own, from the installed kvbench
+    (no test file of the project's); a method whose ranking changes from call to call (random scores, drawn anew)
+    fails the rows check, exit 1."""
+    (tmp_path / "mine.py").write_text(MINE)
+    checked = kvbench("check-method", "mine", methods=str(tmp_path / "mine.py"))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "kvbench check-method mine: 6 of 6 checks hold on tiny_llama" in checked.stdout
+    (tmp_path / "mine.py").write_text(
+        MINE.replace("return torch.linalg.vector_norm(", "return torch.rand_like(").replace(
+            ".float(), dim=-1)", ".float()[..., 0])"
+        )
+    )
+    checked = kvbench("check-method", "mine", methods=str(tmp_path / "mine.py"))
+    assert checked.returncode == 1 and "FAILED  oneshot: prefilled together and decoded as rows" in checked.stdout
