@@ -186,6 +186,15 @@ def test_bad_settings_are_one_line_errors(tokenizer, tmp_path):
         make_task(tokenizer, tmp_path / "rows.jsonl", prompt="{question}{context}")
 
 
+def test_a_malformed_line_of_a_jsonl_file_is_named_by_its_line(tokenizer, tmp_path):
+    """The 4th line of a rows file malformed (a blank line before it): the error names line 4 of the file, not the
+    position inside the line it parsed."""
+    path = write_rows(tmp_path / "rows.jsonl", ROWS[:2])
+    path.write_text(path.read_text() + "\n" + '{"context": "c", "question": "q", "answer": }\n', encoding="utf-8")
+    with pytest.raises(KVBenchError, match=r"rows.jsonl is not valid jsonl \(Expecting value, line 4, column 45\)"):
+        list(make_task(tokenizer, path).samples())
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("query_mode", ["aware", "agnostic"])
 def test_a_real_run_of_a_file_made_from_the_shipped_text(tmp_path, query_mode):

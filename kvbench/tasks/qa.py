@@ -38,6 +38,19 @@ from kvbench.tasks.prompts import after_context
 REQUIRED = ("context", "question", "answer")
 OPTIONAL = ("answer_prefix", "max_new_tokens", "id")
 SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def jsonl_rows(path: Path, text: str) -> list[Any]:
+    """The objects of a jsonl file's lines (blank ones skipped), a malformed one named by its line in the file."""
+    rows = []
+    for number, line in enumerate(text.split("\n"), start=1):  # not splitlines: U+2028 is text in a row
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                where = f"column {error.colno}" if error.lineno == 1 else f"line {error.lineno} of it"
+                raise KVBenchError(f"{path} is not valid jsonl ({error.msg}, line {number}, {where})") from None
+    return rows
 PROMPT_FORMATS = ("hf_chat", "raw")
 
 
@@ -51,8 +64,7 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         raise KVBenchError(f"task.path {path} is not a table; valid suffixes: {', '.join(SUFFIXES)}")
     text = path.read_text(encoding="utf-8")
     try:
-        lines = [line for line in text.split("\n") if line.strip()]  # not splitlines: U+2028 is text in a row
-        rows = json.loads(text) if path.suffix == ".json" else [json.loads(line) for line in lines]
+        rows = json.loads(text) if path.suffix == ".json" else jsonl_rows(path, text)
     except json.JSONDecodeError as error:
         raise KVBenchError(f"{path} is not valid {path.suffix[1:]} ({error.msg}, line {error.lineno})") from None
     if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
