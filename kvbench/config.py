@@ -10,7 +10,7 @@ here with one line instead of a Hydra traceback.
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -155,10 +155,19 @@ def prepare_overrides(args: list[str]) -> list[str]:
         raise KVBenchError(f"cannot parse overrides {' '.join(args)!r}: {str(error).splitlines()[0]}") from None
     rewritten = [arg for arg in args if arg.startswith("-")]
     selected: dict[str, list[str]] = {"policy": [], "task": [], "model": []}
+    mistakes: list[str] = []  # every invalid value of every key, said at once
+
+    def checked(check: Any, value: str) -> Any:
+        try:
+            return check(value)
+        except KVBenchError as error:
+            mistakes.append(str(error))
+            return None
+
     for override in overrides:
         key, values = override.key_or_group.lstrip("+~"), _values(override)
         if key == "budget":  # each named as Budget names it (budget=1e9, a float to Hydra, is 1000000000)
-            values = [Budget.parse(value).spec for value in values]
+            values = [budget.spec for budget in [checked(Budget.parse, value) for value in values] if budget]
             rewritten.append(f"{override.get_key_element()}=" + ",".join(f"'{value}'" for value in values))
         elif key == "policy.layer_budget" and isinstance(override.value(), (dict, str)):  # replace the node
             node = override.value()
@@ -175,7 +184,7 @@ def prepare_overrides(args: list[str]) -> list[str]:
                 f"{key} is an experiment's per-policy setting (conf/experiment); set policy.<key>=VALUE instead"
             )
         for value in values:
-            _check_option(key, value)
+            checked(partial(_check_option, key), value)
             if key == "budget":
                 register_budget(value)
         if key in selected:
@@ -185,10 +194,13 @@ def prepare_overrides(args: list[str]) -> list[str]:
         for o in overrides
         if o.key_or_group.lstrip("+") in SETTING_GROUPS
     )
-    settings = selected_policy_settings(selections)
     for spec in selected["policy"]:
-        parse_spec(spec)
-    register_policies(selected["policy"], settings)
+        checked(parse_spec, spec)
+    if len(mistakes) == 1:
+        raise KVBenchError(mistakes[0])
+    if mistakes:
+        raise KVBenchError(f"{len(mistakes)} mistakes: " + "  |  ".join(mistakes))
+    register_policies(selected["policy"], selected_policy_settings(selections))
     return rewritten
 
 

@@ -157,6 +157,16 @@ def test_a_policy_the_model_does_not_take_is_one_line_and_nothing_written(tmp_pa
     assert not (tmp_path / "run").exists()
 
 
+def test_every_mistake_of_a_sweep_is_in_one_answer(tmp_path, capsys):
+    """Two swept keys each with a bad value: both in one line, exit 2, nothing written."""
+    with pytest.raises(SystemExit) as exit_info:
+        kvbench("run", "-m", *RULER, "policy=snapkv,snapvk", "budget=128,abc", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("kvbench: error: 2 mistakes: invalid budget 'abc'") and error.count("\n") == 1
+    assert "unknown policy 'snapvk'; valid choices: " in error and not (tmp_path / "sweep").exists()
+
+
 def test_missing_file_is_one_line_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         kvbench("run", "model=tiny_llama", "task=ppl", f"task.path={tmp_path / 'absent.txt'}", f"output_dir={tmp_path}")

@@ -51,6 +51,8 @@ def jsonl_rows(path: Path, text: str) -> list[Any]:
                 where = f"column {error.colno}" if error.lineno == 1 else f"line {error.lineno} of it"
                 raise KVBenchError(f"{path} is not valid jsonl ({error.msg}, line {number}, {where})") from None
     return rows
+
+
 PROMPT_FORMATS = ("hf_chat", "raw")
 
 
