@@ -156,6 +156,7 @@ def prepare_overrides(args: list[str]) -> list[str]:
     rewritten = [arg for arg in args if arg.startswith("-")]
     selected: dict[str, list[str]] = {"policy": [], "task": [], "model": []}
     mistakes: list[str] = []  # every invalid value of every key, said at once
+    own: dict[str, dict[str, Any]] = {}  # policy.<part>.<key>=VALUE: a base's or modifier's own settings
 
     def checked(check: Any, value: str) -> Any:
         try:
@@ -166,6 +167,12 @@ def prepare_overrides(args: list[str]) -> list[str]:
 
     for override in overrides:
         key, values = override.key_or_group.lstrip("+~"), _values(override)
+        pieces = key.split(".")
+        if len(pieces) == 3 and pieces[0] == "policy" and (pieces[1] in BASES or pieces[1] in MODIFIERS):
+            if override.is_sweep_override():  # policy.<base or modifier>.<setting>: for the swept specs that have it
+                mistakes.append(f"{key} is one method's setting: give it one value, not a sweep")
+            own.setdefault(pieces[1], {})[pieces[2]] = override.value()
+            continue
         if key == "budget":  # each named as Budget names it (budget=1e9, a float to Hydra, is 1000000000)
             values = [budget.spec for budget in [checked(Budget.parse, value) for value in values] if budget]
             rewritten.append(f"{override.get_key_element()}=" + ",".join(f"'{value}'" for value in values))
@@ -194,14 +201,27 @@ def prepare_overrides(args: list[str]) -> list[str]:
         for o in overrides
         if o.key_or_group.lstrip("+") in SETTING_GROUPS
     )
+    parts: set[str] = set()  # the bases and modifiers of the specs run
     for spec in selected["policy"]:
-        checked(parse_spec, spec)
+        parts.update(parse_part(spec, checked))
+    for part in own:
+        if selected["policy"] and part not in parts:
+            mistakes.append(f"policy.{part}.* sets {part}, which none of policy={','.join(selected['policy'])} has")
     if len(mistakes) == 1:
         raise KVBenchError(mistakes[0])
     if mistakes:
         raise KVBenchError(f"{len(mistakes)} mistakes: " + "  |  ".join(mistakes))
-    register_policies(selected["policy"], selected_policy_settings(selections))
+    settings = selected_policy_settings(selections)
+    for part, chosen in own.items():  # the command line's win over an experiment's
+        settings[part] = {**settings.get(part, {}), **chosen}
+    register_policies(selected["policy"], settings)
     return rewritten
+
+
+def parse_part(spec: str, checked: Any) -> list[str]:
+    """The base and modifiers of ``spec`` (none where it does not parse: ``checked`` notes why)."""
+    parsed = checked(parse_spec, spec)
+    return [] if parsed is None else [parsed[0], *parsed[1]]
 
 
 def _check_option(key: str, value: str) -> None:

@@ -170,3 +170,22 @@ def test_durations_count_hours_past_a_day():
         "15:42:57",
         "30:01:01",
     ]
+
+
+def test_a_sweep_sets_each_methods_own_settings_on_the_specs_that_have_it(capsys):
+    """``policy.chunkkv.chunk_length=8 policy.snapkv.window=16`` over ``policy=snapkv+chunkkv,kvzip,snapkv``: each
+    job's policy has what its base and modifiers were given, the others their defaults (their configs show it); a
+    method no swept spec has, a sweep of one method's setting and an unknown setting are one line, exit 2."""
+    swept = ["-m", *TINY, "policy=snapkv+chunkkv,kvzip,snapkv", "task.query_mode=agnostic"]
+    lines, _, code = plan(capsys, *swept, "policy.chunkkv.chunk_length=8", "policy.snapkv.window=16")
+    policies = {line["config"]["policy"]["name"]: line["config"]["policy"] for line in lines}
+    assert code == 0 and policies["snapkv+chunkkv"]["chunk_length"] == 8 and policies["snapkv+chunkkv"]["window"] == 16
+    assert policies["snapkv"]["window"] == 16 and "chunk_length" not in policies["kvzip"]
+    assert policies["kvzip"] == plan(capsys, *swept)[0][1]["config"]["policy"]  # untouched
+    for mistake, said in [
+        ("policy.chunkkv.chunk_length=8", "policy.chunkkv.* sets chunkkv, which none of policy=snapkv,h2o has"),
+        ("policy.snapkv.window=8,16", "policy.snapkv.window is one method's setting: give it one value"),
+        ("policy.snapkv.windw=8", "unknown key policy.windw for policy snapkv; valid keys: "),
+    ]:
+        _, err, code = plan(capsys, "-m", *TINY, "policy=snapkv,h2o", mistake)
+        assert code == 2 and said in err and err.count("\n") == 1, err
