@@ -135,6 +135,16 @@ def test_the_leaderboard_gives_each_cell_its_interval_and_each_modifier_its_pair
 
 
 @pytest.mark.model
+def test_runs_with_nothing_to_pair_print_no_empty_paired_table(tmp_path, capsys):
+    """Two bases and no ``--baseline``: the cells, no empty paired table under its header, one line saying why."""
+    for spec in ("snapkv", "tova"):
+        run(compose([*TINY, "task.num_samples=2", f"policy={spec}", "budget=64"]), tmp_path / "runs" / spec)
+    main(["leaderboard", str(tmp_path / "runs")])
+    printed = capsys.readouterr()
+    assert "### leaderboard_cells" in printed.out and "leaderboard_paired" not in printed.out
+    assert "nothing paired (no modifier beside its base at a budget in these runs)" in printed.err
+
+
 def test_make_leaderboard_smoke(tmp_path):
     """``make leaderboard SCALE=smoke``: the grouped sweep on SmolLM2, then every cell with its interval, the paired
     comparisons, the plot and the provenance; run again, it finds every run finished and rewrites the same tables, its

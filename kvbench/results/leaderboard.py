@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -213,7 +214,13 @@ def main(args: list[str]) -> None:
     tables = leaderboard_tables(runs, options.baseline)
     if not tables:
         raise KVBenchError(f"no finished run with per-sample scores under {' '.join(map(str, options.run_dirs))}")
-    print_tables(tables, options.format, options.output_dir)
+    print_tables({name: frame for name, frame in tables.items() if not frame.empty}, options.format, options.output_dir)
+    if tables["leaderboard_paired"].empty:  # said once, rather than an empty table under its header
+        print(
+            "kvbench leaderboard: nothing paired (no modifier beside its base at a budget in these runs); "
+            "--baseline SPEC pairs every policy with SPEC",
+            file=sys.stderr,
+        )
     if options.output_dir is not None:
         print(f"wrote {save(leaderboard_figure(tables['leaderboard_cells']), options.output_dir / 'leaderboard.png')}")
     if options.output_dir is not None and options.provenance:
