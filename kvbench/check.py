@@ -71,16 +71,16 @@ def check_method(spec: str, model_name: str = "tiny_llama") -> list[tuple[str, s
     it holds, ``(what, what differs)`` where not. A setting or spec kvbench refuses is a one-line error."""
     from kvbench.models import load_model, model_config
 
-    build_policy(spec)  # an unknown name or setting: one line
+    policy = build_policy(spec)  # an unknown name or setting: one line
     loaded = load_model(model_config(model_name))
     model, tokenizer = loaded.model, loaded.tokenizer
     prompt = torch.randint(3, len(tokenizer), (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
 
-    def engine(policy: str, budget: int, regime: str = "oneshot") -> Engine:
-        return Engine(model, build_policy(policy), budget, regime, block_size=BLOCK, tokenizer=tokenizer)
+    def engine(named: str, budget: int, regime: str = "oneshot") -> Engine:
+        return Engine(model, build_policy(named), budget, regime, block_size=BLOCK, tokenizer=tokenizer)
 
     results: list[tuple[str, str | None]] = []
-    regimes = [regime for regime in REGIMES if build_policy(spec).refusal(regime, False) is None]
+    regimes = [regime for regime in REGIMES if policy.refusal(regime, False) is None]
     if not regimes:
         raise KVBenchError(f"policy {spec} runs in no regime on a whole prompt: kvbench check-method checks those")
     for regime in regimes:

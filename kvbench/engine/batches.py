@@ -93,8 +93,7 @@ class SharedPrefill(Cache):
         for cache in self.caches:
             cache.update(key_states, value_states, layer_idx)
             key = sums_key(cache.policy)
-            scored = cache.forward is not None and cache.forward.scored and cache.window(layer_idx) is None
-            if key is not None and scored and key not in sums:
+            if key is not None and cache.scored_in(layer_idx) and key not in sums:
                 sums[key] = cache.scorer.normalised_sums(queries, *attended, outputs, scaling, lse)
             summed = None if key is None else sums.get(key)
             cache.after_attention(layer_idx, queries, outputs, scaling, None, summed, shared)

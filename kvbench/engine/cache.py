@@ -201,7 +201,7 @@ class EvictionCache(Cache):
         """Append new keys/values ``[B,Hkv,q,D]`` (repeated to query heads in the repeat layout)."""
         key_states, value_states = in_cache_heads(key_states, value_states, self.num_query_heads, self.repeat_layout)
         layer, forward = self.eviction_layers[layer_idx], self._forward()
-        if self.policy.running and forward.scored and layer.running_score is None and self.windows[layer_idx] is None:
+        if self.policy.running and self.scored_in(layer_idx) and layer.running_score is None:
             batch, heads, _, _ = key_states.shape
             layer.running_score = key_states.new_zeros(batch, heads, 0, dtype=torch.float32)
         layer.append(key_states, value_states, forward.positions)
@@ -218,6 +218,11 @@ class EvictionCache(Cache):
         """Which of the keys the last :meth:`update` of ``layer_idx`` returned each cache head holds ``[Hc,T]``, or
         None: all of them."""
         return self.key_masks[layer_idx]
+
+    def scored_in(self, layer_idx: int) -> bool:
+        """Whether this forward's queries are scored in the layer: an eviction may follow (:class:`Forward`'s
+        ``scored``) and the layer is not one the model slides (never evicted by the policy)."""
+        return self.forward is not None and self.forward.scored and self.windows[layer_idx] is None
 
     def window(self, layer_idx: int) -> int | None:
         """The sliding window the layer is held and attended through (its slots are the latest tokens, in order), or

@@ -231,12 +231,13 @@ class Runner:
         heads = self.num_query_heads if self.policy.gqa == "repeat" else self.num_kv_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         element = next(self.model.parameters()).element_size()
-        return self.held_tokens(prompt_tokens + new_tokens) * 2 * heads * head_dim * element + 4 * config.vocab_size
+        held = sum(self.held_tokens(prompt_tokens + new_tokens))
+        return held * 2 * heads * head_dim * element + 4 * config.vocab_size
 
-    def held_tokens(self, tokens: int) -> int:
-        """The entries a full cache of ``tokens`` holds per cache head, summed over layers: a sliding layer its
-        window's last ``W - 1`` (:func:`held_windows`)."""
-        return sum(tokens if window is None else min(tokens, window - 1) for window in self.windows)
+    def held_tokens(self, tokens: int) -> list[int]:
+        """The entries a full cache of ``tokens`` holds per cache head in each layer: a sliding layer its window's last
+        ``W - 1`` (:func:`held_windows`)."""
+        return [tokens if window is None else min(tokens, window - 1) for window in self.windows]
 
     def shares_prefill(self, cache: EvictionCache) -> bool:
         """Whether ``cache`` can take its prefill from one of :func:`generate_shared`'s forwards: oneshot and a prompt
@@ -277,8 +278,6 @@ class Runner:
         """Each layer's budget: the policy's allocation over the global layers, a sliding layer its window's ``W - 1``
         tokens (:func:`held_windows`)."""
         reserved = policy.reserved(budget, prompt_len)
-        if not any(self.windows):
-            return policy.layer_budget.allocate(budget, self.num_layers, reserved, prompt_len)
         shares = iter(policy.layer_budget.allocate(budget, self.windows.count(None), reserved, prompt_len))
         return [next(shares) if window is None else window - 1 for window in self.windows]
 
@@ -345,13 +344,15 @@ class Runner:
     def cache_sizes(self, cache: EvictionCache, after_prefill: CacheSizes, total_tokens: int) -> CacheSizes:
         """``after_prefill`` (:meth:`EvictionCache.sizes_now` then) with the peaks and the full cache's bytes (the
         model's own: a sliding layer's window)."""
-        layer = cache.eviction_layers[0]
-        bytes_per_token = 2 * self.num_kv_heads * layer.keys.shape[-1] * layer.keys.element_size()  # one layer's
+        full_bytes = sum(
+            2 * self.num_kv_heads * layer.keys.shape[-1] * layer.keys.element_size() * held
+            for layer, held in zip(cache.eviction_layers, self.held_tokens(total_tokens))
+        )
         return replace(
             after_prefill,
             peak_tokens_per_layer=[layer.peak_tokens for layer in cache.eviction_layers],
             peak_bytes=cache.peak_bytes,
-            full_bytes=bytes_per_token * self.held_tokens(total_tokens),
+            full_bytes=full_bytes,
         )
 
     def now(self) -> float:
