@@ -57,6 +57,10 @@ ADDED_SETTINGS = {
     "engine.sums_kernel": "torch",  # triton's fused pass rounds otherwise
 }
 
+#: settings whose value names the same run as another's: ``engine.sums_kernel=auto`` (torch's blocks on a CPU, the
+#: fused pass on a GPU, as ``model.dtype=auto`` is float32 on the one and bfloat16 on the other) is a run of ``torch``
+SAME_RUN = {"engine.sums_kernel": {"auto": "torch"}}
+
 #: what every finished sample's line holds that a task's aggregate reads (:func:`kvbench.run.records.record_of`
 #: writes more), with the types it has; a task adds
 #: the fields its aggregate reads (``Task.required_fields``). A line without them is not a finished sample: it is redone
@@ -85,9 +89,10 @@ def identity(settings: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     kept = {}
     for key, value in settings.items():
         name = f"{prefix}{key}"
+        value = SAME_RUN.get(name, {}).get(value, value) if isinstance(value, str) else value
         if name in NOT_IDENTITY or (name in ADDED_SETTINGS and value == ADDED_SETTINGS[name]):
             continue
-        nested = (other for other in (*NOT_IDENTITY, *ADDED_SETTINGS) if other.startswith(f"{name}."))
+        nested = (other for other in (*NOT_IDENTITY, *ADDED_SETTINGS, *SAME_RUN) if other.startswith(f"{name}."))
         if isinstance(value, Mapping) and any(nested):
             value = identity(value, f"{name}.")
         kept[str(key)] = value

@@ -143,5 +143,27 @@ def test_the_fused_pass_needs_a_gpu_or_the_interpreter(monkeypatch):
         pytest.skip("a CUDA device runs the kernel")
     with pytest.raises(KVBenchError, match=r"^engine.sums_kernel=triton runs on a CUDA device \(here cpu\)"):
         Engine(tiny_model(), build_policy("h2o", {}), 48, sums_kernel="triton")
-    with pytest.raises(KVBenchError, match=r"^unknown engine.sums_kernel .fast.; valid choices: torch, triton"):
+    with pytest.raises(KVBenchError, match=r"^unknown engine.sums_kernel .fast.; valid choices: auto, torch, triton"):
         Engine(tiny_model(), build_policy("h2o", {}), 48, sums_kernel="fast")
+
+
+def test_auto_takes_the_fused_pass_on_a_gpu_and_names_the_run_as_torch():
+    """``engine.sums_kernel=auto`` (the default): the fused pass on a CUDA device where triton is installed, the
+    blocks on a CPU (under the interpreter too); a run of ``auto`` is named as one of ``torch`` (the name every run
+    had before the setting), one of ``triton`` otherwise."""
+    from kvbench.config import compose
+    from kvbench.engine import Engine
+    from kvbench.engine.runner import sums_kernel_on
+    from kvbench.policies import build_policy
+    from kvbench.rundir import run_name
+
+    assert sums_kernel_on(torch.device("cuda")) == "triton" and sums_kernel_on(torch.device("cpu")) == "torch"
+    assert sums_kernel_on(torch.device("cpu"), "triton") == "triton"
+    engine = Engine(tiny_model().to(DEVICE), build_policy("h2o", {}), 48)
+    assert engine.sums_kernel == ("triton" if DEVICE == "cuda" else "torch")
+    names = {
+        kernel: run_name(_root_=compose(["model=tiny_llama", "policy=h2o", f"engine.sums_kernel={kernel}"]))
+        for kernel in ("auto", "torch", "triton")
+    }
+    assert compose([]).engine.sums_kernel == "auto"
+    assert names["auto"] == names["torch"] != names["triton"]
