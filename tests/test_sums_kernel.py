@@ -118,6 +118,38 @@ def test_the_engine_keeps_the_same_tokens_with_the_fused_pass(regime, monkeypatc
             torch.testing.assert_close(fused.running_score, reference.running_score, rtol=1e-4, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("architecture", ["gemma3", "gpt_oss", "qwen3"])
+def test_the_fused_pass_keeps_the_same_tokens_beside_sliding_layers_and_learned_sinks(architecture, monkeypatch):
+    """The fused pass against the blocks on Gemma 3 (sliding layers held, never scored), GPT-OSS (learned sinks: the
+    scores read attention over the keys alone) and Qwen3 (QK-norm): the same slots kept at every scored layer."""
+    import kvbench.policies.base as base
+    from kvbench.engine import Engine
+    from kvbench.policies import build_policy
+
+    fused_calls = []
+    monkeypatch.setattr(
+        base, "attention_sums", lambda *args, **kw: fused_calls.append(1) or sums.attention_sums(*args, **kw)
+    )
+
+    model, prompt = tiny_model(architecture).to(DEVICE), random_prompt(90)
+    for spec in ("h2o", "h2o+obcache_joint", "h2o+caote"):
+        caches = []
+        for kernel in ("torch", "triton"):
+            runner = Engine(model, build_policy(spec, {}), 40, tokenizer=TOKENIZER, sums_kernel=kernel)
+            caches.append(runner.new_cache(len(prompt)))
+            runner.prefill(caches[-1], prompt)
+            assert bool(fused_calls) == (kernel == "triton"), spec
+            fused_calls.clear()
+        scored = [
+            pair for pair in zip(*(cache.eviction_layers for cache in caches)) if pair[0].running_score is not None
+        ]
+        assert scored, spec
+        for reference, fused in scored:
+            torch.testing.assert_close(fused.positions, reference.positions, msg=spec)
+            scale = float(reference.running_score.abs().max())
+            torch.testing.assert_close(fused.running_score, reference.running_score, rtol=1e-4, atol=1e-5 * scale)
+
+
 def test_a_shared_prefill_and_rows_with_the_fused_pass_give_what_each_gives_alone():
     """The grid engine with ``engine.sums_kernel=triton``: variants of one prompt (H2O and OBCache over it at two
     budgets, SnapKV beside them) prefilled by one shared forward — whose attention gives the log-sum-exps once for
