@@ -100,6 +100,8 @@ def register_policies(specs: list[str], policy_settings: dict[str, dict[str, Any
 #: config groups selected with ``+GROUP=NAME`` that may bring ``policy_settings``: a paper's experiment and a
 #: reference implementation's conventions (``conf/compat``)
 SETTING_GROUPS = ("experiment", "compat")
+#: the config groups a run composes (each a folder of conf/)
+GROUP_NAMES = ("model", "task", "budget", "logger", "policy")
 
 
 @cache
@@ -145,10 +147,11 @@ def _values(override) -> list[str]:
     return [value if isinstance(value, str) else str(override.get_value_element_as_str())]
 
 
-def prepare_overrides(args: list[str]) -> list[str]:
-    """Validate ``args`` (Hydra overrides), register the policy options (with the experiment's
-    ``policy_settings``) and composite budgets, and return the overrides with budget values quoted (Hydra
-    would read ``budget=64`` as an int, not an option name)."""
+def prepare_overrides(args: list[str], config_name: str = "config") -> list[str]:
+    """Validate ``args`` (Hydra overrides of ``conf/<config_name>.yaml``: every invalid value and unknown key at
+    once), register the policy options (with the experiment's ``policy_settings``) and composite budgets, and
+    return the overrides with budget values quoted (Hydra would read ``budget=64`` as an int, not an option
+    name)."""
     try:
         overrides = OverridesParser.create().parse_overrides([arg for arg in args if not arg.startswith("-")])
     except HydraException as error:
@@ -167,6 +170,13 @@ def prepare_overrides(args: list[str]) -> list[str]:
 
     for override in overrides:
         key, values = override.key_or_group.lstrip("+~"), _values(override)
+        if not key:
+            mistakes.append(f"{override.input_line!r} names no setting: write KEY=VALUE, e.g. budget=128")
+            continue
+        top = sorted({*yaml_keys(f"{config_name}.yaml"), "hydra", *GROUP_NAMES, *SETTING_GROUPS})
+        if override.key_or_group == key and key.split(".")[0] not in top:  # Hydra's "Could not override" otherwise
+            mistakes.append(f"unknown key {key} for the run config; valid keys: {', '.join(top)}")
+            continue
         pieces = key.split(".")
         if len(pieces) == 3 and pieces[0] == "policy" and (pieces[1] in BASES or pieces[1] in MODIFIERS):
             if override.is_sweep_override():  # policy.<base or modifier>.<setting>: for the swept specs that have it
@@ -266,6 +276,6 @@ def compose(overrides: list[str], config_name: str = "config", return_hydra_conf
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    overrides = prepare_overrides(overrides)
+    overrides = prepare_overrides(overrides, config_name)
     with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=overrides, return_hydra_config=return_hydra_config)

@@ -124,7 +124,9 @@ def test_perplexity_task(tmp_path):
             "policy.layer_budget.betta=2",
             "unknown key policy.layer_budget.betta for layer budget uniform; valid keys: name",
         ),
-        ("foo=1", "Could not override 'foo'. To append to your config use +foo=1 (Key 'foo' is not in struct)"),
+        ("foo=1", "unknown key foo for the run config; valid keys: budget, compat, engine, experiment, hydra, "),
+        ("=3", "'=3' names no setting: write KEY=VALUE, e.g. budget=128"),
+        ("hydra.foo=1", "Could not override 'hydra.foo'. To append to your config use +hydra.foo=1 (Key 'foo' not in"),
         ("task._target_=os.system", "task._target_='os.system' is not a task class"),
         ("task._target_=no.such.Task", "task._target_='no.such.Task' is not a task class"),
         ("output_dir=/proc/kvbench", "cannot write /proc/kvbench: No such file or directory; "),
@@ -400,12 +402,17 @@ def test_the_readme_python_example_runs(capsys):
 
 
 def test_a_sweeps_unknown_key_is_one_line(tmp_path, capsys):
-    """Hydra's composition error in a multirun (``-m``): one line, exit 2, no sweep folder."""
-    with pytest.raises(SystemExit) as exit_info:
-        kvbench("run", "-m", "model=tiny_llama", "policy=snapkv,h2o", "foo=1", f"hydra.sweep.dir={tmp_path / 'sweep'}")
-    error = capsys.readouterr().err
-    assert exit_info.value.code == 2 and error.count("\n") == 1 and "Could not override 'foo'" in error
-    assert not (tmp_path / "sweep").exists()
+    """An unknown key in a multirun (``-m``), and Hydra's own composition error there: one line, exit 2, no sweep
+    folder."""
+    for key, said in [
+        ("foo=1", "unknown key foo for the run config"),
+        ("hydra.foo=1", "Could not override 'hydra.foo'"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            kvbench("run", "-m", "model=tiny_llama", "policy=snapkv,h2o", key, f"hydra.sweep.dir={tmp_path / 'sweep'}")
+        error = capsys.readouterr().err
+        assert exit_info.value.code == 2 and error.count("\n") == 1 and said in error
+        assert not (tmp_path / "sweep").exists()
 
 
 def test_a_disk_that_refuses_a_line_is_one_line_naming_the_file_and_the_free_space(tmp_path, monkeypatch):
