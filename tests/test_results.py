@@ -813,6 +813,40 @@ def test_latex_tables_compile_where_a_tex_engine_is_installed(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:]
 
 
+def test_budget_curves_against_the_compression_ratio(tmp_path, capsys):
+    """``kvbench plot --x ratio``: each run at the share of the full KV bytes its samples evicted after the prefill
+    (kvpress's axis), the full cache at 0; a run whose records say nothing of their KV is left out; ``--x`` takes
+    budget or ratio, in one line."""
+    from kvbench.finished import load_runs
+    from kvbench.results.plots import budget_figure, budget_frame, compression_ratio
+
+    def records(kept: list[int]) -> list[dict]:  # one sample per kept byte count, of 1000 full bytes each
+        kv = [{"after_prefill_bytes": bytes_, "full_bytes": 1000} for bytes_ in kept]
+        return [{"id": f"s{i}", "subtask": "niah_single_1", "score": 0.5, "kv": one} for i, one in enumerate(kv)]
+
+    for name, budget, kept in (("snap64", "64", [100, 300]), ("snap128", "128", [400, 600]), ("full", "64", [1000])):
+        policy = "full" if name == "full" else "snapkv"
+        write_run(tmp_path / name, "m", policy, budget, "ruler", {"niah_single_1": 50.0}, records=records(kept))
+    write_run(tmp_path / "old", "m", "h2o", "64", "ruler", {"niah_single_1": 40.0})  # records without kv
+    assert compression_ratio(records([100, 300])) == pytest.approx(0.8) and compression_ratio([{"id": "x"}]) is None
+    frame = budget_frame(load_runs([tmp_path]), "ratio")
+    assert dict(zip(frame["policy"] + "@" + frame["budget"], frame["ratio"].round(6))) == {
+        "full@64": 0.0,
+        "snapkv@128": 0.5,
+        "snapkv@64": 0.8,
+    }
+    (axis,) = budget_figure(frame, "ratio").axes
+    assert axis.get_xlabel() == "compression ratio (KV evicted)"
+    (curve,) = [line for line in axis.get_lines() if line.get_label() == "snapkv"]
+    assert list(curve.get_xdata()) == pytest.approx([0.5, 0.8])
+    main(["plot", str(tmp_path), "--kind", "budget", "--x", "ratio", "--output-dir", str(tmp_path / "plots")])
+    assert "ratio_curves.png" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plot", str(tmp_path), "--x", "tokens"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("kvbench: error: unknown plot --x 'tokens'; valid choices: budget, ratio")
+
+
 def test_identical_budget_curves_are_drawn_once_and_named_together():
     """Two policies with the same score at every budget would hide one another: one line, both names."""
     import pandas as pd

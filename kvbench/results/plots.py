@@ -3,7 +3,8 @@
 * ``heatmap``  needle-in-a-haystack depth × context-length accuracy, one PNG per run whose records carry
   ``depth`` and ``context_length`` (the needle task's grid), in the Kamradt colours;
 * ``budget``   score against KV budget, one line per policy (OBCache Fig. 3), one panel per model, task
-  and context length, the full cache as a dashed line;
+  and context length, the full cache as a dashed line; ``--x ratio``: against the compression ratio instead (the
+  share of the full cache's KV bytes evicted after the prefill, over the run's samples, as kvpress plots it);
 * ``ppl``      perplexity against token position (OBCache Fig. 4) from the perplexity records'
   ``buckets`` (bucket start → mean NLL), one line per policy and budget, one panel per model and text.
 
@@ -86,11 +87,31 @@ def budget_value(spec: str) -> tuple[str, float]:
     return "KV budget (% of prompt)", 100 * budget.fraction
 
 
-def budget_frame(runs: list[Run]) -> pd.DataFrame:
-    """One row per run and score shown: the run's average and, for RULER, each subtask."""
+def compression_ratio(records: list[dict[str, Any]]) -> float | None:
+    """The share of the full cache's KV bytes evicted after the prefill, over ``records`` (each ``kv``'s
+    ``after_prefill_bytes`` and ``full_bytes``); None where no record says."""
+    sizes = [
+        record["kv"] for record in records if isinstance(record.get("kv"), dict) and record["kv"].get("full_bytes")
+    ]
+    if not sizes:
+        return None
+    return 1 - sum(kv["after_prefill_bytes"] for kv in sizes) / sum(kv["full_bytes"] for kv in sizes)
+
+
+#: ``kvbench plot --x``: a budget curve's axis, the budget as the runs name it or the compression ratio
+X_AXES = ("budget", "ratio")
+RATIO_AXIS = "compression ratio (KV evicted)"
+
+
+def budget_frame(runs: list[Run], x: str = "budget") -> pd.DataFrame:
+    """One row per run and score shown: the run's average and, for RULER, each subtask; ``x="ratio"``: each with
+    the run's :func:`compression_ratio` (a run without one left out)."""
     rows = []
     for run in runs:
         if "ppl" in run.metrics["scores"] or run.metrics.get("average") is None:
+            continue
+        ratio = compression_ratio(run.records) if x == "ratio" else None
+        if x == "ratio" and ratio is None:
             continue
         scores = dict(run.metrics["scores"])
         if len(scores) > 1:  # a panel for the run's overall score (the needle task's) or its average
@@ -105,15 +126,20 @@ def budget_frame(runs: list[Run]) -> pd.DataFrame:
                     "policy": run.metrics["policy"],
                     "budget": run.metrics["budget"],
                     "value": value,
+                    "ratio": ratio,
                 }
             )
-    return pd.DataFrame(rows, columns=["model", "task", "score", "context", "policy", "budget", "value"])
+    return pd.DataFrame(rows, columns=["model", "task", "score", "context", "policy", "budget", "value", "ratio"])
 
 
-def budget_figure(frame: pd.DataFrame) -> Figure:
-    """Score vs budget per policy, a panel per (model, task, score, context, budget unit)."""
+def budget_figure(frame: pd.DataFrame, x: str = "budget") -> Figure:
+    """Score vs budget (``x="ratio"``: vs the compression ratio) per policy, a panel per (model, task, score,
+    context, budget unit)."""
     frame = frame.copy()
-    frame[["axis", "x"]] = [budget_value(spec) for spec in frame["budget"]]
+    if x == "ratio":
+        frame["axis"], frame["x"] = RATIO_AXIS, frame["ratio"]
+    else:
+        frame[["axis", "x"]] = [budget_value(spec) for spec in frame["budget"]]
     panels = list(frame.groupby(["model", "task", "score", "context", "axis"], dropna=False, sort=True))
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
@@ -140,11 +166,12 @@ def budget_figure(frame: pd.DataFrame) -> Figure:
     return figure
 
 
-def budget_curves(runs: list[Run], output_dir: Path) -> list[Path]:
-    frame = budget_frame(runs)
+def budget_curves(runs: list[Run], output_dir: Path, x: str = "budget") -> list[Path]:
+    frame = budget_frame(runs, x)
     if frame.empty:
         return []
-    return [save(budget_figure(frame), output_dir / "budget_curves.png")]
+    name = "budget_curves.png" if x == "budget" else "ratio_curves.png"
+    return [save(budget_figure(frame, x), output_dir / name)]
 
 
 def ppl_curve(run: Run) -> pd.Series:
@@ -251,10 +278,16 @@ KINDS = {
 }
 
 
-def make_plots(runs: list[Run], kind: str, output_dir: Path) -> list[Path]:
-    """Write the plots of ``kind`` (or ``all``: every kind with data); a one-line error when there is none."""
+def make_plots(runs: list[Run], kind: str, output_dir: Path, x: str = "budget") -> list[Path]:
+    """Write the plots of ``kind`` (or ``all``: every kind with data), the budget curves against ``x``; a one-line
+    error when there is none."""
     choose("plot kind", kind, ["all", *KINDS])
-    paths = [path for name in (KINDS if kind == "all" else [kind]) for path in KINDS[name][0](runs, output_dir)]
+    choose("plot --x", x, X_AXES)
+    paths = [
+        path
+        for name in (KINDS if kind == "all" else [kind])
+        for path in (budget_curves(runs, output_dir, x) if name == "budget" else KINDS[name][0](runs, output_dir))
+    ]
     if not paths:
         needs = "; ".join(f"{name} needs {what}" for name, (_, what) in KINDS.items() if kind in ("all", name))
         raise KVBenchError(f"nothing to plot for --kind {kind} in these runs: {needs}")
@@ -267,11 +300,12 @@ def main(args: list[str]) -> None:
     )
     parser.add_argument("run_dirs", nargs="+", help="run directories, or folders holding them")
     parser.add_argument("--kind", default="all", help="heatmap, budget, ppl or all (default)")
+    parser.add_argument("--x", default="budget", help="the budget curves' axis: budget (default) or ratio")
     parser.add_argument("--output-dir", type=Path, help="where to write the PNGs (default: the first RUN_DIR)")
     options = parser.parse_args(args)
     output_dir = options.output_dir or Path(options.run_dirs[0])
-    for path in make_plots(load_runs(options.run_dirs), options.kind, output_dir):
+    for path in make_plots(load_runs(options.run_dirs), options.kind, output_dir, options.x):
         print(f"wrote {path}")
 
 
-__all__ = ["leaderboard_figure", "make_plots", "niah_figure", "niah_grid", "ppl_curve"]
+__all__ = ["compression_ratio", "leaderboard_figure", "make_plots", "niah_figure", "niah_grid", "ppl_curve"]
