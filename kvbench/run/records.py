@@ -36,6 +36,9 @@ def record_of(
     if sample.context_id is not None:
         record["context_id"] = sample.context_id
     record["prompt_tokens"] = len(sample.input_ids)
+    if isinstance(output, GenerationOutput):  # the trace's length; whether the model ended it before the cap
+        record["generated_tokens"] = len(output.token_ids)
+        record["stopped"] = len(output.token_ids) < sample.max_new_tokens
     record["kv"] = asdict(output.kv)
     record["policy_stats"] = output.policy_stats
     record["timing"] = {
@@ -63,6 +66,20 @@ def mean_policy_stats(records: list[dict[str, Any]]) -> dict[str, Any]:
         elif all(isinstance(value, list) for value in values) and len({len(value) for value in values}) == 1:
             merged[name] = [mean(column) for column in zip(*values)]
     return merged
+
+
+def generation_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """``generation``: the records' mean generated tokens and the share that stopped before the cap (generating
+    records only: eviction can lengthen a trace, so less memory may cost more time)."""
+    made = [record for record in records if "generated_tokens" in record]
+    if not made:
+        return {}
+    return {
+        "generation": {
+            "mean_generated_tokens": mean(record["generated_tokens"] for record in made),
+            "stopped_share": mean(float(record["stopped"]) for record in made),
+        }
+    }
 
 
 def summarize(
@@ -93,6 +110,7 @@ def summarize(
             "full_bytes": max((k["full_bytes"] for k in kv), default=0),
         },
         "policy_stats": mean_policy_stats(records),
+        **generation_summary(records),
         "timing": {
             **{
                 name: sum(record["timing"][name] for record in records)

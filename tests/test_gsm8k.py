@@ -1,0 +1,106 @@
+"""``task=gsm8k``: the question in one chat turn with the \\boxed{} instruction, the final answer read from the trace
+and matched as a number against the solution's ``#### N``, and a real run's records saying how long each trace ran."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+import kvbench
+from kvbench.errors import KVBenchError
+from kvbench.metrics.math import final_answer, gsm8k_match, last_boxed
+from kvbench.tasks.base import ModelInfo
+from kvbench.tasks.gsm8k import GSM8KTask
+from tests.test_qa_task import tokenizer, write_rows  # noqa: F401  (the fixture)
+
+ROWS = [
+    {"question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
+     "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"},
+    {"question": "A box holds 1,000 pencils. How many are in 2 boxes?", "answer": "2 * 1000 = 2000\n#### 2,000"},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "boxed"),
+    [
+        ("so \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),  # nested braces kept
+        ("first \\boxed{3}, then \\boxed{4}", "4"),  # several boxes: the last
+        ("\\boxed{{a}{b}} and text", "{a}{b}"),
+        ("no box at all: 12", None),
+        ("cut inside \\boxed{\\frac{1}{", None),  # unclosed
+    ],
+)
+def test_the_last_box_is_read_with_its_braces_balanced(text, boxed):
+    assert last_boxed(text) == boxed
+
+
+@pytest.mark.parametrize(
+    ("prediction", "solution", "score"),
+    [
+        ("3 + 4 = 7, so the answer is \\boxed{7}.", "#### 7", 1.0),
+        ("The answer is \\boxed{1,234}", "x\n#### 1234", 1.0),  # thousands separators on either side
+        ("He pays $18.00 in total.", "#### 18", 1.0),  # no box: the last number, $ and decimals read as a number
+        ("It is 5 then 7.", "#### 7", 1.0),
+        ("It is 7 then 5.", "#### 7", 0.0),  # the last number, not any
+        ("\\boxed{7} but later \\boxed{8}", "#### 7", 0.0),
+        ("\\boxed{x + 1}", "#### 1", 1.0),  # the box's first number
+        ("\\boxed{x}", "#### 1", 0.0),  # a box without a number matches nothing
+        ("\\boxed{-3}", "#### -3", 1.0),
+        ("nothing numeric", "#### 0", 0.0),
+    ],
+)
+def test_gsm8k_match_hand_computed(prediction, solution, score):
+    assert gsm8k_match(prediction, [solution]) == score
+
+
+def test_a_final_answer_is_the_box_else_the_last_number():
+    assert final_answer("a 1 b \\boxed{2} c 3") == "2" and final_answer("a 1 b 3.5.") == "3.5"
+    assert final_answer("none") is None
+
+
+def make_task(tokenizer, path, **overrides) -> GSM8KTask:  # noqa: F811
+    cfg = OmegaConf.load(kvbench.CONF_DIR / "task" / "gsm8k.yaml")
+    cfg.path = str(path)
+    for key, value in overrides.items():
+        cfg[key] = value
+    return GSM8KTask(cfg, ModelInfo("test", tokenizer, 4096))
+
+
+def test_the_question_is_one_chat_turn_with_the_boxed_instruction(tokenizer, tmp_path):  # noqa: F811
+    task = make_task(tokenizer, write_rows(tmp_path / "rows.jsonl", ROWS))
+    samples = list(task.samples())
+    instruction = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+    for sample, row in zip(samples, ROWS):
+        chat = [{"role": "user", "content": row["question"] + instruction}]
+        assert sample.input_ids == tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+        assert sample.answers == [row["answer"]] and sample.max_new_tokens == 512
+    assert [sample.id for sample in samples] == ["gsm8k-0", "gsm8k-1"] and samples[0].subtask == "gsm8k"
+    assert task.score(samples[1], "2 boxes of 1000: \\boxed{2000}") == 1.0
+
+
+def test_a_prompt_without_the_question_is_one_line(tokenizer, tmp_path):  # noqa: F811
+    with pytest.raises(KVBenchError, match=r"^task.prompt=Solve it.: must be a text with \{question\}"):
+        GSM8KTask.check(
+            OmegaConf.merge(OmegaConf.load(kvbench.CONF_DIR / "task" / "gsm8k.yaml"), {"prompt": "Solve it."})
+        )
+
+
+@pytest.mark.model
+def test_a_streaming_run_records_each_traces_length(tmp_path):
+    """``kvbench run task=gsm8k`` on SmolLM2, H2O evicting while it decodes: each record's generated tokens and whether
+    the model stopped before the cap, their mean in metrics.json."""
+    from kvbench.cli import main
+
+    path = write_rows(tmp_path / "rows.jsonl", ROWS)
+    out = tmp_path / "run"
+    main(["run", "model=smollm2_135m", "task=gsm8k", f"task.path={path}", "task.max_new_tokens=24", "policy=h2o",
+          "budget=64", "engine.regime=streaming", f"output_dir={out}"])  # fmt: skip
+    records = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [record["id"] for record in records] == ["gsm8k-0", "gsm8k-1"] and set(metrics["scores"]) == {"gsm8k"}
+    for record in records:
+        assert 0 < record["generated_tokens"] <= 24 and record["stopped"] == (record["generated_tokens"] < 24)
+        assert max(record["kv"]["peak_tokens_per_layer"]) <= 64 + 1  # the budget, and the token being written
+    assert metrics["generation"]["mean_generated_tokens"] == sum(r["generated_tokens"] for r in records) / 2
