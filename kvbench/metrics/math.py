@@ -1,9 +1,11 @@
-"""Math answers: a reasoning trace's final answer and GSM8K's numeric match, each 0-1 per sample.
+"""Math answers: a reasoning trace's final answer, GSM8K's numeric match and math-verify's equivalence, each 0-1 per
+sample.
 
 A trace's final answer is the content of its last ``\\boxed{...}`` (nested braces kept), else its last number —
 lm-evaluation-harness's ``gsm8k`` "flexible-extract" where no box is written. GSM8K's reference solution ends
 ``#### N``. Two answers match as numbers after ``,`` thousands separators, a leading ``$`` and a trailing ``.`` are
-dropped (``18`` = ``18.0`` = ``$18``); a boxed answer with no number matches nothing.
+dropped (``18`` = ``18.0`` = ``$18``); a boxed answer with no number matches nothing. MATH-500's and AIME's answers
+(LaTeX) are compared by HF's math-verify (:func:`math_verify_match`), as the reasoning papers and kvpress score them.
 """
 
 from __future__ import annotations
@@ -55,3 +57,14 @@ def gsm8k_match(prediction: str, answers: list[str]) -> float:
     if value is None:
         return 0.0
     return float(any(number_of(reference_answer(answer)) == value for answer in answers))
+
+
+def math_verify_match(prediction: str, answers: list[str]) -> float:
+    """1 where math-verify finds the trace's answer equivalent to an answer (LaTeX, as MATH-500 and AIME give it,
+    read as ``$answer$``): its ``parse`` of the prediction (a ``\\boxed{}`` first, else the last LaTeX or plain
+    expression; several boxes make one set) and ``verify`` (numbers, fractions, sets, intervals, symbolic
+    equality)."""
+    from math_verify import parse, verify
+
+    guessed = parse(prediction)
+    return float(bool(guessed) and any(verify(parse(f"${answer}$"), guessed) for answer in answers))

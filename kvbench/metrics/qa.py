@@ -7,8 +7,8 @@
   answer's; ``letter``: the same, or else a letter standing alone at the prediction's start (:func:`chosen_letter`);
 * ``f1``: LongBench's token F1 (``qa_f1``); ``rouge``: LongBench's ROUGE-L (``rouge_l``), each the best over the
   answers;
-* ``gsm8k``: the trace's final answer (last ``\\boxed{}``, else last number) equals the solution's ``#### N``
-  (:mod:`kvbench.metrics.math`).
+* ``gsm8k``: the trace's final answer (last ``\\boxed{}``, else last number) equals the solution's ``#### N``;
+  ``math_verify``: math-verify finds the trace's answer equivalent to the row's (:mod:`kvbench.metrics.math`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from kvbench.errors import choose
 from kvbench.metrics.longbench import normalize_answer, qa_f1, rouge_l
-from kvbench.metrics.math import gsm8k_match
+from kvbench.metrics.math import gsm8k_match, math_verify_match
 from kvbench.metrics.ruler import string_match_all, string_match_part
 
 #: LongBench-v2's ``extract_answer`` (``pred.py``): "The correct answer is (X)", then without the parentheses
@@ -60,6 +60,7 @@ METRICS: dict[str, Callable[[str, list[str]], float]] = {
     "f1": best_of(qa_f1),
     "rouge": best_of(rouge_l),
     "gsm8k": gsm8k_match,
+    "math_verify": math_verify_match,
 }
 
 

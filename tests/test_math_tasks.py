@@ -1,5 +1,6 @@
-"""``task=gsm8k``: the question in one chat turn with the \\boxed{} instruction, the final answer read from the trace
-and matched as a number against the solution's ``#### N``, and a real run's records saying how long each trace ran."""
+"""The math tasks (``gsm8k``, ``math500``, ``aime24``, ``aime25``): the question in one chat turn with the \\boxed{}
+instruction, the final answer read from the trace and matched as a number against GSM8K's ``#### N`` or judged by
+math-verify, and a real run's records saying how long each trace ran."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from omegaconf import OmegaConf
 
 import kvbench
 from kvbench.errors import KVBenchError
-from kvbench.metrics.math import final_answer, gsm8k_match, last_boxed
+from kvbench.metrics.math import final_answer, gsm8k_match, last_boxed, math_verify_match
 from kvbench.tasks.base import ModelInfo
-from kvbench.tasks.gsm8k import GSM8KTask
+from kvbench.tasks.math import MathTask
 from tests.test_qa_task import tokenizer, write_rows  # noqa: F401  (the fixture)
 
 ROWS = [
@@ -55,17 +56,39 @@ def test_gsm8k_match_hand_computed(prediction, solution, score):
     assert gsm8k_match(prediction, [solution]) == score
 
 
+@pytest.mark.parametrize(
+    ("prediction", "answer", "score"),
+    [
+        ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),  # a fraction equals its decimal
+        ("\\boxed{\\sqrt{\\frac{3}{4}}}", "\\frac{\\sqrt{3}}{2}", 1.0),  # nested braces, symbolic equality
+        (
+            "\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}",
+            "\\left( 3, \\frac{\\pi}{2} \\right)",
+            1.0,
+        ),  # MATH-500's tuples
+        ("The answer is 7.", "7", 1.0),  # no box: the last expression
+        ("\\boxed{5}", "7", 0.0),
+        ("", "7", 0.0),
+        ("first \\boxed{3} then \\boxed{4}", "4", 0.0),  # several boxes: math-verify reads one set {3, 4}
+        ("first \\boxed{3} then \\boxed{4}", "\\{3, 4\\}", 1.0),
+        ("\\boxed{204}", "204", 1.0),  # AIME's integers
+    ],
+)
+def test_math_verify_as_documented(prediction, answer, score):
+    assert math_verify_match(prediction, [answer]) == score
+
+
 def test_a_final_answer_is_the_box_else_the_last_number():
     assert final_answer("a 1 b \\boxed{2} c 3") == "2" and final_answer("a 1 b 3.5.") == "3.5"
     assert final_answer("none") is None
 
 
-def make_task(tokenizer, path, **overrides) -> GSM8KTask:  # noqa: F811
+def make_task(tokenizer, path, **overrides) -> MathTask:  # noqa: F811
     cfg = OmegaConf.load(kvbench.CONF_DIR / "task" / "gsm8k.yaml")
     cfg.path = str(path)
     for key, value in overrides.items():
         cfg[key] = value
-    return GSM8KTask(cfg, ModelInfo("test", tokenizer, 4096))
+    return MathTask(cfg, ModelInfo("test", tokenizer, 4096))
 
 
 def test_the_question_is_one_chat_turn_with_the_boxed_instruction(tokenizer, tmp_path):  # noqa: F811
@@ -80,9 +103,25 @@ def test_the_question_is_one_chat_turn_with_the_boxed_instruction(tokenizer, tmp
     assert task.score(samples[1], "2 boxes of 1000: \\boxed{2000}") == 1.0
 
 
+def test_math500_rows_read_their_problem_column_and_are_judged_by_math_verify(tokenizer, tmp_path):  # noqa: F811
+    rows = [{"problem": "What is $1/2 + 1/4$?", "answer": "\\frac{3}{4}", "unique_id": "test/algebra/1.json"}]
+    cfg = OmegaConf.load(kvbench.CONF_DIR / "task" / "math500.yaml")
+    cfg.path = str(write_rows(tmp_path / "math.jsonl", rows))
+    task = MathTask(cfg, ModelInfo("test", tokenizer, 8192))
+    (sample,) = list(task.samples())
+    instruction = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+    chat = [{"role": "user", "content": rows[0]["problem"] + instruction}]
+    assert sample.input_ids == tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+    assert sample.id == "math500-0" and sample.max_new_tokens == 4096
+    assert task.score(sample, "so $\\boxed{0.75}$") == 1.0 and task.score(sample, "\\boxed{3/5}") == 0.0
+    for name in ("aime24", "aime25"):
+        aime = OmegaConf.load(kvbench.CONF_DIR / "task" / f"{name}.yaml")
+        assert aime.metric == "math_verify" and aime.columns.question == "problem" and aime.dataset == name
+
+
 def test_a_prompt_without_the_question_is_one_line(tokenizer, tmp_path):  # noqa: F811
     with pytest.raises(KVBenchError, match=r"^task.prompt=Solve it.: must be a text with \{question\}"):
-        GSM8KTask.check(
+        MathTask.check(
             OmegaConf.merge(OmegaConf.load(kvbench.CONF_DIR / "task" / "gsm8k.yaml"), {"prompt": "Solve it."})
         )
 
