@@ -190,7 +190,11 @@ def prepare_overrides(args: list[str], config_name: str = "config") -> list[str]
             node = override.value()
             text = override.get_value_element_as_str() if isinstance(node, dict) else f"{{name: {node}}}"
             rewritten += ["~policy.layer_budget", f"+policy.layer_budget={text}"]
-        elif key.split(".")[0] in ("policy", "task", "model", "engine") and "." in key and not override.is_delete():
+        elif (
+            key.split(".")[0] in ("policy", "task", "model", "engine", "generation")
+            and "." in key
+            and not override.is_delete()
+        ):
             assert override.input_line is not None  # set by the parser
             rewritten.append("++" + override.input_line.lstrip("+"))  # checked once composed (kvbench.job)
         else:

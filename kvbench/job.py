@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench import config_dict
 from kvbench.config import engine_keys, group_keys, group_options, yaml_keys
-from kvbench.domains import Domain, check_table, choice, integer
+from kvbench.domains import FLAG, Domain, check_table, choice, integer, number
 from kvbench.engine import ENGINE_SETTINGS
 from kvbench.engine.runner import evicts_decoding
 from kvbench.errors import KVBenchError, check_keys, choose
@@ -33,6 +33,15 @@ from kvbench.tasks.base import Task
 #: the prompt length against which a fraction budget is checked before any prompt exists (an int budget is
 #: checked against a prompt of ten times it); the engine checks every real prompt again
 NOMINAL_PROMPT = 100_000
+
+#: how a run decodes (``generation.<key>``, conf/config.yaml; kvbench/engine/sampling.py) and the domains
+GENERATION_SETTINGS: dict[str, Domain] = {
+    "do_sample": FLAG,
+    "temperature": number(0.0, low_open=True),
+    "top_p": number(0.0, 1.0, low_open=True),
+    "num_samples": integer(1, "a count of traces per problem"),
+    "seed": integer(0),
+}
 
 #: the config groups of a run and their settings files (conf/<group>/<option>.yaml)
 GROUPS = ("model", "task", "budget", "logger")
@@ -95,6 +104,12 @@ def check_settings(settings: dict[str, Any]) -> None:
     policy and task values are checked when they are built."""
     check_table(settings, RUN_SETTINGS, "")
     check_table(settings["engine"], ENGINE_SETTINGS, "engine.")
+    check_table(settings["generation"], GENERATION_SETTINGS, "generation.")
+    if settings["generation"]["num_samples"] > 1 and not settings["generation"]["do_sample"]:
+        raise KVBenchError(
+            f"generation.num_samples={settings['generation']['num_samples']} draws as many traces of a problem, "
+            "which greedy decoding makes alike; set generation.do_sample=true"
+        )
     check_table(settings["model"], MODEL_SETTINGS, "model.")
     for group in GROUPS:
         name = settings[group].get("name") if group != "budget" else None
@@ -110,6 +125,7 @@ def check_known_keys(settings: dict[str, Any]) -> None:
     sweep runs it on every job before submitting any (a typed key is wrong in every job)."""
     check_keys(settings, sorted([*yaml_keys("config.yaml"), *GROUPS, "policy"]), "", "the run config")
     check_keys(settings["engine"], engine_keys(), "engine.", "the engine")
+    check_keys(settings["generation"], list(GENERATION_SETTINGS), "generation.", "generation")
     for group in (*GROUPS, "policy"):
         name = settings[group].get("name") if group != "budget" else None
         if group != "policy" and name is not None and name not in group_options(group):

@@ -55,6 +55,11 @@ ADDED_SETTINGS = {
     "policy.counting": "selectable",  # ChunkKV's and CriticalKV's, +compat=kvpress
     "task.empty_answers": "wrong",  # LongBench-v2's
     "engine.sums_kernel": "torch",  # triton's fused pass rounds otherwise
+    "generation.do_sample": False,  # greedy, as every run before sampling
+    "generation.temperature": 1.0,
+    "generation.top_p": 1.0,
+    "generation.num_samples": 1,
+    "generation.seed": 0,
 }
 
 #: settings whose value names the same run as another's: ``engine.sums_kernel=auto`` (torch's blocks on a CPU, the
@@ -95,6 +100,8 @@ def identity(settings: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         nested = (other for other in (*NOT_IDENTITY, *ADDED_SETTINGS, *SAME_RUN) if other.startswith(f"{name}."))
         if isinstance(value, Mapping) and any(nested):
             value = identity(value, f"{name}.")
+            if not value:  # a node all of whose settings are at the values older runs had (generation)
+                continue
         kept[str(key)] = value
     return kept
 

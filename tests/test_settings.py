@@ -24,7 +24,7 @@ from kvbench.config import compose, engine_keys, group_keys, group_options
 from kvbench.domains import Domain, domains_of, shown
 from kvbench.engine import ENGINE_SETTINGS
 from kvbench.errors import KVBenchError
-from kvbench.job import RUN_SETTINGS, resolve
+from kvbench.job import GENERATION_SETTINGS, RUN_SETTINGS, resolve
 from kvbench.models import MODEL_SETTINGS
 from kvbench.policies import BASES, MODIFIERS, build_policy, composable
 from kvbench.policies.layer_budget import LAYER_BUDGETS
@@ -90,8 +90,9 @@ def test_every_engine_model_and_run_setting_declares_its_domain():
     for model in group_options("model"):
         assert set(group_keys("model", model)) <= set(MODEL_SETTINGS), model
     top = OmegaConf.load(CONF_DIR / "config.yaml")
-    groups = ("defaults", "hydra", "engine", "policy_settings")
+    groups = ("defaults", "hydra", "engine", "generation", "policy_settings")
     assert {str(key) for key in top if key not in groups} == set(RUN_SETTINGS)
+    assert set(top.generation) == set(GENERATION_SETTINGS)
 
 
 @pytest.mark.parametrize("cls", [*BASES.values(), *MODIFIERS.values(), *LAYER_BUDGETS.values()])

@@ -14,6 +14,7 @@ from kvbench.engine.batches import RowBatch
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.memory import free_memory
 from kvbench.engine.runner import GenerationOutput, PerplexityOutput, Runner
+from kvbench.engine.sampling import seeded
 from kvbench.engine.sizes import CacheSizes
 from kvbench.engine.store import RowStore
 
@@ -44,14 +45,17 @@ class Row:
     scoring_seconds: float = 0.0  # of prefill_seconds, the context's reconstruction
     generated: list[int] = field(default_factory=list)
     decode_seconds: float = 0.0
-    #: the greedy choice from ``logits`` where a step of several rows made it (:func:`greedy_tokens`)
+    #: the choice from ``logits`` where a step of several rows made it (:func:`chosen_tokens`)
     chosen: int | None = None
+    #: the seed of the row's draws where its engine samples (:class:`~kvbench.engine.sampling.Sampling`)
+    seed: int = 0
+    generator: torch.Generator | None = None
 
     def next_token(self) -> int | None:
-        """The greedy choice from the row's logits, or None when the row is done (a stop token, or its last)."""
+        """The row's choice from its logits, or None when the row is done (a stop token, or its last)."""
         if len(self.generated) >= self.max_new_tokens:
             return None
-        token = greedy_tokens([self], self.logits[None])[0] if self.chosen is None else self.chosen
+        token = chosen_tokens([self], self.logits[None])[0] if self.chosen is None else self.chosen
         self.chosen = None
         if token in self.stop_token_ids:
             return None
@@ -59,9 +63,10 @@ class Row:
         return None if len(self.generated) == self.max_new_tokens else token
 
 
-def greedy_tokens(rows: Sequence[Row], logits: torch.Tensor) -> list[int]:
-    """Each row's greedy choice from its logits ``[N,V]``, a stop token never chosen before the row's
-    ``min_new_tokens``: one argmax and one read back for all rows."""
+def chosen_tokens(rows: Sequence[Row], logits: torch.Tensor) -> list[int]:
+    """Each row's choice from its logits ``[N,V]``, a stop token never chosen before the row's ``min_new_tokens``:
+    greedy (one argmax and one read back for all rows), or drawn where the row's engine samples
+    (:class:`~kvbench.engine.sampling.Sampling`, from the row's own generator)."""
     banned = [
         (place, token)
         for place, row in enumerate(rows)
@@ -71,7 +76,13 @@ def greedy_tokens(rows: Sequence[Row], logits: torch.Tensor) -> list[int]:
     if banned:
         where = torch.tensor(banned, device=logits.device).T  # [2,K]: (row, token) pairs
         logits = logits.index_put((where[0], where[1]), logits.new_tensor(float("-inf")))
-    return logits.argmax(dim=-1).tolist()
+    chosen = logits.argmax(dim=-1).tolist()
+    for place, row in enumerate(rows):
+        if row.engine.sampling is not None:
+            if row.generator is None:
+                row.generator = seeded(row.seed)
+            chosen[place] = row.engine.sampling.draw(logits[place], row.generator)
+    return chosen
 
 
 @torch.inference_mode()
@@ -157,7 +168,7 @@ def finished_rows(
                 stepping.append((index, token))
         if stepping:
             logits = step_rows([(held[index], token) for index, token in stepping], store)  # [N,V]
-            chosen = greedy_tokens([held[index] for index, _ in stepping], logits)
+            chosen = chosen_tokens([held[index] for index, _ in stepping], logits)
             for place, (index, _) in enumerate(stepping):
                 held[index].logits, held[index].chosen = logits[place], chosen[place]
         active = [index for index, _ in stepping]

@@ -24,6 +24,7 @@ from kvbench.engine import attention
 from kvbench.engine.batches import RowBatch, SharedPrefill
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.reconstruction import RepeatPrompt, reconstruct
+from kvbench.engine.sampling import Sampling
 from kvbench.engine.sizes import CacheSizes
 from kvbench.engine.threads import THREADS
 from kvbench.errors import KVBenchError, choose
@@ -202,6 +203,7 @@ class Runner:
         tokenizer=None,
         rows_attention: str = "each",
         sums_kernel: str = "auto",
+        sampling: Sampling | None = None,
     ):
         choose("engine.regime", regime, REGIMES)
         choose("engine.rows_attention", rows_attention, ROWS_ATTENTION)
@@ -219,6 +221,8 @@ class Runner:
         self.record_kept = record_kept
         self.tokenizer = tokenizer
         self.rows_attention = rows_attention
+        #: how each row draws its tokens (None: greedily)
+        self.sampling = sampling
         self._repeat_prompt: RepeatPrompt | None = None
         config = model.config.get_text_config()
         self.num_layers = config.num_hidden_layers

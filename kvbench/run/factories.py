@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from kvbench import config_dict
 from kvbench.engine import Engine
 from kvbench.engine.runner import has_learned_sinks, held_windows, model_refusal
+from kvbench.engine.sampling import Sampling
 from kvbench.errors import KVBenchError
 from kvbench.job import Job
 from kvbench.models import LoadedModel, check_weights, load_tokenizer, model_skeleton
@@ -127,7 +128,16 @@ def build_engine(job: Job, loaded: LoadedModel) -> Engine:
         tokenizer=loaded.tokenizer,
         rows_attention=engine.rows_attention,
         sums_kernel=engine.sums_kernel,
+        sampling=sampling_of(job.cfg),
     )
+
+
+def sampling_of(cfg: DictConfig) -> Sampling | None:
+    """How the job's rows draw their tokens (``generation``): None for greedy decoding."""
+    generation = cfg.generation
+    if not generation.do_sample:
+        return None
+    return Sampling(float(generation.temperature), float(generation.top_p), int(generation.seed))
 
 
 def stop_ids(sample: Sample, loaded: LoadedModel) -> list[int]:

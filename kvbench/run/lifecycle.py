@@ -9,7 +9,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,8 @@ class Shared:
             try:
                 if tokenizer is None:  # checked with a stand-in: the model's own, downloadable, builds the samples
                     task = build_task(cfg, load_tokenizer(cfg.model))
-                self.samples = within_window(unique_ids(list(task.samples()), cfg.task.name), cfg)
+                samples = within_window(unique_ids(list(task.samples()), cfg.task.name), cfg)
+                self.samples = drawn(samples, int(cfg.generation.num_samples))
             except KVBenchError as error:
                 self.error = error
                 raise
@@ -117,6 +118,20 @@ class OpenRun:
         self.run_dir.write_metrics(metrics)
         log_run(self.job.cfg, self.run_dir, metrics, self.records)
         return metrics
+
+
+def drawn(samples: list[Sample], count: int) -> list[Sample]:
+    """Each generated sample ``count`` times (``generation.num_samples``), draw ``k`` as ``<id>#<k>`` with its problem
+    and draw in its metadata (each seeded by its own id: kvbench/engine/sampling.py); ``samples`` as they are for 1."""
+    if count == 1:
+        return samples
+    return [
+        replace(sample, id=f"{sample.id}#{draw}", metadata={**sample.metadata, "problem": sample.id, "draw": draw})
+        if sample.mode == "generate"
+        else sample
+        for sample in samples
+        for draw in range(count if sample.mode == "generate" else 1)
+    ]
 
 
 def unique_ids(samples: list[Sample], task: str) -> list[Sample]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import asdict
 from statistics import mean
 from typing import Any
@@ -35,6 +36,8 @@ def record_of(
     record = {"id": sample.id, "subtask": sample.subtask, **task.evaluate(sample, result), "answers": sample.answers}
     if sample.context_id is not None:
         record["context_id"] = sample.context_id
+    if "draw" in sample.metadata:  # one of generation.num_samples traces of a problem
+        record["problem"], record["draw"] = sample.metadata["problem"], sample.metadata["draw"]
     record["prompt_tokens"] = len(sample.input_ids)
     if isinstance(output, GenerationOutput):  # the trace's length; whether the model ended it before the cap
         record["generated_tokens"] = len(output.token_ids)
@@ -68,9 +71,35 @@ def mean_policy_stats(records: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def pass_at_k(draws: int, correct: int, k: int) -> float:
+    """The unbiased estimator of the chance that one of ``k`` draws is correct, from ``draws`` of which ``correct``
+    were (Chen et al. 2021, eq. 1): ``1 − C(n − c, k) / C(n, k)``."""
+    return 1.0 - math.comb(draws - correct, k) / math.comb(draws, k)
+
+
+def sampled_scores(records: list[dict[str, Any]]) -> dict[str, float]:
+    """``pass@k`` for k = 1, 2, 4, ... up to the draws of a problem, and ``avg@n``, over the problems of the records
+    of several draws (``problem``; a draw is correct where it scores 1), 0-100; {} without such records."""
+    by_problem: dict[str, list[float]] = {}
+    for record in records:
+        if "problem" in record:
+            by_problem.setdefault(str(record["problem"]), []).append(float(record["score"]))
+    if not by_problem:
+        return {}
+    draws = min(len(scores) for scores in by_problem.values())
+    ks = [k for k in (2**power for power in range(draws.bit_length())) if k <= draws]
+    scores = {
+        f"pass@{k}": 100 * mean(pass_at_k(len(s), sum(x >= 1.0 for x in s), k) for s in by_problem.values())
+        for k in sorted({*ks, draws})
+    }
+    scores[f"avg@{draws}"] = 100 * mean(mean(s) for s in by_problem.values())
+    return scores
+
+
 def generation_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     """``generation``: the records' mean generated tokens and the share that stopped before the cap (generating
-    records only: eviction can lengthen a trace, so less memory may cost more time)."""
+    records only: eviction can lengthen a trace, so less memory may cost more time), and with several draws of each
+    problem their :func:`sampled_scores`."""
     made = [record for record in records if "generated_tokens" in record]
     if not made:
         return {}
@@ -78,6 +107,7 @@ def generation_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         "generation": {
             "mean_generated_tokens": mean(record["generated_tokens"] for record in made),
             "stopped_share": mean(float(record["stopped"]) for record in made),
+            **sampled_scores(made),
         }
     }
 

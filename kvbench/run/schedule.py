@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from kvbench.engine import Engine
 from kvbench.engine.rows import Row, batch_rows, decode_rows
 from kvbench.engine.runner import GenerationOutput, PerplexityOutput
+from kvbench.engine.sampling import draw_seed
 from kvbench.engine.shared import Prompt, prefill_questions, prefill_shared
 from kvbench.models import LoadedModel
 from kvbench.run.factories import stop_ids
@@ -25,9 +26,20 @@ log = logging.getLogger("kvbench.run")  # one logger for the run layer (the jobs
 
 def sample_row(engine: Engine, sample: Sample, loaded: LoadedModel) -> Row:
     """A generated sample prefilled by ``engine`` (:meth:`~kvbench.engine.Engine.prefilled_row`): its row to decode."""
-    return engine.prefilled_row(
+    row = engine.prefilled_row(
         sample.input_ids, sample.max_new_tokens, stop_ids(sample, loaded), sample.min_new_tokens, sample.question_start
     )
+    return seed_rows([row], [sample])[0]
+
+
+def seed_rows(rows: list[Row], samples: list[Sample]) -> list[Row]:
+    """``rows`` (each sample's, sample by sample, as many each) seeded for their draws where their engine samples:
+    from the run's seed and the sample's id, so a sample draws alike alone, in a group or resumed."""
+    each = len(rows) // max(len(samples), 1)
+    for place, row in enumerate(rows):
+        if row.engine.sampling is not None:
+            row.seed = draw_seed(row.engine.sampling.seed, samples[place // each].id)
+    return rows
 
 
 def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) -> tuple[dict[str, Any], Any]:
@@ -82,8 +94,8 @@ def context_rows(engines: list[Engine], samples: list[Sample], loaded: LoadedMod
         for sample in samples
     ]
     if len(samples) == 1:
-        return prefill_shared(engines, prompts[0], batch_size)
-    return prefill_questions(engines, prompts, batch_size)
+        return seed_rows(prefill_shared(engines, prompts[0], batch_size), samples)
+    return seed_rows(prefill_questions(engines, prompts, batch_size), samples)
 
 
 def in_sample_order(
