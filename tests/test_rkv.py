@@ -1,0 +1,76 @@
+"""R-KV (kvbench/policies/methods/rkv.py) against a brute-force reading of its equations, head by head and slot by
+slot (R-KV §3; ``R1KV.update_kv`` and ``cal_similarity`` at Zefan-Cai/R-KV d15c976): the scores and the kept slots;
+and a streaming run evicting while it decodes, its cache at the budget."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvbench.policies import build_policy
+from kvbench.policies.context import ScoreContext
+from kvbench.policies.stats import AttentionStats
+
+
+def brute_force(queries, keys, window, kernel, mix, threshold):
+    """``[B,Hc,T-window]`` scores by loops: queries ``[B,Hq,W,D]`` (the last W), keys ``[B,Hc,T,D]``."""
+    batch, q_heads, queries_count, dim = queries.shape
+    heads, tokens = keys.shape[1], keys.shape[2]
+    group, before = q_heads // heads, tokens - window
+    scores = torch.zeros(batch, heads, before)
+    for b in range(batch):
+        for h in range(heads):
+            importance = torch.zeros(before)
+            for i in range(queries_count):  # logits max over the group, softmax over the slots before the window
+                logits = torch.tensor(
+                    [
+                        max(float(queries[b, h * group + g, i] @ keys[b, h, p]) for g in range(group))
+                        for p in range(before)
+                    ]
+                ) / math.sqrt(dim)
+                importance += torch.softmax(logits, dim=0) / queries_count
+            pooled = torch.tensor(
+                [max(importance[max(0, p - kernel // 2) : p + kernel // 2 + 1]) for p in range(before)]
+            )
+            unit = [keys[b, h, p] / (keys[b, h, p].norm() + 1e-8) for p in range(tokens)]
+            similarity = torch.tensor(
+                [[0.0 if p == q else float(unit[p] @ unit[q]) for q in range(tokens)] for p in range(tokens)]
+            )
+            for p in range(tokens):  # the last repeat of each key (or slot 0 where it has none) left out
+                repeats = [q for q in range(tokens) if similarity[p, q] > threshold]
+                similarity[p, repeats[-1] if repeats else 0] = 0.0
+            redundancy = torch.softmax(similarity.mean(dim=0), dim=0)[:before]
+            scores[b, h] = mix * pooled - (1 - mix) * redundancy
+    return scores
+
+
+@pytest.mark.parametrize(("group", "tokens", "window", "kernel"), [(1, 20, 4, 7), (3, 33, 8, 3), (2, 9, 8, 7)])
+def test_rkv_scores_are_its_equations(group, tokens, window, kernel):
+    torch.manual_seed(0)
+    batch, heads, dim = 1, 2, 8
+    keys = torch.randn(batch, heads, tokens, dim)
+    keys[:, :, 5] = keys[:, :, 2] * 2 + 0.01  # a repeat: cosine similarity near 1
+    queries = torch.randn(batch, heads * group, window, dim)
+    positions = torch.arange(tokens)
+    stats = AttentionStats(queries, keys, keys, positions[-window:], positions.expand(batch, heads, tokens), dim**-0.5)
+    policy = build_policy("rkv", {"window": window, "kernel": kernel, "threshold": 0.5})
+    context = ScoreContext(keys, keys, positions.expand(batch, heads, tokens), None, window, window=stats)
+    scores = policy.score(context)
+    expected = brute_force(queries, keys, window, kernel, policy.mix_lambda, 0.5)
+    torch.testing.assert_close(scores[..., : tokens - window], expected, rtol=1e-5, atol=1e-7)
+    assert torch.isinf(scores[..., tokens - window :]).all()  # the window kept
+    kept = max(1, tokens - window - 2)
+    assert torch.equal(
+        scores[..., : tokens - window].topk(kept).indices.sort().values, expected.topk(kept).indices.sort().values
+    )
+
+
+def test_a_streaming_run_keeps_the_budget_while_it_decodes():
+    from kvbench.engine import Engine
+    from tests.helpers import TOKENIZER, random_prompt, tiny_model
+
+    runner = Engine(tiny_model(), build_policy("rkv", {}), 24, regime="streaming", tokenizer=TOKENIZER)
+    output = runner.generate(random_prompt(40), 16)
+    assert len(output.token_ids) == 16 and max(output.kv.peak_tokens_per_layer) <= 24 + 1
