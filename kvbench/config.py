@@ -168,12 +168,12 @@ def prepare_overrides(args: list[str], config_name: str = "config") -> list[str]
             mistakes.append(str(error))
             return None
 
+    top = sorted({*yaml_keys(f"{config_name}.yaml"), "hydra", *GROUP_NAMES, *SETTING_GROUPS})  # the root's keys
     for override in overrides:
         key, values = override.key_or_group.lstrip("+~"), _values(override)
         if not key:
             mistakes.append(f"{override.input_line!r} names no setting: write KEY=VALUE, e.g. budget=128")
             continue
-        top = sorted({*yaml_keys(f"{config_name}.yaml"), "hydra", *GROUP_NAMES, *SETTING_GROUPS})
         if override.key_or_group == key and key.split(".")[0] not in top:  # Hydra's "Could not override" otherwise
             mistakes.append(f"unknown key {key} for the run config; valid keys: {', '.join(top)}")
             continue

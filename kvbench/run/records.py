@@ -87,10 +87,9 @@ def sampled_scores(records: list[dict[str, Any]]) -> dict[str, float]:
     if not by_problem:
         return {}
     draws = min(len(scores) for scores in by_problem.values())
-    ks = [k for k in (2**power for power in range(draws.bit_length())) if k <= draws]
+    ks = sorted({2**power for power in range(draws.bit_length())} | {draws})  # 1, 2, 4, ... ≤ draws, and draws
     scores = {
-        f"pass@{k}": 100 * mean(pass_at_k(len(s), sum(x >= 1.0 for x in s), k) for s in by_problem.values())
-        for k in sorted({*ks, draws})
+        f"pass@{k}": 100 * mean(pass_at_k(len(s), sum(x >= 1.0 for x in s), k) for s in by_problem.values()) for k in ks
     }
     scores[f"avg@{draws}"] = 100 * mean(mean(s) for s in by_problem.values())
     return scores
