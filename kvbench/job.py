@@ -76,6 +76,12 @@ def resolve(cfg: DictConfig) -> Job:
     policy.check_budget(budget.resolve(nominal), nominal)
     engine = settings["engine"]
     decode_evict = evicts_decoding(engine["regime"], engine.get("decode_evict"))
+    if engine["decode_interval"] > 1 and not decode_evict:
+        raise KVBenchError(
+            f"engine.decode_interval={engine['decode_interval']} spaces the evictions while decoding, and this run "
+            f"does not evict while it decodes (engine.regime={engine['regime']}); set engine.regime=streaming or "
+            "engine.decode_evict=true"
+        )
     refusal = policy.refusal(engine["regime"], settings["task"].get("query_mode") == "agnostic", decode_evict)
     if refusal is not None:
         raise KVBenchError(refusal)

@@ -55,6 +55,7 @@ ADDED_SETTINGS = {
     "policy.counting": "selectable",  # ChunkKV's and CriticalKV's, +compat=kvpress
     "task.empty_answers": "wrong",  # LongBench-v2's
     "engine.sums_kernel": "torch",  # triton's fused pass rounds otherwise
+    "engine.decode_interval": 1,  # evicting at every decoded token, as every run before the setting
     "generation.do_sample": False,  # greedy, as every run before sampling
     "generation.temperature": 1.0,
     "generation.top_p": 1.0,

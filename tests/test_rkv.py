@@ -74,3 +74,43 @@ def test_a_streaming_run_keeps_the_budget_while_it_decodes():
     runner = Engine(tiny_model(), build_policy("rkv", {}), 24, regime="streaming", tokenizer=TOKENIZER)
     output = runner.generate(random_prompt(40), 16)
     assert len(output.token_ids) == 16 and max(output.kv.peak_tokens_per_layer) <= 24 + 1
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_a_decode_interval_lets_the_cache_grow_by_it_then_evicts_to_the_budget(interval, monkeypatch):
+    """``engine.decode_interval``: while decoding the cache evicts after every ``interval``-th token (R-KV's buffer),
+    holding between the budget and the budget plus the interval less one after each step; rows decoded together
+    as each alone."""
+    from kvbench.engine import Engine
+    from kvbench.engine.cache import EvictionCache
+    from kvbench.engine.rows import decode_rows
+    from tests.helpers import TOKENIZER, random_prompt, tiny_model
+
+    held: list[int] = []
+    begin = EvictionCache.begin_forward
+
+    def watched(self, positions, evict, decoding=False):  # the cache's size before each decoding forward
+        if decoding:
+            held.append(max(self.tokens_per_layer()))
+        begin(self, positions, evict, decoding)
+
+    monkeypatch.setattr(EvictionCache, "begin_forward", watched)
+    model, budget = tiny_model(), 24
+    runner = Engine(
+        model, build_policy("rkv", {}), budget, regime="streaming", decode_interval=interval, tokenizer=TOKENIZER
+    )
+    prompts = [random_prompt(40, seed=seed) for seed in (1, 2, 3)]
+    alone = [runner.generate(prompt, 13).token_ids for prompt in prompts]
+    assert max(held) == budget + interval - 1 and min(held) == budget  # grows by the interval, back to the budget
+    together = decode_rows([runner.prefilled_row(prompt, 13) for prompt in prompts], 3)
+    assert [output.token_ids for output in together] == alone
+
+
+def test_a_decode_interval_without_decode_eviction_is_one_line(capsys, tmp_path):
+    from kvbench.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "model=tiny_llama", "policy=h2o", "engine.decode_interval=8", f"output_dir={tmp_path / 'run'}"])
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and error.count("\n") == 1 and not (tmp_path / "run").exists()
+    assert "engine.decode_interval=8 spaces the evictions while decoding, and this run does not evict" in error

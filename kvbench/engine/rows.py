@@ -185,7 +185,7 @@ def step_rows(stepping: list[tuple[Row, int]], store: RowStore | None = None) ->
     returns the logits ``[N,V]``."""
     rows = [row for row, _ in stepping]
     positions = [row.prompt_tokens + len(row.generated) - 1 for row in rows]
-    evicts = [row.engine.decode_evict for row in rows]
+    evicts = [row.engine.decode_evict and len(row.generated) % row.engine.decode_interval == 0 for row in rows]
     caches, tokens = [row.cache for row in rows], [[token] for _, token in stepping]
     alone = None
     if store is not None:

@@ -53,6 +53,7 @@ ENGINE_SETTINGS: dict[str, Domain] = {
     "regime": choice(*REGIMES),
     "block_size": integer(1, "a token count"),
     "decode_evict": optional(FLAG, "the regime's: false for oneshot, true for chunked and streaming"),
+    "decode_interval": integer(1, "a token count"),
     "score_block": Domain("auto or a query count ≥ 1", lambda value: value == "auto" or (is_int(value) and value >= 1)),
     "save_kept": FLAG,
     "batch_size": Domain("auto or a row count ≥ 1", lambda value: value == "auto" or (is_int(value) and value >= 1)),
@@ -197,6 +198,7 @@ class Runner:
         regime: str = "oneshot",
         block_size: int = 128,
         decode_evict: bool | None = None,
+        decode_interval: int = 1,
         attn_backend: str = "sdpa",
         score_block: int | str | None = "auto",
         record_kept: bool = False,
@@ -216,6 +218,9 @@ class Runner:
         self.regime = regime
         self.block_size = {"oneshot": None, "chunked": block_size, "streaming": 1}[regime]
         self.decode_evict = evicts_decoding(regime, decode_evict)
+        #: while decoding, evict after every ``decode_interval``-th token (R-KV's buffer, kvpress's
+        #: ``compression_interval``): the cache grows to the budget plus the interval, then back to the budget
+        self.decode_interval = decode_interval
         self.attn_backend = attn_backend
         self.score_block = score_block_size(score_block)
         self.record_kept = record_kept

@@ -122,6 +122,7 @@ def build_engine(job: Job, loaded: LoadedModel) -> Engine:
         regime=engine.regime,
         block_size=engine.block_size,
         decode_evict=engine.decode_evict,
+        decode_interval=engine.decode_interval,
         attn_backend=loaded.attn_backend,
         score_block=engine.score_block,
         record_kept=engine.save_kept,
