@@ -142,4 +142,6 @@ def test_a_streaming_run_records_each_traces_length(tmp_path):
     for record in records:
         assert 0 < record["generated_tokens"] <= 24 and record["stopped"] == (record["generated_tokens"] < 24)
         assert max(record["kv"]["peak_tokens_per_layer"]) <= 64 + 1  # the budget, and the token being written
+        over = record["kv"]["generation"]  # the evicting cache's bytes after each decode step
+        assert len(over["curve"]) == record["generated_tokens"] - 1 and over["peak_bytes"] <= record["kv"]["peak_bytes"]
     assert metrics["generation"]["mean_generated_tokens"] == sum(r["generated_tokens"] for r in records) / 2

@@ -104,6 +104,19 @@ def test_a_decode_interval_lets_the_cache_grow_by_it_then_evicts_to_the_budget(i
     assert max(held) == budget + interval - 1 and min(held) == budget  # grows by the interval, back to the budget
     together = decode_rows([runner.prefilled_row(prompt, 13) for prompt in prompts], 3)
     assert [output.token_ids for output in together] == alone
+    curve = together[0].kv_curve  # the bytes after each decode step: at the budget after each eviction
+    entry = min(curve) // budget
+    assert len(curve) == 12 and min(curve) == budget * entry and max(curve) == (budget + interval - 1) * entry
+
+
+def test_a_record_keeps_an_evicting_caches_bytes_over_the_generation():
+    from kvbench.run.records import CURVE_POINTS, kv_over_generation
+
+    curve = list(range(100, 200))  # 100 steps: every 4th kept, the last always
+    kept = kv_over_generation(curve)
+    assert kept["peak_bytes"] == 199 and kept["mean_bytes"] == 149.5 and kept["stride"] == 4
+    assert kept["curve"][-1] == 199 and kept["curve"][:2] == [103, 107] and len(kept["curve"]) <= CURVE_POINTS
+    assert kv_over_generation([5, 6])["curve"] == [5, 6]
 
 
 def test_a_decode_interval_without_decode_eviction_is_one_line(capsys, tmp_path):

@@ -50,6 +50,8 @@ class Row:
     #: the seed of the row's draws where its engine samples (:class:`~kvbench.engine.sampling.Sampling`)
     seed: int = 0
     generator: torch.Generator | None = None
+    #: the cache's bytes after each decode step, where it evicts while decoding (:attr:`GenerationOutput.kv_curve`)
+    kv_curve: list[int] = field(default_factory=list)
 
     def next_token(self) -> int | None:
         """The row's choice from its logits, or None when the row is done (a stop token, or its last)."""
@@ -138,6 +140,7 @@ def finished_rows(
         )
         finished.prefill_shared_by, finished.context_shared_by = row.prefill_shared_by, row.context_shared_by
         finished.scoring_seconds = row.scoring_seconds
+        finished.kv_curve = row.kv_curve
         return index, finished
 
     wait(rows)
@@ -172,6 +175,10 @@ def finished_rows(
             for place, (index, _) in enumerate(stepping):
                 held[index].logits, held[index].chosen = logits[place], chosen[place]
         active = [index for index, _ in stepping]
+        for index in active:  # an evicting cache's size over the generation
+            if held[index].engine.decode_evict:
+                row = held[index]
+                row.kv_curve.append(sum(layer.held_bytes() for layer in row.cache.eviction_layers))
         share = (lead.now() - start) / max(len(stepping), 1)
         for index in active:
             held[index].decode_seconds += share

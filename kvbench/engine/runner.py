@@ -80,6 +80,8 @@ class GenerationOutput:
     prefill_shared_by: int = 1  # variants whose prefill was one forward (generate_shared): prefill_seconds is a share
     context_shared_by: int = 1  # questions answered from one compression of their context (prefill_questions)
     scoring_seconds: float = 0.0  # of prefill_seconds, the context's reconstruction (KVzip; shared like the prefill)
+    #: where the cache evicts while decoding, its bytes after each decode step (R-KV's and the reasoning papers' curve)
+    kv_curve: list[int] = field(default_factory=list)
 
 
 @dataclass

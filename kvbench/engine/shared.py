@@ -97,6 +97,7 @@ def prefill_questions(engines: Sequence[Runner], questions: Sequence[Prompt], ba
                 scoring_seconds=row.scoring_seconds / len(questions),
                 context_shared_by=len(questions),
                 generated=[],
+                kv_curve=[],
             )
             for row in compressed
         ]

@@ -43,6 +43,8 @@ def record_of(
         record["generated_tokens"] = len(output.token_ids)
         record["stopped"] = len(output.token_ids) < sample.max_new_tokens
     record["kv"] = asdict(output.kv)
+    if isinstance(output, GenerationOutput) and output.kv_curve:  # an evicting cache over the generation
+        record["kv"]["generation"] = kv_over_generation(output.kv_curve)
     record["policy_stats"] = output.policy_stats
     record["timing"] = {
         "prefill_seconds": output.prefill_seconds,
@@ -69,6 +71,17 @@ def mean_policy_stats(records: list[dict[str, Any]]) -> dict[str, Any]:
         elif all(isinstance(value, list) for value in values) and len({len(value) for value in values}) == 1:
             merged[name] = [mean(column) for column in zip(*values)]
     return merged
+
+
+#: the points of a record's KV curve at most (:func:`kv_over_generation`)
+CURVE_POINTS = 32
+
+
+def kv_over_generation(curve: list[int]) -> dict[str, Any]:
+    """The bytes an evicting cache held after each decode step, as a record keeps them: their peak and mean, and the
+    curve at most :data:`CURVE_POINTS` steps apart evenly (the last step always one of them)."""
+    stride = -(-len(curve) // CURVE_POINTS)
+    return {"peak_bytes": max(curve), "mean_bytes": mean(curve), "curve": curve[::-1][::stride][::-1], "stride": stride}
 
 
 def pass_at_k(draws: int, correct: int, k: int) -> float:
