@@ -10,6 +10,7 @@ here with one line instead of a Hydra traceback.
 
 from __future__ import annotations
 
+import re
 from functools import cache, partial
 from pathlib import Path
 from typing import Any
@@ -174,7 +175,7 @@ def prepare_overrides(args: list[str], config_name: str = "config") -> list[str]
         if not key:
             mistakes.append(f"{override.input_line!r} names no setting: write KEY=VALUE, e.g. budget=128")
             continue
-        if override.key_or_group == key and key.split(".")[0] not in top:  # Hydra's "Could not override" otherwise
+        if override.key_or_group == key and re.split(r"[./]", key)[0] not in top:  # Hydra's "Could not override" else
             mistakes.append(f"unknown key {key} for the run config; valid keys: {', '.join(top)}")
             continue
         pieces = key.split(".")

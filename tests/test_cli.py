@@ -126,6 +126,7 @@ def test_perplexity_task(tmp_path):
         ),
         ("foo=1", "unknown key foo for the run config; valid keys: budget, compat, engine, experiment, generation, "),
         ("=3", "'=3' names no setting: write KEY=VALUE, e.g. budget=128"),
+        ("hydra/launcher=nope", "Could not find 'hydra/launcher/nope' Available options in 'hydra/launcher': basic"),
         ("hydra.foo=1", "Could not override 'hydra.foo'. To append to your config use +hydra.foo=1 (Key 'foo' not in"),
         ("task._target_=os.system", "task._target_='os.system' is not a task class"),
         ("task._target_=no.such.Task", "task._target_='no.such.Task' is not a task class"),
