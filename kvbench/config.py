@@ -101,8 +101,13 @@ def register_policies(specs: list[str], policy_settings: dict[str, dict[str, Any
 #: config groups selected with ``+GROUP=NAME`` that may bring ``policy_settings``: a paper's experiment and a
 #: reference implementation's conventions (``conf/compat``)
 SETTING_GROUPS = ("experiment", "compat")
-#: the config groups a run composes (each a folder of conf/)
-GROUP_NAMES = ("model", "task", "budget", "logger", "policy")
+#: the config groups of a run and their settings files (conf/<group>/<option>.yaml); ``policy`` is generated
+GROUPS = ("model", "task", "budget", "logger")
+
+
+def root_keys(config_name: str = "config") -> list[str]:
+    """The keys of a composed ``conf/<config_name>.yaml``: its own (``defaults`` aside) and its groups'."""
+    return sorted({*yaml_keys(f"{config_name}.yaml"), *GROUPS, "policy"})
 
 
 @cache
@@ -169,7 +174,7 @@ def prepare_overrides(args: list[str], config_name: str = "config") -> list[str]
             mistakes.append(str(error))
             return None
 
-    top = sorted({*yaml_keys(f"{config_name}.yaml"), "hydra", *GROUP_NAMES, *SETTING_GROUPS})  # the root's keys
+    top = sorted({*root_keys(config_name), "hydra", *SETTING_GROUPS})  # the keys an override's root may name
     for override in overrides:
         key, values = override.key_or_group.lstrip("+~"), _values(override)
         if not key:

@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import config_dict
-from kvbench.config import engine_keys, group_keys, group_options, yaml_keys
+from kvbench.config import GROUPS, engine_keys, group_keys, group_options, root_keys
 from kvbench.domains import FLAG, Domain, check_table, choice, integer, number
 from kvbench.engine import ENGINE_SETTINGS
 from kvbench.engine.runner import evicts_decoding
@@ -42,9 +42,6 @@ GENERATION_SETTINGS: dict[str, Domain] = {
     "num_samples": integer(1, "a count of traces per problem"),
     "seed": integer(0),
 }
-
-#: the config groups of a run and their settings files (conf/<group>/<option>.yaml)
-GROUPS = ("model", "task", "budget", "logger")
 
 #: the top-level settings of a run (conf/config.yaml) that take a value of their own, and their domains
 RUN_SETTINGS: dict[str, Domain] = {
@@ -129,7 +126,7 @@ def check_known_keys(settings: dict[str, Any]) -> None:
     (added with ``+key=``, ``key=`` or by an experiment file): top-level keys, ``engine.*``, each group's keys
     against its YAML, the policy's against its parts and ``policy.layer_budget.*`` against its strategy. A
     sweep runs it on every job before submitting any (a typed key is wrong in every job)."""
-    check_keys(settings, sorted([*yaml_keys("config.yaml"), *GROUPS, "policy"]), "", "the run config")
+    check_keys(settings, root_keys(), "", "the run config")
     check_keys(settings["engine"], engine_keys(), "engine.", "the engine")
     check_keys(settings["generation"], list(GENERATION_SETTINGS), "generation.", "generation")
     for group in (*GROUPS, "policy"):

@@ -177,8 +177,7 @@ def finished_rows(
         active = [index for index, _ in stepping]
         for index in active:  # an evicting cache's size over the generation
             if held[index].engine.decode_evict:
-                row = held[index]
-                row.kv_curve.append(sum(layer.held_bytes() for layer in row.cache.eviction_layers))
+                held[index].kv_curve.append(sum(held[index].cache.live_bytes))  # as the cache accounts it
         share = (lead.now() - start) / max(len(stepping), 1)
         for index in active:
             held[index].decode_seconds += share

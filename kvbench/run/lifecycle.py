@@ -125,13 +125,15 @@ def drawn(samples: list[Sample], count: int) -> list[Sample]:
     and draw in its metadata (each seeded by its own id: kvbench/engine/sampling.py); ``samples`` as they are for 1."""
     if count == 1:
         return samples
-    return [
-        replace(sample, id=f"{sample.id}#{draw}", metadata={**sample.metadata, "problem": sample.id, "draw": draw})
-        if sample.mode == "generate"
-        else sample
-        for sample in samples
-        for draw in range(count if sample.mode == "generate" else 1)
-    ]
+    drawn_samples: list[Sample] = []
+    for sample in samples:
+        if sample.mode != "generate":  # a perplexity text: nothing drawn
+            drawn_samples.append(sample)
+            continue
+        for draw in range(count):
+            metadata = {**sample.metadata, "problem": sample.id, "draw": draw}
+            drawn_samples.append(replace(sample, id=f"{sample.id}#{draw}", metadata=metadata))
+    return drawn_samples
 
 
 def unique_ids(samples: list[Sample], task: str) -> list[Sample]:
