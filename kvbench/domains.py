@@ -81,7 +81,7 @@ _PERCENT = re.compile(r"^(\d+(\.\d+)?)pct$")
 
 
 def token_window(minimum: int) -> Domain:
-    """A window of tokens (``kvbench.policies.base.window_tokens``): a count ≥ ``minimum``, a fraction of the
+    """A window of tokens (:func:`window_tokens`): a count ≥ ``minimum``, a fraction of the
     budget or a percentage of the prompt."""
 
     def accepts(value: Any) -> bool:
@@ -95,6 +95,17 @@ def token_window(minimum: int) -> Domain:
     return Domain(
         f"a token count ≥ {minimum}, a fraction of the budget in (0, 1) or Npct of the prompt (0 < N ≤ 100)", accepts
     )
+
+
+def window_tokens(window: Any, budget: int, prompt_len: int) -> int:
+    """Resolve a window setting: int tokens, a float in (0, 1) = fraction of the budget, 'Npct' = % of prompt."""
+    if isinstance(window, str) and window.endswith("pct"):
+        tokens = round(float(window[:-3]) / 100.0 * prompt_len)
+    elif isinstance(window, float) and 0.0 < window < 1.0:
+        tokens = round(window * budget)
+    else:
+        tokens = int(window)
+    return max(0, min(tokens, budget))
 
 
 def optional(domain: Domain, meaning: str) -> Domain:

@@ -64,8 +64,9 @@ ADDED_SETTINGS = {
 }
 
 #: settings whose value names the same run as another's: ``engine.sums_kernel=auto`` (torch's blocks on a CPU, the
-#: fused pass on a GPU, as ``model.dtype=auto`` is float32 on the one and bfloat16 on the other) is a run of ``torch``
-SAME_RUN = {"engine.sums_kernel": {"auto": "torch"}}
+#: fused pass on a GPU, as ``model.dtype=auto`` is float32 on the one and bfloat16 on the other) is a run of ``torch``,
+#: ``engine.rows_attention=auto`` (each row alone on a CPU, the rows stored on a GPU) one of ``each``
+SAME_RUN = {"engine.sums_kernel": {"auto": "torch"}, "engine.rows_attention": {"auto": "each"}}
 
 #: what every finished sample's line holds that a task's aggregate reads (:func:`kvbench.run.records.record_of`
 #: writes more), with the types it has; a task adds

@@ -91,13 +91,15 @@ def test_min_new_tokens_hold_per_row():
     assert outputs[0].token_ids == [] and [output.token_ids for output in outputs] == [e.token_ids for e in expected]
 
 
+@pytest.mark.parametrize("spec", ["snapkv", "snapkv+slake", "snapkv+calidrop"])
 @pytest.mark.parametrize("rows_attention", ["each", "stored"])
-def test_stored_rows_step_in_operators_per_layer_not_per_row(rows_attention):
-    """A decode step of rows that only append and attend, held together (``engine.rows_attention=stored``), dispatches
-    as many operators for 12 rows as for 4 (each layer one scatter and one attention for all); attended each alone,
-    more with every row. The tokens are each row's alone."""
+def test_stored_rows_step_in_operators_per_layer_not_per_row(spec, rows_attention):
+    """A decode step of rows that only append and attend (SLAKE's and CaliDrop's attention of what they evicted
+    included), held together (``engine.rows_attention=stored``), dispatches as many operators for 12 rows as for 4
+    (each layer one scatter and one attention for all); attended each alone, more with every row. The tokens are each
+    row's alone."""
     model = tiny_model()
-    engine = Engine(model, build_policy("snapkv", {"window": 8}), 24, rows_attention=rows_attention)
+    engine = Engine(model, build_policy(spec, {"window": 8}), 24, rows_attention=rows_attention)
     prompts = [random_prompt(40 + 7 * index, seed=index) for index in range(12)]
 
     def per_step(count: int) -> float:
@@ -134,6 +136,34 @@ def test_a_store_lets_each_shelf_go_once_its_rows_have_left(monkeypatch):
     assert [output.token_ids for output in outputs] == alone
     assert len(stores) == 1 and stores[0].shelves == {} and stores[0].places == {}
     assert [row.cache.get_seq_length() for row in rows] == [len(prompt) + 4 for prompt in prompts]
+
+
+@pytest.mark.parametrize(
+    ("spec", "settings"),
+    [("snapkv+slake", {}), ("snapkv+calidrop", {}), ("snapkv+calidrop", {"theta1": 1.1}), ("h2o+calidrop", {})],
+)
+def test_a_shelf_attends_an_attending_modifier_where_a_row_evicted_and_softmax_where_none_did(spec, settings):
+    """SLAKE's or CaliDrop's rows (recomputing at every step with ``theta1`` above 1) on one shelf a layer: a prompt
+    under the budget (nothing evicted, no state) beside prompts that evicted more or fewer entries; each row's tokens
+    and policy statistics (CaliDrop's steps counted while a row steps, not after) are its own alone."""
+    model = tiny_model()
+    engine = Engine(model, build_policy(spec, {"window": 8, **settings}), 48, rows_attention="stored")
+    prompts = [random_prompt(length, seed=length) for length in (47, 90, 120)]
+    limits = [3, 2, 3]
+    alone = [engine.generate(prompt, limit) for prompt, limit in zip(prompts, limits)]
+    rows = []
+    for prompt, limit in zip(prompts, limits):
+        cache = engine.new_cache(len(prompt))
+        rows.append(Row(engine, cache, engine.prefill(cache, prompt)[0, -1], len(prompt), limit))
+    modifier = engine.policy.modifiers[0]
+    assert modifier.units(rows[0].cache.eviction_layers[0].state_of(modifier)) is None
+    assert modifier.units(rows[1].cache.eviction_layers[0].state_of(modifier)) is not None
+    assert {capacity_class(min(len(prompt), 48) + 3) for prompt in prompts} == {52}  # one shelf a layer
+    stores: list[RowStore] = []
+    outputs = decode_rows(rows, batch_size=3, store=stores.append(RowStore()) or stores[0])
+    assert len(stores[0].places) == 0 and stores[0].peak_bytes > 0  # the rows were stored, and have left
+    assert [output.token_ids for output in outputs] == [output.token_ids for output in alone]
+    assert [output.policy_stats for output in outputs] == [output.policy_stats for output in alone]
 
 
 def test_a_capacity_class_spares_under_an_eighth_and_an_octave_holds_eight():
@@ -415,3 +445,24 @@ def test_samples_whose_rows_are_made_as_they_decode_are_given_once_made_and_fini
 
     given = [(*item, events[0]) for item in in_sample_order(finishing(), sample_of, 4, lambda: made[0])]
     assert given == [(0, [(0, "a")], 1), (1, [], 2), (2, [(2, "c"), (1, "b")], 3), (3, [], 3)]
+
+
+def test_auto_stores_the_rows_on_a_gpu_and_names_the_run_as_each():
+    """``engine.rows_attention=auto`` (the default): the rows held together on a CUDA device, where each call is a
+    kernel launch, each attended alone on a CPU; a run of ``auto`` is named as one of ``each`` (the name every run had
+    before the setting), one of ``stored`` otherwise."""
+    import torch
+
+    from kvbench.config import compose
+    from kvbench.engine.runner import rows_attention_on
+    from kvbench.rundir import run_name
+
+    assert rows_attention_on(torch.device("cuda")) == "stored" and rows_attention_on(torch.device("cpu")) == "each"
+    assert rows_attention_on(torch.device("cuda"), "each") == "each"
+    assert Engine(tiny_model(), build_policy("snapkv"), 48).rows_attention == "each"
+    names = {
+        setting: run_name(_root_=compose(["model=tiny_llama", "policy=snapkv", f"engine.rows_attention={setting}"]))
+        for setting in ("auto", "each", "stored")
+    }
+    assert compose([]).engine.rows_attention == "auto"
+    assert names["auto"] == names["each"] != names["stored"]

@@ -169,6 +169,9 @@ def finished_rows(
                 done.append(index)
             else:
                 stepping.append((index, token))
+        if store is not None:  # a shelf steps all its rows (an attending modifier's state with them)
+            for index in done:
+                store.release(held[index].cache)
         if stepping:
             logits = step_rows([(held[index], token) for index, token in stepping], store)  # [N,V]
             chosen = chosen_tokens([held[index] for index, _ in stepping], logits)

@@ -36,8 +36,9 @@ from kvbench.policies.context import LayerWeights
 REGIMES = ["oneshot", "chunked", "streaming"]
 #: ``engine.rows_attention``: how a decode step attends its rows, each by its own backend call, or those with every
 #: key held by one padded SDPA call per layer (:func:`~kvbench.engine.attention.padded_outputs`), or those that only
-#: append and attend held together, one scatter and one SDPA call per layer (:mod:`~kvbench.engine.store`)
-ROWS_ATTENTION = ["each", "padded", "stored"]
+#: append and attend held together, one scatter and one SDPA call per layer (:mod:`~kvbench.engine.store`); ``auto``:
+#: :func:`rows_attention_on`
+ROWS_ATTENTION = ["auto", "each", "padded", "stored"]
 #: ``engine.sums_kernel``: how a running policy's sums are gathered, block by block in PyTorch or by one fused Triton
 #: pass (:mod:`kvbench.kernels.sums`: on CUDA, or on CPU under ``TRITON_INTERPRET=1``); ``auto``: :func:`sums_kernel_on`
 SUMS_KERNELS = ["auto", "torch", "triton"]
@@ -109,6 +110,15 @@ def sums_kernel_on(device: torch.device, setting: str = "auto") -> str:
     if setting != "auto":
         return setting
     return "triton" if device.type == "cuda" and sums.available() else "torch"
+
+
+def rows_attention_on(device: torch.device, setting: str = "auto") -> str:
+    """How a decode step attends its rows on ``device`` under ``setting``: ``auto`` holds them together on a CUDA device
+    (``stored``: a step's calls per layer, not per row and layer, where each call is a kernel launch) and attends each
+    alone elsewhere (``each``: as fast on a CPU, docs/benchmarks.md, and the reference)."""
+    if setting != "auto":
+        return setting
+    return "stored" if device.type == "cuda" else "each"
 
 
 def check_sums_kernel(device: torch.device) -> None:
@@ -205,7 +215,7 @@ class Runner:
         score_block: int | str | None = "auto",
         record_kept: bool = False,
         tokenizer=None,
-        rows_attention: str = "each",
+        rows_attention: str = "auto",
         sums_kernel: str = "auto",
         sampling: Sampling | None = None,
     ):
@@ -227,7 +237,6 @@ class Runner:
         self.score_block = score_block_size(score_block)
         self.record_kept = record_kept
         self.tokenizer = tokenizer
-        self.rows_attention = rows_attention
         #: how each row draws its tokens (None: greedily)
         self.sampling = sampling
         self._repeat_prompt: RepeatPrompt | None = None
@@ -238,6 +247,7 @@ class Runner:
         model.set_attn_implementation(attention.register())
         self.device = next(model.parameters()).device
         self.sums_kernel = sums_kernel_on(self.device, sums_kernel)
+        self.rows_attention = rows_attention_on(self.device, rows_attention)
         if self.sums_kernel == "triton":
             check_sums_kernel(self.device)
         self.layer_weights = layer_weights(model, self.num_query_heads, self.num_layers)

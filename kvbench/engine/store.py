@@ -2,14 +2,16 @@
 with one scatter per shelf of a layer and attends them with one SDPA call per shelf, whatever the number of rows.
 
 A row is stored where its decode steps only append and attend (:func:`storable`): no eviction while decoding (so no
-scoring), no attending modifier, no sliding-window layer (which drops its oldest token at each step), no learned sinks,
-the SDPA backend. The unit is one cache head of one row (a ``(row, head)``): each of a row's layers moves its heads'
-kept entries into free slots of that layer's :class:`Shelf` of their length — one buffer ``[S,C,D]`` for the units whose
-kept entries and tokens to come fit ``C`` slots (:func:`capacity_class`: under an eighth to spare), so a layer budget's
-lengths per layer and a head-wise eviction's lengths per head (AdaKV) are held without padding — and moves back into the
-row's own cache, with the tokens it decoded appended, when the row leaves (:meth:`RowStore.release`): its outputs
-(sizes, kept sets, statistics) are those of a row attended alone. A unit is attended by the query heads that read its
-cache head (``Hq / Hc`` of them; one in the repeat layout). The other rows of a step are attended each alone.
+scoring), no attending modifier but those that attend with the others' on a shelf (``Modifier.stores``: SLAKE, CaliDrop,
+each unit's state held on the shelf beside its entries), no sliding-window layer (which drops its oldest token at each
+step), no learned sinks, the SDPA backend. The unit is one cache head of one row (a ``(row, head)``): each of a row's
+layers moves its heads' kept entries into free slots of that layer's :class:`Shelf` of their length — one buffer
+``[S,C,D]`` for the units whose kept entries and tokens to come fit ``C`` slots (:func:`capacity_class`: under an eighth
+to spare), so a layer budget's lengths per layer and a head-wise eviction's lengths per head (AdaKV) are held without
+padding — and moves back into the row's own cache, with the tokens it decoded appended, when the row leaves
+(:meth:`RowStore.release`): its outputs (sizes, kept sets, statistics) are those of a row attended alone. A unit is
+attended by the query heads that read its cache head (``Hq / Hc`` of them; one in the repeat layout). The other rows of
+a step are attended each alone.
 
 Memory: a shelf grows by exactly the units arriving (into its free slots first) and is copied without its free slots
 once they are more than a sixteenth of it; an empty one is let go. :attr:`RowStore.peak_bytes` is what the shelves
@@ -20,18 +22,20 @@ come).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.layer import EvictionLayer, in_cache_heads
+from kvbench.policies.base import settings_key
 
 
 def storable(cache: EvictionCache) -> bool:
     """Whether a row's decode steps only append its token and attend (see the module's docstring)."""
-    plain = not any(cache.windows) and not cache.learned_sinks
-    return cache.attn_backend == "sdpa" and not cache.decode_evict and not cache.attending and plain
+    plain = not any(cache.windows) and not cache.learned_sinks and not cache.decode_evict
+    return cache.attn_backend == "sdpa" and plain and all(modifier.stores() for modifier in cache.attending)
 
 
 def capacity_class(needed: int) -> int:
@@ -39,6 +43,23 @@ def capacity_class(needed: int) -> int:
     spare; exact up to 16), so that a layer's units share a few shelves."""
     step = 1 << max(0, (needed - 1).bit_length() - 4)
     return -(-needed // step) * step
+
+
+def grown(tensor: torch.Tensor, missing: int) -> torch.Tensor:
+    """``tensor [S,...]`` with ``missing`` zero slots after its own."""
+    return torch.cat([tensor, tensor.new_zeros(missing, *tensor.shape[1:])])
+
+
+def padding(held: torch.Size, arriving: torch.Size) -> list[int] | None:
+    """``F.pad``'s widths growing a shelf's state of units ``held`` to hold one of ``arriving`` (None: it does)."""
+    if all(size >= more for size, more in zip(held, arriving)):
+        return None
+    return [width for size, more in reversed(list(zip(held, arriving))) for width in (0, max(0, more - size))]
+
+
+def within(first: int | torch.Tensor, sizes: torch.Size) -> tuple[Any, ...]:
+    """The index of a padded state's units ``first`` cut to a unit's ``sizes``."""
+    return (first, *(slice(0, size) for size in sizes))
 
 
 def head_lengths(layer: EvictionLayer) -> list[int]:
@@ -71,16 +92,27 @@ class Stored:
     slots: list[list[tuple[Shelf, int] | None]] = field(default_factory=list)  # [layer][head]
 
 
+def shelf_key(cache: EvictionCache, layer: int, capacity: int) -> tuple:
+    """The shelf of a row's units at ``layer`` of ``capacity`` slots: one head layout and attending modifiers."""
+    return layer, cache.cache_heads, cache.repeat_layout, capacity, settings_key(*cache.attending)
+
+
 class Shelf:
     """One layer's units of capacity ``C``: ``keys``/``values [S,C,D]``, slot ``s`` holding ``lengths[s]`` entries
     (its unit's kept ones, then the tokens appended since); ``lengths`` on the host. ``heads``: the cache heads of
-    its rows, ``query_heads`` their queries' (one head layout per shelf)."""
+    its rows, ``query_heads`` their queries' (one head layout per shelf). ``modifiers``: its rows' attending ones,
+    each with its units' state (``states``: ``Modifier.units``' tensors ``[S,...]``, made with the first unit that
+    holds one) and ``active [S]``, the slots whose state holds something."""
 
     def __init__(self, like: EvictionCache, layer: int, capacity: int) -> None:
         first = like.eviction_layers[layer].keys
+        self.key = shelf_key(like, layer, capacity)
         self.layer, self.capacity, self.dim = layer, capacity, first.shape[-1]
         self.heads, self.query_heads, self.repeat_layout = like.cache_heads, like.num_query_heads, like.repeat_layout
         self.keys, self.values = first.new_zeros(0, capacity, self.dim), first.new_zeros(0, capacity, self.dim)
+        self.modifiers = like.attending
+        self.states: list[dict[str, torch.Tensor] | None] = [None] * len(self.modifiers)
+        self.active = [torch.zeros(0, dtype=torch.bool, device=first.device) for _ in self.modifiers]
         self.owners: list[tuple[Stored, int] | None] = []
         self.count = 0  # the slots owned
         self.lengths = torch.zeros(0, dtype=torch.long)
@@ -98,10 +130,14 @@ class Shelf:
         free = [slot for slot, owner in enumerate(self.owners) if owner is None]
         if (missing := sum(len(heads) for _, heads in units) - len(free)) > 0:
             free += range(len(self.owners), len(self.owners) + missing)
-            self.keys = torch.cat([self.keys, self.keys.new_zeros(missing, self.capacity, self.dim)])
-            self.values = torch.cat([self.values, self.values.new_zeros(missing, self.capacity, self.dim)])
+            self.keys, self.values = grown(self.keys, missing), grown(self.values, missing)
             self.owners += [None] * missing
-            self.lengths = torch.cat([self.lengths, torch.zeros(missing, dtype=torch.long)])
+            self.lengths = grown(self.lengths, missing)
+            self.states = [
+                None if state is None else {name: grown(tensor, missing) for name, tensor in state.items()}
+                for state in self.states
+            ]
+            self.active = [grown(active, missing) for active in self.active]
         for row, heads in units:
             slots, free = free[: len(heads)], free[len(heads) :]
             layer = row.cache.eviction_layers[self.layer]
@@ -119,10 +155,39 @@ class Shelf:
                 self.lengths[slot], self.owners[slot] = row.kept[self.layer][head], (row, head)
                 row.slots[self.layer][head] = (self, slot)
             self.count += len(heads)
+            self.place_states(layer, heads, slots)
+
+    def place_states(self, layer: EvictionLayer, heads: list[int], slots: list[int]) -> None:
+        """The attending modifiers' state of a row's ``heads`` at this layer into their ``slots``."""
+        if not self.modifiers:
+            return
+        index = torch.tensor(slots, device=self.keys.device)
+        for place, modifier in enumerate(self.modifiers):
+            if (units := modifier.units(layer.state_of(modifier))) is None:
+                continue
+            if (state := self.states[place]) is None:
+                shelf = len(self.owners)
+                state = {name: tensor.new_zeros(shelf, *tensor.shape[2:]) for name, tensor in units.items()}
+                self.states[place] = state
+            for name, tensor in units.items():
+                if (pad := padding(state[name].shape[1:], tensor.shape[2:])) is not None:
+                    state[name] = F.pad(state[name], pad)  # a longer unit (CaliDrop's evicted entries)
+                state[name][within(index, tensor.shape[2:])] = tensor[0, heads]
+            self.active[place][index] = True
 
     def take(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Free ``slot``; its entries ``[length,D]`` (views of the shelf: copy what is kept)."""
+        """Free ``slot`` (its unit's attending state written back into its row's); its entries ``[length,D]``
+        (views of the shelf: copy what is kept)."""
         length = int(self.lengths[slot])
+        owner = self.owners[slot]
+        assert owner is not None  # a held slot
+        row, head = owner
+        for place, (modifier, state) in enumerate(zip(self.modifiers, self.states)):
+            units = modifier.units(row.cache.eviction_layers[self.layer].state_of(modifier))
+            if state is not None and units is not None:
+                for name, tensor in units.items():
+                    tensor[0, head] = state[name][within(slot, tensor.shape[2:])]
+                self.active[place][slot] = False
         self.owners[slot], self.lengths[slot] = None, 0
         self.count -= 1
         return self.keys[slot, :length], self.values[slot, :length]
@@ -135,6 +200,10 @@ class Shelf:
         index = torch.tensor(held, device=self.keys.device)
         self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
         self.lengths, self.owners = self.lengths[held], [self.owners[slot] for slot in held]
+        self.active = [active[index] for active in self.active]
+        self.states = [
+            None if state is None else {name: tensor[index] for name, tensor in state.items()} for state in self.states
+        ]
         for slot, owner in enumerate(self.owners):
             assert owner is not None  # a held slot
             row, head = owner
@@ -166,15 +235,19 @@ class Shelf:
         queries = query.new_zeros(len(self.owners), group, 1, query.shape[-1])
         queries.index_copy_(0, self.slots, units[:, :, None])
         visible = torch.arange(self.longest, device=query.device) < self.held[:, None]  # [S,T]
+        keys, values = self.keys[:, None, : self.longest], self.values[:, None, : self.longest]  # [S,1,T,D]
         output = F.scaled_dot_product_attention(
-            queries,
-            self.keys[:, None, : self.longest],
-            self.values[:, None, : self.longest],
-            attn_mask=visible[:, None, None],
-            scale=scaling,
-            enable_gqa=group > 1,
-        )  # [S,G,1,D]
-        joined.view(-1, group, query.shape[-1]).index_copy_(0, self.members, output[self.slots, :, 0])
+            queries, keys, values, attn_mask=visible[:, None, None], scale=scaling, enable_gqa=group > 1
+        ).transpose(1, 2)  # [S,1,G,D]
+        for place, (modifier, held) in enumerate(zip(self.modifiers, self.states)):
+            if held is None:
+                continue
+            state = modifier.of_units({name: tensor[:, None] for name, tensor in held.items()})
+            replaced = modifier.attend(state, queries, keys, values, output, scaling, visible)
+            self.states[place] = {name: tensor[:, 0] for name, tensor in (modifier.units(state) or held).items()}
+            if replaced is not None:
+                output = torch.where(self.active[place][:, None, None, None], replaced, output)
+        joined.view(-1, group, query.shape[-1]).index_copy_(0, self.members, output[self.slots, 0])
 
 
 #: a shelf stepped: its units (row place × Hc + head) and slots on its device, the slots on the host
@@ -186,7 +259,7 @@ class RowStore:
     capacity."""
 
     def __init__(self) -> None:
-        self.shelves: dict[tuple[int, int, bool, int], Shelf] = {}
+        self.shelves: dict[tuple, Shelf] = {}
         self.places: dict[int, Stored] = {}  # id(cache) → the row stored
         self.stepping: list[list[Shelf]] = []  # by layer, this step's shelves
         #: the step's rows (by id; -1 where attended alone) and by layer each shelf with its units and slots (on the
@@ -198,7 +271,7 @@ class RowStore:
     def begin_step(self, caches: list[EvictionCache], positions: list[int], to_come: list[int]) -> list[int]:
         """Store the step's storable rows not stored yet (``to_come``: the tokens each may still append) and declare
         the step; returns the batch places of the rows attended each alone."""
-        arriving: dict[tuple[int, int, bool, int], list[tuple[Stored, list[int]]]] = {}
+        arriving: dict[tuple, list[tuple[Stored, list[int]]]] = {}
         for cache, position, more in zip(caches, positions, to_come):
             if id(cache) in self.places or not storable(cache):
                 continue
@@ -213,7 +286,7 @@ class RowStore:
                 for head, length in enumerate(lengths):
                     by_class.setdefault(capacity_class(length + more), []).append(head)
                 for capacity, heads in by_class.items():
-                    key = (layer, cache.cache_heads, cache.repeat_layout, capacity)
+                    key = shelf_key(cache, layer, capacity)
                     if key not in self.shelves:
                         self.shelves[key] = Shelf(cache, layer, capacity)
                     arriving.setdefault(key, []).append((row, heads))
@@ -277,7 +350,7 @@ class RowStore:
                 shelf, slot = found
                 entries.append(shelf.take(slot))
                 if shelf.count == 0:
-                    self.shelves.pop((index, shelf.heads, shelf.repeat_layout, shelf.capacity), None)
+                    self.shelves.pop(shelf.key, None)
             decoded, appended = entries[0][0].shape[0] - kept[0], row.appended[index]  # the same for every head
             start = [length - appended for length in kept]  # each head's own entries, before those appended
             if layer.headwise is not None:  # packed back, head after head

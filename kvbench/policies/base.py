@@ -138,14 +138,31 @@ class Modifier(Registered):
         values: torch.Tensor,
         output: torch.Tensor,
         scaling: float,
+        visible: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """A single-query forward attended with ``query [B,Hq,1,D]`` over the kept ``keys``/``values
-        [B,Hc,T,D]`` (its own token included) and got ``output [B,1,Hq,D]``; return a replacement or None."""
+        [B,Hc,T,D]`` (its own token included; ``visible [B,T]``: those each row holds, None: all) and got ``output
+        [B,1,Hq,D]``; return a replacement or None."""
         return None
 
     def policy_stats(self, states: list[Any]) -> dict[str, Any]:
         """Per-sample statistics from every layer's slot (e.g. CaliDrop's recomputation rate)."""
         return {}
+
+    def stores(self) -> bool:
+        """Whether a stored row's decode attends with the others' on a shelf, its state held there (:meth:`units`)."""
+        return False
+
+    def units(self, state: Any) -> dict[str, torch.Tensor] | None:
+        """Where its rows decode on the shelves of stored rows (:meth:`stores`, :mod:`kvbench.engine.store`): the
+        tensors ``[1,Hc,...]`` of ``state`` that :meth:`attend` reads and writes, by name (None while it holds
+        nothing: :meth:`attend` gives None); :meth:`of_units` makes a state of the same tensors ``[S,1,...]``, one
+        (row, cache head) each (zero-padded to the longest), which :meth:`attend` is given with ``visible [S,T]``,
+        the keys each unit holds."""
+        raise NotImplementedError(f"{self.name} declares stores and defines no units")
+
+    def of_units(self, tensors: dict[str, torch.Tensor]) -> Any:
+        raise NotImplementedError(f"{self.name} declares stores and defines no of_units")
 
 
 @dataclass
@@ -419,17 +436,6 @@ def settings_key(*parts: Policy | Modifier, without: tuple[str, ...] = ()) -> st
         settings = {item.name: getattr(part, item.name) for item in fields(part) if item.name not in left_out}
         named.append([part.name, {k: v.parameters() if isinstance(v, LayerBudget) else v for k, v in settings.items()}])
     return json.dumps(named, sort_keys=True)
-
-
-def window_tokens(window: Any, budget: int, prompt_len: int) -> int:
-    """Resolve a window setting: int tokens, a float in (0, 1) = fraction of the budget, 'Npct' = % of prompt."""
-    if isinstance(window, str) and window.endswith("pct"):
-        tokens = round(float(window[:-3]) / 100.0 * prompt_len)
-    elif isinstance(window, float) and 0.0 < window < 1.0:
-        tokens = round(window * budget)
-    else:
-        tokens = int(window)
-    return max(0, min(tokens, budget))
 
 
 @register

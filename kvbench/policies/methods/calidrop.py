@@ -35,10 +35,15 @@ from kvbench.policies.context import Evicted, by_kv_head
 from kvbench.policies.registry import register
 
 
-def attention_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float):
-    """Float32 ``(lse [B,Hc,G], out [B,Hc,G,D])`` of ``query [B,Hc,G,D]`` over ``keys``/``values [B,Hc,E,D]``:
-    ``lse = log Σ_e exp(q·k_e·scaling)`` and ``out = Att(q, K, V)``."""
+def attention_lse(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, visible: torch.Tensor | None = None
+):
+    """Float32 ``(lse [B,Hc,G], out [B,Hc,G,D])`` of ``query [B,Hc,G,D]`` over ``keys``/``values [B,Hc,E,D]``
+    (``visible``: those each head holds, ``[B,Hc|1,E]``; None: all): ``lse = log Σ_e exp(q·k_e·scaling)`` and ``out
+    = Att(q, K, V)``."""
     logits = query @ keys.float().transpose(-1, -2) * scaling  # [B,Hc,G,E]
+    if visible is not None:
+        logits = logits.masked_fill(~visible[..., None, :], float("-inf"))
     lse = logits.logsumexp(dim=-1)
     return lse, torch.exp(logits - lse[..., None]) @ values.float()
 
@@ -53,14 +58,17 @@ def merge_attention(lse_a: torch.Tensor, out_a: torch.Tensor, lse_b: torch.Tenso
 @dataclass
 class Calibration:
     """One layer's CaliDrop state: the calibration query ``C_q [B,Hc,G,D]``, ``C_lse [B,Hc,G]`` and ``C_out
-    [B,Hc,G,D]`` over the ``store`` of evicted entries, and the decode steps / recomputations counted."""
+    [B,Hc,G,D]`` over the ``store`` of evicted entries (``length [B,Hc]``: those each head holds, where the store is
+    padded on a shelf of stored rows; None: all), and per head the decode steps and recomputations counted ``[B,Hc]``
+    (a recomputation of one head-step: the share of its query heads recomputing)."""
 
     query: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     out: torch.Tensor | None = None
     store: Evicted | None = None
-    steps: int = 0
-    recomputed: torch.Tensor | float = 0.0
+    steps: torch.Tensor | None = None
+    recomputed: torch.Tensor | None = None
+    length: torch.Tensor | None = None
 
 
 @register
@@ -83,9 +91,14 @@ class CaliDrop(Modifier):
     def new_state(self) -> Calibration:
         return Calibration()
 
+    def stores(self) -> bool:
+        return not self.offload
+
     def on_evict(self, state: Calibration, evicted: Evicted, last_query: torch.Tensor, scaling: float) -> None:
         if state.query is None or state.store is None:  # CaliDrop Alg. 1 line 6: C_q ← Q_{-1}
             state.query = by_kv_head(last_query.float(), evicted.keys.shape[1])
+            state.steps = state.query.new_zeros(state.query.shape[:2])
+            state.recomputed = state.query.new_zeros(state.query.shape[:2])
             joined = evicted
         else:
             joined = state.store.join(evicted)
@@ -100,32 +113,55 @@ class CaliDrop(Modifier):
             state.lse, state.out = attention_lse(state.query, evicted.keys, evicted.values, scaling)
         state.store = joined.to("cpu") if self.offload else joined
 
-    def attend(self, state: Calibration, query, keys, values, output, scaling):
+    def attend(self, state: Calibration, query, keys, values, output, scaling, visible=None):
         if state.query is None or state.store is None or state.lse is None or state.out is None:
             return None
+        assert state.steps is not None and state.recomputed is not None  # set with the query
         batch, q_heads, _, dim = query.shape
         grouped = by_kv_head(query[:, :, 0].float(), keys.shape[1])  # q_t [B,Hc,G,D]
-        lse, out = attention_lse(grouped, keys, values, scaling)  # CaliDrop Alg. 1 line 9
+        held = None if visible is None else visible[:, None]  # [B,1,T]
+        lse, out = attention_lse(grouped, keys, values, scaling, held)  # CaliDrop Alg. 1 line 9
         similarity = F.cosine_similarity(grouped, state.query, dim=-1)  # Alg. 1 line 10: ρ [B,Hc,G]
         recompute = similarity < self.theta1  # Alg. 1 line 11
+        stored = None
+        if state.length is not None:  # on a shelf: a slot without evicted entries is not a unit of CaliDrop's
+            recompute &= state.length[..., None] > 0
+            stored = torch.arange(len(state.store), device=grouped.device) < state.length[..., None]  # [B,Hc,E]
         if recompute.any():
             store = state.store.to(grouped.device)  # reload the offloaded entries
-            fresh_lse, fresh_out = attention_lse(grouped, store.keys, store.values, scaling)  # Alg. 1 lines 12–13
+            fresh = attention_lse(grouped, store.keys, store.values, scaling, stored)  # Alg. 1 lines 12–13
             state.query = torch.where(recompute[..., None], grouped, state.query)  # Alg. 1 line 14
-            state.lse = torch.where(recompute, fresh_lse, state.lse)
-            state.out = torch.where(recompute[..., None], fresh_out, state.out)
+            state.lse = torch.where(recompute, fresh[0], state.lse)
+            state.out = torch.where(recompute[..., None], fresh[1], state.out)
         calibrate = recompute | (similarity > self.theta2)  # Alg. 1 lines 15–17
         _, merged = merge_attention(lse, out, state.lse, state.out)
-        state.steps += 1
-        state.recomputed = state.recomputed + recompute.float().mean()
+        state.steps = state.steps + 1
+        state.recomputed = state.recomputed + recompute.float().mean(dim=-1)
         merged = merged.reshape(batch, 1, q_heads, dim).to(output.dtype)
         return torch.where(calibrate.reshape(batch, 1, q_heads, 1), merged, output)
+
+    def units(self, state: Calibration) -> dict[str, torch.Tensor] | None:
+        if state.query is None or state.store is None or state.lse is None or state.out is None:
+            return None
+        assert state.steps is not None and state.recomputed is not None  # set with the query
+        store = state.store
+        length = state.length
+        if length is None:  # every entry of the store
+            length = torch.full(store.keys.shape[:2], len(store), device=store.keys.device)
+        parts = dict(zip(("keys", "values", "positions", "scores"), store.parts))
+        counts = {"steps": state.steps, "recomputed": state.recomputed, "length": length}
+        return {"query": state.query, "lse": state.lse, "out": state.out, **parts, **counts}
+
+    def of_units(self, tensors: dict[str, torch.Tensor]) -> Calibration:
+        store = Evicted(tensors["keys"], tensors["values"], tensors["positions"], tensors["scores"])
+        counts = tensors["steps"], tensors["recomputed"], tensors["length"]
+        return Calibration(tensors["query"], tensors["lse"], tensors["out"], store, *counts)
 
     def policy_stats(self, states: list[Calibration]) -> dict:
         """``recompute_rate_per_layer`` (recomputations / calibration steps), the overall ``recompute_rate``,
         ``calibration_steps`` (summed over layers) and ``evicted_bytes`` (the kept evicted KV, all layers)."""
-        steps = [state.steps for state in states]
-        recomputed = [float(state.recomputed) for state in states]
+        steps = [0 if state.steps is None else int(state.steps.max()) for state in states]
+        recomputed = [0.0 if state.recomputed is None else float(state.recomputed.mean()) for state in states]
         stores = [state.store for state in states if state.store is not None]
         return {
             "recompute_rate_per_layer": [done / count if count else 0.0 for done, count in zip(recomputed, steps)],

@@ -5,8 +5,8 @@ from typing import Any
 
 import torch
 
-from kvbench.domains import FLAG, integer, optional, setting, token_window
-from kvbench.policies.base import Policy, window_tokens
+from kvbench.domains import FLAG, integer, optional, setting, token_window, window_tokens
+from kvbench.policies.base import Policy
 from kvbench.policies.context import Statistic
 from kvbench.policies.registry import register
 

@@ -70,12 +70,22 @@ class LinearCache:
     linear: LinearState | None = None
 
 
-def ptaa_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, state: LinearState, scaling: float):
+def ptaa_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    state: LinearState,
+    scaling: float,
+    visible: torch.Tensor | None = None,
+):
     """PTAA output (SLAKE Alg. 1, eq. 13) of ``query [B,Hc,G,D]`` (float32) over the kept ``keys``/``values
-    [B,Hc,T,D]`` and the evicted tokens folded in ``state``: ``[B,Hc,G,D]``. With ``ℓ = 0`` it is softmax
-    attention. The reference point of the exponentials is ``max(m, μ)`` instead of ``m``: the ratio is the
-    same and nothing overflows when the evicted mean logit exceeds the kept maximum."""
+    [B,Hc,T,D]`` (``visible [B,T]``: those each row holds) and the evicted tokens folded in ``state``:
+    ``[B,Hc,G,D]``. With ``ℓ = 0`` it is softmax attention. The reference point of the exponentials is ``max(m,
+    μ)`` instead of ``m``: the ratio is the same and nothing overflows when the evicted mean logit exceeds the
+    kept maximum."""
     logits = query @ keys.float().transpose(-1, -2) * scaling  # s_j [B,Hc,G,T]
+    if visible is not None:
+        logits = logits.masked_fill(~visible[:, None, None], float("-inf"))
     count = state.count[:, :, None]  # ℓ [B,Hc,1]
     mean = torch.einsum("bhgd,bhd->bhg", query, state.key_sum) * scaling / count.clamp_min(1.0)  # μ
     reference = torch.maximum(logits.amax(dim=-1), mean)  # [B,Hc,G]
@@ -127,13 +137,22 @@ class Slake(Modifier):
         folded = LinearState.of(evicted.keys, evicted.values)  # SLAKE Alg. 1 'update linear cache'
         state.linear = folded if state.linear is None else state.linear.add(folded)
 
-    def attend(self, state: LinearCache, query, keys, values, output, scaling):
+    def attend(self, state: LinearCache, query, keys, values, output, scaling, visible=None):
         if state.linear is None:
             return None
         batch, q_heads, _, dim = query.shape
         grouped = by_kv_head(query[:, :, 0].float(), keys.shape[1])  # [B,Hc,G,D]
-        result = ptaa_attention(grouped, keys, values, state.linear, scaling)  # SLAKE eq. (13)
+        result = ptaa_attention(grouped, keys, values, state.linear, scaling, visible)  # SLAKE eq. (13)
         return result.reshape(batch, 1, q_heads, dim).to(output.dtype)
+
+    def stores(self) -> bool:
+        return True
+
+    def units(self, state: LinearCache) -> dict[str, torch.Tensor] | None:
+        return None if state.linear is None else vars(state.linear)
+
+    def of_units(self, tensors: dict[str, torch.Tensor]) -> LinearCache:
+        return LinearCache(LinearState(**tensors))
 
 
 #: SLAKE Table 3: VABS exponents per model and average per-layer budget: (alpha, beta)

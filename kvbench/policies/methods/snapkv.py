@@ -6,8 +6,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvbench.domains import choice, integer, setting, token_window
-from kvbench.policies.base import Policy, window_tokens
+from kvbench.domains import choice, integer, setting, token_window, window_tokens
+from kvbench.policies.base import Policy
 from kvbench.policies.registry import register
 
 
