@@ -99,7 +99,9 @@ def shelf_key(cache: EvictionCache, layer: int, capacity: int) -> tuple:
 
 class Shelf:
     """One layer's units of capacity ``C``: ``keys``/``values [S,C,D]``, slot ``s`` holding ``lengths[s]`` entries
-    (its unit's kept ones, then the tokens appended since); ``lengths`` on the host. ``heads``: the cache heads of
+    (its unit's kept ones, then the tokens appended since); ``lengths`` on the host, and on the device (copied there
+    once after the slots change: a step then copies nothing to the device, which on CUDA waits for the queue, and
+    reads nothing back). ``heads``: the cache heads of
     its rows, ``query_heads`` their queries' (one head layout per shelf). ``modifiers``: its rows' attending ones,
     each with its units' state (``states``: ``Modifier.units``' tensors ``[S,...]``, made with the first unit that
     holds one) and ``active [S]``, the slots whose state holds something."""
@@ -116,6 +118,7 @@ class Shelf:
         self.owners: list[tuple[Stored, int] | None] = []
         self.count = 0  # the slots owned
         self.lengths = torch.zeros(0, dtype=torch.long)
+        self.on_device: torch.Tensor | None = None  # ``lengths`` on the keys' device, None once the slots change
         #: this step's: the stored units (row place × Hc + head) [n], their slots [n], where each writes [n], the
         #: entries each slot holds after it [S] (an empty slot one) and the longest slot
         self.members = self.slots = self.write_at = self.held = torch.empty(0)
@@ -133,6 +136,7 @@ class Shelf:
             self.keys, self.values = grown(self.keys, missing), grown(self.values, missing)
             self.owners += [None] * missing
             self.lengths = grown(self.lengths, missing)
+            self.on_device = None
             self.states = [
                 None if state is None else {name: grown(tensor, missing) for name, tensor in state.items()}
                 for state in self.states
@@ -153,6 +157,7 @@ class Shelf:
                     keys, values = head_entries(layer, head, own)
                     self.keys[slot, : keys.shape[0]], self.values[slot, : keys.shape[0]] = keys, values
                 self.lengths[slot], self.owners[slot] = row.kept[self.layer][head], (row, head)
+                self.on_device = None
                 row.slots[self.layer][head] = (self, slot)
             self.count += len(heads)
             self.place_states(layer, heads, slots)
@@ -188,7 +193,7 @@ class Shelf:
                 for name, tensor in units.items():
                     tensor[0, head] = state[name][within(slot, tensor.shape[2:])]
                 self.active[place][slot] = False
-        self.owners[slot], self.lengths[slot] = None, 0
+        self.owners[slot], self.lengths[slot], self.on_device = None, 0, None
         self.count -= 1
         return self.keys[slot, :length], self.values[slot, :length]
 
@@ -200,6 +205,7 @@ class Shelf:
         index = torch.tensor(held, device=self.keys.device)
         self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
         self.lengths, self.owners = self.lengths[held], [self.owners[slot] for slot in held]
+        self.on_device = None
         self.active = [active[index] for active in self.active]
         self.states = [
             None if state is None else {name: tensor[index] for name, tensor in state.items()} for state in self.states
@@ -215,10 +221,13 @@ class Shelf:
         host), one token each."""
         device = self.keys.device
         self.members, self.slots = members, slots
-        self.write_at = self.lengths[on_host].to(device)
+        if self.on_device is None:
+            self.on_device = self.lengths.to(device, copy=True)  # its own, on a CPU too
+        self.write_at = self.on_device[slots]
+        self.on_device[slots] += 1
         self.lengths[on_host] += 1
-        self.longest = int(self.lengths.max())
-        self.held = self.lengths.clamp(min=1).to(device)
+        self.longest = int(self.lengths.max())  # on the host
+        self.held = self.on_device.clamp(min=1)
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Write the step's keys/values of the stored units (``[N,Hkv,1,D]`` of the batch) at each unit's length."""

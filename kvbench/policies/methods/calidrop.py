@@ -127,7 +127,7 @@ class CaliDrop(Modifier):
         if state.length is not None:  # on a shelf: a slot without evicted entries is not a unit of CaliDrop's
             recompute &= state.length[..., None] > 0
             stored = torch.arange(len(state.store), device=grouped.device) < state.length[..., None]  # [B,Hc,E]
-        if recompute.any():
+        if grouped.device.type != "cpu" or recompute.any():  # on a GPU for every head: no wait to read it back
             store = state.store.to(grouped.device)  # reload the offloaded entries
             fresh = attention_lse(grouped, store.keys, store.values, scaling, stored)  # Alg. 1 lines 12–13
             state.query = torch.where(recompute[..., None], grouped, state.query)  # Alg. 1 line 14
