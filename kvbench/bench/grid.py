@@ -28,13 +28,17 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import PROJECT_ROOT
-from kvbench.config import compose, config_dict
+from kvbench.bench.measure import Operators
+from kvbench.config import compose, config_dict, policy_node, registered_policies, selected_policy_settings
+from kvbench.engine import Engine
 from kvbench.engine.rows import decode_rows
-from kvbench.engine.shared import generate_shared
+from kvbench.engine.shared import Prompt, generate_shared, prefill_shared
 from kvbench.engine.store import RowStore
 from kvbench.errors import KVBenchError
 from kvbench.launch.sweeps import sweep_loader, sweep_overrides
 from kvbench.models import load_model, resolve_device
+from kvbench.policies import build_policy
+from kvbench.policies.budgets import Budget
 from kvbench.rundir import ADDED_SETTINGS, RunDir, flatten, identity, runs_below
 
 if TYPE_CHECKING:
@@ -336,3 +340,61 @@ def memory_row(config: dict[str, Any], kind: str) -> dict[str, Any]:
         row["other_caches_bytes"] = sum(row["cache_peak_bytes"]) - outputs[heaviest].kv.peak_bytes
         row["layer_full_bytes"] = outputs[heaviest].kv.full_bytes // len(caches[heaviest].layers)
     return row
+
+
+def grid_operators(bench: Bench) -> dict[str, Any]:
+    """The operators (:class:`~kvbench.bench.measure.Operators`: on a GPU the kernel launches and the values read back)
+    one sample of a grouped sweep dispatches on the bench's model: every variant of ``${policies:variants}`` (with
+    ``bench.grid_operators.experiment``'s policy settings) at each budget, oneshot, one prompt of ``context_length``
+    tokens prefilled by one shared forward, then its rows decoding together, each attended alone and all stored
+    (``engine.rows_attention``: each, stored): the prefill's, and a decode step's (a decode of ``new_tokens`` + 4
+    tokens less one of ``new_tokens``, over 4); beside one full-cache row's step."""
+    section = bench.bench.grid_operators
+    length, new_tokens = int(section.context_length), int(section.new_tokens)
+    settings = selected_policy_settings((("experiment", str(section.experiment)),))
+    specs = registered_policies("variants", regime="oneshot").split(",")
+    prompt = bench.prompt(length)
+
+    def engine(spec: str, budget: str, attention: str) -> Engine:
+        policy = build_policy(spec, policy_node(spec, settings))
+        policy.for_model(bench.cfg.model.get("hf_id"), Budget.parse(budget))
+        return Engine(
+            bench.loaded.model,
+            policy,
+            budget,
+            attn_backend=bench.loaded.attn_backend,
+            rows_attention=attention,
+            sums_kernel=bench.cfg.engine.sums_kernel,
+        )
+
+    def counted(engines: list[Engine]) -> dict[str, float]:
+        figures = []
+        for tokens in (new_tokens, new_tokens + 4):
+            with Operators() as prefill:
+                rows = prefill_shared(engines, Prompt(prompt, tokens), batch_size=len(engines))
+            started = bench.clock.start()
+            with Operators() as decode:
+                decode_rows(rows, len(rows))
+            figures.append((prefill.launched, decode.launched, decode.host_reads, bench.clock.stop(started)[0]))
+        (prefill_ops, before, reads_before, seconds_before), (_, after, reads_after, seconds_after) = figures
+        return {
+            "prefill_operators": prefill_ops,
+            "step_operators": (after - before) / 4,
+            "step_host_reads": (reads_after - reads_before) / 4,
+            "step_seconds": (seconds_after - seconds_before) / 4,
+        }
+
+    by_attention = {
+        attention: counted([engine(spec, str(budget), attention) for spec in specs for budget in section.budgets])
+        for attention in ("each", "stored")
+    }
+    one = counted([engine("full", str(section.budgets[0]), "each")])
+    return {
+        "grid_operators": {
+            "rows": len(specs) * len(section.budgets),
+            "context_length": length,
+            "device": bench.loaded.device.type,
+            "by_attention": by_attention,
+            "full_row": one,
+        }
+    }

@@ -332,6 +332,29 @@ def markdown(results: dict[str, Any]) -> str:
                 ]
             ],
         )
+    if "grid_operators" in results:
+        counts = results["grid_operators"]
+        lines += [
+            "",
+            f"## Operators of a grouped sample: {counts['rows']} rows of {counts['context_length']} tokens",
+            "",
+        ]
+        full = counts["full_row"]["step_operators"]
+        named = {"one full-cache row": counts["full_row"]}
+        named.update((f"the rows, {attention}", figures) for attention, figures in counts["by_attention"].items())
+        rows = [
+            [
+                name,
+                figures["prefill_operators"],
+                f"{figures['step_operators']:.0f}",
+                f"{figures['step_operators'] / full:.1f}",
+                f"{figures['step_host_reads']:.1f}",
+                f"{figures['step_seconds']:.3f}",
+            ]
+            for name, figures in named.items()
+        ]
+        headers = ["", "prefill operators", "a step's operators", "÷ one row's", "a step's reads back", "a step (s)"]
+        lines += _table(headers, rows) + ["", f"({counts['device']}; on a GPU each operator is a kernel launch)"]
     if "leaderboard_grid" in results:
         board = results["leaderboard_grid"]
         title = (

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench.bench import kvpress
 from kvbench.bench.contexts import shared_contexts
-from kvbench.bench.grid import grid, leaderboard_grid
+from kvbench.bench.grid import grid, grid_operators, leaderboard_grid
 from kvbench.bench.report import machine, markdown, targets
 from kvbench.bench.sections import Bench
 from kvbench.engine import REGIMES
@@ -55,6 +55,7 @@ def run(bench: Bench, out: Path) -> dict[str, Any]:
         ("kvpress", sections.kvpress.enabled, lambda: {"kvpress": kvpress.compare(bench)}),
         ("grid", sections.grid.policies and sections.grid.budgets, lambda: grid(bench)),
         ("contexts", sections.contexts.policies and sections.contexts.budgets, lambda: shared_contexts(bench)),
+        ("grid operators", sections.grid_operators.context_length, lambda: grid_operators(bench)),
         ("leaderboard grid", sections.leaderboard_grid.num_samples, lambda: leaderboard_grid(bench)),
     ):
         if enabled:

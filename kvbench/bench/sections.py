@@ -128,6 +128,8 @@ class Bench:
             lengths.append(int(self.bench.kvpress.prompt_length))
         if self.bench.grid.policies and self.bench.grid.budgets:
             lengths.append(int(self.bench.grid.context_length))
+        if self.bench.grid_operators.context_length:
+            lengths.append(int(self.bench.grid_operators.context_length))
         if any(length < 2 for length in lengths):
             raise KVBenchError(f"bench prompt lengths must be >= 2 tokens, got {sorted(set(lengths))}")
         return lengths

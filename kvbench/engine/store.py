@@ -221,12 +221,13 @@ class Shelf:
         host), one token each."""
         device = self.keys.device
         self.members, self.slots = members, slots
-        if self.on_device is None:
+        if self.on_device is None:  # the slots changed
             self.on_device = self.lengths.to(device, copy=True)  # its own, on a CPU too
+            self.longest = int(self.lengths.max())
         self.write_at = self.on_device[slots]
         self.on_device[slots] += 1
         self.lengths[on_host] += 1
-        self.longest = int(self.lengths.max())  # on the host
+        self.longest += 1  # every slot held steps (a finished row leaves before the step)
         self.held = self.on_device.clamp(min=1)
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
