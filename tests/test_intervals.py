@@ -115,6 +115,10 @@ def test_the_leaderboard_gives_each_cell_its_interval_and_each_modifier_its_pair
     for row in cells.itertuples():
         metrics = json.loads((tmp_path / "runs" / row.policy / "metrics.json").read_text())
         assert row.mean == pytest.approx(metrics["scores"][row.subtask]) and row.low <= row.mean <= row.high
+        records = [json.loads(line) for line in (tmp_path / "runs" / row.policy / "predictions.jsonl").open()]
+        assert row.generated == pytest.approx(np.mean([record["generated_tokens"] for record in records]))
+        assert row.kv_peak_mib == pytest.approx(np.mean([record["kv"]["peak_bytes"] for record in records]) / 2**20)
+    assert cells.set_index("policy")["kv_peak_mib"].idxmax() == "full"
     assert list(paired["policy"]) == ["snapkv+caote"] and list(paired["base"]) == ["snapkv"]
     assert paired["n"].iloc[0] == 4 and paired["low"].iloc[0] <= paired["difference"].iloc[0] <= paired["high"].iloc[0]
     assert sorted(path.name for path in (tmp_path / "tables").iterdir()) == [
@@ -208,6 +212,7 @@ def test_the_committed_leaderboard_regenerates_its_report_and_the_results_page(t
             assert made.strip() in readme, f"docs/results.md does not quote {name}.md"
     tables = leaderboard_tables(load_runs([committed]))
     assert (tables["leaderboard_cells"]["n"] >= 100).all() and (tables["leaderboard_paired"]["n"] >= 100).all()
+    assert "kv_peak_mib" in tables["leaderboard_cells"] and "generated" not in tables["leaderboard_cells"]  # older runs
 
 
 def test_perplexity_cells_keep_their_scale(tmp_path):
