@@ -142,10 +142,13 @@ def test_a_store_lets_each_shelf_go_once_its_rows_have_left(monkeypatch):
     ("spec", "settings"),
     [("snapkv+slake", {}), ("snapkv+calidrop", {}), ("snapkv+calidrop", {"theta1": 1.1}), ("h2o+calidrop", {})],
 )
-def test_a_shelf_attends_an_attending_modifier_where_a_row_evicted_and_softmax_where_none_did(spec, settings):
+def test_a_shelf_attends_an_attending_modifier_where_a_row_evicted_and_softmax_where_none_did(
+    spec, settings, monkeypatch
+):
     """SLAKE's or CaliDrop's rows (recomputing at every step with ``theta1`` above 1) on one shelf a layer: a prompt
-    under the budget (nothing evicted, no state) beside prompts that evicted more or fewer entries; each row's tokens
-    and policy statistics (CaliDrop's steps counted while a row steps, not after) are its own alone."""
+    under the budget (nothing evicted, no state) beside prompts that evicted more or fewer entries; each row's state
+    moves onto the shelf (the row holds none while stored) and back; each row's tokens and policy statistics
+    (CaliDrop's steps counted while a row steps, not after; its evicted bytes) are its own alone."""
     model = tiny_model()
     engine = Engine(model, build_policy(spec, {"window": 8, **settings}), 48, rows_attention="stored")
     prompts = [random_prompt(length, seed=length) for length in (47, 90, 120)]
@@ -159,9 +162,20 @@ def test_a_shelf_attends_an_attending_modifier_where_a_row_evicted_and_softmax_w
     assert modifier.units(rows[0].cache.eviction_layers[0].state_of(modifier)) is None
     assert modifier.units(rows[1].cache.eviction_layers[0].state_of(modifier)) is not None
     assert {capacity_class(min(len(prompt), 48) + 3) for prompt in prompts} == {52}  # one shelf a layer
+    held: list[bool] = []  # whether a row that evicted still holds its state while stored: moved, not copied
+    step_rows = engine_module.step_rows
+    monkeypatch.setattr(
+        engine_module,
+        "step_rows",
+        lambda stepping, store: (
+            step_rows(stepping, store),
+            held.append(modifier.name in rows[2].cache.eviction_layers[0].modifier_state),
+        )[0],
+    )
     stores: list[RowStore] = []
     outputs = decode_rows(rows, batch_size=3, store=stores.append(RowStore()) or stores[0])
     assert len(stores[0].places) == 0 and stores[0].peak_bytes > 0  # the rows were stored, and have left
+    assert held == [False, False] and modifier.units(rows[2].cache.eviction_layers[0].state_of(modifier)) is not None
     assert [output.token_ids for output in outputs] == [output.token_ids for output in alone]
     assert [output.policy_stats for output in outputs] == [output.policy_stats for output in alone]
 

@@ -90,6 +90,8 @@ class Stored:
     appended: list[int]  # by layer, the entries appended to it before (after a head-wise eviction, beside its own)
     reserved: int  # the bytes of the entries it may hold, every unit's (kept and to come)
     slots: list[list[tuple[Shelf, int] | None]] = field(default_factory=list)  # [layer][head]
+    #: by (layer, attending modifier), the sizes of each unit's state tensors (``Modifier.units``), held on the shelves
+    unit_sizes: dict[tuple[int, str], dict[str, torch.Size]] = field(default_factory=dict)
 
 
 def shelf_key(cache: EvictionCache, layer: int, capacity: int) -> tuple:
@@ -181,21 +183,21 @@ class Shelf:
             self.active[place][index] = True
 
     def take(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Free ``slot`` (its unit's attending state written back into its row's); its entries ``[length,D]``
-        (views of the shelf: copy what is kept)."""
+        """Free ``slot``; its entries ``[length,D]`` (views of the shelf: copy what is kept; its attending state:
+        :meth:`unit_state`)."""
         length = int(self.lengths[slot])
-        owner = self.owners[slot]
-        assert owner is not None  # a held slot
-        row, head = owner
-        for place, (modifier, state) in enumerate(zip(self.modifiers, self.states)):
-            units = modifier.units(row.cache.eviction_layers[self.layer].state_of(modifier))
-            if state is not None and units is not None:
-                for name, tensor in units.items():
-                    tensor[0, head] = state[name][within(slot, tensor.shape[2:])]
-                self.active[place][slot] = False
+        for active in self.active:
+            active[slot] = False
         self.owners[slot], self.lengths[slot], self.on_device = None, 0, None
         self.count -= 1
         return self.keys[slot, :length], self.values[slot, :length]
+
+    def unit_state(self, modifier: str, slot: int, sizes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+        """The state of ``modifier`` (a name) that ``slot`` holds, each tensor cut to its unit's ``sizes``."""
+        place = [held.name for held in self.modifiers].index(modifier)
+        state = self.states[place]
+        assert state is not None  # a unit with sizes placed its state
+        return {name: state[name][within(slot, size)] for name, size in sizes.items()}
 
     def compact(self) -> bool:
         """Copy the shelf without its free slots where they are more than a sixteenth of it; whether it did."""
@@ -305,11 +307,15 @@ class RowStore:
         for key, units in arriving.items():
             self.shelves[key].place(units)
         for row in {id(row): row for units in arriving.values() for row, _ in units}.values():
-            for entries in row.cache.eviction_layers:  # held on the shelves now
+            for index, entries in enumerate(row.cache.eviction_layers):  # held on the shelves now
                 entries.keys, entries.values = entries.keys[:, :, :0].clone(), entries.values[:, :, :0].clone()
                 if (own := entries.headwise) is not None:
                     own.keys, own.values = own.keys[:0].clone(), own.values[:0].clone()
                     entries.layout = None
+                for modifier in row.cache.attending:  # its state too, made again when the row leaves
+                    if (state := modifier.units(entries.state_of(modifier))) is not None:
+                        row.unit_sizes[index, modifier.name] = {name: unit.shape[2:] for name, unit in state.items()}
+                        del entries.modifier_state[modifier.name]
         if any([shelf.compact() for shelf in self.shelves.values()]):
             self.layout = None
         members = tuple(id(cache) if id(cache) in self.places else -1 for cache in caches)
@@ -354,10 +360,15 @@ class RowStore:
         self.layout = None
         self.reserved -= row.reserved
         for index, (layer, kept, by_head) in enumerate(zip(cache.eviction_layers, row.kept, row.slots)):
+            found_slots = [found for found in by_head if found is not None]
+            assert len(found_slots) == len(by_head)  # every unit of a stored row is on a shelf
+            for modifier in cache.attending:  # its units' state, back in the row as one [1,Hc,...] state
+                if (sizes := row.unit_sizes.get((index, modifier.name))) is not None:
+                    units = [shelf.unit_state(modifier.name, slot, sizes) for shelf, slot in found_slots]
+                    stacked = {name: torch.stack([unit[name] for unit in units])[None] for name in sizes}
+                    layer.modifier_state[modifier.name] = modifier.of_units(stacked)
             entries = []
-            for found in by_head:
-                assert found is not None  # every unit of a stored row is on a shelf
-                shelf, slot = found
+            for shelf, slot in found_slots:
                 entries.append(shelf.take(slot))
                 if shelf.count == 0:
                     self.shelves.pop(shelf.key, None)
