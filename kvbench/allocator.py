@@ -5,12 +5,15 @@ each large temporary tensor is page-faulted in, zero-filled, again: a VABS prefe
 (float32 maps ``[B,Hq,W,T]`` of 28 MB at W = T = 885) took 12,700 page faults a call, none with both thresholds
 raised. The mmap threshold goes to glibc's maximum on 64 bits (32 MiB) and the trim threshold to 1 GiB: freed memory
 stays in the heap for the next tensor. Where memory is measured, :func:`release_freed_memory` hands it back first
-(``kvbench.bench.measure.PeakMemory``). Without glibc (no ``mallopt``) nothing changes.
+(``kvbench.bench.measure.PeakMemory``). Without glibc (no ``mallopt``) nothing changes. A ``kvbench`` process that
+``kvbench bench`` starts writes its own peak as it exits (:func:`write_own_peak`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+from pathlib import Path
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 MMAP_THRESHOLD = 32 * 2**20  # DEFAULT_MMAP_THRESHOLD_MAX on 64 bits: a larger value is refused
@@ -39,3 +42,16 @@ def release_freed_memory() -> None:
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+#: where ``kvbench`` writes its own peak resident bytes as it exits (``VmHWM``, :func:`write_own_peak`), when set
+PEAK_RSS_FILE = "KVBENCH_PEAK_RSS_FILE"
+
+
+def write_own_peak() -> None:
+    """Write this process's peak resident bytes since its ``exec`` to the file :data:`PEAK_RSS_FILE` names, if any."""
+    status = Path("/proc/self/status")
+    if (target := os.environ.get(PEAK_RSS_FILE)) and status.exists():
+        found = [line.split()[1] for line in status.read_text().splitlines() if line.startswith("VmHWM:")]
+        if found:
+            Path(target).write_text(str(int(found[0]) * 1024))  # kB

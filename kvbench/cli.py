@@ -42,6 +42,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from kvbench import CONF_DIR, __version__
+from kvbench.allocator import PEAK_RSS_FILE, write_own_peak
 from kvbench.errors import KVBenchError, fail, system_error
 from kvbench.rundir import RunDir, held_back, register_run_name
 
@@ -367,6 +368,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+        if os.environ.get(PEAK_RSS_FILE):  # kvbench bench's child runs: their own peak (kvbench.bench.grid)
+            write_own_peak()
 
 
 if __name__ == "__main__":

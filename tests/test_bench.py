@@ -272,6 +272,17 @@ def test_grid_operators_count_a_grouped_samples_prefill_and_step_each_alone_and_
     assert f"## Operators of a grouped sample: {counts['rows']} rows of 512 tokens" in (out / "bench.md").read_text()
 
 
+def test_a_child_runs_peak_is_its_own_not_the_bench_processes_size(tmp_path):
+    """A ``kvbench`` process the bench starts reports its own peak resident bytes (``VmHWM`` as it exits): under a
+    parent holding 1 GiB, which a forked child's ``ru_maxrss`` would report at least."""
+    from kvbench.bench.grid import run_measured
+
+    held = bytearray(2**30)
+    held[:: 2**12] = b"x" * (2**30 // 2**12)  # every page resident
+    _, peak = run_measured(["policies"], tmp_path / "kvbench.log")
+    assert 0 < peak < 2**30 and len(held) == 2**30
+
+
 def test_kvpress_agrees_with_kvbench_snapkv(tmp_path):
     pytest.importorskip("kvpress")
     sections = ["bench.prefill.prompt_lengths=[]", "bench.decode.prompt_lengths=[]", "bench.memory.prompt_lengths=[]"]

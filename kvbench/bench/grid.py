@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import PROJECT_ROOT
+from kvbench.allocator import PEAK_RSS_FILE
 from kvbench.bench.measure import Operators
 from kvbench.config import compose, config_dict, policy_node, registered_policies, selected_policy_settings
 from kvbench.engine import Engine
@@ -74,16 +75,21 @@ def run_kvbench(arguments: list[str], log: Path) -> float:
 
 
 def run_measured(arguments: list[str], log: Path) -> tuple[float, int]:
-    """Run ``kvbench ARGUMENTS`` in a new process (its output to ``log``); its wall seconds and peak resident bytes
-    (the kernel's ``ru_maxrss`` of that process, reaped with ``wait4``)."""
+    """Run ``kvbench ARGUMENTS`` in a new process (its output to ``log``); its wall seconds and peak resident bytes:
+    its own ``VmHWM`` as it exits (:data:`PEAK_RSS_FILE`), else the kernel's ``ru_maxrss`` reaped with ``wait4``
+    (which is at least this process's size when it forked: Linux keeps the forked copy's peak across ``exec``)."""
     start = time.perf_counter()
+    peak = log.with_name(f"peak-{time.monotonic_ns()}.txt")
     with log.open("a", encoding="utf-8") as output:
-        process = subprocess.Popen([sys.executable, "-m", "kvbench.cli", *arguments], stdout=output, stderr=output)
+        command = [sys.executable, "-m", "kvbench.cli", *arguments]
+        environment = {**os.environ, PEAK_RSS_FILE: str(peak)}
+        process = subprocess.Popen(command, stdout=output, stderr=output, env=environment)
         _, status, usage = os.wait4(process.pid, 0)
         process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode:
         raise KVBenchError(f"bench grid: kvbench {' '.join(arguments)} failed (exit {process.returncode}); see {log}")
-    return time.perf_counter() - start, usage.ru_maxrss * 1024  # kilobytes on Linux
+    own = int(peak.read_text()) if peak.exists() else usage.ru_maxrss * 1024  # kilobytes on Linux
+    return time.perf_counter() - start, own
 
 
 def predictions(root: Path) -> dict[str, dict[str, str]]:
