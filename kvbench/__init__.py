@@ -7,15 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
-from kvbench.allocator import keep_freed_memory
-
 __version__ = "0.1.0"
-
-# OpenMP threads that wait by sleeping after a short spin, set before torch loads its OpenMP runtime
-# (kvbench/engine/threads.py)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
-keep_freed_memory()  # large freed tensors stay in the heap for the next one (kvbench/allocator.py)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]  # the checkout (site-packages when installed from a wheel)
 CONF_ENV = "KVBENCH_CONF_DIR"  # a folder laid out as kvbench/conf, replacing the shipped configs

@@ -1,4 +1,5 @@
-"""glibc's malloc kept from handing large freed blocks back to the kernel (set when kvbench is imported).
+"""glibc's malloc kept from handing large freed blocks back to the kernel (set as a kvbench process starts,
+:func:`kvbench.process.prepare`).
 
 Past its mmap threshold glibc serves an allocation with fresh pages from the kernel and unmaps them when freed, so
 each large temporary tensor is page-faulted in, zero-filled, again: a VABS preference over a whole-prompt window

@@ -44,9 +44,11 @@ from omegaconf import DictConfig
 from kvbench import CONF_DIR, __version__
 from kvbench.allocator import PEAK_RSS_FILE, write_own_peak
 from kvbench.errors import KVBenchError, fail, system_error
+from kvbench.process import prepare
 from kvbench.rundir import RunDir, held_back, register_run_name
 
 register_run_name()  # conf/config.yaml's ${run_name:}, also in a sweep's job processes (they import this module)
+prepare()  # threads and allocator, before torch loads: nothing imported above loads it (kvbench/process.py)
 
 log = logging.getLogger(__name__)
 

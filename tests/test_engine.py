@@ -197,14 +197,18 @@ def test_take_slots_is_gather_along_the_slots():
 
 
 def test_openmp_threads_sleep_after_a_short_spin_unless_the_environment_says_otherwise():
-    """kvbench sets GNU OpenMP's wait before torch loads it (kvbench/engine/threads.py); a value given wins."""
-    show = "import os, kvbench; print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'])"
+    """The CLI sets GNU OpenMP's wait before torch loads it (kvbench/engine/threads.py); a value given wins; importing
+    kvbench sets nothing (a Python program calls ``kvbench.process.prepare``)."""
+    show = "import os; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+    started = "import kvbench.cli; " + show  # the CLI's module, which a sweep's job processes import too
     environment = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    default = subprocess.run([sys.executable, "-c", show], env=environment, capture_output=True, text=True, check=True)
-    given = subprocess.run(
-        [sys.executable, "-c", show], env={**environment, "GOMP_SPINCOUNT": "0"}, capture_output=True, text=True
-    )
-    assert default.stdout.split() == ["PASSIVE", "1000"] and given.stdout.split() == ["PASSIVE", "0"]
+
+    def printed(code: str, **given: str) -> list[str]:
+        ran = subprocess.run([sys.executable, "-c", code], env={**environment, **given}, capture_output=True, text=True)
+        return ran.stdout.split()[-2:]
+
+    assert printed(started) == ["PASSIVE", "1000"] and printed(started, GOMP_SPINCOUNT="0") == ["PASSIVE", "0"]
+    assert printed("import kvbench, kvbench.engine; " + show) == ["None", "None"]
 
 
 @pytest.mark.model
