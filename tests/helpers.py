@@ -113,10 +113,10 @@ def checked_evictions(monkeypatch, verdict) -> list[bool]:
     evictions: list[bool] = []
     original = EvictionCache._evict
 
-    def checked(cache, layer_idx, budget, scores, scaling):
+    def checked(cache, layer_idx, budget, scores, scaling, *more, **named):  # EvictionCache._evict's arguments
         layer = cache.eviction_layers[layer_idx]
         keys, values, positions = layer.keys[0].double(), layer.values[0].double(), layer.positions[0].clone()
-        original(cache, layer_idx, budget, scores, scaling)
+        original(cache, layer_idx, budget, scores, scaling, *more, **named)
         kept = torch.stack([torch.isin(positions[h], layer.positions[0, h]) for h in range(positions.shape[0])])
         evictions.append(bool(verdict(layer_idx, keys, values, kept, budget)))
 
