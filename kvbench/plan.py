@@ -40,7 +40,7 @@ from kvbench.job import Job, resolve
 from kvbench.launch.launchers import typed
 from kvbench.launch.sweeps import MULTIRUN_FLAGS, compose_job, shared_config_files, sweep_loader, sweep_overrides
 from kvbench.packed import packed_run
-from kvbench.run import checked_task, group_key, local_tokenizer, settings_key, tokenizer_or_stand_in
+from kvbench.run import checked_task, group_key, local_tokenizer, node_key, tokenizer_or_stand_in
 from kvbench.rundir import RunDir, finished_metrics
 from kvbench.tasks.ppl import PerplexityTask
 
@@ -65,7 +65,7 @@ class Estimator:
     def loaded(self, job: Job) -> tuple[Any, float]:
         from kvbench.models import load_model
 
-        model_key = settings_key(job.cfg.model)
+        model_key = node_key(job.cfg.model)
         if model_key not in self.models:
             set_threads(job.cfg.engine.threads)
             started = time.perf_counter()
@@ -78,7 +78,7 @@ class Estimator:
         from kvbench.run import build_engine, build_task, run_sample
 
         loaded, _ = self.loaded(job)
-        task_key = (settings_key(job.cfg.model), settings_key(job.cfg.task))
+        task_key = (node_key(job.cfg.model), node_key(job.cfg.task))
         if task_key not in self.samples:
             task = build_task(job.cfg, loaded.tokenizer)
             sample = next(iter(task.samples()))

@@ -69,7 +69,7 @@ class RepeatPrompt:
         return forwards
 
 
-class Runner(Protocol):
+class Stepper(Protocol):
     """What a reconstruction needs of ``kvbench.engine.engine.Engine`` (which imports this module)."""
 
     def step(self, cache: EvictionCache, token_ids: list[int], start: int, evict: bool | None = None) -> torch.Tensor:
@@ -81,7 +81,7 @@ class Runner(Protocol):
     def now(self) -> float: ...
 
 
-def reconstruct(engine: Runner, caches: list[EvictionCache], context: list[int]) -> None:
+def reconstruct(engine: Stepper, caches: list[EvictionCache], context: list[int]) -> None:
     """Score and evict those of ``caches`` (``context`` prefilled into each, by ``engine``'s model) whose policy
     gathers the ``reconstruction`` statistic: one reconstruction per chunk size, sinks and head layout, its time
     shared among the caches it serves (``scoring_seconds``)."""

@@ -72,7 +72,7 @@ def model_refusal_of(cfg: DictConfig) -> str | None:
     return model_refusal(policy, held_windows(skeleton.config.get_text_config()), has_learned_sinks(skeleton))
 
 
-def settings_key(node: DictConfig) -> str:
+def node_key(node: DictConfig) -> str:
     """A config node's settings as one string: a key for what was loaded or measured for them."""
     return json.dumps(config_dict(node, resolve=True), sort_keys=True)
 
@@ -81,7 +81,7 @@ def local_tokenizer(model: DictConfig, cache: dict[str, Any] | None = None) -> A
     """The model's own tokenizer where this machine has it (loaded once per model with ``cache``), else None;
     nothing is downloaded."""
     cache = {} if cache is None else cache
-    key = settings_key(model)
+    key = node_key(model)
     if key not in cache:
         try:
             with hub_offline():
