@@ -41,9 +41,9 @@ def test_adakv_keeps_the_layers_best_slots_over_its_heads_with_the_safeguard(mon
     scores: list[tuple[torch.Tensor, int]] = []
     evict = EvictionCache._evict
 
-    def recording(cache, layer_idx, budget, ranking, scaling):
+    def recording(cache, layer_idx, budget, ranking, scaling, *more, **named):  # EvictionCache._evict's arguments
         scores.append((ranking[0].clone(), budget))
-        evict(cache, layer_idx, budget, ranking, scaling)
+        evict(cache, layer_idx, budget, ranking, scaling, *more, **named)
 
     monkeypatch.setattr(EvictionCache, "_evict", recording)
     runner = engine(tiny_model(layers=LAYERS), "snapkv+adakv", 24, window=4, alpha_safeguard=alpha)

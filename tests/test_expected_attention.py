@@ -68,12 +68,12 @@ def test_expected_attention_keeps_the_top_of_its_closed_form(regime, gqa, archit
     evictions: list[bool] = []
     original = EvictionCache._evict
 
-    def checked(cache, layer_idx, budget, scores, scaling):
+    def checked(cache, layer_idx, budget, scores, scaling, *more, **named):  # EvictionCache._evict's arguments
         layer = cache.eviction_layers[layer_idx]
         keys, values, positions = layer.keys[0].double(), layer.values[0].double(), layer.positions[0].clone()
         queries = torch.cat(seen[layer_idx], dim=1)[:, SINKS:]  # every query seen, the sinks' left out
         start = int(positions.max()) + 1
-        original(cache, layer_idx, budget, scores, scaling)
+        original(cache, layer_idx, budget, scores, scaling, *more, **named)
         expected = expected_scores(queries, keys, values, start, inv_freq, factor)
         if gqa == "repeat":  # each query head its own cache head
             expected = torch.stack(

@@ -21,12 +21,12 @@ def test_keydiff_keeps_the_keys_least_like_the_anchor(regime, gqa, monkeypatch):
     evictions = []
     original = EvictionCache._evict
 
-    def checked(cache, layer_idx, budget, scores, scaling):
+    def checked(cache, layer_idx, budget, scores, scaling, *more, **named):  # EvictionCache._evict's arguments
         layer = cache.eviction_layers[layer_idx]
         keys = layer.keys.double()  # [1,Hc,T,D]
         similarity = F.cosine_similarity(keys, F.normalize(keys, dim=-1).mean(dim=2, keepdim=True), dim=-1)
         expected = layer.positions.gather(2, similarity.topk(budget, dim=-1, largest=False).indices)
-        original(cache, layer_idx, budget, scores, scaling)
+        original(cache, layer_idx, budget, scores, scaling, *more, **named)
         evictions.append(torch.equal(layer.positions, expected.sort(dim=-1).values))
 
     monkeypatch.setattr(EvictionCache, "_evict", checked)

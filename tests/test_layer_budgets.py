@@ -276,7 +276,9 @@ def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_a
         if mode == "per_stage":  # every stage evicts the layers over their budgets
             monkeypatch.setattr(CascadeStages, "__init__", lambda self, cache: stages(self, cache) or per_stage(self))
         if mode == "eager":  # every eviction gathers at once
-            monkeypatch.setattr(layer_module.EvictionLayer, "keep", lambda self, kept, defer=False: keep(self, kept))
+            monkeypatch.setattr(
+                layer_module.EvictionLayer, "keep", lambda self, kept, defer=False, **more: keep(self, kept, **more)
+            )
         gathers.clear(), selections.clear()
         engine = Engine(llama, build_policy(spec, {"window": 8, **params}), budget)
         cache = engine.new_cache(len(prompt))

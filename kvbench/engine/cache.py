@@ -294,7 +294,8 @@ class EvictionCache(Cache):
                 self.stages.shared = shared  # what the stage ranks and scores from
                 policy.layer_budget.cascade(self.allocation, self.stages, layer_idx, scaling)
             else:
-                self._evict(layer_idx, budget, self.shared_scores(layer_idx, budget, scaling, shared), scaling)
+                scores = self.shared_scores(layer_idx, budget, scaling, shared)
+                self._evict(layer_idx, budget, scores, scaling, shared=shared)
         if window and forward.last_eviction:  # Expected Attention's: the prompt's queries, not held for 32 layers
             layer.recent_queries = layer.recent_query_positions = None
         if self.stages is not None and layer_idx == len(self.layers) - 1:  # the cascade's evictions, made once
@@ -323,9 +324,12 @@ class EvictionCache(Cache):
         per_head: torch.Tensor | None = None,
         held: torch.Tensor | None = None,
         defer: bool = False,
+        shared: dict[tuple, Any] | None = None,
     ) -> None:
         """Keep the top ``budget`` slots per cache head by ``scores [B,Hc,T]`` (or head-wise: :func:`kept_per_head`),
-        reserved slots first; hand the evicted entries to the attending modifiers."""
+        reserved slots first; hand the evicted entries to the attending modifiers. ``shared``: a shared prefill's
+        (:meth:`after_attention`), where the variants of one ranking and budget keep one selection: its slots, the
+        entries gathered and those evicted made by the first of them (each a new tensor, which none writes into)."""
         layer = self.eviction_layers[layer_idx]
         kept = kept_per_head(self.policy, scores, layer.get_seq_length(), budget, self.prompt_len, per_head, held)
         if kept is not None:
@@ -337,14 +341,37 @@ class EvictionCache(Cache):
         if self.policy.keeps_ranked_only:  # whole chunks: the reserved and the ranked slots
             ranked = torch.isfinite(scores[..., sinks : scores.shape[-1] - recent]).sum(dim=-1).min()
             budget = sinks + recent + int(ranked)
-        kept = top_slots(scores, budget, recent, sinks)
-        evicted = layer.dropped_by(kept) if self.attending else None
-        layer.keep(kept, defer=defer)
+        key = self._selection_key(layer_idx, budget, recent, sinks, defer, shared)
+        kept, gathered = shared[key] if shared is not None and key in shared else (None, None)
+        if kept is None:
+            kept = top_slots(scores, budget, recent, sinks)
+        evicted = None
+        if self.attending:  # the entries the modifiers are handed, made once for the selection
+            evicted = shared.get((key, "evicted")) if shared is not None and key is not None else None
+            evicted = layer.dropped_by(kept) if evicted is None else evicted
+            if shared is not None and key is not None:
+                shared[key, "evicted"] = evicted
+        layer.keep(kept, defer=defer, gathered=gathered)
+        if shared is not None and key is not None and key not in shared:
+            shared[key] = kept, (layer.keys, layer.values, layer.positions)
         if evicted is not None:  # i.e. there are attending modifiers
             assert layer.last_query is not None  # after_attention keeps it when modifiers attend
             for modifier in self.attending:
                 modifier.on_evict(layer.state_of(modifier), evicted, layer.last_query, scaling)
         self.account(layer_idx)
+
+    def _selection_key(
+        self, layer_idx: int, budget: int, recent: int, sinks: int, defer: bool, shared: dict[tuple, Any] | None
+    ) -> tuple | None:
+        """What a shared prefill's variants keeping one selection of a layer share (:meth:`_evict`): its ranking
+        (:meth:`Scorer.ranking_key`), the entries it ranks (one tensor: the shared forward's), the budget and the
+        reserved slots; None where the layer is not a shared prefill's as it came (a cascade's deferred gathers) or the
+        policy keeps a number of its own (whole chunks)."""
+        layer = self.eviction_layers[layer_idx]
+        ranking = None if shared is None else self.scorer.ranking_key(budget, self._forward())
+        if ranking is None or defer or layer.deferred_slots is not None or self.policy.keeps_ranked_only:
+            return None
+        return "kept", layer_idx, ranking, id(layer.keys), layer.get_seq_length(), budget, recent, sinks
 
     def account(self, layer_idx: int, tokens: int | None = None) -> None:
         """The layer's bytes held (``tokens`` per cache head where an eviction to them is yet to be made)."""
