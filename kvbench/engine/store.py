@@ -100,13 +100,13 @@ def shelf_key(cache: EvictionCache, layer: int, capacity: int) -> tuple:
 
 
 class Shelf:
-    """One layer's units of capacity ``C``: ``keys``/``values [S,C,D]``, slot ``s`` holding ``lengths[s]`` entries
-    (its unit's kept ones, then the tokens appended since); ``lengths`` on the host, and on the device (copied there
-    once after the slots change: a step then copies nothing to the device, which on CUDA waits for the queue, and
-    reads nothing back). ``heads``: the cache heads of
-    its rows, ``query_heads`` their queries' (one head layout per shelf). ``modifiers``: its rows' attending ones,
-    each with its units' state (``states``: ``Modifier.units``' tensors ``[S,...]``, made with the first unit that
-    holds one) and ``active [S]``, the slots whose state holds something."""
+    """One layer's units of capacity ``C``: ``keys``/``values [S,C,D]``, slot ``s`` holding ``lengths[s]`` entries (its
+    unit's kept ones, then the tokens appended since); ``lengths`` on the host, and on the device (copied there once
+    after the slots change: a step then copies nothing to the device, which on CUDA waits for the queue, and reads
+    nothing back). ``heads``: the cache heads of its rows, ``query_heads`` their queries' (one head layout per
+    shelf). ``modifiers``: its rows' attending ones, each with its units' state (``states``: ``Modifier.units``'
+    tensors ``[S,...]``, made with the first unit that holds one) and ``active [S]``, the slots whose state holds
+    something."""
 
     def __init__(self, like: EvictionCache, layer: int, capacity: int) -> None:
         first = like.eviction_layers[layer].keys
