@@ -15,7 +15,7 @@ import pytest
 from kvbench.cli import main
 from kvbench.errors import KVBenchError
 from kvbench.finished import load_runs
-from kvbench.results.compare import Comparison, parse_spec
+from kvbench.results.compare import Comparison, table_spec
 from kvbench.results.plots import make_plots, niah_grid
 from kvbench.results.render import render
 from kvbench.results.table import benchmark_tables
@@ -499,7 +499,7 @@ def test_calidrop_needle_text_compares_with_the_overall_needle_score(tmp_path):
         write_run(
             tmp_path / f"{policy}-{budget}", "llama3_8b", policy, budget, "niah", {"overall": overall, "8000": overall}
         )
-    assert parse_spec("calidrop:niah_text") == ("calidrop", "niah_text")
+    assert table_spec("calidrop:niah_text") == ("calidrop", "niah_text")
     frame = Comparison("calidrop", "niah_text", load_runs([tmp_path])).frame.set_index(["method", "budget", "row"])
     assert frame.loc[("h2o", "96", "ours"), "niah"] == "50.00" and frame.loc[("h2o", "96", "Δ"), "niah"] == "+1.50"
     assert frame.loc[("h2o+calidrop", "128", "Δ"), "niah"] == "-3.80"
@@ -511,7 +511,7 @@ def test_compare_bad_table_is_one_line(capsys):
         main(["compare-paper", "caote:table99"])
     error = capsys.readouterr().err
     assert "unknown table for paper 'caote' 'table99'; valid choices: " in error and error.count("\n") == 1
-    assert parse_spec("obcache:1") == ("obcache", "table1")
+    assert table_spec("obcache:1") == ("obcache", "table1")
 
 
 # --- plots -------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from kvbench import PROJECT_ROOT, hub
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
 from kvbench.metrics.ruler import string_match_all, string_match_part
-from kvbench.run.lifecycle import within_window
+from kvbench.run.lifecycle import samples_within_window
 from kvbench.tasks import resources
 from kvbench.tasks.base import ModelInfo
 from kvbench.tasks.ruler import RulerTask
@@ -429,12 +429,14 @@ def test_file_prompts_are_cut_in_the_middle_as_kvcache_factory():
 
 def test_bad_files_and_settings_are_one_line_errors(tmp_path):
     job = OmegaConf.create({"model": {"context_window": 4096, "name": "tiny_llama"}, "task": {"name": "ruler"}})
-    with pytest.raises(  # the run's check of every task's samples (kvbench.run.lifecycle.within_window)
+    with pytest.raises(  # the run's check of every task's samples (kvbench.run.lifecycle.samples_within_window)
         KVBenchError,
         match=r"^task ruler: sample niah_single_1-0 has \d+ prompt tokens and may generate 128, beyond the "
         "context window 4096 of model tiny_llama",
     ):
-        within_window(list(RulerTask(file_cfg(), tiny_model()).samples()), job)  # 4k of SmolLM2's tokens: 16k bytes
+        samples_within_window(
+            list(RulerTask(file_cfg(), tiny_model()).samples()), job
+        )  # 4k of SmolLM2's tokens: 16k bytes
     with pytest.raises(KVBenchError, match=r"RULER file .*cwe.jsonl not found"):
         list(RulerTask(file_cfg(subtasks=["cwe"]), tiny_model()).samples())
     (tmp_path / "vt.jsonl").write_text('{"index": 0, "input": "x"}\n')

@@ -27,7 +27,7 @@ from kvbench.policies.budgets import Budget
 log = logging.getLogger(__name__)
 
 
-def run(bench: Bench, out: Path) -> dict[str, Any]:
+def run_sections(bench: Bench, out: Path) -> dict[str, Any]:
     """All sections; ``bench.json`` and ``bench.md`` in ``out`` are rewritten after each one (a long run
     that is interrupted keeps what it measured). Returns the ``bench.json`` document."""
     started = time.perf_counter()
@@ -93,4 +93,4 @@ def run_bench(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         choose(key, regime, REGIMES)
     out = output_directory(cfg)
     set_threads(cfg.engine.threads)
-    return run(Bench(cfg, load_model(cfg.model)), out), out
+    return run_sections(Bench(cfg, load_model(cfg.model)), out), out

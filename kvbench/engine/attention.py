@@ -336,7 +336,7 @@ def no_mask(*args, **kwargs):
     return None
 
 
-def register() -> str:
+def register_attention() -> str:
     """Register the kvbench attention and mask functions; returns the implementation name."""
     AttentionInterface.register(ATTENTION_NAME, kvbench_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, no_mask)

@@ -244,7 +244,7 @@ class Runner:
         self.num_layers = config.num_hidden_layers
         self.num_query_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        model.set_attn_implementation(attention.register())
+        model.set_attn_implementation(attention.register_attention())
         self.device = next(model.parameters()).device
         self.sums_kernel = sums_kernel_on(self.device, sums_kernel)
         self.rows_attention = rows_attention_on(self.device, rows_attention)

@@ -55,7 +55,7 @@ AGGREGATES = ("avg",)
 KEY = ["model", "method", "budget"]
 
 
-def parse_spec(spec: str) -> tuple[str, str]:
+def table_spec(spec: str) -> tuple[str, str]:
     """``caote:table2`` (or ``caote:2``, ``calidrop:niah_text``) → ``("caote", "table2")``, checked against the
     transcribed tables."""
     paper, sep, table = spec.partition(":")
@@ -322,7 +322,7 @@ def main(args: list[str]) -> None:
     )
     options = parser.parse_args(args)
     choose("format", options.format, FORMATS)
-    paper, table = parse_spec(options.table)
+    paper, table = table_spec(options.table)
     runs = load_runs(options.run_dirs) if options.run_dirs else []
     comparison = Comparison(paper, table, runs)
     text = render(comparison.frame, options.format)
@@ -334,4 +334,4 @@ def main(args: list[str]) -> None:
             print(f"wrote {path}")
 
 
-__all__ = ["Comparison", "main", "measured_cells", "parse_spec"]
+__all__ = ["Comparison", "main", "measured_cells", "table_spec"]

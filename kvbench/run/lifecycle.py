@@ -62,7 +62,7 @@ class Shared:
             try:
                 if tokenizer is None:  # checked with a stand-in: the model's own, downloadable, builds the samples
                     task = build_task(cfg, load_tokenizer(cfg.model))
-                samples = within_window(unique_ids(list(task.samples()), cfg.task.name), cfg)
+                samples = samples_within_window(unique_ids(list(task.samples()), cfg.task.name), cfg)
                 self.samples = drawn(samples, int(cfg.generation.num_samples))
             except KVBenchError as error:
                 self.error = error
@@ -146,7 +146,7 @@ def unique_ids(samples: list[Sample], task: str) -> list[Sample]:
     return samples
 
 
-def within_window(samples: list[Sample], cfg: DictConfig) -> list[Sample]:
+def samples_within_window(samples: list[Sample], cfg: DictConfig) -> list[Sample]:
     """``samples``, refused in one line where a prompt and the tokens it may generate exceed the model's window
     (a user's ``task.max_length`` or context length too long for the model: the task's defaults leave room)."""
     window = int(cfg.model.context_window)
