@@ -49,10 +49,20 @@ def release_freed_memory() -> None:
 PEAK_RSS_FILE = "KVBENCH_PEAK_RSS_FILE"
 
 
+#: the kernel's account of this process's memory (Linux)
+STATUS = Path("/proc/self/status")
+
+
+def status_bytes(field: str) -> int | None:
+    """A memory ``field`` of :data:`STATUS` (``VmRSS``, ``VmHWM``: kB there) in bytes; None without it."""
+    if not STATUS.exists():
+        return None
+    found = [line.split()[1] for line in STATUS.read_text().splitlines() if line.startswith(field + ":")]
+    return int(found[0]) * 1024 if found else None
+
+
 def write_own_peak() -> None:
-    """Write this process's peak resident bytes since its ``exec`` to the file :data:`PEAK_RSS_FILE` names, if any."""
-    status = Path("/proc/self/status")
-    if (target := os.environ.get(PEAK_RSS_FILE)) and status.exists():
-        found = [line.split()[1] for line in status.read_text().splitlines() if line.startswith("VmHWM:")]
-        if found:
-            Path(target).write_text(str(int(found[0]) * 1024))  # kB
+    """Write this process's peak resident bytes since its ``exec`` (``VmHWM``) to the file :data:`PEAK_RSS_FILE`
+    names, if any."""
+    if (target := os.environ.get(PEAK_RSS_FILE)) and (peak := status_bytes("VmHWM")) is not None:
+        Path(target).write_text(str(peak))

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvbench.allocator import release_freed_memory
+from kvbench.allocator import STATUS, release_freed_memory, status_bytes
 from kvbench.errors import KVBenchError
 
 
@@ -121,7 +121,7 @@ class PeakMemory:
     """The process's peak memory during a block: peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs``),
     else ``getrusage``'s lifetime maximum (cannot be reset: only growth shows), plus CUDA's peak allocation."""
 
-    STATUS, CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+    STATUS, CLEAR_REFS = STATUS, Path("/proc/self/clear_refs")
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -129,10 +129,9 @@ class PeakMemory:
         self.method = "VmHWM after clear_refs" if self.resettable else "getrusage ru_maxrss (lifetime peak)"
 
     def _status(self, field: str) -> int:
-        for line in self.STATUS.read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-        raise KVBenchError(f"{self.STATUS} has no {field}")
+        if (found := status_bytes(field)) is None:
+            raise KVBenchError(f"{self.STATUS} has no {field}")
+        return found
 
     def _peak_rss(self) -> int:
         if self.resettable:

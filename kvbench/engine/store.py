@@ -162,16 +162,19 @@ class Shelf:
                 self.on_device = None
                 row.slots[self.layer][head] = (self, slot)
             self.count += len(heads)
-            self.place_states(layer, heads, slots)
+            self.place_states(row, heads, slots)
 
-    def place_states(self, layer: EvictionLayer, heads: list[int], slots: list[int]) -> None:
-        """The attending modifiers' state of a row's ``heads`` at this layer into their ``slots``."""
+    def place_states(self, row: Stored, heads: list[int], slots: list[int]) -> None:
+        """The attending modifiers' state of a row's ``heads`` at this layer into their ``slots``, each tensor's size
+        of a unit kept in ``row.unit_sizes``."""
         if not self.modifiers:
             return
+        layer = row.cache.eviction_layers[self.layer]
         index = torch.tensor(slots, device=self.keys.device)
         for place, modifier in enumerate(self.modifiers):
             if (units := modifier.units(layer.state_of(modifier))) is None:
                 continue
+            row.unit_sizes[self.layer, modifier.name] = {name: unit.shape[2:] for name, unit in units.items()}
             if (state := self.states[place]) is None:
                 shelf = len(self.owners)
                 state = {name: tensor.new_zeros(shelf, *tensor.shape[2:]) for name, tensor in units.items()}
@@ -313,8 +316,7 @@ class RowStore:
                     own.keys, own.values = own.keys[:0].clone(), own.values[:0].clone()
                     entries.layout = None
                 for modifier in row.cache.attending:  # its state too, made again when the row leaves
-                    if (state := modifier.units(entries.state_of(modifier))) is not None:
-                        row.unit_sizes[index, modifier.name] = {name: unit.shape[2:] for name, unit in state.items()}
+                    if (index, modifier.name) in row.unit_sizes:
                         del entries.modifier_state[modifier.name]
         if any([shelf.compact() for shelf in self.shelves.values()]):
             self.layout = None
