@@ -63,7 +63,7 @@ class Shared:
                 if tokenizer is None:  # checked with a stand-in: the model's own, downloadable, builds the samples
                     task = build_task(cfg, load_tokenizer(cfg.model))
                 samples = samples_within_window(unique_ids(list(task.samples()), cfg.task.name), cfg)
-                self.samples = drawn(samples, int(cfg.generation.num_samples))
+                self.samples = with_draws(samples, int(cfg.generation.num_samples))
             except KVBenchError as error:
                 self.error = error
                 raise
@@ -120,7 +120,7 @@ class OpenRun:
         return metrics
 
 
-def drawn(samples: list[Sample], count: int) -> list[Sample]:
+def with_draws(samples: list[Sample], count: int) -> list[Sample]:
     """Each generated sample ``count`` times (``generation.num_samples``), draw ``k`` as ``<id>#<k>`` with its problem
     and draw in its metadata (each seeded by its own id: kvbench/engine/sampling.py); ``samples`` as they are for 1."""
     if count == 1:
