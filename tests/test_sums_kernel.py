@@ -47,8 +47,14 @@ SHAPES = [  # batch, cache heads, group, queries, keys, head dim: decode, prefil
 ]
 
 
+#: every tile shape the GPU's tuning may pick, and small ones
+TILES = sorted(
+    {(16, 16), (16, 32), *((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in getattr(sums, "CONFIGS", []))}
+)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: "x".join(map(str, shape)))
-@pytest.mark.parametrize("tiles", [(16, 16), (64, 64), (16, 32)])
+@pytest.mark.parametrize("tiles", TILES, ids=lambda tiles: "x".join(map(str, tiles)))
 def test_each_sum_equals_brute_force(shape, tiles):
     batch, heads, group, q_len, kv_len, dim = shape
     generator = torch.Generator().manual_seed(sum(shape))
@@ -58,7 +64,7 @@ def test_each_sum_equals_brute_force(shape, tiles):
     scaling = dim**-0.5
     outputs, lse, expected = brute_force(queries, keys, values, scaling)
     for kind, terms in KINDS.items():
-        got = sums.attention_sums(queries, keys, values, outputs, lse, scaling, terms, *tiles)
+        got = sums.attention_sums(queries, keys, values, outputs, lse, scaling, terms, tiles)
         assert got.shape == (batch, heads, kv_len) and got.dtype == torch.float32
         torch.testing.assert_close(got, expected[kind], rtol=2e-5, atol=2e-5 * float(expected[kind].abs().max()))
 
@@ -71,11 +77,11 @@ def test_non_contiguous_keys_and_16_bit_inputs():
     keys, values = buffer[:, :, :50], buffer[:, :, 40:]  # [1,2,50,32] views, one not at the buffer's start
     queries = torch.randn(1, 4, 12, 32, generator=generator).to(DEVICE)
     outputs, lse, expected = brute_force(queries, keys, values, 0.2)
-    got = sums.attention_sums(queries, keys, values, outputs, lse, 0.2, OBCACHE_TERMS["joint"], 16, 16)
+    got = sums.attention_sums(queries, keys, values, outputs, lse, 0.2, OBCACHE_TERMS["joint"], (16, 16))
     torch.testing.assert_close(got, expected["joint"], rtol=2e-5, atol=2e-5 * float(expected["joint"].abs().max()))
     half = [x.to(torch.bfloat16) for x in (queries, keys, values)]
     outputs, lse, expected = brute_force(*half, 0.2)
-    got = sums.attention_sums(*half, outputs, lse, 0.2, None, 16, 16)
+    got = sums.attention_sums(*half, outputs, lse, 0.2, None, (16, 16))
     torch.testing.assert_close(got, expected["weights"], rtol=1e-3, atol=1e-3 * float(expected["weights"].max()))
 
 
