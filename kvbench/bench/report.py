@@ -138,6 +138,22 @@ def markdown(results: dict[str, Any]) -> str:
             for spec, row in counts["by_policy"].items()
         ]
         lines += _table(["policy", "operators", "÷ full's", "values read back by the host"], rows)
+    if results.get("prefill_profile"):
+        profiles = results["prefill_profile"]
+        for spec, profile in profiles["by_policy"].items():
+            lines += [
+                "",
+                f"## Where {spec}'s prefill of {profiles['prompt_length']} tokens goes ({profile['clock']} time, "
+                f"{profile['total_seconds']:.3f} s in all)",
+                "",
+            ]
+            rows = [
+                [row["name"][:90].replace("|", "/"), row["calls"], f"{row['seconds']:.4f}", f"{row['share']:.1%}"]
+                for row in profile["top"]
+            ]
+            lines += _table(
+                ["kernel" if profile["clock"] == "device" else "operator", "calls", "seconds", "share"], rows
+            )
     if results["kv_bytes"]:
         lines += ["", "## KV-cache bytes at the longest prefill prompt (MiB)", ""]
         rows = []

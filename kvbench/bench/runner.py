@@ -81,6 +81,7 @@ def run_bench(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     grid_policies = [*bench.grid.policies, bench.grid.rows_policy, *bench.contexts.policies]
     for spec in [
         *bench.prefill.policies,
+        *bench.prefill.profile,
         *bench.memory.policies,
         bench.decode.policy,
         *grid_policies,

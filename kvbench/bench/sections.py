@@ -31,7 +31,7 @@ import transformers
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import config_dict
-from kvbench.bench.measure import Clock, Operators, PeakMemory, median_ratio, rotations, summary
+from kvbench.bench.measure import Clock, Operators, PeakMemory, median_ratio, rotations, summary, top_operators
 from kvbench.engine import Engine
 from kvbench.errors import KVBenchError, choose
 from kvbench.models import LoadedModel, load_model
@@ -173,6 +173,10 @@ class Bench:
         wall: dict[str, dict[int, list[float]]] = {spec: {length: [] for length in lengths} for spec in policies}
         cpu: dict[str, dict[int, list[float]]] = {spec: {length: [] for length in lengths} for spec in policies}
         kv: dict[str, dict[str, Any]] = {spec: {} for spec in policies}
+        if self.clock.cuda:  # one untimed prefill of each: Triton's compilation and tuning, the libraries' heuristics
+            for length in lengths:
+                for spec in policies:
+                    self.engine(spec).generate(self.prompt(length), 1)
         for repetition in range(self.repetitions):
             for length in lengths:
                 for spec in rotations(policies, repetition):
@@ -196,10 +200,21 @@ class Bench:
                 if spec != "full"
             }
 
+        longest = max(lengths)  # untimed, after the timed repetitions: the profiler slows what it watches
+        profiled = [str(spec) for spec in section.profile]
+        profiles = {
+            spec: top_operators(
+                functools.partial(self.engine(spec).generate, self.prompt(longest), 1),
+                self.clock.device,
+                int(section.profile_rows),
+            )
+            for spec in (["full", *profiled] if profiled else [])
+        }
         return {
             "prefill_overhead": ratios("wall"),
             "prefill_overhead_cpu": ratios("cpu"),
             "prefill_operators": {"prompt_length": shortest, "by_policy": operators},
+            "prefill_profile": {"prompt_length": longest, "by_policy": profiles} if profiles else {},
             "kv_bytes": kv,
             "raw": {"prefill": raw},
         }

@@ -28,6 +28,8 @@ except ImportError:  # CPU builds of torch: the kernel is unavailable, its calle
 
 #: (a0, a1, b1) of an output error's α = a0 + a1·Z and β = b1·Z, or this: the plain weight sums
 WEIGHTS = None
+#: the tuning's length classes: one per power of two of keys below 2**(LONG - 1) (8,192), one from there
+LONG = 14
 LOG2E = 1.0 / math.log(2.0)
 
 
@@ -187,7 +189,7 @@ def attention_sums(
         values.stride(0), values.stride(1), values.stride(2),
         outputs.stride(0), outputs.stride(1), outputs.stride(2),
         lse.stride(0), lse.stride(1),
-        heads, q_len, kv_len, dim, scaling, scaling * LOG2E, kv_len.bit_length(),
+        heads, q_len, kv_len, dim, scaling, scaling * LOG2E, min(kv_len.bit_length(), LONG),
         GROUP=q_heads // heads, WEIGHT_SUMS=terms is None, A0=a0, A1=a1, B1=b1,
         BLOCK_D=max(16, triton.next_power_of_2(dim)), UPCAST=interpreted(), **fixed,
     )  # fmt: skip
