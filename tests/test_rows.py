@@ -10,6 +10,7 @@ from kvbench.bench.measure import Operators
 from kvbench.engine import Engine
 from kvbench.engine.rows import Row, decode_rows, perplexity_rows
 from kvbench.engine.store import RowStore, capacity_class
+from kvbench.kernels import decode
 from kvbench.policies import build_policy
 from tests.helpers import (
     ARCHITECTURES,
@@ -214,6 +215,34 @@ def test_a_stores_shelves_hold_what_its_rows_reserve_and_an_eighth_at_most(spec)
     assert [(output.token_ids, output.kv) for output in outputs] == [(output.token_ids, output.kv) for output in alone]
     assert 0 < store.reserved_at_peak <= store.peak_bytes < 1.15 * store.reserved_at_peak
     assert store.shelves == {} and store.places == {} and store.reserved == 0
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(not decode.available(), reason="triton is not installed")
+@pytest.mark.parametrize("spec", ["pyramidkv", "snapkv+adakv"])
+def test_the_region_kernel_attends_stored_rows_as_each_alone(spec, monkeypatch):
+    """The stored rows attended by the region kernel (``kvbench/kernels/decode.py``, what a GPU runs; here under
+    Triton's interpreter): one call per layer and step covering every stored unit of the step — a length per layer
+    (PyramidKV) or per head (AdaKV), rows joining and leaving — and each row's tokens, kept sets and sizes are those
+    it gives decoded alone."""
+    import kvbench.engine.store as store_module
+
+    monkeypatch.setattr(store_module, "REGION_ATTENTION", "kernel")
+    calls, attend = [], decode.region_attention
+    monkeypatch.setattr(decode, "region_attention", lambda *args: calls.append(args[0].shape[0]) or attend(*args))
+    model = tiny_model()
+    engine = Engine(model, build_policy(spec), 48, rows_attention="stored")
+    prompts = [random_prompt(length, seed=length) for length in (60, 130, 97, 64, 150)]
+    new_tokens = [3, 5, 4, 3, 6]
+    alone = [engine.generate(prompt, count) for prompt, count in zip(prompts, new_tokens)]
+    rows = []
+    for prompt, count in zip(prompts, new_tokens):
+        cache = engine.new_cache(len(prompt))
+        rows.append(Row(engine, cache, engine.prefill(cache, prompt)[0, -1], len(prompt), count))
+    outputs = decode_rows(rows, batch_size=3)
+    assert [(output.token_ids, output.kv) for output in outputs] == [(output.token_ids, output.kv) for output in alone]
+    heads = rows[0].cache.cache_heads
+    assert calls and max(calls) == 3 * heads and len(calls) % model.config.num_hidden_layers == 0
 
 
 def test_a_decode_step_reads_nothing_back_row_by_row():

@@ -1,22 +1,25 @@
 """The decode rows' entries held together (``engine.rows_attention=stored``): a step appends every stored row's token
-with one scatter per shelf of a layer and attends them with one SDPA call per shelf, whatever the number of rows.
+with one scatter per shelf of a layer and attends them with one call per shelf, whatever the number of rows; a layer
+has one shelf per head layout and attending modifiers' settings (one for rows that only append and attend).
 
 A row is stored where its decode steps only append and attend (:func:`storable`): no eviction while decoding (so no
 scoring), no attending modifier but those that attend with the others' on a shelf (``Modifier.stores``: SLAKE, CaliDrop,
 each unit's state held on the shelf beside its entries), no sliding-window layer (which drops its oldest token at each
 step), no learned sinks, the SDPA backend. The unit is one cache head of one row (a ``(row, head)``): each of a row's
-layers moves its heads' kept entries into free slots of that layer's :class:`Shelf` of their length — one buffer
-``[S,C,D]`` for the units whose kept entries and tokens to come fit ``C`` slots (:func:`capacity_class`: under an eighth
-to spare), so a layer budget's lengths per layer and a head-wise eviction's lengths per head (AdaKV) are held without
-padding — and moves back into the row's own cache, with the tokens it decoded appended, when the row leaves
+layers moves its heads' kept entries into regions of that layer's :class:`Shelf`, one flat buffer ``[P,D]`` where a
+unit's region holds its kept entries and the tokens it may append (:func:`capacity_class`: under an eighth to spare),
+so a layer budget's lengths per layer and a head-wise eviction's lengths per head (AdaKV) are held without padding —
+and moves back into the row's own cache, with the tokens it decoded appended, when the row leaves
 (:meth:`RowStore.release`): its outputs (sizes, kept sets, statistics) are those of a row attended alone. A unit is
-attended by the query heads that read its cache head (``Hq / Hc`` of them; one in the repeat layout). The other rows of
-a step are attended each alone.
+attended by the query heads that read its cache head (``Hq / Hc`` of them; one in the repeat layout) over its own
+region: by :mod:`kvbench.kernels.decode`'s kernel on CUDA, by one SDPA call over the regions gathered to the longest
+elsewhere, and where modifiers attend every unit of the shelf so (their state is the shelf's). The other rows of a step
+are attended each alone.
 
-Memory: a shelf grows by exactly the units arriving (into its free slots first) and is copied without its free slots
-once they are more than a sixteenth of it; an empty one is let go. :attr:`RowStore.peak_bytes` is what the shelves
-held at their largest, beside :attr:`RowStore.reserved_at_peak`, the entries the rows then reserved (kept and to
-come).
+Memory: a shelf grows by exactly the regions arriving (into free regions of their capacity first) and is copied
+without its free regions once they are more than a sixteenth of it; an empty one is let go.
+:attr:`RowStore.peak_bytes` is what the shelves held at their largest, beside :attr:`RowStore.reserved_at_peak`, the
+entries the rows then reserved (kept and to come).
 """
 
 from __future__ import annotations
@@ -29,7 +32,12 @@ import torch.nn.functional as F
 
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.layer import EvictionLayer, in_cache_heads
+from kvbench.kernels import decode
 from kvbench.policies.base import settings_key
+
+#: how a shelf without attending modifiers attends its units: ``auto`` (the region kernel on CUDA where triton is
+#: installed, one padded SDPA call elsewhere), ``kernel`` (also under Triton's interpreter: the tests) or ``padded``
+REGION_ATTENTION = "auto"
 
 
 def storable(cache: EvictionCache) -> bool:
@@ -82,91 +90,122 @@ def head_entries(layer: EvictionLayer, head: int, own: list[int]) -> tuple[torch
 @dataclass(eq=False)
 class Stored:
     """A stored row: its cache, the position of its first stored token, each layer's entries per head when stored and
-    each unit's shelf and slot."""
+    each unit's shelf and unit there."""
 
     cache: EvictionCache
     first_position: int
     kept: list[list[int]]  # [layer][head]
     appended: list[int]  # by layer, the entries appended to it before (after a head-wise eviction, beside its own)
+    to_come: int  # the tokens it may still append
     reserved: int  # the bytes of the entries it may hold, every unit's (kept and to come)
     slots: list[list[tuple[Shelf, int] | None]] = field(default_factory=list)  # [layer][head]
     #: by (layer, attending modifier), the sizes of each unit's state tensors (``Modifier.units``), held on the shelves
     unit_sizes: dict[tuple[int, str], dict[str, torch.Size]] = field(default_factory=dict)
 
 
-def shelf_key(cache: EvictionCache, layer: int, capacity: int) -> tuple:
-    """The shelf of a row's units at ``layer`` of ``capacity`` slots: one head layout and attending modifiers."""
-    return layer, cache.cache_heads, cache.repeat_layout, capacity, settings_key(*cache.attending)
+def shelf_key(cache: EvictionCache, layer: int) -> tuple:
+    """The shelf of a row's units at ``layer``: one head layout and attending modifiers."""
+    return layer, cache.cache_heads, cache.repeat_layout, settings_key(*cache.attending)
+
+
+def spans(starts: torch.Tensor, lengths: torch.Tensor | list[int], device) -> torch.Tensor:
+    """The flat indices of regions at ``starts [n]`` of ``lengths`` entries each, region after region."""
+    counts = torch.as_tensor(lengths, dtype=torch.long)
+    offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    return (torch.repeat_interleave(starts, counts) + offsets).to(device)
 
 
 class Shelf:
-    """One layer's units of capacity ``C``: ``keys``/``values [S,C,D]``, slot ``s`` holding ``lengths[s]`` entries (its
-    unit's kept ones, then the tokens appended since); ``lengths`` on the host, and on the device (copied there once
-    after the slots change: a step then copies nothing to the device, which on CUDA waits for the queue, and reads
-    nothing back). ``heads``: the cache heads of its rows, ``query_heads`` their queries' (one head layout per
-    shelf). ``modifiers``: its rows' attending ones, each with its units' state (``states``: ``Modifier.units``'
-    tensors ``[S,...]``, made with the first unit that holds one) and ``active [S]``, the slots whose state holds
-    something."""
+    """One layer's units of one head layout and attending modifiers in one flat buffer ``keys``/``values [P,D]``: unit
+    ``u`` holds ``lengths[u]`` entries (its kept ones, then the tokens appended since) at ``starts[u]`` of a region of
+    ``capacities[u]`` slots. A unit that leaves keeps its region free for the next one of its capacity. ``starts`` and
+    ``lengths`` on the host, and on the device (copied there once after the units change: a step then copies nothing
+    to the device, which on CUDA waits for the queue, and reads nothing back). ``heads``: the cache heads of its rows,
+    ``query_heads`` their queries'. ``modifiers``: its rows' attending ones, each with its units' state (``states``:
+    ``Modifier.units``' tensors ``[U,...]``, made with the first unit that holds one) and ``active [U]``, the units
+    whose state holds something."""
 
-    def __init__(self, like: EvictionCache, layer: int, capacity: int) -> None:
+    def __init__(self, like: EvictionCache, layer: int) -> None:
         first = like.eviction_layers[layer].keys
-        self.key = shelf_key(like, layer, capacity)
-        self.layer, self.capacity, self.dim = layer, capacity, first.shape[-1]
+        self.key = shelf_key(like, layer)
+        self.layer, self.dim = layer, first.shape[-1]
         self.heads, self.query_heads, self.repeat_layout = like.cache_heads, like.num_query_heads, like.repeat_layout
-        self.keys, self.values = first.new_zeros(0, capacity, self.dim), first.new_zeros(0, capacity, self.dim)
+        self.keys, self.values = first.new_zeros(0, self.dim), first.new_zeros(0, self.dim)
         self.modifiers = like.attending
         self.states: list[dict[str, torch.Tensor] | None] = [None] * len(self.modifiers)
         self.active = [torch.zeros(0, dtype=torch.bool, device=first.device) for _ in self.modifiers]
         self.owners: list[tuple[Stored, int] | None] = []
-        self.count = 0  # the slots owned
-        self.lengths = torch.zeros(0, dtype=torch.long)
-        self.on_device: torch.Tensor | None = None  # ``lengths`` on the keys' device, None once the slots change
-        #: this step's: the stored units (row place × Hc + head) [n], their slots [n], where each writes [n], the
-        #: entries each slot holds after it [S] (an empty slot one) and the longest slot
-        self.members = self.slots = self.write_at = self.held = torch.empty(0)
+        self.count = 0  # the units owned
+        self.starts, self.lengths = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        self.capacities: list[int] = []
+        #: ``starts`` and ``lengths`` on the keys' device, None once the units change
+        self.on_device: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: this step's: the stored units (row place × Hc + head) [n], their units [n], where each writes [n], each
+        #: one's region start and entries after it [n], the entries each unit holds after it [U] (a free one one) and
+        #: the longest unit
+        self.members = self.slots = self.write_at = self.step_starts = self.step_lengths = self.held = torch.empty(0)
         self.longest = 0
 
     def bytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
 
+    def free_entries(self) -> int:
+        """The slots of the regions no unit owns."""
+        return sum(size for size, owner in zip(self.capacities, self.owners) if owner is None)
+
     def place(self, units: list[tuple[Stored, list[int]]]) -> None:
-        """Move the layer's kept entries of each row's ``heads`` into free slots, the shelf grown once by the
-        missing."""
-        free = [slot for slot, owner in enumerate(self.owners) if owner is None]
-        if (missing := sum(len(heads) for _, heads in units) - len(free)) > 0:
-            free += range(len(self.owners), len(self.owners) + missing)
-            self.keys, self.values = grown(self.keys, missing), grown(self.values, missing)
-            self.owners += [None] * missing
-            self.lengths = grown(self.lengths, missing)
-            self.on_device = None
+        """Move the layer's kept entries of each row's ``heads`` into free regions of their capacity (the entries kept
+        and to come, :func:`capacity_class`), the buffer grown once by the regions missing."""
+        wanted = [[capacity_class(row.kept[self.layer][head] + row.to_come) for head in heads] for row, heads in units]
+        free: dict[int, list[int]] = {}
+        for unit, owner in enumerate(self.owners):
+            if owner is None:
+                free.setdefault(self.capacities[unit], []).append(unit)
+        chosen, missing = [], []
+        for capacities in wanted:
+            chosen.append([free[size].pop(0) if free.get(size) else -1 for size in capacities])
+            missing += [size for size, unit in zip(capacities, chosen[-1]) if unit < 0]
+        if missing:
+            first_unit, end = len(self.owners), self.keys.shape[0]
+            grown_by = sum(missing)
+            self.keys, self.values = grown(self.keys, grown_by), grown(self.values, grown_by)
+            sizes = torch.tensor(missing)
+            self.starts = torch.cat([self.starts, end + sizes.cumsum(0) - sizes])
+            self.capacities += missing
+            self.lengths = grown(self.lengths, len(missing))
+            self.owners += [None] * len(missing)
             self.states = [
-                None if state is None else {name: grown(tensor, missing) for name, tensor in state.items()}
+                None if state is None else {name: grown(tensor, len(missing)) for name, tensor in state.items()}
                 for state in self.states
             ]
-            self.active = [grown(active, missing) for active in self.active]
-        for row, heads in units:
-            slots, free = free[: len(heads)], free[len(heads) :]
+            self.active = [grown(active, len(missing)) for active in self.active]
+            new_units = iter(range(first_unit, first_unit + len(missing)))
+            chosen = [[next(new_units) if unit < 0 else unit for unit in picked] for picked in chosen]
+        self.on_device = None
+        device = self.keys.device
+        for (row, heads), picked in zip(units, chosen):
             layer = row.cache.eviction_layers[self.layer]
             appended = row.appended[self.layer]
             own = [length - appended for length in row.kept[self.layer]]
             if layer.headwise is None:  # every head as long: one copy
                 length = layer.get_seq_length()
-                index = torch.tensor(slots, device=self.keys.device)
-                self.keys[index, :length] = layer.keys[0, heads]
-                self.values[index, :length] = layer.values[0, heads]
-            for head, slot in zip(heads, slots):
+                index = spans(self.starts[picked], [length] * len(heads), device)
+                self.keys[index] = layer.keys[0, heads].flatten(0, 1)
+                self.values[index] = layer.values[0, heads].flatten(0, 1)
+            for head, unit in zip(heads, picked):
                 if layer.headwise is not None:
                     keys, values = head_entries(layer, head, own)
-                    self.keys[slot, : keys.shape[0]], self.values[slot, : keys.shape[0]] = keys, values
-                self.lengths[slot], self.owners[slot] = row.kept[self.layer][head], (row, head)
-                self.on_device = None
-                row.slots[self.layer][head] = (self, slot)
+                    start = int(self.starts[unit])
+                    self.keys[start : start + keys.shape[0]] = keys
+                    self.values[start : start + keys.shape[0]] = values
+                self.lengths[unit], self.owners[unit] = row.kept[self.layer][head], (row, head)
+                row.slots[self.layer][head] = (self, unit)
             self.count += len(heads)
-            self.place_states(row, heads, slots)
+            self.place_states(row, heads, picked)
 
     def place_states(self, row: Stored, heads: list[int], slots: list[int]) -> None:
-        """The attending modifiers' state of a row's ``heads`` at this layer into their ``slots``, each tensor's size
-        of a unit kept in ``row.unit_sizes``."""
+        """The attending modifiers' state of a row's ``heads`` at this layer into their units ``slots``, each tensor's
+        size of a unit kept in ``row.unit_sizes``."""
         if not self.modifiers:
             return
         layer = row.cache.eviction_layers[self.layer]
@@ -186,74 +225,104 @@ class Shelf:
             self.active[place][index] = True
 
     def take(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Free ``slot``; its entries ``[length,D]`` (views of the shelf: copy what is kept; its attending state:
-        :meth:`unit_state`)."""
-        length = int(self.lengths[slot])
+        """Free unit ``slot`` (its region kept for the next unit of its capacity); its entries ``[length,D]`` (views of
+        the shelf: copy what is kept; its attending state: :meth:`unit_state`)."""
+        start, length = int(self.starts[slot]), int(self.lengths[slot])
         for active in self.active:
             active[slot] = False
         self.owners[slot], self.lengths[slot], self.on_device = None, 0, None
         self.count -= 1
-        return self.keys[slot, :length], self.values[slot, :length]
+        return self.keys[start : start + length], self.values[start : start + length]
 
     def unit_state(self, modifier: str, slot: int, sizes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-        """The state of ``modifier`` (a name) that ``slot`` holds, each tensor cut to its unit's ``sizes``."""
+        """The state of ``modifier`` (a name) that unit ``slot`` holds, each tensor cut to its unit's ``sizes``."""
         place = [held.name for held in self.modifiers].index(modifier)
         state = self.states[place]
         assert state is not None  # a unit with sizes placed its state
         return {name: state[name][within(slot, size)] for name, size in sizes.items()}
 
     def compact(self) -> bool:
-        """Copy the shelf without its free slots where they are more than a sixteenth of it; whether it did."""
-        if len(self.owners) - self.count <= len(self.owners) // 16:
+        """Copy the shelf without its free regions where they are more than a sixteenth of it; whether it did."""
+        if self.free_entries() <= self.keys.shape[0] // 16:
             return False
-        held = [slot for slot, owner in enumerate(self.owners) if owner is not None]
-        index = torch.tensor(held, device=self.keys.device)
+        held = [unit for unit, owner in enumerate(self.owners) if owner is not None]
+        kept = torch.tensor(held, dtype=torch.long)
+        capacities = [self.capacities[unit] for unit in held]
+        index = spans(self.starts[kept], capacities, self.keys.device)
         self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
-        self.lengths, self.owners = self.lengths[held], [self.owners[slot] for slot in held]
+        sizes = torch.tensor(capacities, dtype=torch.long)
+        self.starts, self.capacities = sizes.cumsum(0) - sizes, capacities
+        self.lengths, self.owners = self.lengths[kept], [self.owners[unit] for unit in held]
         self.on_device = None
-        self.active = [active[index] for active in self.active]
+        on_device = kept.to(self.keys.device)
+        self.active = [active[on_device] for active in self.active]
         self.states = [
-            None if state is None else {name: tensor[index] for name, tensor in state.items()} for state in self.states
+            None if state is None else {name: tensor[on_device] for name, tensor in state.items()}
+            for state in self.states
         ]
-        for slot, owner in enumerate(self.owners):
-            assert owner is not None  # a held slot
+        for unit, owner in enumerate(self.owners):
+            assert owner is not None  # a held unit
             row, head = owner
-            row.slots[self.layer][head] = (self, slot)
+            row.slots[self.layer][head] = (self, unit)
         return True
 
     def begin_step(self, members: torch.Tensor, slots: torch.Tensor, on_host: torch.Tensor) -> None:
-        """This step's units: ``members [n]`` (row place × Hc + head) in ``slots [n]`` (``on_host``: the same on the
-        host), one token each."""
+        """This step's units: ``members [n]`` (row place × Hc + head) in units ``slots [n]`` (``on_host``: the same on
+        the host), one token each."""
         device = self.keys.device
         self.members, self.slots = members, slots
-        if self.on_device is None:  # the slots changed
-            self.on_device = self.lengths.to(device, copy=True)  # its own, on a CPU too
+        if self.on_device is None:  # the units changed
+            self.on_device = self.starts.to(device, copy=True), self.lengths.to(device, copy=True)  # own, on a CPU too
             self.longest = int(self.lengths.max())
-        self.write_at = self.on_device[slots]
-        self.on_device[slots] += 1
+        starts, lengths = self.on_device
+        self.step_starts = starts[slots]
+        self.write_at = self.step_starts + lengths[slots]
+        lengths[slots] += 1
         self.lengths[on_host] += 1
-        self.longest += 1  # every slot held steps (a finished row leaves before the step)
-        self.held = self.on_device.clamp(min=1)
+        self.longest += 1  # every unit held steps (a finished row leaves before the step)
+        self.step_lengths = self.write_at + 1 - self.step_starts
+        self.held = lengths.clamp(min=1)
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Write the step's keys/values of the stored units (``[N,Hkv,1,D]`` of the batch) at each unit's length."""
+        """Write the step's keys/values of the stored units (``[N,Hkv,1,D]`` of the batch) after each unit's entries:
+        one scatter each."""
         keys, values = in_cache_heads(key_states, value_states, self.query_heads, self.repeat_layout)  # [N,Hc,1,D]
-        self.keys.index_put_((self.slots, self.write_at), keys.flatten(0, 1)[self.members, 0])
-        self.values.index_put_((self.slots, self.write_at), values.flatten(0, 1)[self.members, 0])
+        self.keys.index_put_((self.write_at,), keys.flatten(0, 1)[self.members, 0])
+        self.values.index_put_((self.write_at,), values.flatten(0, 1)[self.members, 0])
 
     def attend(self, query: torch.Tensor, scaling: float, joined: torch.Tensor) -> None:
         """Write the stored units' attention outputs into the batch's ``joined [N,1,Hq,D]`` for its single queries
-        ``query [N,Hq,1,D]``: one SDPA call over every slot, each unit's query heads (``G = Hq / Hc``) over its
-        entries (an empty slot's output is dropped)."""
+        ``query [N,Hq,1,D]``: each unit's query heads (``G = Hq / Hc``) over its region, in one call — the region
+        kernel on CUDA (:mod:`kvbench.kernels.decode`), one padded SDPA call elsewhere; with attending modifiers every
+        unit padded to the longest, and the modifiers' outputs where their state holds something."""
         group = self.query_heads // self.heads
         units = query.reshape(-1, group, query.shape[-1])[self.members]  # [n,G,D]: (row, head) → its query heads
-        queries = query.new_zeros(len(self.owners), group, 1, query.shape[-1])
+        if self.modifiers:
+            output = self.attend_modified(units, scaling)
+        elif decode.available() and (REGION_ATTENTION == "kernel" or REGION_ATTENTION == "auto" and query.is_cuda):
+            output = decode.region_attention(
+                units, self.keys, self.values, self.step_starts, self.step_lengths, scaling
+            )
+        else:
+            output = decode.padded_region_attention(
+                units, self.keys, self.values, self.step_starts, self.step_lengths, scaling, self.longest
+            )
+        joined.view(-1, group, query.shape[-1]).index_copy_(0, self.members, output)
+
+    def attend_modified(self, units: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The step's units' outputs ``[n,G,D]`` for their queries ``units [n,G,D]`` where modifiers attend: every unit
+        of the shelf padded to the longest (the modifiers' states are the shelf's), SDPA's output replaced by a
+        modifier's where its state holds something."""
+        assert self.on_device is not None  # made by begin_step
+        queries = units.new_zeros(len(self.owners), units.shape[1], 1, units.shape[-1])
         queries.index_copy_(0, self.slots, units[:, :, None])
-        visible = torch.arange(self.longest, device=query.device) < self.held[:, None]  # [S,T]
-        keys, values = self.keys[:, None, : self.longest], self.values[:, None, : self.longest]  # [S,1,T,D]
+        reach = torch.arange(self.longest, device=units.device)
+        index = (self.on_device[0][:, None] + reach).clamp(max=self.keys.shape[0] - 1)  # [U,T]
+        visible = reach < self.held[:, None]  # [U,T]
+        keys, values = self.keys[index][:, None], self.values[index][:, None]  # [U,1,T,D]
         output = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=visible[:, None, None], scale=scaling, enable_gqa=group > 1
-        ).transpose(1, 2)  # [S,1,G,D]
+            queries, keys, values, attn_mask=visible[:, None, None], scale=scaling, enable_gqa=units.shape[1] > 1
+        ).transpose(1, 2)  # [U,1,G,D]
         for place, (modifier, held) in enumerate(zip(self.modifiers, self.states)):
             if held is None:
                 continue
@@ -262,7 +331,7 @@ class Shelf:
             self.states[place] = {name: tensor[:, 0] for name, tensor in (modifier.units(state) or held).items()}
             if replaced is not None:
                 output = torch.where(self.active[place][:, None, None, None], replaced, output)
-        joined.view(-1, group, query.shape[-1]).index_copy_(0, self.members, output[self.slots, 0])
+        return output[self.slots, 0]
 
 
 #: a shelf stepped: its units (row place × Hc + head) and slots on its device, the slots on the host
@@ -295,16 +364,12 @@ class RowStore:
             entry = 2 * keys.shape[-1] * keys.element_size()  # a token's key and value in one cache head
             reserved = sum(length + more for lengths in kept for length in lengths) * entry
             appended = [layer.get_seq_length() for layer in cache.eviction_layers]
-            row = Stored(cache, position, kept, appended, reserved, [[None] * len(lengths) for lengths in kept])
+            row = Stored(cache, position, kept, appended, more, reserved, [[None] * len(lengths) for lengths in kept])
             for layer, lengths in enumerate(kept):
-                by_class: dict[int, list[int]] = {}
-                for head, length in enumerate(lengths):
-                    by_class.setdefault(capacity_class(length + more), []).append(head)
-                for capacity, heads in by_class.items():
-                    key = shelf_key(cache, layer, capacity)
-                    if key not in self.shelves:
-                        self.shelves[key] = Shelf(cache, layer, capacity)
-                    arriving.setdefault(key, []).append((row, heads))
+                key = shelf_key(cache, layer)
+                if key not in self.shelves:
+                    self.shelves[key] = Shelf(cache, layer)
+                arriving.setdefault(key, []).append((row, list(range(len(lengths)))))
             self.places[id(cache)] = row
             self.reserved += row.reserved
         for key, units in arriving.items():
