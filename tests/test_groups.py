@@ -21,7 +21,7 @@ from kvbench.engine import Engine
 from kvbench.engine.batches import sums_key
 from kvbench.engine.scoring import Scorer
 from kvbench.engine.shared import generate_shared
-from kvbench.engine.store import Shelf
+from kvbench.engine.shelf import Shelf
 from kvbench.errors import KVBenchError, SharedPassWarning
 from kvbench.policies import build_policy
 from kvbench.run import group_key, run, run_group

@@ -9,7 +9,8 @@ import kvbench.engine.rows as engine_module
 from kvbench.bench.measure import Operators
 from kvbench.engine import Engine
 from kvbench.engine.rows import Row, decode_rows, perplexity_rows
-from kvbench.engine.store import RowStore, capacity_class
+from kvbench.engine.shelf import capacity_class
+from kvbench.engine.store import RowStore
 from kvbench.kernels import decode
 from kvbench.policies import build_policy
 from tests.helpers import (
@@ -225,9 +226,9 @@ def test_the_region_kernel_attends_stored_rows_as_each_alone(spec, monkeypatch):
     Triton's interpreter): one call per layer and step covering every stored unit of the step — a length per layer
     (PyramidKV) or per head (AdaKV), rows joining and leaving — and each row's tokens, kept sets and sizes are those
     it gives decoded alone."""
-    import kvbench.engine.store as store_module
+    import kvbench.engine.shelf as shelf_module
 
-    monkeypatch.setattr(store_module, "REGION_ATTENTION", "kernel")
+    monkeypatch.setattr(shelf_module, "REGION_ATTENTION", "kernel")
     calls, attend = [], decode.region_attention
     monkeypatch.setattr(decode, "region_attention", lambda *args: calls.append(args[0].shape[0]) or attend(*args))
     model = tiny_model()

@@ -1,0 +1,289 @@
+"""A layer's shelf of stored decode units (:mod:`kvbench.engine.store`): one flat buffer ``[P,D]`` where each (row,
+cache head) unit holds a region of its capacity (its kept entries and the tokens it may append,
+:func:`capacity_class`: under an eighth to spare), appended by one scatter and attended by one call a step — the
+region kernel on CUDA (:mod:`kvbench.kernels.decode`), one SDPA call over the regions gathered to the longest
+elsewhere, and where attending modifiers hold state (SLAKE, CaliDrop) every unit so, the modifiers' outputs replacing
+SDPA's where their state holds something."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.engine.cache import EvictionCache
+from kvbench.engine.layer import EvictionLayer, in_cache_heads
+from kvbench.kernels import decode
+from kvbench.policies.base import settings_key
+
+if TYPE_CHECKING:
+    from kvbench.engine.store import Stored
+
+#: how a shelf without attending modifiers attends its units: ``auto`` (the region kernel on CUDA where triton is
+#: installed, one padded SDPA call elsewhere), ``kernel`` (also under Triton's interpreter: the tests) or ``padded``
+REGION_ATTENTION = "auto"
+
+
+def capacity_class(needed: int) -> int:
+    """The slots a unit needing ``needed`` is given: ``needed`` rounded up to an eighth of its octave (``< 12.5 %``
+    spare; exact up to 16), so that a freed region fits the next unit of its class."""
+    step = 1 << max(0, (needed - 1).bit_length() - 4)
+    return -(-needed // step) * step
+
+
+def grown(tensor: torch.Tensor, missing: int) -> torch.Tensor:
+    """``tensor [S,...]`` with ``missing`` zero slots after its own."""
+    return torch.cat([tensor, tensor.new_zeros(missing, *tensor.shape[1:])])
+
+
+def padding(held: torch.Size, arriving: torch.Size) -> list[int] | None:
+    """``F.pad``'s widths growing a shelf's state of units ``held`` to hold one of ``arriving`` (None: it does)."""
+    if all(size >= more for size, more in zip(held, arriving)):
+        return None
+    return [width for size, more in reversed(list(zip(held, arriving))) for width in (0, max(0, more - size))]
+
+
+def within(first: int | torch.Tensor, sizes: torch.Size) -> tuple[Any, ...]:
+    """The index of a padded state's units ``first`` cut to a unit's ``sizes``."""
+    return (first, *(slice(0, size) for size in sizes))
+
+
+def head_entries(layer: EvictionLayer, head: int, own: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A head-wise layer's entries of cache ``head`` in position order ``[T_h,D]``: its own (``own``: each head's
+    count), then those appended."""
+    assert layer.headwise is not None
+    start, length = sum(own[:head]), own[head]
+    keys = torch.cat([layer.headwise.keys[start : start + length], layer.keys[0, head]])
+    return keys, torch.cat([layer.headwise.values[start : start + length], layer.values[0, head]])
+
+
+def shelf_key(cache: EvictionCache, layer: int) -> tuple:
+    """The shelf of a row's units at ``layer``: one head layout and attending modifiers."""
+    return layer, cache.cache_heads, cache.repeat_layout, settings_key(*cache.attending)
+
+
+def spans(starts: torch.Tensor, lengths: torch.Tensor | list[int], device) -> torch.Tensor:
+    """The flat indices of regions at ``starts [n]`` of ``lengths`` entries each, region after region."""
+    counts = torch.as_tensor(lengths, dtype=torch.long)
+    offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    return (torch.repeat_interleave(starts, counts) + offsets).to(device)
+
+
+class Shelf:
+    """One layer's units of one head layout and attending modifiers in one flat buffer ``keys``/``values [P,D]``: unit
+    ``u`` holds ``lengths[u]`` entries (its kept ones, then the tokens appended since) at ``starts[u]`` of a region of
+    ``capacities[u]`` slots. A unit that leaves keeps its region free for the next one of its capacity. ``starts`` and
+    ``lengths`` on the host, and on the device (copied there once after the units change: a step then copies nothing
+    to the device, which on CUDA waits for the queue, and reads nothing back). ``heads``: the cache heads of its rows,
+    ``query_heads`` their queries'. ``modifiers``: its rows' attending ones, each with its units' state (``states``:
+    ``Modifier.units``' tensors ``[U,...]``, made with the first unit that holds one) and ``active [U]``, the units
+    whose state holds something."""
+
+    def __init__(self, like: EvictionCache, layer: int) -> None:
+        first = like.eviction_layers[layer].keys
+        self.key = shelf_key(like, layer)
+        self.layer, self.dim = layer, first.shape[-1]
+        self.heads, self.query_heads, self.repeat_layout = like.cache_heads, like.num_query_heads, like.repeat_layout
+        self.keys, self.values = first.new_zeros(0, self.dim), first.new_zeros(0, self.dim)
+        self.modifiers = like.attending
+        self.states: list[dict[str, torch.Tensor] | None] = [None] * len(self.modifiers)
+        self.active = [torch.zeros(0, dtype=torch.bool, device=first.device) for _ in self.modifiers]
+        self.owners: list[tuple[Stored, int] | None] = []
+        self.count = 0  # the units owned
+        self.starts, self.lengths = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        self.capacities: list[int] = []
+        #: ``starts`` and ``lengths`` on the keys' device, None once the units change
+        self.on_device: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: this step's: the stored units (row place × Hc + head) [n], their units [n], where each writes [n], each
+        #: one's region start and entries after it [n], the entries each unit holds after it [U] (a free one one) and
+        #: the longest unit
+        self.members = self.slots = self.write_at = self.step_starts = self.step_lengths = self.held = torch.empty(0)
+        self.longest = 0
+
+    def bytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def free_entries(self) -> int:
+        """The slots of the regions no unit owns."""
+        return sum(size for size, owner in zip(self.capacities, self.owners) if owner is None)
+
+    def place(self, units: list[tuple[Stored, list[int]]]) -> None:
+        """Move the layer's kept entries of each row's ``heads`` into free regions of their capacity (the entries kept
+        and to come, :func:`capacity_class`), the buffer grown once by the regions missing."""
+        wanted = [[capacity_class(row.kept[self.layer][head] + row.to_come) for head in heads] for row, heads in units]
+        free: dict[int, list[int]] = {}
+        for unit, owner in enumerate(self.owners):
+            if owner is None:
+                free.setdefault(self.capacities[unit], []).append(unit)
+        chosen, missing = [], []
+        for capacities in wanted:
+            chosen.append([free[size].pop(0) if free.get(size) else -1 for size in capacities])
+            missing += [size for size, unit in zip(capacities, chosen[-1]) if unit < 0]
+        if missing:
+            first_unit, end = len(self.owners), self.keys.shape[0]
+            grown_by = sum(missing)
+            self.keys, self.values = grown(self.keys, grown_by), grown(self.values, grown_by)
+            sizes = torch.tensor(missing)
+            self.starts = torch.cat([self.starts, end + sizes.cumsum(0) - sizes])
+            self.capacities += missing
+            self.lengths = grown(self.lengths, len(missing))
+            self.owners += [None] * len(missing)
+            self.states = [
+                None if state is None else {name: grown(tensor, len(missing)) for name, tensor in state.items()}
+                for state in self.states
+            ]
+            self.active = [grown(active, len(missing)) for active in self.active]
+            new_units = iter(range(first_unit, first_unit + len(missing)))
+            chosen = [[next(new_units) if unit < 0 else unit for unit in picked] for picked in chosen]
+        self.on_device = None
+        device = self.keys.device
+        for (row, heads), picked in zip(units, chosen):
+            layer = row.cache.eviction_layers[self.layer]
+            appended = row.appended[self.layer]
+            own = [length - appended for length in row.kept[self.layer]]
+            if layer.headwise is None:  # every head as long: one copy
+                length = layer.get_seq_length()
+                index = spans(self.starts[picked], [length] * len(heads), device)
+                self.keys[index] = layer.keys[0, heads].flatten(0, 1)
+                self.values[index] = layer.values[0, heads].flatten(0, 1)
+            for head, unit in zip(heads, picked):
+                if layer.headwise is not None:
+                    keys, values = head_entries(layer, head, own)
+                    start = int(self.starts[unit])
+                    self.keys[start : start + keys.shape[0]] = keys
+                    self.values[start : start + keys.shape[0]] = values
+                self.lengths[unit], self.owners[unit] = row.kept[self.layer][head], (row, head)
+                row.slots[self.layer][head] = (self, unit)
+            self.count += len(heads)
+            self.place_states(row, heads, picked)
+
+    def place_states(self, row: Stored, heads: list[int], slots: list[int]) -> None:
+        """The attending modifiers' state of a row's ``heads`` at this layer into their units ``slots``, each tensor's
+        size of a unit kept in ``row.unit_sizes``."""
+        if not self.modifiers:
+            return
+        layer = row.cache.eviction_layers[self.layer]
+        index = torch.tensor(slots, device=self.keys.device)
+        for place, modifier in enumerate(self.modifiers):
+            if (units := modifier.units(layer.state_of(modifier))) is None:
+                continue
+            row.unit_sizes[self.layer, modifier.name] = {name: unit.shape[2:] for name, unit in units.items()}
+            if (state := self.states[place]) is None:
+                shelf = len(self.owners)
+                state = {name: tensor.new_zeros(shelf, *tensor.shape[2:]) for name, tensor in units.items()}
+                self.states[place] = state
+            for name, tensor in units.items():
+                if (pad := padding(state[name].shape[1:], tensor.shape[2:])) is not None:
+                    state[name] = F.pad(state[name], pad)  # a longer unit (CaliDrop's evicted entries)
+                state[name][within(index, tensor.shape[2:])] = tensor[0, heads]
+            self.active[place][index] = True
+
+    def take(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Free unit ``slot`` (its region kept for the next unit of its capacity); its entries ``[length,D]`` (views of
+        the shelf: copy what is kept; its attending state: :meth:`unit_state`)."""
+        start, length = int(self.starts[slot]), int(self.lengths[slot])
+        for active in self.active:
+            active[slot] = False
+        self.owners[slot], self.lengths[slot], self.on_device = None, 0, None
+        self.count -= 1
+        return self.keys[start : start + length], self.values[start : start + length]
+
+    def unit_state(self, modifier: str, slot: int, sizes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+        """The state of ``modifier`` (a name) that unit ``slot`` holds, each tensor cut to its unit's ``sizes``."""
+        place = [held.name for held in self.modifiers].index(modifier)
+        state = self.states[place]
+        assert state is not None  # a unit with sizes placed its state
+        return {name: state[name][within(slot, size)] for name, size in sizes.items()}
+
+    def compact(self) -> bool:
+        """Copy the shelf without its free regions where they are more than a sixteenth of it; whether it did."""
+        if self.free_entries() <= self.keys.shape[0] // 16:
+            return False
+        held = [unit for unit, owner in enumerate(self.owners) if owner is not None]
+        kept = torch.tensor(held, dtype=torch.long)
+        capacities = [self.capacities[unit] for unit in held]
+        index = spans(self.starts[kept], capacities, self.keys.device)
+        self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+        sizes = torch.tensor(capacities, dtype=torch.long)
+        self.starts, self.capacities = sizes.cumsum(0) - sizes, capacities
+        self.lengths, self.owners = self.lengths[kept], [self.owners[unit] for unit in held]
+        self.on_device = None
+        on_device = kept.to(self.keys.device)
+        self.active = [active[on_device] for active in self.active]
+        self.states = [
+            None if state is None else {name: tensor[on_device] for name, tensor in state.items()}
+            for state in self.states
+        ]
+        for unit, owner in enumerate(self.owners):
+            assert owner is not None  # a held unit
+            row, head = owner
+            row.slots[self.layer][head] = (self, unit)
+        return True
+
+    def begin_step(self, members: torch.Tensor, slots: torch.Tensor, on_host: torch.Tensor) -> None:
+        """This step's units: ``members [n]`` (row place × Hc + head) in units ``slots [n]`` (``on_host``: the same on
+        the host), one token each."""
+        device = self.keys.device
+        self.members, self.slots = members, slots
+        if self.on_device is None:  # the units changed
+            self.on_device = self.starts.to(device, copy=True), self.lengths.to(device, copy=True)  # own, on a CPU too
+            self.longest = int(self.lengths.max())
+        starts, lengths = self.on_device
+        self.step_starts = starts[slots]
+        self.write_at = self.step_starts + lengths[slots]
+        lengths[slots] += 1
+        self.lengths[on_host] += 1
+        self.longest += 1  # every unit held steps (a finished row leaves before the step)
+        self.step_lengths = self.write_at + 1 - self.step_starts
+        self.held = lengths.clamp(min=1)
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Write the step's keys/values of the stored units (``[N,Hkv,1,D]`` of the batch) after each unit's entries:
+        one scatter each."""
+        keys, values = in_cache_heads(key_states, value_states, self.query_heads, self.repeat_layout)  # [N,Hc,1,D]
+        self.keys.index_put_((self.write_at,), keys.flatten(0, 1)[self.members, 0])
+        self.values.index_put_((self.write_at,), values.flatten(0, 1)[self.members, 0])
+
+    def attend(self, query: torch.Tensor, scaling: float, joined: torch.Tensor) -> None:
+        """Write the stored units' attention outputs into the batch's ``joined [N,1,Hq,D]`` for its single queries
+        ``query [N,Hq,1,D]``: each unit's query heads (``G = Hq / Hc``) over its region, in one call — the region
+        kernel on CUDA (:mod:`kvbench.kernels.decode`), one padded SDPA call elsewhere; with attending modifiers every
+        unit padded to the longest, and the modifiers' outputs where their state holds something."""
+        group = self.query_heads // self.heads
+        units = query.reshape(-1, group, query.shape[-1])[self.members]  # [n,G,D]: (row, head) → its query heads
+        if self.modifiers:
+            output = self.attend_modified(units, scaling)
+        elif decode.available() and (REGION_ATTENTION == "kernel" or REGION_ATTENTION == "auto" and query.is_cuda):
+            output = decode.region_attention(
+                units, self.keys, self.values, self.step_starts, self.step_lengths, scaling
+            )
+        else:
+            output = decode.padded_region_attention(
+                units, self.keys, self.values, self.step_starts, self.step_lengths, scaling, self.longest
+            )
+        joined.view(-1, group, query.shape[-1]).index_copy_(0, self.members, output)
+
+    def attend_modified(self, units: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The step's units' outputs ``[n,G,D]`` for their queries ``units [n,G,D]`` where modifiers attend: every unit
+        of the shelf padded to the longest (the modifiers' states are the shelf's), SDPA's output replaced by a
+        modifier's where its state holds something."""
+        assert self.on_device is not None  # made by begin_step
+        queries = units.new_zeros(len(self.owners), units.shape[1], 1, units.shape[-1])
+        queries.index_copy_(0, self.slots, units[:, :, None])
+        reach = torch.arange(self.longest, device=units.device)
+        index = (self.on_device[0][:, None] + reach).clamp(max=self.keys.shape[0] - 1)  # [U,T]
+        visible = reach < self.held[:, None]  # [U,T]
+        keys, values = self.keys[index][:, None], self.values[index][:, None]  # [U,1,T,D]
+        output = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=visible[:, None, None], scale=scaling, enable_gqa=units.shape[1] > 1
+        ).transpose(1, 2)  # [U,1,G,D]
+        for place, (modifier, held) in enumerate(zip(self.modifiers, self.states)):
+            if held is None:
+                continue
+            state = modifier.of_units({name: tensor[:, None] for name, tensor in held.items()})
+            replaced = modifier.attend(state, queries, keys, values, output, scaling, visible)
+            self.states[place] = {name: tensor[:, 0] for name, tensor in (modifier.units(state) or held).items()}
+            if replaced is not None:
+                output = torch.where(self.active[place][:, None, None, None], replaced, output)
+        return output[self.slots, 0]
