@@ -69,8 +69,9 @@ def resolve(cfg: DictConfig) -> Job:
     budget = Budget.parse(settings["budget"]["spec"])
     policy = build_policy(settings["policy"]["name"], settings["policy"])
     policy.for_model(settings["model"].get("hf_id"), budget)
-    nominal = NOMINAL_PROMPT if budget.tokens is None else 10 * budget.tokens
-    policy.check_budget(budget.resolve(nominal), nominal)
+    if not budget.in_bytes:  # a byte budget's tokens depend on the model's cache: checked per prompt
+        nominal = NOMINAL_PROMPT if budget.tokens is None else 10 * budget.tokens
+        policy.check_budget(budget.resolve(nominal), nominal)
     engine = settings["engine"]
     decode_evict = evicts_decoding(engine["regime"], engine.get("decode_evict"))
     if engine["decode_interval"] > 1 and not decode_evict:

@@ -215,7 +215,37 @@ def test_budget_fraction_resolves_against_prompt():
     assert Budget.parse("10pct").resolve(3000) == 300
 
 
-@pytest.mark.parametrize("spec", ["0", "-5", "abc", "0pct", "150pct", "1.5"])
+@pytest.mark.parametrize(
+    "spec,name,byte_fraction,byte_count",
+    [
+        ("0.25x", "0.25x", 0.25, None),
+        ("1x", "1x", 1.0, None),
+        ("64MiB", "64MiB", None, 64 * 2**20),
+        ("64mib", "64MiB", None, 64 * 2**20),
+        ("512KiB", "512KiB", None, 2**19),
+        ("1.5GiB", "1.5GiB", None, 3 * 2**29),
+    ],
+)
+def test_byte_budgets_parse_to_their_bytes(spec, name, byte_fraction, byte_count):
+    budget = Budget.parse(spec)
+    assert (budget.spec, budget.byte_fraction, budget.byte_count) == (name, byte_fraction, byte_count)
+    assert budget.in_bytes and budget.tokens is None and budget.fraction is None
+
+
+def test_a_byte_budget_buys_the_most_tokens_within_its_bytes():
+    """Of the full cache of the prompt (a fraction) or a count: the most tokens per layer and cache head whose cache,
+    beside what it holds whatever the budget (``fixed_bytes``: sliding windows), holds at most those bytes — never
+    below one token; without the bytes a token costs, a one-line error."""
+    assert Budget.parse("0.25x").resolve(200, token_bytes=1000) == 50
+    assert Budget.parse("0.1x").resolve(203, token_bytes=1000) == 20  # 20.3 tokens' bytes: 20 fit
+    assert Budget.parse("0.5x").resolve(100, token_bytes=10, fixed_bytes=600) == 20  # (0.5 · 1600 − 600) / 10
+    assert Budget.parse("1KiB").resolve(5000, token_bytes=100) == 10
+    assert Budget.parse("1KiB").resolve(5000, token_bytes=100, fixed_bytes=1000) == 1  # the windows take it all
+    with pytest.raises(KVBenchError, match=r"^budget 64MiB needs the bytes a cached token costs"):
+        Budget.parse("64MiB").resolve(100)
+
+
+@pytest.mark.parametrize("spec", ["0", "-5", "abc", "0pct", "150pct", "1.5", "0x", "1.5x", "64MB", "0.0001KiB"])
 def test_bad_budget_is_one_line_error(spec):
     with pytest.raises(KVBenchError) as error:
         Budget.parse(spec)

@@ -259,12 +259,25 @@ class Runner:
         """The most memory one row of a ``prompt_tokens`` prompt holds while it decodes ``new_tokens``: the full cache
         of the prompt and its answer in the policy's head layout (no row holds more: CaliDrop's offloaded entries and
         the kept ones together are that), and its float32 logits."""
-        config = self.model.config.get_text_config()
-        heads = self.num_query_heads if self.policy.gqa == "repeat" else self.num_kv_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        element = next(self.model.parameters()).element_size()
         held = sum(self.held_tokens(prompt_tokens + new_tokens))
-        return held * 2 * heads * head_dim * element + 4 * config.vocab_size
+        return held * self.entry_bytes(self.policy) + 4 * self.model.config.get_text_config().vocab_size
+
+    def entry_bytes(self, policy: Policy) -> int:
+        """A token's keys and values in one layer of ``policy``'s head layout."""
+        config = self.model.config.get_text_config()
+        heads = self.num_query_heads if policy.gqa == "repeat" else self.num_kv_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 2 * heads * head_dim * next(self.model.parameters()).element_size()
+
+    def budget_tokens(self, policy: Policy, prompt_len: int) -> int:
+        """The budget's tokens per layer and cache head for a prompt of ``prompt_len`` tokens; a byte budget's as
+        ``policy``'s head layout spends it: a token costs every global layer its entry, the sliding layers hold their
+        windows whatever the budget (:meth:`Budget.resolve`)."""
+        if not self.budget.in_bytes:
+            return self.budget.resolve(prompt_len)
+        entry = self.entry_bytes(policy)
+        fixed = sum(min(prompt_len, window - 1) for window in self.windows if window is not None) * entry
+        return self.budget.resolve(prompt_len, entry * self.windows.count(None), fixed)
 
     def held_tokens(self, tokens: int) -> list[int]:
         """The entries a full cache of ``tokens`` holds per cache head in each layer: a sliding layer its window's last
@@ -283,7 +296,7 @@ class Runner:
         refusal = self.policy.refusal(self.regime, context, self.decode_evict) or self.model_refusal(self.policy)
         if refusal is not None:
             raise KVBenchError(refusal)
-        budget = self.budget.resolve(prompt_len)
+        budget = self.budget_tokens(self.policy, prompt_len)
         policy = self.policy if self.policy.compresses(budget, prompt_len) else Full(gqa=self.policy.gqa)
         policy.check_budget(budget, prompt_len)
         budgets = self.layer_budgets(policy, budget, prompt_len)

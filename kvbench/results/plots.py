@@ -79,12 +79,17 @@ def heatmaps(runs: list[Run], output_dir: Path) -> list[Path]:
 
 
 def budget_value(spec: str) -> tuple[str, float]:
-    """A budget's axis and position: ``("tokens", 128)`` or ``("% of prompt", 10)``."""
+    """A budget's axis and position: ``("KV budget (tokens)", 128)``, ``("KV budget (% of prompt)", 10)``,
+    ``("KV budget (% of the full cache's bytes)", 25)`` or ``("KV budget (MiB)", 64)``."""
     budget = Budget.parse(spec)
     if budget.tokens is not None:
         return "KV budget (tokens)", budget.tokens
-    assert budget.fraction is not None  # parse gives a budget its tokens or its fraction
-    return "KV budget (% of prompt)", 100 * budget.fraction
+    if budget.fraction is not None:
+        return "KV budget (% of prompt)", 100 * budget.fraction
+    if budget.byte_fraction is not None:
+        return "KV budget (% of the full cache's bytes)", 100 * budget.byte_fraction
+    assert budget.byte_count is not None  # parse gives a budget one of its four forms
+    return "KV budget (MiB)", budget.byte_count / 2**20
 
 
 def compression_ratio(records: list[dict[str, Any]]) -> float | None:

@@ -44,15 +44,15 @@ AVG = "Avg."
 
 
 def budget_key(spec: str) -> tuple[int, float]:
-    """Sort key of a budget spec: token budgets by size, then prompt fractions by size."""
+    """Sort key of a budget spec: token budgets by size, then prompt fractions, fractions of the full cache's bytes
+    and byte counts, each by size."""
     try:
         budget = Budget.parse(spec)
     except KVBenchError:
-        return (2, 0.0)
-    if budget.tokens is not None:
-        return (0, float(budget.tokens))
-    assert budget.fraction is not None  # parse gives a budget its tokens or its fraction
-    return (1, budget.fraction)
+        return (4, 0.0)
+    forms = (budget.tokens, budget.fraction, budget.byte_fraction, budget.byte_count)
+    kind = next(index for index, value in enumerate(forms) if value is not None)
+    return (kind, float(forms[kind] or 0))
 
 
 def policy_key(spec: str) -> tuple[int, str, int, str]:
