@@ -51,7 +51,7 @@ ADDED_SETTINGS = {
     "task.questions_per_context": 1,
     "policy.compress_above": "budget",  # CAKE's, +compat=cakekv
     "policy.layer_budget.rounding": "proportional",
-    "engine.rows_attention": "each",  # padded rounds otherwise than each (docs/running.md): another run
+    "engine.rows_attention": "each",  # padded rounds otherwise than each (docs/running.md, Groups): another run
     "policy.counting": "selectable",  # ChunkKV's and CriticalKV's, +compat=kvpress
     "task.empty_answers": "wrong",  # LongBench-v2's
     "engine.sums_kernel": "torch",  # triton's fused pass rounds otherwise

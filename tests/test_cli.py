@@ -376,7 +376,8 @@ def test_the_readme_commands_are_the_clis(capsys):
 
 
 def test_the_readme_fits_a_first_screen_and_links_pages_that_exist():
-    """The README stays a first screen (≤ 250 lines); every docs/ page it links exists and every page is linked."""
+    """The README stays a first screen (≤ 250 lines); every docs/ page it links exists, every page is linked, and no
+    page is over 300 lines."""
     import re
 
     from kvbench import PROJECT_ROOT
@@ -386,6 +387,8 @@ def test_the_readme_fits_a_first_screen_and_links_pages_that_exist():
     linked = set(re.findall(r"\]\((docs/[^)]+\.md)\)", text))
     assert all((PROJECT_ROOT / page).is_file() for page in linked), linked
     assert {f"docs/{page.name}" for page in (PROJECT_ROOT / "docs").glob("*.md")} <= linked
+    lengths = {page.name: page.read_text(encoding="utf-8").count("\n") for page in (PROJECT_ROOT / "docs").glob("*.md")}
+    assert {name: count for name, count in lengths.items() if count > 300} == {}
 
 
 @pytest.mark.model
