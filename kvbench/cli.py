@@ -202,13 +202,13 @@ def command_prepare(args: list[str]) -> None:
 
 def command_plan(args: list[str]) -> None:
     """Resolve and validate every job ``kvbench run ARGS`` would launch; one JSON line per job (kvbench/plan.py)."""
-    from kvbench.plan import main as plan_main
+    from kvbench.plan import plan_main
 
     plan_main(args)
 
 
 def command_table(args: list[str]) -> None:
-    from kvbench.results.table import main as table_main
+    from kvbench.results.table import table_main
 
     table_main(args)
 
@@ -234,19 +234,19 @@ def command_bench(args: list[str]) -> None:
 
 
 def command_leaderboard(args: list[str]) -> None:
-    from kvbench.results.leaderboard import main as leaderboard_main
+    from kvbench.results.leaderboard import leaderboard_main
 
     leaderboard_main(args)
 
 
 def command_compare_paper(args: list[str]) -> None:
-    from kvbench.results.compare import main as compare_main
+    from kvbench.results.compare import compare_main
 
     compare_main(args)
 
 
 def command_plot(args: list[str]) -> None:
-    from kvbench.results.plots import main as plot_main
+    from kvbench.results.plots import plot_main
 
     plot_main(args)
 

@@ -216,7 +216,7 @@ def plan_lines(args: list[str], estimator: Estimator | None = None) -> Iterator[
             yield plan_job(overrides, job.cfg, job.output_dir, tokenizers, estimator, group, prefill_groups)
 
 
-def main(args: list[str]) -> None:
+def plan_main(args: list[str]) -> None:
     """Print the plan, one JSON line per job, and a summary on stderr; exit 2 if any job is invalid. ``--time``:
     each job's estimated wall time on this machine (:class:`Estimator`; it loads each model)."""
     estimator = Estimator() if TIME_FLAG in args else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvbench import kernels
 from kvbench.kernels import decode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,7 +44,7 @@ CASES = [  # query heads per unit, head dim, each unit's length, spare slots aft
 
 
 @pytest.mark.kernel
-@pytest.mark.skipif(not decode.available(), reason="triton is not installed")
+@pytest.mark.skipif(not kernels.available(), reason="triton is not installed")
 @pytest.mark.parametrize("case", CASES, ids=lambda case: f"G{case[0]}-D{case[1]}-n{len(case[2])}")
 @pytest.mark.parametrize("block_n", [16, 64])
 def test_each_unit_attends_its_own_region(case, block_n):
@@ -62,7 +63,7 @@ def test_each_unit_attends_its_own_region(case, block_n):
 
 
 @pytest.mark.kernel
-@pytest.mark.skipif(not decode.available(), reason="triton is not installed")
+@pytest.mark.skipif(not kernels.available(), reason="triton is not installed")
 def test_16_bit_entries_match_sdpa_within_its_rounding():
     """bfloat16 queries and entries, as a GPU's cache holds them: the kernel's outputs against the padded SDPA path in
     bfloat16 and against float32, within bfloat16's rounding."""

@@ -202,7 +202,7 @@ def test_plan_numbers_each_jobs_group():
 def test_plan_counts_a_shared_prefill_once(capsys):
     """``kvbench plan -m`` of a sweep sharing its prefills: the jobs of a group with one head layout (whatever the
     policy and budget) share a ``prefill_group``, whose prefill tokens the summary counts once."""
-    from kvbench.plan import main
+    from kvbench.plan import plan_main as main
 
     sweep = ["-m", *TINY[:3], "task.num_samples=1", "policy=h2o,tova,snapkv", "budget=64,96", "policy.gqa=mean,repeat"]
     main([*sweep, "hydra.sweeper.share_prefill=true"])

@@ -121,3 +121,14 @@ def test_the_floors_table_of_the_architecture_page_is_these_layers():
     declared = [tuple(name.removeprefix("kvbench.") for name in floor) for floor in LAYERS]
     assert [int(floor) for floor, _ in rows] == list(range(len(LAYERS)))
     assert documented == declared
+
+
+def test_no_two_top_level_classes_or_functions_share_a_name():
+    """One name for one thing: across ``kvbench/`` no two modules define a class or function of the same name at
+    their top level (a reader or a ``grep`` finds the one meant)."""
+    where: dict[str, list[str]] = {}
+    for path in sorted((PROJECT_ROOT / "kvbench").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                where.setdefault(node.name, []).append(str(path.relative_to(PROJECT_ROOT)))
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}

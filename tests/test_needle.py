@@ -11,7 +11,7 @@ from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
 from kvbench.metrics.needle import rouge1, substring_match
 from kvbench.tasks.base import ModelInfo
-from kvbench.tasks.needle import NEEDLE, NeedleTask, linear_depths
+from kvbench.tasks.needle import NEEDLE, NeedleTask, rounded_depths
 
 SENTENCE = re.compile(r"[^.]*\.")
 ESSAYS = {
@@ -47,9 +47,9 @@ def byte_task(essay_dir):
 
 
 def test_depths_are_the_testers_rounded_linspace():
-    assert linear_depths(10) == [0, 11, 22, 33, 44, 56, 67, 78, 89, 100]
-    assert linear_depths(3) == [0, 50, 100]
-    assert linear_depths(1) == [0]
+    assert rounded_depths(10) == [0, 11, 22, 33, 44, 56, 67, 78, 89, 100]
+    assert rounded_depths(3) == [0, 50, 100]
+    assert rounded_depths(1) == [0]
 
 
 def test_the_grid_is_lengths_times_depths_with_stable_ids(byte_task):

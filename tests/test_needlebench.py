@@ -12,7 +12,7 @@ from kvbench.errors import KVBenchError
 from kvbench.metrics.needlebench import levenshtein, multi_reasoning_score, multi_retrieval_score, single_needle_score
 from kvbench.tasks import needlebench
 from kvbench.tasks.base import ModelInfo
-from kvbench.tasks.needlebench import NeedleBenchTask, guided_question, linear_depths, retrieval_question
+from kvbench.tasks.needlebench import NeedleBenchTask, guided_question, retrieval_question, truncated_depths
 
 FIXTURES = PROJECT_ROOT / "tests" / "fixtures" / "needlebench"
 MODEL = ModelInfo("tiny_llama", byte_tokenizer(4096), 4096)
@@ -38,7 +38,7 @@ def text_of(sample):
 
 
 def test_official_depths_and_grids():
-    assert linear_depths(20) == [0, 5, 10, 15, 21, 26, 31, 36, 42, 47, 52, 57, 63, 68, 73, 78, 84, 89, 94, 100]
+    assert truncated_depths(20) == [0, 5, 10, 15, 21, 26, 31, 36, 42, 47, 52, 57, 63, 68, 73, 78, 84, 89, 94, 100]
     assert needlebench.GRIDS["8k"].lengths == (5000, 6000, 7000, 8000)
     assert needlebench.GRIDS["8k"].buffers["reasoning"] == {"en": 1000, "zh": 200}
     task = NeedleBenchTask(nb_cfg(context_lengths=None, depths=None, subtasks=["single_en"]), MODEL)

@@ -323,7 +323,7 @@ def test_plan_names_what_to_download_without_the_hub(monkeypatch, capsys, task, 
     """``kvbench plan`` of each named dataset with the hub unreachable: the job is invalid, its one line saying what to
     download and which variable names a local copy."""
     from kvbench import hub
-    from kvbench.plan import main
+    from kvbench.plan import plan_main as main
 
     monkeypatch.setattr(hub, "hub_online", lambda: False)
     monkeypatch.setattr("kvbench.tasks.qa.hub_online", lambda: False)

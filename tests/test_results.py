@@ -748,7 +748,7 @@ def test_logger_none_writes_no_wandb_dir(tmp_path):
 def test_compare_prints_the_transcription_notes_beside_their_rows(capsys):
     """CAOTE Table 2 prints the Llama 3.1-8B 4k H2O+FastCAOTE and TOVA+FastCAOTE rows identically: each paper
     row carries its note's number, and the note is printed below the table."""
-    from kvbench.results.compare import main as compare_main
+    from kvbench.results.compare import compare_main
 
     compare_main(["caote:table2"])
     lines = capsys.readouterr().out.splitlines()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import kvbench.engine.rows as engine_module
+from kvbench import kernels
 from kvbench.bench.measure import Operators
 from kvbench.engine import Engine
 from kvbench.engine.rows import Row, decode_rows, perplexity_rows
@@ -219,7 +220,7 @@ def test_a_stores_shelves_hold_what_its_rows_reserve_and_an_eighth_at_most(spec)
 
 
 @pytest.mark.kernel
-@pytest.mark.skipif(not decode.available(), reason="triton is not installed")
+@pytest.mark.skipif(not kernels.available(), reason="triton is not installed")
 @pytest.mark.parametrize("spec", ["pyramidkv", "snapkv+adakv"])
 def test_the_region_kernel_attends_stored_rows_as_each_alone(spec, monkeypatch):
     """The stored rows attended by the region kernel (``kvbench/kernels/decode.py``, what a GPU runs; here under

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvbench import kernels
 from kvbench.errors import KVBenchError
 from kvbench.kernels import sums
 from kvbench.policies.scores import OBCACHE_TERMS, obcache
 from tests.helpers import TOKENIZER, assert_shared_gives_each_alone, random_prompt, tiny_model
 
-pytestmark = [pytest.mark.kernel, pytest.mark.skipif(not sums.available(), reason="triton is not installed")]
+pytestmark = [pytest.mark.kernel, pytest.mark.skipif(not kernels.available(), reason="triton is not installed")]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KINDS = {"weights": None, **OBCACHE_TERMS}
 

@@ -314,13 +314,13 @@ def grid_memory(bench: Bench) -> dict[str, Any]:
     rows = {}
     for kind in ("one_job", "grouped"):
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            rows[kind] = pool.submit(memory_row, config, kind).result()
+            rows[kind] = pool.submit(grid_memory_row, config, kind).result()
     one, grouped = rows["one_job"], rows["grouped"]
     bound = one["peak_rss_delta_bytes"] + grouped["other_caches_bytes"] + grouped["layer_full_bytes"]
     return {**rows, "bound_bytes": bound, "within_bound": grouped["peak_rss_delta_bytes"] <= bound}
 
 
-def memory_row(config: dict[str, Any], kind: str) -> dict[str, Any]:
+def grid_memory_row(config: dict[str, Any], kind: str) -> dict[str, Any]:
     """One memory row, in a spawned process: the peak RSS of the prefill of ``one_job`` (the variant keeping the most
     tokens) or of the ``grouped`` variants' shared prefill (:func:`generate_shared`, no token generated) on one essay
     prompt of the section's length, after a two-token prompt pages the weights in; the grouped row adds what its

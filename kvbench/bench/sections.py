@@ -72,7 +72,7 @@ def generation_config(model, config: transformers.GenerationConfig) -> Iterator[
         model.generation_config = previous
 
 
-def prompt_text(source: str) -> tuple[str, str]:
+def bench_text(source: str) -> tuple[str, str]:
     """``(text, source used)``: the Paul Graham essays (RULER/NIAH haystack) or the fixed paragraph."""
     choose("bench.prompt_source", source, PROMPT_SOURCES)
     if source == "essays":
@@ -110,7 +110,7 @@ class Bench:
             raise KVBenchError(f"bench.repetitions must be >= 1, got {self.repetitions}")
         self.clock = Clock(loaded.device)
         self.memory = PeakMemory(loaded.device)
-        text, self.prompt_source = prompt_text(self.bench.prompt_source)
+        text, self.prompt_source = bench_text(self.bench.prompt_source)
         longest = max([*self._lengths(), 1])
         if longest > loaded.context_window:
             raise KVBenchError(
@@ -342,7 +342,7 @@ class Bench:
             rows = {}
             for length in lengths:
                 with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-                    canonical, rows[str(length)] = pool.submit(memory_row, config, str(spec), length).result()
+                    canonical, rows[str(length)] = pool.submit(memory_section_row, config, str(spec), length).result()
             result["policies"][canonical] = rows
         process_peaks = {
             "peak_rss_delta_bytes": "peak_rss_added_bytes",
@@ -415,7 +415,7 @@ class Bench:
         return {"harness_vs_generate": ratio, "raw": {"generate": generate}}
 
 
-def memory_row(config: dict[str, Any], spec: str, length: int) -> tuple[str, dict[str, Any]]:
+def memory_section_row(config: dict[str, Any], spec: str, length: int) -> tuple[str, dict[str, Any]]:
     """One row of the memory section, run in a spawned process: the model is loaded, then the peak RSS of one
     ``generate`` over a ``length``-token prompt is measured, after a two-token one that pages in the memory-mapped
     weights. Returns the canonical spec and the row."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from kvbench import kernels
 from kvbench.domains import FLAG, Domain, choice, integer, is_int, optional
 from kvbench.engine import attention
 from kvbench.engine.batches import RowBatch, SharedPrefill
@@ -28,7 +29,6 @@ from kvbench.engine.sampling import Sampling
 from kvbench.engine.sizes import CacheSizes
 from kvbench.engine.threads import THREADS
 from kvbench.errors import KVBenchError, choose
-from kvbench.kernels import sums
 from kvbench.policies.base import Full, Policy
 from kvbench.policies.budgets import Budget
 from kvbench.policies.context import LayerWeights
@@ -109,7 +109,7 @@ def sums_kernel_on(device: torch.device, setting: str = "auto") -> str:
     docs/benchmarks.md), PyTorch's blocks elsewhere."""
     if setting != "auto":
         return setting
-    return "triton" if device.type == "cuda" and sums.available() else "torch"
+    return "triton" if device.type == "cuda" and kernels.available() else "torch"
 
 
 def rows_attention_on(device: torch.device, setting: str = "auto") -> str:
@@ -123,11 +123,11 @@ def rows_attention_on(device: torch.device, setting: str = "auto") -> str:
 
 def check_sums_kernel(device: torch.device) -> None:
     """``engine.sums_kernel=triton`` needs triton, and a CUDA device or its interpreter (``TRITON_INTERPRET=1``)."""
-    if not sums.available():
+    if not kernels.available():
         raise KVBenchError(
             "engine.sums_kernel=triton needs triton (pip install triton); valid choices: auto, torch, triton"
         )
-    if device.type != "cuda" and not sums.interpreted():
+    if device.type != "cuda" and not kernels.interpreted():
         raise KVBenchError(
             f"engine.sums_kernel=triton runs on a CUDA device (here {device.type}), or under TRITON_INTERPRET=1; "
             "valid choices: auto, torch, triton"

@@ -7,18 +7,17 @@ SDPA's where their state holds something."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from kvbench import kernels
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.layer import EvictionLayer, in_cache_heads
 from kvbench.kernels import decode
 from kvbench.policies.base import settings_key
-
-if TYPE_CHECKING:
-    from kvbench.engine.store import Stored
 
 #: how a shelf without attending modifiers attends its units: ``auto`` (the region kernel on CUDA where triton is
 #: installed, one padded SDPA call elsewhere), ``kernel`` (also under Triton's interpreter: the tests) or ``padded``
@@ -56,6 +55,22 @@ def head_entries(layer: EvictionLayer, head: int, own: list[int]) -> tuple[torch
     start, length = sum(own[:head]), own[head]
     keys = torch.cat([layer.headwise.keys[start : start + length], layer.keys[0, head]])
     return keys, torch.cat([layer.headwise.values[start : start + length], layer.values[0, head]])
+
+
+@dataclass(eq=False)
+class Stored:
+    """A stored row: its cache, the position of its first stored token, each layer's entries per head when stored and
+    each unit's shelf and unit there."""
+
+    cache: EvictionCache
+    first_position: int
+    kept: list[list[int]]  # [layer][head]
+    appended: list[int]  # by layer, the entries appended to it before (after a head-wise eviction, beside its own)
+    to_come: int  # the tokens it may still append
+    reserved: int  # the bytes of the entries it may hold, every unit's (kept and to come)
+    slots: list[list[tuple[Shelf, int] | None]] = field(default_factory=list)  # [layer][head]
+    #: by (layer, attending modifier), the sizes of each unit's state tensors (``Modifier.units``), held on the shelves
+    unit_sizes: dict[tuple[int, str], dict[str, torch.Size]] = field(default_factory=dict)
 
 
 def shelf_key(cache: EvictionCache, layer: int) -> tuple:
@@ -254,7 +269,7 @@ class Shelf:
         units = query.reshape(-1, group, query.shape[-1])[self.members]  # [n,G,D]: (row, head) → its query heads
         if self.modifiers:
             output = self.attend_modified(units, scaling)
-        elif decode.available() and (REGION_ATTENTION == "kernel" or REGION_ATTENTION == "auto" and query.is_cuda):
+        elif kernels.available() and (REGION_ATTENTION == "kernel" or REGION_ATTENTION == "auto" and query.is_cuda):
             output = decode.region_attention(
                 units, self.keys, self.values, self.step_starts, self.step_lengths, scaling
             )
@@ -274,7 +289,7 @@ class Shelf:
         reach = torch.arange(self.longest, device=units.device)
         index = (self.on_device[0][:, None] + reach).clamp(max=self.keys.shape[0] - 1)  # [U,T]
         visible = reach < self.held[:, None]  # [U,T]
-        keys, values = self.keys[index][:, None], self.values[index][:, None]  # [U,1,T,D]
+        keys, values = decode.gathered(self.keys, index)[:, None], decode.gathered(self.values, index)[:, None]
         output = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=visible[:, None, None], scale=scaling, enable_gqa=units.shape[1] > 1
         ).transpose(1, 2)  # [U,1,G,D]

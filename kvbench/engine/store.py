@@ -24,13 +24,11 @@ entries the rows then reserved (kept and to come).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.layer import EvictionLayer
-from kvbench.engine.shelf import Shelf, shelf_key
+from kvbench.engine.shelf import Shelf, Stored, shelf_key
 
 
 def storable(cache: EvictionCache) -> bool:
@@ -45,22 +43,6 @@ def head_lengths(layer: EvictionLayer) -> list[int]:
     if layer.headwise is None:
         return [appended] * layer.keys.shape[1]
     return [own + appended for own in layer.headwise.lengths.tolist()]
-
-
-@dataclass(eq=False)
-class Stored:
-    """A stored row: its cache, the position of its first stored token, each layer's entries per head when stored and
-    each unit's shelf and unit there."""
-
-    cache: EvictionCache
-    first_position: int
-    kept: list[list[int]]  # [layer][head]
-    appended: list[int]  # by layer, the entries appended to it before (after a head-wise eviction, beside its own)
-    to_come: int  # the tokens it may still append
-    reserved: int  # the bytes of the entries it may hold, every unit's (kept and to come)
-    slots: list[list[tuple[Shelf, int] | None]] = field(default_factory=list)  # [layer][head]
-    #: by (layer, attending modifier), the sizes of each unit's state tensors (``Modifier.units``), held on the shelves
-    unit_sizes: dict[tuple[int, str], dict[str, torch.Size]] = field(default_factory=dict)
 
 
 #: a shelf stepped: its units (row place × Hc + head) and slots on its device, the slots on the host

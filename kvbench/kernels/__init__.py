@@ -1,2 +1,17 @@
 """Triton kernels (optional: ``triton`` ships with CUDA builds of torch; on CPU they run under its interpreter,
 ``TRITON_INTERPRET=1``, as the tests run them)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+
+def available() -> bool:
+    """Whether the kernels can run here (``triton`` importable)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreted() -> bool:
+    """Whether Triton runs its kernels under its interpreter (``TRITON_INTERPRET=1``: on CPU, as the tests do)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

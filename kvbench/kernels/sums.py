@@ -16,9 +16,10 @@ key's sum is a row reduction, as flash attention's softmax sums are."""
 from __future__ import annotations
 
 import math
-import os
 
 import torch
+
+from kvbench.kernels import interpreted
 
 try:
     import triton
@@ -31,16 +32,6 @@ WEIGHTS = None
 #: the tuning's length classes: one per power of two of keys below 2**(LONG - 1) (8,192), one from there
 LONG = 14
 LOG2E = 1.0 / math.log(2.0)
-
-
-def available() -> bool:
-    """Whether the kernel can run here (``triton`` importable)."""
-    return triton is not None
-
-
-def interpreted() -> bool:
-    """Whether Triton runs its kernels under its interpreter (``TRITON_INTERPRET=1``: on CPU, as the tests do)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:

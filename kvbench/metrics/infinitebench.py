@@ -26,7 +26,7 @@ def spaced(prediction: str, separators: tuple[str, ...]) -> str:
     return prediction
 
 
-def number(prediction: str, labels: list[str]) -> float:
+def first_integer_match(prediction: str, labels: list[str]) -> float:
     """passkey and number_string: the first integer of the prediction is the answer."""
     return float(first_int(prediction) in labels)
 
@@ -77,8 +77,8 @@ def longbook_qa(prediction: str, labels: list[str]) -> float:
 
 
 SCORERS: dict[str, Callable[[str, list[str]], float]] = {
-    "passkey": number,
-    "number_string": number,
+    "passkey": first_integer_match,
+    "number_string": first_integer_match,
     "kv_retrieval": kv_retrieval,
     "longbook_choice_eng": longbook_choice,
     "longbook_qa_eng": longbook_qa,

@@ -41,7 +41,7 @@ def exact_match(prediction: str, answers: list[str]) -> float:
     return float(any(normalize_answer(prediction) == normalize_answer(answer) for answer in answers))
 
 
-def choice(prediction: str, answers: list[str], leading: bool = False) -> float:
+def letter_choice(prediction: str, answers: list[str], leading: bool = False) -> float:
     letter = chosen_letter(prediction, leading)
     return float(letter is not None and any(letter == answer.strip().strip("()").upper() for answer in answers))
 
@@ -55,8 +55,8 @@ METRICS: dict[str, Callable[[str, list[str]], float]] = {
     "exact_match": exact_match,
     "contains": string_match_part,
     "contains_all": string_match_all,
-    "choice": choice,
-    "letter": lambda prediction, answers: choice(prediction, answers, leading=True),
+    "choice": letter_choice,
+    "letter": lambda prediction, answers: letter_choice(prediction, answers, leading=True),
     "f1": best_of(qa_f1),
     "rouge": best_of(rouge_l),
     "gsm8k": gsm8k_match,

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from kvbench.metrics.infinitebench import choice_in_text
 
 
-def kv_retrieval(prediction: str, labels: list[str]) -> float:
+def value_in_prediction(prediction: str, labels: list[str]) -> float:
     """``get_score_one_kv_retrieval`` (scbench_kv, scbench_prefix_suffix): the value is in the prediction."""
     return float(any(label in prediction for label in labels))
 
@@ -19,7 +19,7 @@ def named(prediction: str, labels: list[str]) -> float:
     return float(any(label.upper() in text for label in labels))
 
 
-def choice(prediction: str, labels: list[str]) -> float:
+def option_choice(prediction: str, labels: list[str]) -> float:
     """``get_score_one_longbook_choice_eng`` (scbench_choice_eng; labels: the option's text and letter): the first
     character if an option letter, the whole prediction if a label, else InfiniteBench's rules on its text."""
     prediction = prediction.strip()
@@ -30,15 +30,15 @@ def choice(prediction: str, labels: list[str]) -> float:
     return 1.0 if prediction in labels else choice_in_text(prediction, labels)
 
 
-def string_match_all(prediction: str, labels: list[str]) -> float:
+def labels_share(prediction: str, labels: list[str]) -> float:
     """``string_match_all`` (scbench_vt): the share of the labels in the prediction, case ignored, to 2 decimals."""
     return round(sum(label.lower() in prediction.lower() for label in labels) / len(labels), 2) if labels else 0.0
 
 
 SCORERS: dict[str, Callable[[str, list[str]], float]] = {
-    "scbench_kv": kv_retrieval,
-    "scbench_prefix_suffix": kv_retrieval,
-    "scbench_vt": string_match_all,
+    "scbench_kv": value_in_prediction,
+    "scbench_prefix_suffix": value_in_prediction,
+    "scbench_vt": labels_share,
     "scbench_qa_eng": named,
-    "scbench_choice_eng": choice,
+    "scbench_choice_eng": option_choice,
 }

@@ -311,7 +311,7 @@ class Comparison:
         return "\n".join(lines)
 
 
-def main(args: list[str]) -> None:
+def compare_main(args: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="kvbench compare-paper", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -335,4 +335,4 @@ def main(args: list[str]) -> None:
             print(f"wrote {path}")
 
 
-__all__ = ["Comparison", "main", "measured_cells", "table_spec"]
+__all__ = ["Comparison", "compare_main", "measured_cells", "table_spec"]

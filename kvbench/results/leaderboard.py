@@ -218,7 +218,7 @@ def provenance(command: str, started: float | None, commit: str | None, runs: li
     }
 
 
-def main(args: list[str]) -> None:
+def leaderboard_main(args: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="kvbench leaderboard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -299,7 +299,7 @@ def make_plots(runs: list[Run], kind: str, output_dir: Path, x: str = "budget") 
     return paths
 
 
-def main(args: list[str]) -> None:
+def plot_main(args: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="kvbench plot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

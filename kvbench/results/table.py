@@ -361,7 +361,7 @@ def benchmark_tables(runs: list[Run], layout: str = "auto") -> dict[str, pd.Data
     return tables
 
 
-def main(args: list[str]) -> None:
+def table_main(args: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="kvbench table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -380,4 +380,4 @@ def main(args: list[str]) -> None:
             print(f"  {run_dir.path}: {reason}")
 
 
-__all__ = ["benchmark_tables", "main", "scores_frame", "task_tables"]
+__all__ = ["benchmark_tables", "scores_frame", "table_main", "task_tables"]

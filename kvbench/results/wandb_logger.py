@@ -52,7 +52,7 @@ def wandb_mode(configured: str | None) -> WandbMode:
     return "online" if api_key_configured() else "offline"
 
 
-def summary(metrics: dict[str, Any]) -> dict[str, float]:
+def wandb_summary(metrics: dict[str, Any]) -> dict[str, float]:
     """The run's numbers as flat W&B keys."""
     values: dict[str, float] = {f"scores/{name}": value for name, value in metrics["scores"].items()}
     if metrics.get("average") is not None:
@@ -111,7 +111,7 @@ def log_run(cfg: DictConfig, run_dir: RunDir, metrics: dict[str, Any], records: 
         reinit="finish_previous",
         settings=wandb.Settings(console="off", silent=True),
     ) as run:
-        values = summary(metrics)
+        values = wandb_summary(metrics)
         run.log(values)
         run.summary.update(values)
         run.log(

@@ -82,7 +82,7 @@ PROMPT_STYLES = {
 """``task.prompt_format`` -> its question, generation length and stop strings."""
 
 
-def linear_depths(steps: int) -> list[float]:
+def rounded_depths(steps: int) -> list[float]:
     """``steps`` depth percents from 0 to 100, rounded to integers as the tester does
     (``np.round(np.linspace(0, 100, steps)).astype(int)``)."""
     return [float(depth) for depth in np.round(np.linspace(0, 100, num=steps, endpoint=True)).astype(int)]
@@ -162,7 +162,7 @@ class NeedleTask(Task):
         if depths is not None:
             self.depths = [float(depth) for depth in ([depths] if isinstance(depths, (int, float)) else depths)]
         else:
-            self.depths = linear_depths(int(cfg.get("depth_steps", 10)))
+            self.depths = rounded_depths(int(cfg.get("depth_steps", 10)))
         self.prompt_format = cfg.prompt_format
         self.style = PROMPT_STYLES[self.prompt_format]
         if self.prompt_format == prompts.HF_CHAT:

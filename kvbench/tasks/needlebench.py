@@ -73,7 +73,7 @@ from kvbench.errors import KVBenchError
 from kvbench.hub import check_hub_file, hub_file
 from kvbench.metrics.needlebench import multi_reasoning_score, multi_retrieval_score, single_needle_score
 from kvbench.tasks.base import ModelInfo, Sample, Task
-from kvbench.tasks.needlebench_prompts import guided_question, prompt_text, retrieval_question, unique_needles
+from kvbench.tasks.needlebench_prompts import guided_question, needlebench_prompt, retrieval_question, unique_needles
 
 HUB_REPO = "opencompass/NeedleBench"
 LANGUAGES = {"en": "English", "zh": "Chinese"}
@@ -87,7 +87,7 @@ REPEATS = {"single": 10, "retrieval": 25, "reasoning": 10}
 PROMPT_FORMATS = ("hf_chat", "raw")
 
 
-def linear_depths(intervals: int = 20) -> list[int]:
+def truncated_depths(intervals: int = 20) -> list[int]:
     """OpenCompass's ``generate_depth_percents(intervals, 'linear')``, truncated by ``int()``."""
     if intervals == 1:
         return [0]
@@ -156,7 +156,7 @@ class NeedleBenchTask(Task):
         lengths = cfg.get("context_lengths")
         self.context_lengths = list(self.grid.lengths) if lengths is None else [int(value) for value in lengths]
         depths = cfg.get("depths")
-        self.depths = linear_depths(20) if depths is None else [int(value) for value in depths]
+        self.depths = truncated_depths(20) if depths is None else [int(value) for value in depths]
         if not self.context_lengths or not self.depths or any(not 0 <= depth <= 100 for depth in self.depths):
             raise KVBenchError(
                 f"task.context_lengths and task.depths (percents) must be non-empty, got "
@@ -305,7 +305,7 @@ class NeedleBenchTask(Task):
             sample_id = f"{subtask}-L{length}-{repeat}"
         if self.guide:
             question = guided_question(question, language, kind)
-        ids = self.model.prompt_ids(self.template, prompt_text(context, question, language, kind))
+        ids = self.model.prompt_ids(self.template, needlebench_prompt(context, question, language, kind))
         return Sample(
             id=sample_id,
             subtask=subtask,

@@ -35,7 +35,7 @@ def guided_question(question: str, language: str, kind: str) -> str:
     return parts[0] + (guide + " " if language == "English" else guide) + marker + parts[1]
 
 
-def prompt_text(context: str, question: str, language: str, kind: str) -> str:
+def needlebench_prompt(context: str, question: str, language: str, kind: str) -> str:
     """The v1 prompt (question at the end) of a single-needle, reasoning or retrieval sample."""
     if kind == "retrieval":
         if language == "English":

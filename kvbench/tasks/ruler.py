@@ -46,7 +46,7 @@ from kvbench.hub import hub_online
 from kvbench.tasks import prompts
 from kvbench.tasks.base import ModelInfo, Sample, TableLayout, Task
 from kvbench.tasks.resources import paul_graham_essays
-from kvbench.tasks.ruler_generators import CommonWords, FreqWords, Generator, Niah, Prompt, VariableTracking
+from kvbench.tasks.ruler_generators import CommonWords, Example, FreqWords, Generator, Niah, VariableTracking
 from kvbench.tasks.ruler_qa import QA, QA_FILES
 
 SUBTASKS: dict[str, Generator] = {
@@ -74,7 +74,7 @@ PROMPT_FORMATS = ("ruler_official", "kvcache_factory", "hf_chat", "raw")
 class Generated:
     """A sample's example, its final prompt text and token ids, and the haystack size that fits."""
 
-    prompt: Prompt
+    prompt: Example
     text: str
     input_ids: list[int]
     question_start: int | None
@@ -366,7 +366,7 @@ class RulerTask(Task):
             )
         return tried[_largest_fitting(length, budget, spec.min_size, 2 * self.context_length)]
 
-    def render(self, prompt: Prompt) -> tuple[str, list[int], int | None]:
+    def render(self, prompt: Example) -> tuple[str, list[int], int | None]:
         """The text the model reads (template, answer prefix but for ``kvcache_factory``), its token ids and, with
         ``task.query_mode=agnostic``, where its question starts in them.
 

@@ -91,7 +91,7 @@ class Haystack(Protocol):
 
 
 @dataclass
-class Prompt:
+class Example:
     """One generated example before the model's chat template.
 
     ``shots`` are few-shot (user, assistant) turns placed before ``text``; ``answer_prefix`` is
@@ -170,11 +170,11 @@ class Generator:
         """How many different questions one haystack can be asked (``task.questions_per_context``)."""
         return 1
 
-    def build(self, rng: random.Random, size: int, task: Haystack) -> Prompt:
+    def build(self, rng: random.Random, size: int, task: Haystack) -> Example:
         """An example whose haystack has ``size`` units."""
         raise NotImplementedError
 
-    def build_questions(self, rng: random.Random, size: int, task: Haystack, count: int) -> list[Prompt]:
+    def build_questions(self, rng: random.Random, size: int, task: Haystack, count: int) -> list[Example]:
         """``count`` (at most :attr:`questions`) examples of one haystack of ``size`` units, each asking another
         question."""
         return [self.build(rng, size, task)]
@@ -198,11 +198,11 @@ class Niah(Generator):
         """The haystack's keys asked ``num_queries`` at a time (niah_multikey_1: 4 questions of one key)."""
         return max(self.num_keys, self.num_queries) // self.num_queries
 
-    def build(self, rng: random.Random, size: int, task: Haystack) -> Prompt:
+    def build(self, rng: random.Random, size: int, task: Haystack) -> Example:
         """An example whose haystack has ``size`` units (noise paragraphs, essay words or distractors)."""
         return self.build_questions(rng, size, task, 1)[0]
 
-    def build_questions(self, rng: random.Random, size: int, task: Haystack, count: int) -> list[Prompt]:
+    def build_questions(self, rng: random.Random, size: int, task: Haystack, count: int) -> list[Example]:
         """``count`` examples of one haystack, each asking about other keys of its needles (one example draws what
         :meth:`build` draws)."""
         num_keys = max(self.num_keys, self.num_queries)
@@ -244,7 +244,7 @@ class Niah(Generator):
             asked = queried[begin : begin + self.num_queries]
             query = _join_keys([keys[i] for i in asked])
             examples.append(
-                Prompt(
+                Example(
                     text=template.format(type_needle_v=type_needle_v, context=context, query=query),
                     answer_prefix=prefix.format(type_needle_v=type_needle_v, query=query),
                     answers=[value for i in asked for value in values[i]],
@@ -280,14 +280,14 @@ class VariableTracking(Generator):
     num_hops: int = 4
     tokens_to_generate = 30
 
-    def build(self, rng: random.Random, size: int, task: Haystack) -> Prompt:
+    def build(self, rng: random.Random, size: int, task: Haystack) -> Example:
         """An example with ``size`` noise paragraphs, preceded by the worked example."""
         example_text, example_prefix, example_answers, _ = self._example(
             rng, VT_EXAMPLE_NOISE, 3, min(10, self.num_hops)
         )
         text, prefix, answers, question = self._example(rng, size, 5, self.num_hops)
         shot = f"{example_text}{example_prefix}{' '.join(example_answers)}"
-        return Prompt(text=f"{shot}\n\n{text}", answer_prefix=prefix, answers=answers, question=question)
+        return Example(text=f"{shot}\n\n{text}", answer_prefix=prefix, answers=answers, question=question)
 
     def _example(
         self, rng: random.Random, size: int, name_length: int, num_hops: int
@@ -333,7 +333,7 @@ class CommonWords(Generator):
         """At least the common words themselves."""
         return self.num_cw
 
-    def build(self, rng: random.Random, size: int, task: Haystack) -> Prompt:
+    def build(self, rng: random.Random, size: int, task: Haystack) -> Example:
         """An example with ``size`` distinct words (capped by the vocabulary)."""
         vocabulary = _cwe_vocabulary()
         short = task.context_length < 4096  # RULER's lighter repetition for short contexts
@@ -342,7 +342,7 @@ class CommonWords(Generator):
             rng, vocabulary, min(size, len(vocabulary)), *((6, 1) if short else (self.freq_cw, self.freq_ucw))
         )
         numbered = " ".join(f"{i + 1}. {word}" for i, word in enumerate(example_answers))
-        return Prompt(
+        return Example(
             text=CWE_TEMPLATE.format(context=context),
             answer_prefix=CWE_ANSWER_PREFIX,
             answers=answers,
@@ -369,7 +369,7 @@ class FreqWords(Generator):
     word_length: int = 6
     tokens_to_generate = 50
 
-    def build(self, rng: random.Random, size: int, task: Haystack) -> Prompt:
+    def build(self, rng: random.Random, size: int, task: Haystack) -> Example:
         """An example of about ``size`` coded words."""
         used: set[str] = set()
         vocabulary = [
@@ -380,7 +380,7 @@ class FreqWords(Generator):
         norm = _zeta(self.alpha)
         words = [word for rank, word in enumerate(vocabulary, 1) for _ in range(int(size * rank**-self.alpha / norm))]
         rng.shuffle(words)
-        return Prompt(
+        return Example(
             text=FWE_TEMPLATE.format(context=" ".join(words)),
             answer_prefix=FWE_ANSWER_PREFIX,
             answers=vocabulary[1:4],

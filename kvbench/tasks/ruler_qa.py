@@ -14,7 +14,7 @@ from kvbench.errors import KVBenchError
 from kvbench.hub import hub_rows
 from kvbench.metrics.ruler import string_match_part
 from kvbench.tasks.prompts import after_context
-from kvbench.tasks.ruler_generators import QA_ANSWER_PREFIX, QA_DOCUMENT, QA_TEMPLATE, Generator, Haystack, Prompt
+from kvbench.tasks.ruler_generators import QA_ANSWER_PREFIX, QA_DOCUMENT, QA_TEMPLATE, Example, Generator, Haystack
 
 QA_FILES = {"squad": ("squad.json", "dev-v2.0.json"), "hotpotqa": ("hotpotqa.json", "hotpot_dev_distractor_v1.json")}
 QA_HUB = {"squad": ("rajpurkar/squad_v2", None), "hotpotqa": ("hotpotqa/hotpot_qa", "distractor")}
@@ -134,7 +134,7 @@ class QA(Generator):
         """RULER's QA metric: any answer found."""
         return string_match_part(prediction, answers)
 
-    def build(self, rng: random.Random, size: int, task: Haystack) -> Prompt:
+    def build(self, rng: random.Random, size: int, task: Haystack) -> Example:
         qas, docs = qa_dataset(self.dataset, task.cfg.get("qa_dir"))
         qa = qas[rng.randrange(len(qas))]
         gold, more = list(qa["context"]), list(qa.get("more_context", []))
@@ -150,7 +150,7 @@ class QA(Generator):
         texts = [docs[doc] for doc in chosen]
         random.Random(task.cfg.get("seed", 42)).shuffle(texts)
         context = "\n\n".join(QA_DOCUMENT.format(i=i + 1, document=text) for i, text in enumerate(texts))
-        return Prompt(
+        return Example(
             text=QA_TEMPLATE.format(context=context, query=qa["query"]),
             answer_prefix=QA_ANSWER_PREFIX,
             answers=list(qa["outputs"]),
