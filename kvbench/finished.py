@@ -17,6 +17,8 @@ from kvbench.tasks.registry import task_class
 
 IDENTITY = ["model", "policy", "budget", "regime"]
 NO_BUDGET = "–"
+#: what a sample cost (:meth:`Run.sample_costs`): the tokens it generated, the most its cache held (MiB)
+COST_NAMES = ("generated", "kv_peak_mib")
 """The budget column of the full cache, which keeps every token whatever budget its run was given."""
 
 
@@ -67,6 +69,23 @@ class Run:
             if isinstance(score, int | float) and not isinstance(score, bool):
                 scores.setdefault(record.get("subtask") or self.task, {})[str(record["id"])] = scale * float(score)
         return scores
+
+    def sample_costs(self, pooled: bool = False) -> dict[str, dict[str, float]]:
+        """By subtask (``pooled``: all under ``""``), the mean over the run's records of what a sample cost:
+        ``generated``, the tokens it generated (records that count them), and ``kv_peak_mib``, the most its cache held
+        (MiB; the generation's own peak where the cache evicts while decoding)."""
+        costs: dict[str, dict[str, list[float]]] = {}
+        for record in self.records:
+            by_cost = costs.setdefault("" if pooled else record.get("subtask") or self.task, {})
+            if "generated_tokens" in record:
+                by_cost.setdefault("generated", []).append(float(record["generated_tokens"]))
+            if isinstance(kv := record.get("kv"), dict) and "peak_bytes" in kv:
+                peak = kv.get("generation", {}).get("peak_bytes", kv["peak_bytes"])
+                by_cost.setdefault("kv_peak_mib", []).append(peak / 2**20)
+        return {
+            subtask: {name: sum(values) / len(values) for name, values in by_cost.items()}
+            for subtask, by_cost in costs.items()
+        }
 
     def sample_contexts(self) -> dict[str, str] | None:
         """Each sample id's ``context_id`` where the run's questions share contexts (RULER's

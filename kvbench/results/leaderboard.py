@@ -3,9 +3,10 @@ each modifier against its base on the same samples (a paired bootstrap), so a ta
 
 A cell is one (model, task, subtask, metric, context, regime, policy, budget): the mean of its samples' scores (×100,
 as the tables show them; a perplexity task's per-window perplexities as they are, lower is better) and its interval
-(:func:`~kvbench.results.intervals.bootstrap_mean`), beside what a sample cost (:func:`sample_costs`: the tokens it
-generated, the most its cache held). A comparison pairs a ``base+modifier`` run with the ``base`` run
-of the same cell key and budget, over the sample ids both scored (:func:`~kvbench.results.intervals.paired_difference`).
+(:func:`~kvbench.results.intervals.bootstrap_mean`), beside what a sample cost (the tokens it generated, the most its
+cache held: :meth:`~kvbench.finished.Run.sample_costs`). A comparison pairs a ``base+modifier`` run with the ``base``
+run of the same cell key and budget, over the sample ids both scored
+(:func:`~kvbench.results.intervals.paired_difference`).
 
     kvbench leaderboard results/leaderboard [--baseline SPEC] [--format markdown|csv|latex] [--output-dir DIR]
 
@@ -32,7 +33,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.errors import KVBenchError, choose
-from kvbench.finished import NO_BUDGET, Run, load_runs
+from kvbench.finished import COST_NAMES, NO_BUDGET, Run, load_runs
 from kvbench.results.intervals import bootstrap_mean, paired_difference
 from kvbench.results.plots import leaderboard_figure, save
 from kvbench.results.render import FORMATS, print_tables
@@ -40,8 +41,6 @@ from kvbench.results.table import budget_key, sort_rows
 
 #: what makes two runs' samples comparable, beside the budget
 CELL = ["model", "task", "subtask", "metric", "context", "regime"]
-#: what a cell's samples cost, beside its score (:func:`sample_costs`)
-COSTS = ["generated", "kv_peak_mib"]
 
 
 def task_label(run: Run) -> str:
@@ -49,32 +48,14 @@ def task_label(run: Run) -> str:
     return run.task if run.query_mode == "aware" else f"{run.task}-{run.query_mode}"
 
 
-def sample_costs(run: Run) -> dict[str, dict[str, float]]:
-    """By subtask, the mean over the run's records of what a sample cost: ``generated``, the tokens it generated
-    (records that count them), and ``kv_peak_mib``, the most its cache held (MiB; the generation's own peak where the
-    cache evicts while decoding)."""
-    costs: dict[str, dict[str, list[float]]] = {}
-    for record in run.records:
-        by_cost = costs.setdefault(record.get("subtask") or run.task, {})
-        if "generated_tokens" in record:
-            by_cost.setdefault("generated", []).append(float(record["generated_tokens"]))
-        if isinstance(kv := record.get("kv"), dict) and "peak_bytes" in kv:
-            peak = kv.get("generation", {}).get("peak_bytes", kv["peak_bytes"])
-            by_cost.setdefault("kv_peak_mib", []).append(peak / 2**20)
-    return {
-        subtask: {name: sum(values) / len(values) for name, values in by_cost.items()}
-        for subtask, by_cost in costs.items()
-    }
-
-
 def cells(runs: list[Run]) -> tuple[pd.DataFrame, dict[tuple, dict[str, float]], dict[tuple, dict[str, str] | None]]:
-    """One row per cell: its key, policy, budget, n, mean and interval, and what a sample cost (:func:`sample_costs`;
+    """One row per cell: its key, policy, budget, n, mean and interval, and what a sample cost (``Run.sample_costs``;
     a column none of the cells has left out); each cell's scores by sample id (the full cache, whose budget is no
     setting, once); and each cell's samples' contexts, by which its intervals are clustered
     (:meth:`~kvbench.finished.Run.sample_contexts`)."""
     rows, scores, clusters = [], {}, {}
     for run in runs:
-        identity, kind, contexts, costs = run.identity(), run.metric, run.sample_contexts(), sample_costs(run)
+        identity, kind, contexts, costs = run.identity(), run.metric, run.sample_contexts(), run.sample_costs()
         for subtask, by_id in run.sample_scores().items():
             key = (identity["model"], task_label(run), subtask, kind, run.context, identity["regime"])
             policy, budget = identity["policy"], identity["budget"]
@@ -95,9 +76,9 @@ def cells(runs: list[Run]) -> tuple[pd.DataFrame, dict[tuple, dict[str, float]],
                     **costs.get(subtask, {}),
                 }
             )
-    columns = [*CELL, "policy", "budget", "n", "mean", "low", "high", *COSTS]
+    columns = [*CELL, "policy", "budget", "n", "mean", "low", "high", *COST_NAMES]
     frame = pd.DataFrame(rows, columns=columns)
-    return frame.drop(columns=[cost for cost in COSTS if frame[cost].isna().all()]), scores, clusters
+    return frame.drop(columns=[cost for cost in COST_NAMES if frame[cost].isna().all()]), scores, clusters
 
 
 def comparisons(

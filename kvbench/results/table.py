@@ -13,8 +13,9 @@ Layouts (``--layout``; ``auto`` makes every benchmark layout the runs found have
   samples, the context compressed with or without its question), the difference with its paired interval
   (clustered by context), the agnostic run's compressions and both runs' time (made by ``auto`` when the runs hold
   both modes);
-* ``runs``       one row per run (every run): its average, cache size and time, and the scores of a task
-  without a table of its own.
+* ``runs``       one row per run (every run): its average, cache size, what a sample cost (``generated``: the
+  mean tokens generated; ``kv_peak_mib``: the mean of each sample's most cache, MiB) and time, and the scores of a
+  task without a table of its own.
 
 The full cache keeps every token: its budget is shown as ``–``. A cell a row did not run is empty (``–``).
 Scores are on the 0–100 scale of ``metrics.json``; ``kv_tokens`` is the mean cache size per layer
@@ -33,7 +34,7 @@ from typing import Any
 import pandas as pd
 
 from kvbench.errors import KVBenchError, choose
-from kvbench.finished import IDENTITY, Run, scan_run_dirs
+from kvbench.finished import COST_NAMES, IDENTITY, Run, scan_run_dirs
 from kvbench.policies.budgets import Budget
 from kvbench.results.intervals import paired_difference
 from kvbench.results.render import FORMATS, print_tables
@@ -142,10 +143,12 @@ def runs_table(runs: list[Run]) -> pd.DataFrame:
                 **({} if has_layout(run) else run.metrics["scores"]),
                 "average": run.metrics.get("average"),
                 "kv_tokens": sum(after) / len(after),
+                **run.sample_costs(pooled=True).get("", {}),
                 "seconds": run.metrics.get("timing", {}).get("total_seconds"),
             }
         )
     frame = pd.DataFrame(rows)
+    frame = frame.drop(columns=[name for name in COST_NAMES if name in frame and frame[name].isna().all()])
     if frame.empty or frame["query_mode"].nunique() == 1:  # shown where runs differ in it
         frame = frame.drop(columns="query_mode", errors="ignore")
     return sort_rows(frame)
