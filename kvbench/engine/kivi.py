@@ -1,0 +1,86 @@
+"""KIVI's quantiser (Liu et al., 2024, arXiv 2402.02750, §3): a tensor quantised asymmetrically to ``bits`` bits in
+groups of ``group_size`` entries along one axis — keys ``[B,H,T,D]`` per channel (groups of tokens, ``axis=2``),
+values per token (groups of channels, ``axis=3``) — each group's minimum and step kept in the tensor's dtype:
+``level = round(clamp((x − min) / step, 0, 2^bits − 1))``, ``step = (max − min) / (2^bits − 1)``, dequantised as
+``level · step + min``; ``32 / bits`` levels packed into an int32 along the same axis, the ``i``-th of each run in
+bits ``i·bits ..``, as the released code packs them (``quant/new_pack.py``; tests/fixtures/kivi, made by
+scripts/kivi_fixtures.py from it). A group whose entries are all equal (step 0) has level 0, where the released code
+divides by zero. The bytes held are the packed codes and the groups' minima and steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.errors import KVBenchError
+
+#: the widths packed into an int32 whole
+BITS = (2, 4, 8)
+
+
+def _shifts(bits: int, device) -> torch.Tensor:
+    return torch.arange(32 // bits, dtype=torch.int32, device=device) * bits  # [32/bits]
+
+
+def pack(levels: torch.Tensor, bits: int) -> torch.Tensor:
+    """Levels ``[..., L]`` (integers in ``[0, 2^bits)``) → int32 codes ``[..., L·bits/32]`` along the last axis."""
+    runs = levels.to(torch.int32).unflatten(-1, (-1, 32 // bits))  # [..., L/f, f]
+    return (runs << _shifts(bits, levels.device)).sum(dim=-1, dtype=torch.int32)  # disjoint bits: the sum is the OR
+
+
+def unpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 ``codes [..., C]`` → levels ``[..., C·32/bits]`` (int32) along the last axis."""
+    levels = (codes[..., None] >> _shifts(bits, codes.device)) & ((1 << bits) - 1)  # [..., C, f]
+    return levels.flatten(-2)
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """A tensor as KIVI holds it: ``codes`` (int32, packed along ``axis``), each group's ``step`` and ``minimum``
+    (the tensor's dtype; ``[..., groups, ...]`` along ``axis``)."""
+
+    codes: torch.Tensor
+    step: torch.Tensor
+    minimum: torch.Tensor
+    bits: int
+    group_size: int
+    axis: int
+
+    def bytes(self) -> int:
+        """What it holds: the codes and each group's minimum and step."""
+        return self.codes.numel() * 4 + (self.step.numel() + self.minimum.numel()) * self.step.element_size()
+
+    def dequantized(self) -> torch.Tensor:
+        """``level · step + min`` in the steps' dtype, the original shape."""
+        levels = unpack(self.codes.movedim(self.axis, -1), self.bits)  # [..., L]
+        grouped = levels.unflatten(-1, (-1, self.group_size)).to(self.step.dtype)  # [..., G, g]
+        step, minimum = (x.movedim(self.axis, -1)[..., None] for x in (self.step, self.minimum))
+        return (grouped * step + minimum).flatten(-2).movedim(-1, self.axis)
+
+
+def quantize(tensor: torch.Tensor, bits: int, group_size: int, axis: int) -> Quantized:
+    """``tensor`` quantised in groups of ``group_size`` along ``axis`` (module doc); the axis's length a multiple of
+    ``group_size``, and ``group_size`` of ``32 / bits``."""
+    if bits not in BITS:
+        raise KVBenchError(f"KIVI quantises to {bits} bits; valid choices: {', '.join(map(str, BITS))}")
+    length = tensor.shape[axis]
+    if length % group_size or group_size % (32 // bits):
+        raise KVBenchError(
+            f"KIVI's groups of {group_size} need a length that is a multiple of them ({length}) and a multiple of "
+            f"{32 // bits} values per int32"
+        )
+    top = (1 << bits) - 1
+    grouped = tensor.movedim(axis, -1).unflatten(-1, (-1, group_size))  # [..., G, g]
+    minimum = grouped.amin(dim=-1, keepdim=True)
+    step = (grouped.amax(dim=-1, keepdim=True) - minimum) / top
+    levels = ((grouped - minimum) / torch.where(step == 0, 1, step)).clamp(0, top).round()  # [..., G, g]
+    codes = pack(levels.flatten(-2), bits)
+    return Quantized(
+        codes.movedim(-1, axis),
+        step[..., 0].movedim(-1, axis),
+        minimum[..., 0].movedim(-1, axis),
+        bits,
+        group_size,
+        axis,
+    )
