@@ -2,8 +2,9 @@
 cache head) unit holds a region of its capacity (its kept entries and the tokens it may append,
 :func:`capacity_class`: under an eighth to spare), appended by one scatter and attended by one call a step — the
 region kernel on CUDA (:mod:`kvbench.kernels.decode`), one SDPA call over the regions gathered to the longest
-elsewhere, and where attending modifiers hold state (SLAKE, CaliDrop) every unit so, the modifiers' outputs replacing
-SDPA's where their state holds something."""
+elsewhere; where attending modifiers hold state (SLAKE, CaliDrop), a shelf of one capacity attends every unit by one
+SDPA call over its buffer viewed ``[U,C,D]``, the modifiers' outputs replacing SDPA's where their state holds
+something."""
 
 from __future__ import annotations
 
@@ -73,9 +74,10 @@ class Stored:
     unit_sizes: dict[tuple[int, str], dict[str, torch.Size]] = field(default_factory=dict)
 
 
-def shelf_key(cache: EvictionCache, layer: int) -> tuple:
-    """The shelf of a row's units at ``layer``: one head layout and attending modifiers."""
-    return layer, cache.cache_heads, cache.repeat_layout, settings_key(*cache.attending)
+def shelf_key(cache: EvictionCache, layer: int, capacity: int | None = None) -> tuple:
+    """The shelf of a row's units at ``layer``: one head layout and attending modifiers (and one ``capacity`` where
+    modifiers attend: :class:`Shelf`)."""
+    return layer, cache.cache_heads, cache.repeat_layout, settings_key(*cache.attending), capacity
 
 
 def spans(starts: torch.Tensor, lengths: torch.Tensor | list[int], device) -> torch.Tensor:
@@ -95,9 +97,12 @@ class Shelf:
     ``Modifier.units``' tensors ``[U,...]``, made with the first unit that holds one) and ``active [U]``, the units
     whose state holds something."""
 
-    def __init__(self, like: EvictionCache, layer: int) -> None:
+    def __init__(self, like: EvictionCache, layer: int, uniform: int | None = None) -> None:
         first = like.eviction_layers[layer].keys
-        self.key = shelf_key(like, layer)
+        self.key = shelf_key(like, layer, uniform)
+        #: where attending modifiers hold state, every unit's capacity: its regions one after another, the buffer
+        #: viewed ``[U,C,D]`` (their attention pads no copy; the modifiers' states are padded to it too)
+        self.uniform = uniform
         self.layer, self.dim = layer, first.shape[-1]
         self.heads, self.query_heads, self.repeat_layout = like.cache_heads, like.num_query_heads, like.repeat_layout
         self.keys, self.values = first.new_zeros(0, self.dim), first.new_zeros(0, self.dim)
@@ -281,15 +286,15 @@ class Shelf:
 
     def attend_modified(self, units: torch.Tensor, scaling: float) -> torch.Tensor:
         """The step's units' outputs ``[n,G,D]`` for their queries ``units [n,G,D]`` where modifiers attend: every unit
-        of the shelf padded to the longest (the modifiers' states are the shelf's), SDPA's output replaced by a
-        modifier's where its state holds something."""
+        of the shelf (the modifiers' states are the shelf's) by one SDPA call over the regions viewed to the longest,
+        SDPA's output replaced by a modifier's where its state holds something."""
         assert self.on_device is not None  # made by begin_step
         queries = units.new_zeros(len(self.owners), units.shape[1], 1, units.shape[-1])
         queries.index_copy_(0, self.slots, units[:, :, None])
-        reach = torch.arange(self.longest, device=units.device)
-        index = (self.on_device[0][:, None] + reach).clamp(max=self.keys.shape[0] - 1)  # [U,T]
-        visible = reach < self.held[:, None]  # [U,T]
-        keys, values = decode.gathered(self.keys, index)[:, None], decode.gathered(self.values, index)[:, None]
+        assert self.uniform is not None  # a shelf of one capacity: unit u's region at u·C
+        visible = torch.arange(self.longest, device=units.device) < self.held[:, None]  # [U,T]
+        keys = self.keys.view(-1, self.uniform, self.dim)[:, None, : self.longest]  # [U,1,T,D]
+        values = self.values.view(-1, self.uniform, self.dim)[:, None, : self.longest]
         output = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=visible[:, None, None], scale=scaling, enable_gqa=units.shape[1] > 1
         ).transpose(1, 2)  # [U,1,G,D]

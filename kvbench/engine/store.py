@@ -13,8 +13,8 @@ and moves back into the row's own cache, with the tokens it decoded appended, wh
 (:meth:`RowStore.release`): its outputs (sizes, kept sets, statistics) are those of a row attended alone. A unit is
 attended by the query heads that read its cache head (``Hq / Hc`` of them; one in the repeat layout) over its own
 region: by :mod:`kvbench.kernels.decode`'s kernel on CUDA, by one SDPA call over the regions gathered to the longest
-elsewhere, and where modifiers attend every unit of the shelf so (their state is the shelf's). The other rows of a step
-are attended each alone.
+elsewhere. Where modifiers attend (their state is the shelf's, every unit attended), a shelf holds one capacity, its
+regions viewed ``[U,C,D]`` without a copy. The other rows of a step are attended each alone.
 
 Memory: a shelf grows by exactly the regions arriving (into free regions of their capacity first) and is copied
 without its free regions once they are more than a sixteenth of it; an empty one is let go.
@@ -28,7 +28,7 @@ import torch
 
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.layer import EvictionLayer
-from kvbench.engine.shelf import Shelf, Stored, shelf_key
+from kvbench.engine.shelf import Shelf, Stored, capacity_class, shelf_key
 
 
 def storable(cache: EvictionCache) -> bool:
@@ -77,10 +77,14 @@ class RowStore:
             appended = [layer.get_seq_length() for layer in cache.eviction_layers]
             row = Stored(cache, position, kept, appended, more, reserved, [[None] * len(lengths) for lengths in kept])
             for layer, lengths in enumerate(kept):
-                key = shelf_key(cache, layer)
-                if key not in self.shelves:
-                    self.shelves[key] = Shelf(cache, layer)
-                arriving.setdefault(key, []).append((row, list(range(len(lengths)))))
+                shelved: dict[tuple, list[int]] = {}
+                for head, length in enumerate(lengths):  # attending modifiers: a shelf per capacity
+                    capacity = capacity_class(length + more) if cache.attending else None
+                    shelved.setdefault(shelf_key(cache, layer, capacity), []).append(head)
+                for key, heads in shelved.items():
+                    if key not in self.shelves:
+                        self.shelves[key] = Shelf(cache, layer, key[-1])
+                    arriving.setdefault(key, []).append((row, heads))
             self.places[id(cache)] = row
             self.reserved += row.reserved
         for key, units in arriving.items():
