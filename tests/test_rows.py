@@ -4,6 +4,7 @@ cache, budget, positions and stop tokens, step through one forward of the model 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import kvbench.engine.rows as engine_module
 from kvbench import kernels
@@ -219,6 +220,36 @@ def test_a_stores_shelves_hold_what_its_rows_reserve_and_an_eighth_at_most(spec)
     assert store.shelves == {} and store.places == {} and store.reserved == 0
 
 
+@pytest.mark.parametrize("layout", ["mixed", "by_capacity"])
+@pytest.mark.parametrize("spec", ["snapkv+slake", "pyramidkv+calidrop"])
+def test_modifier_rows_of_several_capacities_on_one_shelf_or_one_each_give_each_alone(spec, layout, monkeypatch):
+    """Rows whose modifiers attend, of several capacities (a length per layer, answers of 3 and 40 tokens to come):
+    on one shelf a layer (``mixed``, CUDA's: their regions gathered to the longest) or a shelf per capacity
+    (``by_capacity``, a CPU's: viewed), each row's tokens and statistics are its own alone."""
+    import kvbench.engine.shelf as shelf_module
+
+    monkeypatch.setattr(shelf_module, "MODIFIER_SHELVES", layout)
+    engine = Engine(tiny_model(), build_policy(spec, {"window": 8}), 48, rows_attention="stored")
+    prompts, limits = [random_prompt(length, seed=length) for length in (90, 120, 75)], [3, 40, 12]
+    alone = [engine.generate(prompt, limit) for prompt, limit in zip(prompts, limits)]
+    rows = []
+    for prompt, limit in zip(prompts, limits):
+        cache = engine.new_cache(len(prompt))
+        rows.append(Row(engine, cache, engine.prefill(cache, prompt)[0, -1], len(prompt), limit))
+    shelves: list[int] = []
+    step_rows = engine_module.step_rows
+    monkeypatch.setattr(
+        engine_module,
+        "step_rows",
+        lambda stepping, store: (step_rows(stepping, store), shelves.append(len(store.shelves)))[0],
+    )
+    outputs = decode_rows(rows, batch_size=3)
+    layers = len(rows[0].cache.layers)
+    assert shelves[0] == layers if layout == "mixed" else shelves[0] > layers
+    assert [output.token_ids for output in outputs] == [output.token_ids for output in alone]
+    assert [output.policy_stats for output in outputs] == [output.policy_stats for output in alone]
+
+
 @pytest.mark.kernel
 @pytest.mark.skipif(not kernels.available(), reason="triton is not installed")
 @pytest.mark.parametrize("spec", ["pyramidkv", "snapkv+adakv"])
@@ -232,7 +263,7 @@ def test_the_region_kernel_attends_stored_rows_as_each_alone(spec, monkeypatch):
     monkeypatch.setattr(shelf_module, "REGION_ATTENTION", "kernel")
     calls, attend = [], decode.region_attention
     monkeypatch.setattr(decode, "region_attention", lambda *args: calls.append(args[0].shape[0]) or attend(*args))
-    model = tiny_model()
+    model = tiny_model().to("cuda" if torch.cuda.is_available() else "cpu")  # compiled on a GPU, interpreted here
     engine = Engine(model, build_policy(spec), 48, rows_attention="stored")
     prompts = [random_prompt(length, seed=length) for length in (60, 130, 97, 64, 150)]
     new_tokens = [3, 5, 4, 3, 6]

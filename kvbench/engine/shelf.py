@@ -9,7 +9,7 @@ something."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,18 @@ from kvbench.policies.base import settings_key
 #: how a shelf without attending modifiers attends its units: ``auto`` (the region kernel on CUDA where triton is
 #: installed, one padded SDPA call elsewhere), ``kernel`` (also under Triton's interpreter: the tests) or ``padded``
 REGION_ATTENTION = "auto"
+#: how shelves where modifiers attend hold their units: ``auto`` (every capacity on one shelf on CUDA, whose launches
+#: bound a step, its regions gathered to the longest each step; a shelf per capacity elsewhere, viewed without a
+#: copy), ``mixed`` or ``by_capacity``
+MODIFIER_SHELVES = "auto"
+
+
+def modifier_capacity(cache: EvictionCache, needed: int) -> int | None:
+    """The capacity that keys a shelf of ``cache``'s units needing ``needed`` slots where modifiers attend on a shelf
+    of one capacity (:data:`MODIFIER_SHELVES`); None where a shelf holds every capacity."""
+    on_cuda = cache.eviction_layers[0].keys.is_cuda
+    mixed = MODIFIER_SHELVES == "mixed" or MODIFIER_SHELVES == "auto" and on_cuda
+    return None if not cache.attending or mixed else capacity_class(needed)
 
 
 def capacity_class(needed: int) -> int:
@@ -80,10 +92,16 @@ def shelf_key(cache: EvictionCache, layer: int, capacity: int | None = None) -> 
     return layer, cache.cache_heads, cache.repeat_layout, settings_key(*cache.attending), capacity
 
 
+def host_int(value: torch.Tensor) -> int:
+    """A host tensor's one value (a shelf's own bookkeeping, never on a device), read by ``tolist``: ``int()`` would
+    dispatch ``item``, which the operator counts take for a device's value read back."""
+    return cast(int, value.tolist())
+
+
 def spans(starts: torch.Tensor, lengths: torch.Tensor | list[int], device) -> torch.Tensor:
     """The flat indices of regions at ``starts [n]`` of ``lengths`` entries each, region after region."""
     counts = torch.as_tensor(lengths, dtype=torch.long)
-    offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    offsets = torch.arange(host_int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
     return (torch.repeat_interleave(starts, counts) + offsets).to(device)
 
 
@@ -170,7 +188,7 @@ class Shelf:
             for head, unit in zip(heads, picked):
                 if layer.headwise is not None:
                     keys, values = head_entries(layer, head, own)
-                    start = int(self.starts[unit])
+                    start = host_int(self.starts[unit])
                     self.keys[start : start + keys.shape[0]] = keys
                     self.values[start : start + keys.shape[0]] = values
                 self.lengths[unit], self.owners[unit] = row.kept[self.layer][head], (row, head)
@@ -202,7 +220,7 @@ class Shelf:
     def take(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Free unit ``slot`` (its region kept for the next unit of its capacity); its entries ``[length,D]`` (views of
         the shelf: copy what is kept; its attending state: :meth:`unit_state`)."""
-        start, length = int(self.starts[slot]), int(self.lengths[slot])
+        start, length = host_int(self.starts[slot]), host_int(self.lengths[slot])
         for active in self.active:
             active[slot] = False
         self.owners[slot], self.lengths[slot], self.on_device = None, 0, None
@@ -248,7 +266,7 @@ class Shelf:
         self.members, self.slots = members, slots
         if self.on_device is None:  # the units changed
             self.on_device = self.starts.to(device, copy=True), self.lengths.to(device, copy=True)  # own, on a CPU too
-            self.longest = int(self.lengths.max())
+            self.longest = host_int(self.lengths.max())
         starts, lengths = self.on_device
         self.step_starts = starts[slots]
         self.write_at = self.step_starts + lengths[slots]
@@ -286,15 +304,21 @@ class Shelf:
 
     def attend_modified(self, units: torch.Tensor, scaling: float) -> torch.Tensor:
         """The step's units' outputs ``[n,G,D]`` for their queries ``units [n,G,D]`` where modifiers attend: every unit
-        of the shelf (the modifiers' states are the shelf's) by one SDPA call over the regions viewed to the longest,
-        SDPA's output replaced by a modifier's where its state holds something."""
+        of the shelf (the modifiers' states are the shelf's) by one SDPA call over the regions to the longest (viewed
+        on a shelf of one capacity, else gathered), SDPA's output replaced by a modifier's where its state holds
+        something."""
         assert self.on_device is not None  # made by begin_step
         queries = units.new_zeros(len(self.owners), units.shape[1], 1, units.shape[-1])
         queries.index_copy_(0, self.slots, units[:, :, None])
-        assert self.uniform is not None  # a shelf of one capacity: unit u's region at u·C
-        visible = torch.arange(self.longest, device=units.device) < self.held[:, None]  # [U,T]
-        keys = self.keys.view(-1, self.uniform, self.dim)[:, None, : self.longest]  # [U,1,T,D]
-        values = self.values.view(-1, self.uniform, self.dim)[:, None, : self.longest]
+        reach = torch.arange(self.longest, device=units.device)
+        visible = reach < self.held[:, None]  # [U,T]
+        if self.uniform is not None:  # a shelf of one capacity: unit u's region at u·C
+            keys = self.keys.view(-1, self.uniform, self.dim)[:, None, : self.longest]  # [U,1,T,D]
+            values = self.values.view(-1, self.uniform, self.dim)[:, None, : self.longest]
+        else:  # every capacity: each region gathered to the longest
+            index = (self.on_device[0][:, None] + reach).clamp(max=self.keys.shape[0] - 1)  # [U,T]
+            keys = decode.gathered(self.keys, index)[:, None]
+            values = decode.gathered(self.values, index)[:, None]
         output = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=visible[:, None, None], scale=scaling, enable_gqa=units.shape[1] > 1
         ).transpose(1, 2)  # [U,1,G,D]

@@ -13,8 +13,9 @@ and moves back into the row's own cache, with the tokens it decoded appended, wh
 (:meth:`RowStore.release`): its outputs (sizes, kept sets, statistics) are those of a row attended alone. A unit is
 attended by the query heads that read its cache head (``Hq / Hc`` of them; one in the repeat layout) over its own
 region: by :mod:`kvbench.kernels.decode`'s kernel on CUDA, by one SDPA call over the regions gathered to the longest
-elsewhere. Where modifiers attend (their state is the shelf's, every unit attended), a shelf holds one capacity, its
-regions viewed ``[U,C,D]`` without a copy. The other rows of a step are attended each alone.
+elsewhere. Where modifiers attend (their state is the shelf's, every unit attended by one SDPA call), on CUDA a shelf
+holds every capacity, its regions gathered to the longest each step, and elsewhere one capacity, viewed ``[U,C,D]``
+without a copy (:data:`~kvbench.engine.shelf.MODIFIER_SHELVES`). The other rows of a step are attended each alone.
 
 Memory: a shelf grows by exactly the regions arriving (into free regions of their capacity first) and is copied
 without its free regions once they are more than a sixteenth of it; an empty one is let go.
@@ -28,7 +29,7 @@ import torch
 
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.layer import EvictionLayer
-from kvbench.engine.shelf import Shelf, Stored, capacity_class, shelf_key
+from kvbench.engine.shelf import Shelf, Stored, modifier_capacity, shelf_key
 
 
 def storable(cache: EvictionCache) -> bool:
@@ -78,8 +79,8 @@ class RowStore:
             row = Stored(cache, position, kept, appended, more, reserved, [[None] * len(lengths) for lengths in kept])
             for layer, lengths in enumerate(kept):
                 shelved: dict[tuple, list[int]] = {}
-                for head, length in enumerate(lengths):  # attending modifiers: a shelf per capacity
-                    capacity = capacity_class(length + more) if cache.attending else None
+                for head, length in enumerate(lengths):
+                    capacity = modifier_capacity(cache, length + more)
                     shelved.setdefault(shelf_key(cache, layer, capacity), []).append(head)
                 for key, heads in shelved.items():
                     if key not in self.shelves:
