@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import os
 
 
+@functools.cache
 def available() -> bool:
-    """Whether the kernels can run here (``triton`` importable)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether the kernels can run here (``triton`` imports: installed, and its libraries found)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def interpreted() -> bool:
