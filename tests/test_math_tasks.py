@@ -145,3 +145,33 @@ def test_a_streaming_run_records_each_traces_length(tmp_path):
         over = record["kv"]["generation"]  # the evicting cache's bytes after each decode step
         assert len(over["curve"]) == record["generated_tokens"] - 1 and over["peak_bytes"] <= record["kv"]["peak_bytes"]
     assert metrics["generation"]["mean_generated_tokens"] == sum(r["generated_tokens"] for r in records) / 2
+
+
+@pytest.mark.model
+def test_the_leaderboards_decode_track_at_smoke_scale(tmp_path, capsys):
+    """``+experiment=leaderboard_reasoning_smoke`` on hand-written GSM8K rows: one grouped sweep, the full cache, H2O
+    and R-KV evicting while they decode (every 8 tokens back to 32), then ``kvbench leaderboard``'s cells with the
+    mean trace length and the cache's mean peak beside each score; every job of the paper-scale sweep is valid."""
+    from kvbench.cli import main
+
+    path = write_rows(tmp_path / "rows.jsonl", ROWS)
+    main(["run", "-m", "+experiment=leaderboard_reasoning_smoke", f"task.path={path}", f"hydra.sweep.dir={tmp_path}"])
+    runs = sorted(path.parent.name for path in tmp_path.glob("smollm2_135m/gsm8k/*/metrics.json"))
+    assert [name.split("-")[0] for name in runs] == ["full", "h2o", "rkv"]
+    for name in runs:
+        records = [
+            json.loads(line) for line in next(tmp_path.glob(f"*/*/{name}/predictions.jsonl")).read_text().splitlines()
+        ]
+        assert len(records) == 2 and all(0 < record["generated_tokens"] <= 32 for record in records)
+        if not name.startswith("full"):  # evicting while it decodes: the budget and at most an interval more
+            for kv in (record["kv"] for record in records):
+                layers, kept = len(kv["after_prefill_tokens_per_layer"]), sum(kv["after_prefill_tokens_per_layer"])
+                assert (
+                    kept == 32 * layers and kv["generation"]["peak_bytes"] <= (32 + 8) / 32 * kv["after_prefill_bytes"]
+                )
+    capsys.readouterr()
+    main(["leaderboard", str(tmp_path)])
+    cells = capsys.readouterr().out
+    assert "generated" in cells and "kv_peak_mib" in cells and cells.count("| gsm8k ") >= 3
+    main(["plan", "-m", "+experiment=leaderboard_reasoning", f"task.path={path}"])
+    assert "12 jobs, 0 invalid" in capsys.readouterr().err
