@@ -222,6 +222,8 @@ def test_budget_fraction_resolves_against_prompt():
         ("1x", "1x", 1.0, None),
         ("64MiB", "64MiB", None, 64 * 2**20),
         ("64mib", "64MiB", None, 64 * 2**20),
+        ("0.250x", "0.25x", 0.25, None),
+        ("64.0MiB", "64MiB", None, 64 * 2**20),
         ("512KiB", "512KiB", None, 2**19),
         ("1.5GiB", "1.5GiB", None, 3 * 2**29),
     ],

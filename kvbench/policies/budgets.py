@@ -46,12 +46,12 @@ class Budget:
         if unit == "x":
             if number > 1:
                 raise KVBenchError(f"invalid budget {spec!r}: a fraction of the full cache's bytes must be at most 1x")
-            return cls(f"{match['number']}x", byte_fraction=number)
+            return cls(f"{number:g}x", byte_fraction=number)  # one name for one value: 0.250x is 0.25x
         if unit in BYTE_UNITS:
             name, size = BYTE_UNITS[unit]
             if number * size != int(number * size):
                 raise KVBenchError(f"invalid budget {spec!r}: a byte count must be a whole number of bytes")
-            return cls(f"{match['number']}{name}", byte_count=int(number * size))
+            return cls(f"{number:g}{name}", byte_count=int(number * size))
         tokens = number * 1024 if unit == "k" else number
         if tokens != int(tokens):
             raise KVBenchError(f"invalid budget {spec!r}: a token count must be a whole number")
