@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvbench import PROJECT_ROOT
-from kvbench.engine.kivi import pack, quantize, unpack
+from kvbench.engine.kivi import pack_levels, quantize, unpack_levels
 from kvbench.errors import KVBenchError
 
 FIXTURE = torch.load(PROJECT_ROOT / "tests" / "fixtures" / "kivi" / "kivi.pt")
@@ -35,9 +35,9 @@ def test_packing_is_lossless_and_holds_bits_per_value(bits):
     tensor's bytes are its codes (``bits / 32`` of an int32 per value) and its groups' steps and minima."""
     levels = torch.randint(0, 1 << bits, (3, 5, 64), dtype=torch.int32)
     levels[..., 32 // bits - 1] = (1 << bits) - 1  # the last value of a run: the int32's top bits
-    codes = pack(levels, bits)
+    codes = pack_levels(levels, bits)
     assert codes.shape == (3, 5, 64 * bits // 32) and codes.dtype == torch.int32 and (codes < 0).any()
-    assert torch.equal(unpack(codes, bits), levels)
+    assert torch.equal(unpack_levels(codes, bits), levels)
     held = quantize(torch.randn(1, 2, 64, 32), bits, 32, axis=2)
     assert held.bytes() == 2 * 64 * 32 * bits // 8 + 2 * (2 * 2 * 32) * 4
 

@@ -23,13 +23,13 @@ def _shifts(bits: int, device) -> torch.Tensor:
     return torch.arange(32 // bits, dtype=torch.int32, device=device) * bits  # [32/bits]
 
 
-def pack(levels: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_levels(levels: torch.Tensor, bits: int) -> torch.Tensor:
     """Levels ``[..., L]`` (integers in ``[0, 2^bits)``) → int32 codes ``[..., L·bits/32]`` along the last axis."""
     runs = levels.to(torch.int32).unflatten(-1, (-1, 32 // bits))  # [..., L/f, f]
     return (runs << _shifts(bits, levels.device)).sum(dim=-1, dtype=torch.int32)  # disjoint bits: the sum is the OR
 
 
-def unpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def unpack_levels(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 ``codes [..., C]`` → levels ``[..., C·32/bits]`` (int32) along the last axis."""
     levels = (codes[..., None] >> _shifts(bits, codes.device)) & ((1 << bits) - 1)  # [..., C, f]
     return levels.flatten(-2)
@@ -53,7 +53,7 @@ class Quantized:
 
     def dequantized(self) -> torch.Tensor:
         """``level · step + min`` in the steps' dtype, the original shape."""
-        levels = unpack(self.codes.movedim(self.axis, -1), self.bits)  # [..., L]
+        levels = unpack_levels(self.codes.movedim(self.axis, -1), self.bits)  # [..., L]
         grouped = levels.unflatten(-1, (-1, self.group_size)).to(self.step.dtype)  # [..., G, g]
         step, minimum = (x.movedim(self.axis, -1)[..., None] for x in (self.step, self.minimum))
         return (grouped * step + minimum).flatten(-2).movedim(-1, self.axis)
@@ -75,7 +75,7 @@ def quantize(tensor: torch.Tensor, bits: int, group_size: int, axis: int) -> Qua
     minimum = grouped.amin(dim=-1, keepdim=True)
     step = (grouped.amax(dim=-1, keepdim=True) - minimum) / top
     levels = ((grouped - minimum) / torch.where(step == 0, 1, step)).clamp(0, top).round()  # [..., G, g]
-    codes = pack(levels.flatten(-2), bits)
+    codes = pack_levels(levels.flatten(-2), bits)
     return Quantized(
         codes.movedim(-1, axis),
         step[..., 0].movedim(-1, axis),
