@@ -310,15 +310,14 @@ class Shelf:
         assert self.on_device is not None  # made by begin_step
         queries = units.new_zeros(len(self.owners), units.shape[1], 1, units.shape[-1])
         queries.index_copy_(0, self.slots, units[:, :, None])
-        reach = torch.arange(self.longest, device=units.device)
-        visible = reach < self.held[:, None]  # [U,T]
+        visible = torch.arange(self.longest, device=units.device) < self.held[:, None]  # [U,T]
         if self.uniform is not None:  # a shelf of one capacity: unit u's region at u·C
             keys = self.keys.view(-1, self.uniform, self.dim)[:, None, : self.longest]  # [U,1,T,D]
             values = self.values.view(-1, self.uniform, self.dim)[:, None, : self.longest]
         else:  # every capacity: each region gathered to the longest
-            index = (self.on_device[0][:, None] + reach).clamp(max=self.keys.shape[0] - 1)  # [U,T]
-            keys = decode.gathered(self.keys, index)[:, None]
-            values = decode.gathered(self.values, index)[:, None]
+            keys, values = (
+                x[:, None] for x in decode.padded_regions(self.keys, self.values, self.on_device[0], self.longest)
+            )
         output = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=visible[:, None, None], scale=scaling, enable_gqa=units.shape[1] > 1
         ).transpose(1, 2)  # [U,1,G,D]

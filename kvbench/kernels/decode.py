@@ -101,9 +101,15 @@ def region_attention(
     return out
 
 
-def gathered(entries: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``entries [P,D]`` at ``index [n,T]`` → ``[n,T,D]`` (one ``index_select``: on a CPU far quicker than indexing)."""
-    return entries.index_select(0, index.flatten()).view(*index.shape, entries.shape[-1])
+def padded_regions(
+    keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor, longest: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The regions at ``starts [n]`` of ``keys``/``values [P,D]``, each gathered to ``longest`` entries (past the
+    buffer's end its last entry: masked by the caller) → ``[n,T,D]`` each, by one ``index_select`` (on a CPU far
+    quicker than indexing)."""
+    index = (starts[:, None] + torch.arange(longest, device=keys.device)).clamp(max=keys.shape[0] - 1).flatten()
+    shape = (len(starts), longest, keys.shape[-1])
+    return keys.index_select(0, index).view(shape), values.index_select(0, index).view(shape)
 
 
 def padded_region_attention(
@@ -117,13 +123,12 @@ def padded_region_attention(
 ) -> torch.Tensor:
     """:func:`region_attention` by PyTorch: each region gathered to ``longest`` entries (``≥`` every length) and one
     masked SDPA call → ``[n,G,D]``."""
-    reach = torch.arange(longest, device=keys.device)
-    index = (starts[:, None] + reach).clamp(max=keys.shape[0] - 1)  # [n,T]
-    visible = reach < lengths[:, None]  # [n,T]
+    visible = torch.arange(longest, device=keys.device) < lengths[:, None]  # [n,T]
+    keys, values = padded_regions(keys, values, starts, longest)  # [n,T,D]
     output = torch.nn.functional.scaled_dot_product_attention(
         queries[:, :, None],  # [n,G,1,D]
-        gathered(keys, index)[:, None],  # [n,1,T,D]
-        gathered(values, index)[:, None],
+        keys[:, None],  # [n,1,T,D]
+        values[:, None],
         attn_mask=visible[:, None, None],
         scale=scaling,
         enable_gqa=queries.shape[1] > 1,
