@@ -19,8 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from kvbench import config_dict
 from kvbench.config import GROUPS, engine_keys, group_keys, group_options, root_keys
 from kvbench.domains import FLAG, Domain, check_table, choice, integer, number
-from kvbench.engine import ENGINE_SETTINGS
-from kvbench.engine.runner import evicts_decoding
+from kvbench.engine import CACHE_SETTINGS, ENGINE_SETTINGS
+from kvbench.engine.runner import evicts_decoding, kivi_of, quant_refusal
 from kvbench.errors import KVBenchError, check_keys, choose
 from kvbench.models import MODEL_SETTINGS
 from kvbench.policies import build_policy
@@ -81,6 +81,7 @@ def resolve(cfg: DictConfig) -> Job:
             "engine.decode_evict=true"
         )
     refusal = policy.refusal(engine["regime"], settings["task"].get("query_mode") == "agnostic", decode_evict)
+    refusal = refusal or quant_refusal(kivi_of(settings["cache"]), policy, decode_evict)
     if refusal is not None:
         raise KVBenchError(refusal)
     settings["policy"] = policy.settings()
@@ -109,6 +110,7 @@ def check_settings(settings: dict[str, Any]) -> None:
     check_table(settings, RUN_SETTINGS, "")
     check_table(settings["engine"], ENGINE_SETTINGS, "engine.")
     check_table(settings["generation"], GENERATION_SETTINGS, "generation.")
+    check_table(settings["cache"], CACHE_SETTINGS, "cache.")
     if settings["generation"]["num_samples"] > 1 and not settings["generation"]["do_sample"]:
         raise KVBenchError(
             f"generation.num_samples={settings['generation']['num_samples']} draws as many traces of a problem, "
@@ -130,6 +132,7 @@ def check_known_keys(settings: dict[str, Any]) -> None:
     check_keys(settings, root_keys(), "", "the run config")
     check_keys(settings["engine"], engine_keys(), "engine.", "the engine")
     check_keys(settings["generation"], list(GENERATION_SETTINGS), "generation.", "generation")
+    check_keys(settings["cache"], list(CACHE_SETTINGS), "cache.", "the cache")
     for group in (*GROUPS, "policy"):
         name = settings[group].get("name") if group != "budget" else None
         if group != "policy" and name is not None and name not in group_options(group):

@@ -61,6 +61,9 @@ ADDED_SETTINGS = {
     "generation.top_p": 1.0,
     "generation.num_samples": 1,
     "generation.seed": 0,
+    "cache.quant": "none",  # the cache as the model gives it, as every run before KIVI
+    "cache.group_size": 32,
+    "cache.residual": 128,
 }
 
 #: settings whose value names the same run as another's: ``engine.sums_kernel=auto`` (torch's blocks on a CPU, the
@@ -133,7 +136,8 @@ def differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[st
 
 def run_name(*, _root_: DictConfig) -> str:
     """The default run directory below ``results/`` (the ``${run_name:}`` resolver of conf/config.yaml):
-    ``<model>/<task>/<policy>-<budget>-<regime>-<digest>``, the digest the first 8 hex digits of the SHA-256
+    ``<model>/<task>/<policy>-<budget>-<regime>-<digest>`` (a quantised cache's policy as ``<policy>+<quant>``),
+    the digest the first 8 hex digits of the SHA-256
     of the composed config's identity, so runs whose settings differ land in different directories and a
     rerun of the same settings (a single run or a job of a sweep) finds its own."""
     nodes = {str(key): _root_[key] for key in _root_ if key not in NOT_IDENTITY}
@@ -145,7 +149,9 @@ def run_name(*, _root_: DictConfig) -> str:
     )
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
     model, task, policy, budget, engine = (_root_[key] for key in ("model", "task", "policy", "budget", "engine"))
-    return f"{model.name}/{task.name}/{policy.name}-{budget.spec}-{engine.regime}-{digest}"
+    quant = _root_.get("cache", {}).get("quant", "none")
+    method = policy.name if quant == "none" else f"{policy.name}+{quant}"
+    return f"{model.name}/{task.name}/{method}-{budget.spec}-{engine.regime}-{digest}"
 
 
 def register_run_name() -> None:

@@ -124,7 +124,7 @@ def test_perplexity_task(tmp_path):
             "policy.layer_budget.betta=2",
             "unknown key policy.layer_budget.betta for layer budget uniform; valid keys: name",
         ),
-        ("foo=1", "unknown key foo for the run config; valid keys: budget, compat, engine, experiment, generation, "),
+        ("foo=1", "unknown key foo for the run config; valid keys: budget, cache, compat, engine, experiment, "),
         ("=3", "'=3' names no setting: write KEY=VALUE, e.g. budget=128"),
         ("hydra/launcher=nope", "Could not find 'hydra/launcher/nope' Available options in 'hydra/launcher': basic"),
         ("hydra.foo=1", "Could not override 'hydra.foo'. To append to your config use +hydra.foo=1 (Key 'foo' not in"),

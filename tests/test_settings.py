@@ -22,7 +22,7 @@ from kvbench import CONF_DIR
 from kvbench.cli import main
 from kvbench.config import compose, engine_keys, group_keys, group_options
 from kvbench.domains import Domain, domains_of, shown
-from kvbench.engine import ENGINE_SETTINGS
+from kvbench.engine import CACHE_SETTINGS, ENGINE_SETTINGS
 from kvbench.errors import KVBenchError
 from kvbench.job import GENERATION_SETTINGS, RUN_SETTINGS, resolve
 from kvbench.models import MODEL_SETTINGS
@@ -59,7 +59,7 @@ def setting_cases() -> list[tuple[str, list[str], str, type, Domain]]:
 
 def table_cases() -> list[tuple[str, list[str], str, type | None, Domain]]:
     """The same for every engine, model and top-level setting of a run and every setting of every task."""
-    tables = [("engine.", ENGINE_SETTINGS), ("model.", MODEL_SETTINGS), ("", RUN_SETTINGS)]
+    tables = [("engine.", ENGINE_SETTINGS), ("cache.", CACHE_SETTINGS), ("model.", MODEL_SETTINGS), ("", RUN_SETTINGS)]
     cases = [
         (f"{prefix}{key}", RULER, f"{prefix}{key}", None, domain)
         for prefix, table in tables
@@ -90,9 +90,10 @@ def test_every_engine_model_and_run_setting_declares_its_domain():
     for model in group_options("model"):
         assert set(group_keys("model", model)) <= set(MODEL_SETTINGS), model
     top = OmegaConf.load(CONF_DIR / "config.yaml")
-    groups = ("defaults", "hydra", "engine", "generation", "policy_settings")
+    groups = ("defaults", "hydra", "engine", "generation", "cache", "policy_settings")
     assert {str(key) for key in top if key not in groups} == set(RUN_SETTINGS)
     assert set(top.generation) == set(GENERATION_SETTINGS)
+    assert set(top.cache) == set(CACHE_SETTINGS)
 
 
 @pytest.mark.parametrize("cls", [*BASES.values(), *MODIFIERS.values(), *LAYER_BUDGETS.values()])

@@ -20,6 +20,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvbench.engine.cascade import CascadeStages
+from kvbench.engine.kivi import Kivi
 from kvbench.engine.layer import EvictionLayer, in_cache_heads
 from kvbench.engine.scoring import Forward, Scorer
 from kvbench.engine.selection import kept_per_head, reserved_slots, top_slots
@@ -55,6 +56,7 @@ class EvictionCache(Cache):
         sums_kernel: str = "torch",
         windows: list[int | None] | None = None,
         learned_sinks: bool = False,
+        quant: Kivi | None = None,
     ) -> None:
         super().__init__(layers=[EvictionLayer() for _ in layer_budgets])
         self.policy = policy
@@ -68,6 +70,8 @@ class EvictionCache(Cache):
         #: by layer, the sliding window held as the model holds it (:meth:`slide`), or None: a global layer
         self.windows = [None] * len(layer_budgets) if windows is None else list(windows)
         self.learned_sinks = learned_sinks  # the model's softmax adds a learned logit per head (GPT-OSS)
+        #: how the global layers hold their entries once the prompt is read (``cache.quant``: KIVI), or None: as given
+        self.quant = quant
         self.allocation = self._allocation()
         args = (score_block, sums_kernel, layer_weights, self.allocation)
         self.scorer = Scorer(policy, self.eviction_layers, prompt_len, *args)
@@ -100,6 +104,15 @@ class EvictionCache(Cache):
         self.seen += positions.shape[-1]
         last = evict and not self.decode_evict and self.seen >= self.prompt_len
         self.forward = Forward(positions, evict, evict or self.decode_evict, decoding, self.seen, last)
+
+    def end_prefill(self) -> None:
+        """The prompt is read: a quantised cache quantises its global layers' entries now (else its first decode step
+        does), so that what it holds after prefill is what it decodes from."""
+        if self.quant is not None:
+            for index, (layer, window) in enumerate(zip(self.eviction_layers, self.windows)):
+                if window is None:
+                    layer.roll(self.quant)
+                    self.account(index)
 
     def tokens_per_layer(self) -> list[int]:
         """Cached tokens per cache head, for every layer."""
@@ -201,6 +214,8 @@ class EvictionCache(Cache):
         """Append new keys/values ``[B,Hkv,q,D]`` (repeated to query heads in the repeat layout)."""
         key_states, value_states = in_cache_heads(key_states, value_states, self.num_query_heads, self.repeat_layout)
         layer, forward = self.eviction_layers[layer_idx], self._forward()
+        if self.quant is not None and forward.decoding and self.windows[layer_idx] is None:
+            layer.roll(self.quant)  # the prompt's entries quantised before the first token after it, then the rest
         if self.policy.running and self.scored_in(layer_idx) and layer.running_score is None:
             batch, heads, _, _ = key_states.shape
             layer.running_score = key_states.new_zeros(batch, heads, 0, dtype=torch.float32)

@@ -84,3 +84,91 @@ def quantize(tensor: torch.Tensor, bits: int, group_size: int, axis: int) -> Qua
         group_size,
         axis,
     )
+
+
+def joined(held: Quantized | None, new: Quantized) -> Quantized:
+    """``held`` followed by ``new`` along the tokens (axis 2 of ``[B,H,T,D]``; KIVI's ``torch.cat`` of codes, steps
+    and minima), or ``new`` where nothing is held."""
+    if held is None:
+        return new
+    parts = zip((held.codes, held.step, held.minimum), (new.codes, new.step, new.minimum))
+    codes, step, minimum = (torch.cat(pair, dim=2) for pair in parts)
+    return Quantized(codes, step, minimum, held.bits, held.group_size, held.axis)
+
+
+#: ``cache.quant``: how a cache holds its entries once the prompt is read; ``kivi2``/``kivi4``: KIVI at 2 / 4 bits
+QUANT = ("none", "kivi2", "kivi4")
+
+
+@dataclass(frozen=True)
+class Kivi:
+    """KIVI's cache (``cache.quant=kivi<bits>``; its released ``LlamaAttention_KIVI``): keys quantised per channel in
+    groups of ``group_size`` tokens, ``residual`` tokens at a time — the keys not yet a whole ``residual`` stay in full
+    precision —, values per token in groups of ``group_size`` channels, the latest ``residual`` in full precision.
+    The prompt is read in full precision, then split so (:meth:`roll`); each decoded token attends with itself in full
+    precision, and the next step quantises what passed the residual (the released code quantises after the step's
+    attention: the same entries are attended)."""
+
+    bits: int
+    group_size: int = 32
+    residual: int = 128
+
+    @staticmethod
+    def of(quant: str, group_size: int, residual: int) -> Kivi | None:
+        """The ``cache.quant`` setting's representation (None: ``none``), or a one-line error."""
+        if quant not in QUANT:
+            raise KVBenchError(f"cache.quant={quant}: valid choices: {', '.join(QUANT)}")
+        if quant == "none":
+            return None
+        bits = int(quant.removeprefix("kivi"))
+        if group_size % (32 // bits) or residual % group_size:
+            raise KVBenchError(
+                f"cache.group_size={group_size} and cache.residual={residual}: KIVI needs a group of a multiple of "
+                f"{32 // bits} values (an int32 of {bits}-bit levels) and a residual of whole groups"
+            )
+        return Kivi(bits, group_size, residual)
+
+    def roll(self, entries: KiviEntries, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantise into ``entries`` the full-precision ``keys``/``values [B,H,·,D]`` past the residual: every whole
+        ``residual`` of keys, the values before the latest ``residual``; returns what stays in full precision (copies,
+        so that the longer tensors are freed)."""
+        whole = keys.shape[2] // self.residual * self.residual
+        if whole:
+            entries.keys = joined(entries.keys, quantize(keys[:, :, :whole], self.bits, self.group_size, axis=2))
+            keys = keys[:, :, whole:].clone()
+        past = values.shape[2] - self.residual
+        if past > 0:
+            entries.values = joined(entries.values, quantize(values[:, :, :past], self.bits, self.group_size, axis=3))
+            values = values[:, :, past:].clone()
+        return keys, values
+
+    def token_bytes(self, element_bytes: int) -> float:
+        """A quantised entry's bytes per channel: its level and its share of a group's step and minimum (in the
+        cache's dtype of ``element_bytes``), the same for keys (groups of tokens) and values (groups of channels)."""
+        return self.bits / 8 + 2 * element_bytes / self.group_size
+
+
+@dataclass
+class KiviEntries:
+    """A layer's quantised entries (:class:`Kivi`): the first keys and the first values (not as many), each
+    :class:`Quantized` along the tokens, or None while none are; the rest are the layer's full-precision tensors."""
+
+    keys: Quantized | None = None
+    values: Quantized | None = None
+
+    def tokens(self) -> tuple[int, int]:
+        """The keys and the values quantised."""
+        keys = 0 if self.keys is None else self.keys.step.shape[2] * self.keys.group_size
+        values = 0 if self.values is None else self.values.step.shape[2]
+        return keys, values
+
+    def bytes(self) -> int:
+        return sum(part.bytes() for part in (self.keys, self.values) if part is not None)
+
+    def attended(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every key and value ``[B,H,T,D]``: the quantised ones dequantised, then the full-precision ``keys`` /
+        ``values`` (in their dtype)."""
+        parts = []
+        for held, full in ((self.keys, keys), (self.values, values)):
+            parts.append(full if held is None else torch.cat([held.dequantized().to(full.dtype), full], dim=2))
+        return parts[0], parts[1]

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from kvbench.engine.kivi import Kivi, KiviEntries
 from kvbench.errors import KVBenchError
 from kvbench.policies.base import AttentionStats, Modifier
 from kvbench.policies.context import Evicted, take_slots
@@ -130,7 +131,9 @@ class EvictionLayer(DynamicLayer):
 
     After a head-wise eviction (:meth:`keep_per_head`) the kept entries are ``headwise`` (:class:`HeadwiseEntries`,
     a length per head) and ``keys``/``values``/``positions`` hold only the tokens appended since, the same for
-    every head.
+    every head. In a quantised cache (``cache.quant``, :meth:`roll`) the first keys and values are ``quantized``
+    (:class:`~kvbench.engine.kivi.KiviEntries`) and ``keys``/``values`` hold the rest in full precision, not as
+    many keys as values; ``positions`` are every token's.
     """
 
     # DynamicLayer's keys/values are None until the first ``append`` initialises them; an EvictionLayer is only
@@ -156,6 +159,8 @@ class EvictionLayer(DynamicLayer):
         #: the slots of ``keys``/``values`` that a cascade's evictions keep, gathered once it ends
         #: (:meth:`keep` with ``defer``, :meth:`gather_deferred`); None: ``keys``/``values`` are the layer's entries
         self.deferred_slots: torch.Tensor | None = None
+        #: the entries a quantised cache holds quantised (:meth:`roll`), or None
+        self.quantized: KiviEntries | None = None
         self.peak_tokens = 0
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
@@ -175,8 +180,17 @@ class EvictionLayer(DynamicLayer):
         self.peak_tokens = max(self.peak_tokens, self.tokens_per_head())
 
     def get_seq_length(self) -> int:
-        """The slots the layer holds (after a head-wise eviction, those appended since)."""
-        return super().get_seq_length() if self.deferred_slots is None else self.deferred_slots.shape[-1]
+        """The slots the layer holds (after a head-wise eviction, those appended since; quantised, every key)."""
+        if self.deferred_slots is not None:
+            return self.deferred_slots.shape[-1]
+        return super().get_seq_length() + (0 if self.quantized is None else self.quantized.tokens()[0])
+
+    def roll(self, kivi: Kivi) -> None:
+        """Quantise the entries past ``kivi``'s full-precision residual (:meth:`Kivi.roll`): the prompt's once it
+        is read, then at every decode step those the last step pushed past it."""
+        assert self.headwise is None and self.deferred_slots is None  # a quantised cache's layers evict no more
+        self.quantized = KiviEntries() if self.quantized is None else self.quantized
+        self.keys, self.values = kivi.roll(self.quantized, self.keys, self.values)
 
     def tokens_per_head(self) -> int:
         """The entries held per cache head (on average, after a head-wise eviction)."""
@@ -185,6 +199,9 @@ class EvictionLayer(DynamicLayer):
 
     def held_bytes(self, tokens: int | None = None) -> int:
         """The bytes of the keys and values held (``tokens`` of them per cache head where given)."""
+        if self.quantized is not None:  # the quantised entries and the full-precision rest
+            full = (self.keys.numel() + self.values.numel()) * self.keys.element_size()
+            return self.quantized.bytes() + full
         batch, heads, _, dim = self.keys.shape
         slots = self.keys.shape[2] if self.deferred_slots is None else self.deferred_slots.shape[-1]
         held = batch * heads * (slots if tokens is None else tokens) * dim
@@ -200,7 +217,10 @@ class EvictionLayer(DynamicLayer):
 
     def attended(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The keys and values ``[B,Hc,T,D]`` a forward attends to and which of them each head holds ``[Hc,T]`` (None:
-        all): after a head-wise eviction its entries padded to the longest head, then the tokens appended since."""
+        all): after a head-wise eviction its entries padded to the longest head, then the tokens appended since;
+        quantised, the quantised entries dequantised, then the rest (a working copy, not held)."""
+        if self.quantized is not None:
+            return *self.quantized.attended(self.keys, self.values), None
         if self.headwise is None:
             return self.keys, self.values, None
         entries, tokens = self.headwise, self.get_seq_length()

@@ -124,6 +124,7 @@ def finished_rows(
         nonlocal count
         for row in made:
             held[count] = row
+            row.cache.end_prefill()
             after_prefill[count] = row.cache.sizes_now()
             kept[count] = row.cache.kept_by_head() if row.engine.record_kept else None
             waiting.append(count)
@@ -274,6 +275,8 @@ def _perplexity_together(
     start = lead.now()
     logits = prefill_rows(engines, caches, input_ids[:context_tokens])
     prefill_seconds = (lead.now() - start) / count
+    for cache in caches:
+        cache.end_prefill()
     after_prefill = [cache.sizes_now() for cache in caches]
     start = lead.now()
     nlls: list[list[torch.Tensor]] = [[] for _ in engines]

@@ -15,7 +15,9 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -24,6 +26,7 @@ from kvbench.domains import FLAG, Domain, choice, integer, is_int, optional
 from kvbench.engine import attention
 from kvbench.engine.batches import RowBatch, SharedPrefill
 from kvbench.engine.cache import EvictionCache
+from kvbench.engine.kivi import QUANT, Kivi
 from kvbench.engine.reconstruction import RepeatPrompt, reconstruct
 from kvbench.engine.sampling import Sampling
 from kvbench.engine.sizes import CacheSizes
@@ -61,6 +64,14 @@ ENGINE_SETTINGS: dict[str, Domain] = {
     "threads": THREADS,
     "rows_attention": choice(*ROWS_ATTENTION),
     "sums_kernel": choice(*SUMS_KERNELS),
+}
+
+
+#: how the cache holds its entries once the prompt is read (``cache.<key>``, conf/config.yaml; :class:`Kivi`)
+CACHE_SETTINGS: dict[str, Domain] = {
+    "quant": choice(*QUANT),
+    "group_size": integer(1, "a count of values"),
+    "residual": integer(1, "a token count"),
 }
 
 
@@ -197,6 +208,42 @@ def model_refusal(policy: Policy, windows: list[int | None], learned_sinks: bool
     )
 
 
+def kivi_of(cache: Mapping[str, Any]) -> Kivi | None:
+    """The ``cache`` settings' representation (:meth:`Kivi.of`)."""
+    return Kivi.of(str(cache["quant"]), int(cache["group_size"]), int(cache["residual"]))
+
+
+def head_dim_of(config) -> int:
+    """The channels of one attention head of a model's text ``config``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def quant_model_refusal(quant: Kivi | None, head_dim: int) -> str | None:
+    """Why a quantised cache is not defined on a model of heads of ``head_dim`` channels (KIVI's value groups are
+    channels of one head), or None."""
+    if quant is None or head_dim % quant.group_size == 0:
+        return None
+    return (
+        f"cache.group_size={quant.group_size}: KIVI quantises each value in groups of channels, and this model's heads "
+        f"have {head_dim}; valid choices: a divisor of {head_dim} that is a multiple of {32 // quant.bits}"
+    )
+
+
+def quant_refusal(quant: Kivi | None, policy: Policy, decode_evict: bool) -> str | None:
+    """Why a quantised cache (``cache.quant``) is not defined with ``policy`` and the regime, or None: its layers
+    are evicted before they are quantised, so not while decoding, and hold one length for every head."""
+    if quant is None:
+        return None
+    if decode_evict:
+        return (
+            f"cache.quant=kivi{quant.bits} quantises the entries once the prompt is read and no eviction may follow; "
+            "set engine.regime=oneshot (or engine.decode_evict=false)"
+        )
+    if policy.shares_heads:
+        return f"cache.quant=kivi{quant.bits} holds one length for every head; policy {policy.spec} keeps one per head"
+    return None
+
+
 class Runner:
     """Runs a causal LM with ``policy`` keeping ``budget`` tokens per layer under ``regime``: a cache for a prompt,
     its prefill, each step and the measuring; :class:`~kvbench.engine.engine.Engine` adds generation and perplexity
@@ -218,6 +265,7 @@ class Runner:
         rows_attention: str = "auto",
         sums_kernel: str = "auto",
         sampling: Sampling | None = None,
+        quant: Kivi | None = None,
     ):
         choose("engine.regime", regime, REGIMES)
         choose("engine.rows_attention", rows_attention, ROWS_ATTENTION)
@@ -239,6 +287,8 @@ class Runner:
         self.tokenizer = tokenizer
         #: how each row draws its tokens (None: greedily)
         self.sampling = sampling
+        #: how the cache holds its entries once the prompt is read (``cache.quant``: KIVI), or None: as the model gives
+        self.quant = quant
         self._repeat_prompt: RepeatPrompt | None = None
         config = model.config.get_text_config()
         self.num_layers = config.num_hidden_layers
@@ -250,6 +300,8 @@ class Runner:
         self.rows_attention = rows_attention_on(self.device, rows_attention)
         if self.sums_kernel == "triton":
             check_sums_kernel(self.device)
+        if (refusal := quant_model_refusal(quant, head_dim_of(config))) is not None:
+            raise KVBenchError(refusal)
         self.layer_weights = layer_weights(model, self.num_query_heads, self.num_layers)
         self.windows = held_windows(config)
         #: the model's softmax adds a learned logit per head (GPT-OSS's ``sinks``, given to attention as ``s_aux``)
@@ -266,18 +318,27 @@ class Runner:
         """A token's keys and values in one layer of ``policy``'s head layout."""
         config = self.model.config.get_text_config()
         heads = self.num_query_heads if policy.gqa == "repeat" else self.num_kv_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return 2 * heads * head_dim * next(self.model.parameters()).element_size()
+        return 2 * heads * head_dim_of(config) * self.element_bytes()
 
     def budget_tokens(self, policy: Policy, prompt_len: int) -> int:
         """The budget's tokens per layer and cache head for a prompt of ``prompt_len`` tokens; a byte budget's as
-        ``policy``'s head layout spends it: a token costs every global layer its entry, the sliding layers hold their
-        windows whatever the budget (:meth:`Budget.resolve`)."""
+        ``policy``'s head layout spends it: a token costs every global layer its entry (quantised, KIVI's levels and
+        their share of the groups' steps and minima, beside a residual of full-precision entries), the sliding layers
+        hold their windows whatever the budget (:meth:`Budget.resolve`); a fraction is of the full cache's bytes."""
         if not self.budget.in_bytes:
             return self.budget.resolve(prompt_len)
-        entry = self.entry_bytes(policy)
+        entry, globals_ = self.entry_bytes(policy), self.windows.count(None)
         fixed = sum(min(prompt_len, window - 1) for window in self.windows if window is not None) * entry
-        return self.budget.resolve(prompt_len, entry * self.windows.count(None), fixed)
+        full = fixed + entry * globals_ * prompt_len
+        if self.quant is None:
+            return self.budget.resolve(prompt_len, entry * globals_, fixed, full)
+        quantized = entry * self.quant.token_bytes(self.element_bytes()) / self.element_bytes()
+        residual = self.quant.residual * (entry - quantized) * globals_  # at most a residual of keys, one of values
+        return self.budget.resolve(prompt_len, quantized * globals_, fixed + residual, full)
+
+    def element_bytes(self) -> int:
+        """The bytes of one of the model's values (its weights' dtype: its cache's)."""
+        return next(self.model.parameters()).element_size()
 
     def held_tokens(self, tokens: int) -> list[int]:
         """The entries a full cache of ``tokens`` holds per cache head in each layer: a sliding layer its window's last
@@ -293,7 +354,11 @@ class Runner:
         """A cache for a prompt of ``prompt_len`` tokens (``context``: a context, its question read after it is
         compressed); a budget ≥ the prompt means no eviction. Dynamic layer budgets (``cake``, ``vabs``) start
         uniform and are re-allocated by the cache during prefill. A policy not defined here is a one-line error."""
-        refusal = self.policy.refusal(self.regime, context, self.decode_evict) or self.model_refusal(self.policy)
+        refusal = (
+            self.policy.refusal(self.regime, context, self.decode_evict)
+            or self.model_refusal(self.policy)
+            or quant_refusal(self.quant, self.policy, self.decode_evict)
+        )
         if refusal is not None:
             raise KVBenchError(refusal)
         budget = self.budget_tokens(self.policy, prompt_len)
@@ -313,6 +378,7 @@ class Runner:
             sums_kernel=self.sums_kernel,
             windows=self.windows,
             learned_sinks=self.learned_sinks,
+            quant=self.quant,
         )
 
     def model_refusal(self, policy: Policy) -> str | None:

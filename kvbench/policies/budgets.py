@@ -62,12 +62,15 @@ class Budget:
     def in_bytes(self) -> bool:
         return self.byte_fraction is not None or self.byte_count is not None
 
-    def resolve(self, prompt_len: int, token_bytes: int | None = None, fixed_bytes: int = 0) -> int:
+    def resolve(
+        self, prompt_len: int, token_bytes: float | None = None, fixed_bytes: float = 0, full_bytes: float | None = None
+    ) -> int:
         """Tokens per layer (and cache head) for a prompt of ``prompt_len`` tokens (at least 1). A byte budget needs
         ``token_bytes``, what one more token of budget costs the cache (every budgeted layer and cache head), and
-        ``fixed_bytes``, what the cache holds whatever the budget (sliding layers' windows): the most tokens whose
-        cache holds at most the budget's bytes — of the full cache of the prompt, ``fixed_bytes + token_bytes ·
-        prompt_len``, for a fraction."""
+        ``fixed_bytes``, what the cache holds whatever the budget (sliding layers' windows, a quantised cache's
+        full-precision residual): the most tokens whose cache holds at most the budget's bytes — of ``full_bytes``
+        for a fraction, the full cache of the prompt (by default ``fixed_bytes + token_bytes · prompt_len``: a cache
+        that holds its entries as the model gives them)."""
         if self.tokens is not None:
             return self.tokens
         if self.fraction is not None:
@@ -75,7 +78,8 @@ class Budget:
         if token_bytes is None:
             raise KVBenchError(f"budget {self.spec} needs the bytes a cached token costs (a model's cache)")
         if self.byte_fraction is not None:
-            allowed = self.byte_fraction * (fixed_bytes + token_bytes * prompt_len)
+            full = fixed_bytes + token_bytes * prompt_len if full_bytes is None else full_bytes
+            allowed = self.byte_fraction * full
         else:
             assert self.byte_count is not None  # parse gives a budget one of its four forms
             allowed = self.byte_count

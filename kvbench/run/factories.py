@@ -15,7 +15,14 @@ from omegaconf import DictConfig
 
 from kvbench import config_dict
 from kvbench.engine import Engine
-from kvbench.engine.runner import has_learned_sinks, held_windows, model_refusal
+from kvbench.engine.runner import (
+    has_learned_sinks,
+    head_dim_of,
+    held_windows,
+    kivi_of,
+    model_refusal,
+    quant_model_refusal,
+)
 from kvbench.engine.sampling import Sampling
 from kvbench.errors import KVBenchError
 from kvbench.job import Job
@@ -68,8 +75,9 @@ def model_refusal_of(cfg: DictConfig) -> str | None:
     skeleton = model_skeleton(cfg.model)
     if skeleton is None:
         return None
-    policy = build_policy(cfg.policy.name, cfg.policy)
-    return model_refusal(policy, held_windows(skeleton.config.get_text_config()), has_learned_sinks(skeleton))
+    policy, config = build_policy(cfg.policy.name, cfg.policy), skeleton.config.get_text_config()
+    refusal = model_refusal(policy, held_windows(config), has_learned_sinks(skeleton))
+    return refusal or quant_model_refusal(kivi_of(cfg.cache), head_dim_of(config))
 
 
 def node_key(node: DictConfig) -> str:
@@ -130,6 +138,7 @@ def build_engine(job: Job, loaded: LoadedModel) -> Engine:
         rows_attention=engine.rows_attention,
         sums_kernel=engine.sums_kernel,
         sampling=sampling_of(job.cfg),
+        quant=kivi_of(job.cfg.cache),
     )
 
 

@@ -136,7 +136,7 @@ def summarize(
     return {
         "model": cfg.model.name,
         "policy": cfg.policy.name,
-        "label": job.policy.label,
+        "label": job.policy.label if cfg.cache.quant == "none" else f"{job.policy.label}+{cfg.cache.quant}",
         "budget": str(cfg.budget.spec),
         "task": cfg.task.name,
         "regime": cfg.engine.regime,
