@@ -9,7 +9,7 @@
     kvbench table RUN_DIR... [--layout L] [--format F] [--output-dir DIR]    # benchmark-layout tables
     kvbench leaderboard RUN_DIR... [--format F] [--output-dir DIR]          # means with 95 % intervals, paired
     kvbench compare-paper caote:table2 RUN_DIR... [--output-dir DIR]           # a paper's table beside ours
-    kvbench plot RUN_DIR... --kind heatmap|budget|ppl|all [--x budget|ratio] [--output-dir DIR]   # heatmaps, curves
+    kvbench plot RUN_DIR... --kind heatmap|budget|ppl|all [--x budget|ratio|bytes] [--output-dir DIR]  # figures
     kvbench bench [overrides]                                                 # overhead, latency, memory (JSON)
     kvbench check-method SPEC [--model NAME]          # the invariants every policy holds, checked on one (your own)
     kvbench pack DIR                                  # DIR's run directories as one DIR/runs.tar.xz, read as they were

@@ -19,6 +19,7 @@ import torch
 from kvbench.engine import Engine
 from kvbench.policies import build_policy
 from kvbench.policies.base import Full
+from kvbench.policies.registry import BASES
 from tests.helpers import (
     ARCHITECTURES,
     TOKENIZER,
@@ -32,6 +33,8 @@ from tests.helpers import (
 )
 
 SPECS = [spec for spec in VARIANTS if spec != "full"]  # every registered variant but the full cache
+#: those that evict (Quest keeps the cache whole and reads part of it: tests/test_quest.py)
+EVICTING = [spec for spec in SPECS if BASES[spec.split("+")[0]].evicts]
 REGIMES = ["oneshot", "chunked", "streaming"]
 LAYERS, BLOCK = 3, 16
 
@@ -101,7 +104,7 @@ def test_the_short_circuit_generates_what_the_full_cache_does(llama):
     assert output.kv.after_prefill_tokens_per_layer == full.kv.after_prefill_tokens_per_layer
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", EVICTING)
 def test_one_token_short_of_the_prompt_every_layer_evicts_and_decodes_from_what_it_kept(llama, spec):
     """At a budget one token short of the prompt the policy runs: the layers' total is conserved (budget × layers, so
     one entry evicted per head and layer on average), and the next token sees exactly the entries kept (the masked
@@ -120,7 +123,7 @@ def test_one_token_short_of_the_prompt_every_layer_evicts_and_decodes_from_what_
         torch.testing.assert_close(step, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", EVICTING)
 def test_oneshot_eviction_shrinks_the_tensors(llama, spec):
     prompt, budget = random_prompt(200), 48
     engine = runner(llama, spec, budget)
@@ -141,7 +144,7 @@ def test_oneshot_eviction_shrinks_the_tensors(llama, spec):
             assert layer.keys.shape == layer.values.shape == (1, heads, kept, 16)
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", EVICTING)
 def test_chunked_cache_never_exceeds_budget_plus_block(llama, spec):
     engine = runner(llama, spec, 40, "chunked")
     query_agnostic(engine.policy, "chunked")  # skips a method not defined chunked
@@ -156,7 +159,7 @@ def test_chunked_cache_never_exceeds_budget_plus_block(llama, spec):
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", EVICTING)
 def test_decode_after_eviction_sees_exactly_the_kept_entries(spec, architecture):
     model = tiny_model(architecture, layers=LAYERS)
     prompt, budget = random_prompt(60), 24

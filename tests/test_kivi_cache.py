@@ -186,3 +186,32 @@ def test_the_entries_of_an_empty_store_attend_as_given():
     keys, values = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
     attended = KiviEntries().attended(keys, values)
     assert attended[0] is keys and attended[1] is values
+
+
+@pytest.mark.model
+def test_the_leaderboards_bytes_axis_at_smoke_scale(tmp_path, capsys):
+    """``+experiment=leaderboard_bytes_smoke``: one grouped sweep on SmolLM2 at a fifth of the full cache's bytes —
+    SnapKV keeps a fifth of the tokens, over a 2-bit cache more of them in no more bytes; Quest holds everything and
+    reads about a fifth —, then the leaderboard's cells by label and the plot on the bytes held; the paper-scale sweep's
+    63 jobs are valid."""
+    main(["run", "-m", "+experiment=leaderboard_bytes_smoke", f"hydra.sweep.dir={tmp_path}"])
+    runs = {path.parent.name.split("-0.2x")[0]: path.parent for path in tmp_path.glob("*/*/*/metrics.json")}
+    assert sorted(runs) == ["full", "full+kivi2", "quest", "quest+kivi2", "snapkv", "snapkv+kivi2"]
+
+    def kv(name: str) -> list[dict]:
+        lines = (runs[name] / "predictions.jsonl").read_text().splitlines()
+        return [json.loads(line)["kv"] for line in lines]
+
+    for plain, quantised in zip(kv("snapkv"), kv("snapkv+kivi2")):
+        assert quantised["after_prefill_bytes"] <= 0.2 * quantised["full_bytes"]
+        assert quantised["after_prefill_tokens_per_layer"][0] > 2 * plain["after_prefill_tokens_per_layer"][0]
+    assert [one["after_prefill_bytes"] for one in kv("quest")] == [one["after_prefill_bytes"] for one in kv("full")]
+    quest = json.loads((runs["quest"] / "metrics.json").read_text())
+    assert 0.1 < quest["policy_stats"]["read_share"] < 0.4
+    capsys.readouterr()
+    main(["leaderboard", str(tmp_path)])
+    assert "snapkv+kivi2" in capsys.readouterr().out
+    main(["plot", str(tmp_path), "--kind", "budget", "--x", "bytes"])
+    assert "bytes_curves.png" in capsys.readouterr().out
+    main(["plan", "-m", "+experiment=leaderboard_bytes"])
+    assert "63 jobs, 0 invalid" in capsys.readouterr().err

@@ -844,7 +844,38 @@ def test_budget_curves_against_the_compression_ratio(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["plot", str(tmp_path), "--x", "tokens"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.startswith("kvbench: error: unknown plot --x 'tokens'; valid choices: budget, ratio")
+    assert capsys.readouterr().err.startswith(
+        "kvbench: error: unknown plot --x 'tokens'; valid choices: budget, bytes, ratio"
+    )
+
+
+def test_budget_curves_against_the_bytes_held_put_every_family_on_one_axis(tmp_path, capsys):
+    """``kvbench plot --x bytes``: each run at the mean MiB its samples held — after the prefill, or over the
+    generation where the cache evicted while decoding —, labelled as the run is (a quantised cache beside its
+    policy)."""
+    from kvbench.finished import load_runs
+    from kvbench.results.plots import budget_figure, budget_frame, held_mib
+
+    def records(held: list[int], decoding: bool = False) -> list[dict]:  # MiB held after the prefill, or decoding
+        def kv(mib: int) -> dict:
+            if decoding:  # 4 MiB after the prefill, then the generation's mean
+                return {"after_prefill_bytes": 4 * 2**20, "generation": {"mean_bytes": mib * 2**20}}
+            return {"after_prefill_bytes": mib * 2**20}
+
+        return [{"id": f"s{i}", "subtask": "niah_single_1", "score": 0.5, "kv": kv(mib)} for i, mib in enumerate(held)]
+
+    write_run(tmp_path / "snap", "m", "snapkv", "0.5x", "ruler", {"niah_single_1": 50.0}, records=records([3, 5]))
+    kivi = write_run(tmp_path / "kivi", "m", "snapkv", "0.5x", "ruler", {"niah_single_1": 40.0}, records=records([1]))
+    metrics = json.loads((kivi / "metrics.json").read_text())
+    (kivi / "metrics.json").write_text(json.dumps({**metrics, "label": "snapkv+kivi2"}))
+    write_run(tmp_path / "h2o", "m", "h2o", "0.5x", "ruler", {"niah_single_1": 30.0}, records=records([2, 2], True))
+    assert held_mib(records([3, 5])) == 4 and held_mib(records([2, 6], True)) == 4 and held_mib([{"id": "x"}]) is None
+    frame = budget_frame(load_runs([tmp_path]), "bytes")
+    assert dict(zip(frame["policy"], frame["ratio"])) == {"snapkv": 4, "snapkv+kivi2": 1, "h2o": 2}
+    (axis,) = budget_figure(frame, "bytes").axes
+    assert axis.get_xlabel() == "KV held per sample (MiB)"
+    main(["plot", str(tmp_path), "--kind", "budget", "--x", "bytes", "--output-dir", str(tmp_path / "plots")])
+    assert "bytes_curves.png" in capsys.readouterr().out
 
 
 def test_identical_budget_curves_are_drawn_once_and_named_together():

@@ -68,6 +68,15 @@ def sdpa_attention(query, key, value, scaling, key_mask=None, window=None):
     return output.transpose(1, 2).contiguous()
 
 
+def read_attention(query, key, value, scaling, read):
+    """``query [B,Hq,1,D]`` over the slots of ``key/value [B,Hc,T,D]`` each query head reads (``read [B,Hq,T]``,
+    True = read) → ``[B,1,Hq,D]`` with PyTorch SDPA."""
+    output = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=read[:, :, None], scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+    )
+    return output.transpose(1, 2).contiguous()
+
+
 def eager_attention(query, key, value, scaling, key_mask=None, window=None, sinks=None):
     """Reference attention with an explicit float32 softmax (``key_mask``, ``window`` as :func:`sdpa_attention`'s;
     ``sinks [Hq]``: a learned logit per head in each softmax's denominator, GPT-OSS's): ``[B,q,Hq,D]``."""

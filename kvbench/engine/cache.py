@@ -19,6 +19,7 @@ from typing import Any, cast
 import torch
 from transformers.cache_utils import Cache
 
+from kvbench.engine.attention import read_attention
 from kvbench.engine.cascade import CascadeStages
 from kvbench.engine.kivi import Kivi
 from kvbench.engine.layer import EvictionLayer, in_cache_heads
@@ -88,6 +89,10 @@ class EvictionCache(Cache):
         self.key_masks: list[torch.Tensor | None] = [None] * len(layer_budgets)
         #: the cascade of the forward that allocates a dynamic layer budget, while it runs
         self.stages: CascadeStages | None = None
+        #: a reading policy's (:meth:`~kvbench.policies.base.Policy.read`) share of the held slots read, summed over
+        #: its decode steps' reading layers and heads, and how many were summed (on the device: no wait per step)
+        self.read_shares: torch.Tensor | float = 0.0
+        self.reads = 0
 
     @property
     def eviction_layers(self) -> list[EvictionLayer]:
@@ -150,6 +155,8 @@ class EvictionCache(Cache):
             stats.update(modifier.policy_stats([layer.state_of(modifier) for layer in self.eviction_layers]))
         if self.allocation is not None:
             stats["layer_preference"] = list(self.allocation.preferences)
+        if self.reads:
+            stats["read_share"] = float(self.read_shares) / self.reads
         return stats
 
     def reconstruct(self, chunk: slice | None) -> None:
@@ -253,8 +260,15 @@ class EvictionCache(Cache):
         output: torch.Tensor,
         scaling: float,
     ) -> torch.Tensor:
-        """Let attending modifiers replace a single-query forward's ``output [B,1,Hq,D]`` (in turn)."""
+        """A single-query forward's ``output [B,1,Hq,D]``: of the slots a reading policy reads (each query head its
+        own), then replaced by the attending modifiers (in turn)."""
         layer = self.eviction_layers[layer_idx]
+        if self.policy.reads and self.windows[layer_idx] is None and keys.shape[2]:
+            read = self.policy.read(query, keys, self.layer_budgets[layer_idx], layer_idx)  # [B,Hq,T]
+            if read is not None:
+                output = read_attention(query, keys, values, scaling, read)
+                self.read_shares = self.read_shares + read.float().mean()
+                self.reads += 1
         for modifier in self.attending:
             replaced = modifier.attend(layer.state_of(modifier), query, keys, values, output, scaling)
             output = output if replaced is None else replaced

@@ -172,6 +172,8 @@ class Policy(Registered):
     registry = "base"
     #: ``full`` never evicts, whatever the budget
     evicts: ClassVar[bool] = True
+    #: a single query reads part of the cache (:meth:`read`), which is kept whole (Quest)
+    reads: ClassVar[bool] = False
     #: its score reads the budget (``ScoreContext.budget``); False: a layer's ranking depends on the budget only
     #: through the windows it reads (recent, scoring, sinks), so variants at several budgets share one
     #: (``kvbench.engine.scoring.Scorer.ranking_key``)
@@ -260,6 +262,11 @@ class Policy(Registered):
         """Per layer, the slots each cache head keeps ``[B,Hc]`` (its reserved ones included) once every layer's
         ranking ``[B,Hc,T_l]`` is known before any evicts (the ``reconstruction`` statistic), or None: each head its
         layer's budget (the default)."""
+        return None
+
+    def read(self, query: torch.Tensor, keys: torch.Tensor, budget: int, layer_idx: int) -> torch.Tensor | None:
+        """The slots ``[B,Hq,T]`` (True = read) each query head of a single query ``[B,Hq,1,D]`` reads of layer
+        ``layer_idx``'s ``keys [B,Hc,T,D]`` at ``budget`` tokens (a policy that ``reads``), or None: every slot."""
         return None
 
     def compresses(self, budget: int, prompt_len: int) -> bool:

@@ -5,6 +5,8 @@
 * ``budget``   score against KV budget, one line per policy (OBCache Fig. 3), one panel per model, task
   and context length, the full cache as a dashed line; ``--x ratio``: against the compression ratio instead (the
   share of the full cache's KV bytes evicted after the prefill, over the run's samples, as kvpress plots it);
+  ``--x bytes``: against the KV bytes a sample held (:func:`held_mib`: every family on one axis — a quantised cache,
+  a reading one that holds everything, an evicting one);
 * ``ppl``      perplexity against token position (OBCache Fig. 4) from the perplexity records'
   ``buckets`` (bucket start → mean NLL), one line per policy and budget, one panel per model and text.
 
@@ -103,20 +105,33 @@ def compression_ratio(records: list[dict[str, Any]]) -> float | None:
     return 1 - sum(kv["after_prefill_bytes"] for kv in sizes) / sum(kv["full_bytes"] for kv in sizes)
 
 
-#: ``kvbench plot --x``: a budget curve's axis, the budget as the runs name it or the compression ratio
-X_AXES = ("budget", "ratio")
+def held_mib(records: list[dict[str, Any]]) -> float | None:
+    """The KV bytes a sample held, in MiB, the mean over ``records``: after the prefill, or the mean over the
+    generation where the cache evicted while decoding (``kv.generation.mean_bytes``); None where no record says."""
+    held = [
+        kv["generation"]["mean_bytes"] if isinstance(kv.get("generation"), dict) else kv["after_prefill_bytes"]
+        for kv in (record.get("kv") for record in records)
+        if isinstance(kv, dict) and "after_prefill_bytes" in kv
+    ]
+    return sum(held) / len(held) / 2**20 if held else None
+
+
+#: ``kvbench plot --x``: a budget curve's axis, the budget as the runs name it, the compression ratio or the bytes held
+X_AXES = ("budget", "ratio", "bytes")
 RATIO_AXIS = "compression ratio (KV evicted)"
+BYTES_AXIS = "KV held per sample (MiB)"
+MEASURED = {"ratio": (compression_ratio, RATIO_AXIS), "bytes": (held_mib, BYTES_AXIS)}
 
 
 def budget_frame(runs: list[Run], x: str = "budget") -> pd.DataFrame:
-    """One row per run and score shown: the run's average and, for RULER, each subtask; ``x="ratio"``: each with
-    the run's :func:`compression_ratio` (a run without one left out)."""
+    """One row per run and score shown: the run's average and, for RULER, each subtask; ``x="ratio"`` / ``"bytes"``:
+    each with the run's :func:`compression_ratio` / :func:`held_mib` as ``ratio`` (a run without one left out)."""
     rows = []
     for run in runs:
         if "ppl" in run.metrics["scores"] or run.metrics.get("average") is None:
             continue
-        ratio = compression_ratio(run.records) if x == "ratio" else None
-        if x == "ratio" and ratio is None:
+        ratio = MEASURED[x][0](run.records) if x in MEASURED else None
+        if x in MEASURED and ratio is None:
             continue
         scores = dict(run.metrics["scores"])
         if len(scores) > 1:  # a panel for the run's overall score (the needle task's) or its average
@@ -128,7 +143,7 @@ def budget_frame(runs: list[Run], x: str = "budget") -> pd.DataFrame:
                     "task": run.task,
                     "score": name,
                     "context": run.context,
-                    "policy": run.metrics["policy"],
+                    "policy": run.metrics.get("label", run.metrics["policy"]),
                     "budget": run.metrics["budget"],
                     "value": value,
                     "ratio": ratio,
@@ -138,11 +153,11 @@ def budget_frame(runs: list[Run], x: str = "budget") -> pd.DataFrame:
 
 
 def budget_figure(frame: pd.DataFrame, x: str = "budget") -> Figure:
-    """Score vs budget (``x="ratio"``: vs the compression ratio) per policy, a panel per (model, task, score,
-    context, budget unit)."""
+    """Score vs budget (``x="ratio"`` / ``"bytes"``: vs the compression ratio / the bytes held) per policy, a panel
+    per (model, task, score, context, budget unit)."""
     frame = frame.copy()
-    if x == "ratio":
-        frame["axis"], frame["x"] = RATIO_AXIS, frame["ratio"]
+    if x in MEASURED:
+        frame["axis"], frame["x"] = MEASURED[x][1], frame["ratio"]
     else:
         frame[["axis", "x"]] = [budget_value(spec) for spec in frame["budget"]]
     panels = list(frame.groupby(["model", "task", "score", "context", "axis"], dropna=False, sort=True))
@@ -175,7 +190,7 @@ def budget_curves(runs: list[Run], output_dir: Path, x: str = "budget") -> list[
     frame = budget_frame(runs, x)
     if frame.empty:
         return []
-    name = "budget_curves.png" if x == "budget" else "ratio_curves.png"
+    name = {"budget": "budget_curves.png", "ratio": "ratio_curves.png", "bytes": "bytes_curves.png"}[x]
     return [save(budget_figure(frame, x), output_dir / name)]
 
 
@@ -305,7 +320,7 @@ def plot_main(args: list[str]) -> None:
     )
     parser.add_argument("run_dirs", nargs="+", help="run directories, or folders holding them")
     parser.add_argument("--kind", default="all", help="heatmap, budget, ppl or all (default)")
-    parser.add_argument("--x", default="budget", help="the budget curves' axis: budget (default) or ratio")
+    parser.add_argument("--x", default="budget", help="the budget curves' axis: budget (default), ratio or bytes")
     parser.add_argument("--output-dir", type=Path, help="where to write the PNGs (default: the first RUN_DIR)")
     options = parser.parse_args(args)
     output_dir = options.output_dir or Path(options.run_dirs[0])
@@ -313,4 +328,4 @@ def plot_main(args: list[str]) -> None:
         print(f"wrote {path}")
 
 
-__all__ = ["compression_ratio", "leaderboard_figure", "make_plots", "niah_figure", "niah_grid", "ppl_curve"]
+__all__ = ["compression_ratio", "held_mib", "leaderboard_figure", "make_plots", "niah_figure", "niah_grid", "ppl_curve"]
