@@ -20,7 +20,9 @@ from kvbench import config_dict
 from kvbench.config import GROUPS, engine_keys, group_keys, group_options, root_keys
 from kvbench.domains import FLAG, Domain, check_table, choice, integer, number
 from kvbench.engine import CACHE_SETTINGS, ENGINE_SETTINGS
+from kvbench.engine.kivi import Kivi
 from kvbench.engine.runner import evicts_decoding, kivi_of, quant_refusal
+from kvbench.engine.sampling import Sampling
 from kvbench.errors import KVBenchError, check_keys, choose
 from kvbench.models import MODEL_SETTINGS
 from kvbench.policies import build_policy
@@ -51,14 +53,64 @@ RUN_SETTINGS: dict[str, Domain] = {
 }
 
 
+@dataclass(frozen=True)
+class EngineSettings:
+    """How a job's engine runs (``engine.*``, ``cache.*``, ``generation.*``), read once from its resolved config:
+    the regime and whether it evicts while decoding (the regime's default applied), the cache's representation, how
+    tokens are drawn, and the settings that change no prediction (rows, threads)."""
+
+    regime: str
+    block_size: int
+    decode_evict: bool
+    decode_interval: int
+    score_block: int | str
+    batch_size: int | str
+    rows_attention: str
+    sums_kernel: str
+    threads: int | str
+    save_kept: bool
+    #: the cache's quantisation (``cache.quant``), or None: as the model gives it
+    quant: Kivi | None
+    #: how tokens are drawn (``generation``), or None: greedily
+    sampling: Sampling | None
+
+    @staticmethod
+    def of(settings: Mapping[str, Any]) -> EngineSettings:
+        """A resolved run config's (plain) settings, as the engine reads them."""
+        engine, generation = settings["engine"], settings["generation"]
+        sampling = None
+        if generation["do_sample"]:
+            sampling = Sampling(float(generation["temperature"]), float(generation["top_p"]), int(generation["seed"]))
+        return EngineSettings(
+            regime=engine["regime"],
+            block_size=engine["block_size"],
+            decode_evict=evicts_decoding(engine["regime"], engine.get("decode_evict")),
+            decode_interval=engine["decode_interval"],
+            score_block=engine["score_block"],
+            batch_size=engine["batch_size"],
+            rows_attention=engine["rows_attention"],
+            sums_kernel=engine["sums_kernel"],
+            threads=engine["threads"],
+            save_kept=engine["save_kept"],
+            quant=kivi_of(settings["cache"]),
+            sampling=sampling,
+        )
+
+    @property
+    def label_suffix(self) -> str:
+        """What a run's label adds to its policy's: ``+kivi2`` for a quantised cache, else nothing."""
+        return "" if self.quant is None else f"+kivi{self.quant.bits}"
+
+
 @dataclass
 class Job:
-    """A resolved job: ``cfg`` as it runs (plain values, per-model settings filled in), the built policy
-    and the budget."""
+    """A resolved job: ``cfg`` as it runs (plain values, per-model settings filled in), the built policy, the
+    budget and the engine's settings."""
 
     cfg: DictConfig
     policy: Policy
     budget: Budget
+    engine: EngineSettings
 
 
 def resolve(cfg: DictConfig) -> Job:
@@ -72,23 +124,22 @@ def resolve(cfg: DictConfig) -> Job:
     if not budget.in_bytes:  # a byte budget's tokens depend on the model's cache: checked per prompt
         nominal = NOMINAL_PROMPT if budget.tokens is None else 10 * budget.tokens
         policy.check_budget(budget.resolve(nominal), nominal)
-    engine = settings["engine"]
-    decode_evict = evicts_decoding(engine["regime"], engine.get("decode_evict"))
-    if engine["decode_interval"] > 1 and not decode_evict:
+    engine = EngineSettings.of(settings)
+    if engine.decode_interval > 1 and not engine.decode_evict:
         raise KVBenchError(
-            f"engine.decode_interval={engine['decode_interval']} spaces the evictions while decoding, and this run "
-            f"does not evict while it decodes (engine.regime={engine['regime']}); set engine.regime=streaming or "
+            f"engine.decode_interval={engine.decode_interval} spaces the evictions while decoding, and this run "
+            f"does not evict while it decodes (engine.regime={engine.regime}); set engine.regime=streaming or "
             "engine.decode_evict=true"
         )
-    refusal = policy.refusal(engine["regime"], settings["task"].get("query_mode") == "agnostic", decode_evict)
-    refusal = refusal or quant_refusal(kivi_of(settings["cache"]), policy, decode_evict)
+    refusal = policy.refusal(engine.regime, settings["task"].get("query_mode") == "agnostic", engine.decode_evict)
+    refusal = refusal or quant_refusal(engine.quant, policy, engine.decode_evict)
     if refusal is not None:
         raise KVBenchError(refusal)
     settings["policy"] = policy.settings()
     task_class = task_of(settings["task"]["_target_"])
     task_class.check(settings["task"])
     settings["task"] = task_class.for_model(settings["task"], settings["model"])
-    return Job(OmegaConf.create(settings), policy, budget)
+    return Job(OmegaConf.create(settings), policy, budget, engine)
 
 
 def task_of(target: str) -> type[Task]:

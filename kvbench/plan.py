@@ -67,7 +67,7 @@ class Estimator:
 
         model_key = node_key(job.cfg.model)
         if model_key not in self.models:
-            set_threads(job.cfg.engine.threads)
+            set_threads(job.engine.threads)
             started = time.perf_counter()
             loaded = load_model(job.cfg.model)
             self.models[model_key] = (loaded, time.perf_counter() - started)
@@ -171,7 +171,7 @@ def plan_job(
         task, line["errors"] = checked_task(job.cfg, tokenizer)
         if task is None:
             return line
-        oneshot = job.cfg.engine.regime == "oneshot" and not isinstance(task, PerplexityTask)
+        oneshot = job.engine.regime == "oneshot" and not isinstance(task, PerplexityTask)
         if group is not None and prefill_groups is not None and oneshot:
             line["prefill_group"] = prefill_groups.setdefault((group, prefill_key(job.policy)), len(prefill_groups))
         tokens = task.planned_tokens()

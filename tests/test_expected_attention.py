@@ -134,3 +134,18 @@ def test_the_next_position_comes_from_the_host_and_is_one_past_the_newest_entry(
     runner = engine(tiny_model(), "expected_attention", BUDGET, regime, n_sink=SINKS, n_future_positions=FUTURE)
     runner.generate(random_prompt(60), 4)
     assert len(seen) >= 3 and all(given == newest for given, newest in seen)
+
+
+def test_the_covariance_term_in_blocks_of_keys_keeps_what_it_keeps_whole(monkeypatch):
+    """``SPREAD_KEYS``: the ``Σ̄k`` of blocks of keys, each key's ``kᵀΣ̄k`` its own (blocks of 7 over a 150-token
+    cache: the same kept positions and tokens as one block)."""
+    from kvbench.policies.methods import expected_attention
+
+    model, prompt = tiny_model(), random_prompt(150)
+    spec = {"n_sink": SINKS, "n_future_positions": FUTURE}
+    runner = engine(model, "expected_attention", BUDGET, **spec)
+    runner.record_kept = True
+    whole = runner.generate(prompt, 4)
+    monkeypatch.setattr(expected_attention, "SPREAD_KEYS", 7)
+    blocked = runner.generate(prompt, 4)
+    assert whole.kept is not None and (blocked.token_ids, blocked.kept) == (whole.token_ids, whole.kept)

@@ -23,7 +23,6 @@ from kvbench.engine.runner import (
     model_refusal,
     quant_model_refusal,
 )
-from kvbench.engine.sampling import Sampling
 from kvbench.errors import KVBenchError
 from kvbench.job import Job
 from kvbench.models import LoadedModel, check_weights, load_tokenizer, model_skeleton
@@ -121,8 +120,8 @@ def hub_offline() -> Iterator[None]:
 
 
 def build_engine(job: Job, loaded: LoadedModel) -> Engine:
-    """The engine running the job's policy and budget on the loaded model."""
-    engine = job.cfg.engine
+    """The engine running the job's policy and budget on the loaded model, with the job's engine settings."""
+    engine = job.engine
     return Engine(
         loaded.model,
         job.policy,
@@ -137,17 +136,9 @@ def build_engine(job: Job, loaded: LoadedModel) -> Engine:
         tokenizer=loaded.tokenizer,
         rows_attention=engine.rows_attention,
         sums_kernel=engine.sums_kernel,
-        sampling=sampling_of(job.cfg),
-        quant=kivi_of(job.cfg.cache),
+        sampling=engine.sampling,
+        quant=engine.quant,
     )
-
-
-def sampling_of(cfg: DictConfig) -> Sampling | None:
-    """How the job's rows draw their tokens (``generation``): None for greedy decoding."""
-    generation = cfg.generation
-    if not generation.do_sample:
-        return None
-    return Sampling(float(generation.temperature), float(generation.top_p), int(generation.seed))
 
 
 def stop_ids(sample: Sample, loaded: LoadedModel) -> list[int]:

@@ -136,10 +136,10 @@ def summarize(
     return {
         "model": cfg.model.name,
         "policy": cfg.policy.name,
-        "label": job.policy.label if cfg.cache.quant == "none" else f"{job.policy.label}+{cfg.cache.quant}",
+        "label": job.policy.label + job.engine.label_suffix,
         "budget": str(cfg.budget.spec),
         "task": cfg.task.name,
-        "regime": cfg.engine.regime,
+        "regime": job.engine.regime,
         "scores": scores,
         "average": average,
         "num_samples": len(records),

@@ -31,6 +31,17 @@ def averaged_rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return (cos[:, None, :] * eye + sin[:, None, :] * turn).mean(dim=0)
 
 
+#: keys per block of the covariance term: its ``Σ̄k`` is ``[B,Hc,G,block,D]`` float32 (at 32k keys on Llama-3.1-8B's
+#: shapes, 537 MB a layer unblocked; 67 MB in blocks of 4096)
+SPREAD_KEYS = 4096
+
+
+def quadratic_form(covariance: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``kᵀΣ̄k [B,Hc,G,T]`` of each key ``[B,Hc,T,D]`` under each query head's ``covariance [B,Hc,G,D,D]``."""
+    turned = torch.einsum("bcgde,bcte->bcgtd", covariance, keys)  # Σ̄k
+    return (turned * keys[:, :, None]).sum(dim=-1)
+
+
 @register
 @dataclass
 class ExpectedAttention(Policy):
@@ -86,8 +97,8 @@ class ExpectedAttention(Policy):
             centred = queries - queries.mean(dim=2, keepdim=True)
             covariance = torch.einsum("bhwi,bhwj->bhij", centred, centred) / queries.shape[2]  # [B,Hq,D,D]
             covariance = rotation @ covariance @ rotation.T
-            turned = torch.einsum("bcgde,bcte->bcgtd", covariance.view(batch, heads, group, dim, dim), keys)  # Σ̄k
-            spread = (turned * keys[:, :, None]).sum(dim=-1)  # kᵀΣ̄k [B,Hc,G,T']
+            grouped = covariance.view(batch, heads, group, dim, dim)
+            spread = torch.cat([quadratic_form(grouped, part) for part in keys.split(SPREAD_KEYS, dim=2)], dim=-1)
             logits = logits + spread / dim / 2
         scores = torch.softmax(logits, dim=-1).mean(dim=2)  # [B,Hc,T']
         if self.use_vnorm:
