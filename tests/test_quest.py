@@ -70,3 +70,14 @@ def test_rows_decoded_together_give_each_reading_row_alone():
     model, prompt = tiny_model(), random_prompt(200)
     runners = [Engine(model, build_policy(spec, {}), 64, tokenizer=TOKENIZER) for spec in ("quest", "snapkv", "full")]
     assert_shared_gives_each_alone(runners, prompt, 6, batch_size=3)
+
+
+def test_quest_at_two_budgets_is_two_computations_in_a_group():
+    """A group computes once the runs that compute the same thing (``twin_key``): the full cache at any budget, not
+    Quest, which reads a budget's pages."""
+    from kvbench.run.group import twin_key
+
+    model = tiny_model()
+    keys = {(spec, budget): twin_key(Engine(model, build_policy(spec, {}), budget)) for spec in ("full", "quest")
+            for budget in (64, 128)}  # fmt: skip
+    assert keys["full", 64] == keys["full", 128] and keys["quest", 64] != keys["quest", 128]

@@ -248,9 +248,10 @@ def decode_shared(
 def twin_key(engine: Engine) -> tuple[str, str | None]:
     """The runs of a group (one :func:`group_key`: all settings alike but policy and budget) with the same key compute
     the same thing, so :func:`decode_shared` computes it once for all of them: the policy's settings and modifiers, and
-    its budget unless it never evicts (``full`` at any budget is one full-cache run)."""
+    its budget unless it neither evicts nor reads by it (``full`` at any budget is one full-cache run; Quest reads a
+    budget's pages)."""
     policy = engine.policy
-    return policy.key, engine.budget.spec if policy.evicts else None
+    return policy.key, engine.budget.spec if policy.evicts or policy.reads else None
 
 
 def even_pieces(count: int, batch_size: int, questions: int = 1) -> list[tuple[int, int]]:
