@@ -89,7 +89,7 @@ def test_the_bytes_held_are_the_packed_levels_the_groups_and_the_residual():
     assert layer.held_bytes() == keys + values + full < 2 * 2 * 200 * 64 * 4
 
 
-@pytest.mark.parametrize("spec", ["full", "snapkv", "h2o+obcache_joint"])
+@pytest.mark.parametrize("spec", ["full", "snapkv", "h2o+obcache_joint", "cake", "snapkv+calidrop"])
 def test_a_quantised_cache_keeps_the_policys_entries_and_generates_from_their_levels(spec):
     """The policy evicts from full-precision entries, then they are quantised: the same kept positions and first
     token as without quantisation (the prompt is read in full precision), held bytes a fraction of theirs, and the
@@ -99,14 +99,27 @@ def test_a_quantised_cache_keeps_the_policys_entries_and_generates_from_their_le
     quantised = Engine(model, build_policy(spec, {}), 160, tokenizer=TOKENIZER, record_kept=True, quant=Kivi(4, 16, 32))
     ours, theirs = quantised.generate(prompt, 12), plain.generate(prompt, 12)
     assert ours.kept == theirs.kept and ours.token_ids[0] == theirs.token_ids[0]
-    held = 160 if spec != "full" else 300
-    assert ours.kv.after_prefill_tokens_per_layer == [held] * LAYERS
+    held = theirs.kv.after_prefill_tokens_per_layer[0]  # CAKE's layers their own budgets
+    assert ours.kv.after_prefill_tokens_per_layer == theirs.kv.after_prefill_tokens_per_layer
+    assert held == (300 if spec == "full" else 160) or spec == "cake"
     assert ours.kv.after_prefill_bytes < 0.45 * theirs.kv.after_prefill_bytes
     cache = quantised.new_cache(len(prompt))
     quantised.prefill(cache, prompt)
     cache.end_prefill()
     layer = cache.eviction_layers[0]
     assert layer.quantized is not None and layer.quantized.tokens() == (held // 32 * 32, held - 32)
+
+
+def test_a_context_reconstructed_before_it_is_evicted_is_quantised_after():
+    """KVzip reads its context again (forwards after the prompt) before it evicts: the layers are quantised once it
+    has, keeping KVzip's kept sets, the question read into the residual."""
+    model, prompt = tiny_model(), random_prompt(240)
+    runs = [
+        Engine(model, build_policy("kvzip", {}), 64, tokenizer=TOKENIZER, record_kept=True, quant=quant)
+        for quant in (None, Kivi(4, 16, 32))
+    ]
+    plain, quantised = (runner.generate(prompt, 6, question_start=200) for runner in runs)
+    assert quantised.kept == plain.kept and quantised.kv.after_prefill_bytes < 0.6 * plain.kv.after_prefill_bytes
 
 
 def test_rows_decoded_together_give_each_quantised_row_alone():

@@ -221,8 +221,9 @@ class EvictionCache(Cache):
         """Append new keys/values ``[B,Hkv,q,D]`` (repeated to query heads in the repeat layout)."""
         key_states, value_states = in_cache_heads(key_states, value_states, self.num_query_heads, self.repeat_layout)
         layer, forward = self.eviction_layers[layer_idx], self._forward()
-        if self.quant is not None and forward.decoding and self.windows[layer_idx] is None:
-            layer.roll(self.quant)  # the prompt's entries quantised before the first token after it, then the rest
+        if self.quant is not None and forward.decoding and self.chunk is None and self.windows[layer_idx] is None:
+            layer.roll(self.quant)  # the prompt's entries quantised before the first token after it (not while its
+            # context is reconstructed: KVzip), then the rest
         if self.policy.running and self.scored_in(layer_idx) and layer.running_score is None:
             batch, heads, _, _ = key_states.shape
             layer.running_score = key_states.new_zeros(batch, heads, 0, dtype=torch.float32)
