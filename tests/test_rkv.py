@@ -5,6 +5,7 @@ and a streaming run evicting while it decodes, its cache at the budget."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,3 +128,26 @@ def test_a_decode_interval_without_decode_eviction_is_one_line(capsys, tmp_path)
     error = capsys.readouterr().err
     assert exit_info.value.code == 2 and error.count("\n") == 1 and not (tmp_path / "run").exists()
     assert "engine.decode_interval=8 spaces the evictions while decoding, and this run does not evict" in error
+
+
+FIXTURE = torch.load(Path(__file__).parent / "fixtures" / "rkv" / "rkv.pt")
+
+
+@pytest.mark.parametrize(
+    "case", FIXTURE["cases"], ids=lambda c: f"g{c['group']}-T{c['tokens']}-b{c['budget']}-w{c['window']}"
+)
+def test_rkv_keeps_the_released_codes_slots(case):
+    """Against ``R1KV.update_kv`` at Zefan-Cai/R-KV d15c976 (tests/fixtures/rkv, made by scripts/rkv_fixtures.py):
+    the slots each KV head keeps — the top ``budget − window`` of the final score before the window, then the window —
+    equal on random queries and keys with planted near-repeats, GQA groups of 1–4, a cache at the budget."""
+    from kvbench.engine.selection import top_slots
+
+    queries, keys, window = case["queries"], case["keys"], case["window"]
+    batch, heads, tokens, dim = keys.shape
+    positions = torch.arange(tokens)
+    stats = AttentionStats(queries, keys, keys, positions[-window:], positions.expand(batch, heads, tokens), dim**-0.5)
+    policy = build_policy("rkv", {"window": window, "kernel": case["kernel"]})
+    context = ScoreContext(keys, keys, positions.expand(batch, heads, tokens), None, window, window=stats)
+    budget = min(case["budget"], tokens)
+    kept = top_slots(policy.score(context), budget, window, 0) if budget < tokens else positions.expand(1, heads, -1)
+    assert torch.equal(kept[0], case["kept"])
