@@ -12,11 +12,10 @@ step and minimum as the released functions return them, and their dequantised te
 
 from __future__ import annotations
 
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
+from released import save_cases  # scripts/released.py
 
 CASES = [(dtype, bits, group) for dtype in ("float32", "float16") for bits in (2, 4) for group in (32, 16)]
 
@@ -54,11 +53,7 @@ def main(checkout: str, out: str, commit: str = "") -> None:
                 "value_dequantized": unpack_and_dequant_vcache(value_codes, value_step, value_min, group, bits),
             }
         )
-    if not commit:
-        found = subprocess.run(["git", "-C", checkout, "rev-parse", "HEAD"], capture_output=True, text=True)
-        commit = found.stdout.strip()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"source": f"jy-yuan/KIVI {commit or 'unknown commit'}", "cases": cases}, out)
+    save_cases(cases, out, "jy-yuan/KIVI", checkout, commit)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,11 @@ query head's slots read (the released attention weights that are not zero) and i
 
 from __future__ import annotations
 
-import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from released import save_cases  # scripts/released.py
 
 #: (slots held after the new token, token budget, page size): pages that do not divide the slots, a budget above
 #: them, a one-token cache, the three-page floor, and a budget of many pages
@@ -96,12 +95,7 @@ def main(checkout: str, out: str, commit: str = "") -> None:
                 "output": output.view(1, 1, HEADS, DIM),
             }
         )
-    if not commit:
-        found = subprocess.run(["git", "-C", checkout, "rev-parse", "HEAD"], capture_output=True, text=True)
-        commit = found.stdout.strip()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"commit": commit, "cases": cases}, out)
-    print(f"wrote {len(cases)} cases to {out} (Quest {commit or 'unknown commit'})")
+    save_cases(cases, out, "mit-han-lab/Quest", checkout, commit)
 
 
 if __name__ == "__main__":

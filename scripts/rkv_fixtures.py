@@ -16,11 +16,11 @@ and the slots each KV head keeps, as the release records them (``record_kept_tok
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from released import save_cases  # scripts/released.py
 
 #: (query heads per KV head, cache length, budget, window, kernel)
 CASES = [(1, 64, 24, 8, 7), (4, 100, 40, 8, 7), (2, 33, 16, 8, 3), (3, 257, 64, 16, 7), (1, 9, 9, 8, 7)]
@@ -73,12 +73,7 @@ def main(checkout: str, out: str, commit: str = "") -> None:
                 "kept": kept,
             }
         )
-    if not commit:
-        found = subprocess.run(["git", "-C", checkout, "rev-parse", "HEAD"], capture_output=True, text=True)
-        commit = found.stdout.strip()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"commit": commit, "cases": cases}, out)
-    print(f"wrote {len(cases)} cases to {out} (R-KV {commit or 'unknown commit'})")
+    save_cases(cases, out, "Zefan-Cai/R-KV", checkout, commit)
 
 
 if __name__ == "__main__":
