@@ -280,6 +280,11 @@ class AttendedCache(Protocol):
         """A single query's ``output [B,1,Hq,D]``, replaced by the attending modifiers or not."""
         ...
 
+    def read(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+        """The slots ``[B,Hq,T]`` each query head of a single query reads where the policy reads part of the cache,
+        or None: every slot."""
+        ...
+
     def wants_normaliser(self, layer_idx: int) -> bool:
         """Whether this forward's scoring reads each query's log-sum-exp (a fused pass of running sums), which the
         backend's attention may then give with its output."""
@@ -312,13 +317,17 @@ def backend_attention(cache: AttendedCache, module, query, key, value, scaling, 
 
 def cache_attention(cache: AttendedCache, module, query, key, value, scaling, output=None, sinks=None):
     """``query [B,Hq,q,D]`` over ``key/value [B,Hc,T,D]`` of ``cache`` (an ``EvictionCache`` or ``SharedPrefill``):
-    by the backend (unless its ``output [B,q,Hq,D]`` is given), then the cache's attending modifiers for a single
-    query, its scoring (from the backend's output) and eviction → ``[B,q,Hq,D]``. Where the scoring reads each
-    query's log-sum-exp and one fused kernel call gives it with the output (SDPA, every key held, one query or the
-    whole causal square: :func:`attention_with_lse`), that call is the attention. ``sinks [Hq]``: the model's learned
-    sink logits (GPT-OSS), in the attention and not in the scoring's statistics."""
+    by the backend (unless its ``output [B,q,Hq,D]`` is given; a single query of a policy that reads part of the
+    cache over the slots it reads), then the cache's attending modifiers for a single query, its scoring (from the
+    backend's output) and eviction → ``[B,q,Hq,D]``. Where the scoring reads each query's log-sum-exp and one fused
+    kernel call gives it with the output (SDPA, every key held, one query or the whole causal square:
+    :func:`attention_with_lse`), that call is the attention. ``sinks [Hq]``: the model's learned sink logits
+    (GPT-OSS), in the attention and not in the scoring's statistics."""
     lse = None
-    if output is None:
+    read = cache.read(module.layer_idx, query, key) if query.shape[2] == 1 else None
+    if read is not None:  # a policy reads part of the cache: its slots alone are attended
+        output = read_attention(query, key, value, scaling, read)
+    elif output is None:
         q_len, kv_len = query.shape[2], key.shape[2]
         if (
             cache.attn_backend == "sdpa"

@@ -19,7 +19,6 @@ from typing import Any, cast
 import torch
 from transformers.cache_utils import Cache
 
-from kvbench.engine.attention import read_attention
 from kvbench.engine.cascade import CascadeStages
 from kvbench.engine.kivi import Kivi
 from kvbench.engine.layer import EvictionLayer, in_cache_heads
@@ -261,19 +260,24 @@ class EvictionCache(Cache):
         output: torch.Tensor,
         scaling: float,
     ) -> torch.Tensor:
-        """A single-query forward's ``output [B,1,Hq,D]``: of the slots a reading policy reads (each query head its
-        own), then replaced by the attending modifiers (in turn)."""
+        """Let attending modifiers replace a single-query forward's ``output [B,1,Hq,D]`` (in turn)."""
         layer = self.eviction_layers[layer_idx]
-        if self.policy.reads and self.windows[layer_idx] is None and keys.shape[2]:
-            read = self.policy.read(query, keys, self.layer_budgets[layer_idx], layer_idx)  # [B,Hq,T]
-            if read is not None:
-                output = read_attention(query, keys, values, scaling, read)
-                self.read_shares = self.read_shares + read.float().mean()
-                self.reads += 1
         for modifier in self.attending:
             replaced = modifier.attend(layer.state_of(modifier), query, keys, values, output, scaling)
             output = output if replaced is None else replaced
         return output
+
+    def read(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+        """The slots ``[B,Hq,T]`` (True = read) each query head of a single query ``[B,Hq,1,D]`` reads of the layer's
+        ``keys [B,Hc,T,D]`` where the policy reads part of the cache (:meth:`~kvbench.policies.base.Policy.read`,
+        its share recorded), else None: every slot."""
+        if not self.policy.reads or self.windows[layer_idx] is not None or not keys.shape[2]:
+            return None
+        read = self.policy.read(query, keys, self.layer_budgets[layer_idx], layer_idx)
+        if read is not None:
+            self.read_shares = self.read_shares + read.float().mean()
+            self.reads += 1
+        return read
 
     def wants_normaliser(self, layer_idx: int) -> bool:
         """Whether this forward's running sums read each query's log-sum-exp (:meth:`Scorer.wants_normaliser`)."""
