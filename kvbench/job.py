@@ -112,6 +112,11 @@ class Job:
     budget: Budget
     engine: EngineSettings
 
+    @property
+    def label(self) -> str:
+        """The name results give the run's cells: the policy's label, then a quantised cache's (``snapkv+kivi2``)."""
+        return self.policy.label + self.engine.label_suffix
+
 
 def resolve(cfg: DictConfig) -> Job:
     """Validate every setting of the composed run config and resolve its per-model settings."""

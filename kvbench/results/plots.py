@@ -143,7 +143,7 @@ def budget_frame(runs: list[Run], x: str = "budget") -> pd.DataFrame:
                     "task": run.task,
                     "score": name,
                     "context": run.context,
-                    "policy": run.metrics.get("label", run.metrics["policy"]),
+                    "policy": run.identity()["policy"],
                     "budget": run.metrics["budget"],
                     "value": value,
                     "ratio": ratio,
@@ -190,7 +190,7 @@ def budget_curves(runs: list[Run], output_dir: Path, x: str = "budget") -> list[
     frame = budget_frame(runs, x)
     if frame.empty:
         return []
-    name = {"budget": "budget_curves.png", "ratio": "ratio_curves.png", "bytes": "bytes_curves.png"}[x]
+    name = f"{x}_curves.png"
     return [save(budget_figure(frame, x), output_dir / name)]
 
 

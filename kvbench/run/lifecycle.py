@@ -207,7 +207,7 @@ def open_run(job: Job, run_dir: RunDir, shared: Shared) -> OpenRun | dict[str, A
     prompt_tokens = sum(len(sample.input_ids) for sample in samples)
     log.info("writing %s (%s, %d to go: %d prompt tokens)", run_dir.path, state, len(samples), prompt_tokens)
     cfg = job.cfg
-    label = f"{cfg.task.name} {job.policy.label}{job.engine.label_suffix}@{cfg.budget.spec}"
+    label = f"{cfg.task.name} {job.label}@{cfg.budget.spec}"
     progress = Progress(len(samples), label, sweep=shared.sweep)
     load = (shared.load_seconds, shared.jobs)
     return OpenRun(job, run_dir, loaded, engine, task, records, samples, progress, load)

@@ -136,7 +136,7 @@ def summarize(
     return {
         "model": cfg.model.name,
         "policy": cfg.policy.name,
-        "label": job.policy.label + job.engine.label_suffix,
+        "label": job.label,
         "budget": str(cfg.budget.spec),
         "task": cfg.task.name,
         "regime": job.engine.regime,
