@@ -23,7 +23,7 @@ from kvbench.engine.runner import REGIMES
 from kvbench.engine.shared import generate_shared
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy
-from kvbench.policies.base import Full
+from kvbench.policies.methods.full import Full
 
 #: the checks' prompt and generation: long enough for a window, a chunk and sinks to leave heavy hitters
 PROMPT, NEW_TOKENS, BUDGET, BLOCK = 96, 6, 40, 16

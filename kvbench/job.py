@@ -20,8 +20,8 @@ from kvbench import config_dict
 from kvbench.config import GROUPS, engine_keys, group_keys, group_options, root_keys
 from kvbench.domains import FLAG, Domain, check_table, choice, integer, number
 from kvbench.engine import CACHE_SETTINGS, ENGINE_SETTINGS
-from kvbench.engine.kivi import Kivi
-from kvbench.engine.runner import evicts_decoding, kivi_of, quant_refusal
+from kvbench.engine.kivi import Kivi, kivi_of, quant_refusal
+from kvbench.engine.runner import evicts_decoding
 from kvbench.engine.sampling import Sampling
 from kvbench.errors import KVBenchError, check_keys, choose
 from kvbench.models import MODEL_SETTINGS

@@ -18,7 +18,7 @@ import torch
 
 from kvbench.engine import Engine
 from kvbench.policies import build_policy
-from kvbench.policies.base import Full
+from kvbench.policies.methods.full import Full
 from kvbench.policies.registry import BASES
 from tests.helpers import (
     ARCHITECTURES,

@@ -9,11 +9,16 @@ divides by zero. The bytes held are the packed codes and the groups' minima and 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvbench.errors import KVBenchError
+
+if TYPE_CHECKING:
+    from kvbench.policies.base import Policy
 
 #: the widths packed into an int32 whole
 BITS = (2, 4, 8)
@@ -172,3 +177,34 @@ class KiviEntries:
         for held, full in ((self.keys, keys), (self.values, values)):
             parts.append(full if held is None else torch.cat([held.dequantized().to(full.dtype), full], dim=2))
         return parts[0], parts[1]
+
+
+def kivi_of(cache: Mapping[str, Any]) -> Kivi | None:
+    """The ``cache`` settings' representation (:meth:`Kivi.of`)."""
+    return Kivi.of(str(cache["quant"]), int(cache["group_size"]), int(cache["residual"]))
+
+
+def quant_model_refusal(quant: Kivi | None, head_dim: int) -> str | None:
+    """Why a quantised cache is not defined on a model of heads of ``head_dim`` channels (KIVI's value groups are
+    channels of one head), or None."""
+    if quant is None or head_dim % quant.group_size == 0:
+        return None
+    return (
+        f"cache.group_size={quant.group_size}: KIVI quantises each value in groups of channels, and this model's heads "
+        f"have {head_dim}; valid choices: a divisor of {head_dim} that is a multiple of {32 // quant.bits}"
+    )
+
+
+def quant_refusal(quant: Kivi | None, policy: Policy, decode_evict: bool) -> str | None:
+    """Why a quantised cache (``cache.quant``) is not defined with ``policy`` and the regime, or None: its layers
+    are evicted before they are quantised, so not while decoding, and hold one length for every head."""
+    if quant is None:
+        return None
+    if decode_evict:
+        return (
+            f"cache.quant=kivi{quant.bits} quantises the entries once the prompt is read and no eviction may follow; "
+            "set engine.regime=oneshot (or engine.decode_evict=false)"
+        )
+    if policy.shares_heads:
+        return f"cache.quant=kivi{quant.bits} holds one length for every head; policy {policy.spec} keeps one per head"
+    return None

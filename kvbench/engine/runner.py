@@ -15,9 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 
@@ -26,15 +24,16 @@ from kvbench.domains import FLAG, Domain, choice, integer, is_int, optional
 from kvbench.engine import attention
 from kvbench.engine.batches import RowBatch, SharedPrefill
 from kvbench.engine.cache import EvictionCache
-from kvbench.engine.kivi import QUANT, Kivi
+from kvbench.engine.kivi import QUANT, Kivi, quant_model_refusal, quant_refusal
 from kvbench.engine.reconstruction import RepeatPrompt, reconstruct
 from kvbench.engine.sampling import Sampling
 from kvbench.engine.sizes import CacheSizes
 from kvbench.engine.threads import THREADS
 from kvbench.errors import KVBenchError, choose
-from kvbench.policies.base import Full, Policy
+from kvbench.policies.base import Policy
 from kvbench.policies.budgets import Budget
 from kvbench.policies.context import LayerWeights
+from kvbench.policies.methods.full import Full
 
 REGIMES = ["oneshot", "chunked", "streaming"]
 #: ``engine.rows_attention``: how a decode step attends its rows, each by its own backend call, or those with every
@@ -208,40 +207,9 @@ def model_refusal(policy: Policy, windows: list[int | None], learned_sinks: bool
     )
 
 
-def kivi_of(cache: Mapping[str, Any]) -> Kivi | None:
-    """The ``cache`` settings' representation (:meth:`Kivi.of`)."""
-    return Kivi.of(str(cache["quant"]), int(cache["group_size"]), int(cache["residual"]))
-
-
 def head_dim_of(config) -> int:
     """The channels of one attention head of a model's text ``config``."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def quant_model_refusal(quant: Kivi | None, head_dim: int) -> str | None:
-    """Why a quantised cache is not defined on a model of heads of ``head_dim`` channels (KIVI's value groups are
-    channels of one head), or None."""
-    if quant is None or head_dim % quant.group_size == 0:
-        return None
-    return (
-        f"cache.group_size={quant.group_size}: KIVI quantises each value in groups of channels, and this model's heads "
-        f"have {head_dim}; valid choices: a divisor of {head_dim} that is a multiple of {32 // quant.bits}"
-    )
-
-
-def quant_refusal(quant: Kivi | None, policy: Policy, decode_evict: bool) -> str | None:
-    """Why a quantised cache (``cache.quant``) is not defined with ``policy`` and the regime, or None: its layers
-    are evicted before they are quantised, so not while decoding, and hold one length for every head."""
-    if quant is None:
-        return None
-    if decode_evict:
-        return (
-            f"cache.quant=kivi{quant.bits} quantises the entries once the prompt is read and no eviction may follow; "
-            "set engine.regime=oneshot (or engine.decode_evict=false)"
-        )
-    if policy.shares_heads:
-        return f"cache.quant=kivi{quant.bits} holds one length for every head; policy {policy.spec} keeps one per head"
-    return None
 
 
 class Runner:

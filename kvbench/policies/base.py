@@ -35,7 +35,7 @@ from kvbench.kernels.sums import attention_sums
 from kvbench.policies.budgets import Budget
 from kvbench.policies.context import ATTENTION, Evicted, ScoreContext, Statistic
 from kvbench.policies.layer_budget import LayerBudget, Uniform
-from kvbench.policies.registry import Registered, register
+from kvbench.policies.registry import Registered
 from kvbench.policies.scores import GqaMode, reduce_gqa
 from kvbench.policies.stats import AttentionStats, NormalisedBlock, NormalisedStats, QueryBlock
 
@@ -443,18 +443,3 @@ def settings_key(*parts: Policy | Modifier, without: tuple[str, ...] = ()) -> st
         settings = {item.name: getattr(part, item.name) for item in fields(part) if item.name not in left_out}
         named.append([part.name, {k: v.parameters() if isinstance(v, LayerBudget) else v for k, v in settings.items()}])
     return json.dumps(named, sort_keys=True)
-
-
-@register
-@dataclass
-class Full(Policy):
-    """The full cache: keeps every token (the reference every policy is compared with, and what the engine runs
-    where the budget holds the whole prompt)."""
-
-    name = "full"
-    paper = "—"
-    evicts = False
-
-    @property
-    def statistic(self) -> Statistic:
-        return "positions"

@@ -15,14 +15,8 @@ from omegaconf import DictConfig
 
 from kvbench import config_dict
 from kvbench.engine import Engine
-from kvbench.engine.runner import (
-    has_learned_sinks,
-    head_dim_of,
-    held_windows,
-    kivi_of,
-    model_refusal,
-    quant_model_refusal,
-)
+from kvbench.engine.kivi import kivi_of, quant_model_refusal
+from kvbench.engine.runner import has_learned_sinks, head_dim_of, held_windows, model_refusal
 from kvbench.errors import KVBenchError
 from kvbench.job import Job
 from kvbench.models import LoadedModel, check_weights, load_tokenizer, model_skeleton
