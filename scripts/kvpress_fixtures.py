@@ -18,6 +18,11 @@ the prompt's positions packed into bytes, base64-encoded. ``AdaKVPress`` is head
 and head on average, every entry in the cache, and masks the rest (``masked_key_indices``): recorded is what it does
 not mask.
 
+``simlayerkv*.json``, ``*+think*.json`` and ``duo_attention.json`` record what ``SimLayerKVPress`` keeps (it selects
+no slot by score: each kept key found among an uncompressed prefill's), what ``ComposedPress([press, ThinKPress])``
+keeps and the key channels it zeroes per head, and what ``DuoAttentionPress`` (on-the-fly scoring on kvbench's
+calibration texts) does not mask, with its head scores.
+
 ``kvzip.json``: kvpress's ``KVzipPress`` is head-wise (one budget over every layer and head, kept by masking), so its
 kept sets are not kvbench's per-layer ones; what the two define alike is the score and the layers' shares. Each
 prompt is the chat template's user prefix and ``LENGTH`` tokens in all, reconstructed in chunks of ``KVZIP_CHUNK``
@@ -29,6 +34,7 @@ the same ``KEPT`` per layer and head on average, and each layer's kept mask per 
 from __future__ import annotations
 
 import base64
+import functools
 import importlib.metadata
 import json
 import sys
@@ -78,6 +84,86 @@ COUNTING = {
     "snapkv+chunkkv-k200": (200, "ChunkKVPress", "SnapKVPress"),
     "snapkv+criticalkv-k200": (200, "CriticalKVPress", "SnapKVPress"),
 }
+
+
+#: SimLayerKV at a threshold that makes about half of SmolLM2's layers lazy on these prompts (0.8; kvbench's default 0.9
+#: makes four): name → (kept, lazy_threshold); a lazy layer keeps ``n_initial`` (4) + ``n_recent − n_last`` slots,
+#: kvbench's budget, so ``n_recent = kept − 4 + 1``
+SIMLAYERKV = {
+    "simlayerkv": (KEPT, 0.8),
+    "simlayerkv-k200": (200, 0.8),
+    "simlayerkv-k509": (509, 0.8),
+    "simlayerkv-k510": (510, 0.8),
+}
+
+
+#: ThinK over a token press (kvpress's ``ComposedPress([scorer, ThinKPress])``): name → (the scorer press, the share of
+#: key channels pruned); 0.3 of SmolLM2's 64 channels is 19.2, pruned 19
+THINK = {
+    "snapkv+think": ("SnapKVPress", 0.5),
+    "knorm+think-p25": ("KnormPress", 0.25),
+    "snapkv+think-p30": ("SnapKVPress", 0.3),
+}
+
+
+def think_record(model, press, ids: list[int]) -> dict:
+    """``press`` (a token press, then ThinK) on ``ids``: per layer the kept positions (the top of the token press's
+    scores) and each KV head's pruned key channels ``[Hkv, D]`` (those zero over every kept key), packed bit masks,
+    base64."""
+    scores = recorded_scores(press.presses[0])
+    cache = press_prefill(model, press, ids, "sdpa")
+    kept, pruned = [], []
+    for layer_idx, layer in enumerate(cache.layers):
+        top = scores[layer_idx][0].topk(layer.keys.shape[2], dim=-1).indices  # [Hkv,KEPT]
+        mask = torch.zeros(top.shape[0], len(ids), dtype=torch.bool).scatter_(-1, top, True)
+        kept.append(base64.b64encode(np.packbits(mask.numpy(), axis=-1).tobytes()).decode())
+        zero = (layer.keys[0] == 0).all(dim=1)  # [Hkv,D]
+        pruned.append(base64.b64encode(np.packbits(zero.numpy(), axis=-1).tobytes()).decode())
+    return {"ids": ids, "kept_masks": kept, "pruned_channels": pruned}
+
+
+#: DuoAttention's calibration texts in the fixture: kvpress's on-the-fly scoring draws 50, kvbench's default too;
+#: 8 keep the test's calibration to seconds (the same loop, averaged over fewer texts)
+DUO_SAMPLES = 8
+
+
+def duo_record(model, kvpress, prompts: list[list[int]]) -> dict:
+    """``DuoAttentionPress(head_compression_ratio=0.5, on_the_fly_scoring=True)`` calibrated on kvbench's first
+    :data:`DUO_SAMPLES` calibration texts (the press's ``load_dataset`` answers them, in their order, for BookSum's
+    chapters, and its ``num_samples`` is theirs): its head scores
+    ``[L,Hkv]`` (float32, base64) and per prompt and layer what it does not mask (streaming heads keep their 128 first
+    and 256 last slots)."""
+    import pandas as pd
+
+    from kvbench.policies.methods.duo_attention import DuoAttention
+
+    class InOrder(pd.DataFrame):
+        def sample(self, *args, **kwargs):  # the press draws its texts at random: here all of them, in order
+            return self
+
+    class Texts:
+        def to_pandas(self):
+            return InOrder({"chapter": DuoAttention(samples=DUO_SAMPLES).calibration_texts(paul_graham_essays())})
+
+    module = sys.modules["kvpress.presses.duo_attention_press"]
+    module.load_dataset = lambda *args, **kwargs: Texts()
+    module.duo_attention_on_the_fly = functools.partial(module.duo_attention_on_the_fly, num_samples=DUO_SAMPLES)
+    press = kvpress.DuoAttentionPress(head_compression_ratio=0.5, on_the_fly_scoring=True)
+    scores = torch.from_numpy(module.duo_attention_on_the_fly(model)).float()
+    records = []
+    for ids in prompts:
+        press_prefill(model, press, ids, "sdpa")
+        records.append(
+            {"ids": ids, "kept_masks": [masked_out(layer.self_attn, len(ids)) for layer in model.model.layers]}
+        )
+    return {
+        "press": repr(press),
+        "kept": press.sink_size + press.recent_size,
+        "n_sink": press.sink_size,
+        "samples": DUO_SAMPLES,
+        "head_scores": base64.b64encode(scores.numpy().tobytes()).decode(),
+        "prompts": records,
+    }
 
 
 def kept_masks(model, press, ids: list[int]) -> list[str]:
@@ -207,6 +293,19 @@ def main(output: Path, only: list[str]) -> None:
             press = getattr(kvpress, wrapper)(getattr(kvpress, scorer)(compression_ratio=1.0 - kept / LENGTH))
             masks = [{"ids": ids, "kept_masks": kept_masks(loaded.model, press, ids)} for ids in prompts]
             write(spec, {"press": repr(press), "kept": kept, "prompts": masks})
+    for spec, (kept, threshold) in SIMLAYERKV.items():
+        if not only or spec in only:
+            press = kvpress.SimLayerKVPress(lazy_threshold=threshold, n_recent=kept - 4 + 1)
+            masks = [{"ids": ids, "kept_masks": kept_masks(loaded.model, press, ids)} for ids in prompts]
+            write(spec, {"press": repr(press), "kept": kept, "prompts": masks})
+    for spec, (scorer, share) in THINK.items():
+        if not only or spec in only:
+            token_press = getattr(kvpress, scorer)(compression_ratio=1.0 - KEPT / LENGTH)
+            press = kvpress.ComposedPress([token_press, kvpress.ThinKPress(key_channel_compression_ratio=share)])
+            records = [think_record(loaded.model, press, ids) for ids in prompts]
+            write(spec, {"press": repr(press), "pruned": share, "prompts": records})
+    if not only or "duo_attention" in only:
+        write("duo_attention", duo_record(loaded.model, kvpress, prompts))
     if not only or "kvzip" in only:
         press = f"KVzipPress(compression_ratio={1.0 - KEPT / LENGTH}, chunk_size={KVZIP_CHUNK})"
         records = [

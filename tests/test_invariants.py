@@ -56,6 +56,12 @@ def whole_chunks(policy) -> int:
     return max((getattr(m, "chunk_length", 0) for m in policy.modifiers if m.keeps_ranked_only), default=0)
 
 
+def prunes_channels(policy) -> bool:
+    """Whether a modifier prunes the prompt's key channels (ThinK): its decode reads them as zero, which the masked
+    forward does not (tests/test_think.py compares it with the keys zeroed)."""
+    return any(modifier.channel_queries() for modifier in policy.modifiers)
+
+
 def runner(model, spec: str, budget: int, regime: str = "oneshot") -> Engine:
     return Engine(model, policy(spec), budget, regime=regime, block_size=BLOCK, tokenizer=TOKENIZER)
 
@@ -117,7 +123,7 @@ def test_one_token_short_of_the_prompt_every_layer_evicts_and_decodes_from_what_
     if not whole_chunks(engine.policy):  # (whole chunks keep what they keep, checked against kvpress elsewhere)
         assert sum(cache.tokens_per_layer()) == 59 * LAYERS
         assert sum(int((~mask).sum()) for mask in kept) == LAYERS * cache.cache_heads  # one entry a head and layer
-    if not any(modifier.attends for modifier in engine.policy.modifiers):
+    if not any(modifier.attends for modifier in engine.policy.modifiers) and not prunes_channels(engine.policy):
         step = engine.step(cache, [token], len(prompt), evict=False)[0, -1]
         expected = masked_forward(tiny_model("llama", layers=LAYERS), prompt + [token], kept, len(prompt))[-1]
         torch.testing.assert_close(step, expected, rtol=1e-4, atol=1e-4)
@@ -167,6 +173,8 @@ def test_decode_after_eviction_sees_exactly_the_kept_entries(spec, architecture)
     if (refusal := engine.model_refusal(engine.policy)) is not None:
         pytest.skip(refusal)  # a budget shared across the layers, beside Gemma 3's sliding ones
     cache = engine.new_cache(len(prompt), query_agnostic(engine.policy))
+    if prunes_channels(engine.policy):
+        pytest.skip("its decode reads the pruned key channels as zero: tests/test_think.py checks it so")
     token = int(engine.prefill(cache, prompt)[0, -1].argmax())
     kept = kept_masks(cache, len(prompt))
     step = engine.step(cache, [token], len(prompt), evict=False)[0, -1]

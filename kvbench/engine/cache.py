@@ -110,13 +110,23 @@ class EvictionCache(Cache):
         self.forward = Forward(positions, evict, evict or self.decode_evict, decoding, self.seen, last)
 
     def end_prefill(self) -> None:
-        """The prompt is read: a quantised cache quantises its global layers' entries now (else its first decode step
-        does), so that what it holds after prefill is what it decodes from."""
+        """The prompt is read: its global layers hold it as they decode from it now (:meth:`held_as_read`; else their
+        first decode step does), so that what the cache holds after prefill is what it decodes from."""
+        for index, window in enumerate(self.windows):
+            if window is None:
+                self.held_as_read(index)
+                self.account(index)
+
+    def held_as_read(self, layer_idx: int) -> None:
+        """A global layer once the prompt is read, and at each decode step: its key channels pruned once where a
+        modifier prunes them (ThinK, from the prompt's last queries, then let go), and a quantised cache's entries
+        past KIVI's residual quantised."""
+        layer = self.eviction_layers[layer_idx]
+        if self.scorer.pruner is not None and layer.recent_queries is not None:
+            layer.prune_channels(self.scorer.pruner.key_channels(layer.recent_queries, layer.keys))
+            layer.recent_queries = layer.recent_query_positions = None
         if self.quant is not None:
-            for index, (layer, window) in enumerate(zip(self.eviction_layers, self.windows)):
-                if window is None:
-                    layer.roll(self.quant)
-                    self.account(index)
+            layer.roll(self.quant)
 
     def tokens_per_layer(self) -> list[int]:
         """Cached tokens per cache head, for every layer."""
@@ -220,9 +230,9 @@ class EvictionCache(Cache):
         """Append new keys/values ``[B,Hkv,q,D]`` (repeated to query heads in the repeat layout)."""
         key_states, value_states = in_cache_heads(key_states, value_states, self.num_query_heads, self.repeat_layout)
         layer, forward = self.eviction_layers[layer_idx], self._forward()
-        if self.quant is not None and forward.decoding and self.chunk is None and self.windows[layer_idx] is None:
-            layer.roll(self.quant)  # the prompt's entries quantised before the first token after it (not while its
-            # context is reconstructed: KVzip), then the rest
+        if forward.decoding and self.chunk is None and self.windows[layer_idx] is None:
+            self.held_as_read(layer_idx)  # before the first token after the prompt (not while a context is
+            # reconstructed: KVzip), then KIVI's rest at each step
         if self.policy.running and self.scored_in(layer_idx) and layer.running_score is None:
             batch, heads, _, _ = key_states.shape
             layer.running_score = key_states.new_zeros(batch, heads, 0, dtype=torch.float32)
@@ -330,7 +340,8 @@ class EvictionCache(Cache):
             else:
                 scores = self.shared_scores(layer_idx, budget, scaling, shared)
                 self._evict(layer_idx, budget, scores, scaling, shared=shared)
-        if window and forward.last_eviction:  # Expected Attention's: the prompt's queries, not held for 32 layers
+        if window and forward.last_eviction and self.scorer.pruner is None:  # Expected Attention's: the prompt's
+            # queries, not held for 32 layers (a channel pruner's are let go once it has read them)
             layer.recent_queries = layer.recent_query_positions = None
         if self.stages is not None and layer_idx == len(self.layers) - 1:  # the cascade's evictions, made once
             stages, self.stages = self.stages, None

@@ -207,4 +207,6 @@ def quant_refusal(quant: Kivi | None, policy: Policy, decode_evict: bool) -> str
         )
     if policy.shares_heads:
         return f"cache.quant=kivi{quant.bits} holds one length for every head; policy {policy.spec} keeps one per head"
+    if any(modifier.channel_queries() for modifier in policy.modifiers):
+        return f"cache.quant=kivi{quant.bits} quantises every channel of the keys; policy {policy.spec} prunes some"
     return None

@@ -118,6 +118,24 @@ class HeadwiseEntries:
         return layout(self.keys, 0.0), layout(self.values, 0.0), layout(self.positions, 0), ranking, held
 
 
+@dataclass
+class PrunedKeys:
+    """A layer's first keys with part of each head's channels pruned (ThinK, ``Modifier.prunes_channels``): ``keys
+    [B,Hc,T,D']`` the channels ``channels [B,Hc,D']`` (ascending) of a head of ``dim`` channels."""
+
+    keys: torch.Tensor
+    channels: torch.Tensor
+    dim: int
+
+    def bytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + self.channels.numel() * self.channels.element_size()
+
+    def attended(self) -> torch.Tensor:
+        """The keys ``[B,Hc,T,D]`` with the pruned channels zero (a working copy)."""
+        index = self.channels[:, :, None].expand(-1, -1, self.keys.shape[2], -1)  # [B,Hc,T,D']
+        return self.keys.new_zeros(*self.keys.shape[:3], self.dim).scatter_(-1, index, self.keys)
+
+
 class EvictionLayer(DynamicLayer):
     """One layer's cache: ``keys``/``values [B,Hc,T,D]``, ``positions [B,Hc,T]`` and scoring state.
 
@@ -133,7 +151,8 @@ class EvictionLayer(DynamicLayer):
     a length per head) and ``keys``/``values``/``positions`` hold only the tokens appended since, the same for
     every head. In a quantised cache (``cache.quant``, :meth:`roll`) the first keys and values are ``quantized``
     (:class:`~kvbench.engine.kivi.KiviEntries`) and ``keys``/``values`` hold the rest in full precision, not as
-    many keys as values; ``positions`` are every token's.
+    many keys as values; ``positions`` are every token's. Once its key channels are pruned (:meth:`prune_channels`)
+    the prompt's keys are ``pruned`` (:class:`PrunedKeys`) and ``keys`` those appended since.
     """
 
     # DynamicLayer's keys/values are None until the first ``append`` initialises them; an EvictionLayer is only
@@ -161,6 +180,8 @@ class EvictionLayer(DynamicLayer):
         self.deferred_slots: torch.Tensor | None = None
         #: the entries a quantised cache holds quantised (:meth:`roll`), or None
         self.quantized: KiviEntries | None = None
+        #: the keys held in part of their channels (:meth:`prune_channels`), or None
+        self.pruned: PrunedKeys | None = None
         self.peak_tokens = 0
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
@@ -183,7 +204,16 @@ class EvictionLayer(DynamicLayer):
         """The slots the layer holds (after a head-wise eviction, those appended since; quantised, every key)."""
         if self.deferred_slots is not None:
             return self.deferred_slots.shape[-1]
-        return super().get_seq_length() + (0 if self.quantized is None else self.quantized.tokens()[0])
+        held = super().get_seq_length() + (0 if self.pruned is None else self.pruned.keys.shape[2])
+        return held + (0 if self.quantized is None else self.quantized.tokens()[0])
+
+    def prune_channels(self, channels: torch.Tensor) -> None:
+        """Hold the keys in the channels ``channels [B,Hc,D']`` only (each head's, ascending), once the prompt is read;
+        keys appended later keep every channel."""
+        assert self.headwise is None and self.deferred_slots is None and self.quantized is None and self.pruned is None
+        index = channels[:, :, None].expand(-1, -1, self.keys.shape[2], -1)  # [B,Hc,T,D']
+        self.pruned = PrunedKeys(self.keys.gather(-1, index), channels, self.keys.shape[-1])
+        self.keys = self.keys[:, :, :0].clone()
 
     def roll(self, kivi: Kivi) -> None:
         """Quantise the entries past ``kivi``'s full-precision residual (:meth:`Kivi.roll`): the prompt's once it
@@ -199,9 +229,10 @@ class EvictionLayer(DynamicLayer):
 
     def held_bytes(self, tokens: int | None = None) -> int:
         """The bytes of the keys and values held (``tokens`` of them per cache head where given)."""
-        if self.quantized is not None:  # the quantised entries and the full-precision rest
+        if self.quantized is not None or self.pruned is not None:  # the quantised or pruned entries, then the rest
             full = (self.keys.numel() + self.values.numel()) * self.keys.element_size()
-            return self.quantized.bytes() + full
+            held = self.quantized.bytes() if self.quantized is not None else 0
+            return held + (self.pruned.bytes() if self.pruned is not None else 0) + full
         batch, heads, _, dim = self.keys.shape
         slots = self.keys.shape[2] if self.deferred_slots is None else self.deferred_slots.shape[-1]
         held = batch * heads * (slots if tokens is None else tokens) * dim
@@ -221,6 +252,8 @@ class EvictionLayer(DynamicLayer):
         quantised, the quantised entries dequantised, then the rest (a working copy, not held)."""
         if self.quantized is not None:
             return *self.quantized.attended(self.keys, self.values), None
+        if self.pruned is not None:
+            return torch.cat([self.pruned.attended(), self.keys], dim=2), self.values, None
         if self.headwise is None:
             return self.keys, self.values, None
         entries, tokens = self.headwise, self.get_seq_length()

@@ -24,9 +24,11 @@ from kvbench.domains import FLAG, Domain, choice, integer, is_int, optional
 from kvbench.engine import attention
 from kvbench.engine.batches import RowBatch, SharedPrefill
 from kvbench.engine.cache import EvictionCache
+from kvbench.engine.calibration import calibrate
 from kvbench.engine.kivi import QUANT, Kivi, quant_model_refusal, quant_refusal
 from kvbench.engine.reconstruction import RepeatPrompt, reconstruct
 from kvbench.engine.sampling import Sampling
+from kvbench.engine.scoring import channel_pruner
 from kvbench.engine.sizes import CacheSizes
 from kvbench.engine.threads import THREADS
 from kvbench.errors import KVBenchError, choose
@@ -274,6 +276,7 @@ class Runner:
         self.windows = held_windows(config)
         #: the model's softmax adds a learned logit per head (GPT-OSS's ``sinks``, given to attention as ``s_aux``)
         self.learned_sinks = has_learned_sinks(model)
+        calibrate(policy, model, tokenizer)  # DuoAttention's head scores, once per model and settings
 
     def row_bytes(self, prompt_tokens: int, new_tokens: int) -> int:
         """The most memory one row of a ``prompt_tokens`` prompt holds while it decodes ``new_tokens``: the full cache
@@ -291,13 +294,19 @@ class Runner:
     def budget_tokens(self, policy: Policy, prompt_len: int) -> int:
         """The budget's tokens per layer and cache head for a prompt of ``prompt_len`` tokens; a byte budget's as
         ``policy``'s head layout spends it: a token costs every global layer its entry (quantised, KIVI's levels and
-        their share of the groups' steps and minima, beside a residual of full-precision entries), the sliding layers
+        their share of the groups' steps and minima, beside a residual of full-precision entries; ThinK's keys in their
+        channels kept), the sliding layers
         hold their windows whatever the budget (:meth:`Budget.resolve`); a fraction is of the full cache's bytes."""
         if not self.budget.in_bytes:
             return self.budget.resolve(prompt_len)
         entry, globals_ = self.entry_bytes(policy), self.windows.count(None)
         fixed = sum(min(prompt_len, window - 1) for window in self.windows if window is not None) * entry
         full = fixed + entry * globals_ * prompt_len
+        if (pruner := channel_pruner(policy)) is not None:  # the prompt's keys in the channels kept (ThinK), and which
+            dim = head_dim_of(self.model.config.get_text_config())
+            kept = pruner.key_channels(torch.zeros(1, 1, 1, dim), torch.zeros(1, 1, 1, dim)).shape[-1]
+            which = globals_ * entry // (2 * dim * self.element_bytes()) * kept * 8  # int64 indices, per cache head
+            return self.budget.resolve(prompt_len, entry * (dim + kept) // (2 * dim) * globals_, fixed + which, full)
         if self.quant is None:
             return self.budget.resolve(prompt_len, entry * globals_, fixed, full)
         quantized = entry * self.quant.token_bytes(self.element_bytes()) / self.element_bytes()

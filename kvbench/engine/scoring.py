@@ -13,7 +13,7 @@ import torch
 
 from kvbench.engine import attention
 from kvbench.engine.layer import EvictionLayer
-from kvbench.policies.base import AttentionStats, Policy
+from kvbench.policies.base import AttentionStats, Modifier, Policy
 from kvbench.policies.context import LayerWeights, ScoreContext
 from kvbench.policies.layer_budget import CascadingAllocation
 from kvbench.policies.stats import NormalisedStats
@@ -40,6 +40,11 @@ def uses_normaliser(policy: Policy) -> bool:
     return policy.running and policy.scores_causally
 
 
+def channel_pruner(policy: Policy) -> Modifier | None:
+    """The modifier of ``policy`` that prunes the prompt's key channels once it is read (ThinK), or None."""
+    return next((modifier for modifier in policy.modifiers if modifier.channel_queries()), None)
+
+
 class Scorer:
     """A cache's ranking of its ``layers`` for its ``policy`` (``prompt_len`` the prompt's tokens; ``score_block`` the
     queries a blocked pass takes at once; ``sums_kernel`` the running sums' pass; ``layer_weights`` what a score may
@@ -58,6 +63,8 @@ class Scorer:
         self.policy, self.layers, self.prompt_len = policy, layers, prompt_len
         self.score_block, self.sums_kernel = score_block, sums_kernel
         self.layer_weights, self.allocation = layer_weights, allocation
+        #: the modifier that prunes the prompt's key channels once it is read (ThinK), or None
+        self.pruner = channel_pruner(policy)
 
     # -- running sums ------------------------------------------------------------------------------------
     def wants_normaliser(self, forward: Forward) -> bool:
@@ -112,12 +119,12 @@ class Scorer:
 
     # -- windows -----------------------------------------------------------------------------------------
     def query_window(self, budget: int) -> int:
-        """How many recent queries a layer keeps: the scoring window, and the preference window with a dynamic
-        layer budget."""
+        """How many recent queries a layer keeps: the scoring window, the preference window with a dynamic layer
+        budget, and those a channel pruner reads."""
         policy = self.policy
-        window = 0
+        window = 0 if self.pruner is None else self.pruner.channel_queries()
         if policy.statistic in ("window", "queries"):
-            window = policy.scoring_window(budget, self.prompt_len)
+            window = max(window, policy.scoring_window(budget, self.prompt_len))
         if self.allocation is not None:
             window = max(window, self.preference_window())
         return window
@@ -202,4 +209,5 @@ class Scorer:
             budget,
             shared,
             forward.seen,
+            layer_idx,
         )

@@ -35,6 +35,7 @@ from kvbench.engine.shelf import Shelf, Stored, modifier_capacity, shelf_key
 def storable(cache: EvictionCache) -> bool:
     """Whether a row's decode steps only append its token and attend (see the module's docstring)."""
     plain = not any(cache.windows) and not cache.learned_sinks and not cache.decode_evict and cache.quant is None
+    plain = plain and cache.scorer.pruner is None  # ThinK's keys are held in part of their channels
     stores = all(modifier.stores() for modifier in cache.attending) and not cache.policy.reads
     return cache.attn_backend == "sdpa" and plain and stores
 

@@ -1,11 +1,11 @@
 """The policy interface: score cached tokens from attention statistics, keep the top ``budget`` per KV head.
 
-A *base* policy (``h2o``, ``tova``, ``snapkv`` ...) says which queries feed the score, what is reserved
-(sinks, recent windows) and how the summed score is post-processed (pooling). A *modifier* (``caote``,
-``obcache_joint`` ...) replaces the per-query contribution or re-weights the summed score; the spec
-``base+modifier+...`` composes them (``kvbench.policies.build_policy``). Attending modifiers (``calidrop``,
-``slake``) instead receive every evicted entry (``on_evict``) and may replace the attention output of
-single-query forwards (``attend``), keeping per-layer state in a slot the cache gives them.
+A *base* policy (``h2o``, ``tova``, ``snapkv`` ...) says which queries feed the score, what is reserved (sinks, recent
+windows) and how the summed score is post-processed (pooling). A *modifier* (``caote``, ``obcache_joint`` ...) replaces
+the per-query contribution or re-weights the summed score; the spec ``base+modifier+...`` composes them
+(``kvbench.policies.build_policy``). Attending modifiers (``calidrop``, ``slake``) instead receive every evicted entry
+(``on_evict``) and may replace the attention output of single-query forwards (``attend``), keeping per-layer state in a
+slot the cache gives them. A channel pruner (``think``) prunes the prompt's key channels (``key_channels``).
 
 Ranking pipeline for one layer (shapes: B batch, Hq query heads, Hc cache heads — the KV heads, or the query
 heads with ``gqa=repeat`` —, W scoring queries, T cached tokens)::
@@ -90,17 +90,24 @@ class Modifier(Registered):
         return None
 
     def head_shares(self, scores: torch.Tensor, budget: int, reserved: int) -> torch.Tensor:
-        """How many of a layer's unreserved slots each cache head keeps ``[B,Hc]`` (``shares_heads``), from their
-        ranking ``scores [B,Hc,M]``, ``budget`` slots per head on average of which ``reserved`` per head are the
-        sinks and recent window: together ``Hc × (budget − reserved)``."""
+        """How many of a layer's unreserved slots each cache head keeps ``[B,Hc]`` (``shares_heads``) of ``budget``
+        per head on average, ``reserved`` of them its sinks and window, by their ranking ``scores [B,Hc,M]``."""
         raise NotImplementedError(f"{self.name} declares shares_heads and defines no head_shares")
+
+    def channel_queries(self) -> int:
+        """How many of the prompt's last queries :meth:`key_channels` reads (ThinK's window); 0: none pruned."""
+        return 0
+
+    def key_channels(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """The channels each cache head keeps ``[B,Hc,D']`` once the prompt is read, from its last queries and keys."""
+        raise NotImplementedError(f"{self.name} reads channel_queries and defines no key_channels")
 
     def bind(self, base: Policy) -> None:
         """Adapt to the base policy it modifies (e.g. CAOTE's per-base norm exponent); default nothing."""
 
     def default_layer_budget(self, base: Policy) -> LayerBudget | None:
-        """The layer budget this modifier brings to ``base`` when none is configured (SLAKE's VABS over
-        CAKE), or None to keep the base's."""
+        """The layer budget this modifier brings to ``base`` when none is configured (SLAKE's VABS over CAKE), or None
+        to keep the base's."""
         return None
 
     def contribution_sums(self, block: QueryBlock) -> torch.Tensor:
@@ -428,10 +435,8 @@ class Policy(Registered):
         node: dict[str, Any] = {"name": self.spec}
         parts: list[Policy | Modifier] = [self, *self.modifiers]
         for part in parts:
-            for item in fields(part):
-                value = getattr(part, item.name)
-                if item.name != "modifiers":
-                    node[item.name] = value.parameters() if isinstance(value, LayerBudget) else value
+            values = {item.name: getattr(part, item.name) for item in fields(part) if item.name != "modifiers"}
+            node |= {name: v.parameters() if isinstance(v, LayerBudget) else v for name, v in values.items()}
         return node
 
 

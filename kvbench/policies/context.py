@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -72,7 +72,7 @@ class ScoreContext:
     * ``shared``: where the variants of a shared prefill score the same entries, what they computed from the entries
       alone (:meth:`once`), else None;
     * ``next_position``: the position the next token takes (the tokens the forwards declared, counted on the host),
-      or None: one past the newest cached position.
+      or None: one past the newest cached position; ``layer`` the layer's index.
     """
 
     keys: torch.Tensor
@@ -86,6 +86,7 @@ class ScoreContext:
     budget: int = 0
     shared: dict[Hashable, Any] | None = None
     next_position: int | None = None
+    layer: int = 0
 
     def once(self, name: Hashable, compute: Callable[[], T]) -> T:
         """``compute()``, a function of the entries and the layer's weights alone (not of the budget or the
@@ -152,3 +153,11 @@ class Evicted:
 def by_kv_head(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """View per-query-head rows ``[B,Hq,...]`` as ``[B,Hc,G,...]`` (query head ``h`` reads cache head ``h // G``)."""
     return query.view(query.shape[0], kv_heads, query.shape[1] // kv_heads, *query.shape[2:])
+
+
+@runtime_checkable
+class Calibrated(Protocol):
+    """A policy calibrated once on the model before it runs (DuoAttention's head scores): the engine calls
+    :meth:`calibrate` with the model, its tokenizer and the offline calibration text (the Paul Graham essays)."""
+
+    def calibrate(self, model: Any, tokenizer: Any, text: str) -> None: ...
