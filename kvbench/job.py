@@ -126,6 +126,12 @@ def resolve(cfg: DictConfig) -> Job:
     budget = Budget.parse(settings["budget"]["spec"])
     policy = build_policy(settings["policy"]["name"], settings["policy"])
     policy.for_model(settings["model"].get("hf_id"), budget)
+    if budget.in_bytes and not policy.bounded:
+        raise KVBenchError(
+            f"budget={settings['budget']['spec']}: policy {policy.spec} keeps whole layers or heads whatever the "
+            "budget, so bytes cannot bound it; valid choices: a token count (384, 2k) or a prompt fraction (10pct); "
+            "its records carry the bytes it held"
+        )
     if not budget.in_bytes:  # a byte budget's tokens depend on the model's cache: checked per prompt
         nominal = NOMINAL_PROMPT if budget.tokens is None else 10 * budget.tokens
         policy.check_budget(budget.resolve(nominal), nominal)

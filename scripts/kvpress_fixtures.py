@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import transformers
 
-from kvbench.bench.kvpress import press_prefill, recorded_scores
+from kvbench.bench.kvpress import native_attention, press_prefill, recorded_scores
 from kvbench.bench.sections import prompt_tokens
 from kvbench.config import compose
 from kvbench.models import load_model, weights_digest
@@ -164,6 +164,58 @@ def duo_record(model, kvpress, prompts: list[list[int]]) -> dict:
         "head_scores": base64.b64encode(scores.numpy().tobytes()).decode(),
         "prompts": records,
     }
+
+
+#: kvpress's decoding compression (``PrefillDecodingPress``: the prompt to ``kept``, then every ``interval`` decoded
+#: tokens back to it, ``DecodingPress(target_size=kept)``) over KNorm, greedy for ``steps`` tokens: name → (kept,
+#: interval, steps). A key's norm is its own, so the prompt's compression keeps what one at the first interval would.
+DECODING = {"knorm-decoding": (KEPT, 16, 40)}
+
+
+def decoding_record(model, kvpress, ids: list[int], kept: int, interval: int, steps: int) -> dict:
+    """The tokens generated greedily through the decoding press and each layer's kept positions of the prompt and
+    those tokens at the end (a packed bit mask per KV head), tracked through every compression from the scores it
+    kept by: the prompt's positions, then each compression's top ``kept`` of the cache in its order (the press
+    gathers them in top-k order) and the tokens appended since."""
+    prefilling = kvpress.KnormPress(compression_ratio=1.0 - kept / len(ids))
+    decoding = kvpress.DecodingPress(base_press=kvpress.KnormPress(), compression_interval=interval, target_size=kept)
+    press = kvpress.PrefillDecodingPress(prefilling_press=prefilling, decoding_press=decoding)
+    scores: dict[int, list[torch.Tensor]] = {}
+    for scorer in (prefilling, decoding.base_press):
+        score = scorer.score
+
+        def recording(module, *args, _score=score, **kwargs):
+            result = _score(module, *args, **kwargs)
+            scores.setdefault(module.layer_idx, []).append(result[0].clone())  # [Hkv,T]
+            return result
+
+        scorer.score = recording
+    cache, tokens = transformers.DynamicCache(config=model.config), []
+    with native_attention(model, "sdpa"), torch.inference_mode(), press(model):
+        positions = torch.arange(len(ids))
+        logits = model(
+            input_ids=torch.tensor([ids]), past_key_values=cache, cache_position=positions, logits_to_keep=1
+        ).logits
+        for step in range(steps):
+            tokens.append(int(logits[0, -1].argmax()))
+            at = torch.tensor([len(ids) + step])
+            logits = model(
+                input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, cache_position=at, position_ids=at[None]
+            ).logits
+    length, masks = len(ids) + steps, []
+    for layer_idx in range(len(cache.layers)):
+        held = torch.arange(len(ids)).expand(scores[layer_idx][0].shape[0], -1)  # [Hkv,T] in the cache's order
+        for number, layer_scores in enumerate(scores[layer_idx]):
+            if number:  # a decoding compression: the tokens appended since the last
+                appended = torch.arange(len(ids) + (number - 1) * interval, len(ids) + number * interval)
+                held = torch.cat([held, appended.expand(held.shape[0], -1)], dim=-1)
+            held = held.gather(-1, layer_scores.topk(kept, dim=-1).indices)
+        done = len(ids) + (len(scores[layer_idx]) - 1) * interval
+        held = torch.cat([held, torch.arange(done, length).expand(held.shape[0], -1)], dim=-1)
+        assert held.shape[-1] == cache.layers[layer_idx].keys.shape[2]
+        mask = torch.zeros(held.shape[0], length, dtype=torch.bool).scatter_(-1, held, True)
+        masks.append(base64.b64encode(np.packbits(mask.numpy(), axis=-1).tobytes()).decode())
+    return {"ids": ids, "generated": tokens, "kept_masks": masks}
 
 
 def kept_masks(model, press, ids: list[int]) -> list[str]:
@@ -304,6 +356,10 @@ def main(output: Path, only: list[str]) -> None:
             press = kvpress.ComposedPress([token_press, kvpress.ThinKPress(key_channel_compression_ratio=share)])
             records = [think_record(loaded.model, press, ids) for ids in prompts]
             write(spec, {"press": repr(press), "pruned": share, "prompts": records})
+    for spec, (kept, interval, steps) in DECODING.items():
+        if not only or spec in only:
+            records = [decoding_record(loaded.model, kvpress, ids, kept, interval, steps) for ids in prompts]
+            write(spec, {"kept": kept, "interval": interval, "steps": steps, "prompts": records})
     if not only or "duo_attention" in only:
         write("duo_attention", duo_record(loaded.model, kvpress, prompts))
     if not only or "kvzip" in only:

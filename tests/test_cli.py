@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -440,3 +441,16 @@ def test_a_disk_that_refuses_a_line_is_one_line_naming_the_file_and_the_free_spa
     run.predictions_path.write_text(run.predictions_path.read_text() + '{"id": "b", "sub')
     run.repair()
     assert [record["id"] for record in run.records()] == ["a"]
+
+
+def test_a_jobs_policy_spec_is_parsed_once(tmp_path, monkeypatch):
+    """``kvbench run`` of one job parses its policy spec once (the parse kept per spec: ``policies.parsed``), however
+    often the config, the plan, the job and the engine ask for it."""
+    from kvbench import policies
+
+    parses: list[str] = []
+    inner = policies.parsed.__wrapped__
+    counted = functools.cache(lambda spec: parses.append(spec) or inner(spec))
+    monkeypatch.setattr(policies, "parsed", counted)
+    kvbench("run", *RULER, "policy=snapkv+obcache_joint", "budget=64", f"output_dir={tmp_path}")
+    assert (tmp_path / "metrics.json").exists() and parses.count("snapkv+obcache_joint") == 1

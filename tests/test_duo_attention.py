@@ -98,3 +98,17 @@ def test_refusals():
         Engine(tiny_model(), build_policy("duo_attention", {"streaming": 0.5}), 24)
     with pytest.raises(KVBenchError, match="calibration text has"):
         prefilled({**SMALL, "sample_chars": 10**9, "streaming": 0.5})
+
+
+@pytest.mark.parametrize("spec", ["duo_attention", "simlayerkv"])
+def test_a_byte_budget_is_refused_in_one_line(spec, tmp_path, capsys):
+    """Keeping whole heads (or layers) whatever the budget, neither can be bound by bytes: one line, exit 2, nothing
+    written."""
+    from kvbench.cli import main
+
+    run = ["run", "model=tiny_llama", "task=ruler", "task.subtasks=[niah_single_1]", "task.context_length=640"]
+    with pytest.raises(SystemExit) as stopped:
+        main([*run, f"policy={spec}", "budget=0.2x", f"output_dir={tmp_path / 'run'}"])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(error) == 1 and "bytes cannot bound it" in error[0]
+    assert not (tmp_path / "run").exists()

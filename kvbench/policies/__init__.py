@@ -9,6 +9,7 @@ own, outside the package, registers alike from ``KVBENCH_METHODS`` or an entry p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
@@ -26,8 +27,17 @@ load_outside_methods()  # the researcher's own (KVBENCH_METHODS, kvbench.methods
 def parse_spec(spec: str) -> tuple[str, list[str]]:
     """``'snapkv+caote'`` → ``('snapkv', ['caote'])``, with one-line errors for unknown parts, a modifier named
     twice, a modifier that does not apply to the base, and two modifiers that each replace the per-query
-    contributions (only the last would count)."""
-    base, *modifiers = [part.strip() for part in str(spec).split("+")]
+    contributions (only the last would count). Each spec is parsed once (:func:`parsed`)."""
+    base, modifiers = parsed(str(spec))
+    return base, list(modifiers)
+
+
+@functools.cache
+def parsed(spec: str) -> tuple[str, tuple[str, ...]]:
+    """:func:`parse_spec`'s parse, made once per spec: the registry only grows (a method cannot be replaced by
+    another module's), so a spec parsed stays what it named; an error is not kept, so a spec refused before its
+    method registers parses once it has."""
+    base, *modifiers = [part.strip() for part in spec.split("+")]
     if base in MODIFIERS:
         raise KVBenchError(f"policy {spec!r} starts with the modifier {base!r}; use base+{base}, e.g. snapkv+{base}")
     choose("policy", base, BASES)
@@ -44,7 +54,7 @@ def parse_spec(spec: str) -> tuple[str, list[str]]:
             f"policy {spec!r}: {' and '.join(replacing)} each replace the per-query contributions and only the last "
             f"would count; use one of them"
         )
-    return base, modifiers
+    return base, tuple(modifiers)
 
 
 def composable(base: str, modifier: str) -> bool:

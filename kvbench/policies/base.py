@@ -177,14 +177,14 @@ class Policy(Registered):
     """A base eviction policy. Subclasses set the class variables and override the hooks they need."""
 
     registry = "base"
-    #: ``full`` never evicts, whatever the budget
-    evicts: ClassVar[bool] = True
+    evicts: ClassVar[bool] = True  # False: never evicts, whatever the budget (``full``)
     #: a single query reads part of the cache (:meth:`read`), which is kept whole (Quest)
     reads: ClassVar[bool] = False
-    #: its score reads the budget (``ScoreContext.budget``); False: a layer's ranking depends on the budget only
-    #: through the windows it reads (recent, scoring, sinks), so variants at several budgets share one
-    #: (``kvbench.engine.scoring.Scorer.ranking_key``)
+    #: its score reads the budget (``ScoreContext.budget``); False: a layer's ranking depends on the budget only through
+    #: the windows it reads (recent, scoring, sinks): variants at several budgets share one (``Scorer.ranking_key``)
     reads_budget: ClassVar[bool] = False
+    #: what it holds is bounded by the budget; False: it keeps whole layers or heads whatever the budget (SimLayerKV)
+    bounded: ClassVar[bool] = True
 
     #: GQA: sum the scores of a KV head's query heads (OBCache App. B.5), average them, or ``repeat``
     #: (KV stored per query head, each choosing its own tokens: the SnapKV / KVCache-Factory layout)

@@ -40,6 +40,7 @@ class DuoAttention(Policy):
     name = "duo_attention"
     paper = "DuoAttention (arXiv 2410.10819)"
     swept = False  # the leaderboard's cells not run yet
+    bounded = False  # a retrieval head keeps the prompt
 
     #: the share of the KV heads that stream (kvpress's ``head_compression_ratio``)
     streaming: float = setting(number(0, 1), 0.5)

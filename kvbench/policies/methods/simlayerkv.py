@@ -26,6 +26,7 @@ class SimLayerKV(Policy):
     name = "simlayerkv"
     paper = "SimLayerKV (arXiv 2410.13846)"
     swept = False  # the leaderboard's cells not run yet
+    bounded = False  # a layer that is not lazy keeps the prompt
     reads_budget = True  # the lazy test's recent span is the budget's window
 
     lazy_threshold: float = setting(number(0, 1), 0.9)
