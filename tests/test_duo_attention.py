@@ -112,3 +112,22 @@ def test_a_byte_budget_is_refused_in_one_line(spec, tmp_path, capsys):
     error = capsys.readouterr().err.strip().splitlines()
     assert stopped.value.code == 2 and len(error) == 1 and "bytes cannot bound it" in error[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_grouped_rows_give_each_alone():
+    """Variants of a mixed share (heads of their own lengths) and a pruned one, prefilled by one shared forward and
+    decoded as rows together, give what each gives alone."""
+    from tests.helpers import assert_shared_gives_each_alone
+
+    model = tiny_model()
+    runners = [
+        Engine(model, build_policy(spec, settings), budget, tokenizer=TOKENIZER, record_kept=True)
+        for spec, settings, budget in [
+            ("duo_attention", {**SMALL, "streaming": 0.5}, 16),
+            ("duo_attention", {**SMALL, "streaming": 0.5}, 40),
+            ("duo_attention", {**SMALL, "streaming": 0.25}, 24),
+            ("snapkv+think", {"window": 8}, 24),
+            ("simlayerkv", {"lazy_threshold": 0.3}, 24),
+        ]
+    ]
+    assert_shared_gives_each_alone(runners, random_prompt(90), 6, batch_size=4)

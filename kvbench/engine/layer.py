@@ -120,7 +120,7 @@ class HeadwiseEntries:
 
 @dataclass
 class PrunedKeys:
-    """A layer's first keys with part of each head's channels pruned (ThinK, ``Modifier.prunes_channels``): ``keys
+    """A layer's first keys with part of each head's channels pruned (ThinK, ``Modifier.key_channels``): ``keys
     [B,Hc,T,D']`` the channels ``channels [B,Hc,D']`` (ascending) of a head of ``dim`` channels."""
 
     keys: torch.Tensor
