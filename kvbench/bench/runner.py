@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from kvbench.bench import kvpress
 from kvbench.bench.contexts import shared_contexts
 from kvbench.bench.grid import grid, grid_operators, leaderboard_grid
-from kvbench.bench.report import machine, markdown, targets
+from kvbench.bench.markdown import markdown
+from kvbench.bench.report import machine, targets
 from kvbench.bench.sections import Bench
 from kvbench.engine import REGIMES
 from kvbench.engine.threads import set_threads
