@@ -33,7 +33,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kvbench import config_dict, duration
-from kvbench.engine.shared import prefill_key
+from kvbench.engine.shared import repeats_kv
 from kvbench.engine.threads import set_threads
 from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
@@ -173,7 +173,7 @@ def plan_job(
             return line
         oneshot = job.engine.regime == "oneshot" and not isinstance(task, PerplexityTask)
         if group is not None and prefill_groups is not None and oneshot:
-            line["prefill_group"] = prefill_groups.setdefault((group, prefill_key(job.policy)), len(prefill_groups))
+            line["prefill_group"] = prefill_groups.setdefault((group, repeats_kv(job.policy)), len(prefill_groups))
         tokens = task.planned_tokens()
         line["tokens"] = None if tokens is None else {"prefill": tokens[0], "decode": tokens[1]}
         if job.cfg.resume != "restart":

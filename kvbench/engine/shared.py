@@ -17,9 +17,9 @@ from kvbench.engine.runner import GenerationOutput, Runner
 from kvbench.policies.base import Policy
 
 
-def prefill_key(policy: Policy) -> bool:
-    """The variants whose caches one :class:`SharedPrefill` forward can fill share this: the head layout (whether
-    ``gqa=repeat``); a policy reads the backend's attention, so any policies share a forward."""
+def repeats_kv(policy: Policy) -> bool:
+    """Whether ``policy`` holds its cache per query head (``gqa=repeat``): the variants one :class:`SharedPrefill`
+    forward fills share their head layout (a policy reads the backend's attention, so any policies share one)."""
     return policy.gqa == "repeat"
 
 
@@ -35,7 +35,7 @@ def generate_shared(
 ) -> list[GenerationOutput]:
     """:meth:`Engine.generate` of each engine (its own policy and budget; one model, one regime) on one prompt,
     the variants that :meth:`Runner.shares_prefill` prefilled by one forward (:class:`SharedPrefill`) per head
-    layout (:func:`prefill_key`), whatever their policies and budgets, the others (chunked,
+    layout (:func:`repeats_kv`), whatever their policies and budgets, the others (chunked,
     streaming) feeding the prompt's blocks as rows; then the variants decode as rows, ``batch_size`` at a time
     (:func:`decode_rows`). Each output reports the shared prefill's time divided among the variants that shared it.
     Outputs equal :meth:`Engine.generate`'s."""
@@ -112,11 +112,11 @@ def compressed_rows(engines: Sequence[Runner], prompt: list[int], batch_size: in
     :meth:`Runner.shares_prefill` by one forward per head layout, the others feeding the prompt's blocks as rows,
     ``batch_size`` at a time; then the contexts that a reconstruction scores (:func:`reconstruct`)."""
     rows = [Row(engine, engine.new_cache(len(prompt), context), torch.empty(0), len(prompt), 0) for engine in engines]
-    sharing: dict[bool, list[Row]] = {}  # prefill_key -> the variants of one forward
+    sharing: dict[bool, list[Row]] = {}  # by head layout (repeats_kv): the variants of one forward
     alone = []  # the variants that feed their prompt in blocks (chunked, streaming): in lockstep, as rows
     for index, row in enumerate(rows):
         if row.engine.shares_prefill(row.cache):
-            sharing.setdefault(prefill_key(row.cache.policy), []).append(row)
+            sharing.setdefault(repeats_kv(row.cache.policy), []).append(row)
         else:
             alone.append(index)
     for indices in lockstep_groups(engines, alone, batch_size):

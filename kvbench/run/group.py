@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from kvbench import config_dict
 from kvbench.engine import Engine
 from kvbench.engine.rows import Row, RowGroup, finished_rows, perplexity_rows
-from kvbench.engine.shared import prefill_key
+from kvbench.engine.shared import repeats_kv
 from kvbench.errors import SharedPassWarning
 from kvbench.models import LoadedModel
 from kvbench.run.lifecycle import OpenRun, Shared, failure, job_and_directory, job_log, open_run
@@ -199,7 +199,7 @@ def decode_shared(
         for index, run in runs.items():
             twins.setdefault(twin_key(run.engine), []).append((index, run))
         # one head layout a piece (one forward each); pieces as even as the batch allows
-        ordered = sorted(twins.values(), key=lambda twin: prefill_key(twin[0][1].engine.policy))
+        ordered = sorted(twins.values(), key=lambda twin: repeats_kv(twin[0][1].engine.policy))
         spans = even_pieces(len(ordered), batch_size, len(samples))
         pieces = [ordered[begin : begin + size] for begin, size in spans] or [[]]  # no runs: no rows, made all the same
 
