@@ -4,9 +4,11 @@ installed kvbench — the checks the registry's tests (tests/test_invariants.py,
 method:
 
 * a budget covering the prompt runs the full cache (the same tokens as ``policy=full``);
-* after the prefill every layer holds its budget at most, in tensors that really shrank;
+* after the prefill every layer holds its budget at most, in tensors that really shrank (a policy that keeps whole
+  layers or heads, ``bounded = False``: each its budget or the prompt);
 * decoding after the eviction sees exactly the kept entries: its logits are a full forward's in which each head of
-  each layer sees only the positions its cache kept (:func:`masked_forward`, float32, 1e-4);
+  each layer sees only the positions its cache kept, in the key channels it kept (:func:`masked_forward`, float32,
+  1e-4);
 * variants of one prompt prefilled together and decoded as rows of one batch give what each gives alone.
 
 Each check prints one line, ``ok`` or what differs; the command exits 1 where one fails.
@@ -29,11 +31,14 @@ from kvbench.policies.methods.full import Full
 PROMPT, NEW_TOKENS, BUDGET, BLOCK = 96, 6, 40, 16
 
 
-def masked_forward(model, tokens: list[int], kept: list[torch.Tensor], context: int) -> torch.Tensor:
+def masked_forward(
+    model, tokens: list[int], kept: list[torch.Tensor], context: int, channels: list[torch.Tensor] | None = None
+) -> torch.Tensor:
     """Logits ``[len(tokens) − context, V]`` of a full forward in which each token after the first ``context`` sees,
     in layer ``l`` and query head ``h``, only the context positions ``kept[l][h // G]`` (a mask ``[Hc, context]``)
-    and the tokens after the context up to itself (within a layer's sliding window; with its learned sinks). The
-    model attends through this function from then on (set another implementation to leave it)."""
+    and the tokens after the context up to itself (within a layer's sliding window; with its learned sinks); with
+    ``channels`` (a mask ``[Hc, D]`` per layer, ThinK's), the context keys only in those channels. The model attends
+    through this function from then on (set another implementation to leave it)."""
     length = len(tokens)
 
     def attention(
@@ -45,6 +50,10 @@ def masked_forward(model, tokens: list[int], kept: list[torch.Tensor], context: 
             allowed &= torch.ones(length, length, dtype=torch.bool).triu(1 - sliding_window)
         allowed[:, context:, :context] &= kept[module.layer_idx].repeat_interleave(group, dim=0)[:, None]
         logits = torch.einsum("bhqd,bhtd->bhqt", query, key.repeat_interleave(group, 1)).float() * scaling
+        if channels is not None:  # the later tokens read the context's keys in the channels kept, the rest zero
+            narrowed = key[:, :, :context] * channels[module.layer_idx][None, :, None, :]  # [B,Hc,context,D]
+            later = torch.einsum("bhqd,bhtd->bhqt", query[:, :, context:], narrowed.repeat_interleave(group, 1))
+            logits[:, :, context:, :context] = later.float() * scaling
         logits = logits.masked_fill(~allowed[None], float("-inf"))
         if s_aux is not None:  # GPT-OSS's learned sink: a logit per head in each denominator
             logits = torch.cat([logits, s_aux.float().view(1, heads, 1, 1).expand(1, heads, length, 1)], dim=-1)
@@ -64,6 +73,20 @@ def kept_masks(cache, length: int) -> list[torch.Tensor]:
         torch.stack([torch.zeros(length, dtype=torch.bool).scatter_(0, torch.tensor(head), True) for head in heads])
         for heads in cache.kept_by_head()
     ]
+
+
+def pruned_channels(cache) -> list[torch.Tensor] | None:
+    """Each layer's kept key channels ``[Hc, D]`` (row 0; every channel of a layer it did not prune) where a modifier
+    pruned them (ThinK), else None."""
+    layers = cache.eviction_layers
+    if all(layer.pruned is None for layer in layers):
+        return None
+    heads, dim = layers[0].values.shape[1], layers[0].values.shape[-1]
+    masks = [torch.ones(heads, dim, dtype=torch.bool) for _ in layers]  # a sliding layer's keys whole
+    for mask, layer in zip(masks, layers):
+        if layer.pruned is not None:
+            mask.zero_().scatter_(-1, layer.pruned.channels[0], True)
+    return masks
 
 
 def check_method(spec: str, model_name: str = "tiny_llama") -> list[tuple[str, str | None]]:
@@ -100,15 +123,21 @@ def check_method(spec: str, model_name: str = "tiny_llama") -> list[tuple[str, s
         for index, (length, budget) in enumerate(zip(cache.tokens_per_layer(), cache.layer_budgets))
         if length > budget
     ]
+    if not runner.policy.bounded:  # SimLayerKV, DuoAttention: a layer or head keeps its budget or the whole prompt
+        heads = [(index, int(count)) for index, mask in enumerate(kept_masks(cache, PROMPT)) for count in mask.sum(-1)]
+        over = [(index, count) for index, count in heads if cache.layer_budgets[index] < count < PROMPT]
+        held = [0]
     results.append(
         (
-            "oneshot: every layer holds its budget at most, its tensors shrunk",
+            "oneshot: every layer holds its budget at most (or the prompt, where a policy keeps it whole), its tensors "
+            "shrunk",
             None if not over and max(held) < PROMPT else f"layers over their budgets: {over}, held {held}",
         )
     )
     kept = kept_masks(cache, PROMPT)
     step = runner.step(cache, [token], PROMPT, evict=False)[0, -1]
-    expected = masked_forward(model, prompt + [token], kept, PROMPT)[-1]  # the model attends its own way from here
+    channels = pruned_channels(cache)
+    expected = masked_forward(model, prompt + [token], kept, PROMPT, channels)[-1]  # attends its own way from here
     error = float((step - expected).abs().max())
     attends = any(modifier.attends for modifier in runner.policy.modifiers)
     if attends:  # CaliDrop, SLAKE: decode attention recovers the evicted on purpose

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvbench.check import pruned_channels
 from kvbench.engine import Engine
 from kvbench.policies import build_policy
 from kvbench.policies.methods.full import Full
@@ -54,12 +55,6 @@ def whole_chunks(policy) -> int:
     """How far a layer may keep from its budget: a policy that keeps whole chunks (``keeps_ranked_only``: ChunkKV)
     keeps fewer, or up to a chunk more; 0 for every other (it keeps exactly its budget)."""
     return max((getattr(m, "chunk_length", 0) for m in policy.modifiers if m.keeps_ranked_only), default=0)
-
-
-def prunes_channels(policy) -> bool:
-    """Whether a modifier prunes the prompt's key channels (ThinK): its decode reads them as zero, which the masked
-    forward does not (tests/test_think.py compares it with the keys zeroed)."""
-    return any(modifier.channel_queries() for modifier in policy.modifiers)
 
 
 def runner(model, spec: str, budget: int, regime: str = "oneshot") -> Engine:
@@ -123,9 +118,10 @@ def test_one_token_short_of_the_prompt_every_layer_evicts_and_decodes_from_what_
     if not whole_chunks(engine.policy):  # (whole chunks keep what they keep, checked against kvpress elsewhere)
         assert sum(cache.tokens_per_layer()) == 59 * LAYERS
         assert sum(int((~mask).sum()) for mask in kept) == LAYERS * cache.cache_heads  # one entry a head and layer
-    if not any(modifier.attends for modifier in engine.policy.modifiers) and not prunes_channels(engine.policy):
+    if not any(modifier.attends for modifier in engine.policy.modifiers):
         step = engine.step(cache, [token], len(prompt), evict=False)[0, -1]
-        expected = masked_forward(tiny_model("llama", layers=LAYERS), prompt + [token], kept, len(prompt))[-1]
+        model = tiny_model("llama", layers=LAYERS)
+        expected = masked_forward(model, prompt + [token], kept, len(prompt), pruned_channels(cache))[-1]
         torch.testing.assert_close(step, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -173,12 +169,11 @@ def test_decode_after_eviction_sees_exactly_the_kept_entries(spec, architecture)
     if (refusal := engine.model_refusal(engine.policy)) is not None:
         pytest.skip(refusal)  # a budget shared across the layers, beside Gemma 3's sliding ones
     cache = engine.new_cache(len(prompt), query_agnostic(engine.policy))
-    if prunes_channels(engine.policy):
-        pytest.skip("its decode reads the pruned key channels as zero: tests/test_think.py checks it so")
     token = int(engine.prefill(cache, prompt)[0, -1].argmax())
     kept = kept_masks(cache, len(prompt))
     step = engine.step(cache, [token], len(prompt), evict=False)[0, -1]
-    expected = masked_forward(tiny_model(architecture, layers=LAYERS), prompt + [token], kept, len(prompt))[-1]
+    model = tiny_model(architecture, layers=LAYERS)
+    expected = masked_forward(model, prompt + [token], kept, len(prompt), pruned_channels(cache))[-1]
     if any(modifier.attends for modifier in engine.policy.modifiers):
         assert not torch.allclose(step, expected, rtol=1e-4, atol=1e-4)  # it recovers evicted information
     else:
