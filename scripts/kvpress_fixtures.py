@@ -48,7 +48,7 @@ from kvbench.bench.kvpress import native_attention, press_prefill, recorded_scor
 from kvbench.bench.sections import prompt_tokens
 from kvbench.config import compose
 from kvbench.models import load_model, weights_digest
-from kvbench.tasks.resources import paul_graham_essays
+from kvbench.resources import paul_graham_essays
 
 LENGTH, KEPT = 512, 128
 KVZIP_CHUNK = 200

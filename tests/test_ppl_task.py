@@ -5,10 +5,9 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench import PROJECT_ROOT
+from kvbench import PROJECT_ROOT, resources
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
-from kvbench.tasks import resources
 from kvbench.tasks.base import ModelInfo
 from kvbench.tasks.ppl import PerplexityTask, strip_gutenberg
 

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench import PROJECT_ROOT, hub
+from kvbench import PROJECT_ROOT, hub, resources
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
 from kvbench.metrics.ruler import string_match_all, string_match_part
 from kvbench.run.lifecycle import samples_within_window
-from kvbench.tasks import resources
 from kvbench.tasks.base import ModelInfo
 from kvbench.tasks.ruler import RulerTask
 from kvbench.tasks.ruler_generators import NOISE

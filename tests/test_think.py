@@ -118,6 +118,7 @@ def test_byte_budget_buys_more_tokens():
         ("snapkv+think", "oneshot", True, "engine.decode_evict=true"),
         ("snapkv+adakv+think", "oneshot", False, "adakv does not"),
         ("snapkv+calidrop+think", "oneshot", False, "calidrop does not"),
+        ("duo_attention+think", "oneshot", False, "use it alone"),
         ("kvzip+think", "oneshot", False, "not a reconstruction's"),
     ],
 )

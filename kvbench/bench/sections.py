@@ -76,7 +76,7 @@ def bench_text(source: str) -> tuple[str, str]:
     """``(text, source used)``: the Paul Graham essays (RULER/NIAH haystack) or the fixed paragraph."""
     choose("bench.prompt_source", source, PROMPT_SOURCES)
     if source == "essays":
-        from kvbench.tasks.resources import paul_graham_essays
+        from kvbench.resources import paul_graham_essays
 
         try:
             return paul_graham_essays(), "essays"

@@ -8,7 +8,7 @@ from typing import Any
 from kvbench.errors import KVBenchError
 from kvbench.policies.base import Policy
 from kvbench.policies.context import Calibrated
-from kvbench.tasks.resources import paul_graham_essays
+from kvbench.resources import paul_graham_essays
 
 
 def calibrate(policy: Policy, model: Any, tokenizer: Any) -> None:

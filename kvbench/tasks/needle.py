@@ -50,9 +50,9 @@ from kvbench import cache_dir
 from kvbench.domains import PATH, PERCENT, SEED, TEXT, TOKENS, choice, integer, list_of, mapping, one_of, optional
 from kvbench.errors import KVBenchError
 from kvbench.metrics.needle import ROUGE_STATS, rouge1, substring_match
+from kvbench.resources import paul_graham_essays
 from kvbench.tasks import prompts
 from kvbench.tasks.base import ModelInfo, Sample, Task
-from kvbench.tasks.resources import paul_graham_essays
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 QUESTION = "What is the best thing to do in San Francisco?"

@@ -20,8 +20,8 @@ from omegaconf import DictConfig
 from kvbench import resolve_path
 from kvbench.domains import PATH, SAMPLES, SEED, TEXT, TOKENS, integer, optional
 from kvbench.errors import KVBenchError
+from kvbench.resources import paul_graham_essays
 from kvbench.tasks.base import ModelInfo, Sample, Task
-from kvbench.tasks.resources import paul_graham_essays
 
 GUTENBERG_START = re.compile(r"^\*\*\* ?START OF.*$", re.MULTILINE)
 GUTENBERG_END = re.compile(r"^\*\*\* ?END OF", re.MULTILINE)

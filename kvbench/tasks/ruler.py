@@ -43,9 +43,9 @@ from kvbench import resolve_path
 from kvbench.domains import PATH, SAMPLES, SEED, TOKENS, choice, integer, mapping, name_list, one_of, optional
 from kvbench.errors import KVBenchError
 from kvbench.hub import hub_online
+from kvbench.resources import paul_graham_essays
 from kvbench.tasks import prompts
 from kvbench.tasks.base import ModelInfo, Sample, TableLayout, Task
-from kvbench.tasks.resources import paul_graham_essays
 from kvbench.tasks.ruler_generators import CommonWords, Example, FreqWords, Generator, Niah, VariableTracking
 from kvbench.tasks.ruler_qa import QA, QA_FILES
 

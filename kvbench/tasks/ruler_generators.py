@@ -33,8 +33,8 @@ from typing import Any, ClassVar, Protocol
 from omegaconf import DictConfig
 
 from kvbench.metrics.ruler import string_match_all
+from kvbench.resources import wonderwords_list
 from kvbench.tasks.prompts import after_context
-from kvbench.tasks.resources import wonderwords_list
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."

@@ -43,8 +43,9 @@ class ThinK(Modifier):
         if policy.statistic == "reconstruction":
             return f"policy {policy.spec}: think scores channels by the prompt's last queries, not a reconstruction's"
         others = [modifier.name for modifier in policy.modifiers if modifier.attends or modifier.shares_heads]
-        if others:
-            return f"policy {policy.spec}: think prunes equal-length heads of kept keys; {', '.join(others)} does not"
+        if others or policy.shares_heads:
+            holder = ", ".join(others) or policy.name
+            return f"policy {policy.spec}: think prunes equal-length heads of kept keys; {holder} does not keep them"
         return None
 
     def channel_queries(self) -> int:

