@@ -161,3 +161,12 @@ class Calibrated(Protocol):
     :meth:`calibrate` with the model, its tokenizer and the offline calibration text (the Paul Graham essays)."""
 
     def calibrate(self, model: Any, tokenizer: Any, text: str) -> None: ...
+
+
+def evicting_again(regime: str, decode_evict: bool) -> str | None:
+    """The setting that evicts again after the prompt's eviction (``engine.regime=chunked|streaming``, or
+    ``engine.decode_evict=true``), for a method that evicts once, after the prompt, to say why it refuses it; None
+    where nothing does."""
+    if regime != "oneshot":
+        return f"engine.regime={regime}"
+    return "engine.decode_evict=true" if decode_evict else None

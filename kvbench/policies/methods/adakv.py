@@ -7,6 +7,7 @@ import torch
 
 from kvbench.domains import number, setting
 from kvbench.policies.base import Modifier, Policy
+from kvbench.policies.context import evicting_again
 from kvbench.policies.registry import register
 
 
@@ -40,8 +41,7 @@ class AdaKV(Modifier):
         )
 
     def refusal(self, policy: Policy, regime: str, query_agnostic: bool, decode_evict: bool) -> str | None:
-        if regime != "oneshot" or decode_evict:
-            how = f"engine.regime={regime}" if regime != "oneshot" else "engine.decode_evict=true"
+        if (how := evicting_again(regime, decode_evict)) is not None:
             return f"policy {policy.spec} evicts once, after the prompt, to a length per head: {how} evicts again"
         attending = [modifier.name for modifier in policy.modifiers if modifier.attends]
         if attending:

@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from kvbench.domains import integer, number, setting
 from kvbench.errors import KVBenchError
 from kvbench.policies.base import Policy
-from kvbench.policies.context import ScoreContext, Statistic
+from kvbench.policies.context import ScoreContext, Statistic, evicting_again
 from kvbench.policies.registry import register
 
 #: each model's head scores ``[L,Hkv]`` by its calibration settings, while the model lives
@@ -71,8 +71,7 @@ class DuoAttention(Policy):
         return torch.isfinite(scores).sum(dim=-1)  # [B,Hc]: a retrieval head every middle slot, a streaming one none
 
     def refusal(self, regime: str, query_agnostic: bool, decode_evict: bool = False) -> str | None:
-        if regime != "oneshot" or decode_evict:
-            how = f"engine.regime={regime}" if regime != "oneshot" else "engine.decode_evict=true"
+        if (how := evicting_again(regime, decode_evict)) is not None:
             return f"policy {self.spec} evicts once, after the prompt, to a length per head: {how} evicts again"
         if self.modifiers:
             return (

@@ -7,7 +7,7 @@ import torch
 
 from kvbench.domains import choice, integer, number, setting
 from kvbench.policies.base import Policy
-from kvbench.policies.context import ScoreContext
+from kvbench.policies.context import ScoreContext, evicting_again
 from kvbench.policies.registry import register
 
 
@@ -62,8 +62,7 @@ class SimLayerKV(Policy):
         return None
 
     def refusal(self, regime: str, query_agnostic: bool, decode_evict: bool = False) -> str | None:
-        if regime != "oneshot" or decode_evict:
-            how = f"engine.regime={regime}" if regime != "oneshot" else "engine.decode_evict=true"
+        if (how := evicting_again(regime, decode_evict)) is not None:
             return f"policy {self.spec} tests each layer once, after the prompt: {how} evicts again"
         if others := [modifier.name for modifier in self.modifiers if not modifier.channel_queries()]:
             return (

@@ -7,6 +7,7 @@ import torch
 
 from kvbench.domains import integer, number, setting
 from kvbench.policies.base import Modifier, Policy
+from kvbench.policies.context import evicting_again
 from kvbench.policies.registry import register
 
 
@@ -37,8 +38,7 @@ class ThinK(Modifier):
         return None
 
     def refusal(self, policy: Policy, regime: str, query_agnostic: bool, decode_evict: bool) -> str | None:
-        if regime != "oneshot" or decode_evict:
-            how = f"engine.regime={regime}" if regime != "oneshot" else "engine.decode_evict=true"
+        if (how := evicting_again(regime, decode_evict)) is not None:
             return f"policy {policy.spec} prunes the prompt's key channels once, after the prompt: {how} evicts again"
         if policy.statistic == "reconstruction":
             return f"policy {policy.spec}: think scores channels by the prompt's last queries, not a reconstruction's"
