@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvbench.errors import KVBenchError
+from kvbench.policies import channel_pruner
 
 if TYPE_CHECKING:
     from kvbench.policies.base import Policy
@@ -207,6 +208,6 @@ def quant_refusal(quant: Kivi | None, policy: Policy, decode_evict: bool) -> str
         )
     if policy.shares_heads:
         return f"cache.quant=kivi{quant.bits} holds one length for every head; policy {policy.spec} keeps one per head"
-    if any(modifier.channel_queries() for modifier in policy.modifiers):
+    if channel_pruner(policy) is not None:
         return f"cache.quant=kivi{quant.bits} quantises every channel of the keys; policy {policy.spec} prunes some"
     return None

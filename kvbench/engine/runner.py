@@ -28,10 +28,10 @@ from kvbench.engine.calibration import calibrate
 from kvbench.engine.kivi import QUANT, Kivi, quant_model_refusal, quant_refusal
 from kvbench.engine.reconstruction import RepeatPrompt, reconstruct
 from kvbench.engine.sampling import Sampling
-from kvbench.engine.scoring import channel_pruner
 from kvbench.engine.sizes import CacheSizes
 from kvbench.engine.threads import THREADS
 from kvbench.errors import KVBenchError, choose
+from kvbench.policies import channel_pruner
 from kvbench.policies.base import Policy
 from kvbench.policies.budgets import Budget
 from kvbench.policies.context import LayerWeights

@@ -13,7 +13,8 @@ import torch
 
 from kvbench.engine import attention
 from kvbench.engine.layer import EvictionLayer
-from kvbench.policies.base import AttentionStats, Modifier, Policy
+from kvbench.policies import channel_pruner
+from kvbench.policies.base import AttentionStats, Policy
 from kvbench.policies.context import LayerWeights, ScoreContext
 from kvbench.policies.layer_budget import CascadingAllocation
 from kvbench.policies.stats import NormalisedStats
@@ -38,11 +39,6 @@ def uses_normaliser(policy: Policy) -> bool:
     float32 softmax), rather than from float32 attention weights: where the policy scores causally (every
     re-weighting modifier gives the same sums from such a pass, :meth:`Modifier.contribution_sums`)."""
     return policy.running and policy.scores_causally
-
-
-def channel_pruner(policy: Policy) -> Modifier | None:
-    """The modifier of ``policy`` that prunes the prompt's key channels once it is read (ThinK), or None."""
-    return next((modifier for modifier in policy.modifiers if modifier.channel_queries()), None)
 
 
 class Scorer:

@@ -62,6 +62,11 @@ def composable(base: str, modifier: str) -> bool:
     return MODIFIERS[modifier].inapplicable(BASES[base]) is None
 
 
+def channel_pruner(policy: Policy) -> Modifier | None:
+    """The modifier of ``policy`` that prunes the prompt's key channels once it is read (ThinK), or None."""
+    return next((modifier for modifier in policy.modifiers if modifier.channel_queries()), None)
+
+
 #: the sets of policies a sweep can ask the registry for (:func:`registered`)
 REGISTERED = ("bases", "variants", "headwise")
 
@@ -117,4 +122,14 @@ def _instantiate(cls: type, settings: Mapping[str, Any], **extra):
     return cls(**{key: value for key, value in settings.items() if key in names}, **extra)
 
 
-__all__ = ["BASES", "MODIFIERS", "Modifier", "Policy", "build_policy", "composable", "parse_spec", "policy_keys"]
+__all__ = [
+    "BASES",
+    "MODIFIERS",
+    "Modifier",
+    "Policy",
+    "build_policy",
+    "channel_pruner",
+    "composable",
+    "parse_spec",
+    "policy_keys",
+]
