@@ -129,3 +129,14 @@ def test_refusals(spec, regime, decode_evict, says):
 def test_refused_with_kivi():
     refusal = quant_refusal(Kivi(2), build_policy("snapkv+think"), decode_evict=False)
     assert refusal is not None and "prunes some" in refusal
+
+
+def test_only_the_queries_it_reads_are_held_until_the_prompt_is_read():
+    """Over Expected Attention (whose window is the whole prompt) a layer holds, once evicted, only ThinK's last
+    ``window_size`` queries until it prunes, then none."""
+    runner = engine(tiny_model(layers=3), "expected_attention+think", 24, window_size=8)
+    cache = runner.new_cache(90)
+    runner.prefill(cache, random_prompt(90))
+    assert all(layer.recent_queries.shape[2] == 8 for layer in cache.eviction_layers)
+    cache.end_prefill()
+    assert all(layer.recent_queries is None and layer.pruned is not None for layer in cache.eviction_layers)

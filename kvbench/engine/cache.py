@@ -340,9 +340,9 @@ class EvictionCache(Cache):
             else:
                 scores = self.shared_scores(layer_idx, budget, scaling, shared)
                 self._evict(layer_idx, budget, scores, scaling, shared=shared)
-        if window and forward.last_eviction and self.scorer.pruner is None:  # Expected Attention's: the prompt's
-            # queries, not held for 32 layers (a channel pruner's are let go once it has read them)
-            layer.recent_queries = layer.recent_query_positions = None
+        if window and forward.last_eviction:  # the prompt's queries let go (Expected Attention's: not held for 32
+            # layers), but for the last a channel pruner reads once the prompt is read (:meth:`held_as_read`)
+            layer.keep_last_queries(0 if self.scorer.pruner is None else self.scorer.pruner.channel_queries())
         if self.stages is not None and layer_idx == len(self.layers) - 1:  # the cascade's evictions, made once
             stages, self.stages = self.stages, None
             stages.finish(scaling)

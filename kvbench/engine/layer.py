@@ -314,6 +314,14 @@ class EvictionLayer(DynamicLayer):
         self.recent_queries = queries[:, :, -window:].clone()
         self.recent_query_positions = positions[-window:].clone()
 
+    def keep_last_queries(self, count: int) -> None:
+        """Hold only the last ``count`` of the recent queries (copies: the longer tensors are freed), or none."""
+        if count == 0 or self.recent_queries is None or self.recent_query_positions is None:
+            self.recent_queries = self.recent_query_positions = None
+            return
+        self.recent_queries = self.recent_queries[:, :, -count:].clone()
+        self.recent_query_positions = self.recent_query_positions[-count:].clone()
+
     def state_of(self, modifier: Modifier) -> Any:
         """The attending modifier's state in this layer, created on first use."""
         if modifier.name not in self.modifier_state:
