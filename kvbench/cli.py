@@ -346,6 +346,18 @@ def stopped(stop: BaseException) -> None:
     sys.exit(status)
 
 
+#: the commands that answer ``--help`` themselves (Hydra's for ``run``, argparse's for the readers of run directories)
+OWN_HELP = {"run", "table", "leaderboard", "compare-paper", "plot"}
+
+
+def command_help(command: str) -> str:
+    """``kvbench COMMAND --help`` of a command that takes Hydra overrides or plain words: its usage lines of the
+    module's docstring, then what its function says it does."""
+    usage = [line.strip() for line in (__doc__ or "").splitlines() if line.strip().startswith(f"kvbench {command} ")]
+    what = " ".join((COMMANDS[command].__doc__ or "").split())
+    return "\n".join([*usage, "", what] if what else usage)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-v", "--verbose"):
@@ -358,6 +370,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"kvbench {__version__}")
         return
     command, args = argv[0], argv[1:]
+    if command in COMMANDS and command not in OWN_HELP and ("-h" in args or "--help" in args):
+        print(command_help(command))
+        return
     previous = {number: signal.signal(number, on_stop_signal) for number in (signal.SIGINT, signal.SIGTERM)}
     try:
         if command not in COMMANDS:

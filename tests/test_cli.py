@@ -330,6 +330,21 @@ def test_help_lists_every_command_and_version_works(capsys):
     assert capsys.readouterr().out == f"kvbench {__version__}\n"
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_every_command_answers_help_with_its_usage(flag, capsys):
+    """``kvbench COMMAND --help`` prints how the command is typed and exits 0, for the commands that take Hydra
+    overrides (which read ``--help`` as an override) and plain words alike; nothing is run."""
+    from kvbench.cli import COMMANDS
+
+    for command in COMMANDS:
+        try:
+            kvbench(command, flag)
+        except SystemExit as exit:  # argparse's and Hydra's own help exit 0
+            assert exit.code in (0, None), command
+        out = capsys.readouterr().out
+        assert f"kvbench {command}" in out or "usage:" in out.lower() or "Powered by Hydra" in out, (command, out)
+
+
 def readme_commands() -> list[list[str]]:
     """Every ``kvbench ...`` command of the README and the pages of docs/: the command column of their tables and
     their code lines."""
