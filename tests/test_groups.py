@@ -65,12 +65,11 @@ def load_count(monkeypatch) -> list[int]:
     return loads
 
 
-@pytest.mark.parametrize("share_prefill", [False, True])
-def test_a_group_gives_what_separate_runs_give(tmp_path, load_count, share_prefill):
+def test_a_group_gives_what_separate_runs_give(tmp_path, load_count):
     """Every base × {none, each applicable modifier}, oneshot: grouped, one model load and the same predictions,
-    kept sets and errors (a variant that cannot run fails alone, the others run) as one run each; with
-    ``share_prefill``, a sample's variants prefilled by shared forwards of at most the batch's rows each (so a
-    group's rows held are the batch's, whatever the number of variants)."""
+    kept sets and errors (a variant that cannot run fails alone, the others run) as one run each, with and without
+    ``share_prefill`` (a sample's variants prefilled by shared forwards of at most the batch's rows each, so a group's
+    rows held are the batch's, whatever the number of variants); the separate runs made once for both."""
     batch = 16
     settings = [*TINY, "task.num_samples=1", "budget=64", f"engine.batch_size={batch}"]
     cfgs = [compose([*settings, f"policy={spec}"]) for spec in VARIANTS]
@@ -82,24 +81,26 @@ def test_a_group_gives_what_separate_runs_give(tmp_path, load_count, share_prefi
             separate.append(None)
         except Exception as error:
             separate.append(str(error))
-    loads = load_count[0]
-    grouped = run_group([(cfg, tmp_path / "grouped" / str(number)) for number, cfg in enumerate(cfgs)], share_prefill)
-    assert load_count[0] - loads == 1
-    assert [str(result) if isinstance(result, Exception) else None for result in grouped] == separate
     assert any(error is None for error in separate) and any(error is not None for error in separate)
-    shared_by = [
-        json.loads(line)["timing"].get("prefill_shared_by", 1)
-        for path in (tmp_path / "grouped").glob("*/predictions.jsonl")
-        for line in path.read_text().splitlines()
-    ]
-    assert (max(shared_by) > 1) == share_prefill and max(shared_by) <= batch  # prefills of at most the batch
     assert len(VARIANTS) > 4 * batch
-    timings = [json.loads(path.read_text())["timing"] for path in (tmp_path / "grouped").glob("*/metrics.json")]
-    assert timings and all(timing["load_shared_by"] == len(VARIANTS) for timing in timings)
-    assert len({timing["load_seconds"] for timing in timings}) == 1 and timings[0]["load_seconds"] > 0
-    assert (max(timing["prefill_shared_by"] for timing in timings) > 1) == share_prefill
-    for number, spec in enumerate(VARIANTS):
-        assert outcome(tmp_path / "grouped" / str(number)) == outcome(tmp_path / "separate" / str(number)), spec
+    for share_prefill in (False, True):
+        grouped_dir = tmp_path / f"grouped-{share_prefill}"
+        loads = load_count[0]
+        grouped = run_group([(cfg, grouped_dir / str(number)) for number, cfg in enumerate(cfgs)], share_prefill)
+        assert load_count[0] - loads == 1
+        assert [str(result) if isinstance(result, Exception) else None for result in grouped] == separate
+        shared_by = [
+            json.loads(line)["timing"].get("prefill_shared_by", 1)
+            for path in grouped_dir.glob("*/predictions.jsonl")
+            for line in path.read_text().splitlines()
+        ]
+        assert (max(shared_by) > 1) == share_prefill and max(shared_by) <= batch  # prefills of at most the batch
+        timings = [json.loads(path.read_text())["timing"] for path in grouped_dir.glob("*/metrics.json")]
+        assert timings and all(timing["load_shared_by"] == len(VARIANTS) for timing in timings)
+        assert len({timing["load_seconds"] for timing in timings}) == 1 and timings[0]["load_seconds"] > 0
+        assert (max(timing["prefill_shared_by"] for timing in timings) > 1) == share_prefill
+        for number, spec in enumerate(VARIANTS):
+            assert outcome(grouped_dir / str(number)) == outcome(tmp_path / "separate" / str(number)), spec
 
 
 def test_stored_rows_give_what_separate_runs_attended_each_alone_give(tmp_path, monkeypatch):
@@ -308,16 +309,16 @@ def test_a_shared_prefill_computes_what_depends_on_the_entries_once(monkeypatch)
 
 @pytest.mark.model
 def test_on_smollm2_one_shared_prefill_gives_what_each_variant_gives_alone():
-    """The same over the registry on the offline SmolLM2 (float32, a 384-token text prompt, budget 96), the variants
+    """The same over the registry on the offline SmolLM2 (float32, a 256-token text prompt, budget 64), the variants
     decoded 8 rows at a time after their shared prefill (:func:`~kvbench.engine.rows.decode_rows`): every
     variant's tokens, kept sets, cache sizes and policy statistics equal its own run's."""
     from kvbench.bench.sections import PARAGRAPH, prompt_tokens
     from kvbench.models import load_model, model_config
 
     loaded = load_model(model_config("smollm2_135m"))
-    prompt = prompt_tokens(loaded.tokenizer, PARAGRAPH, 384)
+    prompt = prompt_tokens(loaded.tokenizer, PARAGRAPH, 256)
     engines, _ = registry_engines(
-        loaded.model, [(96, "oneshot", {})], len(prompt), record_kept=True, tokenizer=loaded.tokenizer
+        loaded.model, [(64, "oneshot", {})], len(prompt), record_kept=True, tokenizer=loaded.tokenizer
     )
     assert len(engines) > len(VARIANTS) / 2
     assert_shared_gives_each_alone(engines, prompt, 4, batch_size=8)

@@ -356,11 +356,11 @@ def test_auto_batch_size_fits_the_free_memory(monkeypatch):
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_variants_streaming_a_text_as_rows_give_the_nlls_of_each_alone(architecture):
     """Every base × {none, each applicable modifier} in the oneshot, chunked and streaming regimes scoring one text
-    (a 40-token context, then evicting as they decode), 16 rows at a time in lockstep: each variant's NLLs equal its
-    own :meth:`Engine.perplexity`'s to 1e-5 (relative: a row's matrix products over a block of several rows round in
-    the last float32 bits), its cache sizes and policy statistics exactly."""
+    (a 40-token context, then 40 tokens evicting as they decode), 16 rows at a time in lockstep: each variant's NLLs
+    equal its own :meth:`Engine.perplexity`'s to 1e-5 (relative: a row's matrix products over a block of several rows
+    round in the last float32 bits), its cache sizes and policy statistics exactly."""
     model = tiny_model(architecture)
-    text = random_prompt(120)
+    text = random_prompt(80)
     cases = [(32, regime, {}) for regime in ("oneshot", "chunked", "streaming")]
     engines, _ = registry_engines(model, cases, 40, (False,), decode_evict=True, block_size=16)
     assert len(engines) > 16 and {engine.regime for engine in engines} == {"oneshot", "chunked", "streaming"}
