@@ -12,10 +12,10 @@ from omegaconf import OmegaConf
 
 from kvbench import config_dict
 from kvbench.errors import KVBenchError
+from kvbench.identity import TABLE_IDENTITY
 from kvbench.rundir import RunDir, run_dirs_below
 from kvbench.tasks.registry import task_class
 
-IDENTITY = ["model", "policy", "budget", "regime"]
 NO_BUDGET = "–"
 #: what a sample cost (:meth:`Run.sample_costs`): the tokens it generated, the most its cache held (MiB)
 COST_NAMES = ("generated", "kv_peak_mib")
@@ -119,13 +119,13 @@ class Run:
     @property
     def label(self) -> str:
         """``policy@budget``; the full cache as ``full`` (it keeps every token whatever its budget)."""
-        policy = self.identity()["policy"]
+        policy = self.table_identity()["policy"]
         return policy if policy == "full" else f"{policy}@{self.metrics['budget']}"
 
-    def identity(self) -> dict[str, Any]:
+    def table_identity(self) -> dict[str, Any]:
         """Model, policy (its label: :attr:`~kvbench.policies.base.Policy.label`), budget (none for the full cache)
         and regime."""
-        identity = {key: self.metrics.get(key) for key in IDENTITY}
+        identity = {key: self.metrics.get(key) for key in TABLE_IDENTITY}
         identity["policy"] = self.metrics.get("label", identity["policy"])
         return {**identity, "budget": NO_BUDGET} if identity["policy"] == "full" else identity
 

@@ -11,9 +11,9 @@ line on stdout::
      "seconds": estimated wall time (with --time) | null, "group": n | null, "prefill_group": n | null}
 
 In a grouped sweep (``hydra.sweeper.group``, the default) ``group`` numbers the process the job runs in: the jobs
-that differ only in policy and budget share one (:func:`kvbench.run.group_key`), the model loaded once. Where the
-group also shares its prefills (``hydra.sweeper.share_prefill``), ``prefill_group`` numbers the oneshot jobs whose
-samples are prefilled together, by one forward each (:func:`kvbench.engine.shared.generate_shared`); the summary
+that differ only in policy and budget share one (:func:`kvbench.identity.load_group_key`), the model loaded once.
+Where the group also shares its prefills (``hydra.sweeper.share_prefill``), ``prefill_group`` numbers the oneshot jobs
+whose samples are prefilled together, by one forward each (:func:`kvbench.engine.shared.generate_shared`); the summary
 counts their prefill tokens once.
 
 A job is invalid for a bad value, a run directory holding other settings, or data that is neither here nor
@@ -36,11 +36,12 @@ from kvbench import config_dict, duration
 from kvbench.engine.shared import repeats_kv
 from kvbench.engine.threads import set_threads
 from kvbench.errors import KVBenchError
+from kvbench.identity import load_group_key, node_settings_key
 from kvbench.job import Job, resolve
 from kvbench.launch.launchers import typed
 from kvbench.launch.sweeps import MULTIRUN_FLAGS, compose_job, shared_config_files, sweep_loader, sweep_overrides
 from kvbench.packed import packed_run
-from kvbench.run import checked_task, group_key, local_tokenizer, node_key, tokenizer_or_stand_in
+from kvbench.run import checked_task, local_tokenizer, tokenizer_or_stand_in
 from kvbench.rundir import RunDir, finished_metrics
 from kvbench.tasks.ppl import PerplexityTask
 
@@ -65,7 +66,7 @@ class Estimator:
     def loaded(self, job: Job) -> tuple[Any, float]:
         from kvbench.models import load_model
 
-        model_key = node_key(job.cfg.model)
+        model_key = node_settings_key(job.cfg.model)
         if model_key not in self.models:
             set_threads(job.engine.threads)
             started = time.perf_counter()
@@ -78,7 +79,7 @@ class Estimator:
         from kvbench.run import build_engine, build_task, run_sample
 
         loaded, _ = self.loaded(job)
-        task_key = (node_key(job.cfg.model), node_key(job.cfg.task))
+        task_key = (node_settings_key(job.cfg.model), node_settings_key(job.cfg.task))
         if task_key not in self.samples:
             task = build_task(job.cfg, loaded.tokenizer)
             sample = next(iter(task.samples()))
@@ -212,7 +213,7 @@ def plan_lines(args: list[str], estimator: Estimator | None = None) -> Iterator[
             except KVBenchError as error:
                 yield empty_line(overrides, None, [str(error)])
                 continue
-            group = groups.setdefault(group_key(job.cfg), len(groups)) if sweeper.get("group") else None
+            group = groups.setdefault(load_group_key(job.cfg), len(groups)) if sweeper.get("group") else None
             yield plan_job(overrides, job.cfg, job.output_dir, tokenizers, estimator, group, prefill_groups)
 
 

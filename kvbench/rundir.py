@@ -2,15 +2,14 @@
 ``run.lock``, which the one process writing the directory holds.
 
 A run directory holds one configuration, its *identity*: every setting of the resolved config except those
-in :data:`NOT_IDENTITY`, which change no prediction. A run resumes a directory only when the saved identity
-equals its own (:meth:`RunDir.check_same_run`); the default directory names carry the identity's digest
+in :data:`~kvbench.identity.NOT_IDENTITY`, which change no prediction. A run resumes a directory only when the saved
+identity equals its own (:meth:`RunDir.check_same_run`); the default directory names carry the identity's digest
 (:func:`run_name`), so runs with different settings never meet in one directory.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -27,49 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench import config_dict, file_name
 from kvbench.errors import KVBenchError, system_error
+from kvbench.identity import identity_differences, run_digest
 from kvbench.packed import PACKED, unpacked
-
-#: settings that change no prediction, left out of a run's identity: where its files go, how it resumes and logs, an
-#: experiment's per-policy table (already applied to the ``policy`` node), how it runs (rows decoding together and how
-#: they are attended, CPU threads), and how many of the task's samples it asks for: they are prefix-stable, so a run
-#: grows in its directory and one asking for fewer reads the first ones (:func:`kvbench.run.lifecycle.first_samples`)
-NOT_IDENTITY = (
-    "hydra",
-    "logger",
-    "output_dir",
-    "policy_settings",
-    "resume",
-    "engine.batch_size",
-    "engine.threads",
-    "task.num_samples",
-)
-
-#: settings added after run directories were made, with the value every older run ran with: at that value a setting is
-#: left out of a run's identity, so that older runs keep their directory names and resume
-ADDED_SETTINGS = {
-    "task.query_mode": "aware",
-    "task.questions_per_context": 1,
-    "policy.compress_above": "budget",  # CAKE's, +compat=cakekv
-    "policy.layer_budget.rounding": "proportional",
-    "engine.rows_attention": "each",  # padded rounds otherwise than each (docs/running.md, Groups): another run
-    "policy.counting": "selectable",  # ChunkKV's and CriticalKV's, +compat=kvpress
-    "task.empty_answers": "wrong",  # LongBench-v2's
-    "engine.sums_kernel": "torch",  # triton's fused pass rounds otherwise
-    "engine.decode_interval": 1,  # evicting at every decoded token, as every run before the setting
-    "generation.do_sample": False,  # greedy, as every run before sampling
-    "generation.temperature": 1.0,
-    "generation.top_p": 1.0,
-    "generation.num_samples": 1,
-    "generation.seed": 0,
-    "cache.quant": "none",  # the cache as the model gives it, as every run before KIVI
-    "cache.group_size": 32,
-    "cache.residual": 128,
-}
-
-#: settings whose value names the same run as another's: ``engine.sums_kernel=auto`` (torch's blocks on a CPU, the
-#: fused pass on a GPU, as ``model.dtype=auto`` is float32 on the one and bfloat16 on the other) is a run of ``torch``,
-#: ``engine.rows_attention=auto`` (each row alone on a CPU, the rows stored on a GPU) one of ``each``
-SAME_RUN = {"engine.sums_kernel": {"auto": "torch"}, "engine.rows_attention": {"auto": "each"}}
 
 #: what every finished sample's line holds that a task's aggregate reads (:func:`kvbench.run.records.record_of`
 #: writes more), with the types it has; a task adds
@@ -92,66 +50,15 @@ def complete(record: Any, fields: tuple[str, ...] = ()) -> bool:
 RESUME_MODES = ("auto", "restart")
 
 
-def identity(settings: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """The settings that make a run what it is (a plain config dict without :data:`NOT_IDENTITY`, whose dotted
-    names are keys of nested groups, e.g. ``engine.batch_size``; nor :data:`ADDED_SETTINGS` at the value older runs
-    had)."""
-    kept = {}
-    for key, value in settings.items():
-        name = f"{prefix}{key}"
-        value = SAME_RUN.get(name, {}).get(value, value) if isinstance(value, str) else value
-        if name in NOT_IDENTITY or (name in ADDED_SETTINGS and value == ADDED_SETTINGS[name]):
-            continue
-        nested = (other for other in (*NOT_IDENTITY, *ADDED_SETTINGS, *SAME_RUN) if other.startswith(f"{name}."))
-        if isinstance(value, Mapping) and any(nested):
-            value = identity(value, f"{name}.")
-            if not value:  # a node all of whose settings are at the values older runs had (generation)
-                continue
-        kept[str(key)] = value
-    return kept
-
-
-def flatten(settings: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"task.context_length": 1024, ...}``: the leaves of nested dicts, by dotted key."""
-    if not isinstance(settings, Mapping) or not settings:
-        return {prefix.rstrip("."): settings}
-    return {key: value for name, node in settings.items() for key, value in flatten(node, f"{prefix}{name}.").items()}
-
-
-def differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """``key=saved there, current here`` for each identity setting that differs, sorted by key (a setting of
-    :data:`ADDED_SETTINGS` left out of one side at its value older runs had: that value)."""
-    before, after = flatten(identity(saved)), flatten(identity(current))
-    missing = "(unset)"
-
-    def shown(settings: Mapping[str, Any], key: str) -> Any:
-        return settings.get(key, ADDED_SETTINGS.get(key, missing))
-
-    return [
-        f"{key}={shown(before, key)} there, {shown(after, key)} here"
-        for key in sorted(set(before) | set(after))
-        if before.get(key, missing) != after.get(key, missing)
-    ]
-
-
 def run_name(*, _root_: DictConfig) -> str:
     """The default run directory below ``results/`` (the ``${run_name:}`` resolver of conf/config.yaml):
     ``<model>/<task>/<policy>-<budget>-<regime>-<digest>`` (a quantised cache's policy as ``<policy>+<quant>``),
-    the digest the first 8 hex digits of the SHA-256
-    of the composed config's identity, so runs whose settings differ land in different directories and a
-    rerun of the same settings (a single run or a job of a sweep) finds its own."""
-    nodes = {str(key): _root_[key] for key in _root_ if key not in NOT_IDENTITY}
-    settings = identity(
-        {
-            key: OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
-            for key, node in nodes.items()
-        }
-    )
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    the digest :func:`~kvbench.identity.run_digest`, so runs whose settings differ land in different directories and
+    a rerun of the same settings (a single run or a job of a sweep) finds its own."""
     model, task, policy, budget, engine = (_root_[key] for key in ("model", "task", "policy", "budget", "engine"))
     quant = _root_.get("cache", {}).get("quant", "none")
     method = policy.name if quant == "none" else f"{policy.name}+{quant}"
-    return f"{model.name}/{task.name}/{method}-{budget.spec}-{engine.regime}-{digest}"
+    return f"{model.name}/{task.name}/{method}-{budget.spec}-{engine.regime}-{run_digest(_root_)}"
 
 
 def register_run_name() -> None:
@@ -279,7 +186,7 @@ class RunDir:
             if not self.holds_results():
                 return None
             return f"run directory {self.path} holds results but no config.yaml"
-        changed = differences(saved, settings)
+        changed = identity_differences(saved, settings)
         if not changed:
             return None
         more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""

@@ -23,8 +23,9 @@ from kvbench.engine.scoring import Scorer
 from kvbench.engine.shared import generate_shared
 from kvbench.engine.shelf import Shelf
 from kvbench.errors import KVBenchError, SharedPassWarning
+from kvbench.identity import load_group_key
 from kvbench.policies import build_policy
-from kvbench.run import group_key, run, run_group
+from kvbench.run import run, run_group
 from kvbench.rundir import RunDir
 from tests.helpers import (
     ARCHITECTURES,
@@ -73,7 +74,7 @@ def test_a_group_gives_what_separate_runs_give(tmp_path, load_count):
     batch = 16
     settings = [*TINY, "task.num_samples=1", "budget=64", f"engine.batch_size={batch}"]
     cfgs = [compose([*settings, f"policy={spec}"]) for spec in VARIANTS]
-    assert len({group_key(cfg) for cfg in cfgs}) == 1
+    assert len({load_group_key(cfg) for cfg in cfgs}) == 1
     separate: list[object] = []
     for number, cfg in enumerate(cfgs):
         try:
@@ -398,7 +399,7 @@ def test_a_task_that_cannot_be_built_fails_every_job_of_its_group_with_its_error
 
 
 def test_a_group_computes_a_full_cache_once_whatever_its_budgets(tmp_path):
-    """``full`` at two budgets in a group sharing its prefills is one computation (``twin_key``): both runs write
+    """``full`` at two budgets in a group sharing its prefills is one computation (``computation_key``): both runs write
     what a run of their own writes, and the shared forward counts two variants (full, snapkv), not three."""
     from kvbench.run import run, run_group
 

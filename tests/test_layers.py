@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvbench.engine",),  # the eviction-aware engine (knows no policy by name, no task)
     ("kvbench.tasks", "kvbench.models"),  # benchmarks (know no policy, no engine); model provisioning
     # the run-directory store, its packed form and its read model; Hydra glue
-    ("kvbench.rundir", "kvbench.packed", "kvbench.finished", "kvbench.config", "kvbench.pipeline"),
+    ("kvbench.identity", "kvbench.rundir", "kvbench.packed", "kvbench.finished", "kvbench.config", "kvbench.pipeline"),
     ("kvbench.job",),  # one job resolved before anything runs
     ("kvbench.results",),  # reports: tables, paper comparisons, plots, W&B
     ("kvbench.run",),  # running a job into its run directory

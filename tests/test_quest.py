@@ -73,11 +73,12 @@ def test_rows_decoded_together_give_each_reading_row_alone():
 
 
 def test_quest_at_two_budgets_is_two_computations_in_a_group():
-    """A group computes once the runs that compute the same thing (``twin_key``): the full cache at any budget, not
-    Quest, which reads a budget's pages."""
-    from kvbench.run.group import twin_key
+    """A group computes once the runs that compute the same thing (``computation_key``): the full cache at any budget,
+    not Quest, which reads a budget's pages."""
+    from kvbench.identity import computation_key
 
     model = tiny_model()
-    keys = {(spec, budget): twin_key(Engine(model, build_policy(spec, {}), budget)) for spec in ("full", "quest")
-            for budget in (64, 128)}  # fmt: skip
+    engines = {(spec, budget): Engine(model, build_policy(spec, {}), budget) for spec in ("full", "quest")
+               for budget in (64, 128)}  # fmt: skip
+    keys = {case: computation_key(engine.policy, engine.budget.spec) for case, engine in engines.items()}
     assert keys["full", 64] == keys["full", 128] and keys["quest", 64] != keys["quest", 128]

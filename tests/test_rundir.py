@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from kvbench.cli import main
-from kvbench.rundir import RunDir, differences, run_dirs_below
+from kvbench.identity import identity_differences
+from kvbench.rundir import RunDir, run_dirs_below
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RULER = ["task=ruler", "task.subtasks=[niah_single_1]", "task.num_samples=2"]
@@ -156,7 +157,7 @@ def test_a_killed_run_resumes_without_losing_or_repeating_a_sample(tmp_path):
 def test_differences_name_every_changed_leaf():
     saved = {"task": {"n": 1, "sub": ["a"]}, "logger": {"name": "none"}, "output_dir": "x", "seed": 0}
     current = {"task": {"n": 2, "sub": ["a"]}, "logger": {"name": "wandb"}, "output_dir": "y", "extra": {"k": 1}}
-    assert differences(saved, current) == [
+    assert identity_differences(saved, current) == [
         "extra.k=(unset) there, 1 here",
         "seed=0 there, (unset) here",
         "task.n=1 there, 2 here",
@@ -191,12 +192,12 @@ def test_plan_reports_a_directory_of_other_settings_as_invalid(tmp_path, capsys)
 def test_a_setting_added_later_leaves_older_runs_their_identity():
     """``task.query_mode`` came after run directories were made: at ``aware`` (what they ran) it is no part of a run's
     identity, so they keep their names and resume; ``agnostic`` makes another run."""
-    from kvbench.rundir import identity
+    from kvbench.identity import run_identity
 
     before = {"task": {"name": "ruler", "context_length": 1024}, "policy": {"name": "snapkv"}}
     aware = {"task": {"name": "ruler", "context_length": 1024, "query_mode": "aware"}, "policy": {"name": "snapkv"}}
     agnostic = {**aware, "task": {**aware["task"], "query_mode": "agnostic"}}
-    assert identity(aware) == identity(before) != identity(agnostic)
+    assert run_identity(aware) == run_identity(before) != run_identity(agnostic)
 
 
 def test_a_run_grows_in_its_directory_and_a_smaller_one_reads_its_first_samples(tmp_path, monkeypatch, capsys):
@@ -321,7 +322,7 @@ def test_a_task_adds_the_fields_its_aggregate_reads():
 def test_rows_attention_is_part_of_a_run_and_each_keeps_older_runs_their_directory(tmp_path, capsys):
     """``engine.rows_attention=padded`` rounds otherwise than ``each``: a run of one into the directory of the other is
     refused in one line, nothing appended; ``each`` (what every older run ran with) leaves the identity as it was."""
-    from kvbench.rundir import identity
+    from kvbench.identity import run_identity
 
     out = tmp_path / "run"
     main(["run", *BASE, "task.num_samples=1", "engine.rows_attention=padded", f"output_dir={out}"])
@@ -330,8 +331,8 @@ def test_rows_attention_is_part_of_a_run_and_each_keeps_older_runs_their_directo
     assert "engine.rows_attention=padded there, each here" in error
     assert snapshot(out) == before
     settings = {"engine": {"rows_attention": "each", "regime": "oneshot"}}
-    assert identity(settings) == {"engine": {"regime": "oneshot"}}
-    assert identity({"engine": {"rows_attention": "padded"}}) == {"engine": {"rows_attention": "padded"}}
+    assert run_identity(settings) == {"engine": {"regime": "oneshot"}}
+    assert run_identity({"engine": {"rows_attention": "padded"}}) == {"engine": {"rows_attention": "padded"}}
 
 
 @pytest.mark.parametrize("value", ["../escaped", "/tmp/absolute", "..", "a/../../b", "", "x\x00y"])
@@ -423,7 +424,7 @@ NOT_IDENTITY_EVIDENCE = {
 def test_every_setting_outside_the_identity_says_why_it_changes_no_prediction():
     """A setting joins :data:`kvbench.rundir.NOT_IDENTITY` only with its reason here (engine.rows_attention, which
     rounds otherwise, left it for the identity)."""
-    from kvbench.rundir import NOT_IDENTITY
+    from kvbench.identity import NOT_IDENTITY
 
     assert set(NOT_IDENTITY) == set(NOT_IDENTITY_EVIDENCE)
 
@@ -451,9 +452,9 @@ def test_an_experiments_policy_settings_reach_the_identity_through_the_policy():
     from omegaconf import OmegaConf
 
     from kvbench.config import compose
-    from kvbench.rundir import identity
+    from kvbench.identity import run_identity
 
     board = compose(["+experiment=leaderboard", "policy=snapkv+slake", "budget=10pct"])
     assert board.policy.layer_budget.alpha == 0.5 and board.policy.layer_budget.beta == 0.4  # its policy_settings
-    settings = identity(OmegaConf.to_container(board, resolve=True))
+    settings = run_identity(OmegaConf.to_container(board, resolve=True))
     assert "policy_settings" not in settings and settings["policy"]["layer_budget"]["alpha"] == 0.5

@@ -14,9 +14,9 @@ import torch
 from kvbench.engine import Engine
 from kvbench.engine.rows import decode_rows
 from kvbench.engine.sampling import Sampling, draw_seed, seeded
+from kvbench.identity import run_identity
 from kvbench.policies import build_policy
 from kvbench.run.records import pass_at_k, sampled_scores
-from kvbench.rundir import identity
 from tests.helpers import TOKENIZER, random_prompt, tiny_model
 from tests.test_math_tasks import ROWS
 from tests.test_qa_task import write_rows
@@ -94,8 +94,10 @@ def test_generation_at_its_defaults_names_the_runs_it_always_named():
     their directories); a sampling setting changes it."""
     settings = {"model": {"name": "m"}, "engine": {"regime": "oneshot"}, "seed": 0}
     defaults = {"do_sample": False, "temperature": 1.0, "top_p": 1.0, "num_samples": 1, "seed": 0}
-    assert identity({**settings, "generation": defaults}) == identity(settings)
-    assert identity({**settings, "generation": {**defaults, "do_sample": True}})["generation"] == {"do_sample": True}
+    assert run_identity({**settings, "generation": defaults}) == run_identity(settings)
+    assert run_identity({**settings, "generation": {**defaults, "do_sample": True}})["generation"] == {
+        "do_sample": True
+    }
 
 
 @pytest.mark.parametrize(

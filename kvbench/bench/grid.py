@@ -36,11 +36,12 @@ from kvbench.engine.rows import decode_rows
 from kvbench.engine.shared import Prompt, generate_shared, prefill_shared
 from kvbench.engine.store import RowStore
 from kvbench.errors import KVBenchError
+from kvbench.identity import ADDED_SETTINGS, flatten, run_identity
 from kvbench.launch.sweeps import sweep_loader, sweep_overrides
 from kvbench.models import load_model, resolve_device
 from kvbench.policies import build_policy
 from kvbench.policies.budgets import Budget
-from kvbench.rundir import ADDED_SETTINGS, RunDir, flatten, identity, runs_below
+from kvbench.rundir import RunDir, runs_below
 
 if TYPE_CHECKING:
     from kvbench.bench.sections import Bench
@@ -111,7 +112,7 @@ def engine_free(run: Path) -> str | None:
         return None
     engine = settings.setdefault("engine", {})
     engine.update({key.split(".", 1)[1]: ADDED_SETTINGS[key] for key in ENGINE_ADDED})
-    return json.dumps(identity(settings), sort_keys=True, default=str)
+    return json.dumps(run_identity(settings), sort_keys=True, default=str)
 
 
 #: the engine settings added since the first runs: a run of another value than their first is the same run but for

@@ -39,10 +39,11 @@ from kvbench import CONF_DIR, config_dict
 from kvbench.config import experiment_config, prepare_overrides
 from kvbench.engine.threads import usable_cpus
 from kvbench.errors import KVBenchError, fail
+from kvbench.identity import load_group_key
 from kvbench.job import check_known_keys, resolve
 from kvbench.launch.launchers import JobFailure, array_name, last_line, launch_groups, typed
 from kvbench.packed import PACKED, unpack
-from kvbench.run import SweepProgress, group_key
+from kvbench.run import SweepProgress
 from kvbench.rundir import RunDir, finished_metrics
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
@@ -249,11 +250,11 @@ def split_pending(jobs: list[SweepJob]) -> tuple[list[SweepJob], list[SweepJob],
 
 
 def group_jobs(jobs: list[SweepJob]) -> list[list[SweepJob]]:
-    """The jobs by :func:`kvbench.run.group_key` (those differing only in policy and budget), in order of first
-    appearance."""
+    """The jobs by :func:`kvbench.identity.load_group_key` (those differing only in policy and budget), in order of
+    first appearance."""
     groups: dict[str, list[SweepJob]] = {}
     for job in jobs:
-        groups.setdefault(group_key(job.cfg), []).append(job)
+        groups.setdefault(load_group_key(job.cfg), []).append(job)
     return list(groups.values())
 
 

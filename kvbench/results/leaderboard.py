@@ -55,7 +55,7 @@ def cells(runs: list[Run]) -> tuple[pd.DataFrame, dict[tuple, dict[str, float]],
     (:meth:`~kvbench.finished.Run.sample_contexts`)."""
     rows, scores, clusters = [], {}, {}
     for run in runs:
-        identity, kind, contexts, costs = run.identity(), run.metric, run.sample_contexts(), run.sample_costs()
+        identity, kind, contexts, costs = run.table_identity(), run.metric, run.sample_contexts(), run.sample_costs()
         for subtask, by_id in run.sample_scores().items():
             key = (identity["model"], task_label(run), subtask, kind, run.context, identity["regime"])
             policy, budget = identity["policy"], identity["budget"]

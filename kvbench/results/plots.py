@@ -143,7 +143,7 @@ def budget_frame(runs: list[Run], x: str = "budget") -> pd.DataFrame:
                     "task": run.task,
                     "score": name,
                     "context": run.context,
-                    "policy": run.identity()["policy"],
+                    "policy": run.table_identity()["policy"],
                     "budget": run.metrics["budget"],
                     "value": value,
                     "ratio": ratio,

@@ -34,7 +34,8 @@ from typing import Any
 import pandas as pd
 
 from kvbench.errors import KVBenchError, choose
-from kvbench.finished import COST_NAMES, IDENTITY, Run, scan_run_dirs
+from kvbench.finished import COST_NAMES, Run, scan_run_dirs
+from kvbench.identity import TABLE_IDENTITY
 from kvbench.policies.budgets import Budget
 from kvbench.results.intervals import paired_difference
 from kvbench.results.render import FORMATS, print_tables
@@ -101,8 +102,8 @@ def scores_frame(runs: list[Run]) -> pd.DataFrame:
             "query_mode": run.query_mode,
         }
         for name, value in run.metrics["scores"].items():
-            rows.append({**run.identity(), **extra, "score": name, "value": value})
-    columns = [*IDENTITY, "task", "context", "kv_tokens", "seconds", "run_dir", "query_mode", "score", "value"]
+            rows.append({**run.table_identity(), **extra, "score": name, "value": value})
+    columns = [*TABLE_IDENTITY, "task", "context", "kv_tokens", "seconds", "run_dir", "query_mode", "score", "value"]
     return pd.DataFrame(rows, columns=columns)
 
 
@@ -136,7 +137,7 @@ def runs_table(runs: list[Run]) -> pd.DataFrame:
         after = kv.get("after_prefill_tokens_per_layer") or [0]
         rows.append(
             {
-                **run.identity(),
+                **run.table_identity(),
                 "task": run.task,
                 "context": run.context,
                 "query_mode": run.query_mode,
@@ -163,7 +164,7 @@ def task_tables(runs: list[Run], task: str) -> dict[str, pd.DataFrame]:
     frame = scores_frame([run for run in runs if run.task == task])
     if layout is None or frame.empty:
         return {}
-    index = list(IDENTITY)
+    index = list(TABLE_IDENTITY)
     if layout.buckets:
         frame[["score", "bucket"]] = frame["score"].str.split("@", n=1, expand=True)
         index.append("bucket")
@@ -209,7 +210,7 @@ def niah_frame(runs: list[Run]) -> pd.DataFrame:
     budget (RULER's NIAH subtasks are in the RULER table, one row per context)."""
     rows = []
     for run in runs:
-        identity = run.identity()
+        identity = run.table_identity()
         base = {key: identity[key] for key in ("model", "policy", "regime", "budget")}
         by_context: dict[int, list[float]] = {}
         for record in needle_records(run):
@@ -250,7 +251,7 @@ def ppl_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
     for run in runs:
         if "ppl" in run.metrics["scores"]:
             ppl = run.metrics["scores"]["ppl"]
-            rows.append({**run.identity(), "data": run.data, "context": run.context, "ppl": ppl})
+            rows.append({**run.table_identity(), "data": run.data, "context": run.context, "ppl": ppl})
     if not rows:
         return {}
     frame = pd.DataFrame(rows)
@@ -258,7 +259,7 @@ def ppl_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
     full = full[["model", "data", "context", "ppl"]].rename(columns={"ppl": "full_ppl"})
     table = frame.merge(full, on=["model", "data", "context"], how="left")
     table["ppl_gap"] = table["ppl"] - table["full_ppl"]
-    return {"ppl": sort_rows(table[["model", "data", "context", *IDENTITY[1:], "ppl", "full_ppl", "ppl_gap"]])}
+    return {"ppl": sort_rows(table[["model", "data", "context", *TABLE_IDENTITY[1:], "ppl", "full_ppl", "ppl_gap"]])}
 
 
 def compressions(run: Run) -> float:
@@ -275,7 +276,7 @@ def query_mode_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
     task and context are left out where every row has the same."""
     by_mode: dict[str, dict[tuple, Run]] = {"aware": {}, "agnostic": {}}
     for run in runs:
-        key = (*run.identity().values(), run.task, run.context)
+        key = (*run.table_identity().values(), run.task, run.context)
         by_mode.setdefault(run.query_mode, {}).setdefault(key, run)
     rows = []
     for key, agnostic in by_mode["agnostic"].items():
@@ -287,7 +288,7 @@ def query_mode_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
         averages = aware.metrics["average"], agnostic.metrics["average"]
         rows.append(
             {
-                **agnostic.identity(),
+                **agnostic.table_identity(),
                 "task": agnostic.task,
                 "context": agnostic.context,
                 "aware": averages[0],

@@ -9,11 +9,10 @@ from kvbench.run.factories import (
     build_task,
     checked_task,
     local_tokenizer,
-    node_key,
     stop_ids,
     tokenizer_or_stand_in,
 )
-from kvbench.run.group import group_key, run, run_group
+from kvbench.run.group import run, run_group
 from kvbench.run.progress import LOG_FORMAT, SweepProgress
 from kvbench.run.records import result_line, summarize
 from kvbench.run.schedule import context_groups, context_rows, in_sample_order, run_sample, samples_batch
@@ -26,10 +25,8 @@ __all__ = [
     "checked_task",
     "context_groups",
     "context_rows",
-    "group_key",
     "in_sample_order",
     "local_tokenizer",
-    "node_key",
     "result_line",
     "run",
     "run_group",

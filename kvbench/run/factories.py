@@ -4,7 +4,6 @@ tokens."""
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from collections.abc import Iterator
@@ -13,11 +12,11 @@ from typing import Any
 from hydra.utils import get_class
 from omegaconf import DictConfig
 
-from kvbench import config_dict
 from kvbench.engine import Engine
 from kvbench.engine.kivi import kivi_of, quant_model_refusal
 from kvbench.engine.runner import has_learned_sinks, head_dim_of, held_windows, model_refusal
 from kvbench.errors import KVBenchError
+from kvbench.identity import node_settings_key
 from kvbench.job import Job
 from kvbench.models import LoadedModel, check_weights, load_tokenizer, model_skeleton
 from kvbench.policies import build_policy
@@ -73,16 +72,11 @@ def model_refusal_of(cfg: DictConfig) -> str | None:
     return refusal or quant_model_refusal(kivi_of(cfg.cache), head_dim_of(config))
 
 
-def node_key(node: DictConfig) -> str:
-    """A config node's settings as one string: a key for what was loaded or measured for them."""
-    return json.dumps(config_dict(node, resolve=True), sort_keys=True)
-
-
 def local_tokenizer(model: DictConfig, cache: dict[str, Any] | None = None) -> Any | None:
     """The model's own tokenizer where this machine has it (loaded once per model with ``cache``), else None;
     nothing is downloaded."""
     cache = {} if cache is None else cache
-    key = node_key(model)
+    key = node_settings_key(model)
     if key not in cache:
         try:
             with hub_offline():

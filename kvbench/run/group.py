@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -15,33 +14,18 @@ from typing import Any, cast
 
 from omegaconf import DictConfig
 
-from kvbench import config_dict
-from kvbench.engine import Engine
 from kvbench.engine.rows import Row, RowGroup, finished_rows, perplexity_rows
 from kvbench.engine.shared import repeats_kv
 from kvbench.errors import SharedPassWarning
+from kvbench.identity import computation_key
 from kvbench.models import LoadedModel
 from kvbench.run.lifecycle import OpenRun, Shared, failure, job_and_directory, job_log, open_run
 from kvbench.run.progress import SweepProgress
 from kvbench.run.records import record_of, result_line
 from kvbench.run.schedule import chunks, context_groups, context_rows, in_sample_order, run_sample, samples_batch
-from kvbench.rundir import identity
 from kvbench.tasks.base import Sample
 
 log = logging.getLogger("kvbench.run")  # one logger for the run layer (the jobs' log lines name it)
-
-
-#: the settings the jobs of one group may differ in (:func:`group_key`)
-GROUPED = ("policy", "budget")
-
-
-def group_key(cfg: DictConfig) -> str:
-    """What the jobs of one group share: every identity setting but the policy and the budget (same model,
-    task, data, regime and engine settings) and the samples asked for, so one model load and one task's samples
-    serve them all."""
-    settings = identity(config_dict(cfg, resolve=True))
-    shared = {key: value for key, value in settings.items() if key not in GROUPED}
-    return json.dumps({**shared, "num_samples": cfg.task.get("num_samples")}, sort_keys=True, default=str)
 
 
 #: what runs each of a group's steps for run ``index``: its failures caught (:func:`guarded`), or raised (one job)
@@ -76,9 +60,9 @@ def guarded(log_path: Path, outcomes: list[Any], index: int) -> Iterator[None]:
 def run_group(
     members: Sequence[tuple[DictConfig, str | Path]], share_prefill: bool = False, sweep: SweepProgress | None = None
 ) -> list[dict[str, Any] | Exception]:
-    """Jobs of one :func:`group_key` in this process, the model loaded and the task's samples built once
-    (:class:`Shared`): one after another, or with ``share_prefill`` sample by sample, every job that lacks the
-    sample generating it from one shared oneshot prefill (:func:`kvbench.engine.shared.generate_shared`). Each
+    """Jobs of one :func:`~kvbench.identity.load_group_key` in this process, the model loaded and the task's samples
+    built once (:class:`Shared`): one after another, or with ``share_prefill`` sample by sample, every job that lacks
+    the sample generating it from one shared oneshot prefill (:func:`kvbench.engine.shared.generate_shared`). Each
     job keeps all a single run has: its run directory, lock, resume, ``config.yaml``, records and its log
     (``kvbench.log`` in its directory). A job that fails is logged there and does not stop the others. Returns
     each job's metrics, or the error it failed with. ``sweep``: the progress of the sweep it is part of."""
@@ -197,7 +181,7 @@ def decode_shared(
             return [(0, lambda: streamed(samples, positions, runs))]
         twins: dict[tuple[str, str | None], list[tuple[int, OpenRun]]] = {}
         for index, run in runs.items():
-            twins.setdefault(twin_key(run.engine), []).append((index, run))
+            twins.setdefault(computation_key(run.engine.policy, run.engine.budget.spec), []).append((index, run))
         # one head layout a piece (one forward each); pieces as even as the batch allows
         ordered = sorted(twins.values(), key=lambda twin: repeats_kv(twin[0][1].engine.policy))
         spans = even_pieces(len(ordered), batch_size, len(samples))
@@ -243,15 +227,6 @@ def decode_shared(
             for index, run in owners[row]:
                 results.setdefault(position, {})[index] = (record_of(run.task, sample, output, run.loaded), output)
         yield sample, results.pop(position, {})
-
-
-def twin_key(engine: Engine) -> tuple[str, str | None]:
-    """The runs of a group (one :func:`group_key`: all settings alike but policy and budget) with the same key compute
-    the same thing, so :func:`decode_shared` computes it once for all of them: the policy's settings and modifiers, and
-    its budget unless it neither evicts nor reads by it (``full`` at any budget is one full-cache run; Quest reads a
-    budget's pages)."""
-    policy = engine.policy
-    return policy.key, engine.budget.spec if policy.evicts or policy.reads else None
 
 
 def even_pieces(count: int, batch_size: int, questions: int = 1) -> list[tuple[int, int]]:
