@@ -11,6 +11,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.layer import in_cache_heads
 from kvbench.engine.scoring import uses_normaliser
+from kvbench.engine.sharing import SharedForward
 from kvbench.engine.store import RowStore
 from kvbench.policies.base import Policy, settings_key
 
@@ -89,7 +90,7 @@ class SharedPrefill(Cache):
         key_states, value_states = (states.contiguous() for states in self.layer_states)  # one copy all variants hold
         attended, self.layer_states, self.attended = self.attended, None, None
         sums: dict[str, torch.Tensor] = {}
-        shared: dict[tuple, Any] = {}  # the window statistics and rankings the variants share
+        shared = SharedForward(layer_idx)  # the window statistics, rankings and selections the variants share
         for cache in self.caches:
             cache.update(key_states, value_states, layer_idx)
             key = sums_key(cache.policy)

@@ -24,6 +24,7 @@ from kvbench.engine.kivi import Kivi
 from kvbench.engine.layer import EvictionLayer, in_cache_heads
 from kvbench.engine.scoring import Forward, Scorer
 from kvbench.engine.selection import kept_per_head, reserved_slots, top_slots
+from kvbench.engine.sharing import SharedForward
 from kvbench.engine.sizes import CacheSizes
 from kvbench.policies.base import AttentionStats, Policy
 from kvbench.policies.context import LayerWeights
@@ -206,11 +207,11 @@ class EvictionCache(Cache):
             layer.received = None
 
     # -- called by a cascade's stages (kvbench.engine.cascade) -----------------------------------------
-    def shared_scores(self, layer_idx: int, budget: int, scaling: float, shared: dict | None) -> torch.Tensor:
+    def shared_scores(self, layer_idx: int, budget: int, scaling: float, shared: SharedForward | None) -> torch.Tensor:
         """The layer's ranking for ``budget`` in this forward (:meth:`Scorer.shared_scores`)."""
         return self.scorer.shared_scores(layer_idx, budget, scaling, shared, self._forward())
 
-    def preference_stats(self, layer_idx: int, scaling: float, shared: dict | None) -> AttentionStats:
+    def preference_stats(self, layer_idx: int, scaling: float, shared: SharedForward | None) -> AttentionStats:
         """The attention statistics of the layer's observation window for its preference (a shared prefill's)."""
         return self.scorer.window(layer_idx, self.scorer.preference_window(), scaling, shared)
 
@@ -301,7 +302,7 @@ class EvictionCache(Cache):
         scaling: float,
         lse: torch.Tensor | None = None,
         summed: torch.Tensor | None = None,
-        shared: dict[tuple, Any] | None = None,
+        shared: SharedForward | None = None,
     ) -> None:
         """Gather this forward's scoring statistics from ``queries [B,Hq,q,D]``, their attention ``outputs
         [B,q,Hq,D]`` and ``lse`` where the attention gave it (the normalised ``summed`` when already computed for a
@@ -330,7 +331,7 @@ class EvictionCache(Cache):
         if policy.running:
             self.scorer.add_running(layer, forward, queries, outputs, scaling, budget, lse, summed)
         if window := self.scorer.query_window(budget):
-            layer.remember_queries(queries, forward.positions.to(queries.device), window, shared, layer_idx)
+            layer.remember_queries(queries, forward.positions.to(queries.device), window, shared)
         deferred = policy.statistic == "reconstruction"  # every layer scored first (evict_reconstructed)
         if forward.evict and policy.evicts and not deferred and layer.get_seq_length() > budget:
             if self.allocation is not None and layer_idx == len(self.allocation.preferences):
@@ -369,7 +370,7 @@ class EvictionCache(Cache):
         per_head: torch.Tensor | None = None,
         held: torch.Tensor | None = None,
         defer: bool = False,
-        shared: dict[tuple, Any] | None = None,
+        shared: SharedForward | None = None,
     ) -> None:
         """Keep the top ``budget`` slots per cache head by ``scores [B,Hc,T]`` (or head-wise: :func:`kept_per_head`),
         reserved slots first; hand the evicted entries to the attending modifiers. ``shared``: a shared prefill's
@@ -387,18 +388,19 @@ class EvictionCache(Cache):
             ranked = torch.isfinite(scores[..., sinks : scores.shape[-1] - recent]).sum(dim=-1).min()
             budget = sinks + recent + int(ranked)
         key = self._selection_key(layer_idx, budget, recent, sinks, defer, shared)
-        kept, gathered = shared[key] if shared is not None and key in shared else (None, None)
+        kept, gathered = shared.selections[key] if shared is not None and key in shared.selections else (None, None)
         if kept is None:
             kept = top_slots(scores, budget, recent, sinks)
         evicted = None
         if self.attending:  # the entries the modifiers are handed, made once for the selection
-            evicted = shared.get((key, "evicted")) if shared is not None and key is not None else None
+            evicted = shared.evicted.get(key) if shared is not None and key is not None else None
             evicted = layer.dropped_by(kept) if evicted is None else evicted
             if shared is not None and key is not None:
-                shared[key, "evicted"] = evicted
+                shared.evicted[key] = evicted
         layer.keep(kept, defer=defer, gathered=gathered)
-        if shared is not None and key is not None and key not in shared:
-            shared[key] = kept, (layer.keys, layer.values, layer.positions)
+        if shared is not None and key is not None and key not in shared.selections:
+            assert layer.positions is not None  # a layer kept from holds its positions
+            shared.selections[key] = kept, (layer.keys, layer.values, layer.positions)
         if evicted is not None:  # i.e. there are attending modifiers
             assert layer.last_query is not None  # after_attention keeps it when modifiers attend
             for modifier in self.attending:
@@ -406,7 +408,7 @@ class EvictionCache(Cache):
         self.account(layer_idx)
 
     def _selection_key(
-        self, layer_idx: int, budget: int, recent: int, sinks: int, defer: bool, shared: dict[tuple, Any] | None
+        self, layer_idx: int, budget: int, recent: int, sinks: int, defer: bool, shared: SharedForward | None
     ) -> tuple | None:
         """What a shared prefill's variants keeping one selection of a layer share (:meth:`_evict`): its ranking
         (:meth:`Scorer.ranking_key`), the entries it ranks (one tensor: the shared forward's), the budget and the
@@ -416,7 +418,7 @@ class EvictionCache(Cache):
         ranking = None if shared is None else self.scorer.ranking_key(budget, self._forward())
         if ranking is None or defer or layer.deferred_slots is not None or self.policy.keeps_ranked_only:
             return None
-        return "kept", layer_idx, ranking, id(layer.keys), layer.get_seq_length(), budget, recent, sinks
+        return ranking, id(layer.keys), layer.get_seq_length(), budget, recent, sinks
 
     def account(self, layer_idx: int, tokens: int | None = None) -> None:
         """The layer's bytes held (``tokens`` per cache head where an eviction to them is yet to be made)."""

@@ -13,12 +13,13 @@ chunks, each stage evicts as it goes (its gathers of keys and values still made 
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from kvbench.engine.layer import EvictionLayer
 from kvbench.engine.selection import kept_per_head, reserved_slots, top_slots
+from kvbench.engine.sharing import SharedForward
 from kvbench.policies.base import Policy
 from kvbench.policies.stats import AttentionStats
 
@@ -34,9 +35,11 @@ class StagedCache(Protocol):
     @property
     def eviction_layers(self) -> list[EvictionLayer]: ...
 
-    def shared_scores(self, layer_idx: int, budget: int, scaling: float, shared: dict | None) -> torch.Tensor: ...
+    def shared_scores(
+        self, layer_idx: int, budget: int, scaling: float, shared: SharedForward | None
+    ) -> torch.Tensor: ...
 
-    def preference_stats(self, layer_idx: int, scaling: float, shared: dict | None) -> AttentionStats: ...
+    def preference_stats(self, layer_idx: int, scaling: float, shared: SharedForward | None) -> AttentionStats: ...
 
     def evict(self, layer_idx: int, budget: int, scaling: float, defer: bool = False) -> None: ...
 
@@ -49,7 +52,7 @@ class CascadeStages:
 
     def __init__(self, cache: StagedCache) -> None:
         self.cache = cache
-        self.shared: dict[tuple, Any] | None = None
+        self.shared: SharedForward | None = None
         policy = cache.policy
         #: whether an eviction only records the layer's budget (see the module's docstring)
         self.records = not (cache.attending or policy.shares_heads or policy.keeps_ranked_only)

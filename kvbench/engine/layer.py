@@ -11,6 +11,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvbench.engine.kivi import Kivi, KiviEntries
+from kvbench.engine.sharing import SharedForward
 from kvbench.errors import KVBenchError
 from kvbench.policies.base import AttentionStats, Modifier
 from kvbench.policies.context import Evicted, take_slots
@@ -295,17 +296,15 @@ class EvictionLayer(DynamicLayer):
         queries: torch.Tensor,
         positions: torch.Tensor,
         window: int,
-        shared: dict[tuple, Any] | None = None,
-        layer_idx: int = 0,
+        shared: SharedForward | None = None,
     ) -> None:
         """Keep the last ``window`` queries ``[B,Hq,W,D]`` (and their positions), copied so that the
         forward's full query tensor is not held; in a shared prefill (``shared``) the variants of one window hold one
         copy (Expected Attention's window is the whole prompt)."""
         if self.recent_queries is None and shared is not None:
-            key = ("recent_queries", layer_idx, window)
-            if key not in shared:
-                shared[key] = queries[:, :, -window:].clone(), positions[-window:].clone()
-            self.recent_queries, self.recent_query_positions = shared[key]
+            if window not in shared.queries:
+                shared.queries[window] = queries[:, :, -window:].clone(), positions[-window:].clone()
+            self.recent_queries, self.recent_query_positions = shared.queries[window]
             return
         if self.recent_queries is not None:
             assert self.recent_query_positions is not None  # set together with recent_queries

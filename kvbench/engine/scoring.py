@@ -7,12 +7,12 @@ selection :mod:`kvbench.engine.selection`, the cache that evicts by them :mod:`k
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from kvbench.engine import attention
 from kvbench.engine.layer import EvictionLayer
+from kvbench.engine.sharing import SharedForward
 from kvbench.policies import channel_pruner
 from kvbench.policies.base import AttentionStats, Policy
 from kvbench.policies.context import LayerWeights, ScoreContext
@@ -131,14 +131,15 @@ class Scorer:
         policy = self.policy
         return policy.layer_budget.observation_window(policy.scoring_window(self.allocation.budget, self.prompt_len))
 
-    def window(self, layer_idx: int, size: int, scaling: float, shared: dict | None) -> AttentionStats:
+    def window(self, layer_idx: int, size: int, scaling: float, shared: SharedForward | None) -> AttentionStats:
         """The layer's statistics of its last ``size`` queries: one per layer and size for a shared prefill's variants
         (``shared``; its tensors computed once, lazily)."""
         if shared is None:
             return self.layers[layer_idx].window_stats(size, scaling)
-        if ("window", layer_idx, size) not in shared:
-            shared["window", layer_idx, size] = self.layers[layer_idx].window_stats(size, scaling)
-        return shared["window", layer_idx, size]
+        assert shared.layer == layer_idx  # a layer's own statistics
+        if size not in shared.windows:
+            shared.windows[size] = self.layers[layer_idx].window_stats(size, scaling)
+        return shared.windows[size]
 
     # -- rankings ----------------------------------------------------------------------------------------
     def ranking_key(self, budget: int, forward: Forward) -> tuple | None:
@@ -155,26 +156,26 @@ class Scorer:
         return policy.ranking_key, recent, window, policy.reserved_sinks()
 
     def shared_scores(
-        self, layer_idx: int, budget: int, scaling: float, shared: dict | None, forward: Forward
+        self, layer_idx: int, budget: int, scaling: float, shared: SharedForward | None, forward: Forward
     ) -> torch.Tensor:
-        """:meth:`scores`, taken from (or put in) ``shared`` under :meth:`ranking_key` with the layer's index."""
+        """:meth:`scores`, taken from (or put in) ``shared`` under :meth:`ranking_key`."""
         key = None if shared is None else self.ranking_key(budget, forward)
         if shared is None or key is None:
             return self.scores(layer_idx, budget, scaling, shared, forward)
-        key = ("ranking", layer_idx, *key)
-        if key not in shared:
-            shared[key] = self.scores(layer_idx, budget, scaling, shared, forward)
-        return shared[key].clone()  # the cache keeps its ranking (EvictionLayer.ranking): its own copy
+        assert shared.layer == layer_idx  # a layer's own ranking
+        if key not in shared.rankings:
+            shared.rankings[key] = self.scores(layer_idx, budget, scaling, shared, forward)
+        return shared.rankings[key].clone()  # the cache keeps its ranking (EvictionLayer.ranking): its own copy
 
     def scores(
-        self, layer_idx: int, budget: int, scaling: float, shared: dict[tuple, Any] | None, forward: Forward
+        self, layer_idx: int, budget: int, scaling: float, shared: SharedForward | None, forward: Forward
     ) -> torch.Tensor:
         """The policy's ranking of every cached slot ``[B,Hc,T]`` (before reserving) for ``budget``, from the
         statistic it declares (:attr:`~kvbench.policies.base.Policy.statistic`)."""
         return self.policy.ranking(self.context(layer_idx, budget, forward, scaling, shared))
 
     def context(
-        self, layer_idx: int, budget: int, forward: Forward, scaling: float = 1.0, shared: dict | None = None
+        self, layer_idx: int, budget: int, forward: Forward, scaling: float = 1.0, shared: SharedForward | None = None
     ) -> ScoreContext:
         """What the policy ranks the layer's slots from for ``budget`` (its declared statistic gathered)."""
         policy, layer = self.policy, self.layers[layer_idx]
@@ -203,7 +204,7 @@ class Scorer:
             weights,
             sinks,
             budget,
-            shared,
+            None if shared is None else shared.entries,
             forward.seen,
             layer_idx,
         )

@@ -91,7 +91,7 @@ class ScoreContext:
     def once(self, name: Hashable, compute: Callable[[], T]) -> T:
         """``compute()``, a function of the entries and the layer's weights alone (not of the budget or the
         statistic): in a shared prefill computed by the first variant that asks for ``name``, then read by the rest."""
-        return compute() if self.shared is None else memoised(self.shared, ("entries", name), compute)
+        return compute() if self.shared is None else memoised(self.shared, name, compute)
 
 
 def take_slots(entries: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
