@@ -13,12 +13,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import config_dict
-from kvbench.policies.base import Policy
+
+if TYPE_CHECKING:  # importing kvbench.cli loads no torch before it sets OpenMP's wait (kvbench.process)
+    from kvbench.policies.base import Policy
 
 #: settings that change no prediction, left out of a run's identity: where its files go, how it resumes and logs, an
 #: experiment's per-policy table (already applied to the ``policy`` node), how it runs (rows decoding together and how

@@ -20,7 +20,8 @@ from kvbench import config_dict
 from kvbench.config import GROUPS, engine_keys, group_keys, group_options, root_keys
 from kvbench.domains import FLAG, Domain, check_table, choice, integer, number
 from kvbench.engine import CACHE_SETTINGS, ENGINE_SETTINGS
-from kvbench.engine.kivi import Kivi, kivi_of, quant_refusal
+from kvbench.engine.kivi import Kivi, kivi_of
+from kvbench.engine.refusals import settings_refusal
 from kvbench.engine.runner import evicts_decoding
 from kvbench.engine.sampling import Sampling
 from kvbench.errors import KVBenchError, check_keys, choose
@@ -142,9 +143,8 @@ def resolve(cfg: DictConfig) -> Job:
             f"does not evict while it decodes (engine.regime={engine.regime}); set engine.regime=streaming or "
             "engine.decode_evict=true"
         )
-    refusal = policy.refusal(engine.regime, settings["task"].get("query_mode") == "agnostic", engine.decode_evict)
-    refusal = refusal or quant_refusal(engine.quant, policy, engine.decode_evict)
-    if refusal is not None:
+    agnostic = settings["task"].get("query_mode") == "agnostic"
+    if (refusal := settings_refusal(policy, engine.regime, agnostic, engine.decode_evict, engine.quant)) is not None:
         raise KVBenchError(refusal)
     settings["policy"] = policy.settings()
     task_class = task_of(settings["task"]["_target_"])

@@ -25,8 +25,9 @@ from kvbench.engine import attention
 from kvbench.engine.batches import RowBatch, SharedPrefill
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.calibration import calibrate
-from kvbench.engine.kivi import QUANT, Kivi, quant_model_refusal, quant_refusal
+from kvbench.engine.kivi import QUANT, Kivi, quant_model_refusal
 from kvbench.engine.reconstruction import RepeatPrompt, reconstruct
+from kvbench.engine.refusals import has_learned_sinks, held_windows, model_refusal, settings_refusal
 from kvbench.engine.sampling import Sampling
 from kvbench.engine.sizes import CacheSizes
 from kvbench.engine.threads import THREADS
@@ -165,50 +166,6 @@ def layer_weights(model, query_heads: int, num_layers: int) -> list[LayerWeights
     ]
 
 
-def held_windows(config) -> list[int | None]:
-    """Each layer's sliding window where the cache holds it as the model does (:meth:`EvictionCache.slide`: the last
-    ``W - 1`` tokens, a band mask, never evicted by the policy, whose budgets are the global layers'): the layers
-    ``config.layer_types`` names ``sliding_attention`` beside global ones (Gemma 3). None for every other layer, and
-    for every layer of a model attending each through one window (Mistral v0.1, Phi-3-mini-4k: no global layer to
-    compress; a sequence beyond the window is refused, :func:`~kvbench.engine.attention.within_window`)."""
-    types = list(getattr(config, "layer_types", None) or [])
-    window = getattr(config, "sliding_window", None)
-    if window is None or "sliding_attention" not in types or all(kind == "sliding_attention" for kind in types):
-        return [None] * config.num_hidden_layers
-    return [window if kind == "sliding_attention" else None for kind in types]
-
-
-def has_learned_sinks(model) -> bool:
-    """Whether the model's softmax adds a learned logit per head (GPT-OSS's ``sinks``, given to attention as
-    ``s_aux``)."""
-    return any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules())
-
-
-def model_refusal(policy: Policy, windows: list[int | None], learned_sinks: bool) -> str | None:
-    """Why ``policy`` is not defined on a model of sliding ``windows`` (:func:`held_windows`) and ``learned_sinks``,
-    or None: beside sliding-window layers (never evicted) a policy that shares the budget across the layers as the
-    prefill passes them (a dynamic layer budget, the ``reconstruction`` statistic); with learned attention sinks
-    (GPT-OSS) an attending modifier, which merges its own attention of the kept entries (without the sinks)."""
-    attending = [modifier.name for modifier in policy.modifiers if modifier.attends]
-    if learned_sinks and attending:
-        return (
-            f"policy {policy.spec}: {', '.join(attending)} replaces decode attention with its own over the kept "
-            "entries, which leaves out this model's learned attention sinks (GPT-OSS); valid choices here: a policy "
-            "without calidrop or slake"
-        )
-    across = f"policy.layer_budget={policy.layer_budget.name}" if policy.layer_budget.dynamic else None
-    if policy.statistic == "reconstruction":
-        across = "its context's reconstruction"
-    if across is None or not any(windows):
-        return None
-    sliding = sum(window is not None for window in windows)
-    return (
-        f"policy {policy.spec}: {across} shares the budget across every layer, and {sliding} of this model's "
-        f"{len(windows)} layers attend a sliding window, held as the model holds it; valid choices here: a static "
-        "policy.layer_budget (uniform, pyramidkv) and a policy scoring from attention"
-    )
-
-
 def head_dim_of(config) -> int:
     """The channels of one attention head of a model's text ``config``."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -319,7 +276,7 @@ class Runner:
 
     def held_tokens(self, tokens: int) -> list[int]:
         """The entries a full cache of ``tokens`` holds per cache head in each layer: a sliding layer its window's last
-        ``W - 1`` (:func:`held_windows`)."""
+        ``W - 1`` (:func:`~kvbench.engine.refusals.held_windows`)."""
         return [tokens if window is None else min(tokens, window - 1) for window in self.windows]
 
     def shares_prefill(self, cache: EvictionCache) -> bool:
@@ -331,12 +288,8 @@ class Runner:
         """A cache for a prompt of ``prompt_len`` tokens (``context``: a context, its question read after it is
         compressed); a budget ≥ the prompt means no eviction. Dynamic layer budgets (``cake``, ``vabs``) start
         uniform and are re-allocated by the cache during prefill. A policy not defined here is a one-line error."""
-        refusal = (
-            self.policy.refusal(self.regime, context, self.decode_evict)
-            or self.model_refusal(self.policy)
-            or quant_refusal(self.quant, self.policy, self.decode_evict)
-        )
-        if refusal is not None:
+        refusal = settings_refusal(self.policy, self.regime, context, self.decode_evict, self.quant)
+        if (refusal := refusal or self.model_refusal(self.policy)) is not None:
             raise KVBenchError(refusal)
         budget = self.budget_tokens(self.policy, prompt_len)
         policy = self.policy if self.policy.compresses(budget, prompt_len) else Full(gqa=self.policy.gqa)
@@ -364,7 +317,7 @@ class Runner:
 
     def layer_budgets(self, policy: Policy, budget: int, prompt_len: int) -> list[int]:
         """Each layer's budget: the policy's allocation over the global layers, a sliding layer its window's ``W - 1``
-        tokens (:func:`held_windows`)."""
+        tokens (:func:`~kvbench.engine.refusals.held_windows`)."""
         reserved = policy.reserved(budget, prompt_len)
         shares = iter(policy.layer_budget.allocate(budget, self.windows.count(None), reserved, prompt_len))
         return [next(shares) if window is None else window - 1 for window in self.windows]

@@ -14,7 +14,8 @@ from omegaconf import DictConfig
 
 from kvbench.engine import Engine
 from kvbench.engine.kivi import kivi_of, quant_model_refusal
-from kvbench.engine.runner import has_learned_sinks, head_dim_of, held_windows, model_refusal
+from kvbench.engine.refusals import has_learned_sinks, held_windows, model_refusal
+from kvbench.engine.runner import head_dim_of
 from kvbench.errors import KVBenchError
 from kvbench.identity import node_settings_key
 from kvbench.job import Job
