@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from kvbench.bench.measure import Operators
 from kvbench.config import compose
 from kvbench.engine import Engine
 from kvbench.engine.attention import sdpa_attention
@@ -45,7 +46,7 @@ def test_cake_preference_is_entropy_and_variance_of_the_window():
             mean = sum(column) / 6
             variance += sum((a - mean) ** 2 for a in column) / 5
     expected = entropy ** (1 / tau1) * variance ** (1 / tau2)
-    assert cake_preference(weights, tau1, tau2) == pytest.approx(expected, rel=1e-4)
+    assert float(cake_preference(weights, tau1, tau2)) == pytest.approx(expected, rel=1e-4)
 
 
 def test_vabs_preference_follows_eqs_15_to_18():
@@ -66,7 +67,7 @@ def test_vabs_preference_follows_eqs_15_to_18():
             products.append(total_variation * value_aware)
             entropies.append(-sum(a * math.log(a) for a in weights[0, head, i].tolist() if a > 0))  # eq. 17
     expected = (sum(products) / len(products)) ** alpha * (sum(entropies) / len(entropies)) ** beta  # eq. 18
-    assert vabs_preference(logits, evicted, values, alpha, beta, gamma) == pytest.approx(expected, rel=1e-4)
+    assert float(vabs_preference(logits, evicted, values, alpha, beta, gamma)) == pytest.approx(expected, rel=1e-4)
 
 
 def test_conserve_total_is_proportional_and_respects_caps():
@@ -246,6 +247,7 @@ def test_smollm2_dynamic_budgets(spec):
     "spec,params,recorded",
     [
         ("cake", {}, True),
+        ("snapkv", {"layer_budget": VABS}, True),
         ("cake+calidrop", {}, False),  # attending: each eviction hands its entries on
         ("cake+slake", {"layer_budget": VABS}, False),
         ("cake+adakv", {}, False),  # head-wise: each head's share of the layer's budget
@@ -257,7 +259,8 @@ def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_a
 ):
     """A cascade shrinks earlier layers at every stage. Where nothing reads the entries an eviction drops, a layer is
     selected once, at its last budget; elsewhere each stage selects, and the keys/values are gathered once, when the
-    forward ends. Either way: the same entries, bytes and decoded tokens as evicting and gathering at every stage."""
+    forward ends, and the stages are shared then too, their preferences read back at once (none read per layer). Either
+    way: the same entries, bytes, preferences and decoded tokens as evicting and gathering at every stage."""
     import kvbench.engine.cache as cache_module
     import kvbench.engine.layer as layer_module
 
@@ -271,7 +274,7 @@ def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_a
     def per_stage(stages: CascadeStages) -> None:
         stages.records = False
 
-    runs = {}
+    runs, reads = {}, {}
     for mode in ("recorded", "per_stage", "eager"):
         if mode == "per_stage":  # every stage evicts the layers over their budgets
             monkeypatch.setattr(CascadeStages, "__init__", lambda self, cache: stages(self, cache) or per_stage(self))
@@ -282,14 +285,20 @@ def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_a
         gathers.clear(), selections.clear()
         engine = Engine(llama, build_policy(spec, {"window": 8, **params}), budget)
         cache = engine.new_cache(len(prompt))
-        engine.prefill(cache, prompt)
+        with Operators() as counted:
+            engine.prefill(cache, prompt)
+        reads[mode] = counted.host_reads
         runs[mode] = (cache, len(gathers), len(selections), engine.generate(random_prompt(150), 6))
     (recorded_cache, *counts, output), reference = runs["recorded"], runs["eager"]
+    # each stage's preference read at its layer, or all at once by one .tolist() (which a CPU does not count)
+    assert reads["per_stage"] - reads["recorded"] == (len(llama.model.layers) if recorded else 0)
+    assert reads["recorded"] == 0 or not recorded
     assert (counts[1] < runs["per_stage"][2]) == recorded  # selections
     assert counts[0] <= runs["per_stage"][1]
     assert (runs["per_stage"][1] < reference[1]) == (spec != "cake+adakv")  # head-wise layers pack what they keep
     for cache in (recorded_cache, runs["per_stage"][0]):
         assert cache.peak_bytes == reference[0].peak_bytes and cache.live_bytes == reference[0].live_bytes
+        assert cache.policy_stats() == reference[0].policy_stats()  # each layer's preference among them
         assert cache.kept_by_head() == reference[0].kept_by_head()
         for a, b in zip(cache.eviction_layers, reference[0].eviction_layers):
             assert a.deferred_slots is None

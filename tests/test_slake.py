@@ -102,7 +102,7 @@ def test_ptaa_weights_are_the_plain_formula_bit_for_bit(window, tokens, per_quer
     error = (approximate - weights).abs()
     plain = ((0.5 * error.sum(dim=-1)) * (share * error).sum(dim=-1) ** 0.1).mean() ** 0.5 * torch.tensor(2.0) ** 0.4
     # eqs. 15-18, VABS_BLOCK queries at a time (a window of 300 is five blocks)
-    assert vabs_score(weights, logits, evicted, share, torch.tensor(2.0), 0.5, 0.4, 0.1) == float(plain)
+    assert float(vabs_score(weights, logits, evicted, share, torch.tensor(2.0), 0.5, 0.4, 0.1)) == float(plain)
 
 
 def test_ptaa_without_evicted_tokens_is_softmax_attention():

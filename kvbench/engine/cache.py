@@ -334,7 +334,7 @@ class EvictionCache(Cache):
             layer.remember_queries(queries, forward.positions.to(queries.device), window, shared)
         deferred = policy.statistic == "reconstruction"  # every layer scored first (evict_reconstructed)
         if forward.evict and policy.evicts and not deferred and layer.get_seq_length() > budget:
-            if self.allocation is not None and layer_idx == len(self.allocation.preferences):
+            if self.allocation is not None and layer_idx == self.allocation.stages:
                 self.stages = self.stages or CascadeStages(self)
                 self.stages.shared = shared  # what the stage ranks and scores from
                 policy.layer_budget.cascade(self.allocation, self.stages, layer_idx, scaling)
@@ -421,8 +421,15 @@ class EvictionCache(Cache):
         return ranking, id(layer.keys), layer.get_seq_length(), budget, recent, sinks
 
     def account(self, layer_idx: int, tokens: int | None = None) -> None:
-        """The layer's bytes held (``tokens`` per cache head where an eviction to them is yet to be made)."""
-        self.live_bytes[layer_idx] = self.eviction_layers[layer_idx].held_bytes(tokens)
+        """The layer's bytes held (``tokens`` per cache head where an eviction to them is yet to be made), logged
+        while a cascade defers its stages."""
+        held = self.eviction_layers[layer_idx].held_bytes(tokens)
+        if self.stages is None or not self.stages.logs(layer_idx, held):
+            self.hold(layer_idx, held)
+
+    def hold(self, layer_idx: int, held: int) -> None:
+        """The layer holds ``held`` bytes now."""
+        self.live_bytes[layer_idx] = held
         self.peak_bytes = max(self.peak_bytes, sum(self.live_bytes))
 
     # -- transformers Cache API --------------------------------------------------------------------------

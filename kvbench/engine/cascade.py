@@ -9,6 +9,11 @@ the ranking of its own stage, so the top slots at its last budget are those the 
 one per layer and later stage (L²/2 on a 32-layer model: 528 selections, each a handful of kernel launches on a GPU).
 Where an eviction hands its entries to attending modifiers, shares a layer's budget across its heads or keeps whole
 chunks, each stage evicts as it goes (its gathers of keys and values still made once at the end).
+
+Where the evictions are recorded the stages themselves are shared when the forward ends too (:attr:`defers`): each
+stage's preference stays on the device until then and all are read back at once — on a GPU one synchronisation per
+forward, not one per layer. The bytes each layer holds meanwhile are logged and replayed in order with the stages, so
+the peak accounted is the one stage-by-stage eviction holds.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from kvbench.engine.layer import EvictionLayer
 from kvbench.engine.selection import kept_per_head, reserved_slots, top_slots
 from kvbench.engine.sharing import SharedForward
 from kvbench.policies.base import Policy
+from kvbench.policies.layer_budget import CascadingAllocation
 from kvbench.policies.stats import AttentionStats
 
 
@@ -31,6 +37,7 @@ class StagedCache(Protocol):
     prompt_len: int
     layer_budgets: list[int]
     attending: list
+    allocation: CascadingAllocation | None
 
     @property
     def eviction_layers(self) -> list[EvictionLayer]: ...
@@ -45,6 +52,8 @@ class StagedCache(Protocol):
 
     def account(self, layer_idx: int, tokens: int | None = None) -> None: ...
 
+    def hold(self, layer_idx: int, held: int) -> None: ...
+
 
 class CascadeStages:
     """The stages of one forward's cascade over ``cache``; ``shared`` what the running stage ranks and scores from in a
@@ -58,6 +67,13 @@ class CascadeStages:
         self.records = not (cache.attending or policy.shares_heads or policy.keeps_ranked_only)
         #: the budget each layer is to be evicted to when the forward ends
         self.budgets: dict[int, int] = {}
+        #: until then, in order: the stages deferred (a layer) and the bytes a layer came to hold (a layer, its bytes)
+        self.log: list[tuple[int, int | None]] = []
+
+    @property
+    def defers(self) -> bool:
+        """Whether the stages are shared when the forward ends (see the module's docstring)."""
+        return self.records and all(layer.headwise is None for layer in self.cache.eviction_layers)
 
     @property
     def layer_budgets(self) -> list[int]:
@@ -98,9 +114,30 @@ class CascadeStages:
         else:
             self.cache.evict(layer_idx, budget, scaling, defer=True)
 
+    def defer(self, layer_idx: int) -> None:
+        """The stage of ``layer_idx`` is shared when the forward ends (its preference kept by the allocation)."""
+        self.log.append((layer_idx, None))
+
+    def logs(self, layer_idx: int, held: int) -> bool:
+        """Whether the bytes ``held`` by the layer are accounted when the deferred stages are replayed (logged)."""
+        if self.defers and self.log:
+            self.log.append((layer_idx, held))
+        return self.defers and bool(self.log)
+
     def finish(self, scaling: float) -> None:
-        """Make the recorded evictions, then gather what every eviction kept."""
+        """Share the deferred stages in order (their preferences read back at once), make the recorded evictions,
+        then gather what every eviction kept."""
         cache = self.cache
+        if self.log:
+            allocation = cache.allocation
+            assert allocation is not None  # a cascade is a dynamic layer budget's
+            preferences = iter(torch.stack(allocation.deferred).tolist() if allocation.deferred else [])
+            log, self.log, allocation.deferred = self.log, [], []
+            for layer_idx, held in log:
+                if held is None:
+                    cache.policy.layer_budget.share(allocation, self, layer_idx, next(preferences), scaling)
+                else:
+                    cache.hold(layer_idx, held)
         for layer_idx, budget in self.budgets.items():
             cache.evict(layer_idx, budget, scaling, defer=True)
         for layer in cache.eviction_layers:

@@ -57,9 +57,9 @@ class LayerBudget(Registered):
         window, or CAKE's default observation window of 32 where that is a single query (TOVA)."""
         return scoring_window if scoring_window > 1 else 32
 
-    def preference(self, stats: AttentionStats, evicted: torch.Tensor) -> float:
-        """A dynamic strategy's preference of one layer from its window attention ``stats`` and the slots
-        ``evicted [B,Hc,T]`` that the average budget would evict."""
+    def preference(self, stats: AttentionStats, evicted: torch.Tensor) -> torch.Tensor:
+        """A dynamic strategy's preference (0-d, left on the device) of one layer from its window attention
+        ``stats`` and the slots ``evicted [B,Hc,T]`` that the average budget would evict."""
         raise NotImplementedError
 
     def allocation(self, budget: int, reserved: int, num_layers: int) -> CascadingAllocation:
@@ -68,12 +68,25 @@ class LayerBudget(Registered):
 
     def cascade(self, allocation: CascadingAllocation, cache: CascadedCache, layer_idx: int, scaling: float) -> None:
         """Stage ``layer_idx`` of CAKE Alg. 1 in ``cache``: rank the layer at the average budget, score its
-        :meth:`preference` from its observation window and the slots that budget would evict, re-share the total
-        over layers ``0..layer_idx`` (:meth:`CascadingAllocation.stage`) and evict each layer holding more than
-        its share (the earlier ones by the ranking of their own stage). Dynamic strategies only."""
+        :meth:`preference` from its observation window and the slots that budget would evict, then
+        :meth:`share` — now, or when the forward ends where the cache defers its stages (each preference would
+        otherwise be read back to the host at its layer, a synchronisation per layer on a GPU). Dynamic
+        strategies only."""
         scores = cache.rank(layer_idx, allocation.budget, scaling)  # [B,Hc,T]
         evicted = cache.evicted_by(layer_idx, allocation.budget, scores)  # [B,Hc,T]
         preference = self.preference(cache.preference_stats(layer_idx, scaling), evicted)
+        if cache.defers:
+            allocation.deferred.append(preference)
+            cache.defer(layer_idx)
+        else:
+            self.share(allocation, cache, layer_idx, float(preference), scaling)
+
+    def share(
+        self, allocation: CascadingAllocation, cache: CascadedCache, layer_idx: int, preference: float, scaling: float
+    ) -> None:
+        """Re-share the total over layers ``0..layer_idx`` given the stage's ``preference``
+        (:meth:`CascadingAllocation.stage`) and evict each layer holding more than its share (the earlier ones by the
+        ranking of their own stage)."""
         sizes = [cache.layer_size(index) for index in range(layer_idx + 1)]
         budgets = allocation.stage(preference, sizes)
         cache.layer_budgets[: layer_idx + 1] = budgets
@@ -195,6 +208,11 @@ class CascadedCache(Protocol):
     @property
     def layer_budgets(self) -> list[int]: ...  # re-shared in place
 
+    @property
+    def defers(self) -> bool: ...  # whether the stages are shared when the forward ends (their preferences kept)
+
+    def defer(self, layer_idx: int) -> None: ...  # the stage of ``layer_idx`` is to be shared then
+
     def layer_size(self, layer_idx: int) -> int: ...
 
     def rank(self, layer_idx: int, budget: int, scaling: float) -> torch.Tensor: ...
@@ -225,6 +243,13 @@ class CascadingAllocation:
     num_layers: int
     released: bool = False
     preferences: list[float] = field(default_factory=list)
+    #: the preferences of the stages yet to be shared (0-d tensors, read back at once: :meth:`LayerBudget.cascade`)
+    deferred: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def stages(self) -> int:
+        """The stages scored so far: shared and deferred."""
+        return len(self.preferences) + len(self.deferred)
 
     def stage(self, preference: float, sizes: list[int]) -> list[int]:
         """Add the next layer's preference; budgets of layers ``0..m`` given their current ``sizes`` (the last,

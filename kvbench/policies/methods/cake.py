@@ -51,13 +51,13 @@ class CakeBudget(DynamicLayerBudget):
     def allocation(self, budget: int, reserved: int, num_layers: int) -> CascadingAllocation:
         return CascadingAllocation(budget, reserved, num_layers, released=self.rounding == "released")
 
-    def preference(self, stats: AttentionStats, evicted: torch.Tensor) -> float:
+    def preference(self, stats: AttentionStats, evicted: torch.Tensor) -> torch.Tensor:
         tau1, tau2 = (1.0 if tau is None else tau for tau in (self.tau1, self.tau2))
         return stats.once(("cake", tau1, tau2), lambda: cake_preference(stats.weights, tau1, tau2))  # CAKE eq. (6)
 
 
-def cake_preference(weights: torch.Tensor, tau1: float, tau2: float) -> float:
-    """CAKE's layer preference ``P = H^(1/τ1) · V^(1/τ2)`` from the window attention ``weights [B,Hq,W,T]``.
+def cake_preference(weights: torch.Tensor, tau1: float, tau2: float) -> torch.Tensor:
+    """CAKE's layer preference ``P = H^(1/τ1) · V^(1/τ2)`` (0-d) from the window attention ``weights [B,Hq,W,T]``.
 
     Over the keys before the window (the window itself is always kept), summed over heads: spatial
     dispersion ``H = −Σ A log A`` (entropy) and temporal shift ``V = Σ_p Var_i(A_ip)`` (unbiased variance
@@ -66,7 +66,7 @@ def cake_preference(weights: torch.Tensor, tau1: float, tau2: float) -> float:
     prefix = weights[..., : weights.shape[-1] - weights.shape[-2]]  # [B,Hq,W,T-W]
     dispersion = -torch.special.xlogy(prefix, prefix).sum()
     shift = prefix.var(dim=-2).sum()
-    return float(dispersion ** (1.0 / tau1) * shift ** (1.0 / tau2))
+    return dispersion ** (1.0 / tau1) * shift ** (1.0 / tau2)
 
 
 @register

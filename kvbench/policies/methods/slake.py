@@ -194,7 +194,7 @@ class Vabs(DynamicLayerBudget):
             self, alpha=alpha if self.alpha is None else self.alpha, beta=beta if self.beta is None else self.beta
         )
 
-    def preference(self, stats: AttentionStats, evicted: torch.Tensor) -> float:
+    def preference(self, stats: AttentionStats, evicted: torch.Tensor) -> torch.Tensor:
         if self.alpha is None or self.beta is None:
             raise KVBenchError("VABS needs policy.layer_budget.alpha and .beta (SLAKE Table 3 gives them per model)")
         evicted = stats.per_query_head(evicted)[:, :, None]  # [B,Hq,1,T]
@@ -204,7 +204,7 @@ class Vabs(DynamicLayerBudget):
 
 def vabs_preference(
     logits: torch.Tensor, evicted: torch.Tensor, values: torch.Tensor, alpha: float, beta: float, gamma: float
-) -> float:
+) -> torch.Tensor:
     """SLAKE's VABS preference (eqs. 15–18) of a window of queries from their ``logits [B,Hq,W,T]`` (-inf where a
     query cannot see a key), the keys PTAA stands in for (``evicted [B,Hq,1|W,T]``) and the cached ``values
     [B,Hq,T,D]`` (per query head), with ``A`` the true attention and ``Ã`` PTAA's (:func:`ptaa_weights`)::
@@ -241,9 +241,10 @@ def vabs_score(
     alpha: float,
     beta: float,
     gamma: float,
-) -> float:
-    """:func:`vabs_preference` from the window's true ``weights`` and ``logits [B,Hq,W,T]``, ``evicted`` and the terms
-    of :func:`vabs_terms`, ``VABS_BLOCK`` queries at a time (each query's terms are its own row's)."""
+) -> torch.Tensor:
+    """:func:`vabs_preference` (0-d, left on the device) from the window's true ``weights`` and ``logits [B,Hq,W,T]``,
+    ``evicted`` and the terms of :func:`vabs_terms`, ``VABS_BLOCK`` queries at a time (each query's terms are its own
+    row's)."""
     products = []
     for start in range(0, logits.shape[2], VABS_BLOCK):
         rows = slice(start, start + VABS_BLOCK)
@@ -252,4 +253,4 @@ def vabs_score(
         total_variation = 0.5 * error.sum(dim=-1)  # SLAKE eq. (15)
         value_aware = error.mul_(share).sum(dim=-1) ** gamma  # SLAKE eq. (16)
         products.append(total_variation * value_aware)
-    return float(torch.cat(products, dim=-1).mean() ** alpha * entropy**beta)  # SLAKE eq. (18)
+    return torch.cat(products, dim=-1).mean() ** alpha * entropy**beta  # SLAKE eq. (18)
