@@ -171,12 +171,12 @@ def command_prepare(args: list[str]) -> None:
     made a file name inside ``output_dir``, :func:`kvbench.file_name`)."""
     from kvbench import file_name
     from kvbench.config import compose
-    from kvbench.models import load_tokenizer
+    from kvbench.models import ModelSpec, load_tokenizer
     from kvbench.run import build_task
 
     cfg = compose(args)
     out_dir = Path(cfg.output_dir)
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(ModelSpec.of(cfg.model))
     task = build_task(cfg, tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
     handles: dict[str, IO[str]] = {}

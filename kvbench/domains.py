@@ -10,7 +10,7 @@ alike: a value outside its domain is one line, ``policy.window=-1: must be a tok
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -176,3 +176,49 @@ def check_table(settings: Mapping[str, Any], table: Mapping[str, Domain], prefix
     for name, domain in table.items():
         if name in settings:
             domain.check(f"{prefix}{name}", settings[name])
+
+
+class Settings(Mapping[str, Any]):
+    """A group's settings as the resolved job holds them (``task.*``): plain values, read-only, by key or by attribute
+    (``settings.num_samples``), a mapping inside one a :class:`Settings` too. What a part of the job receives instead
+    of the Hydra node it was composed from; any mapping (a test's dict) makes one."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        object.__setattr__(self, "_values", {str(key): plain(value) for key, value in values.items()})
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self._values[key]
+        except KeyError:
+            raise AttributeError(f"no setting {key!r} (settings: {', '.join(self._values)})") from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise AttributeError(f"settings are read-only: {key}")
+
+    def __repr__(self) -> str:
+        return f"Settings({self._values!r})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain values, a mapping inside as a dict."""
+        return {key: value.to_dict() if isinstance(value, Settings) else value for key, value in self._values.items()}
+
+
+def plain(value: Any) -> Any:
+    """``value`` as :class:`Settings` hold it: a mapping as Settings, a list or tuple (a ListConfig too) as a list of
+    plain values, a scalar as itself."""
+    if isinstance(value, Mapping):
+        return Settings(value)
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [plain(item) for item in value]
+    return value

@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench import config_dict
-
 if TYPE_CHECKING:  # importing kvbench.cli loads no torch before it sets OpenMP's wait (kvbench.process)
     from kvbench.policies.base import Policy
 
@@ -124,13 +122,13 @@ def run_digest(root: DictConfig) -> str:
 GROUPED = ("policy", "budget")
 
 
-def load_group_key(cfg: DictConfig) -> str:
-    """What the jobs of one group share: every identity setting but the policy and the budget (same model,
-    task, data, regime and engine settings) and the samples asked for, so one model load and one task's samples
-    serve them all."""
-    settings = run_identity(config_dict(cfg, resolve=True))
-    shared = {key: value for key, value in settings.items() if key not in GROUPED}
-    return json.dumps({**shared, "num_samples": cfg.task.get("num_samples")}, sort_keys=True, default=str)
+def load_group_key(settings: Mapping[str, Any]) -> str:
+    """What the jobs of one group share, from a job's plain settings: every identity setting but the policy and the
+    budget (same model, task, data, regime and engine settings) and the samples asked for, so one model load and one
+    task's samples serve them all."""
+    identity = run_identity(dict(settings))
+    shared = {key: value for key, value in identity.items() if key not in GROUPED}
+    return json.dumps({**shared, "num_samples": settings["task"].get("num_samples")}, sort_keys=True, default=str)
 
 
 def computation_key(policy: Policy, budget: str) -> tuple[str, str | None]:
@@ -140,9 +138,9 @@ def computation_key(policy: Policy, budget: str) -> tuple[str, str | None]:
     return policy.key, budget if policy.evicts or policy.reads else None
 
 
-def node_settings_key(node: DictConfig) -> str:
-    """A config node's settings as one string: a key for what was loaded or measured for them."""
-    return json.dumps(config_dict(node, resolve=True), sort_keys=True)
+def node_settings_key(settings: Mapping[str, Any]) -> str:
+    """A part's plain settings as one string: a key for what was loaded or measured for them."""
+    return json.dumps(settings, sort_keys=True)
 
 
 #: the columns that name a row of the tables (:meth:`kvbench.finished.Run.table_identity`)

@@ -25,7 +25,7 @@ from kvbench.engine.refusals import settings_refusal
 from kvbench.engine.runner import evicts_decoding
 from kvbench.engine.sampling import Sampling
 from kvbench.errors import KVBenchError, check_keys, choose
-from kvbench.models import MODEL_SETTINGS
+from kvbench.models import MODEL_SETTINGS, ModelSpec
 from kvbench.policies import build_policy
 from kvbench.policies.base import Policy
 from kvbench.policies.budgets import Budget
@@ -103,15 +103,23 @@ class EngineSettings:
         return "" if self.quant is None else f"+kivi{self.quant.bits}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Job:
-    """A resolved job: ``cfg`` as it runs (plain values, per-model settings filled in), the built policy, the
-    budget and the engine's settings."""
+    """A resolved job: ``cfg`` as it runs (plain values, per-model settings filled in; the run directory it is written
+    to set in it), the model's spec, the built policy, the budget and the engine's settings. What runs it receives its
+    typed part: a task its ``task.*`` values (:class:`~kvbench.domains.Settings`), a model load its
+    :class:`~kvbench.models.ModelSpec`, the engine :class:`EngineSettings`, the run directory :attr:`settings`."""
 
     cfg: DictConfig
+    model: ModelSpec
     policy: Policy
     budget: Budget
     engine: EngineSettings
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The job's settings as plain values (``config.yaml``'s): what the run directory and the logger receive."""
+        return config_dict(self.cfg, resolve=True)
 
     @property
     def label(self) -> str:
@@ -150,7 +158,7 @@ def resolve(cfg: DictConfig) -> Job:
     task_class = task_of(settings["task"]["_target_"])
     task_class.check(settings["task"])
     settings["task"] = task_class.for_model(settings["task"], settings["model"])
-    return Job(OmegaConf.create(settings), policy, budget, engine)
+    return Job(OmegaConf.create(settings), ModelSpec.of(settings["model"]), policy, budget, engine)
 
 
 def task_of(target: str) -> type[Task]:

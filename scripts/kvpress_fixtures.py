@@ -46,8 +46,7 @@ import transformers
 
 from kvbench.bench.kvpress import native_attention, press_prefill, recorded_scores
 from kvbench.bench.sections import prompt_tokens
-from kvbench.config import compose
-from kvbench.models import load_model, weights_digest
+from kvbench.models import load_model, model_config, weights_digest
 from kvbench.resources import paul_graham_essays
 
 LENGTH, KEPT = 512, 128
@@ -285,7 +284,7 @@ def kvzip_record(model, tokenizer, kvpress, text_ids: list[int], scores: bool) -
 def other_model(output: Path, name: str) -> None:
     """SnapKV's and KNorm's kept sets on model ``name`` (see the module's docstring)."""
     kvpress = kvpress_module()
-    loaded = load_model(compose([f"model={name}"]).model)
+    loaded = load_model(model_config(name))
     text = paul_graham_essays()
     prompts = [prompt_tokens(loaded.tokenizer, text[offset:], LENGTH) for offset in OFFSETS]
     output.mkdir(parents=True, exist_ok=True)
@@ -318,7 +317,7 @@ def kvpress_module():
 
 def main(output: Path, only: list[str]) -> None:
     kvpress = kvpress_module()
-    loaded = load_model(compose(["model=smollm2_135m"]).model)
+    loaded = load_model(model_config("smollm2_135m"))
     text = paul_graham_essays()
     prompts = [prompt_tokens(loaded.tokenizer, text[offset:], LENGTH) for offset in OFFSETS]
     output.mkdir(parents=True, exist_ok=True)

@@ -527,7 +527,7 @@ def test_the_leaderboard_grid_section_times_both_and_names_each_prediction_that_
             run_dir = RunDir(folder / name)
             run_dir.path.mkdir(parents=True)
             settings = {"policy": name.split("-")[0], "seed": 1 if name.endswith("-v") else 0}
-            run_dir.write_config(OmegaConf.create({**settings, "engine": {"rows_attention": engine}}))
+            run_dir.write_config({**settings, "engine": {"rows_attention": engine}})
             for number, prediction in enumerate(predictions):
                 timing = {"total_seconds": seconds * (number + 1)}
                 record = {"id": f"s-{number}", "subtask": "t", "score": 0.0, "prediction": prediction}

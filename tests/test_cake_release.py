@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench.config import compose
 from kvbench.engine.engine import Engine
-from kvbench.models import load_model
+from kvbench.models import load_model, model_config
 from kvbench.policies import build_policy
 from tests import helpers
 from tests.helpers import engine, random_prompt, tiny_model, unpacked_mask
@@ -29,7 +28,7 @@ RELEASED = {"compress_above": "budget_and_window", "layer_budget": {"name": "cak
 
 @cache
 def smollm2():
-    return load_model(compose(["model=smollm2_135m"]).model).model
+    return load_model(model_config("smollm2_135m")).model
 
 
 def kept_masks(settings: dict, budget: int, ids: list[int]) -> tuple[list[torch.Tensor], list[int]]:

@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvbench.config import compose
 from kvbench.engine import Engine
 from kvbench.errors import KVBenchError
-from kvbench.models import load_model
+from kvbench.models import load_model, model_config
 from kvbench.policies import build_policy
 from kvbench.policies.methods import duo_attention
 from tests.helpers import TOKENIZER, kept_masks, random_prompt, tiny_model, unpacked_mask
@@ -30,7 +29,7 @@ def test_head_scores_and_kept_sets_equal_kvpress():
     layer and head keeps what the press does not mask: half the heads their first 128 and last 256 of 512 tokens, the
     others all (3 prompts)."""
     fixture = json.loads(FIXTURE.read_text())
-    loaded = load_model(compose(["model=smollm2_135m"]).model)
+    loaded = load_model(model_config("smollm2_135m"))
     policy = build_policy("duo_attention", {"n_sink": fixture["n_sink"], "samples": fixture["samples"]})
     runner = Engine(loaded.model, policy, fixture["kept"], tokenizer=loaded.tokenizer)
     scores = duo_attention.HEAD_SCORES[loaded.model]

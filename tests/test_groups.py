@@ -16,6 +16,7 @@ import pytest
 import kvbench.run.group
 import kvbench.run.lifecycle
 import kvbench.run.progress
+from kvbench import config_dict
 from kvbench.config import compose
 from kvbench.engine import Engine
 from kvbench.engine.batches import sums_key
@@ -74,7 +75,7 @@ def test_a_group_gives_what_separate_runs_give(tmp_path, load_count):
     batch = 16
     settings = [*TINY, "task.num_samples=1", "budget=64", f"engine.batch_size={batch}"]
     cfgs = [compose([*settings, f"policy={spec}"]) for spec in VARIANTS]
-    assert len({load_group_key(cfg) for cfg in cfgs}) == 1
+    assert len({load_group_key(config_dict(cfg, resolve=True)) for cfg in cfgs}) == 1
     separate: list[object] = []
     for number, cfg in enumerate(cfgs):
         try:

@@ -18,7 +18,7 @@ import torch
 
 from kvbench.config import compose
 from kvbench.engine.engine import Engine
-from kvbench.models import load_model, weights_digest
+from kvbench.models import load_model, model_config, weights_digest
 from kvbench.policies import build_policy
 from tests import helpers
 from tests.helpers import unpacked_mask
@@ -68,7 +68,7 @@ def fixture(spec: str) -> dict:
 def kept_masks(name: str, settings: dict, ids: list[int]) -> list[torch.Tensor]:
     """kvbench's kept positions of every layer after a oneshot prefill of ``ids`` at fixture ``name``'s kept count,
     as masks ``[Hkv, len(ids)]``."""
-    model = load_model(compose(["model=smollm2_135m"]).model).model
+    model = load_model(model_config("smollm2_135m")).model
     engine = Engine(model, build_policy(spec_of(name), settings), fixture(name)["kept"], "oneshot")
     cache = engine.new_cache(len(ids))
     engine.prefill(cache, ids)
@@ -102,7 +102,7 @@ def test_knorm_default_differs_from_kvpress_only_where_norms_tie():
     """KNorm's default rounds the norm to 16 bits: against kvpress, a position kept by one and not the other has a
     key norm within 2^-15 of its counterpart's (a tie: a token repeated in the first layer, whose norm RoPE keeps)."""
     record = fixture("knorm")
-    model = load_model(compose(["model=smollm2_135m"]).model).model
+    model = load_model(model_config("smollm2_135m")).model
     for prompt in record["prompts"]:
         ids = prompt["ids"]
         full = Engine(model, build_policy("full"), len(ids), "oneshot")
@@ -129,7 +129,7 @@ def test_kept_sets_equal_kvpress_on_qwen3(spec):
     """On a tiny random Qwen3 (the same weights as the fixture's: their digest), every layer and KV head keeps exactly
     the positions the press keeps."""
     record = json.loads((FIXTURES / "tiny_qwen3" / f"{spec}.json").read_text())
-    model = load_model(compose(["model=tiny_qwen3"]).model).model
+    model = load_model(model_config("tiny_qwen3")).model
     assert weights_digest(model) == record["weights_sha256"]
     for prompt in record["prompts"]:
         ids = prompt["ids"]
@@ -156,7 +156,7 @@ def test_decoding_compression_equals_kvpress():
     3 of 270 heads, one pair each)."""
     record = fixture("knorm-decoding")
     kept, interval, steps = record["kept"], record["interval"], record["steps"]
-    model = load_model(compose(["model=smollm2_135m"]).model).model
+    model = load_model(model_config("smollm2_135m")).model
     policy = build_policy("knorm", {"norm_bits": None})
     engine = Engine(model, policy, kept, "oneshot", decode_evict=True, decode_interval=interval)
     swaps = 0

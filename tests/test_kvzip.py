@@ -202,13 +202,12 @@ def test_kvzip_scores_and_shares_equal_kvpress(received):
     [headwise]'s; kvbench keeps each layer's count over its heads, rounded)."""
     if not FIXTURE.exists():
         pytest.skip("no kvpress fixture")
-    from kvbench.config import compose
     from kvbench.engine.engine import Engine
-    from kvbench.models import load_model
+    from kvbench.models import load_model, model_config
     from kvbench.policies import build_policy
 
     record = json.loads(FIXTURE.read_text())
-    loaded = load_model(compose(["model=smollm2_135m"]).model)
+    loaded = load_model(model_config("smollm2_135m"))
     for number, prompt in enumerate(record["prompts"]):
         ids = prompt["ids"]
         policy = build_policy("kvzip", {"chunk_size": record["chunk_size"]})
@@ -232,13 +231,12 @@ def test_headwise_kvzip_keeps_kvpress_sets():
     ``KVzipPress`` leaves unmasked, the same three contexts."""
     if not FIXTURE.exists():
         pytest.skip("no kvpress fixture")
-    from kvbench.config import compose
     from kvbench.engine.engine import Engine
-    from kvbench.models import load_model
+    from kvbench.models import load_model, model_config
     from kvbench.policies import build_policy
 
     record = json.loads(FIXTURE.read_text())
-    loaded = load_model(compose(["model=smollm2_135m"]).model)
+    loaded = load_model(model_config("smollm2_135m"))
     for prompt in record["prompts"]:
         ids = prompt["ids"]
         policy = build_policy("kvzip", {"chunk_size": record["chunk_size"], "headwise": True})

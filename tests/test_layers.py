@@ -132,3 +132,25 @@ def test_no_two_top_level_classes_or_functions_share_a_name():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 where.setdefault(node.name, []).append(str(path.relative_to(PROJECT_ROOT)))
     assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}
+
+
+#: where a Hydra node is read: the resolver naming a run directory gets the composed root (Hydra's design), and a model
+#: node becomes a ``ModelSpec``
+HYDRA_BOUNDARIES = {("kvbench.rundir", "run_name"), ("kvbench.identity", "run_digest"), ("kvbench.models", "of")}
+
+
+def test_below_the_run_layer_no_function_takes_a_hydra_node():
+    """Tasks, models, the engine, policies, the run directory and the reports receive their typed part of the
+    resolved job (a ``ModelSpec``, task ``Settings``, plain settings), never a ``DictConfig``."""
+    below = ("kvbench.tasks", "kvbench.models", "kvbench.engine", "kvbench.policies", "kvbench.results")
+    below += ("kvbench.rundir", "kvbench.identity", "kvbench.finished", "kvbench.packed")
+    taking = []
+    for name, path in modules().items():
+        if not name.startswith(below):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (name, node.name) not in HYDRA_BOUNDARIES:
+                arguments = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+                if any(arg.annotation is not None and "DictConfig" in ast.unparse(arg.annotation) for arg in arguments):
+                    taking.append(f"{name}.{node.name}")
+    assert taking == []

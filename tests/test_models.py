@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from kvbench import cache_dir, models
 from kvbench.errors import KVBenchError
 from kvbench.models import (
+    ModelSpec,
     available_models,
     clear_loaded_models,
     convert_gguf,
@@ -43,16 +44,13 @@ def assert_one_line(error: pytest.ExceptionInfo, *fragments: str) -> None:
 
 def config_with(name: str, **overrides):
     """A model configuration with some keys replaced."""
-    cfg = model_config(name)
-    for key, value in overrides.items():
-        cfg[key] = value
-    return cfg
+    return ModelSpec.of({**model_config(name).settings(), **overrides})
 
 
 def test_every_model_config_has_the_full_schema():
     for name in available_models():
         cfg = model_config(name)
-        assert set(cfg) == SCHEMA_KEYS, name
+        assert set(cfg.settings()) == SCHEMA_KEYS, name
         assert cfg.name == name
 
 

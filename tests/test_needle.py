@@ -67,7 +67,7 @@ def test_the_grid_is_lengths_times_depths_with_stable_ids(byte_task):
     assert all(s.mode == "generate" and s.max_new_tokens == 300 for s in samples)
     assert samples[0].answers == [NEEDLE.strip()]
     explicit = NeedleTask(
-        niah_cfg(context_lengths=[1024], depths=[10, 90], essay_dir=byte_task.cfg.essay_dir), byte_model()
+        niah_cfg(context_lengths=[1024], depths=[10, 90], essay_dir=byte_task.settings.essay_dir), byte_model()
     )
     assert [s.id for s in explicit.samples()] == ["niah-1024-10", "niah-1024-90"]
 

@@ -59,7 +59,7 @@ def prepared(method: str, data_dir: str):
             ]
         )
     )
-    loaded = load_model(job.cfg.model)
+    loaded = load_model(job.model)
     task = build_task(job.cfg, loaded.tokenizer)
     return build_engine(job, loaded), task, loaded, list(task.samples())
 

@@ -234,7 +234,7 @@ def records_alone(cfg) -> list[dict]:
     """The records of ``cfg``'s samples, each question answered by a run of its own (one sample at a time, its
     context compressed for it alone), less their timings."""
     job = resolve(cfg)
-    loaded = load_model(job.cfg.model)
+    loaded = load_model(job.model)
     task = build_task(job.cfg, loaded.tokenizer)
     engine = build_engine(job, loaded)
     records = []

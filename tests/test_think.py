@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench.config import compose
 from kvbench.engine.engine import Engine
 from kvbench.engine.kivi import Kivi, quant_refusal
-from kvbench.models import load_model
+from kvbench.models import load_model, model_config
 from kvbench.policies import build_policy
 from tests.helpers import TOKENIZER, engine, kept_masks, random_prompt, tiny_model, unpacked_mask
 
@@ -33,7 +32,7 @@ def test_kept_sets_and_channels_equal_kvpress(name):
     layers × 3 heads)."""
     fixture = json.loads((FIXTURES / f"{name}.json").read_text())
     spec, settings = REFERENCES[name]
-    model = load_model(compose(["model=smollm2_135m"]).model).model
+    model = load_model(model_config("smollm2_135m")).model
     runner = Engine(model, build_policy(spec, settings), fixture["kept"], "oneshot")
     for prompt in fixture["prompts"]:
         ids = prompt["ids"]

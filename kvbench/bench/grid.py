@@ -38,7 +38,7 @@ from kvbench.engine.store import RowStore
 from kvbench.errors import KVBenchError
 from kvbench.identity import ADDED_SETTINGS, flatten, run_identity
 from kvbench.launch.sweeps import sweep_loader, sweep_overrides
-from kvbench.models import load_model, resolve_device
+from kvbench.models import ModelSpec, load_model, resolve_device
 from kvbench.policies import build_policy
 from kvbench.policies.budgets import Budget
 from kvbench.rundir import RunDir, runs_below
@@ -330,7 +330,7 @@ def grid_memory_row(config: dict[str, Any], kind: str) -> dict[str, Any]:
 
     cfg = OmegaConf.create(config)
     section = cfg.bench.grid
-    bench = Bench(cfg, load_model(cfg.model))
+    bench = Bench(cfg, load_model(ModelSpec.of(cfg.model)))
     prompt = bench.prompt(int(section.context_length))
     engines = [bench.engine(str(spec), budget=str(budget)) for spec in section.policies for budget in section.budgets]
     caches = [engine.new_cache(len(prompt)) for engine in engines]

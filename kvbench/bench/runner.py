@@ -21,7 +21,7 @@ from kvbench.bench.sections import Bench
 from kvbench.engine import REGIMES
 from kvbench.engine.threads import set_threads
 from kvbench.errors import choose
-from kvbench.models import load_model
+from kvbench.models import ModelSpec, load_model
 from kvbench.policies import parse_spec
 from kvbench.policies.budgets import Budget
 
@@ -95,4 +95,4 @@ def run_bench(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
         choose(key, regime, REGIMES)
     out = output_directory(cfg)
     set_threads(cfg.engine.threads)
-    return run_sections(Bench(cfg, load_model(cfg.model)), out), out
+    return run_sections(Bench(cfg, load_model(ModelSpec.of(cfg.model))), out), out

@@ -34,7 +34,7 @@ from kvbench import config_dict
 from kvbench.bench.measure import Clock, Operators, PeakMemory, median_ratio, rotations, summary, top_operators
 from kvbench.engine import Engine
 from kvbench.errors import KVBenchError, choose
-from kvbench.models import LoadedModel, load_model
+from kvbench.models import LoadedModel, ModelSpec, load_model
 from kvbench.policies import build_policy
 from kvbench.policies.budgets import Budget
 
@@ -420,7 +420,7 @@ def memory_section_row(config: dict[str, Any], spec: str, length: int) -> tuple[
     ``generate`` over a ``length``-token prompt is measured, after a two-token one that pages in the memory-mapped
     weights. Returns the canonical spec and the row."""
     cfg = OmegaConf.create(config)
-    bench = Bench(cfg, load_model(cfg.model))
+    bench = Bench(cfg, load_model(ModelSpec.of(cfg.model)))
     engine = bench.engine(spec, regime=str(cfg.bench.memory.regime))
     engine.generate(bench.prompt(2), 1)
     with bench.memory.track() as figures:

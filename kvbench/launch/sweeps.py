@@ -224,12 +224,12 @@ def split_pending(jobs: list[SweepJob]) -> tuple[list[SweepJob], list[SweepJob],
     for job in jobs:
         run_dir = RunDir(job.output_dir)
         try:
-            resolved = resolve(job.cfg).cfg
+            resolved = resolve(job.cfg).settings
         except KVBenchError:  # submitted, and reported as it fails
             resolved = None
         done = None
-        if resolved is not None and resolved.resume != "restart":
-            conflict = run_dir.conflict(config_dict(resolved))
+        if resolved is not None and resolved["resume"] != "restart":
+            conflict = run_dir.conflict(resolved)
             if conflict is not None:
                 conflicts.append(conflict)
                 continue
@@ -254,7 +254,7 @@ def group_jobs(jobs: list[SweepJob]) -> list[list[SweepJob]]:
     first appearance."""
     groups: dict[str, list[SweepJob]] = {}
     for job in jobs:
-        groups.setdefault(load_group_key(job.cfg), []).append(job)
+        groups.setdefault(load_group_key(config_dict(job.cfg, resolve=True)), []).append(job)
     return list(groups.values())
 
 

@@ -17,13 +17,11 @@ import json
 import netrc
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, cast
 from urllib.parse import urlparse
 
-from omegaconf import DictConfig
-
-from kvbench import config_dict
 from kvbench.rundir import RunDir
 
 WandbMode = Literal["online", "offline", "disabled", "shared"]
@@ -88,9 +86,11 @@ def prediction_rows(records: list[dict[str, Any]]) -> list[list[Any]]:
     ]
 
 
-def log_run(cfg: DictConfig, run_dir: RunDir, metrics: dict[str, Any], records: list[dict[str, Any]]) -> None:
-    """Log a finished run when ``cfg.logger.name`` is ``wandb``; nothing otherwise."""
-    logger = cfg.get("logger") or {}
+def log_run(
+    settings: Mapping[str, Any], run_dir: RunDir, metrics: dict[str, Any], records: list[dict[str, Any]]
+) -> None:
+    """Log a finished run when its resolved ``settings`` say ``logger.name=wandb``; nothing otherwise."""
+    logger = settings.get("logger") or {}
     if logger.get("name") != "wandb":
         return
     import wandb
@@ -107,7 +107,7 @@ def log_run(cfg: DictConfig, run_dir: RunDir, metrics: dict[str, Any], records: 
         name=name,
         tags=tags,
         dir=str(run_dir.path),
-        config=config_dict(cfg, resolve=True),
+        config=dict(settings),
         reinit="finish_previous",
         settings=wandb.Settings(console="off", silent=True),
     ) as run:

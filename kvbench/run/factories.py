@@ -19,7 +19,7 @@ from kvbench.engine.runner import head_dim_of
 from kvbench.errors import KVBenchError
 from kvbench.identity import node_settings_key
 from kvbench.job import Job
-from kvbench.models import LoadedModel, check_weights, load_tokenizer, model_skeleton
+from kvbench.models import LoadedModel, ModelSpec, check_weights, load_tokenizer, model_skeleton
 from kvbench.policies import build_policy
 from kvbench.tasks.base import ModelInfo, Sample, Task
 
@@ -32,7 +32,8 @@ def build_task(cfg: DictConfig, tokenizer) -> Task:
         task_class = get_class(cfg.task._target_)
     except Exception as error:
         raise KVBenchError(f"task {cfg.task.name!r}: cannot import {cfg.task._target_}: {error}") from None
-    info = ModelInfo(cfg.model.name, tokenizer, int(cfg.model.context_window), cfg.model.hf_id)
+    model = ModelSpec.of(cfg.model)
+    info = ModelInfo(model.name, tokenizer, model.context_window, model.hf_id)
     return task_class(cfg.task, info)
 
 
@@ -41,7 +42,7 @@ def checked_task(cfg: DictConfig, tokenizer) -> tuple[Task | None, list[str]]:
     loads: weights neither here nor downloadable now, data the same, a task that cannot be built."""
     reasons = []
     try:
-        check_weights(cfg.model)
+        check_weights(ModelSpec.of(cfg.model))
     except KVBenchError as error:
         reasons.append(str(error))
     try:
@@ -63,9 +64,10 @@ def checked_task(cfg: DictConfig, tokenizer) -> tuple[Task | None, list[str]]:
 
 def model_refusal_of(cfg: DictConfig) -> str | None:
     """Why the job's policy is not defined on its model (:func:`~kvbench.engine.runner.model_refusal`: its sliding
-    layers, its learned sinks), read from the model's skeleton before anything loads; None where it is, or where the
-    model's config is not on this machine (the weights' check says so)."""
-    skeleton = model_skeleton(cfg.model)
+    layers, its learned sinks; its cache's head size for KIVI), read from the model's
+    skeleton before anything loads; None where it is, or where the model's config is not on this machine (the
+    weights' check says so)."""
+    skeleton = model_skeleton(ModelSpec.of(cfg.model))
     if skeleton is None:
         return None
     policy, config = build_policy(cfg.policy.name, cfg.policy), skeleton.config.get_text_config()
@@ -73,11 +75,11 @@ def model_refusal_of(cfg: DictConfig) -> str | None:
     return refusal or quant_model_refusal(kivi_of(cfg.cache), head_dim_of(config))
 
 
-def local_tokenizer(model: DictConfig, cache: dict[str, Any] | None = None) -> Any | None:
+def local_tokenizer(model: ModelSpec, cache: dict[str, Any] | None = None) -> Any | None:
     """The model's own tokenizer where this machine has it (loaded once per model with ``cache``), else None;
     nothing is downloaded."""
     cache = {} if cache is None else cache
-    key = node_settings_key(model)
+    key = node_settings_key(model.settings())
     if key not in cache:
         try:
             with hub_offline():
@@ -87,11 +89,11 @@ def local_tokenizer(model: DictConfig, cache: dict[str, Any] | None = None) -> A
     return cache[key]
 
 
-def tokenizer_or_stand_in(model: DictConfig, tokenizer: Any | None) -> Any:
+def tokenizer_or_stand_in(model: ModelSpec, tokenizer: Any | None) -> Any:
     """``tokenizer``, or where it is None a stand-in that checks everything a tokenizer does not decide."""
     from kvbench.engine.tokenizers import stand_in_tokenizer
 
-    return stand_in_tokenizer(int(model.context_window)) if tokenizer is None else tokenizer
+    return stand_in_tokenizer(model.context_window) if tokenizer is None else tokenizer
 
 
 @contextlib.contextmanager

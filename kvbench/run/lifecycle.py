@@ -20,7 +20,7 @@ from kvbench.engine import Engine
 from kvbench.engine.threads import set_threads
 from kvbench.errors import KVBenchError
 from kvbench.job import Job, resolve
-from kvbench.models import LoadedModel, load_model, load_tokenizer
+from kvbench.models import LoadedModel, ModelSpec, load_model, load_tokenizer
 from kvbench.results.wandb_logger import log_run
 from kvbench.run.factories import build_engine, build_task, checked_task, local_tokenizer, tokenizer_or_stand_in
 from kvbench.run.progress import LOG_FORMAT, Progress, SweepProgress
@@ -54,14 +54,15 @@ class Shared:
         if self.task is None:
             started = time.perf_counter()
             set_threads(cfg.engine.threads)
-            tokenizer = local_tokenizer(cfg.model)
-            task, reasons = checked_task(cfg, tokenizer_or_stand_in(cfg.model, tokenizer))
+            model = ModelSpec.of(cfg.model)
+            tokenizer = local_tokenizer(model)
+            task, reasons = checked_task(cfg, tokenizer_or_stand_in(model, tokenizer))
             if task is None:
                 self.error = KVBenchError("; ".join(reasons))
                 raise self.error
             try:
                 if tokenizer is None:  # checked with a stand-in: the model's own, downloadable, builds the samples
-                    task = build_task(cfg, load_tokenizer(cfg.model))
+                    task = build_task(cfg, load_tokenizer(model))
                 samples = samples_within_window(unique_ids(list(task.samples()), cfg.task.name), cfg)
                 self.samples = with_draws(samples, int(cfg.generation.num_samples))
             except KVBenchError as error:
@@ -75,7 +76,7 @@ class Shared:
         """The model of ``cfg``, loaded once (after :meth:`task_samples` has checked the job)."""
         if self.loaded is None:
             started = time.perf_counter()
-            self.loaded = load_model(cfg.model)
+            self.loaded = load_model(ModelSpec.of(cfg.model))
             self.load_seconds += time.perf_counter() - started
         return self.loaded
 
@@ -116,7 +117,7 @@ class OpenRun:
         self.progress.close()
         metrics = summarize(self.job, self.task, self.records, self.load)
         self.run_dir.write_metrics(metrics)
-        log_run(self.job.cfg, self.run_dir, metrics, self.records)
+        log_run(self.job.settings, self.run_dir, metrics, self.records)
         return metrics
 
 
@@ -179,7 +180,7 @@ def open_run(job: Job, run_dir: RunDir, shared: Shared) -> OpenRun | dict[str, A
     restart = job.cfg.resume == "restart"
     if not restart:
         run_dir.check_same_run(config_dict(job.cfg, resolve=True))
-        finished_before = finished_metrics(run_dir, job.cfg)
+        finished_before = finished_metrics(run_dir, job.settings)
         if finished_before is not None:
             print(f"kvbench: {run_dir.path}: finished with these settings, nothing to run", file=sys.stderr)
             return finished_before
@@ -200,7 +201,7 @@ def open_run(job: Job, run_dir: RunDir, shared: Shared) -> OpenRun | dict[str, A
             log.info("resume=restart: the earlier files of %s moved to %s", run_dir.path, moved)
     wanted = {sample.id for sample in samples}
     # a larger run's others stay
-    records = [record for record in run_dir.start(job.cfg, task.required_fields) if record["id"] in wanted]
+    records = [record for record in run_dir.start(job.settings, task.required_fields) if record["id"] in wanted]
     finished = {record["id"] for record in records}
     samples = [sample for sample in samples if sample.id not in finished]
     state = f"resuming, {len(finished)} samples done" if finished else "new run"

@@ -9,11 +9,9 @@ import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, TypeVar, cast
+from typing import Any, ClassVar, Literal, TypeVar
 
-from omegaconf import DictConfig, OmegaConf
-
-from kvbench.domains import Domain, check_table, choice
+from kvbench.domains import Domain, Settings, check_table, choice
 from kvbench.tasks import prompts
 
 T = TypeVar("T")  # what Task.fitted builds
@@ -167,9 +165,11 @@ class Task(ABC):
     #: (:data:`kvbench.rundir.RECORD_FIELDS`): a line without them is redone
     required_fields: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, cfg: DictConfig, model: ModelInfo):
-        self.check(cast(dict, OmegaConf.to_container(cfg, resolve=True)))  # the domains, however the task is built
-        self.cfg = cfg
+    def __init__(self, settings: Mapping[str, Any], model: ModelInfo):
+        """``settings``: the job's ``task.*`` values (any mapping: a Hydra node's are read once, into
+        :class:`~kvbench.domains.Settings`)."""
+        self.settings = Settings(settings)
+        self.check(self.settings.to_dict())  # the domains, however the task is built
         self.model = model
 
     @classmethod

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator
-
-from omegaconf import DictConfig
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from kvbench import resolve_path
 from kvbench.domains import PATH, SAMPLES, SEED, TEXT, TOKENS, integer, optional
@@ -59,19 +58,20 @@ class BookPerplexityTask(PerplexityTask):
         "seed": SEED,
     }
 
-    def __init__(self, cfg: DictConfig, model: ModelInfo):
-        Task.__init__(self, cfg, model)
-        self.read_window_options(cfg)
-        num_samples = cfg.get("num_samples")
+    def __init__(self, settings: Mapping[str, Any], model: ModelInfo):
+        Task.__init__(self, settings, model)
+        settings = self.settings  # read once, plain values
+        self.read_window_options(settings)
+        num_samples = settings.get("num_samples")
         self.num_samples = None if num_samples is None else int(num_samples)
-        self.min_tokens = 0 if cfg.min_tokens is None else int(cfg.min_tokens)
+        self.min_tokens = 0 if settings.min_tokens is None else int(settings.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise KVBenchError(
                 f"task.min_tokens={self.min_tokens} is above task.max_tokens={self.max_tokens}: no "
                 f"{self.what} would be left; lower it"
             )
-        self.path = None if cfg.get("path") is None else resolve_path(cfg.path)
-        self.data_dir = None if cfg.get("data_dir") is None else resolve_path(cfg.data_dir)
+        self.path = None if settings.get("path") is None else resolve_path(settings.path)
+        self.data_dir = None if settings.get("data_dir") is None else resolve_path(settings.data_dir)
         if self.path is not None and not self.path.is_file():
             raise KVBenchError(
                 f"task.path {self.path} is not a file; set task.path=FILE (a UTF-8 text file) or task.path=null"
@@ -86,7 +86,8 @@ class BookPerplexityTask(PerplexityTask):
         """The hub reachable when neither ``path`` nor ``data_dir`` is given (the constructor checked those)."""
         if self.path is None and self.data_dir is None and not hub_online():
             raise KVBenchError(
-                f"the hub dataset {self.cfg.hf_id} cannot be streamed: the hub is unreachable; {self.how_to_provide()}"
+                f"the hub dataset {self.settings.hf_id} cannot be streamed: the hub is unreachable; "
+                f"{self.how_to_provide()}"
             )
 
     def how_to_provide(self) -> str:
@@ -101,17 +102,18 @@ class BookPerplexityTask(PerplexityTask):
             for path in sorted(self.data_dir.glob("*.txt")):
                 yield path.stem, strip_gutenberg(read_text(path))
             return
-        cfg = self.cfg
-        field, title_field = cfg.get("text_field", "text"), cfg.get("title_field")
+        settings = self.settings
+        field, title_field = settings.get("text_field", "text"), settings.get("title_field")
         for index, row in enumerate(
-            hub_rows(cfg.hf_id, cfg.get("hf_split", "test"), self.how_to_provide(), cfg.get("hf_config"))
+            hub_rows(settings.hf_id, settings.get("hf_split", "test"), self.how_to_provide(), settings.get("hf_config"))
         ):
             if field not in row:
                 raise KVBenchError(
-                    f"the hub dataset {cfg.hf_id} has no column {field!r} (columns: {', '.join(row)}); "
+                    f"the hub dataset {settings.hf_id} has no column {field!r} (columns: {', '.join(row)}); "
                     "set task.text_field"
                 )
-            yield str(row.get(title_field) or f"{self.name}-{index}"), row[field]
+            title = row.get(title_field) if title_field is not None else None
+            yield str(title or f"{self.name}-{index}"), row[field]
 
     def book_ids(self, text: str) -> list[int]:
         """BOS (if the tokenizer has one) and the first ``max_tokens - 1`` tokens of the text."""

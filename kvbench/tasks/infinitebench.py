@@ -111,17 +111,17 @@ class InfiniteBenchTask(SubsetsTask):
     def odd_to_tail(self) -> bool:  # type: ignore[override]
         """The gpt4 path cuts with ``eval_utils.py``'s ``truncate_input`` (``input[-max_length // 2:]``: an odd
         length's extra token at the tail); ``eval_yarn_mistral.py``'s own cuts ``max_length // 2`` from each end."""
-        return self.cfg.templates == "gpt4"
+        return self.settings.templates == "gpt4"
 
     def fields(self, record: dict[str, Any]) -> dict[str, Any]:
         return {**record, "input": record["question"]}
 
     def prompt_of(self, record: dict[str, Any]) -> str:
-        return TEMPLATES[self.cfg.templates][record["subtask"]]
+        return TEMPLATES[self.settings.templates][record["subtask"]]
 
     def messages(self, text: str) -> list[dict[str, str]] | None:
         """``create_msgs``' turns for the chat template (``gpt4`` templates): the system message, then the prompt."""
-        if self.cfg.templates != "gpt4" or self.template != "hf_chat":
+        if self.settings.templates != "gpt4" or self.template != "hf_chat":
             return None
         return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
 

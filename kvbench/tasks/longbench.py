@@ -40,12 +40,10 @@ import json
 import random
 import zipfile
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
-
-from omegaconf import DictConfig
 
 from kvbench import resolve_path
 from kvbench.domains import FLAG, PATH, SAMPLES, SEED, Domain, choice, integer, name_list, one_of, optional
@@ -184,20 +182,21 @@ class LongBenchTask(Task):
         "e": FLAG,
     }
 
-    def __init__(self, cfg: DictConfig, model: ModelInfo):
-        super().__init__(cfg, model)
-        self.e = bool(cfg.get("e", False))
-        names = cfg.get("subtasks") or cfg.datasets
+    def __init__(self, settings: Mapping[str, Any], model: ModelInfo):
+        super().__init__(settings, model)
+        settings = self.settings  # read once, plain values
+        self.e = bool(settings.get("e", False))
+        names = settings.get("subtasks") or settings.datasets
         self.datasets = [names] if isinstance(names, str) else list(names)
         for dataset in self.datasets if self.e else ():  # LongBench's names are the setting's domain; -E has fewer
             choose("LongBench-E dataset", dataset, E_DATASETS)
-        self.prompt_format = cfg.prompt_format
+        self.prompt_format = settings.prompt_format
         self.format_template = model.template(self.prompt_format, PROMPT_FORMATS)
-        self.fixed_max_length = None if cfg.get("max_length") is None else int(cfg.max_length)
-        self.num_samples = None if cfg.get("num_samples") is None else int(cfg.num_samples)
-        self.min_length_datasets = _dataset_set(cfg.min_length_datasets)
-        self.seed = int(cfg.get("seed", 42))
-        self.agnostic = cfg.get("query_mode") == "agnostic"
+        self.fixed_max_length = None if settings.get("max_length") is None else int(settings.max_length)
+        self.num_samples = None if settings.get("num_samples") is None else int(settings.num_samples)
+        self.min_length_datasets = _dataset_set(settings.min_length_datasets)
+        self.seed = int(settings.get("seed", 42))
+        self.agnostic = settings.get("query_mode") == "agnostic"
 
     @classmethod
     def for_model(cls, settings: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
@@ -240,7 +239,7 @@ class LongBenchTask(Task):
 
     def check_data(self) -> None:
         """Each dataset's file in ``data_dir``, or the hub archive cached or downloadable."""
-        if self.cfg.get("data_dir") is not None:
+        if self.settings.get("data_dir") is not None:
             for dataset in self.datasets:
                 self.local_file(dataset)
         else:
@@ -249,7 +248,7 @@ class LongBenchTask(Task):
     def local_file(self, dataset: str) -> Path:
         """``<data_dir>/<dataset>[_e].jsonl``, or a one-line error saying how to provide it."""
         file_name = f"{dataset}_e.jsonl" if self.e else f"{dataset}.jsonl"
-        path = resolve_path(self.cfg.data_dir) / file_name
+        path = resolve_path(self.settings.data_dir) / file_name
         if not path.is_file():
             raise KVBenchError(
                 f"LongBench dataset {dataset!r} not found: expected {path}; download data.zip from "
@@ -260,7 +259,7 @@ class LongBenchTask(Task):
 
     def records(self, dataset: str) -> list[dict[str, Any]]:
         """The official records of one dataset, from ``data_dir`` or the hub archive."""
-        if self.cfg.get("data_dir") is None:
+        if self.settings.get("data_dir") is None:
             return _hub_records(f"{dataset}_e.jsonl" if self.e else f"{dataset}.jsonl")
         path = self.local_file(dataset)
         with path.open(encoding="utf-8") as lines:

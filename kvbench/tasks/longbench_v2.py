@@ -33,7 +33,7 @@ class LongBenchV2Task(QATask):
     joined_cut = odd_to_tail = True  # pred.py's query_llm: input_ids[:max_len//2] + input_ids[-max_len//2:]
 
     def how_to_provide(self) -> str:
-        return f"download data.json of {self.cfg.hub} and set task.path=FILE (or KVBENCH_LONGBENCH_V2_PATH)"
+        return f"download data.json of {self.settings.hub} and set task.path=FILE (or KVBENCH_LONGBENCH_V2_PATH)"
 
     def fields(self, record: dict[str, Any]) -> dict[str, Any]:
         """The record's context, question and choices stripped, as ``pred.py`` fills the template: by a chain of
@@ -51,7 +51,7 @@ class LongBenchV2Task(QATask):
         """Accuracy (0-100) over every record and over each difficulty and length (the splits with records); with
         ``task.empty_answers=skipped`` the questions answered with nothing are left out, as ``pred.py`` (line 98 at
         2e00731: ``if output == '': continue``) writes no record for them."""
-        if self.cfg.get("empty_answers") == "skipped":
+        if self.settings.get("empty_answers") == "skipped":
             records = [record for record in records if record["prediction"] != ""]
         groups: dict[str, list[float]] = {"overall": [record["score"] for record in records]}
         for field, names in SPLITS.items():

@@ -37,14 +37,13 @@ The depth x length heatmap of a run: ``kvbench plot RUN_DIR --kind heatmap`` (re
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import DictConfig
 
 from kvbench import cache_dir
 from kvbench.domains import PATH, PERCENT, SEED, TEXT, TOKENS, choice, integer, list_of, mapping, one_of, optional
@@ -146,10 +145,11 @@ class NeedleTask(Task):
         "seed": SEED,
     }
 
-    def __init__(self, cfg: DictConfig, model: ModelInfo):
-        super().__init__(cfg, model)
-        self.context_lengths = context_lengths(cfg.get("context_lengths"), cfg.context_range)
-        self.buffer = int(cfg.get("buffer", 200))
+    def __init__(self, settings: Mapping[str, Any], model: ModelInfo):
+        super().__init__(settings, model)
+        settings = self.settings  # read once, plain values
+        self.context_lengths = context_lengths(settings.get("context_lengths"), settings.context_range)
+        self.buffer = int(settings.get("buffer", 200))
         for length in self.context_lengths:
             if length > model.context_window:
                 raise KVBenchError(
@@ -158,21 +158,21 @@ class NeedleTask(Task):
                 )
             if length <= self.buffer:
                 raise KVBenchError(f"task.context_lengths has {length}, not above task.buffer={self.buffer}; raise it")
-        depths = cfg.get("depths")
+        depths = settings.get("depths")
         if depths is not None:
             self.depths = [float(depth) for depth in ([depths] if isinstance(depths, (int, float)) else depths)]
         else:
-            self.depths = rounded_depths(int(cfg.get("depth_steps", 10)))
-        self.prompt_format = cfg.prompt_format
+            self.depths = rounded_depths(int(settings.get("depth_steps", 10)))
+        self.prompt_format = settings.prompt_format
         self.style = PROMPT_STYLES[self.prompt_format]
         if self.prompt_format == prompts.HF_CHAT:
             prompts.check_chat_template(model.tokenizer, model.name)
-        self.needle = str(cfg.get("needle") or NEEDLE)
-        self.question = str(cfg.get("question") or self.style.question)
-        self.scorer = cfg.get("scorer", "rouge")
-        self.rouge_stat = cfg.get("rouge_stat", "fmeasure")
-        self.substring_keys = list(cfg.get("substring_keys") or ["sandwich", "dolores"])
-        max_new = cfg.get("max_new_tokens")
+        self.needle = str(settings.get("needle") or NEEDLE)
+        self.question = str(settings.get("question") or self.style.question)
+        self.scorer = settings.get("scorer", "rouge")
+        self.rouge_stat = settings.get("rouge_stat", "fmeasure")
+        self.substring_keys = list(settings.get("substring_keys") or ["sandwich", "dolores"])
+        max_new = settings.get("max_new_tokens")
         self.max_new_tokens = self.style.max_new_tokens if max_new is None else int(max_new)
 
     # --- tokens --------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ class NeedleTask(Task):
     @cached_property
     def haystack_ids(self) -> list[int]:
         """The essays concatenated as files, repeated until they hold ``max(context_lengths)`` tokens."""
-        texts = [path.read_text(encoding="utf-8") for path in essay_files(self.cfg.get("essay_dir"))]
+        texts = [path.read_text(encoding="utf-8") for path in essay_files(self.settings.get("essay_dir"))]
         context = ""
         ids: list[int] = []
         while len(ids) < max(self.context_lengths):

@@ -50,8 +50,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from kvbench import resolve_path
 from kvbench.domains import (
     FLAG,
@@ -148,14 +146,15 @@ class NeedleBenchTask(Task):
         grid = str(settings.get("grid") or "")
         return int(grid[:-1]) * 1024 if grid[:-1].isdigit() and grid.endswith("k") else None
 
-    def __init__(self, cfg: DictConfig, model: ModelInfo):
-        super().__init__(cfg, model)
-        subtasks = cfg.get("subtasks") or list(SUBTASKS)
+    def __init__(self, settings: Mapping[str, Any], model: ModelInfo):
+        super().__init__(settings, model)
+        settings = self.settings  # read once, plain values
+        subtasks = settings.get("subtasks") or list(SUBTASKS)
         self.subtasks = [subtasks] if isinstance(subtasks, str) else list(subtasks)
-        self.grid = GRIDS[str(cfg.get("grid", "8k"))]
-        lengths = cfg.get("context_lengths")
+        self.grid = GRIDS[str(settings.get("grid", "8k"))]
+        lengths = settings.get("context_lengths")
         self.context_lengths = list(self.grid.lengths) if lengths is None else [int(value) for value in lengths]
-        depths = cfg.get("depths")
+        depths = settings.get("depths")
         self.depths = truncated_depths(20) if depths is None else [int(value) for value in depths]
         if not self.context_lengths or not self.depths or any(not 0 <= depth <= 100 for depth in self.depths):
             raise KVBenchError(
@@ -168,13 +167,13 @@ class NeedleBenchTask(Task):
                 f"task.context_lengths has {too_long[0]}, above the context window {model.context_window} "
                 f"of model {model.name}; lower it or pick task.grid=4k"
             )
-        self.needle_counts = [int(value) for value in cfg.get("needle_counts", [2, 3, 4, 5])]
-        self.guide = bool(cfg.get("guide", True))
-        self.diff = int(cfg.get("diff", 10))
-        self.seed = int(cfg.get("seed", 0))
-        max_new = cfg.max_new_tokens
+        self.needle_counts = [int(value) for value in settings.get("needle_counts", [2, 3, 4, 5])]
+        self.guide = bool(settings.get("guide", True))
+        self.diff = int(settings.get("diff", 10))
+        self.seed = int(settings.get("seed", 0))
+        max_new = settings.max_new_tokens
         self.max_new_tokens = {kind: int(max_new[kind] if isinstance(max_new, Mapping) else max_new) for kind in KINDS}
-        self.template = model.template(cfg.prompt_format, PROMPT_FORMATS)
+        self.template = model.template(settings.prompt_format, PROMPT_FORMATS)
         self._line_ids: dict[tuple[str, int], list[int]] = {}
         self._orders: dict[str, list[list[int]]] = {}
 
@@ -186,7 +185,7 @@ class NeedleBenchTask(Task):
         names = [NEEDLE_FILE, *(HAYSTACK_FILES[lang] for lang in languages)]
         names += [REASONING_FILES[lang] for lang in languages if f"reasoning_{lang}" in self.subtasks]
         for name in names:
-            if self.cfg.get("data_dir") is not None:
+            if self.settings.get("data_dir") is not None:
                 self.data_file(name)
             else:
                 check_hub_file(HUB_REPO, name, self.how_to_provide(name))
@@ -200,7 +199,7 @@ class NeedleBenchTask(Task):
 
     def data_file(self, name: str) -> Path:
         """A NeedleBench file from ``task.data_dir`` or the hub dataset, or a one-line error."""
-        data_dir = self.cfg.get("data_dir")
+        data_dir = self.settings.get("data_dir")
         how = self.how_to_provide(name)
         if data_dir is None:
             return hub_file(HUB_REPO, name, how)
@@ -268,13 +267,13 @@ class NeedleBenchTask(Task):
         return tokens[:target]
 
     def buffer(self, kind: str, lang: str) -> int:
-        override = self.cfg.get("length_buffer")
+        override = self.settings.get("length_buffer")
         return self.grid.buffers[kind][lang] if override is None else int(override)
 
     # --- samples -------------------------------------------------------------------------------
 
     def repeats(self, kind: str) -> int:
-        value = self.cfg.get("num_repeats")
+        value = self.settings.get("num_repeats")
         return REPEATS[kind] if value is None else int(value)
 
     def samples(self) -> Iterator[Sample]:

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from kvbench import resolve_path
-from kvbench.domains import PATH, SAMPLES, SEED, TEXT, TOKENS, integer, optional
+from kvbench.domains import PATH, SAMPLES, SEED, TEXT, TOKENS, Settings, integer, optional
 from kvbench.errors import KVBenchError
 from kvbench.resources import paul_graham_essays
 from kvbench.tasks.base import ModelInfo, Sample, Task
@@ -68,18 +66,19 @@ class PerplexityTask(Task):
         "bucket_size": TOKENS,
     }
 
-    def __init__(self, cfg: DictConfig, model: ModelInfo):
-        super().__init__(cfg, model)
-        self.read_window_options(cfg)
-        self.path = None if cfg.path is None else resolve_path(cfg.path)
+    def __init__(self, settings: Mapping[str, Any], model: ModelInfo):
+        super().__init__(settings, model)
+        settings = self.settings  # read once, plain values
+        self.read_window_options(settings)
+        self.path = None if settings.path is None else resolve_path(settings.path)
         if self.path is not None and not self.path.is_file():
             raise KVBenchError(f"task.path {self.path} is not a file; set task.path=FILE (a UTF-8 text file)")
 
-    def read_window_options(self, cfg: DictConfig) -> None:
+    def read_window_options(self, settings: Settings) -> None:
         """``max_tokens``, ``context_tokens`` and ``bucket_size``, validated (shared with the book tasks)."""
-        self.max_tokens = None if cfg.get("max_tokens") is None else int(cfg.max_tokens)
-        self.context_tokens = int(cfg.get("context_tokens", 0))
-        self.bucket_size = int(cfg.get("bucket_size", 256))
+        self.max_tokens = None if settings.get("max_tokens") is None else int(settings.max_tokens)
+        self.context_tokens = int(settings.get("context_tokens", 0))
+        self.bucket_size = int(settings.get("bucket_size", 256))
         if self.max_tokens is not None and self.context_tokens >= self.max_tokens:
             raise KVBenchError(
                 f"task.context_tokens={self.context_tokens} must be below task.max_tokens={self.max_tokens}"
@@ -98,7 +97,7 @@ class PerplexityTask(Task):
         windows = [tokens[start : start + window] for start in range(0, len(tokens), max(window, 1))]
         windows = [
             chunk
-            for chunk in windows[: int(self.cfg.get("num_samples", 1))]
+            for chunk in windows[: int(self.settings.get("num_samples", 1))]
             if len(prefix) + len(chunk) > max(self.context_tokens, 1)
         ]
         source = ESSAYS if self.path is None else str(self.path)

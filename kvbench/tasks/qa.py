@@ -24,8 +24,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from omegaconf import DictConfig
-
 from kvbench import resolve_path
 from kvbench.domains import PATH, SAMPLES, TEXT, Domain, choice, integer, mapping, name_list, optional
 from kvbench.errors import KVBenchError
@@ -113,21 +111,24 @@ class QATask(Task):
         "num_samples": optional(SAMPLES, "every row"),
     }
 
-    def __init__(self, cfg: DictConfig, model: ModelInfo):
-        super().__init__(cfg, model)
-        self.path = None if cfg.get("path") is None else resolve_path(cfg.path)
-        if self.path is None and cfg.get("hub") is None:
+    def __init__(self, settings: Mapping[str, Any], model: ModelInfo):
+        super().__init__(settings, model)
+        settings = self.settings  # read once, plain values
+        self.path = None if settings.get("path") is None else resolve_path(settings.path)
+        if self.path is None and settings.get("hub") is None:
             raise KVBenchError("task=qa reads rows from task.path=FILE (jsonl, json, parquet) or task.hub=DATASET_ID")
         if self.path is not None and not self.path.is_file():
             raise KVBenchError(f"task.path {self.path} is not a file; set task.path=FILE (jsonl, json or parquet)")
-        self.columns = {field: str(cfg.columns.get(field, field)) for field in REQUIRED + OPTIONAL}
-        self.template = model.template(cfg.prompt_format, PROMPT_FORMATS)
-        self.agnostic = cfg.get("query_mode") == "agnostic"
+        self.columns = {field: str(settings.columns.get(field, field)) for field in REQUIRED + OPTIONAL}
+        self.template = model.template(settings.prompt_format, PROMPT_FORMATS)
+        self.agnostic = settings.get("query_mode") == "agnostic"
 
     @property
     def dataset(self) -> str:
         """The dataset's name: ``task.dataset``, else the file's stem or the hub dataset's last part."""
-        return str(self.cfg.get("dataset") or (self.path.stem if self.path else str(self.cfg.hub).split("/")[-1]))
+        return str(
+            self.settings.get("dataset") or (self.path.stem if self.path else str(self.settings.hub).split("/")[-1])
+        )
 
     def how_to_provide(self) -> str:
         """The end of the one-line error where the rows are neither here nor downloadable."""
@@ -137,7 +138,8 @@ class QATask(Task):
         """The hub reachable when the rows come from it (the constructor checked ``task.path``)."""
         if self.path is None and not hub_online():
             raise KVBenchError(
-                f"the hub dataset {self.cfg.hub} ({self.cfg.split} split) is not here and the hub is unreachable; "
+                f"the hub dataset {self.settings.hub} ({self.settings.split} split) is not here and the hub is "
+                "unreachable; "
                 f"{self.how_to_provide()}"
             )
 
@@ -146,12 +148,14 @@ class QATask(Task):
         if self.path is not None:
             yield from read_rows(self.path)
         else:
-            cfg = self.cfg
-            yield from hub_rows(str(cfg.hub), str(cfg.split), self.how_to_provide(), cfg.get("hub_config"))
+            settings = self.settings
+            yield from hub_rows(
+                str(settings.hub), str(settings.split), self.how_to_provide(), settings.get("hub_config")
+            )
 
     def records(self) -> list[dict[str, Any]]:
         """The first ``num_samples`` rows in kvpress's field names, each checked for the required ones."""
-        limit, records = self.cfg.get("num_samples"), []
+        limit, records = self.settings.get("num_samples"), []
         for index, row in enumerate(self.rows()):
             if limit is not None and index >= int(limit):
                 break
@@ -163,7 +167,7 @@ class QATask(Task):
                     f"name the one that holds the {missing[0]} with task.columns.{missing[0]}=COLUMN"
                 )
             record = {**row, **{field: row[column] for field, column in self.columns.items() if column in row}}
-            subtask = self.cfg.get("subtask_column")
+            subtask = self.settings.get("subtask_column")
             record["subtask"] = str(row[subtask]) if subtask else self.dataset
             record.setdefault("id", f"{record['subtask']}-{index}")
             records.append(record)
@@ -179,7 +183,7 @@ class QATask(Task):
 
     def sample(self, record: dict[str, Any], shared_context: bool) -> Sample:
         """The engine's sample for one row (``shared_context``: other rows ask about the same context)."""
-        new_tokens = int(record.get("max_new_tokens") or self.cfg.max_new_tokens)
+        new_tokens = int(record.get("max_new_tokens") or self.settings.max_new_tokens)
         prefix = str(record.get("answer_prefix") or "")
         if self.kvpress_rows:
             ids, context_end = self.kvpress_ids(record, prefix, new_tokens)
@@ -250,7 +254,7 @@ class QATask(Task):
 
     def prompt_of(self, record: dict[str, Any]) -> str:
         """The template of the row's user turn (``task.prompt``): ``{context}`` first, then ``{question}``."""
-        return str(self.cfg.prompt)
+        return str(self.settings.prompt)
 
     def messages(self, text: str) -> list[dict[str, str]] | None:
         """The chat turns of a prompt ``text`` (None: ``text`` as the one user turn)."""
@@ -285,10 +289,10 @@ class QATask(Task):
 
     def answer_tokens(self) -> int:
         """The most tokens a row may generate (``task.max_new_tokens``; a row's own column aside)."""
-        return int(self.cfg.max_new_tokens)
+        return int(self.settings.max_new_tokens)
 
     def cut_limit(self) -> int | None:
-        limit = self.cfg.get("max_length")
+        limit = self.settings.get("max_length")
         return None if limit is None else int(limit)
 
     def evaluate(self, sample: Sample, output: Any) -> dict[str, Any]:
@@ -297,7 +301,7 @@ class QATask(Task):
 
     def score(self, sample: Sample, prediction: str) -> float:
         """The dataset's metric (``task.metric``), 0-1."""
-        return qa_score(self.cfg.metric, prediction, sample.answers)
+        return qa_score(self.settings.metric, prediction, sample.answers)
 
 
 def subset_domains(subsets: tuple[str, ...], hub_repo: str, counted: str) -> dict[str, Domain]:
@@ -326,13 +330,14 @@ class SubsetsTask(QATask):
     #: each subset's generation length (the dataset's own table)
     new_tokens: ClassVar[Mapping[str, int]] = {}
 
-    def __init__(self, cfg: DictConfig, model: ModelInfo):
-        Task.__init__(self, cfg, model)
-        names = cfg.subtasks
+    def __init__(self, settings: Mapping[str, Any], model: ModelInfo):
+        Task.__init__(self, settings, model)
+        settings = self.settings  # read once, plain values
+        names = settings.subtasks
         self.subsets = [names] if isinstance(names, str) else list(names)
-        self.data_dir = None if cfg.get("data_dir") is None else resolve_path(cfg.data_dir)
-        self.template = model.template(cfg.prompt_format, PROMPT_FORMATS)
-        self.agnostic = cfg.get("query_mode") == "agnostic"
+        self.data_dir = None if settings.get("data_dir") is None else resolve_path(settings.data_dir)
+        self.template = model.template(settings.prompt_format, PROMPT_FORMATS)
+        self.agnostic = settings.get("query_mode") == "agnostic"
 
     def answer_tokens(self) -> int:
         """The most tokens a subset of the task generates (:attr:`new_tokens`)."""
@@ -368,5 +373,5 @@ class SubsetsTask(QATask):
     @property
     def limit(self) -> int | None:
         """``task.num_samples``: the rows (contexts, documents) taken of each subset; None: all."""
-        limit = self.cfg.get("num_samples")
+        limit = self.settings.get("num_samples")
         return None if limit is None else int(limit)

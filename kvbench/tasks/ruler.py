@@ -37,8 +37,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from kvbench import resolve_path
 from kvbench.domains import PATH, SAMPLES, SEED, TOKENS, choice, integer, mapping, name_list, one_of, optional
 from kvbench.errors import KVBenchError
@@ -142,46 +140,47 @@ class RulerTask(Task):
         "questions_per_context": integer(1, "a question count"),
     }
 
-    def __init__(self, cfg: DictConfig, model: ModelInfo):
-        super().__init__(cfg, model)
-        subtasks = cfg.get("subtasks")
+    def __init__(self, settings: Mapping[str, Any], model: ModelInfo):
+        super().__init__(settings, model)
+        settings = self.settings  # read once, plain values
+        subtasks = settings.get("subtasks")
         if subtasks is None:  # all the synthetic ones (qa_1 / qa_2 need data: name them)
             subtasks = [name for name, spec in SUBTASKS.items() if not spec.needs_data]
         elif isinstance(subtasks, str):
             subtasks = [subtasks]
         self.subtasks: list[str] = list(subtasks)
-        self.context_length = int(cfg.context_length)
+        self.context_length = int(settings.context_length)
         if self.context_length > model.context_window:
             raise KVBenchError(
                 f"task.context_length={self.context_length} exceeds the context window {model.context_window} "
                 f"of model {model.name}; lower task.context_length"
             )
-        self.data_dir = None if cfg.data_dir is None else resolve_path(cfg.data_dir)
-        self.num_samples = None if cfg.num_samples is None else int(cfg.num_samples)
+        self.data_dir = None if settings.data_dir is None else resolve_path(settings.data_dir)
+        self.num_samples = None if settings.num_samples is None else int(settings.num_samples)
         if self.num_samples is None and self.data_dir is None:
             raise KVBenchError(
                 "task.num_samples=null reads every record of task.data_dir; generated RULER samples need "
                 "a number (RULER's default: 500)"
             )
-        self.max_length = None if cfg.max_length is None else int(cfg.max_length)
+        self.max_length = None if settings.max_length is None else int(settings.max_length)
         if self.max_length is not None and self.data_dir is None and self.max_length < self.context_length:
             raise KVBenchError(
                 f"task.max_length={self.max_length} would cut prompts generated for task.context_length="
                 f"{self.context_length}; lower task.context_length instead"
             )
-        self.agnostic = cfg.query_mode == "agnostic"
+        self.agnostic = settings.query_mode == "agnostic"
         if self.agnostic and self.data_dir is not None:
             raise KVBenchError(
                 "task.query_mode=agnostic needs generated samples (RULER's files hold each prompt as one text, "
                 "with no context/question split); set task.data_dir=null"
             )
-        self.questions_per_context = int(cfg.get("questions_per_context", 1))
+        self.questions_per_context = int(settings.get("questions_per_context", 1))
         self._check_questions()
-        self.template = model.template(cfg.prompt_format, PROMPT_FORMATS)
-        self.answer_prefix = cfg.prompt_format != "kvcache_factory"
-        self.min_new_tokens = int(cfg.min_new_tokens)
+        self.template = model.template(settings.prompt_format, PROMPT_FORMATS)
+        self.answer_prefix = settings.prompt_format != "kvcache_factory"
+        self.min_new_tokens = int(settings.min_new_tokens)
         self.tokens_to_generate = {
-            name: self._tokens_to_generate(name, cfg.tokens_to_generate) for name in self.subtasks
+            name: self._tokens_to_generate(name, settings.tokens_to_generate) for name in self.subtasks
         }
 
     def _check_questions(self) -> None:
@@ -219,7 +218,7 @@ class RulerTask(Task):
     @cached_property
     def essay_words(self) -> list[str]:
         """The essay haystack as a word list (downloaded on first use unless ``task.essay_dir`` is set)."""
-        return paul_graham_essays(self.cfg.get("essay_dir")).split()
+        return paul_graham_essays(self.settings.get("essay_dir")).split()
 
     def samples(self) -> Iterator[Sample]:
         """``num_samples`` samples per subtask (null: every record of a ``data_dir`` file), subtask by
@@ -241,7 +240,12 @@ class RulerTask(Task):
             if self.data_dir is not None:
                 self.data_file(self.data_dir, subtask)
             spec = SUBTASKS[subtask]
-            if self.data_dir is None and isinstance(spec, QA) and self.cfg.get("qa_dir") is None and not hub_online():
+            if (
+                self.data_dir is None
+                and isinstance(spec, QA)
+                and self.settings.get("qa_dir") is None
+                and not hub_online()
+            ):
                 names = QA_FILES[spec.dataset]
                 raise KVBenchError(
                     f"RULER {subtask} needs {names[0]}: the hub is unreachable; download {names[0]} into a folder "
@@ -311,7 +315,7 @@ class RulerTask(Task):
         if self.agnostic and len({tuple(sample.input_ids[: sample.question_start]) for sample in samples}) > 1:
             raise KVBenchError(
                 f"RULER {subtask} haystack {context}: its questions' contexts tokenize differently in "
-                f"task.prompt_format={self.cfg.prompt_format}; set task.questions_per_context=1"
+                f"task.prompt_format={self.settings.prompt_format}; set task.questions_per_context=1"
             )
         return samples
 
@@ -349,7 +353,7 @@ class RulerTask(Task):
         largest whose longest prompt fits the token budget."""
         spec = SUBTASKS[subtask]
         budget = self.context_length - spec.tokens_to_generate
-        seed = f"{self.cfg.seed}:{subtask}:{context}"
+        seed = f"{self.settings.seed}:{subtask}:{context}"
         tried: dict[int, list[Generated]] = {}
 
         def length(size: int) -> int:

@@ -30,8 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from omegaconf import DictConfig
-
+from kvbench.domains import Settings
 from kvbench.metrics.ruler import string_match_all
 from kvbench.resources import wonderwords_list
 from kvbench.tasks.prompts import after_context
@@ -83,7 +82,7 @@ VT_EXAMPLE_NOISE = 10  # noise paragraphs of the few-shot example (RULER fits it
 class Haystack(Protocol):
     """What a generator reads of its task (:class:`~kvbench.tasks.ruler.RulerTask`)."""
 
-    cfg: DictConfig
+    settings: Settings
     context_length: int
 
     @property

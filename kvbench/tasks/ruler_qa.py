@@ -135,7 +135,7 @@ class QA(Generator):
         return string_match_part(prediction, answers)
 
     def build(self, rng: random.Random, size: int, task: Haystack) -> Example:
-        qas, docs = qa_dataset(self.dataset, task.cfg.get("qa_dir"))
+        qas, docs = qa_dataset(self.dataset, task.settings.get("qa_dir"))
         qa = qas[rng.randrange(len(qas))]
         gold, more = list(qa["context"]), list(qa.get("more_context", []))
         if size < len(docs):
@@ -148,7 +148,7 @@ class QA(Generator):
         else:
             chosen = list(range(len(docs)))
         texts = [docs[doc] for doc in chosen]
-        random.Random(task.cfg.get("seed", 42)).shuffle(texts)
+        random.Random(task.settings.get("seed", 42)).shuffle(texts)
         context = "\n\n".join(QA_DOCUMENT.format(i=i + 1, document=text) for i, text in enumerate(texts))
         return Example(
             text=QA_TEMPLATE.format(context=context, query=qa["query"]),
