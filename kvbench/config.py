@@ -4,8 +4,8 @@
 option (each base, and every spec given for ``policy``, sweeps included) is registered in Hydra's
 ``ConfigStore`` with a node generated from the policy's dataclasses (:func:`policy_node`: the defaults are
 defined once, in the dataclass), merged with the selected experiment's ``policy_settings`` for that base and
-those modifiers; every budget as ``{spec}``. Bad values and unknown ``policy.<key>`` settings are rejected
-here with one line instead of a Hydra traceback.
+those modifiers; every budget as ``{spec}`` (conf/ holds no budget file). Bad values and unknown
+``policy.<key>`` settings are rejected here with one line instead of a Hydra traceback.
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ def _selected_node(selections: tuple[tuple[str, str], ...]) -> DictConfig:
     for group, name in selections:
         choose(group, name, group_options(group))
     register_policies([])
+    register_budget(str(default_budget("config")))
     try:
         with initialize_config_dir(config_dir=str(Path(CONF_DIR).resolve()), version_base="1.3"):
             overrides = [f"+{group}={name}" for group, name in selections]
@@ -163,6 +164,8 @@ def prepare_overrides(args: list[str], config_name: str = "config") -> list[str]
     except HydraException as error:
         raise KVBenchError(f"cannot parse overrides {' '.join(args)!r}: {str(error).splitlines()[0]}") from None
     rewritten = [arg for arg in args if arg.startswith("-")]
+    if (default := default_budget(config_name)) is not None:
+        register_budget(default)
     selected: dict[str, list[str]] = {"policy": [], "task": [], "model": []}
     mistakes: list[str] = []  # every invalid value of every key, said at once
     own: dict[str, dict[str, Any]] = {}  # policy.<part>.<key>=VALUE: a base's or modifier's own settings
@@ -254,9 +257,20 @@ def _check_option(key: str, value: str) -> None:
 
 
 def register_budget(spec: str) -> None:
-    """Make a budget without a YAML of its own (``budget=3k``) an option of Hydra's ``budget`` group."""
-    if spec not in group_options("budget"):
-        ConfigStore.instance().store(group="budget", name=spec, node={"spec": spec})
+    """Make a budget (``budget=3k``) an option of Hydra's ``budget`` group: ``{spec}``. Budgets have no YAML files;
+    every one is registered before Hydra composes (the command line's, an experiment's sweep, the defaults')."""
+    ConfigStore.instance().store(group="budget", name=spec, node={"spec": spec})
+
+
+@cache
+def default_budget(config_name: str) -> str | None:
+    """The budget ``conf/<config_name>.yaml``'s defaults list selects, if it selects one."""
+    loaded = OmegaConf.load(CONF_DIR / f"{config_name}.yaml")
+    assert isinstance(loaded, DictConfig)  # every conf file is a mapping
+    for entry in loaded.get("defaults", []):
+        if isinstance(entry, DictConfig) and "budget" in entry:
+            return str(entry["budget"])
+    return None
 
 
 @cache
