@@ -99,6 +99,24 @@ def test_refusals():
         prefilled({**SMALL, "sample_chars": 10**9, "streaming": 0.5})
 
 
+def test_a_model_fusing_its_projections_is_refused_before_it_loads(tmp_path, capsys):
+    """Phi-3 fuses q/k/v into ``qkv_proj``, which the head scores cannot read: refused in one line by ``kvbench run``
+    before the weights load (exit 2, nothing written) and by an engine built on the model; a share that scores nothing
+    runs."""
+    from kvbench.cli import main
+
+    run = ["run", "model=tiny_phi3", "task=ruler", "task.subtasks=[niah_single_1]", "task.context_length=640"]
+    with pytest.raises(SystemExit) as stopped:
+        main([*run, "policy=duo_attention", "budget=64", f"output_dir={tmp_path / 'run'}"])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(error) == 1 and "fuses (qkv_proj)" in error[0]
+    assert not (tmp_path / "run").exists()
+    model = load_model(model_config("tiny_phi3")).model
+    with pytest.raises(KVBenchError, match=r"fuses \(qkv_proj\)"):
+        Engine(model, build_policy("duo_attention", {**SMALL, "streaming": 0.5}), 24, tokenizer=TOKENIZER)
+    Engine(model, build_policy("duo_attention", {**SMALL, "streaming": 1.0}), 24, tokenizer=TOKENIZER)
+
+
 @pytest.mark.parametrize("spec", ["duo_attention", "simlayerkv"])
 def test_a_byte_budget_is_refused_in_one_line(spec, tmp_path, capsys):
     """Keeping whole heads (or layers) whatever the budget, neither can be bound by bytes: one line, exit 2, nothing

@@ -162,6 +162,11 @@ class Calibrated(Protocol):
 
     def calibrate(self, model: Any, tokenizer: Any, text: str) -> None: ...
 
+    def calibration_refusal(self, model: Any) -> str | None:
+        """Why it cannot be calibrated on ``model`` (its skeleton on the meta device suffices: checked before the
+        weights load), or None."""
+        ...
+
 
 def evicting_again(regime: str, decode_evict: bool) -> str | None:
     """The setting that evicts again after the prompt's eviction (``engine.regime=chunked|streaming``, or

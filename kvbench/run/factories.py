@@ -13,6 +13,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig
 
 from kvbench.engine import Engine
+from kvbench.engine.calibration import calibration_refusal
 from kvbench.engine.kivi import kivi_of, quant_model_refusal
 from kvbench.engine.refusals import has_learned_sinks, held_windows, model_refusal
 from kvbench.engine.runner import head_dim_of
@@ -64,7 +65,7 @@ def checked_task(cfg: DictConfig, tokenizer) -> tuple[Task | None, list[str]]:
 
 def model_refusal_of(cfg: DictConfig) -> str | None:
     """Why the job's policy is not defined on its model (:func:`~kvbench.engine.runner.model_refusal`: its sliding
-    layers, its learned sinks; its cache's head size for KIVI), read from the model's
+    layers, its learned sinks; a calibration it cannot make; its cache's head size for KIVI), read from the model's
     skeleton before anything loads; None where it is, or where the model's config is not on this machine (the
     weights' check says so)."""
     skeleton = model_skeleton(ModelSpec.of(cfg.model))
@@ -72,6 +73,7 @@ def model_refusal_of(cfg: DictConfig) -> str | None:
         return None
     policy, config = build_policy(cfg.policy.name, cfg.policy), skeleton.config.get_text_config()
     refusal = model_refusal(policy, held_windows(config), has_learned_sinks(skeleton))
+    refusal = refusal or calibration_refusal(policy, skeleton)
     return refusal or quant_model_refusal(kivi_of(cfg.cache), head_dim_of(config))
 
 

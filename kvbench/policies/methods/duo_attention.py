@@ -96,12 +96,29 @@ class DuoAttention(Policy):
             raise KVBenchError(f"policy.samples={self.samples}: the calibration text has {len(pieces)} pieces")
         return pieces[: self.samples]
 
+    def streaming_count(self, model: Any) -> tuple[int, tuple[int, int]]:
+        """How many KV heads stream, ``round(L·Hkv·streaming)``, and ``(L, Hkv)``."""
+        config = model.config.get_text_config()
+        shape = (config.num_hidden_layers, config.num_key_value_heads)
+        return round(shape[0] * shape[1] * self.streaming), shape
+
+    def calibration_refusal(self, model: Any) -> str | None:
+        """The head scores read each layer's ``q_proj`` and ``k_proj``: a model whose attention fuses them (Phi-3's
+        ``qkv_proj``) is refused, unless no head or every head streams (nothing is scored)."""
+        count, shape = self.streaming_count(model)
+        if count in (0, shape[0] * shape[1]) or all(
+            hasattr(layer.self_attn, "q_proj") and hasattr(layer.self_attn, "k_proj") for layer in model.model.layers
+        ):
+            return None
+        return (
+            f"policy {self.spec} scores its heads from each layer's q_proj and k_proj, which this model's attention "
+            f"fuses (qkv_proj); valid choices here: policy.streaming=0 or 1 (nothing scored), or another policy"
+        )
+
     def calibrate(self, model: Any, tokenizer: Any, text: str) -> None:
         """Set the streaming heads of ``model`` from its head scores on :meth:`calibration_texts` of ``text``: the
         ``round(L·Hkv·streaming)`` lowest over every layer (none, or all, without scoring where that is 0 or all)."""
-        config = model.config.get_text_config()
-        shape = (config.num_hidden_layers, config.num_key_value_heads)
-        count = round(shape[0] * shape[1] * self.streaming)
+        count, shape = self.streaming_count(model)
         if count in (0, shape[0] * shape[1]):
             self.streaming_heads = torch.full(shape, bool(count))
             return
