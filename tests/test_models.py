@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvbench import cache_dir, models
+from kvbench import cache_dir, hub
 from kvbench.errors import KVBenchError
 from kvbench.models import (
     ModelSpec,
@@ -223,7 +223,7 @@ def test_conversion_that_loses_the_race_keeps_the_winner(monkeypatch, tmp_path):
     winner = tmp_path / "smollm2_135m"
     winner.mkdir()
     (winner / "writer.txt").write_text("winner")
-    monkeypatch.setattr(models, "_write_dequantised", write_marker)
+    monkeypatch.setattr(hub, "_write_dequantised", write_marker)
     assert convert_gguf(tmp_path / "model.gguf", winner) == winner
     assert (winner / "writer.txt").read_text() == "winner"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["smollm2_135m"]
@@ -234,7 +234,7 @@ def test_conversion_publishes_a_complete_directory(monkeypatch, tmp_path):
         (directory / "config.json").write_text("{}")
 
     target = tmp_path / "cache" / "smollm2_135m"
-    monkeypatch.setattr(models, "_write_dequantised", write_files)
+    monkeypatch.setattr(hub, "_write_dequantised", write_files)
     convert_gguf(tmp_path / "model.gguf", target)
     assert [path.name for path in target.iterdir()] == ["config.json"]
     assert sorted(path.name for path in target.parent.iterdir()) == ["smollm2_135m"]
