@@ -127,6 +127,11 @@ def test_prefill_operators_count_each_prefill_against_full(bench):
     with Operators() as counted:
         torch.ones(3).add(1).sum().item()
     assert counted.figures() == {"operators": 4, "host_reads": 1}  # ones, add, sum, the read (a view is none)
+    values = torch.arange(4.0)
+    with Operators() as counted:
+        values.repeat_interleave(2), values.repeat_interleave(torch.tensor([1, 0, 2, 1]))
+        values[values > 1], values[:, None][torch.tensor([0, 2])]
+    assert counted.host_reads == 2  # the counts' and the mask's shapes, not an int's or an index's
     assert "## Operators a prefill of 96 tokens dispatches" in bench_md(out)
 
 

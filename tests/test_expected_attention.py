@@ -120,7 +120,8 @@ def test_the_prompts_queries_are_held_only_while_an_eviction_may_read_them(regim
 def test_the_next_position_comes_from_the_host_and_is_one_past_the_newest_entry(regime, monkeypatch):
     """Expected Attention averages RoPE from the next position on: the cache hands it over as counted on the host (no
     value read back from the device at every layer), one past the newest cached position at every eviction, prefill
-    and decode."""
+    and decode; its window's queries are the positions just before it, so the sinks' are cut by a slice (a mask's
+    shape would be read back)."""
     from kvbench.policies.methods.expected_attention import ExpectedAttention
 
     seen: list[tuple[int | None, int]] = []
@@ -128,6 +129,8 @@ def test_the_next_position_comes_from_the_host_and_is_one_past_the_newest_entry(
 
     def recording(policy, context):
         seen.append((context.next_position, int(context.positions.max()) + 1))
+        positions = context.window.query_positions
+        assert positions.tolist() == list(range(context.next_position - len(positions), context.next_position))
         return score(policy, context)
 
     monkeypatch.setattr(ExpectedAttention, "score", recording)

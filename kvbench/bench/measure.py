@@ -83,9 +83,10 @@ class Clock:
 class Operators(TorchDispatchMode):
     """Counts the ATen operators a block dispatches (``with Operators() as counted: ...``), the same on every device:
     ``launched``, those that compute (on a GPU each at least one kernel launch: views and metadata left out), and
-    ``host_reads``, the tensor values read back by the host (``.item()``, ``int(t)``, an accelerator's ``.tolist()``:
-    on a GPU each a synchronisation; on a CPU ``.tolist()`` dispatches nothing).
-    Triton kernels are not ATen operators: a fused pass counts as none."""
+    ``host_reads``, what the host reads back: tensor values (``.item()``, ``int(t)``, an accelerator's ``.tolist()``)
+    and the shapes that depend on them (:data:`SHAPE_READS`: a boolean mask's selection, ``nonzero``) — on a GPU each
+    a synchronisation; on a CPU ``.tolist()`` dispatches nothing. Triton kernels are not ATen operators: a fused pass
+    counts as none."""
 
     #: operators that only describe a tensor differently (no kernel)
     VIEWS = frozenset(
@@ -102,13 +103,25 @@ class Operators(TorchDispatchMode):
         name = func.__name__.split(".")[0]
         self.launched += name not in self.VIEWS
         # a read is ``item`` under inference mode, ``_local_scalar_dense`` outside it
-        self.host_reads += name in ("item", "_local_scalar_dense") or (
-            name == "_to_copy" and copies_to_host(args, kwargs)
-        )
+        self.host_reads += name in ("item", "_local_scalar_dense") or reads_a_shape(func, args)
+        self.host_reads += name == "_to_copy" and copies_to_host(args, kwargs)
         return func(*args, **(kwargs or {}))
 
     def figures(self) -> dict[str, int]:
         return {"operators": self.launched, "host_reads": self.host_reads}
+
+
+#: operators whose output's shape the host reads from the device (the sizes a GPU computes: it synchronises)
+SHAPE_READS = frozenset({"nonzero", "masked_select", "_unique2", "unique_consecutive", "unique_dim"})
+
+
+def reads_a_shape(func, args) -> bool:
+    """Whether the operator's output shape is read back: :data:`SHAPE_READS`, indexing by a boolean mask (it takes the
+    mask's ``nonzero``), ``repeat_interleave`` by a tensor of counts."""
+    name, overload = func.__name__.split(".")[0], func._overloadname
+    if name == "index":
+        return any(isinstance(index, torch.Tensor) and index.dtype == torch.bool for index in args[1])
+    return name in SHAPE_READS or (name == "repeat_interleave" and overload != "self_int")
 
 
 def copies_to_host(args, kwargs) -> bool:

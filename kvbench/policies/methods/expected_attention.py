@@ -81,7 +81,12 @@ class ExpectedAttention(Policy):
         if stats is None or weights is None or weights.rotary is None:
             raise KVBenchError(f"policy {self.name} needs the model's rotary embedding (a Llama-style rotary_emb)")
         cos, sin = weights.rotation(stats.query_positions)  # [W,D]
-        queries = unrotated(stats.queries.float(), cos, sin)[:, :, stats.query_positions >= self.n_sink]  # [B,Hq,W',D]
+        queries = unrotated(stats.queries.float(), cos, sin)  # [B,Hq,W,D]
+        if context.next_position is None:
+            queries = queries[:, :, stats.query_positions >= self.n_sink]  # [B,Hq,W',D]
+        else:  # the window's positions run up to the host's count: the first n_sink cut by a slice, not a mask
+            first = context.next_position - queries.shape[2]  # (a mask's shape is read back: a GPU synchronises)
+            queries = queries[:, :, min(max(self.n_sink - first, 0), queries.shape[2]) :]  # [B,Hq,W',D]
         mean = queries.mean(dim=2)  # [B,Hq,D]
         following = int(context.positions.max()) + 1 if context.next_position is None else context.next_position
         future = torch.arange(following, following + self.n_future_positions)
