@@ -198,10 +198,15 @@ class Settings(Mapping[str, Any]):
         return len(self._values)
 
     def __getattr__(self, key: str) -> Any:
+        if key.startswith("__") or key == "_values":  # protocols (copy, pickle) and the slot before it is set
+            raise AttributeError(key)
         try:
             return self._values[key]
         except KeyError:
             raise AttributeError(f"no setting {key!r} (settings: {', '.join(self._values)})") from None
+
+    def __reduce__(self) -> tuple[type[Settings], tuple[dict[str, Any]]]:
+        return Settings, (self.to_dict(),)
 
     def __setattr__(self, key: str, value: Any) -> None:
         raise AttributeError(f"settings are read-only: {key}")

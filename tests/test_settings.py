@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 from dataclasses import fields
 from typing import Any
 
@@ -21,7 +22,7 @@ from omegaconf import OmegaConf, open_dict
 from kvbench import CONF_DIR
 from kvbench.cli import main
 from kvbench.config import compose, engine_keys, group_keys, group_options
-from kvbench.domains import Domain, domains_of, shown
+from kvbench.domains import Domain, Settings, domains_of, shown
 from kvbench.engine import CACHE_SETTINGS, ENGINE_SETTINGS
 from kvbench.errors import KVBenchError
 from kvbench.job import GENERATION_SETTINGS, RUN_SETTINGS, resolve
@@ -214,3 +215,20 @@ def test_a_spec_naming_a_modifier_twice_or_where_it_does_not_apply_is_refused(sp
         assert exit_info.value.code == 2
         captured = capsys.readouterr()
         assert message in captured.err and captured.err.count("\n") == 1 and captured.out == ""
+
+
+def test_a_tasks_settings_are_plain_read_only_values_by_key_or_attribute():
+    """What a task receives of the resolved job (``kvbench.domains.Settings``): a Hydra node's values read once into
+    plain ones (interpolations resolved, lists as lists), by key or attribute, read-only, copied and pickled whole."""
+    node = OmegaConf.create(
+        {"context_length": 1024, "twice": "${context_length}", "subtasks": ["a", "b"], "n": {"k": 1}}
+    )
+    settings = Settings(node)
+    assert settings == Settings(settings.to_dict())
+    assert settings.twice == settings["twice"] == 1024 and settings.subtasks == ["a", "b"] and settings.n.k == 1
+    assert type(settings.subtasks) is list and settings.get("missing") is None
+    assert copy.deepcopy(settings).to_dict() == pickle.loads(pickle.dumps(settings)).to_dict() == settings.to_dict()
+    with pytest.raises(AttributeError, match="no setting 'missing'"):
+        _ = settings.missing
+    with pytest.raises(AttributeError, match="read-only"):
+        settings.context_length = 2048
