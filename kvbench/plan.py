@@ -36,7 +36,7 @@ from kvbench import config_dict, duration
 from kvbench.engine.shared import repeats_kv
 from kvbench.engine.threads import set_threads
 from kvbench.errors import KVBenchError
-from kvbench.identity import load_group_key, node_settings_key
+from kvbench.identity import node_settings_key
 from kvbench.job import Job, resolve
 from kvbench.launch.launchers import typed
 from kvbench.launch.sweeps import MULTIRUN_FLAGS, compose_job, shared_config_files, sweep_loader, sweep_overrides
@@ -213,11 +213,7 @@ def plan_lines(args: list[str], estimator: Estimator | None = None) -> Iterator[
             except KVBenchError as error:
                 yield empty_line(overrides, None, [str(error)])
                 continue
-            group = (
-                groups.setdefault(load_group_key(config_dict(job.cfg, resolve=True)), len(groups))
-                if sweeper.get("group")
-                else None
-            )
+            group = groups.setdefault(job.load_group, len(groups)) if sweeper.get("group") else None
             yield plan_job(overrides, job.cfg, job.output_dir, tokenizers, estimator, group, prefill_groups)
 
 

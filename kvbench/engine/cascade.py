@@ -120,9 +120,10 @@ class CascadeStages:
 
     def logs(self, layer_idx: int, held: int) -> bool:
         """Whether the bytes ``held`` by the layer are accounted when the deferred stages are replayed (logged)."""
-        if self.defers and self.log:
+        logged = bool(self.log) and self.defers
+        if logged:
             self.log.append((layer_idx, held))
-        return self.defers and bool(self.log)
+        return logged
 
     def finish(self, scaling: float) -> None:
         """Share the deferred stages in order (their preferences read back at once), make the recorded evictions,

@@ -93,6 +93,11 @@ class SweepJob:
             "task": str(self.cfg.task.name),
         }
 
+    @property
+    def load_group(self) -> str:
+        """Its :func:`~kvbench.identity.load_group_key`: the jobs sharing one model load and one task's samples."""
+        return load_group_key(config_dict(self.cfg, resolve=True))
+
 
 def compose_job(config_loader: Any, master: DictConfig, overrides: list[str]) -> SweepJob:
     """The :class:`SweepJob` of one job's overrides, composed as its launcher will compose it."""
@@ -254,7 +259,7 @@ def group_jobs(jobs: list[SweepJob]) -> list[list[SweepJob]]:
     first appearance."""
     groups: dict[str, list[SweepJob]] = {}
     for job in jobs:
-        groups.setdefault(load_group_key(config_dict(job.cfg, resolve=True)), []).append(job)
+        groups.setdefault(job.load_group, []).append(job)
     return list(groups.values())
 
 
