@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -105,23 +106,20 @@ def query_agnostic(policy: Policy, regime: str = "oneshot") -> bool:
     return True
 
 
-def checked_evictions(monkeypatch, verdict) -> list[bool]:
-    """Every eviction's ``verdict(layer_idx, keys, values, kept, budget)``: the layer's cache before it (``keys``/
-    ``values [Hc,T,D]`` float64, row 0) and the slots it kept, a mask ``kept [Hc,T]``."""
-    from kvbench.engine.cache import EvictionCache
-
+def checked_evictions(verdict):
+    """A watch (:attr:`EvictionCache.watch <kvbench.engine.cache.EvictionCache.watch>`) recording every eviction's
+    ``verdict(layer_idx, keys, values, kept, budget)``: the layer's cache before it (``keys``/``values [Hc,T,D]``
+    float64, row 0) and the slots it kept, a mask ``kept [Hc,T]``; and the list the verdicts are appended to."""
     evictions: list[bool] = []
-    original = EvictionCache._evict
 
-    def checked(cache, layer_idx, budget, scores, scaling, *more, **named):  # EvictionCache._evict's arguments
-        layer = cache.eviction_layers[layer_idx]
+    @contextmanager
+    def watch(layer_idx, budget, scores, layer):
         keys, values, positions = layer.keys[0].double(), layer.values[0].double(), layer.positions[0].clone()
-        original(cache, layer_idx, budget, scores, scaling, *more, **named)
+        yield
         kept = torch.stack([torch.isin(positions[h], layer.positions[0, h]) for h in range(positions.shape[0])])
         evictions.append(bool(verdict(layer_idx, keys, values, kept, budget)))
 
-    monkeypatch.setattr(EvictionCache, "_evict", checked)
-    return evictions
+    return watch, evictions
 
 
 #: every base alone and with every modifier that applies to it (a new policy is covered without editing a test)
@@ -228,10 +226,11 @@ def assert_shared_gives_each_alone(runners: list[Engine], prompt: list[int], max
     return shared
 
 
-def prefill_and_decode(runner: Engine, prompt: list[int], steps: int = 4):
+def prefill_and_decode(runner: Engine, prompt: list[int], steps: int = 4, watch=None):
     """A cache for ``prompt`` prefilled by ``runner``, then ``steps`` tokens decoded (evicting where the regime does
-    while decoding: chunked, streaming)."""
+    while decoding: chunked, streaming); ``watch``: observes its evictions (:func:`checked_evictions`)."""
     cache = runner.new_cache(len(prompt), query_agnostic(runner.policy, runner.regime))
+    cache.watch = watch
     runner.prefill(cache, prompt)
     for step in range(steps):
         runner.step(cache, [7 + step], len(prompt) + step, evict=runner.decode_evict)

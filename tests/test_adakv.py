@@ -5,12 +5,12 @@ memory the entries kept, and the one-line refusals where it is not defined."""
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 from kvbench.cli import main as kvbench_main
-from kvbench.engine.cache import EvictionCache
 from kvbench.engine.cascade import CascadeStages
 from tests.helpers import engine, kept_masks, masked_forward, random_prompt, tiny_model
 
@@ -37,18 +37,18 @@ def brute_force_adakv(scores: torch.Tensor, budget: int, recent: int, alpha: flo
 
 
 @pytest.mark.parametrize("alpha", [0.2, 0.5, 1.0])
-def test_adakv_keeps_the_layers_best_slots_over_its_heads_with_the_safeguard(monkeypatch, alpha):
+def test_adakv_keeps_the_layers_best_slots_over_its_heads_with_the_safeguard(alpha):
     scores: list[tuple[torch.Tensor, int]] = []
-    evict = EvictionCache._evict
 
-    def recording(cache, layer_idx, budget, ranking, scaling, *more, **named):  # EvictionCache._evict's arguments
+    @contextmanager
+    def recording(layer_idx, budget, ranking, layer):  # EvictionCache.watch
         scores.append((ranking[0].clone(), budget))
-        evict(cache, layer_idx, budget, ranking, scaling, *more, **named)
+        yield
 
-    monkeypatch.setattr(EvictionCache, "_evict", recording)
     runner = engine(tiny_model(layers=LAYERS), "snapkv+adakv", 24, window=4, alpha_safeguard=alpha)
     prompt = random_prompt(80)
     cache = runner.new_cache(len(prompt))
+    cache.watch = recording
     runner.prefill(cache, prompt)
     lengths = set()
     for (ranking, budget), kept in zip(scores, kept_masks(cache, len(prompt))):

@@ -25,15 +25,15 @@ def matching(expected_kept):
     return verdict
 
 
-def run(model, spec: str, regime: str, gqa: str, **settings) -> EvictionCache:
+def run(model, spec: str, regime: str, gqa: str, watch, **settings) -> EvictionCache:
     runner = engine(model, spec, BUDGET, regime, gqa=gqa, norm_bits=None, **settings)
     distinct = torch.randperm(300, generator=torch.Generator().manual_seed(1))[:60].tolist()  # no repeated token
-    return prefill_and_decode(runner, distinct)
+    return prefill_and_decode(runner, distinct, watch=watch)
 
 
 @pytest.mark.parametrize("gqa", ["sum", "repeat"])
 @pytest.mark.parametrize("regime", ["oneshot", "chunked", "streaming"])
-def test_criticalkv_keeps_the_bases_first_half_then_the_projected_scores(regime, gqa, monkeypatch):
+def test_criticalkv_keeps_the_bases_first_half_then_the_projected_scores(regime, gqa):
     """The first ``BUDGET/2`` by −‖k‖ (KNorm), then the rest by ``(−‖k‖ + ε)·mean_h ‖v·W_O[h]‖₁`` over the query heads
     reading the cache head, each head's projection a separate matmul."""
     model = tiny_model()
@@ -53,14 +53,14 @@ def test_criticalkv_keeps_the_bases_first_half_then_the_projected_scores(regime,
             kept[head, first], kept[head, second] = True, True
         return kept
 
-    evictions = checked_evictions(monkeypatch, matching(expected))
-    run(model, "knorm+criticalkv", regime, gqa)
+    watch, evictions = checked_evictions(matching(expected))
+    run(model, "knorm+criticalkv", regime, gqa, watch)
     assert len(evictions) >= 3 and all(evictions)
 
 
 @pytest.mark.parametrize("gqa", ["sum", "repeat"])
 @pytest.mark.parametrize("regime", ["oneshot", "chunked", "streaming"])
-def test_chunkkv_keeps_whole_chunks_by_their_mean_score(regime, gqa, monkeypatch):
+def test_chunkkv_keeps_whole_chunks_by_their_mean_score(regime, gqa):
     """Chunks of ``CHUNK`` slots (the last shorter) ranked by the mean over their slots of −‖k‖ summed over the cache
     heads; the best ``max(1, int(chunks · budget / slots))`` kept whole (kvpress's count: fewer slots than the budget
     where it is not whole chunks, or more where the last chunk is short); one set per layer."""
@@ -76,6 +76,6 @@ def test_chunkkv_keeps_whole_chunks_by_their_mean_score(regime, gqa, monkeypatch
             mask[chunk] = True
         return mask.expand(keys.shape[0], -1)
 
-    evictions = checked_evictions(monkeypatch, matching(expected))
-    run(tiny_model(), "knorm+chunkkv", regime, gqa, chunk_length=CHUNK)
+    watch, evictions = checked_evictions(matching(expected))
+    run(tiny_model(), "knorm+chunkkv", regime, gqa, watch, chunk_length=CHUNK)
     assert len(evictions) >= 3 and all(evictions)

@@ -5,11 +5,11 @@ rotations built pair by pair from ``inv_freq``, the expected logit ``μ̄·k/√
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import pytest
 import torch
 
-from kvbench.engine.cache import EvictionCache
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy
 from kvbench.policies.context import ScoreContext
@@ -54,7 +54,7 @@ def expected_scores(queries, keys, values, start, inv_freq, factor: float = 1.0)
 @pytest.mark.parametrize("architecture", ["llama", "gpt_oss"])  # GPT-OSS: YaRN, its cos/sin one per pair
 @pytest.mark.parametrize("gqa", ["sum", "repeat"])
 @pytest.mark.parametrize("regime", ["oneshot", "chunked"])
-def test_expected_attention_keeps_the_top_of_its_closed_form(regime, gqa, architecture, monkeypatch):
+def test_expected_attention_keeps_the_top_of_its_closed_form(regime, gqa, architecture):
     model = tiny_model(architecture)
     inv_freq, factor = model.model.rotary_emb.inv_freq, model.model.rotary_emb.attention_scaling
     seen: dict[int, list[torch.Tensor]] = {}  # layer → the pre-RoPE queries of every forward [Hq,q,D]
@@ -66,14 +66,13 @@ def test_expected_attention_keeps_the_top_of_its_closed_form(regime, gqa, archit
 
         attention.q_proj.register_forward_hook(record)
     evictions: list[bool] = []
-    original = EvictionCache._evict
 
-    def checked(cache, layer_idx, budget, scores, scaling, *more, **named):  # EvictionCache._evict's arguments
-        layer = cache.eviction_layers[layer_idx]
+    @contextmanager
+    def checked(layer_idx, budget, scores, layer):  # EvictionCache.watch
         keys, values, positions = layer.keys[0].double(), layer.values[0].double(), layer.positions[0].clone()
         queries = torch.cat(seen[layer_idx], dim=1)[:, SINKS:]  # every query seen, the sinks' left out
         start = int(positions.max()) + 1
-        original(cache, layer_idx, budget, scores, scaling, *more, **named)
+        yield
         expected = expected_scores(queries, keys, values, start, inv_freq, factor)
         if gqa == "repeat":  # each query head its own cache head
             expected = torch.stack(
@@ -87,9 +86,9 @@ def test_expected_attention_keeps_the_top_of_its_closed_form(regime, gqa, archit
             separated = bool(expected[head][kept].min() > expected[head][~kept].max())
             evictions.append(int(kept.sum()) == budget and separated)
 
-    monkeypatch.setattr(EvictionCache, "_evict", checked)
     runner = engine(model, "expected_attention", BUDGET, regime, gqa=gqa, n_sink=SINKS, n_future_positions=FUTURE)
     cache = runner.new_cache(60)
+    cache.watch = checked
     runner.prefill(cache, random_prompt(60))
     assert len(evictions) >= 2 and all(evictions)  # GPT-OSS: its one global layer, two heads
     assert cache.eviction_layers[0].keys.shape[1] == (4 if gqa == "repeat" else 2)

@@ -44,20 +44,22 @@ def top_set_of(expected_scores):
     return verdict
 
 
-def run(spec: str, regime: str, gqa: str, **settings) -> EvictionCache:
-    return prefill_and_decode(engine(tiny_model(), spec, BUDGET, regime, gqa=gqa, **settings), random_prompt(60))
+def run(spec: str, regime: str, gqa: str, watch=None, **settings) -> EvictionCache:
+    return prefill_and_decode(
+        engine(tiny_model(), spec, BUDGET, regime, gqa=gqa, **settings), random_prompt(60), watch=watch
+    )
 
 
 @pytest.mark.parametrize("gqa", ["sum", "repeat"])
 @pytest.mark.parametrize("regime", ["oneshot", "chunked", "streaming"])
-def test_lagkv_keeps_its_top_ranks(regime, gqa, monkeypatch):
-    evictions = checked_evictions(monkeypatch, top_set_of(lagkv_ranks))
-    cache = run("lagkv", regime, gqa, lag_size=LAG, n_sink=SINKS)
+def test_lagkv_keeps_its_top_ranks(regime, gqa):
+    watch, evictions = checked_evictions(top_set_of(lagkv_ranks))
+    cache = run("lagkv", regime, gqa, watch, lag_size=LAG, n_sink=SINKS)
     assert len(evictions) >= 3 and all(evictions)
     assert cache.eviction_layers[0].keys.shape[1] == (4 if gqa == "repeat" else 2)
 
 
-def test_lagkv_without_a_reference_keeps_the_sinks_and_the_newest(monkeypatch):
+def test_lagkv_without_a_reference_keeps_the_sinks_and_the_newest():
     """A cache shorter than the sinks and two partitions: LagKV keeps the sinks and then the newest slots."""
     cache = run("lagkv", "oneshot", "sum", lag_size=40, n_sink=SINKS)
     expected = torch.cat([torch.arange(SINKS), torch.arange(60 - BUDGET + SINKS, 64)])
@@ -65,7 +67,7 @@ def test_lagkv_without_a_reference_keeps_the_sinks_and_the_newest(monkeypatch):
 
 
 @pytest.mark.parametrize("regime", ["oneshot", "chunked", "streaming"])
-def test_random_keeps_the_top_of_its_seeded_draw(regime, monkeypatch):
+def test_random_keeps_the_top_of_its_seeded_draw(regime):
     """Each eviction keeps the top of ``torch.rand(Hc, T)`` from a generator seeded with ``seed``: the same draw
     on every layer (kvpress's ``RandomPress``), another with another seed."""
 
@@ -73,6 +75,6 @@ def test_random_keeps_the_top_of_its_seeded_draw(regime, monkeypatch):
         expected = torch.rand(kept.shape, generator=torch.Generator().manual_seed(5))  # [Hc,T]
         return torch.equal(kept, torch.zeros_like(kept).scatter_(-1, expected.topk(budget, dim=-1).indices, True))
 
-    evictions = checked_evictions(monkeypatch, verdict)
-    run("random", regime, "sum", seed=5)
+    watch, evictions = checked_evictions(verdict)
+    run("random", regime, "sum", watch, seed=5)
     assert len(evictions) >= 3 and all(evictions)

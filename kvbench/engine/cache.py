@@ -14,6 +14,8 @@ statistics.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
 import torch
@@ -93,6 +95,9 @@ class EvictionCache(Cache):
         #: its decode steps' reading layers and heads, and how many were summed (on the device: no wait per step)
         self.read_shares: torch.Tensor | float = 0.0
         self.reads = 0
+        #: an observer of every eviction (the tests' brute-force checks), or None: ``watch(layer_idx, budget, scores,
+        #: layer)``, a context the layer is evicted in (:meth:`_evict`'s arguments)
+        self.watch: Callable[[int, int, torch.Tensor, EvictionLayer], AbstractContextManager[None]] | None = None
 
     @property
     def eviction_layers(self) -> list[EvictionLayer]:
@@ -375,37 +380,39 @@ class EvictionCache(Cache):
         """Keep the top ``budget`` slots per cache head by ``scores [B,Hc,T]`` (or head-wise: :func:`kept_per_head`),
         reserved slots first; hand the evicted entries to the attending modifiers. ``shared``: a shared prefill's
         (:meth:`after_attention`), where the variants of one ranking and budget keep one selection: its slots, the
-        entries gathered and those evicted made by the first of them (each a new tensor, which none writes into)."""
+        entries gathered and those evicted made by the first of them (each a new tensor, which none writes into); in
+        :attr:`watch`'s context where one is set."""
         layer = self.eviction_layers[layer_idx]
-        kept = kept_per_head(self.policy, scores, layer.get_seq_length(), budget, self.prompt_len, per_head, held)
-        if kept is not None:
-            layer.keep_per_head(kept, scores)
+        with nullcontext() if self.watch is None else self.watch(layer_idx, budget, scores, layer):
+            kept = kept_per_head(self.policy, scores, layer.get_seq_length(), budget, self.prompt_len, per_head, held)
+            if kept is not None:
+                layer.keep_per_head(kept, scores)
+                self.account(layer_idx)
+                return
+            layer.ranking = scores.float()
+            recent, sinks = reserved_slots(self.policy, layer.get_seq_length(), budget, self.prompt_len)
+            if self.policy.keeps_ranked_only:  # whole chunks: the reserved and the ranked slots
+                ranked = torch.isfinite(scores[..., sinks : scores.shape[-1] - recent]).sum(dim=-1).min()
+                budget = sinks + recent + int(ranked)
+            key = self._selection_key(layer_idx, budget, recent, sinks, defer, shared)
+            kept, gathered = shared.selections[key] if shared is not None and key in shared.selections else (None, None)
+            if kept is None:
+                kept = top_slots(scores, budget, recent, sinks)
+            evicted = None
+            if self.attending:  # the entries the modifiers are handed, made once for the selection
+                evicted = shared.evicted.get(key) if shared is not None and key is not None else None
+                evicted = layer.dropped_by(kept) if evicted is None else evicted
+                if shared is not None and key is not None:
+                    shared.evicted[key] = evicted
+            layer.keep(kept, defer=defer, gathered=gathered)
+            if shared is not None and key is not None and key not in shared.selections:
+                assert layer.positions is not None  # a layer kept from holds its positions
+                shared.selections[key] = kept, (layer.keys, layer.values, layer.positions)
+            if evicted is not None:  # i.e. there are attending modifiers
+                assert layer.last_query is not None  # after_attention keeps it when modifiers attend
+                for modifier in self.attending:
+                    modifier.on_evict(layer.state_of(modifier), evicted, layer.last_query, scaling)
             self.account(layer_idx)
-            return
-        layer.ranking = scores.float()
-        recent, sinks = reserved_slots(self.policy, layer.get_seq_length(), budget, self.prompt_len)
-        if self.policy.keeps_ranked_only:  # whole chunks: the reserved and the ranked slots
-            ranked = torch.isfinite(scores[..., sinks : scores.shape[-1] - recent]).sum(dim=-1).min()
-            budget = sinks + recent + int(ranked)
-        key = self._selection_key(layer_idx, budget, recent, sinks, defer, shared)
-        kept, gathered = shared.selections[key] if shared is not None and key in shared.selections else (None, None)
-        if kept is None:
-            kept = top_slots(scores, budget, recent, sinks)
-        evicted = None
-        if self.attending:  # the entries the modifiers are handed, made once for the selection
-            evicted = shared.evicted.get(key) if shared is not None and key is not None else None
-            evicted = layer.dropped_by(kept) if evicted is None else evicted
-            if shared is not None and key is not None:
-                shared.evicted[key] = evicted
-        layer.keep(kept, defer=defer, gathered=gathered)
-        if shared is not None and key is not None and key not in shared.selections:
-            assert layer.positions is not None  # a layer kept from holds its positions
-            shared.selections[key] = kept, (layer.keys, layer.values, layer.positions)
-        if evicted is not None:  # i.e. there are attending modifiers
-            assert layer.last_query is not None  # after_attention keeps it when modifiers attend
-            for modifier in self.attending:
-                modifier.on_evict(layer.state_of(modifier), evicted, layer.last_query, scaling)
-        self.account(layer_idx)
 
     def _selection_key(
         self, layer_idx: int, budget: int, recent: int, sinks: int, defer: bool, shared: SharedForward | None
