@@ -155,11 +155,12 @@ def registry_engines(
     decode_evict: bool = False,
     **settings,
 ) -> tuple[list[Engine], list[str]]:
-    """An :class:`Engine` (``settings``; the tiny models' tokenizer unless given) for every registered variant
-    (:data:`VARIANTS`) at each case ``(budget, regime, policy params)``, and the cases left out, each named with its
-    reason: those the policy declares it does not define (its refusal under the regime for every one of ``contexts``,
-    query-aware and query-agnostic, or evicting while it decodes; a budget its reserved window fills), decided before
-    anything runs, so that no case vanishes by an error."""
+    """An :class:`Engine` (``settings``; the tiny models' tokenizer unless given; evicting while it decodes where
+    ``decode_evict``) for every registered variant (:data:`VARIANTS`) at each case ``(budget, regime, policy
+    params)``, and the cases left out, each named with its reason: those the policy declares it does not define (its
+    refusal under the regime for every one of ``contexts``, query-aware and query-agnostic, or evicting while it
+    decodes; a budget its reserved window fills), decided before anything runs, so that no case vanishes by an
+    error."""
     settings.setdefault("tokenizer", TOKENIZER)
     engines, left_out = [], []
     for spec in VARIANTS:
@@ -168,7 +169,9 @@ def registry_engines(
             refusals = [policy.refusal(regime, context, decode_evict) for context in contexts]
             refusal = refusals[0] if all(refusals) else policy.budget_refusal(budget, prompt_len)
             if not refusal:  # beside a model's sliding-window layers (Gemma 3's)
-                engine = Engine(model, policy, budget, regime, **settings)
+                engine = Engine(
+                    model, policy, budget, regime, **settings, **({"decode_evict": True} if decode_evict else {})
+                )
                 refusal = engine.model_refusal(policy)
             if refusal:
                 left_out.append(f"{spec}@{budget} {regime} {params}: {refusal}")

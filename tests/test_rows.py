@@ -49,6 +49,64 @@ def test_variants_decoded_as_rows_give_what_each_gives_alone(architecture, rows_
     assert_shared_gives_each_alone(engines, prompt, 8, batch_size=16)
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_rows_evicting_every_few_tokens_are_stored_between_evictions_as_each_alone(architecture, monkeypatch):
+    """Every variant evicting while it decodes, every 5th token (oneshot, ``engine.decode_interval=5``), decoded 16
+    rows at a time with the rows stored: those whose steps between evictions only append and attend (a ranking from
+    the keys or a window of queries: ``store.stored_between_evictions``) are on the shelves for 4 steps of 5, the
+    queries their next eviction reads kept by the store; each variant's tokens, kept sets, cache sizes, policy
+    statistics and bytes after each step equal its own :meth:`Engine.generate`'s (float32)."""
+    model = tiny_model(architecture)
+    prompt = random_prompt(96)
+    settings = {"record_kept": True, "rows_attention": "stored", "decode_interval": 5}
+    engines, _ = registry_engines(
+        model,
+        [(32, "oneshot", {}), (40, "oneshot", {"gqa": "repeat"})],
+        len(prompt),
+        (False,),
+        decode_evict=True,
+        **settings,
+    )
+    stored: set[str] = set()
+    begin_step = RowStore.begin_step
+
+    def counted(store, caches, *args):
+        alone = begin_step(store, caches, *args)
+        stored.update(cache.policy.spec for place, cache in enumerate(caches) if place not in alone)
+        return alone
+
+    monkeypatch.setattr(RowStore, "begin_step", counted)
+    shared = assert_shared_gives_each_alone(engines, prompt, 12, batch_size=16)
+    alone = [engine.generate(prompt, 12) for engine in engines]
+    assert [output.kv_curve for output in shared] == [output.kv_curve for output in alone]
+    assert {"snapkv", "tova", "knorm", "sink", "rkv"} <= stored and not {"h2o", "snapkv+adakv"} & stored
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "rkv"])
+def test_a_stored_row_takes_back_the_queries_its_next_eviction_reads(spec):
+    """A row evicting every 5th token, stored in between, holds when it leaves the store (its last 2 of 12 tokens
+    stored) the window of queries and their positions it holds decoded alone (the queries within float32 rounding:
+    the stored rows' attention is one padded call)."""
+    model, prompt = tiny_model(), random_prompt(96)
+    caches = []
+    for rows_attention in ("each", "stored"):
+        engine = Engine(
+            model,
+            build_policy(spec, {"window": 8}),
+            24,
+            decode_evict=True,
+            decode_interval=5,
+            rows_attention=rows_attention,
+        )
+        rows = [engine.prefilled_row(prompt, 12), engine.prefilled_row(prompt[:90], 12)]
+        decode_rows(rows, 2)
+        caches.append(rows[0].cache)
+    for alone, stored in zip(*(cache.eviction_layers for cache in caches)):
+        assert torch.equal(alone.recent_query_positions, stored.recent_query_positions)
+        assert alone.recent_query_positions.tolist() == list(range(96 + 12 - 1 - 8, 96 + 12 - 1))
+        torch.testing.assert_close(alone.recent_queries, stored.recent_queries, rtol=1e-5, atol=1e-5)
+
+
 def test_rows_of_different_prompts_stop_alone_and_leave_the_batch(monkeypatch):
     """Rows of different prompt lengths (so different positions and cache lengths), token limits and stop tokens:
     each stops where it stops alone, the batch shrinks as rows finish, and waiting rows take the freed places."""

@@ -122,6 +122,7 @@ class RowBatch(Cache):
         #: ``engine.rows_attention=padded``: a decode step's rows attended by one padded call per layer
         #: (:func:`~kvbench.engine.attention.padded_outputs`), else each by its own
         self.padded = padded
+        self.store = store
         self.shelves = [[] for _ in caches[0].layers] if store is None else store.stepping  # by layer
         self.attended: list[tuple[torch.Tensor, torch.Tensor]] = []  # this layer's, each row's cache
         self.everyone = len(self.alone) == len(caches)
@@ -171,6 +172,8 @@ class RowBatch(Cache):
         if self.everyone:
             return torch.cat(outputs)
         joined = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+        if self.store is not None:  # what a stored row's next eviction reads
+            self.store.saw(layer_idx, query)
         for shelf in self.shelves[layer_idx]:
             shelf.attend(query, scaling, joined)
         if outputs:

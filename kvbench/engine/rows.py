@@ -179,9 +179,11 @@ def finished_rows(
             for place, (index, _) in enumerate(stepping):
                 held[index].logits, held[index].chosen = logits[place], chosen[place]
         active = [index for index, _ in stepping]
-        for index in active:  # an evicting cache's size over the generation
-            if held[index].engine.decode_evict:
-                held[index].kv_curve.append(sum(held[index].cache.live_bytes))  # as the cache accounts it
+        for index in active:  # an evicting cache's size over the generation, as the cache accounts it
+            if (row := held[index]).engine.decode_evict:
+                position = row.prompt_tokens + len(row.generated) - 1
+                held_bytes = sum(row.cache.live_bytes) if store is None else store.held_bytes(row.cache, position)
+                row.kv_curve.append(held_bytes)
         share = (lead.now() - start) / max(len(stepping), 1)
         for index in active:
             held[index].decode_seconds += share
@@ -198,8 +200,14 @@ def step_rows(stepping: list[tuple[Row, int]], store: RowStore | None = None) ->
     evicts = [row.engine.decode_evict and len(row.generated) % row.engine.decode_interval == 0 for row in rows]
     caches, tokens = [row.cache for row in rows], [[token] for _, token in stepping]
     alone = None
-    if store is not None:
-        alone = store.begin_step(caches, positions, [row.max_new_tokens - len(row.generated) + 1 for row in rows])
+    if store is not None:  # the tokens each may append stored: up to its next eviction where it evicts decoding
+        to_come = [row.max_new_tokens - len(row.generated) + 1 for row in rows]
+        intervals = [row.engine.decode_interval if row.engine.decode_evict else 0 for row in rows]
+        to_come = [
+            min(more, every - len(row.generated) % every) if every else more
+            for more, every, row in zip(to_come, intervals, rows)
+        ]
+        alone = store.begin_step(caches, positions, to_come, evicts)
     logits = forward_rows(rows[0].engine, caches, tokens, positions, evicts, store=store, alone=alone)
     return logits[:, -1]
 

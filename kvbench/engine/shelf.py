@@ -84,6 +84,10 @@ class Stored:
     slots: list[list[tuple[Shelf, int] | None]] = field(default_factory=list)  # [layer][head]
     #: by (layer, attending modifier), the sizes of each unit's state tensors (``Modifier.units``), held on the shelves
     unit_sizes: dict[tuple[int, str], dict[str, torch.Size]] = field(default_factory=dict)
+    #: by layer, the queries its next eviction reads (a row that evicts while decoding: ``Scorer.query_window``)
+    windows: list[int] = field(default_factory=list)
+    held_bytes: int = 0  # the cache's bytes when stored (``EvictionCache.live_bytes``)
+    token_bytes: int = 0  # the bytes each token it appends adds, every layer's
 
 
 def shelf_key(cache: EvictionCache, layer: int, capacity: int | None = None) -> tuple:

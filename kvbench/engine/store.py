@@ -2,14 +2,18 @@
 with one scatter per shelf of a layer and attends them with one call per shelf, whatever the number of rows; a layer
 has one shelf per head layout and attending modifiers' settings (one for rows that only append and attend).
 
-A row is stored where its decode steps only append and attend (:func:`storable`): no eviction while decoding (so no
-scoring), no attending modifier but those that attend with the others' on a shelf (``Modifier.stores``: SLAKE, CaliDrop,
-each unit's state held on the shelf beside its entries), no sliding-window layer (which drops its oldest token at each
-step), no learned sinks, the SDPA backend. The unit is one cache head of one row (a ``(row, head)``): each of a row's
+A row is stored where its decode steps only append and attend (:func:`storable`): no attending modifier but those that
+attend with the others' on a shelf (``Modifier.stores``: SLAKE, CaliDrop, each unit's state held on the shelf beside its
+entries), no sliding-window layer (which drops its oldest token at each step), no learned sinks, the SDPA backend. A row
+that evicts while it decodes every few tokens (``engine.decode_interval``) is stored between its evictions where its
+ranking reads the keys or a window of queries (:func:`stored_between_evictions`): it leaves the store before a step that
+evicts, which it takes alone, and takes back the queries of its stored steps that its window reads (:meth:`RowStore.saw`
+keeps each step's, not copied); a running score (H2O's sums of every step), an attending modifier, a cascading layer
+budget or a head-wise share keeps it alone. The unit is one cache head of one row (a ``(row, head)``): each of a row's
 layers moves its heads' kept entries into regions of that layer's :class:`Shelf`, one flat buffer ``[P,D]`` where a
-unit's region holds its kept entries and the tokens it may append (:func:`capacity_class`: under an eighth to spare),
-so a layer budget's lengths per layer and a head-wise eviction's lengths per head (AdaKV) are held without padding —
-and moves back into the row's own cache, with the tokens it decoded appended, when the row leaves
+unit's region holds its kept entries and the tokens it may append (:func:`capacity_class`: under an eighth to spare), so
+a layer budget's lengths per layer and a head-wise eviction's lengths per head (AdaKV) are held without padding — and
+moves back into the row's own cache, with the tokens it decoded appended, when the row leaves
 (:meth:`RowStore.release`): its outputs (sizes, kept sets, statistics) are those of a row attended alone. A unit is
 attended by the query heads that read its cache head (``Hq / Hc`` of them; one in the repeat layout) over its own
 region: by :mod:`kvbench.kernels.decode`'s kernel on CUDA, by one SDPA call over the regions gathered to the longest
@@ -25,6 +29,8 @@ entries the rows then reserved (kept and to come).
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from kvbench.engine.cache import EvictionCache
@@ -33,11 +39,24 @@ from kvbench.engine.shelf import Shelf, Stored, modifier_capacity, shelf_key
 
 
 def storable(cache: EvictionCache) -> bool:
-    """Whether a row's decode steps only append its token and attend (see the module's docstring)."""
-    plain = not any(cache.windows) and not cache.learned_sinks and not cache.decode_evict and cache.quant is None
+    """Whether a row's decode steps only append its token and attend (see the module's docstring), or do until its
+    next eviction (:func:`stored_between_evictions`)."""
+    plain = not any(cache.windows) and not cache.learned_sinks and cache.quant is None
     plain = plain and cache.scorer.pruner is None  # ThinK's keys are held in part of their channels
     stores = all(modifier.stores() for modifier in cache.attending) and not cache.policy.reads
-    return cache.attn_backend == "sdpa" and plain and stores
+    evicting = stored_between_evictions(cache) if cache.decode_evict else True
+    return cache.attn_backend == "sdpa" and plain and stores and evicting
+
+
+def stored_between_evictions(cache: EvictionCache) -> bool:
+    """Whether a row that evicts while decoding is stored between its evictions: its steps in between only append and
+    attend, but for the queries its next eviction reads, which the store keeps (:meth:`RowStore.saw`) — a ranking
+    from the keys, or from a window of queries, each layer's length the same for every head. Not a running score
+    (H2O's sums add every step's attention), an attending modifier, a cascading layer budget or a head-wise share:
+    those rows are attended alone."""
+    policy = cache.policy
+    plain = not policy.running and policy.statistic != "reconstruction" and not policy.shares_heads
+    return plain and not cache.attending and cache.allocation is None
 
 
 def head_lengths(layer: EvictionLayer) -> list[int]:
@@ -65,12 +84,22 @@ class RowStore:
         self.layout: tuple[tuple[int, ...], list[list[Stepping]]] | None = None
         self.reserved = 0  # the bytes the rows reserve (Stored.reserved) now
         self.peak_bytes = self.reserved_at_peak = 0
+        #: the last steps' queries for the stored rows' next evictions (:meth:`saw`): each step's rows (by id, -1
+        #: where attended alone) and by layer its queries ``[N,Hq,1,D]``; as many steps as the longest window
+        self.recent: deque[tuple[tuple[int, ...], list[torch.Tensor | None]]] = deque()
+        self.window = 0
 
-    def begin_step(self, caches: list[EvictionCache], positions: list[int], to_come: list[int]) -> list[int]:
-        """Store the step's storable rows not stored yet (``to_come``: the tokens each may still append) and declare
-        the step; returns the batch places of the rows attended each alone."""
+    def begin_step(
+        self, caches: list[EvictionCache], positions: list[int], to_come: list[int], evicts: list[bool] | None = None
+    ) -> list[int]:
+        """Store the step's storable rows not stored yet (``to_come``: the tokens each may append stored) and declare
+        the step; a stored row that evicts in it (``evicts``) leaves the store first. Returns the batch places of the
+        rows attended each alone."""
         arriving: dict[tuple, list[tuple[Stored, list[int]]]] = {}
-        for cache, position, more in zip(caches, positions, to_come):
+        for place, (cache, position, more) in enumerate(zip(caches, positions, to_come)):
+            if evicts is not None and evicts[place]:  # it evicts alone, its entries and queries back in its cache
+                self.release(cache)
+                continue
             if id(cache) in self.places or not storable(cache):
                 continue
             kept = [head_lengths(layer) for layer in cache.eviction_layers]
@@ -79,6 +108,9 @@ class RowStore:
             reserved = sum(length + more for lengths in kept for length in lengths) * entry
             appended = [layer.get_seq_length() for layer in cache.eviction_layers]
             row = Stored(cache, position, kept, appended, more, reserved, [[None] * len(lengths) for lengths in kept])
+            if cache.decode_evict:  # what its next eviction reads, and its bytes as they grow (held_bytes)
+                row.windows = [cache.scorer.query_window(budget) for budget in cache.layer_budgets]
+                row.held_bytes, row.token_bytes = sum(cache.live_bytes), entry * len(kept[0]) * len(kept)
             for layer, lengths in enumerate(kept):
                 shelved: dict[tuple, list[int]] = {}
                 for head, length in enumerate(lengths):
@@ -106,6 +138,11 @@ class RowStore:
         members = tuple(id(cache) if id(cache) in self.places else -1 for cache in caches)
         if self.layout is None or self.layout[0] != members:
             self.layout = members, self._layout(caches, len(caches[0].layers))
+            self.window = max((max(row.windows, default=0) for row in self.places.values()), default=0)
+        if self.window:
+            self.recent.append((members, [None] * len(caches[0].layers)))
+        while len(self.recent) > self.window:
+            self.recent.popleft()
         self.stepping = []
         for by_shelf in self.layout[1]:
             for shelf, *step in by_shelf:
@@ -135,6 +172,29 @@ class RowStore:
             ]
             for shelves in by_layer
         ]
+
+    def saw(self, layer: int, query: torch.Tensor) -> None:
+        """The step's queries ``[N,Hq,1,D]`` at ``layer``, kept (not copied) where a stored row's next eviction reads
+        a window of them: moved into its cache when it leaves (:meth:`release`)."""
+        if self.window:
+            self.recent[-1][1][layer] = query
+
+    def seen_by(self, cache: EvictionCache, layer: int, steps: int) -> torch.Tensor:
+        """A stored row's queries ``[1,Hq,steps,D]`` at ``layer`` in its last ``steps`` (it stepped in each: a row
+        leaves before a step)."""
+        queries = []
+        for members, by_layer in list(self.recent)[-steps:]:
+            query = by_layer[layer]
+            assert query is not None  # every layer of a step with stored rows saw its queries
+            queries.append(query[members.index(id(cache)), :, 0])  # [Hq,D]
+        return torch.stack(queries, dim=1)[None]
+
+    def held_bytes(self, cache: EvictionCache, position: int) -> int:
+        """The bytes a row's cache holds after its token at ``position`` (stored: as its own entries would)."""
+        row = self.places.get(id(cache))
+        if row is None:
+            return sum(cache.live_bytes)
+        return row.held_bytes + (position - row.first_position + 1) * row.token_bytes
 
     def release(self, cache: EvictionCache) -> None:
         """Move a leaving row's entries back into its cache, the tokens it decoded appended (nothing where it was not
@@ -170,3 +230,7 @@ class RowStore:
                 positions = torch.arange(row.first_position, row.first_position + decoded)
                 layer.append(keys[:, :, appended:], values[:, :, appended:], positions)
                 cache.account(index)
+                if row.windows and (window := min(row.windows[index], decoded)):
+                    seen = self.seen_by(cache, index, window)
+                    layer.remember_queries(seen, positions[-window:].to(seen.device), row.windows[index])
+        cache.seen += decoded
