@@ -205,8 +205,8 @@ def test_the_entries_of_an_empty_store_attend_as_given():
 def test_the_leaderboards_bytes_axis_at_smoke_scale(tmp_path, capsys):
     """``+experiment=leaderboard_bytes_smoke``: one grouped sweep on SmolLM2 at a fifth of the full cache's bytes —
     SnapKV keeps a fifth of the tokens, over a 2-bit cache more of them in no more bytes; Quest holds everything and
-    reads about a fifth —, then the leaderboard's cells by label and the plot on the bytes held; the paper-scale sweep's
-    63 jobs are valid."""
+    reads about a fifth —, then the leaderboard's cells by label and the plot on the bytes held; the paper-scale sweeps'
+    63 jobs each (RULER, the needle grid) are valid."""
     main(["run", "-m", "+experiment=leaderboard_bytes_smoke", f"hydra.sweep.dir={tmp_path}"])
     runs = {path.parent.name.split("-0.2x")[0]: path.parent for path in tmp_path.glob("*/*/*/metrics.json")}
     assert sorted(runs) == ["full", "full+kivi2", "quest", "quest+kivi2", "snapkv", "snapkv+kivi2"]
@@ -226,5 +226,6 @@ def test_the_leaderboards_bytes_axis_at_smoke_scale(tmp_path, capsys):
     assert "snapkv+kivi2" in capsys.readouterr().out
     main(["plot", str(tmp_path), "--kind", "budget", "--x", "bytes"])
     assert "bytes_curves.png" in capsys.readouterr().out
-    main(["plan", "-m", "+experiment=leaderboard_bytes"])
-    assert "63 jobs, 0 invalid" in capsys.readouterr().err
+    for experiment in ("leaderboard_bytes", "leaderboard_bytes_needle"):  # RULER's and the needle grid's
+        main(["plan", "-m", f"+experiment={experiment}"])
+        assert "63 jobs, 0 invalid" in capsys.readouterr().err
