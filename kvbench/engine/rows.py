@@ -197,12 +197,15 @@ def step_rows(stepping: list[tuple[Row, int]], store: RowStore | None = None) ->
     returns the logits ``[N,V]``."""
     rows = [row for row, _ in stepping]
     positions = [row.prompt_tokens + len(row.generated) - 1 for row in rows]
-    evicts = [row.engine.decode_evict and len(row.generated) % row.engine.decode_interval == 0 for row in rows]
+    # a row's engine evicts while decoding, every decode_interval-th token, where its policy evicts (not full's)
+    intervals = [
+        row.engine.decode_interval if row.engine.decode_evict and row.cache.policy.evicts else 0 for row in rows
+    ]
+    evicts = [every > 0 and len(row.generated) % every == 0 for every, row in zip(intervals, rows)]
     caches, tokens = [row.cache for row in rows], [[token] for _, token in stepping]
     alone = None
     if store is not None:  # the tokens each may append stored: up to its next eviction where it evicts decoding
         to_come = [row.max_new_tokens - len(row.generated) + 1 for row in rows]
-        intervals = [row.engine.decode_interval if row.engine.decode_evict else 0 for row in rows]
         to_come = [
             min(more, every - len(row.generated) % every) if every else more
             for more, every, row in zip(to_come, intervals, rows)
