@@ -86,7 +86,7 @@ class Stored:
     unit_sizes: dict[tuple[int, str], dict[str, torch.Size]] = field(default_factory=dict)
     #: by layer, the queries its next eviction reads (a row that evicts while decoding: ``Scorer.query_window``)
     windows: list[int] = field(default_factory=list)
-    held_bytes: int = 0  # the cache's bytes when stored (``EvictionCache.live_bytes``)
+    bytes_when_stored: int = 0  # the cache's bytes when stored (``EvictionCache.live_bytes``)
     token_bytes: int = 0  # the bytes each token it appends adds, every layer's
 
 

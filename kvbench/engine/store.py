@@ -110,7 +110,7 @@ class RowStore:
             row = Stored(cache, position, kept, appended, more, reserved, [[None] * len(lengths) for lengths in kept])
             if cache.decode_evict:  # what its next eviction reads, and its bytes as they grow (held_bytes)
                 row.windows = [cache.scorer.query_window(budget) for budget in cache.layer_budgets]
-                row.held_bytes, row.token_bytes = sum(cache.live_bytes), entry * len(kept[0]) * len(kept)
+                row.bytes_when_stored, row.token_bytes = sum(cache.live_bytes), entry * len(kept[0]) * len(kept)
             for layer, lengths in enumerate(kept):
                 shelved: dict[tuple, list[int]] = {}
                 for head, length in enumerate(lengths):
@@ -194,7 +194,7 @@ class RowStore:
         row = self.places.get(id(cache))
         if row is None:
             return sum(cache.live_bytes)
-        return row.held_bytes + (position - row.first_position + 1) * row.token_bytes
+        return row.bytes_when_stored + (position - row.first_position + 1) * row.token_bytes
 
     def release(self, cache: EvictionCache) -> None:
         """Move a leaving row's entries back into its cache, the tokens it decoded appended (nothing where it was not
