@@ -17,8 +17,9 @@ from kvbench.rundir import RunDir, run_dirs_below
 from kvbench.tasks.registry import task_class
 
 NO_BUDGET = "–"
-#: what a sample cost (:meth:`Run.sample_costs`): the tokens it generated, the most its cache held (MiB)
-COST_NAMES = ("generated", "kv_peak_mib")
+#: what a sample cost (:meth:`Run.sample_costs`): the tokens it generated, the most its cache held and what it held on
+#: average while it generated evicting (MiB)
+COST_NAMES = ("generated", "kv_peak_mib", "kv_mean_mib")
 """The budget column of the full cache, which keeps every token whatever budget its run was given."""
 
 
@@ -72,8 +73,9 @@ class Run:
 
     def sample_costs(self, pooled: bool = False) -> dict[str, dict[str, float]]:
         """By subtask (``pooled``: all under ``""``), the mean over the run's records of what a sample cost:
-        ``generated``, the tokens it generated (records that count them), and ``kv_peak_mib``, the most its cache held
-        (MiB; the generation's own peak where the cache evicts while decoding)."""
+        ``generated``, the tokens it generated (records that count them), ``kv_peak_mib``, the most its cache held
+        (MiB; the generation's own peak where the cache evicts while decoding), and there ``kv_mean_mib``, the mean of
+        what it held after each generated token."""
         costs: dict[str, dict[str, list[float]]] = {}
         for record in self.records:
             by_cost = costs.setdefault("" if pooled else record.get("subtask") or self.task, {})
@@ -82,6 +84,8 @@ class Run:
             if isinstance(kv := record.get("kv"), dict) and "peak_bytes" in kv:
                 peak = kv.get("generation", {}).get("peak_bytes", kv["peak_bytes"])
                 by_cost.setdefault("kv_peak_mib", []).append(peak / 2**20)
+                if "mean_bytes" in kv.get("generation", {}):
+                    by_cost.setdefault("kv_mean_mib", []).append(kv["generation"]["mean_bytes"] / 2**20)
         return {
             subtask: {name: sum(values) / len(values) for name, values in by_cost.items()}
             for subtask, by_cost in costs.items()

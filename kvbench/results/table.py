@@ -14,8 +14,9 @@ Layouts (``--layout``; ``auto`` makes every benchmark layout the runs found have
   (clustered by context), the agnostic run's compressions and both runs' time (made by ``auto`` when the runs hold
   both modes);
 * ``runs``       one row per run (every run): its average, cache size, what a sample cost (``generated``: the
-  mean tokens generated; ``kv_peak_mib``: the mean of each sample's most cache, MiB) and time, and the scores of a
-  task without a table of its own.
+  mean tokens generated; ``kv_peak_mib``: the mean of each sample's most cache, MiB; ``kv_mean_mib``: where the
+  cache evicts while decoding, of what it held on average over its generation) and time, and the scores of a task
+  without a table of its own.
 
 The full cache keeps every token: its budget is shown as ``–``. A cell a row did not run is empty (``–``).
 Scores are on the 0–100 scale of ``metrics.json``; ``kv_tokens`` is the mean cache size per layer
