@@ -101,6 +101,8 @@ def test_the_question_is_one_chat_turn_with_the_boxed_instruction(tokenizer, tmp
         assert sample.answers == [row["answer"]] and sample.max_new_tokens == 512
     assert [sample.id for sample in samples] == ["gsm8k-0", "gsm8k-1"] and samples[0].subtask == "gsm8k"
     assert task.score(samples[1], "2 boxes of 1000: \\boxed{2000}") == 1.0
+    # no context: the problems share none, so each is its own cluster of the bootstrap intervals
+    assert all(sample.context_id is None for sample in samples)
 
 
 def test_math500_rows_read_their_problem_column_and_are_judged_by_math_verify(tokenizer, tmp_path):  # noqa: F811

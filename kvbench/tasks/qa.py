@@ -177,8 +177,10 @@ class QATask(Task):
         """The rows in order; in ``query_mode=agnostic`` the rows of one context follow one another (contexts in the
         order they first appear), to be answered from one compression."""
         records = self.records()
-        repeats = Counter(record["context"] for record in records)
-        samples = [self.sample(record, repeats[record["context"]] > 1) for record in records]
+        repeats = Counter(record["context"] for record in records)  # no context (a math problem's) is not shared
+        samples = [
+            self.sample(record, bool(record["context"]) and repeats[record["context"]] > 1) for record in records
+        ]
         return iter(contexts_together(samples) if self.agnostic else samples)
 
     def sample(self, record: dict[str, Any], shared_context: bool) -> Sample:
