@@ -44,8 +44,8 @@ def storable(cache: EvictionCache) -> bool:
     plain = not any(cache.windows) and not cache.learned_sinks and cache.quant is None
     plain = plain and cache.scorer.pruner is None  # ThinK's keys are held in part of their channels
     stores = all(modifier.stores() for modifier in cache.attending) and not cache.policy.reads
-    evicting = stored_between_evictions(cache) if cache.decode_evict else True
-    return cache.attn_backend == "sdpa" and plain and stores and evicting
+    between = not cache.decode_evict or stored_between_evictions(cache)
+    return cache.attn_backend == "sdpa" and plain and stores and between
 
 
 def stored_between_evictions(cache: EvictionCache) -> bool:
@@ -90,14 +90,14 @@ class RowStore:
         self.window = 0
 
     def begin_step(
-        self, caches: list[EvictionCache], positions: list[int], to_come: list[int], evicts: list[bool] | None = None
+        self, caches: list[EvictionCache], positions: list[int], to_come: list[int], evicts: list[bool]
     ) -> list[int]:
         """Store the step's storable rows not stored yet (``to_come``: the tokens each may append stored) and declare
         the step; a stored row that evicts in it (``evicts``) leaves the store first. Returns the batch places of the
         rows attended each alone."""
         arriving: dict[tuple, list[tuple[Stored, list[int]]]] = {}
         for place, (cache, position, more) in enumerate(zip(caches, positions, to_come)):
-            if evicts is not None and evicts[place]:  # it evicts alone, its entries and queries back in its cache
+            if evicts[place]:  # it evicts alone, its entries and queries back in its cache
                 self.release(cache)
                 continue
             if id(cache) in self.places or not storable(cache):
