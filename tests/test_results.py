@@ -898,8 +898,9 @@ def test_identical_budget_curves_are_drawn_once_and_named_together():
 
 def test_the_runs_table_shows_what_a_sample_cost_where_records_count_it(tmp_path):
     """``kvbench table``'s runs layout: beside each run's average, the mean tokens its samples generated and the mean
-    of each sample's most cache (its generation's own peak where it evicts while decoding); a run whose records
-    count neither shows them empty, and the columns go where no run has them."""
+    of each sample's most cache (its generation's own peak where it evicts while decoding) and, there, of what it held
+    over the generation; a run whose records count neither shows them empty, and the columns go where no run has
+    them."""
     mib = 2**20
     records = [
         {"id": "a", "subtask": "gsm8k", "score": 1.0, "generated_tokens": 100, "kv": {"peak_bytes": 4 * mib}},
@@ -908,14 +909,15 @@ def test_the_runs_table_shows_what_a_sample_cost_where_records_count_it(tmp_path
             "subtask": "gsm8k",
             "score": 0.0,
             "generated_tokens": 300,
-            "kv": {"peak_bytes": 9 * mib, "generation": {"peak_bytes": 2 * mib}},
+            "kv": {"peak_bytes": 9 * mib, "generation": {"peak_bytes": 2 * mib, "mean_bytes": 1.5 * mib}},
         },
     ]
     write_run(tmp_path / "r" / "a", "m", "snapkv", "64", "gsm8k", {"gsm8k": 50.0}, records=records)
     write_run(tmp_path / "r" / "b", "m", "h2o", "64", "gsm8k", {"gsm8k": 0.0})
     runs = benchmark_tables(load_runs([tmp_path / "r"]), layout="runs")["runs"].set_index("policy")
     assert runs.loc["snapkv", "generated"] == 200 and runs.loc["snapkv", "kv_peak_mib"] == 3.0
+    assert runs.loc["snapkv", "kv_mean_mib"] == 1.5  # over the records whose generation evicted: b's mean
     assert runs.loc["h2o", "generated"] != runs.loc["h2o", "generated"]  # NaN
     write_run(tmp_path / "s" / "b", "m", "h2o", "64", "gsm8k", {"gsm8k": 0.0})
     plain = benchmark_tables(load_runs([tmp_path / "s"]), layout="runs")["runs"]
-    assert "generated" not in plain and "kv_peak_mib" not in plain
+    assert "generated" not in plain and "kv_peak_mib" not in plain and "kv_mean_mib" not in plain
