@@ -19,8 +19,7 @@ import kvbench.run.progress
 from kvbench import config_dict
 from kvbench.config import compose
 from kvbench.engine import Engine
-from kvbench.engine.batches import sums_key
-from kvbench.engine.scoring import Scorer
+from kvbench.engine.scoring import Scorer, sums_key
 from kvbench.engine.shared import generate_shared
 from kvbench.engine.shelf import Shelf
 from kvbench.errors import KVBenchError, SharedPassWarning
@@ -110,7 +109,8 @@ def test_stored_rows_give_what_separate_runs_attended_each_alone_give(tmp_path, 
     """``engine.rows_attention=stored``: a group's rows that only append and attend decode held together, head-wise
     ones (AdaKV) by their heads' own lengths, CaliDrop's with its state beside them; each run's predictions, kept sets
     and cache sizes are those of its run with every row attended alone. Evicting every 4th token as they decode, the
-    rows that rank from the keys or a window of queries are held together between their evictions."""
+    rows that rank from the keys, a window of queries or H2O's running sums (the shelf adding them) are held together
+    between their evictions."""
     specs = ["full", "snapkv", "pyramidkv", "cake", "h2o", "snapkv+calidrop", "snapkv+adakv", "tova"]
     settings = [*TINY, "task.num_samples=2", "budget=64", "engine.batch_size=8"]
     if evicting:
@@ -126,7 +126,7 @@ def test_stored_rows_give_what_separate_runs_attended_each_alone_give(tmp_path, 
         lambda shelf, units: added.extend(row.cache.policy.spec for row, _ in units) or place(shelf, units),
     )
     run_group([(cfg, tmp_path / "stored" / str(number)) for number, cfg in enumerate(stored)], True)
-    alone_while_evicting = {"cake", "h2o", "snapkv+calidrop", "snapkv+adakv"}  # store.stored_between_evictions
+    alone_while_evicting = {"cake", "snapkv+calidrop", "snapkv+adakv"}  # store.stored_between_evictions
     assert set(added) == set(specs) - (alone_while_evicting if evicting else set())
     for number, spec in enumerate(specs):
         assert outcome(tmp_path / "stored" / str(number)) == outcome(tmp_path / "each" / str(number)), spec

@@ -79,7 +79,11 @@ def test_rows_evicting_every_few_tokens_are_stored_between_evictions_as_each_alo
     shared = assert_shared_gives_each_alone(engines, prompt, 12, batch_size=16)
     alone = [engine.generate(prompt, 12) for engine in engines]
     assert [output.kv_curve for output in shared] == [output.kv_curve for output in alone]
-    assert {"snapkv", "tova", "knorm", "sink", "rkv"} <= stored and not {"h2o", "snapkv+adakv"} & stored
+    assert {"snapkv", "tova", "knorm", "sink", "rkv", "h2o", "h2o+obcache_joint"} <= stored
+    assert not {"snapkv+adakv", "cake"} & stored
+
+
+GQA_MODES = ("sum", "mean", "repeat")
 
 
 @pytest.mark.parametrize("spec", ["snapkv", "rkv"])
@@ -105,6 +109,43 @@ def test_a_stored_row_takes_back_the_queries_its_next_eviction_reads(spec):
         assert torch.equal(alone.recent_query_positions, stored.recent_query_positions)
         assert alone.recent_query_positions.tolist() == list(range(96 + 12 - 1 - 8, 96 + 12 - 1))
         torch.testing.assert_close(alone.recent_queries, stored.recent_queries, rtol=1e-5, atol=1e-5)
+
+
+FUSED = pytest.mark.skipif(not kernels.available(), reason="triton is not installed")
+
+
+@pytest.mark.parametrize(
+    ("spec", "gqa", "sums_kernel"),
+    [
+        *((spec, gqa, "torch") for spec in ("h2o", "h2o+obcache_joint", "h2o+obcache_key") for gqa in GQA_MODES),
+        pytest.param("h2o+obcache_joint", "sum", "triton", marks=[pytest.mark.kernel, FUSED]),
+    ],
+)
+def test_a_stored_running_row_holds_the_running_score_it_holds_alone(spec, gqa, sums_kernel):
+    """Rows evicting by a running score every 5th token, stored in between (their shelf adds the step's sums of
+    every row by one pass over the regions padded to the longest), hold when they leave the store the running
+    scores they hold decoded alone, every layer's: two rows of different budgets and prompts. Within float32 rounding:
+    the stored rows' attention is one padded call, each query's normaliser taken over its own region; OBCache's key
+    term ``‖v_p − o_i‖²`` cancels, 1.1e-4 relative at worst here (3.5e-6 with the model in float64, where the
+    statistics' float32 logits are what rounds); with the shelf's sums left out it fails. ``engine.sums_kernel=triton``:
+    the rows' and the shelf's sums by the fused pass (under Triton's interpreter on CPU)."""
+    model, prompt = tiny_model(), random_prompt(96)
+    caches = []
+    for rows_attention in ("each", "stored"):
+        rows = []
+        for budget, tokens in ((24, prompt), (17, prompt[:90])):
+            policy = build_policy(spec, {"window": 8, "gqa": gqa})
+            settings = {"decode_evict": True, "decode_interval": 5, "rows_attention": rows_attention}
+            settings["sums_kernel"] = sums_kernel
+            rows.append(Engine(model, policy, budget, **settings).prefilled_row(tokens, 12))
+        decode_rows(rows, 2)
+        caches.append([row.cache for row in rows])
+    for budget, alone_cache, stored_cache in zip((24, 17), *caches):
+        for alone, stored in zip(alone_cache.eviction_layers, stored_cache.eviction_layers):
+            assert alone.running_score is not None and stored.running_score is not None
+            assert alone.running_score.shape == stored.running_score.shape == (1, alone.keys.shape[1], budget + 1)
+            torch.testing.assert_close(alone.running_score, stored.running_score, rtol=5e-4, atol=1e-5)
+            assert torch.equal(alone.positions, stored.positions)
 
 
 def test_rows_of_different_prompts_stop_alone_and_leave_the_batch(monkeypatch):

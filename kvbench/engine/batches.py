@@ -10,21 +10,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.layer import in_cache_heads
-from kvbench.engine.scoring import uses_normaliser
+from kvbench.engine.scoring import sums_key
 from kvbench.engine.sharing import SharedForward
 from kvbench.engine.store import RowStore
-from kvbench.policies.base import Policy, settings_key
-
-
-def sums_key(policy: Policy) -> str | None:
-    """Variants with the same key add the same normalised sums of a forward to their running scores: ``policy``'s
-    settings (not its budget, nor how its layers share it) and its re-weighting modifier (CAOTE, CaliDrop or SLAKE
-    over H2O add H2O's), where the cache sums from the normaliser (:func:`~kvbench.engine.scoring.uses_normaliser`);
-    None elsewhere."""
-    if not uses_normaliser(policy):
-        return None
-    reweighting = [] if policy.reweighting is None else [policy.reweighting]
-    return settings_key(policy, *reweighting, without=("layer_budget",))
 
 
 class SharedPrefill(Cache):

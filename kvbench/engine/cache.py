@@ -311,7 +311,7 @@ class EvictionCache(Cache):
     ) -> None:
         """Gather this forward's scoring statistics from ``queries [B,Hq,q,D]``, their attention ``outputs
         [B,q,Hq,D]`` and ``lse`` where the attention gave it (the normalised ``summed`` when already computed for a
-        variant with the same :func:`~kvbench.engine.batches.sums_key`), and evict if due. ``shared``: what the
+        variant with the same :func:`~kvbench.engine.scoring.sums_key`), and evict if due. ``shared``: what the
         variants of one shared prefill compute (window statistics by size, rankings by :meth:`Scorer.ranking_key`),
         each by the first that needs it."""
         policy, layer, forward = self.policy, self.eviction_layers[layer_idx], self._forward()

@@ -14,7 +14,7 @@ from kvbench.engine import attention
 from kvbench.engine.layer import EvictionLayer
 from kvbench.engine.sharing import SharedForward
 from kvbench.policies import channel_pruner
-from kvbench.policies.base import AttentionStats, Policy
+from kvbench.policies.base import AttentionStats, Policy, settings_key
 from kvbench.policies.context import LayerWeights, ScoreContext
 from kvbench.policies.layer_budget import CascadingAllocation
 from kvbench.policies.stats import NormalisedStats
@@ -39,6 +39,17 @@ def uses_normaliser(policy: Policy) -> bool:
     float32 softmax), rather than from float32 attention weights: where the policy scores causally (every
     re-weighting modifier gives the same sums from such a pass, :meth:`Modifier.contribution_sums`)."""
     return policy.running and policy.scores_causally
+
+
+def sums_key(policy: Policy) -> str | None:
+    """Variants with the same key add the same normalised sums of a forward to their running scores: ``policy``'s
+    settings (not its budget, nor how its layers share it) and its re-weighting modifier (CAOTE, CaliDrop or SLAKE
+    over H2O add H2O's), where the cache sums from the normaliser (:func:`uses_normaliser`);
+    None elsewhere."""
+    if not uses_normaliser(policy):
+        return None
+    reweighting = [] if policy.reweighting is None else [policy.reweighting]
+    return settings_key(policy, *reweighting, without=("layer_budget",))
 
 
 class Scorer:

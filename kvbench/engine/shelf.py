@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kvbench import kernels
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.layer import EvictionLayer, in_cache_heads
+from kvbench.engine.scoring import sums_key
 from kvbench.kernels import decode
 from kvbench.policies.base import settings_key
 
@@ -90,10 +91,16 @@ class Stored:
     token_bytes: int = 0  # the bytes each token it appends adds, every layer's
 
 
+def running_sums(cache: EvictionCache) -> str | None:
+    """The running sums a row's units add on a shelf at each step (:func:`~kvbench.engine.scoring.sums_key`) where it
+    evicts while decoding by a running score (H2O's); None where its steps only append and attend."""
+    return sums_key(cache.policy) if cache.decode_evict and cache.policy.running else None
+
+
 def shelf_key(cache: EvictionCache, layer: int, capacity: int | None = None) -> tuple:
-    """The shelf of a row's units at ``layer``: one head layout and attending modifiers (and one ``capacity`` where
-    modifiers attend: :class:`Shelf`)."""
-    return layer, cache.cache_heads, cache.repeat_layout, settings_key(*cache.attending), capacity
+    """The shelf of a row's units at ``layer``: one head layout, attending modifiers and running sums (and one
+    ``capacity`` where modifiers attend: :class:`Shelf`)."""
+    return layer, cache.cache_heads, cache.repeat_layout, settings_key(*cache.attending), running_sums(cache), capacity
 
 
 def host_int(value: torch.Tensor) -> int:
@@ -117,7 +124,8 @@ class Shelf:
     to the device, which on CUDA waits for the queue, and reads nothing back). ``heads``: the cache heads of its rows,
     ``query_heads`` their queries'. ``modifiers``: its rows' attending ones, each with its units' state (``states``:
     ``Modifier.units``' tensors ``[U,...]``, made with the first unit that holds one) and ``active [U]``, the units
-    whose state holds something."""
+    whose state holds something. ``scores [P]`` (float32, where its rows add running sums: :func:`running_sums`) is
+    each entry's running score, the step's sums of every unit added by one pass (:meth:`add_sums`)."""
 
     def __init__(self, like: EvictionCache, layer: int, uniform: int | None = None) -> None:
         first = like.eviction_layers[layer].keys
@@ -129,6 +137,8 @@ class Shelf:
         self.heads, self.query_heads, self.repeat_layout = like.cache_heads, like.num_query_heads, like.repeat_layout
         self.keys, self.values = first.new_zeros(0, self.dim), first.new_zeros(0, self.dim)
         self.modifiers = like.attending
+        self.scorer = like.scorer  # the running sums' pass, the same for every row of the shelf (its key)
+        self.scores = None if running_sums(like) is None else first.new_zeros(0, dtype=torch.float32)
         self.states: list[dict[str, torch.Tensor] | None] = [None] * len(self.modifiers)
         self.active = [torch.zeros(0, dtype=torch.bool, device=first.device) for _ in self.modifiers]
         self.owners: list[tuple[Stored, int] | None] = []
@@ -166,6 +176,8 @@ class Shelf:
             first_unit, end = len(self.owners), self.keys.shape[0]
             grown_by = sum(missing)
             self.keys, self.values = grown(self.keys, grown_by), grown(self.values, grown_by)
+            if self.scores is not None:
+                self.scores = grown(self.scores, grown_by)
             sizes = torch.tensor(missing)
             self.starts = torch.cat([self.starts, end + sizes.cumsum(0) - sizes])
             self.capacities += missing
@@ -189,6 +201,9 @@ class Shelf:
                 index = spans(self.starts[picked], [length] * len(heads), device)
                 self.keys[index] = layer.keys[0, heads].flatten(0, 1)
                 self.values[index] = layer.values[0, heads].flatten(0, 1)
+                if self.scores is not None:
+                    assert layer.running_score is not None  # a running row's evicting prefill scored every layer
+                    self.scores[index] = layer.running_score[0, heads].flatten()
             for head, unit in zip(heads, picked):
                 if layer.headwise is not None:
                     keys, values = head_entries(layer, head, own)
@@ -231,6 +246,12 @@ class Shelf:
         self.count -= 1
         return self.keys[start : start + length], self.values[start : start + length]
 
+    def unit_scores(self, slot: int) -> torch.Tensor:
+        """The running scores ``[length]`` of unit ``slot``'s entries (a view: read before :meth:`take`)."""
+        assert self.scores is not None  # a shelf of running rows
+        start, length = host_int(self.starts[slot]), host_int(self.lengths[slot])
+        return self.scores[start : start + length]
+
     def unit_state(self, modifier: str, slot: int, sizes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
         """The state of ``modifier`` (a name) that unit ``slot`` holds, each tensor cut to its unit's ``sizes``."""
         place = [held.name for held in self.modifiers].index(modifier)
@@ -247,6 +268,8 @@ class Shelf:
         capacities = [self.capacities[unit] for unit in held]
         index = spans(self.starts[kept], capacities, self.keys.device)
         self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+        if self.scores is not None:
+            self.scores = self.scores.index_select(0, index)
         sizes = torch.tensor(capacities, dtype=torch.long)
         self.starts, self.capacities = sizes.cumsum(0) - sizes, capacities
         self.lengths, self.owners = self.lengths[kept], [self.owners[unit] for unit in held]
@@ -286,6 +309,8 @@ class Shelf:
         keys, values = in_cache_heads(key_states, value_states, self.query_heads, self.repeat_layout)  # [N,Hc,1,D]
         self.keys.index_put_((self.write_at,), keys.flatten(0, 1)[self.members, 0])
         self.values.index_put_((self.write_at,), values.flatten(0, 1)[self.members, 0])
+        if self.scores is not None:  # a new entry's score starts from 0 (the region may hold a former unit's)
+            self.scores.index_fill_(0, self.write_at, 0.0)
 
     def attend(self, query: torch.Tensor, scaling: float, joined: torch.Tensor) -> None:
         """Write the stored units' attention outputs into the batch's ``joined [N,1,Hq,D]`` for its single queries
@@ -304,7 +329,26 @@ class Shelf:
             output = decode.padded_region_attention(
                 units, self.keys, self.values, self.step_starts, self.step_lengths, scaling, self.longest
             )
+        if self.scores is not None:
+            self.add_sums(units, output, scaling)
         joined.view(-1, group, query.shape[-1]).index_copy_(0, self.members, output)
+
+    def add_sums(self, units: torch.Tensor, output: torch.Tensor, scaling: float) -> None:
+        """Add the step's running sums of every unit (queries ``units [n,G,D]``, outputs ``output [n,G,D]``) to its
+        entries' scores: the policy's pass (:meth:`~kvbench.engine.scoring.Scorer.normalised_sums`) over the regions
+        gathered to the longest, as a batch of ``n`` rows of one cache head, each query's normaliser over its own
+        region; the padding's sums are dropped."""
+        assert self.scores is not None
+        span = torch.arange(self.longest, device=units.device)
+        visible = span < self.step_lengths[:, None]  # [n,T]
+        keys, values = decode.padded_regions(self.keys, self.values, self.step_starts, self.longest)  # [n,T,D]
+        logits = torch.matmul(units.float(), keys.float().transpose(1, 2)).mul_(scaling)  # [n,G,T]
+        lse = logits.masked_fill_(~visible[:, None], float("-inf")).logsumexp(dim=-1)  # [n,G]
+        sums = self.scorer.normalised_sums(
+            units[:, :, None], keys[:, None], values[:, None], output[:, None], scaling, lse[..., None]
+        )  # [n,1,T]
+        index = (self.step_starts[:, None] + span).clamp_(max=self.scores.shape[0] - 1)  # the padding's: 0 added
+        self.scores.index_add_(0, index.flatten(), torch.where(visible, sums[:, 0], 0.0).flatten())
 
     def attend_modified(self, units: torch.Tensor, scaling: float) -> torch.Tensor:
         """The step's units' outputs ``[n,G,D]`` for their queries ``units [n,G,D]`` where modifiers attend: every unit

@@ -1,31 +1,31 @@
 """The decode rows' entries held together (``engine.rows_attention=stored``): a step appends every stored row's token
-with one scatter per shelf of a layer and attends them with one call per shelf, whatever the number of rows; a layer
-has one shelf per head layout and attending modifiers' settings (one for rows that only append and attend).
+with one scatter per shelf of a layer and attends them with one call per shelf, whatever the number of rows; a layer has
+one shelf per head layout, attending modifiers' settings and running sums (one for rows that only append and attend).
 
 A row is stored where its decode steps only append and attend (:func:`storable`): no attending modifier but those that
 attend with the others' on a shelf (``Modifier.stores``: SLAKE, CaliDrop, each unit's state held on the shelf beside its
 entries), no sliding-window layer (which drops its oldest token at each step), no learned sinks, the SDPA backend. A row
 that evicts while it decodes every few tokens (``engine.decode_interval``) is stored between its evictions where its
-ranking reads the keys or a window of queries (:func:`stored_between_evictions`): it leaves the store before a step that
-evicts, which it takes alone, and takes back the queries of its stored steps that its window reads (:meth:`RowStore.saw`
-keeps each step's, not copied); a running score (H2O's sums of every step), an attending modifier, a cascading layer
-budget or a head-wise share keeps it alone. The unit is one cache head of one row (a ``(row, head)``): each of a row's
-layers moves its heads' kept entries into regions of that layer's :class:`Shelf`, one flat buffer ``[P,D]`` where a
-unit's region holds its kept entries and the tokens it may append (:func:`capacity_class`: under an eighth to spare), so
-a layer budget's lengths per layer and a head-wise eviction's lengths per head (AdaKV) are held without padding — and
-moves back into the row's own cache, with the tokens it decoded appended, when the row leaves
-(:meth:`RowStore.release`): its outputs (sizes, kept sets, statistics) are those of a row attended alone. A unit is
-attended by the query heads that read its cache head (``Hq / Hc`` of them; one in the repeat layout) over its own
-region: by :mod:`kvbench.kernels.decode`'s kernel on CUDA, by one SDPA call over the regions gathered to the longest
-elsewhere. Where modifiers attend (their state is the shelf's, every unit attended by one SDPA call), on CUDA a shelf
-holds every capacity, its regions gathered to the longest each step, and elsewhere one capacity, viewed ``[U,C,D]``
-without a copy (:data:`~kvbench.engine.shelf.MODIFIER_SHELVES`). The other rows of a step are attended each alone.
+ranking reads the keys, a window of queries or H2O's running sums (:func:`stored_between_evictions`): it leaves the
+store before a step that evicts, which it takes alone, and takes back the queries of its stored steps that its window
+reads (:meth:`RowStore.saw` keeps each step's, not copied) and the running scores its shelf added
+(:meth:`Shelf.add_sums`); a non-causal running score, an attending modifier, a cascading layer budget or a head-wise
+share keeps it alone. The unit is one cache head of one row (a ``(row, head)``): each of a row's layers moves its heads'
+kept entries into regions of that layer's :class:`Shelf`, one flat buffer ``[P,D]`` where a unit's region holds its kept
+entries and the tokens it may append (:func:`capacity_class`: under an eighth to spare), so a layer budget's lengths per
+layer and a head-wise eviction's lengths per head (AdaKV) are held without padding — and moves back into the row's own
+cache, with the tokens it decoded appended, when the row leaves (:meth:`RowStore.release`): its outputs (sizes, kept
+sets, statistics) are those of a row attended alone. A unit is attended by the query heads that read its cache head
+(``Hq / Hc`` of them; one in the repeat layout) over its own region: by :mod:`kvbench.kernels.decode`'s kernel on CUDA,
+by one SDPA call over the regions gathered to the longest elsewhere. Where modifiers attend (their state is the shelf's,
+every unit attended by one SDPA call), on CUDA a shelf holds every capacity, its regions gathered to the longest each
+step, and elsewhere one capacity, viewed ``[U,C,D]`` without a copy (:data:`~kvbench.engine.shelf.MODIFIER_SHELVES`).
+The other rows of a step are attended each alone.
 
-Memory: a shelf grows by exactly the regions arriving (into free regions of their capacity first) and is copied
-without its free regions once they are more than a sixteenth of it; an empty one is let go.
-:attr:`RowStore.peak_bytes` is what the shelves held at their largest, beside :attr:`RowStore.reserved_at_peak`, the
-entries the rows then reserved (kept and to come).
-"""
+Memory: a shelf grows by exactly the regions arriving (into free regions of their capacity first) and is copied without
+its free regions once they are more than a sixteenth of it; an empty one is let go. :attr:`RowStore.peak_bytes` is what
+the shelves held at their largest, beside :attr:`RowStore.reserved_at_peak`, the entries the rows then reserved (kept
+and to come)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ import torch
 
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.layer import EvictionLayer
-from kvbench.engine.shelf import Shelf, Stored, modifier_capacity, shelf_key
+from kvbench.engine.scoring import uses_normaliser
+from kvbench.engine.shelf import Shelf, Stored, modifier_capacity, running_sums, shelf_key
 
 
 def storable(cache: EvictionCache) -> bool:
@@ -51,11 +52,13 @@ def storable(cache: EvictionCache) -> bool:
 def stored_between_evictions(cache: EvictionCache) -> bool:
     """Whether a row that evicts while decoding is stored between its evictions: its steps in between only append and
     attend, but for the queries its next eviction reads, which the store keeps (:meth:`RowStore.saw`) — a ranking
-    from the keys, or from a window of queries, each layer's length the same for every head. Not a running score
-    (H2O's sums add every step's attention), an attending modifier, a cascading layer budget or a head-wise share:
-    those rows are attended alone."""
+    from the keys, or from a window of queries, each layer's length the same for every head — or a running score
+    whose sums read each query's normaliser (H2O's, causal: :func:`~kvbench.engine.scoring.uses_normaliser`), which
+    its shelf adds for every row by one pass a step (:meth:`Shelf.add_sums`). Not a non-causal running score, an
+    attending modifier, a cascading layer budget or a head-wise share: those rows are attended alone."""
     policy = cache.policy
-    plain = not policy.running and policy.statistic != "reconstruction" and not policy.shares_heads
+    running = not policy.running or uses_normaliser(policy)
+    plain = running and policy.statistic != "reconstruction" and not policy.shares_heads
     return plain and not cache.attending and cache.allocation is None
 
 
@@ -127,6 +130,9 @@ class RowStore:
         for row in {id(row): row for units in arriving.values() for row, _ in units}.values():
             for index, entries in enumerate(row.cache.eviction_layers):  # held on the shelves now
                 entries.keys, entries.values = entries.keys[:, :, :0].clone(), entries.values[:, :, :0].clone()
+                if running_sums(row.cache) is not None:  # its scores on the shelves too
+                    assert entries.running_score is not None  # placed (Shelf.place)
+                    entries.running_score = entries.running_score[:, :, :0].clone()
                 if (own := entries.headwise) is not None:
                     own.keys, own.values = own.keys[:0].clone(), own.values[:0].clone()
                     entries.layout = None
@@ -212,8 +218,10 @@ class RowStore:
                     units = [shelf.unit_state(modifier.name, slot, sizes) for shelf, slot in found_slots]
                     stacked = {name: torch.stack([unit[name] for unit in units])[None] for name in sizes}
                     layer.modifier_state[modifier.name] = modifier.of_units(stacked)
-            entries = []
+            entries, scores = [], []
             for shelf, slot in found_slots:
+                if shelf.scores is not None:
+                    scores.append(shelf.unit_scores(slot))
                 entries.append(shelf.take(slot))
                 if shelf.count == 0:
                     self.shelves.pop(shelf.key, None)
@@ -233,4 +241,6 @@ class RowStore:
                 if row.windows and (window := min(row.windows[index], decoded)):
                     seen = self.seen_by(cache, index, window)
                     layer.remember_queries(seen, positions[-window:].to(seen.device), row.windows[index])
+            if scores:  # [1,Hc,a+d], as its own appends and sums would have made them
+                layer.running_score = torch.stack(scores)[None]
         cache.seen += decoded
