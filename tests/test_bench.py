@@ -126,13 +126,32 @@ def test_prefill_operators_count_each_prefill_against_full(bench):
     assert counts["h2o+obcache_joint"]["ratio"] > counts["sink"]["ratio"]
     with Operators() as counted:
         torch.ones(3).add(1).sum().item()
-    assert counted.figures() == {"operators": 4, "host_reads": 1}  # ones, add, sum, the read (a view is none)
+    assert counted.figures() == {"operators": 4, "host_reads": 1, "host_copies": 0}  # ones, add, sum, the read
     values = torch.arange(4.0)
     with Operators() as counted:
         values.repeat_interleave(2), values.repeat_interleave(torch.tensor([1, 0, 2, 1]))
         values[values > 1], values[:, None][torch.tensor([0, 2])]
     assert counted.host_reads == 2  # the counts' and the mask's shapes, not an int's or an index's
+    with Operators() as counted:  # the meta device stands for a GPU: a host tensor copied to it is counted
+        torch.ones(2).to("meta"), torch.empty(2, device="meta").copy_(torch.ones(2)), torch.ones(2).to("cpu")
+    assert counted.host_copies == 2
     assert "## Operators a prefill of 96 tokens dispatches" in bench_md(out)
+
+
+def test_selection_makes_its_slots_on_the_scores_device():
+    """The kept slots of a ranked layer are made on the scores' device (meta here, standing for a GPU): no host tensor
+    copied there, which on a GPU is a synchronisation at each variant's layer; on CPU they equal the sinks, the recent
+    window and the top-ranked slots between them."""
+    from kvbench.engine.selection import top_slots
+
+    scores = torch.rand(2, 3, 40)
+    with Operators() as counted:
+        on_meta = top_slots(scores.to("meta"), 12, 4, 2)
+    assert counted.host_copies == 1 and on_meta.shape == (2, 3, 12)  # the scores' own copy only
+    kept = top_slots(scores, 12, 4, 2)
+    heavy = scores[..., 2:36].topk(6, dim=-1).indices + 2
+    expected = torch.cat([heavy, torch.tensor([0, 1, 36, 37, 38, 39]).expand(2, 3, -1)], dim=-1).sort(dim=-1).values
+    assert torch.equal(kept, expected)
 
 
 def test_the_prefill_profile_names_where_the_longest_prefill_goes(bench):

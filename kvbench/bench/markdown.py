@@ -60,10 +60,11 @@ def operators_section(results: dict[str, Any]) -> list[str]:
         counts = results["prefill_operators"]
         lines += ["", f"## Operators a prefill of {counts['prompt_length']} tokens dispatches", ""]
         rows = [
-            [spec, row["operators"], f"{row['ratio']:.2f}", row["host_reads"]]
+            [spec, row["operators"], f"{row['ratio']:.2f}", row["host_reads"], row.get("host_copies", "")]
             for spec, row in counts["by_policy"].items()
         ]
-        lines += _table(["policy", "operators", "÷ full's", "values read back by the host"], rows)
+        headers = ["policy", "operators", "÷ full's", "values read back by the host", "copies from the host"]
+        lines += _table(headers, rows)
     return lines
 
 

@@ -98,6 +98,9 @@ class Operators(TorchDispatchMode):
         super().__init__()
         self.launched = 0
         self.host_reads = 0
+        #: copies from host memory to a device (``.to(device)`` of a host tensor): a blocking one waits for the
+        #: device's queue, so each is a synchronisation as a read is
+        self.host_copies = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
@@ -105,10 +108,11 @@ class Operators(TorchDispatchMode):
         # a read is ``item`` under inference mode, ``_local_scalar_dense`` outside it
         self.host_reads += name in ("item", "_local_scalar_dense") or reads_a_shape(func, args)
         self.host_reads += name == "_to_copy" and copies_to_host(args, kwargs)
+        self.host_copies += name in ("_to_copy", "copy_") and copies_from_host(name, args, kwargs)
         return func(*args, **(kwargs or {}))
 
     def figures(self) -> dict[str, int]:
-        return {"operators": self.launched, "host_reads": self.host_reads}
+        return {"operators": self.launched, "host_reads": self.host_reads, "host_copies": self.host_copies}
 
 
 #: operators whose output's shape the host reads from the device (the sizes a GPU computes: it synchronises)
@@ -128,6 +132,14 @@ def copies_to_host(args, kwargs) -> bool:
     """Whether a ``_to_copy`` brings an accelerator's tensor to the host (``.cpu()``, ``.tolist()`` on a GPU)."""
     device = (kwargs or {}).get("device")
     return device is not None and torch.device(device).type == "cpu" and args[0].device.type != "cpu"
+
+
+def copies_from_host(name: str, args, kwargs) -> bool:
+    """Whether a ``_to_copy`` or ``copy_`` brings a host tensor to a device (``.to(device)``, ``t.copy_(host)``)."""
+    if name == "copy_":
+        return args[0].device.type != "cpu" and args[1].device.type == "cpu"
+    device = (kwargs or {}).get("device")
+    return device is not None and torch.device(device).type != "cpu" and args[0].device.type == "cpu"
 
 
 def top_operators(function: Callable[[], Any], device: torch.device, rows: int) -> dict[str, Any]:

@@ -46,8 +46,14 @@ def top_slots(scores: torch.Tensor, budget: int, recent: int, sinks: int) -> tor
     prefix), so ties break as there."""
     tokens = scores.shape[-1]
     heavy = scores[..., sinks : tokens - recent].float().topk(budget - recent - sinks, dim=-1).indices + sinks
-    reserved = torch.cat([torch.arange(sinks), torch.arange(tokens - recent, tokens)]).to(heavy.device)
+    reserved = reserved_index(sinks, tokens - recent, tokens, heavy.device)
     return torch.cat([heavy, reserved.expand(*heavy.shape[:-1], -1)], dim=-1).sort(dim=-1).values
+
+
+def reserved_index(sinks: int, start: int, end: int, device: torch.device) -> torch.Tensor:
+    """The slots ``0..sinks`` and ``start..end`` ``[sinks + end - start]``, made on ``device`` (slots made on the host
+    and copied at each variant's layer would synchronise a GPU as often: a blocking copy from pageable memory)."""
+    return torch.cat([torch.arange(sinks, device=device), torch.arange(start, end, device=device)])
 
 
 def top_slots_per_head(middle: torch.Tensor, shares: torch.Tensor, recent: int, sinks: int) -> torch.Tensor:

@@ -89,10 +89,12 @@ class ExpectedAttention(Policy):
             queries = queries[:, :, min(max(self.n_sink - first, 0), queries.shape[2]) :]  # [B,Hq,W',D]
         mean = queries.mean(dim=2)  # [B,Hq,D]
         following = int(context.positions.max()) + 1 if context.next_position is None else context.next_position
-        future = torch.arange(following, following + self.n_future_positions)
-        rotation = context.once(
-            ("rotation", following, self.n_future_positions), lambda: averaged_rotation(*weights.rotation(future))
-        )
+        count, device = self.n_future_positions, mean.device
+
+        def rotation_ahead() -> torch.Tensor:  # the positions made on the device (a copy from the host synchronises)
+            return averaged_rotation(*weights.rotation(torch.arange(following, following + count, device=device)))
+
+        rotation = context.once(("rotation", following, count), rotation_ahead)  # once for a shared prefill's variants
         mean = mean @ rotation.T
         keys, values = context.keys.float()[:, :, self.n_sink :], context.values.float()[:, :, self.n_sink :]
         batch, heads, tokens, dim = keys.shape  # [B,Hc,T',D]
