@@ -315,6 +315,7 @@ def test_grid_operators_count_a_grouped_samples_prefill_and_step_each_alone_and_
     each, stored = counts["by_attention"]["each"], counts["by_attention"]["stored"]
     assert counts["rows"] > 50 and counts["context_length"] == 512
     assert each["prefill_operators"] == stored["prefill_operators"] > counts["full_row"]["prefill_operators"]
+    assert each["prefill_host_copies"] == stored["prefill_host_copies"] == 0  # a CPU has no other device
     assert counts["full_row"]["step_operators"] < stored["step_operators"] < each["step_operators"]
     assert stored["step_host_reads"] == 0
     assert f"## Operators of a grouped sample: {counts['rows']} rows of 512 tokens" in bench_md(out)

@@ -382,10 +382,12 @@ def grid_operators(bench: Bench) -> dict[str, Any]:
             started = bench.clock.start()
             with Operators() as decode:
                 decode_rows(rows, len(rows))
-            figures.append((prefill.launched, decode.launched, decode.host_reads, bench.clock.stop(started)[0]))
-        (prefill_ops, before, reads_before, seconds_before), (_, after, reads_after, seconds_after) = figures
+            seconds = bench.clock.stop(started)[0]
+            figures.append((prefill.launched, prefill.host_copies, decode.launched, decode.host_reads, seconds))
+        (prefill_ops, copies, before, reads_before, seconds_before), (*_, after, reads_after, seconds_after) = figures
         return {
             "prefill_operators": prefill_ops,
+            "prefill_host_copies": copies,  # on a GPU each a synchronisation (0 on a CPU: bench.measure.Operators)
             "step_operators": (after - before) / 4,
             "step_host_reads": (reads_after - reads_before) / 4,
             "step_seconds": (seconds_after - seconds_before) / 4,
