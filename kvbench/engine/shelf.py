@@ -191,19 +191,11 @@ class Shelf:
             new_units = iter(range(first_unit, first_unit + len(missing)))
             chosen = [[next(new_units) if unit < 0 else unit for unit in picked] for picked in chosen]
         self.on_device = None
-        device = self.keys.device
+        self.place_entries(units, chosen)
         for (row, heads), picked in zip(units, chosen):
             layer = row.cache.eviction_layers[self.layer]
             appended = row.appended[self.layer]
             own = [length - appended for length in row.kept[self.layer]]
-            if layer.headwise is None:  # every head as long: one copy
-                length = layer.get_seq_length()
-                index = spans(self.starts[picked], [length] * len(heads), device)
-                self.keys[index] = layer.keys[0, heads].flatten(0, 1)
-                self.values[index] = layer.values[0, heads].flatten(0, 1)
-                if self.scores is not None:
-                    assert layer.running_score is not None  # a running row's evicting prefill scored every layer
-                    self.scores[index] = layer.running_score[0, heads].flatten()
             for head, unit in zip(heads, picked):
                 if layer.headwise is not None:
                     keys, values = head_entries(layer, head, own)
@@ -214,6 +206,30 @@ class Shelf:
                 row.slots[self.layer][head] = (self, unit)
             self.count += len(heads)
             self.place_states(row, heads, picked)
+
+    def place_entries(self, units: list[tuple[Stored, list[int]]], chosen: list[list[int]]) -> None:
+        """The entries of the arriving rows whose heads are all as long (not head-wise) into their units ``chosen``:
+        every row's by one index (one copy of it to the device) and one write of each tensor."""
+        arriving = [(row, heads, picked) for (row, heads), picked in zip(units, chosen)]
+        rows = [unit for unit in arriving if unit[0].cache.eviction_layers[self.layer].headwise is None]
+        if not rows:
+            return
+        starts, lengths, keys, values, scores = [], [], [], [], []
+        for row, heads, picked in rows:
+            layer = row.cache.eviction_layers[self.layer]
+            every = heads == list(range(layer.keys.shape[1]))
+            pick: slice | list[int] = slice(None) if every else heads  # a list index would be copied to the device
+            starts.append(self.starts[picked])
+            lengths += [layer.get_seq_length()] * len(heads)
+            keys.append(layer.keys[0, pick].flatten(0, 1))  # [h·T,D]
+            values.append(layer.values[0, pick].flatten(0, 1))
+            if self.scores is not None:
+                assert layer.running_score is not None  # a running row's evicting prefill scored every layer
+                scores.append(layer.running_score[0, pick].flatten())
+        index = spans(torch.cat(starts), lengths, self.keys.device)
+        self.keys[index], self.values[index] = torch.cat(keys), torch.cat(values)
+        if self.scores is not None:
+            self.scores[index] = torch.cat(scores)
 
     def place_states(self, row: Stored, heads: list[int], slots: list[int]) -> None:
         """The attending modifiers' state of a row's ``heads`` at this layer into their units ``slots``, each tensor's
