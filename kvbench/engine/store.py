@@ -235,12 +235,13 @@ class RowStore:
             # the stacked copy itself, the decoded tokens after it: appending them writes in place (layer.appended)
             layer.keys, layer.values = keys[:, :, :appended], values[:, :, :appended]
             if decoded > 0:
-                positions = torch.arange(row.first_position, row.first_position + decoded)
+                first = row.first_position  # its positions made on the device (a copy from the host synchronises)
+                positions = torch.arange(first, first + decoded, device=keys.device)
                 layer.append(keys[:, :, appended:], values[:, :, appended:], positions)
                 cache.account(index)
                 if row.windows and (window := min(row.windows[index], decoded)):
                     seen = self.seen_by(cache, index, window)
-                    layer.remember_queries(seen, positions[-window:].to(seen.device), row.windows[index])
+                    layer.remember_queries(seen, positions[-window:], row.windows[index])
             if scores:  # [1,Hc,a+d], as its own appends and sums would have made them
                 layer.running_score = torch.stack(scores)[None]
         cache.seen += decoded
