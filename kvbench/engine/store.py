@@ -170,14 +170,18 @@ class RowStore:
                         _, units, slots = by_layer[layer].setdefault(id(shelf), (shelf, [], []))
                         units.append(place * shelf.heads + head)
                         slots.append(slot)
-        return [
-            [
-                (shelf, torch.tensor(units, device=shelf.keys.device), on_host.to(shelf.keys.device), on_host)
-                for shelf, units, slots in shelves.values()
-                for on_host in [torch.tensor(slots)]
-            ]
-            for shelves in by_layer
-        ]
+        listed = [(shelf, units, slots) for shelves in by_layer for shelf, units, slots in shelves.values()]
+        if not listed:
+            return [[] for _ in by_layer]
+        # every shelf's units and slots copied to the device at once (each copy from the host synchronises a GPU)
+        on_host = torch.tensor([index for _, units, slots in listed for index in (*units, *slots)])
+        on_device = on_host.to(listed[0][0].keys.device).split([2 * len(units) for _, units, _ in listed])
+        by_shelf = iter(
+            (shelf, *both.chunk(2), host_slots)
+            for (shelf, units, slots), both in zip(listed, on_device)
+            for host_slots in [torch.tensor(slots)]
+        )
+        return [[next(by_shelf) for _ in shelves] for shelves in by_layer]
 
     def saw(self, layer: int, query: torch.Tensor) -> None:
         """The step's queries ``[N,Hq,1,D]`` at ``layer``, kept (not copied) where a stored row's next eviction reads
