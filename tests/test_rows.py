@@ -83,9 +83,6 @@ def test_rows_evicting_every_few_tokens_are_stored_between_evictions_as_each_alo
     assert not {"snapkv+adakv", "cake"} & stored
 
 
-GQA_MODES = ("sum", "mean", "repeat")
-
-
 @pytest.mark.parametrize("spec", ["snapkv", "rkv"])
 def test_a_stored_row_takes_back_the_queries_its_next_eviction_reads(spec):
     """A row evicting every 5th token, stored in between, holds when it leaves the store (its last 2 of 12 tokens
@@ -111,6 +108,7 @@ def test_a_stored_row_takes_back_the_queries_its_next_eviction_reads(spec):
         torch.testing.assert_close(alone.recent_queries, stored.recent_queries, rtol=1e-5, atol=1e-5)
 
 
+GQA_MODES = ("sum", "mean", "repeat")
 FUSED = pytest.mark.skipif(not kernels.available(), reason="triton is not installed")
 
 
@@ -135,9 +133,16 @@ def test_a_stored_running_row_holds_the_running_score_it_holds_alone(spec, gqa, 
         rows = []
         for budget, tokens in ((24, prompt), (17, prompt[:90])):
             policy = build_policy(spec, {"window": 8, "gqa": gqa})
-            settings = {"decode_evict": True, "decode_interval": 5, "rows_attention": rows_attention}
-            settings["sums_kernel"] = sums_kernel
-            rows.append(Engine(model, policy, budget, **settings).prefilled_row(tokens, 12))
+            engine = Engine(
+                model,
+                policy,
+                budget,
+                decode_evict=True,
+                decode_interval=5,
+                rows_attention=rows_attention,
+                sums_kernel=sums_kernel,
+            )
+            rows.append(engine.prefilled_row(tokens, 12))
         decode_rows(rows, 2)
         caches.append([row.cache for row in rows])
     for budget, alone_cache, stored_cache in zip((24, 17), *caches):
