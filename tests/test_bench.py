@@ -130,6 +130,7 @@ def test_prefill_operators_count_each_prefill_against_full(bench):
     values = torch.arange(4.0)
     with Operators() as counted:
         values.repeat_interleave(2), values.repeat_interleave(torch.tensor([1, 0, 2, 1]))
+        values.repeat_interleave(torch.tensor([1, 0, 2, 1]), output_size=4)  # its size given: nothing read
         values[values > 1], values[:, None][torch.tensor([0, 2])]
     assert counted.host_reads == 2  # the counts' and the mask's shapes, not an int's or an index's
     with Operators() as counted:  # the meta device stands for a GPU: a host tensor copied to it is counted

@@ -106,7 +106,7 @@ class Operators(TorchDispatchMode):
         name = func.__name__.split(".")[0]
         self.launched += name not in self.VIEWS
         # a read is ``item`` under inference mode, ``_local_scalar_dense`` outside it
-        self.host_reads += name in ("item", "_local_scalar_dense") or reads_a_shape(func, args)
+        self.host_reads += name in ("item", "_local_scalar_dense") or reads_a_shape(func, args, kwargs)
         self.host_reads += name == "_to_copy" and copies_to_host(args, kwargs)
         self.host_copies += name in ("_to_copy", "copy_") and copies_from_host(name, args, kwargs)
         return func(*args, **(kwargs or {}))
@@ -119,13 +119,14 @@ class Operators(TorchDispatchMode):
 SHAPE_READS = frozenset({"nonzero", "masked_select", "_unique2", "unique_consecutive", "unique_dim"})
 
 
-def reads_a_shape(func, args) -> bool:
+def reads_a_shape(func, args, kwargs=None) -> bool:
     """Whether the operator's output shape is read back: :data:`SHAPE_READS`, indexing by a boolean mask (it takes the
-    mask's ``nonzero``), ``repeat_interleave`` by a tensor of counts."""
+    mask's ``nonzero``), ``repeat_interleave`` by a tensor of counts without its ``output_size``."""
     name, overload = func.__name__.split(".")[0], func._overloadname
     if name == "index":
         return any(isinstance(index, torch.Tensor) and index.dtype == torch.bool for index in args[1])
-    return name in SHAPE_READS or (name == "repeat_interleave" and overload != "self_int")
+    sized = (kwargs or {}).get("output_size") is not None
+    return name in SHAPE_READS or (name == "repeat_interleave" and overload != "self_int" and not sized)
 
 
 def copies_to_host(args, kwargs) -> bool:

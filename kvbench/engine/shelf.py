@@ -112,8 +112,9 @@ def host_int(value: torch.Tensor) -> int:
 def spans(starts: torch.Tensor, lengths: torch.Tensor | list[int], device) -> torch.Tensor:
     """The flat indices of regions at ``starts [n]`` of ``lengths`` entries each, region after region."""
     counts = torch.as_tensor(lengths, dtype=torch.long)
-    offsets = torch.arange(host_int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-    return (torch.repeat_interleave(starts, counts) + offsets).to(device)
+    total = host_int(counts.sum())  # the output's size given: nothing read back from where the counts are
+    offsets = torch.arange(total) - torch.repeat_interleave(counts.cumsum(0) - counts, counts, output_size=total)
+    return (torch.repeat_interleave(starts, counts, output_size=total) + offsets).to(device)
 
 
 class Shelf:
