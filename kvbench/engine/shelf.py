@@ -195,10 +195,9 @@ class Shelf:
         self.place_entries(units, chosen)
         for (row, heads), picked in zip(units, chosen):
             layer = row.cache.eviction_layers[self.layer]
-            appended = row.appended[self.layer]
-            own = [length - appended for length in row.kept[self.layer]]
+            own = [length - row.appended[self.layer] for length in row.kept[self.layer]]  # a head-wise layer's
             for head, unit in zip(heads, picked):
-                if layer.headwise is not None:
+                if layer.headwise is not None:  # its heads one by one (the others' by place_entries)
                     keys, values = head_entries(layer, head, own)
                     start = host_int(self.starts[unit])
                     self.keys[start : start + keys.shape[0]] = keys

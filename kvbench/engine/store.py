@@ -175,11 +175,11 @@ class RowStore:
             return [[] for _ in by_layer]
         # every shelf's units and slots copied to the device at once (each copy from the host synchronises a GPU)
         on_host = torch.tensor([index for _, units, slots in listed for index in (*units, *slots)])
-        on_device = on_host.to(listed[0][0].keys.device).split([2 * len(units) for _, units, _ in listed])
+        sizes = [2 * len(units) for _, units, _ in listed]  # each shelf's units, then its slots
+        on_device = on_host.to(listed[0][0].keys.device).split(sizes)
         by_shelf = iter(
-            (shelf, *both.chunk(2), host_slots)
-            for (shelf, units, slots), both in zip(listed, on_device)
-            for host_slots in [torch.tensor(slots)]
+            (shelf, *both.chunk(2), host.chunk(2)[1])
+            for (shelf, _, _), both, host in zip(listed, on_device, on_host.split(sizes))
         )
         return [[next(by_shelf) for _ in shelves] for shelves in by_layer]
 
