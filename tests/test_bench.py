@@ -136,6 +136,14 @@ def test_prefill_operators_count_each_prefill_against_full(bench):
     with Operators() as counted:  # the meta device stands for a GPU: a host tensor copied to it is counted
         torch.ones(2).to("meta"), torch.empty(2, device="meta").copy_(torch.ones(2)), torch.ones(2).to("cpu")
     assert counted.host_copies == 2
+    ones = torch.ones(3, 4)
+    for inference in (False, True):  # under inference mode these reach the mode as themselves: counted by their effect
+        with torch.inference_mode(inference), Operators() as counted:
+            ones.float(), ones.reshape(12), ones.flatten(), ones.contiguous()  # the tensor itself or a view
+        assert counted.launched == 0
+        with torch.inference_mode(inference), Operators() as counted:
+            ones.double(), ones.t().reshape(12), ones.t().flatten(), ones.t().contiguous(), ones.to("meta")
+        assert counted.figures() == {"operators": 5, "host_reads": 0, "host_copies": 1}
     assert "## Operators a prefill of 96 tokens dispatches" in bench_md(out)
 
 

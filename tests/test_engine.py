@@ -184,7 +184,7 @@ def test_attention_function_takes_transformers_positional_order():
 
 def test_take_slots_is_gather_along_the_slots():
     """``take_slots``: the rows ``gather`` takes along the slots, from contiguous entries and from a layer's view into
-    storage with room to spare (:func:`~kvbench.engine.layer.appended`)."""
+    storage with room to spare (:func:`~kvbench.engine.layer.appended`), both by one index."""
     from kvbench.engine.layer import appended
     from kvbench.policies.context import take_slots
 
@@ -193,7 +193,7 @@ def test_take_slots_is_gather_along_the_slots():
     grown = appended(entries[:, :, :39].clone(), entries[:, :, 39:])  # a view with APPEND_SPARE slots of room
     index = torch.rand(2, 3, 40).argsort(dim=-1)[..., :17].sort(dim=-1).values  # [B,H,K]
     expected = entries.gather(2, index[..., None].expand(-1, -1, -1, 8))
-    assert torch.equal(take_slots(entries, index), expected) and torch.equal(take_slots(grown, index), expected)
+    assert all(torch.equal(taken, expected) for taken in take_slots(index, entries, grown))  # one index, both taken
 
 
 def test_openmp_threads_sleep_after_a_short_spin_unless_the_environment_says_otherwise():

@@ -384,7 +384,8 @@ def grid_operators(bench: Bench) -> dict[str, Any]:
                 decode_rows(rows, len(rows))
             seconds = bench.clock.stop(started)[0]
             figures.append((prefill.launched, prefill.host_copies, decode.launched, decode.host_reads, seconds))
-        (prefill_ops, copies, before, reads_before, seconds_before), (*_, after, reads_after, seconds_after) = figures
+        # the second prefill's figures: the first makes what a process makes once (kept slots' reserved index)
+        (*_, before, reads_before, seconds_before), (prefill_ops, copies, after, reads_after, seconds_after) = figures
         return {
             "prefill_operators": prefill_ops,
             "prefill_host_copies": copies,  # on a GPU each a synchronisation (0 on a CPU: bench.measure.Operators)

@@ -93,6 +93,10 @@ class Operators(TorchDispatchMode):
         "view _unsafe_view _reshape_alias expand slice select t transpose unsqueeze squeeze permute alias as_strided "
         "detach detach_ unbind split split_with_sizes diagonal unflatten narrow lift_fresh".split()
     )
+    #: operators that copy only where they must (a dtype or device changed, slots not contiguous), else return a view
+    #: or the tensor itself: counted where their output is held in new memory (under inference mode they reach the
+    #: mode as themselves, not as the copy or the view they make)
+    MAYBE_VIEWS = frozenset("to reshape flatten contiguous reshape_as view_as type_as".split())
 
     def __init__(self) -> None:
         super().__init__()
@@ -104,12 +108,16 @@ class Operators(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
-        self.launched += name not in self.VIEWS
+        output = func(*args, **(kwargs or {}))
+        self.launched += name not in self.VIEWS and (name not in self.MAYBE_VIEWS or copied(args[0], output))
         # a read is ``item`` under inference mode, ``_local_scalar_dense`` outside it
         self.host_reads += name in ("item", "_local_scalar_dense") or reads_a_shape(func, args, kwargs)
         self.host_reads += name == "_to_copy" and copies_to_host(args, kwargs)
         self.host_copies += name in ("_to_copy", "copy_") and copies_from_host(name, args, kwargs)
-        return func(*args, **(kwargs or {}))
+        if name == "to" and isinstance(output, torch.Tensor) and output.device != args[0].device:  # inference mode's
+            self.host_reads += output.device.type == "cpu"
+            self.host_copies += args[0].device.type == "cpu"
+        return output
 
     def figures(self) -> dict[str, int]:
         return {"operators": self.launched, "host_reads": self.host_reads, "host_copies": self.host_copies}
@@ -117,6 +125,15 @@ class Operators(TorchDispatchMode):
 
 #: operators whose output's shape the host reads from the device (the sizes a GPU computes: it synchronises)
 SHAPE_READS = frozenset({"nonzero", "masked_select", "_unique2", "unique_consecutive", "unique_dim"})
+
+
+def copied(source: torch.Tensor, output: Any) -> bool:
+    """Whether ``output`` is held in memory other than ``source``'s (a copy was made, not a view)."""
+    if not isinstance(output, torch.Tensor) or not isinstance(source, torch.Tensor):
+        return True
+    if output.device != source.device or output.device.type == "meta":
+        return True
+    return output.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
 
 
 def reads_a_shape(func, args, kwargs=None) -> bool:

@@ -362,7 +362,7 @@ class EvictionLayer(DynamicLayer):
         """Gather the keys/values that deferred evictions kept (:meth:`keep`)."""
         if self.deferred_slots is not None:
             slots, self.deferred_slots = self.deferred_slots, None
-            self.keys, self.values = take_slots(self.keys, slots), take_slots(self.values, slots)
+            self.keys, self.values = take_slots(slots, self.keys, self.values)
 
     def keep_per_head(self, kept: torch.Tensor, ranking: torch.Tensor) -> None:
         """Keep the slots ``kept [1,Hc,T]`` (True = kept; any number per head), ranked ``ranking [1,Hc,T]``, as

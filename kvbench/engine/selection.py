@@ -3,6 +3,8 @@ slots) and recent window (its last), and the top-ranked of the slots between the
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvbench.policies.base import Policy
@@ -50,9 +52,11 @@ def top_slots(scores: torch.Tensor, budget: int, recent: int, sinks: int) -> tor
     return torch.cat([heavy, reserved.expand(*heavy.shape[:-1], -1)], dim=-1).sort(dim=-1).values
 
 
+@functools.lru_cache(maxsize=256)
 def reserved_index(sinks: int, start: int, end: int, device: torch.device) -> torch.Tensor:
     """The slots ``0..sinks`` and ``start..end`` ``[sinks + end - start]``, made on ``device`` (slots made on the host
-    and copied at each variant's layer would synchronise a GPU as often: a blocking copy from pageable memory)."""
+    and copied at each variant's layer would synchronise a GPU as often: a blocking copy from pageable memory), once
+    for every variant and layer that reserves them (read, never written)."""
     return torch.cat([torch.arange(sinks, device=device), torch.arange(start, end, device=device)])
 
 

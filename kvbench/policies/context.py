@@ -94,14 +94,15 @@ class ScoreContext:
         return compute() if self.shared is None else memoised(self.shared, name, compute)
 
 
-def take_slots(entries: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``entries [B,H,T,D]`` at the slots ``index [B,H,K]`` → ``[B,H,K,D]``, as ``gather`` along the slots: one
-    ``index_select`` of the entries as ``B·H·T`` rows (a ``gather`` by an index expanded over ``D`` is up to 100×
-    slower on CPU)."""
-    batch, heads, tokens, dim = entries.shape
+def take_slots(index: torch.Tensor, *entries: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each of ``entries [B,H,T,D]`` (keys, values: one shape) at the slots ``index [B,H,K]`` → ``[B,H,K,D]``, as
+    ``gather`` along the slots: one ``index_select`` of each as ``B·H·T`` rows by one flat index (a ``gather`` by an
+    index expanded over ``D`` is up to 100× slower on CPU)."""
+    batch, heads, tokens, dim = entries[0].shape
     offsets = torch.arange(0, batch * heads * tokens, tokens, device=index.device).view(batch, heads, 1)
-    rows = entries.reshape(batch * heads * tokens, dim)  # a copy only where the slots are not contiguous
-    return rows.index_select(0, (index + offsets).flatten()).view(batch, heads, -1, dim)
+    flat = (index + offsets).flatten()  # [B·H·K]
+    # a reshape copies only where the slots are not contiguous
+    return tuple(each.reshape(-1, each.shape[-1]).index_select(0, flat).view(batch, heads, -1, dim) for each in entries)
 
 
 @dataclass
@@ -146,7 +147,7 @@ class Evicted:
         """The entries at ``index [B,Hc,E]`` of a layer's ``positions`` and ``scores [B,Hc,T]`` and of its
         ``keys``/``values [B,Hc,T,D]``, there at ``slots`` where a deferred eviction has not gathered them yet."""
         slots = index if slots is None else slots
-        kept_keys, kept_values = take_slots(keys, slots), take_slots(values, slots)
+        kept_keys, kept_values = take_slots(slots, keys, values)
         return Evicted(kept_keys, kept_values, positions.gather(2, index), scores.gather(2, index))
 
 
