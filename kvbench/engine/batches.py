@@ -86,6 +86,7 @@ class SharedPrefill(Cache):
                 sums[key] = cache.scorer.normalised_sums(queries, *attended, outputs, scaling, lse)
             summed = None if key is None else sums.get(key)
             cache.after_attention(layer_idx, queries, outputs, scaling, None, summed, shared)
+        shared.select()  # the selections the variants left pending, made at once
 
 
 class RowBatch(Cache):

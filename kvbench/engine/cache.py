@@ -4,18 +4,18 @@ Every layer stores, per cache head, the kept keys/values and their absolute toke
 kept entries into smaller tensors, so memory really shrinks. A head is ordered by position (kept indices sorted, new
 tokens appended): its most recent ``r`` tokens are its last ``r`` slots.
 
-Attending modifiers (CaliDrop, SLAKE) get every evicted entry through ``Modifier.on_evict`` and may
-replace single-query attention through ``Modifier.attend``; each keeps its state in the layer's
-``modifier_state[name]``. Dynamic layer budgets (``cake``, ``vabs``) are allocated in CAKE's cascading
-manner while the first evicting forward passes through the layers: the strategy drives each stage
-(:meth:`~kvbench.policies.layer_budget.LayerBudget.cascade`) through the cache's ranking, eviction and window
-statistics.
+Attending modifiers (CaliDrop, SLAKE) get every evicted entry through ``Modifier.on_evict`` and may replace
+single-query attention through ``Modifier.attend``; each keeps its state in the layer's ``modifier_state[name]``.
+Dynamic layer budgets (``cake``, ``vabs``) are allocated in CAKE's cascading manner while the first evicting forward
+passes through the layers: the strategy drives each stage (:meth:`~kvbench.policies.layer_budget.LayerBudget.cascade`)
+through the cache's ranking, eviction and window statistics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -37,13 +37,12 @@ from kvbench.policies.stats import reconstruction_attention
 class EvictionCache(Cache):
     """A ``Cache`` whose layers are evicted to per-layer budgets by a ``Policy``.
 
-    The engine calls :meth:`begin_forward` before each model forward with the absolute positions of the
-    new tokens and whether this forward evicts; the kvbench attention function calls :meth:`update`
-    (through the model), :meth:`attend` for single-query forwards and then :meth:`after_attention`, where
-    scores are gathered and layers evicted. With a dynamic ``policy.layer_budget`` the ``layer_budgets``
-    given (uniform) are the average, re-allocated during the first evicting forward. ``layer_weights``: each
-    layer's weights that a score may read (:class:`~kvbench.policies.base.ScoreContext`).
-    """
+    The engine calls :meth:`begin_forward` before each model forward with the absolute positions of the new tokens
+    and whether this forward evicts; the kvbench attention function calls :meth:`update` (through the model),
+    :meth:`attend` for single-query forwards and then :meth:`after_attention`, where scores are gathered and layers
+    evicted. With a dynamic ``policy.layer_budget`` the ``layer_budgets`` given (uniform) are the average,
+    re-allocated during the first evicting forward. ``layer_weights``: each layer's weights that a score may read
+    (:class:`~kvbench.policies.base.ScoreContext`)."""
 
     def __init__(
         self,
@@ -378,10 +377,9 @@ class EvictionCache(Cache):
         shared: SharedForward | None = None,
     ) -> None:
         """Keep the top ``budget`` slots per cache head by ``scores [B,Hc,T]`` (or head-wise: :func:`kept_per_head`),
-        reserved slots first; hand the evicted entries to the attending modifiers. ``shared``: a shared prefill's
-        (:meth:`after_attention`), where the variants of one ranking and budget keep one selection: its slots, the
-        entries gathered and those evicted made by the first of them (each a new tensor, which none writes into); in
-        :attr:`watch`'s context where one is set."""
+        reserved slots first; hand the evicted entries to the attending modifiers. ``shared``: a shared prefill's, where
+        the variants of one ranking and budget keep one selection, made with all the layer's at its end
+        (:meth:`SharedForward.select`) but where :attr:`watch` watches (each a new tensor, which none writes into)."""
         layer = self.eviction_layers[layer_idx]
         with nullcontext() if self.watch is None else self.watch(layer_idx, budget, scores, layer):
             kept = kept_per_head(self.policy, scores, layer.get_seq_length(), budget, self.prompt_len, per_head, held)
@@ -394,42 +392,50 @@ class EvictionCache(Cache):
             if self.policy.keeps_ranked_only:  # whole chunks: the reserved and the ranked slots
                 ranked = torch.isfinite(scores[..., sinks : scores.shape[-1] - recent]).sum(dim=-1).min()
                 budget = sinks + recent + int(ranked)
-            key = self._selection_key(layer_idx, budget, recent, sinks, defer, shared)
-            kept, gathered = shared.selections[key] if shared is not None and key in shared.selections else (None, None)
-            if kept is None:
-                kept = top_slots(scores, budget, recent, sinks)
-            evicted = None
-            if self.attending:  # the entries the modifiers are handed, made once for the selection
-                evicted = shared.evicted.get(key) if shared is not None and key is not None else None
-                evicted = layer.dropped_by(kept) if evicted is None else evicted
-                if shared is not None and key is not None:
-                    shared.evicted[key] = evicted
-            layer.keep(kept, defer=defer, gathered=gathered)
-            if shared is not None and key is not None and key not in shared.selections:
-                assert layer.positions is not None  # a layer kept from holds its positions
-                shared.selections[key] = kept, (layer.keys, layer.values, layer.positions)
-            if evicted is not None:  # i.e. there are attending modifiers
-                assert layer.last_query is not None  # after_attention keeps it when modifiers attend
-                for modifier in self.attending:
-                    modifier.on_evict(layer.state_of(modifier), evicted, layer.last_query, scaling)
-            self.account(layer_idx)
+            if shared is None or self.watch is not None or layer.deferred_slots is not None:  # its own selection
+                return self._kept(layer_idx, scaling, defer, None, None, top_slots(scores, budget, recent, sinks), None)
+            key = self._selection_key(layer_idx, budget, recent, sinks)
+            entries = (layer.keys, layer.values, cast(torch.Tensor, layer.positions))
+            kept_by = partial(self._kept, layer_idx, scaling, defer, shared, key)
+            shared.pend(key, scores, (budget, recent, sinks), entries, kept_by)  # made at the layer's end
 
-    def _selection_key(
-        self, layer_idx: int, budget: int, recent: int, sinks: int, defer: bool, shared: SharedForward | None
-    ) -> tuple | None:
-        """What a shared prefill's variants keeping one selection of a layer share (:meth:`_evict`): its ranking
-        (:meth:`Scorer.ranking_key`), the entries it ranks (one tensor: the shared forward's), the budget and the
-        reserved slots; None where the layer is not a shared prefill's as it came (a cascade's deferred gathers) or the
-        policy keeps a number of its own (whole chunks)."""
+    def _kept(
+        self,
+        layer_idx: int,
+        scaling: float,
+        defer: bool,
+        shared: SharedForward | None,
+        key: tuple | None,
+        kept: torch.Tensor,
+        gathered: tuple[torch.Tensor, ...] | None,
+    ) -> None:
+        """Keep ``kept [B,Hc,K]`` (entries ``gathered`` there or None); the evicted to the modifiers, once a ``key``."""
         layer = self.eviction_layers[layer_idx]
-        ranking = None if shared is None else self.scorer.ranking_key(budget, self._forward())
-        if ranking is None or defer or layer.deferred_slots is not None or self.policy.keeps_ranked_only:
+        evicted = None
+        if self.attending:  # the entries the modifiers are handed, made once for the selection
+            evicted = shared.evicted.get(key) if shared is not None and key is not None else None
+            evicted = layer.dropped_by(kept) if evicted is None else evicted
+            if shared is not None and key is not None:
+                shared.evicted[key] = evicted
+        layer.keep(kept, defer=defer, gathered=gathered)
+        if evicted is not None:  # i.e. there are attending modifiers
+            assert layer.last_query is not None  # after_attention keeps it when modifiers attend
+            for modifier in self.attending:
+                modifier.on_evict(layer.state_of(modifier), evicted, layer.last_query, scaling)
+        self.account(layer_idx)
+
+    def _selection_key(self, layer_idx: int, budget: int, recent: int, sinks: int) -> tuple | None:
+        """What a shared prefill's variants keeping one selection of a layer share (:meth:`_evict`): its ranking
+        (:meth:`Scorer.ranking_key`), the entries it ranks, the budget and the reserved slots; None where the policy
+        keeps its own number (whole chunks)."""
+        layer = self.eviction_layers[layer_idx]
+        ranking = self.scorer.ranking_key(budget, self._forward())
+        if ranking is None or self.policy.keeps_ranked_only:
             return None
         return ranking, id(layer.keys), layer.get_seq_length(), budget, recent, sinks
 
     def account(self, layer_idx: int, tokens: int | None = None) -> None:
-        """The layer's bytes held (``tokens`` per cache head where an eviction to them is yet to be made), logged
-        while a cascade defers its stages."""
+        """The layer's bytes held (``tokens`` per cache head if an eviction to them is to come; a cascade's logged)."""
         held = self.eviction_layers[layer_idx].held_bytes(tokens)
         if self.stages is None or not self.stages.logs(layer_idx, held):
             self.hold(layer_idx, held)

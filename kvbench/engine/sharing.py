@@ -4,16 +4,16 @@ says what its entry depends on beyond the layer's entries, which the variants sh
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections import defaultdict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvbench.engine.selection import top_slots
 from kvbench.policies.base import AttentionStats
-
-#: a selection's kept slots ``[B,Hc,K]`` and the entries gathered by them (keys, values, positions)
-Selection = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+from kvbench.policies.context import take_slots
 
 
 @dataclass
@@ -25,8 +25,6 @@ class SharedForward:
     windows: dict[int, AttentionStats] = field(default_factory=dict)
     #: the rankings ``[B,Hc,T]``, by :meth:`~kvbench.engine.scoring.Scorer.ranking_key`
     rankings: dict[tuple, torch.Tensor] = field(default_factory=dict)
-    #: the selections, by :meth:`~kvbench.engine.cache.EvictionCache._selection_key` (a ranking, a budget)
-    selections: dict[tuple, Selection] = field(default_factory=dict)
     #: the entries a selection evicted, handed to the attending modifiers, by the selection's key
     evicted: dict[tuple, Any] = field(default_factory=dict)
     #: the last queries ``[B,Hq,W,D]`` and their positions ``[W]`` the variants hold, by window ``W``
@@ -34,3 +32,54 @@ class SharedForward:
     #: what a policy computes from the entries and the layer's weights alone, by the policy's name for it
     #: (:meth:`~kvbench.policies.context.ScoreContext.once`)
     entries: dict[Hashable, Any] = field(default_factory=dict)
+    #: the selections the variants wait for (:meth:`pend`), each with the variants that keep it, made at once by
+    #: :meth:`select`; by the selection's key where it has one
+    pending: list[Pending] = field(default_factory=list)
+    pending_keys: dict[tuple, Pending] = field(default_factory=dict)
+
+    def pend(
+        self,
+        key: tuple | None,
+        scores: torch.Tensor,
+        slots: tuple[int, int, int],
+        entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        keep: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], None],
+    ) -> None:
+        """A variant's selection of ``slots`` (budget, recent window, sinks: :func:`top_slots`) of ``entries`` (keys,
+        values ``[B,Hc,T,D]``, positions ``[B,Hc,T]``) by ``scores [B,Hc,T]``, made with the others' by
+        :meth:`select`, which then calls ``keep(kept, gathered)``; one selection for the variants of one ``key``."""
+        pending = None if key is None else self.pending_keys.get(key)
+        if pending is None:
+            pending = Pending(scores, slots, entries)
+            self.pending.append(pending)
+            if key is not None:
+                self.pending_keys[key] = pending
+        pending.keeps.append(keep)
+
+    def select(self) -> None:
+        """Every pending selection, by one top-k for those of one shape and slots (:func:`top_slots` over their scores
+        stacked ``[V,B,Hc,T]``: slice by slice the same top-k as each variant's alone), each then gathered into new
+        tensors of its own (a buffer of every variant's would hold a finished row's entries until the last of them
+        left it) and kept by its variants."""
+        groups: dict[tuple, list[Pending]] = defaultdict(list)
+        for pending in self.pending:
+            groups[pending.scores.shape, pending.scores.dtype, pending.slots].append(pending)
+        self.pending, self.pending_keys = [], {}
+        for (*_, slots), group in groups.items():
+            kept = top_slots(torch.stack([pending.scores for pending in group]), *slots)  # [V,B,Hc,K]
+            for slots_kept, pending in zip(kept, group):
+                keys, values, positions = pending.entries
+                gathered = (*take_slots(slots_kept, keys, values), positions.gather(2, slots_kept))
+                for keep in pending.keeps:
+                    keep(slots_kept, gathered)
+
+
+@dataclass
+class Pending:
+    """A selection the variants of a shared forward wait for (:meth:`SharedForward.pend`): ``scores [B,Hc,T]``,
+    ``slots`` (budget, recent, sinks), the ``entries`` it gathers and each variant's ``keeps``."""
+
+    scores: torch.Tensor
+    slots: tuple[int, int, int]
+    entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    keeps: list[Callable[[torch.Tensor, tuple[torch.Tensor, ...]], None]] = field(default_factory=list)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -99,10 +100,15 @@ def take_slots(index: torch.Tensor, *entries: torch.Tensor) -> tuple[torch.Tenso
     ``gather`` along the slots: one ``index_select`` of each as ``B·H·T`` rows by one flat index (a ``gather`` by an
     index expanded over ``D`` is up to 100× slower on CPU)."""
     batch, heads, tokens, dim = entries[0].shape
-    offsets = torch.arange(0, batch * heads * tokens, tokens, device=index.device).view(batch, heads, 1)
-    flat = (index + offsets).flatten()  # [B·H·K]
+    flat = (index + slot_offsets(batch, heads, tokens, index.device)).flatten()  # [B·H·K]
     # a reshape copies only where the slots are not contiguous
     return tuple(each.reshape(-1, each.shape[-1]).index_select(0, flat).view(batch, heads, -1, dim) for each in entries)
+
+
+@functools.lru_cache(maxsize=256)
+def slot_offsets(batch: int, heads: int, tokens: int, device: torch.device) -> torch.Tensor:
+    """The first of each (sequence, head)'s ``tokens`` slots as ``B·H·T`` rows ``[B,H,1]``, made once (read only)."""
+    return torch.arange(0, batch * heads * tokens, tokens, device=device).view(batch, heads, 1)
 
 
 @dataclass
