@@ -649,20 +649,26 @@ def test_auto_stores_the_rows_on_a_gpu_and_names_the_run_as_each():
 
 
 def test_a_shared_prefills_variants_of_one_ranking_and_budget_select_and_gather_once(monkeypatch):
-    """SnapKV alone, with CaliDrop and with SLAKE (one ranking) at one budget, prefilled by one shared forward: each
-    layer's slots are selected once for the three, and each variant's tokens, kept sets, sizes and statistics are its
-    own alone."""
-    import kvbench.engine.cache as cache_module
+    """SnapKV alone, with CaliDrop and with SLAKE (one ranking) at one budget, and H2O (another ranking, the same
+    reserved slots), prefilled by one shared forward: each layer's slots are selected by one top-k for the four
+    (``SharedForward.select``: one selection for the first three, stacked with H2O's), each of the two rankings'
+    entries gathered once, and each variant's tokens, kept sets, sizes and statistics are its own alone."""
+    import kvbench.engine.sharing as sharing_module
     from tests.helpers import assert_each_as_alone, generated_shared
 
     model = tiny_model()
-    specs = ("snapkv", "snapkv+calidrop", "snapkv+slake")
+    specs = ("snapkv", "snapkv+calidrop", "snapkv+slake", "h2o")
     engines = [Engine(model, build_policy(spec, {"window": 8}), 48, record_kept=True) for spec in specs]
     prompt = random_prompt(120)
     alone = [engine.generate(prompt, 4) for engine in engines]
     selections: list[int] = []
-    top_slots = cache_module.top_slots
-    monkeypatch.setattr(cache_module, "top_slots", lambda *args: selections.append(1) or top_slots(*args))
-    shared = generated_shared(engines, prompt, 4, batch_size=3)
-    assert len(selections) == model.config.num_hidden_layers
+    gathers: list[int] = []
+    top_slots, take_slots = sharing_module.top_slots, sharing_module.take_slots
+    monkeypatch.setattr(
+        sharing_module, "top_slots", lambda scores, *args: selections.append(len(scores)) or top_slots(scores, *args)
+    )
+    monkeypatch.setattr(sharing_module, "take_slots", lambda *args: gathers.append(1) or take_slots(*args))
+    shared = generated_shared(engines, prompt, 4, batch_size=4)
+    assert selections == [2] * model.config.num_hidden_layers  # two selections stacked, once a layer
+    assert len(gathers) == 2 * model.config.num_hidden_layers
     assert_each_as_alone(engines, alone, shared)

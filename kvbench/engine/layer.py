@@ -344,14 +344,15 @@ class EvictionLayer(DynamicLayer):
         """Gather the kept slots ``kept [B,Hc,K]`` (sorted) into new, smaller tensors; with ``defer`` (a cascade, which
         re-evicts a layer at every later stage) the keys/values only once the cascade ends (:meth:`gather_deferred`),
         from the slots every eviction kept: the same entries, gathered once. ``gathered``: the keys, values and
-        positions at ``kept`` already gathered from the same entries (another variant's of a shared prefill)."""
+        positions at ``kept`` already gathered from the same entries, and the ranking there
+        (:meth:`~kvbench.engine.sharing.SharedForward.select`)."""
         assert self.positions is not None
-        for name in ("running_score", "ranking"):
+        for name in ("running_score", "ranking")[: 1 if gathered else 2]:
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).gather(2, kept))
         if gathered is not None:
             assert self.deferred_slots is None and not defer  # one selection of the entries as they are
-            self.keys, self.values, self.positions = gathered
+            self.keys, self.values, self.positions, self.ranking = gathered
             return
         self.positions = self.positions.gather(2, kept)
         self.deferred_slots = kept if self.deferred_slots is None else self.deferred_slots.gather(2, kept)

@@ -176,7 +176,7 @@ class Scorer:
         assert shared.layer == layer_idx  # a layer's own ranking
         if key not in shared.rankings:
             shared.rankings[key] = self.scores(layer_idx, budget, scaling, shared, forward)
-        return shared.rankings[key].clone()  # the cache keeps its ranking (EvictionLayer.ranking): its own copy
+        return shared.rankings[key]  # read, never written: a layer keeps its ranking gathered at the slots it keeps
 
     def scores(
         self, layer_idx: int, budget: int, scaling: float, shared: SharedForward | None, forward: Forward

@@ -47,7 +47,8 @@ class SharedForward:
     ) -> None:
         """A variant's selection of ``slots`` (budget, recent window, sinks: :func:`top_slots`) of ``entries`` (keys,
         values ``[B,Hc,T,D]``, positions ``[B,Hc,T]``) by ``scores [B,Hc,T]``, made with the others' by
-        :meth:`select`, which then calls ``keep(kept, gathered)``; one selection for the variants of one ``key``."""
+        :meth:`select`, which then calls ``keep(kept, gathered)`` (the entries and the scores at ``kept``); one
+        selection for the variants of one ``key``."""
         pending = None if key is None else self.pending_keys.get(key)
         if pending is None:
             pending = Pending(scores, slots, entries)
@@ -66,10 +67,12 @@ class SharedForward:
             groups[pending.scores.shape, pending.scores.dtype, pending.slots].append(pending)
         self.pending, self.pending_keys = [], {}
         for (*_, slots), group in groups.items():
-            kept = top_slots(torch.stack([pending.scores for pending in group]), *slots)  # [V,B,Hc,K]
-            for slots_kept, pending in zip(kept, group):
+            scores = torch.stack([pending.scores for pending in group]).float()  # [V,B,Hc,T]
+            kept = top_slots(scores, *slots)  # [V,B,Hc,K]
+            rankings = scores.gather(-1, kept)  # what each variant's layer keeps as its ranking
+            for slots_kept, ranking, pending in zip(kept, rankings, group):
                 keys, values, positions = pending.entries
-                gathered = (*take_slots(slots_kept, keys, values), positions.gather(2, slots_kept))
+                gathered = (*take_slots(slots_kept, keys, values), positions.gather(2, slots_kept), ranking)
                 for keep in pending.keeps:
                     keep(slots_kept, gathered)
 
