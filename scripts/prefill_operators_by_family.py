@@ -26,13 +26,12 @@ from collections import defaultdict
 
 import torch
 
+from kvbench.bench.grid import variant_engine
 from kvbench.bench.measure import Operators
-from kvbench.config import policy_node, registered_policies, selected_policy_settings
+from kvbench.config import registered_policies, selected_policy_settings
 from kvbench.engine import Engine
 from kvbench.engine.shared import Prompt, prefill_shared
 from kvbench.models import load_model, model_config
-from kvbench.policies import build_policy
-from kvbench.policies.budgets import Budget
 
 BUDGETS = ("10pct", "20pct", "40pct")
 FAMILIES = ("plain", "running sums", "attending", "cascade", "head-wise")
@@ -58,11 +57,10 @@ def main(model_name: str = "smollm2_135m_random", length: int = 1024) -> None:
     layers = loaded.model.config.get_text_config().num_hidden_layers
 
     def counted(name: str) -> tuple[float, list[Engine]]:
-        engines = []
-        for budget in BUDGETS:
-            policy = build_policy(name, policy_node(name, settings))
-            policy.for_model(spec.hf_id, Budget.parse(budget))
-            engines.append(Engine(loaded.model, policy, budget, tokenizer=loaded.tokenizer))
+        engines = [
+            variant_engine(loaded.model, spec.hf_id, name, budget, settings, tokenizer=loaded.tokenizer)
+            for budget in BUDGETS
+        ]
         prefill_shared(engines, Prompt(prompt, 1), batch_size=len(engines))  # what a process makes once
         with Operators() as operators:
             prefill_shared(engines, Prompt(prompt, 1), batch_size=len(engines))

@@ -349,6 +349,15 @@ def grid_memory_row(config: dict[str, Any], kind: str) -> dict[str, Any]:
     return row
 
 
+def variant_engine(model, hf_id: str | None, spec: str, budget: str, settings, **engine: Any) -> Engine:
+    """An :class:`Engine` of ``model`` (Hugging Face id ``hf_id``) for the variant ``spec`` at ``budget``, its policy
+    built with an experiment's ``settings`` (:func:`~kvbench.config.selected_policy_settings`) and its per-model
+    settings filled in; ``engine``: the engine's settings."""
+    policy = build_policy(spec, policy_node(spec, settings))
+    policy.for_model(hf_id, Budget.parse(budget))
+    return Engine(model, policy, budget, **engine)
+
+
 def grid_operators(bench: Bench) -> dict[str, Any]:
     """The operators (:class:`~kvbench.bench.measure.Operators`: on a GPU the kernel launches and the values read back)
     one sample of a grouped sweep dispatches on the bench's model: every variant of ``${policies:variants}`` (with
@@ -363,12 +372,12 @@ def grid_operators(bench: Bench) -> dict[str, Any]:
     prompt = bench.prompt(length)
 
     def engine(spec: str, budget: str, attention: str) -> Engine:
-        policy = build_policy(spec, policy_node(spec, settings))
-        policy.for_model(bench.cfg.model.get("hf_id"), Budget.parse(budget))
-        return Engine(
+        return variant_engine(
             bench.loaded.model,
-            policy,
+            bench.cfg.model.get("hf_id"),
+            spec,
             budget,
+            settings,
             attn_backend=bench.loaded.attn_backend,
             rows_attention=attention,
             sums_kernel=bench.cfg.engine.sums_kernel,

@@ -347,13 +347,14 @@ class EvictionLayer(DynamicLayer):
         positions at ``kept`` already gathered from the same entries, and the ranking there
         (:meth:`~kvbench.engine.sharing.SharedForward.select`)."""
         assert self.positions is not None
-        for name in ("running_score", "ranking")[: 1 if gathered else 2]:
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name).gather(2, kept))
+        if self.running_score is not None:
+            self.running_score = self.running_score.gather(2, kept)
         if gathered is not None:
             assert self.deferred_slots is None and not defer  # one selection of the entries as they are
             self.keys, self.values, self.positions, self.ranking = gathered
             return
+        if self.ranking is not None:
+            self.ranking = self.ranking.gather(2, kept)
         self.positions = self.positions.gather(2, kept)
         self.deferred_slots = kept if self.deferred_slots is None else self.deferred_slots.gather(2, kept)
         if not defer:
