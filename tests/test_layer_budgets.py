@@ -248,8 +248,10 @@ def test_smollm2_dynamic_budgets(spec):
     [
         ("cake", {}, True),
         ("snapkv", {"layer_budget": VABS}, True),
-        ("cake+calidrop", {}, False),  # attending: each eviction hands its entries on
-        ("cake+slake", {"layer_budget": VABS}, False),
+        ("cake+calidrop", {}, False),  # attending: each eviction hands its entries on, read as they come
+        ("cake+slake", {"layer_budget": VABS}, True),  # attending by sums: the entries of every stage at once
+        ("snapkv+slake", {"layer_budget": VABS}, True),
+        ("lagkv+slake", {"layer_budget": VABS, "lag_size": 16, "window": None}, False),  # its ranks tie
         ("cake+adakv", {}, False),  # head-wise: each head's share of the layer's budget
     ],
 )
@@ -257,10 +259,12 @@ def test_smollm2_dynamic_budgets(spec):
 def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_at_every_stage_keeps(
     llama, spec, params, recorded, monkeypatch
 ):
-    """A cascade shrinks earlier layers at every stage. Where nothing reads the entries an eviction drops, a layer is
-    selected once, at its last budget; elsewhere each stage selects, and the keys/values are gathered once, when the
-    forward ends, and the stages are shared then too, their preferences read back at once (none read per layer). Either
-    way: the same entries, bytes, preferences and decoded tokens as evicting and gathering at every stage."""
+    """A cascade shrinks earlier layers at every stage. Where nothing reads the entries an eviction drops before
+    decoding (nothing attends, or SLAKE, which sums them), a layer is selected once, at its last budget; elsewhere each
+    stage selects, and the keys/values are gathered once, when the forward ends, and the stages are shared then too,
+    their preferences read back at once (none read per layer). Either way: the same entries, bytes, preferences and
+    decoded tokens as evicting and gathering at every stage, and SLAKE's sums of the evicted entries within float32
+    rounding (summed at once or stage by stage)."""
     import kvbench.engine.cache as cache_module
     import kvbench.engine.layer as layer_module
 
@@ -283,7 +287,8 @@ def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_a
                 layer_module.EvictionLayer, "keep", lambda self, kept, defer=False, **more: keep(self, kept, **more)
             )
         gathers.clear(), selections.clear()
-        engine = Engine(llama, build_policy(spec, {"window": 8, **params}), budget)
+        settings = {name: value for name, value in {"window": 8, **params}.items() if value is not None}
+        engine = Engine(llama, build_policy(spec, settings), budget)
         cache = engine.new_cache(len(prompt))
         with Operators() as counted:
             engine.prefill(cache, prompt)
@@ -303,4 +308,9 @@ def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_a
         for a, b in zip(cache.eviction_layers, reference[0].eviction_layers):
             assert a.deferred_slots is None
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            assert a.modifier_state.keys() == b.modifier_state.keys()
+            if "slake" in a.modifier_state:  # L, k_sum, v_sum, ℓ of the evicted entries
+                ours, theirs = vars(a.modifier_state["slake"].linear), vars(b.modifier_state["slake"].linear)
+                for name, tensor in ours.items():
+                    torch.testing.assert_close(tensor, theirs[name], rtol=1e-5, atol=1e-5)
     assert output.token_ids == reference[3].token_ids and output.kv == reference[3].kv

@@ -62,6 +62,10 @@ class Modifier(Registered):
     #: keeps a per-layer state (:meth:`new_state`), receives evicted entries (:meth:`on_evict`) and may replace
     #: single-query attention while decoding (:meth:`attend`)
     attends: ClassVar[bool] = False
+    #: its :meth:`on_evict` adds what it is handed into a sum and nothing reads the sum before decoding (SLAKE's
+    #: linear state): the entries of several evictions of one forward may be handed at once (equal up to float
+    #: rounding), so a cascade evicts each layer once, at its last budget
+    sums_evicted: ClassVar[bool] = False
     #: gives each cache head of a layer its own share of the layer's budget (:meth:`head_shares`: AdaKV); the
     #: cache then holds a different number of entries per head
     shares_heads: ClassVar[bool] = False
@@ -185,6 +189,10 @@ class Policy(Registered):
     reads_budget: ClassVar[bool] = False
     #: what it holds is bounded by the budget; False: it keeps whole layers or heads whatever the budget (SimLayerKV)
     bounded: ClassVar[bool] = True
+    #: its scores repeat by construction (LagKV's ranks within each partition): which of the equal ones a layer keeps
+    #: is top-k's choice among them, so shrinking a layer stage by stage may keep others than one top-k at its last
+    #: budget, and a cascade evicts at every stage (:class:`~kvbench.engine.cascade.CascadeStages`)
+    ranks_with_ties: ClassVar[bool] = False
 
     #: GQA: sum the scores of a KV head's query heads (OBCache App. B.5), average them, or ``repeat``
     #: (KV stored per query head, each choosing its own tokens: the SnapKV / KVCache-Factory layout)

@@ -33,6 +33,7 @@ class LagKV(Policy):
 
     name = "lagkv"
     paper = "LagKV (arXiv 2504.04704)"
+    ranks_with_ties = True  # every partition ranks 0, 1/L, …; the sinks and the last partition all score 1
 
     #: slots a partition holds (kvpress's default)
     lag_size: int = setting(integer(1, "a token count"), 128)
