@@ -248,8 +248,9 @@ def test_smollm2_dynamic_budgets(spec):
     [
         ("cake", {}, True),
         ("snapkv", {"layer_budget": VABS}, True),
-        ("cake+calidrop", {}, False),  # attending: each eviction hands its entries on, read as they come
-        ("cake+slake", {"layer_budget": VABS}, True),  # attending by sums: the entries of every stage at once
+        ("cake+calidrop", {}, True),  # attending, merging: the entries of every stage at once
+        ("cake+calidrop", {"calib_size": 20}, True),
+        ("cake+slake", {"layer_budget": VABS}, True),
         ("snapkv+slake", {"layer_budget": VABS}, True),
         ("lagkv+slake", {"layer_budget": VABS, "lag_size": 16, "window": None}, False),  # its ranks tie
         ("cake+adakv", {}, False),  # head-wise: each head's share of the layer's budget
@@ -260,11 +261,11 @@ def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_a
     llama, spec, params, recorded, monkeypatch
 ):
     """A cascade shrinks earlier layers at every stage. Where nothing reads the entries an eviction drops before
-    decoding (nothing attends, or SLAKE, which sums them), a layer is selected once, at its last budget; elsewhere each
-    stage selects, and the keys/values are gathered once, when the forward ends, and the stages are shared then too,
-    their preferences read back at once (none read per layer). Either way: the same entries, bytes, preferences and
-    decoded tokens as evicting and gathering at every stage, and SLAKE's sums of the evicted entries within float32
-    rounding (summed at once or stage by stage)."""
+    decoding (nothing attends, or SLAKE and CaliDrop, which merge them), a layer is selected once, at its last budget;
+    elsewhere each stage selects, and the keys/values are gathered once, when the forward ends, and the stages are
+    shared then too, their preferences read back at once (none read per layer). Either way: the same entries, bytes,
+    preferences and decoded tokens as evicting and gathering at every stage, and SLAKE's sums and CaliDrop's store and
+    attention over it within float32 rounding (merged at once or stage by stage)."""
     import kvbench.engine.cache as cache_module
     import kvbench.engine.layer as layer_module
 
@@ -313,4 +314,10 @@ def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_a
                 ours, theirs = vars(a.modifier_state["slake"].linear), vars(b.modifier_state["slake"].linear)
                 for name, tensor in ours.items():
                     torch.testing.assert_close(tensor, theirs[name], rtol=1e-5, atol=1e-5)
+            if "calidrop" in a.modifier_state:  # its store (in another order), C_q, and C_lse/C_out over the store
+                ours, theirs = a.modifier_state["calidrop"], b.modifier_state["calidrop"]
+                assert torch.equal(ours.query, theirs.query)
+                assert torch.equal(ours.store.positions.sort().values, theirs.store.positions.sort().values)
+                torch.testing.assert_close(ours.lse, theirs.lse, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(ours.out, theirs.out, rtol=1e-5, atol=1e-5)
     assert output.token_ids == reference[3].token_ids and output.kv == reference[3].kv

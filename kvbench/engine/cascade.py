@@ -7,8 +7,8 @@ once, when the forward ends (:meth:`CascadeStages.finish`): budgets only shrink 
 the ranking of its own stage, so the top slots at its last budget are those the stages' successive evictions keep
 (tests/test_layer_budgets.py: cascading equals evicting once to the final budgets). One selection per layer instead of
 one per layer and later stage (L²/2 on a 32-layer model: 528 selections, each a handful of kernel launches on a GPU).
-An attending modifier that only sums what it is handed before decoding (SLAKE: ``Modifier.sums_evicted``) is handed
-a layer's evicted entries once, then; where one reads them at each eviction (CaliDrop), where a policy shares a layer's
+An attending modifier whose state merges what successive evictions hand it (SLAKE's sums, CaliDrop's attention over its
+store: ``Modifier.merges_evicted``) is handed a layer's evicted entries once, then. Where a policy shares a layer's
 budget across its heads or keeps whole chunks, or its scores tie by construction (LagKV: which of the tied slots stage
 after stage keeps is not one top-k's choice), each stage evicts as it goes (its gathers still made once at the end).
 
@@ -66,8 +66,8 @@ class CascadeStages:
         self.shared: SharedForward | None = None
         policy = cache.policy
         #: whether an eviction only records the layer's budget (see the module's docstring)
-        summing = all(modifier.sums_evicted for modifier in cache.attending)  # handed every stage's entries at once
-        self.records = summing and not (policy.shares_heads or policy.keeps_ranked_only or policy.ranks_with_ties)
+        merging = all(modifier.merges_evicted for modifier in cache.attending)  # handed every stage's entries at once
+        self.records = merging and not (policy.shares_heads or policy.keeps_ranked_only or policy.ranks_with_ties)
         #: the budget each layer is to be evicted to when the forward ends
         self.budgets: dict[int, int] = {}
         #: until then, in order: the stages deferred (a layer) and the bytes a layer came to hold (a layer, its bytes)

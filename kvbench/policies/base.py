@@ -62,10 +62,10 @@ class Modifier(Registered):
     #: keeps a per-layer state (:meth:`new_state`), receives evicted entries (:meth:`on_evict`) and may replace
     #: single-query attention while decoding (:meth:`attend`)
     attends: ClassVar[bool] = False
-    #: its :meth:`on_evict` adds what it is handed into a sum and nothing reads the sum before decoding (SLAKE's
-    #: linear state): the entries of several evictions of one forward may be handed at once (equal up to float
-    #: rounding), so a cascade evicts each layer once, at its last budget
-    sums_evicted: ClassVar[bool] = False
+    #: what its state holds after several evictions of one forward is what it holds when handed their entries at once,
+    #: up to float rounding (SLAKE's sums; CaliDrop's store and its attention, merged by log-sum-exp), and nothing
+    #: reads it before decoding: a cascade hands each layer's evicted entries once, at its last budget
+    merges_evicted: ClassVar[bool] = False
     #: gives each cache head of a layer its own share of the layer's budget (:meth:`head_shares`: AdaKV); the
     #: cache then holds a different number of entries per head
     shares_heads: ClassVar[bool] = False

@@ -126,7 +126,7 @@ class Slake(Modifier):
     name = "slake"
     paper = "SLAKE: Softmax-Approximated Training-Free Linear Attention with KV-Cache Eviction"
     attends = True
-    sums_evicted = True  # L, k_sum, v_sum, ℓ are sums; PTAA reads them only while decoding
+    merges_evicted = True  # L, k_sum, v_sum, ℓ are sums; PTAA reads them only while decoding
 
     def default_layer_budget(self, base: Policy) -> LayerBudget | None:
         return Vabs() if base.layer_budget.name == "cake" else None
