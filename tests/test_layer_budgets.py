@@ -275,6 +275,7 @@ def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_a
     monkeypatch.setattr(layer_module, "take_slots", lambda *args: gathers.append(1) or take_slots(*args))
     monkeypatch.setattr(cache_module, "top_slots", lambda *args: selections.append(1) or top_slots(*args))
     keep, stages = layer_module.EvictionLayer.keep, CascadeStages.__init__
+    pack = layer_module.EvictionLayer.keep_per_head
 
     def per_stage(stages: CascadeStages) -> None:
         stages.records = False
@@ -283,9 +284,14 @@ def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_a
     for mode in ("recorded", "per_stage", "eager"):
         if mode == "per_stage":  # every stage evicts the layers over their budgets
             monkeypatch.setattr(CascadeStages, "__init__", lambda self, cache: stages(self, cache) or per_stage(self))
-        if mode == "eager":  # every eviction gathers at once
+        if mode == "eager":  # every eviction gathers (and packs, head-wise) at once, unpacked by the next stage
             monkeypatch.setattr(
                 layer_module.EvictionLayer, "keep", lambda self, kept, defer=False, **more: keep(self, kept, **more)
+            )
+            monkeypatch.setattr(
+                layer_module.EvictionLayer,
+                "keep_per_head",
+                lambda self, kept, ranking, defer=False: pack(self, kept, ranking),
             )
         gathers.clear(), selections.clear()
         settings = {name: value for name, value in {"window": 8, **params}.items() if value is not None}
@@ -307,8 +313,12 @@ def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_a
         assert cache.policy_stats() == reference[0].policy_stats()  # each layer's preference among them
         assert cache.kept_by_head() == reference[0].kept_by_head()
         for a, b in zip(cache.eviction_layers, reference[0].eviction_layers):
-            assert a.deferred_slots is None
+            assert a.deferred_slots is None and a.deferred_heads is None
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            if a.headwise is not None:  # packed once the cascade ends, or at every stage and laid out again
+                assert b.headwise is not None
+                for name in ("keys", "values", "positions", "ranking", "lengths", "slots"):
+                    assert torch.equal(getattr(a.headwise, name), getattr(b.headwise, name)), name
             assert a.modifier_state.keys() == b.modifier_state.keys()
             if "slake" in a.modifier_state:  # L, k_sum, v_sum, ℓ of the evicted entries
                 ours, theirs = vars(a.modifier_state["slake"].linear), vars(b.modifier_state["slake"].linear)

@@ -223,10 +223,8 @@ class EvictionCache(Cache):
         """Evict the layer to ``budget`` by its kept ranking (gathered by earlier evictions), its keys and values
         gathered later with ``defer``; a head-wise layer shares ``budget × Hc`` across its heads again, from the
         entries each holds."""
-        layer = self.eviction_layers[layer_idx]
-        held = None if layer.headwise is None else layer.unpack(self.policy.reserved_sinks())
-        assert layer.ranking is not None  # ranked at its own stage of this forward
-        self._evict(layer_idx, budget, layer.ranking, scaling, held=held, defer=defer)
+        ranking, held = self.eviction_layers[layer_idx].held_heads(self.policy.reserved_sinks())
+        self._evict(layer_idx, budget, ranking, scaling, held=held, defer=defer)
 
     # -- called by the model / attention function ------------------------------------------------------
     def update(
@@ -384,7 +382,7 @@ class EvictionCache(Cache):
         with nullcontext() if self.watch is None else self.watch(layer_idx, budget, scores, layer):
             kept = kept_per_head(self.policy, scores, layer.get_seq_length(), budget, self.prompt_len, per_head, held)
             if kept is not None:
-                layer.keep_per_head(kept, scores)
+                layer.keep_per_head(kept, scores, defer=defer)
                 self.account(layer_idx)
                 return
             layer.ranking = scores.float()

@@ -179,6 +179,9 @@ class EvictionLayer(DynamicLayer):
         #: the slots of ``keys``/``values`` that a cascade's evictions keep, gathered once it ends
         #: (:meth:`keep` with ``defer``, :meth:`gather_deferred`); None: ``keys``/``values`` are the layer's entries
         self.deferred_slots: torch.Tensor | None = None
+        #: the slots ``[1,Hc,T]`` (True = kept) that a cascade's head-wise evictions keep, packed once it ends
+        #: (:meth:`keep_per_head` with ``defer``); None: no head-wise eviction pending
+        self.deferred_heads: torch.Tensor | None = None
         #: the entries a quantised cache holds quantised (:meth:`roll`), or None
         self.quantized: KiviEntries | None = None
         #: the keys held in part of their channels (:meth:`prune_channels`), or None
@@ -190,7 +193,8 @@ class EvictionLayer(DynamicLayer):
         grow the per-token state to match."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
-        assert self.deferred_slots is None  # a cascade's gathers end with its forward (EvictionCache.after_attention)
+        # a cascade's gathers and packing end with its forward (EvictionCache.after_attention)
+        assert self.deferred_slots is None and self.deferred_heads is None
         self.keys, self.values = appended(self.keys, keys), appended(self.values, values)
         batch, heads, new_tokens, _ = keys.shape
         new_positions = positions.to(keys.device).expand(batch, heads, new_tokens)
@@ -225,6 +229,8 @@ class EvictionLayer(DynamicLayer):
 
     def tokens_per_head(self) -> int:
         """The entries held per cache head (on average, after a head-wise eviction)."""
+        if self.deferred_heads is not None:
+            return int(self.deferred_heads.sum()) // self.deferred_heads.shape[1]
         held = 0 if self.headwise is None else int(self.headwise.lengths.sum()) // self.headwise.heads
         return held + self.get_seq_length()
 
@@ -237,6 +243,8 @@ class EvictionLayer(DynamicLayer):
         batch, heads, _, dim = self.keys.shape
         slots = self.keys.shape[2] if self.deferred_slots is None else self.deferred_slots.shape[-1]
         held = batch * heads * (slots if tokens is None else tokens) * dim
+        if self.deferred_heads is not None:  # the entries the pending head-wise evictions keep
+            held = int(self.deferred_heads.sum()) * dim
         entries = held + (0 if self.headwise is None else self.headwise.keys.numel())
         return 2 * entries * self.keys.element_size()
 
@@ -361,22 +369,45 @@ class EvictionLayer(DynamicLayer):
             self.gather_deferred()
 
     def gather_deferred(self) -> None:
-        """Gather the keys/values that deferred evictions kept (:meth:`keep`)."""
+        """Gather the keys/values that deferred evictions kept (:meth:`keep`), and pack those that deferred head-wise
+        evictions kept (:meth:`keep_per_head`)."""
         if self.deferred_slots is not None:
             slots, self.deferred_slots = self.deferred_slots, None
             self.keys, self.values = take_slots(slots, self.keys, self.values)
+        if self.deferred_heads is not None:
+            assert self.ranking is not None  # kept with them
+            kept, self.deferred_heads = self.deferred_heads, None
+            self.keep_per_head(kept, self.ranking)
 
-    def keep_per_head(self, kept: torch.Tensor, ranking: torch.Tensor) -> None:
+    def keep_per_head(self, kept: torch.Tensor, ranking: torch.Tensor, defer: bool = False) -> None:
         """Keep the slots ``kept [1,Hc,T]`` (True = kept; any number per head), ranked ``ranking [1,Hc,T]``, as
-        :class:`HeadwiseEntries`, freeing the rest; the layer then appends to empty tensors."""
+        :class:`HeadwiseEntries`, freeing the rest; the layer then appends to empty tensors. With ``defer`` (a
+        cascade's stages, each of which may shrink the layer's heads again) the slots and ranking are only held, and
+        packed once the cascade ends (:meth:`gather_deferred`): the layer keeps its slots and the next stage ranks the
+        held ones (:meth:`held_heads`), as it would rank them packed and laid out again (:meth:`unpack`)."""
         assert self.positions is not None
         if kept.shape[0] != 1:
             raise KVBenchError("a head-wise eviction keeps one sequence per cache (batch 1)")
+        if defer:
+            self.deferred_heads, self.ranking = kept, ranking.float()
+            return
         self.gather_deferred()
         self.headwise = HeadwiseEntries.packed(self.keys, self.values, self.positions, ranking.float(), kept)
         self.keys, self.values = self.keys[:, :, :0].clone(), self.values[:, :, :0].clone()
         self.positions = self.positions[..., :0].clone()
         self.running_score = self.ranking = None
+
+    def held_heads(self, sinks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's ranking ``[1,Hc,T]`` for another head-wise eviction in this forward and which slots each head
+        holds (None: all): those a deferred head-wise eviction kept, the others ranked −inf; else a packed layer's
+        laid out again (:meth:`unpack`); else the ranking as it is."""
+        if self.deferred_heads is not None:
+            held, self.deferred_heads = self.deferred_heads, None
+            assert self.ranking is not None  # kept with them
+            return self.ranking.masked_fill(~held, -torch.inf), held
+        unpacked = None if self.headwise is None else self.unpack(sinks)
+        assert self.ranking is not None  # ranked at its own stage of this forward (or laid out again)
+        return self.ranking, unpacked
 
     def unpack(self, sinks: int) -> torch.Tensor:
         """Put the head-wise entries (with nothing appended since) back in one layout with their ranking, for another
