@@ -182,6 +182,7 @@ class EvictionLayer(DynamicLayer):
         #: the slots ``[1,Hc,T]`` (True = kept) that a cascade's head-wise evictions keep, packed once it ends
         #: (:meth:`keep_per_head` with ``defer``); None: no head-wise eviction pending
         self.deferred_heads: torch.Tensor | None = None
+        self.deferred_entries = 0  # how many they are (read back once, when kept)
         #: the entries a quantised cache holds quantised (:meth:`roll`), or None
         self.quantized: KiviEntries | None = None
         #: the keys held in part of their channels (:meth:`prune_channels`), or None
@@ -230,7 +231,7 @@ class EvictionLayer(DynamicLayer):
     def tokens_per_head(self) -> int:
         """The entries held per cache head (on average, after a head-wise eviction)."""
         if self.deferred_heads is not None:
-            return int(self.deferred_heads.sum()) // self.deferred_heads.shape[1]
+            return self.deferred_entries // self.deferred_heads.shape[1]
         held = 0 if self.headwise is None else int(self.headwise.lengths.sum()) // self.headwise.heads
         return held + self.get_seq_length()
 
@@ -244,7 +245,7 @@ class EvictionLayer(DynamicLayer):
         slots = self.keys.shape[2] if self.deferred_slots is None else self.deferred_slots.shape[-1]
         held = batch * heads * (slots if tokens is None else tokens) * dim
         if self.deferred_heads is not None:  # the entries the pending head-wise evictions keep
-            held = int(self.deferred_heads.sum()) * dim
+            held = self.deferred_entries * dim
         entries = held + (0 if self.headwise is None else self.headwise.keys.numel())
         return 2 * entries * self.keys.element_size()
 
@@ -389,7 +390,7 @@ class EvictionLayer(DynamicLayer):
         if kept.shape[0] != 1:
             raise KVBenchError("a head-wise eviction keeps one sequence per cache (batch 1)")
         if defer:
-            self.deferred_heads, self.ranking = kept, ranking.float()
+            self.deferred_heads, self.ranking, self.deferred_entries = kept, ranking.float(), int(kept.sum())
             return
         self.gather_deferred()
         self.headwise = HeadwiseEntries.packed(self.keys, self.values, self.positions, ranking.float(), kept)
