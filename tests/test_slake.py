@@ -7,11 +7,19 @@ import math
 import pytest
 import torch
 
+from kvbench.bench.measure import Operators
 from kvbench.engine import Engine
 from kvbench.engine.attention import sdpa_attention
 from kvbench.engine.cache import EvictionCache
 from kvbench.policies import build_policy
-from kvbench.policies.methods.slake import LinearState, ptaa_attention, ptaa_weights, vabs_score
+from kvbench.policies.methods.slake import (
+    VABS_BLOCK,
+    LinearState,
+    ptaa_attention,
+    ptaa_weights,
+    vabs_block,
+    vabs_score,
+)
 from tests.helpers import random_prompt, tiny_model
 from tests.test_policies import KV_HEADS, Q_HEADS, SCALING, TOKENS, random_layer
 
@@ -101,8 +109,28 @@ def test_ptaa_weights_are_the_plain_formula_bit_for_bit(window, tokens, per_quer
     weights, share = logits.softmax(-1), torch.rand(2, 9, 1, tokens, generator=generator)
     error = (approximate - weights).abs()
     plain = ((0.5 * error.sum(dim=-1)) * (share * error).sum(dim=-1) ** 0.1).mean() ** 0.5 * torch.tensor(2.0) ** 0.4
-    # eqs. 15-18, VABS_BLOCK queries at a time (a window of 300 is five blocks)
-    assert float(vabs_score(weights, logits, evicted, share, torch.tensor(2.0), 0.5, 0.4, 0.1)) == float(plain)
+    # eqs. 15-18, VABS_BLOCK queries at a time (a window of 300 is five blocks), or the whole window at once (as on
+    # an accelerator, vabs_block): the same score
+    for block in (None, window):
+        score = vabs_score(weights, logits, evicted, share, torch.tensor(2.0), 0.5, 0.4, 0.1, block)
+        assert float(score) == float(plain)
+
+
+def test_vabs_blocks_are_small_on_a_cpu_and_fill_their_bytes_elsewhere():
+    """On a CPU a block of VABS's window is ``VABS_BLOCK`` queries; on another device (meta here) as many as keep a
+    working copy within ``VABS_BYTES``: a 1k-token window at once (one block's operators instead of 16), an 8B model's
+    32 heads at 32k in blocks of 64."""
+    assert vabs_block(torch.zeros(1, 9, 1024, 1024)) == VABS_BLOCK == 64
+    assert vabs_block(torch.empty(1, 9, 1024, 1024, device="meta")) == 7281
+    assert vabs_block(torch.empty(1, 32, 32768, 32768, device="meta")) == 64
+    counted = {}
+    for device in ("meta", "cpu"):
+        logits, share = torch.zeros(1, 9, 1024, 1024, device=device), torch.zeros(1, 9, 1, 1024, device=device)
+        evicted = torch.zeros(1, 9, 1, 1024, dtype=torch.bool, device=device)
+        with Operators() as operators:
+            vabs_score(logits, logits, evicted, share, torch.zeros((), device=device), 0.5, 0.4, 0.1)
+        counted[device] = operators.launched
+    assert counted["cpu"] > 10 * counted["meta"]
 
 
 def test_ptaa_without_evicted_tokens_is_softmax_attention():
