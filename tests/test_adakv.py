@@ -187,7 +187,8 @@ def test_a_length_per_head_layer_attends_the_padded_entries_then_the_tokens_appe
     followed by the tokens appended since, with each head's mask (the plain ``torch.cat`` of them), the padded layout
     made once per eviction and grown in place by each token, made again after another eviction or when the appended
     tokens move to a new storage (past ``APPEND_SPARE``)."""
-    from kvbench.engine.layer import APPEND_SPARE, EvictionLayer, HeadwiseEntries
+    from kvbench.engine.entries import HeadwiseEntries
+    from kvbench.engine.layer import APPEND_SPARE, EvictionLayer
 
     made = []
     padded = HeadwiseEntries.padded

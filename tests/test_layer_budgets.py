@@ -275,7 +275,10 @@ def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_a
     monkeypatch.setattr(layer_module, "take_slots", lambda *args: gathers.append(1) or take_slots(*args))
     monkeypatch.setattr(cache_module, "top_slots", lambda *args: selections.append(1) or top_slots(*args))
     keep, stages = layer_module.EvictionLayer.keep, CascadeStages.__init__
-    pack = layer_module.EvictionLayer.keep_per_head
+    pack, init = layer_module.EvictionLayer.keep_per_head, EvictionCache.__init__
+
+    def unmerged(cache: EvictionCache) -> None:
+        cache.merging = False
 
     def per_stage(stages: CascadeStages) -> None:
         stages.records = False
@@ -284,7 +287,9 @@ def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_a
     for mode in ("recorded", "per_stage", "eager"):
         if mode == "per_stage":  # every stage evicts the layers over their budgets
             monkeypatch.setattr(CascadeStages, "__init__", lambda self, cache: stages(self, cache) or per_stage(self))
-        if mode == "eager":  # every eviction gathers (and packs, head-wise) at once, unpacked by the next stage
+        if mode == "eager":  # every eviction gathers (and packs, head-wise) at once, unpacked by the next stage, and
+            # hands the attending modifiers what it drops
+            monkeypatch.setattr(EvictionCache, "__init__", lambda self, *a, **k: init(self, *a, **k) or unmerged(self))
             monkeypatch.setattr(
                 layer_module.EvictionLayer, "keep", lambda self, kept, defer=False, **more: keep(self, kept, **more)
             )

@@ -69,6 +69,8 @@ class EvictionCache(Cache):
         self.cache_heads = num_query_heads if self.repeat_layout else num_kv_heads
         self.attn_backend = attn_backend
         self.attending = [modifier for modifier in policy.modifiers if modifier.attends]
+        #: a cascade's deferred evictions hand them what they drop once it ends (CascadeStages.finish): they merge it
+        self.merging = bool(self.attending) and all(modifier.merges_evicted for modifier in self.attending)
         #: by layer, the sliding window held as the model holds it (:meth:`slide`), or None: a global layer
         self.windows = [None] * len(layer_budgets) if windows is None else list(windows)
         self.learned_sinks = learned_sinks  # the model's softmax adds a learned logit per head (GPT-OSS)
@@ -410,7 +412,7 @@ class EvictionCache(Cache):
         """Keep ``kept [B,Hc,K]`` (entries ``gathered`` there or None); the evicted to the modifiers, once a ``key``."""
         layer = self.eviction_layers[layer_idx]
         evicted = None
-        if self.attending:  # the entries the modifiers are handed, made once for the selection
+        if self.attending and not (defer and self.merging):  # the entries the modifiers are handed, once a selection
             evicted = shared.evicted.get(key) if shared is not None and key is not None else None
             evicted = layer.dropped_by(kept) if evicted is None else evicted
             if shared is not None and key is not None:

@@ -10,7 +10,8 @@ one per layer and later stage (L²/2 on a 32-layer model: 528 selections, each a
 An attending modifier whose state merges what successive evictions hand it (SLAKE's sums, CaliDrop's attention over its
 store: ``Modifier.merges_evicted``) is handed a layer's evicted entries once, then. Where a policy shares a layer's
 budget across its heads or keeps whole chunks, or its scores tie by construction (LagKV: which of the tied slots stage
-after stage keeps is not one top-k's choice), each stage evicts as it goes (its gathers still made once at the end).
+after stage keeps is not one top-k's choice), each stage evicts as it goes: its gathers still made once at the end, and
+the merging modifiers handed what every stage dropped then (``EvictionLayer.dropped_deferred``).
 
 Where the evictions are recorded the stages themselves are shared when the forward ends too (:attr:`defers`): each
 stage's preference stays on the device until then and all are read back at once — on a GPU one synchronisation per
@@ -39,6 +40,7 @@ class StagedCache(Protocol):
     prompt_len: int
     layer_budgets: list[int]
     attending: list
+    merging: bool
     allocation: CascadingAllocation | None
 
     @property
@@ -145,4 +147,8 @@ class CascadeStages:
         for layer_idx, budget in self.budgets.items():
             cache.evict(layer_idx, budget, scaling, defer=True)
         for layer in cache.eviction_layers:
+            if cache.merging and (evicted := layer.dropped_deferred()) is not None:  # what every stage dropped
+                for modifier in cache.attending:
+                    assert layer.last_query is not None  # kept where modifiers attend (EvictionCache.after_attention)
+                    modifier.on_evict(layer.state_of(modifier), evicted, layer.last_query, scaling)
             layer.gather_deferred()

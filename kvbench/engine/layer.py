@@ -1,15 +1,15 @@
 """One layer of the budgeted cache: per cache head the kept keys/values, their absolute positions and the scoring
-state (:class:`EvictionLayer`), and the entries a head-wise eviction keeps, a length per head
-(:class:`HeadwiseEntries`). The cache that evicts its layers is :mod:`kvbench.engine.cache`."""
+state (:class:`EvictionLayer`); the entries a head-wise eviction keeps, a length per head, are
+:class:`~kvbench.engine.entries.HeadwiseEntries`. The cache that evicts its layers is :mod:`kvbench.engine.cache`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from kvbench.engine.entries import HeadwiseEntries, PrunedKeys
 from kvbench.engine.kivi import Kivi, KiviEntries
 from kvbench.engine.sharing import SharedForward
 from kvbench.errors import KVBenchError
@@ -43,98 +43,6 @@ def appended(held: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         store[:, :, :length] = held
     store[:, :, length : length + added] = new
     return store[:, :, : length + added]
-
-
-@dataclass
-class HeadwiseEntries:
-    """A layer's entries after a head-wise eviction (batch 1), packed head after head, each head's in position order:
-    ``keys``/``values [N,D]``, ``positions [N]``, ``ranking [N]`` (the scores they were kept by), ``lengths [Hc]``
-    (entries per cache head) and ``slots [N]``, each entry's place in the ``[Hc, longest]`` layout that attention pads
-    them to (:meth:`padded`). The cache's bytes are the ``N`` entries kept, not the longest head's length × heads;
-    attention's padded layout is a working copy beside them while the layer decodes (:meth:`EvictionLayer.attended`)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    positions: torch.Tensor
-    ranking: torch.Tensor
-    lengths: torch.Tensor
-    slots: torch.Tensor
-    longest: int
-
-    @staticmethod
-    def packed(
-        keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, ranking: torch.Tensor, kept: torch.Tensor
-    ) -> HeadwiseEntries:
-        """The entries ``kept [1,Hc,T]`` (True = kept) of a layer's ``keys``/``values [1,Hc,T,D]``, ``positions`` and
-        ``ranking [1,Hc,T]``, copied out of them."""
-        heads, tokens = kept.shape[1:]
-        flat = kept[0].flatten().nonzero().squeeze(-1)  # [N] head-major, slot order within a head
-        lengths = kept[0].sum(dim=-1)  # [Hc]
-        head = flat // tokens
-        rank = torch.arange(flat.numel(), device=flat.device) - (lengths.cumsum(0) - lengths)[head]
-        longest = int(lengths.max())
-        return HeadwiseEntries(
-            keys[0].flatten(0, 1)[flat],
-            values[0].flatten(0, 1)[flat],
-            positions[0].flatten()[flat],
-            ranking[0].flatten()[flat],
-            lengths,
-            head * longest + rank,
-            longest,
-        )
-
-    @property
-    def heads(self) -> int:
-        return self.lengths.numel()
-
-    def padded(self, entries: torch.Tensor) -> torch.Tensor:
-        """``keys`` or ``values [N,D]`` in the padded layout ``[1,Hc,longest,D]`` (zeros after each head's own)."""
-        layout = entries.new_zeros(self.heads * self.longest, entries.shape[-1])
-        return layout.index_copy_(0, self.slots, entries).view(1, self.heads, self.longest, -1)
-
-    def mask(self) -> torch.Tensor:
-        """``[Hc, longest]``: True on each head's own entries of the padded layout."""
-        return torch.arange(self.longest, device=self.lengths.device) < self.lengths[:, None]
-
-    def by_head(self) -> list[torch.Tensor]:
-        """Each cache head's positions."""
-        return list(self.positions.split(self.lengths.tolist()))
-
-    def unpacked(self, sinks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The entries in one ``[1,Hc,longest]`` layout for another eviction: ``keys``/``values [1,Hc,L,D]``,
-        ``positions``, ``ranking`` and ``held [1,Hc,L]``. Each head's first ``sinks`` entries stay first and the rest
-        end at the last slot, so that every head's sinks and recent window are the layout's first and last slots, as
-        in an equal-length layer; the padding between them is not held and ranks −inf."""
-        head = torch.arange(self.heads, device=self.slots.device).repeat_interleave(self.lengths)  # [N]
-        rank = self.slots - head * self.longest  # each entry's place within its head
-        shift = torch.where(rank < sinks, 0, self.longest - self.lengths[head])
-        slots = self.slots + shift  # [N]
-
-        def layout(entries: torch.Tensor, fill: float) -> torch.Tensor:
-            flat = entries.new_full((self.heads * self.longest, *entries.shape[1:]), fill)
-            return flat.index_copy_(0, slots, entries).view(1, self.heads, self.longest, *entries.shape[1:])
-
-        held = layout(torch.ones_like(self.positions, dtype=torch.bool), False)
-        ranking = layout(self.ranking, -torch.inf)
-        return layout(self.keys, 0.0), layout(self.values, 0.0), layout(self.positions, 0), ranking, held
-
-
-@dataclass
-class PrunedKeys:
-    """A layer's first keys with part of each head's channels pruned (ThinK, ``Modifier.key_channels``): ``keys
-    [B,Hc,T,D']`` the channels ``channels [B,Hc,D']`` (ascending) of a head of ``dim`` channels."""
-
-    keys: torch.Tensor
-    channels: torch.Tensor
-    dim: int
-
-    def bytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() + self.channels.numel() * self.channels.element_size()
-
-    def attended(self) -> torch.Tensor:
-        """The keys ``[B,Hc,T,D]`` with the pruned channels zero (a working copy)."""
-        index = self.channels[:, :, None].expand(-1, -1, self.keys.shape[2], -1)  # [B,Hc,T,D']
-        return self.keys.new_zeros(*self.keys.shape[:3], self.dim).scatter_(-1, index, self.keys)
 
 
 class EvictionLayer(DynamicLayer):
@@ -179,6 +87,8 @@ class EvictionLayer(DynamicLayer):
         #: the slots of ``keys``/``values`` that a cascade's evictions keep, gathered once it ends
         #: (:meth:`keep` with ``defer``, :meth:`gather_deferred`); None: ``keys``/``values`` are the layer's entries
         self.deferred_slots: torch.Tensor | None = None
+        #: the positions and ranking ``[B,Hc,T]`` of the entries those evictions select from (:meth:`dropped_deferred`)
+        self.deferred_from: tuple[torch.Tensor, torch.Tensor] | None = None
         #: the slots ``[1,Hc,T]`` (True = kept) that a cascade's head-wise evictions keep, packed once it ends
         #: (:meth:`keep_per_head` with ``defer``); None: no head-wise eviction pending
         self.deferred_heads: torch.Tensor | None = None
@@ -362,6 +272,8 @@ class EvictionLayer(DynamicLayer):
             assert self.deferred_slots is None and not defer  # one selection of the entries as they are
             self.keys, self.values, self.positions, self.ranking = gathered
             return
+        if defer and self.deferred_slots is None and self.ranking is not None:
+            self.deferred_from = (self.positions, self.ranking)
         if self.ranking is not None:
             self.ranking = self.ranking.gather(2, kept)
         self.positions = self.positions.gather(2, kept)
@@ -373,7 +285,7 @@ class EvictionLayer(DynamicLayer):
         """Gather the keys/values that deferred evictions kept (:meth:`keep`), and pack those that deferred head-wise
         evictions kept (:meth:`keep_per_head`)."""
         if self.deferred_slots is not None:
-            slots, self.deferred_slots = self.deferred_slots, None
+            slots, self.deferred_slots, self.deferred_from = self.deferred_slots, None, None
             self.keys, self.values = take_slots(slots, self.keys, self.values)
         if self.deferred_heads is not None:
             assert self.ranking is not None  # kept with them
@@ -421,12 +333,31 @@ class EvictionLayer(DynamicLayer):
     def dropped_by(self, kept: torch.Tensor) -> Evicted:
         """The entries that keeping ``kept [B,Hc,K]`` evicts, in position order, scored by ``ranking``."""
         assert self.positions is not None and self.ranking is not None
-        batch, heads, tokens = self.positions.shape
-        dropped = torch.ones(batch, heads, tokens, dtype=torch.bool, device=kept.device).scatter_(-1, kept, False)
-        # a stable sort puts the dropped slots first, in slot order, with no host synchronisation
-        index = dropped.byte().sort(dim=-1, descending=True, stable=True).indices[..., : tokens - kept.shape[-1]]
-        slots = index if self.deferred_slots is None else self.deferred_slots.gather(2, index)
-        return Evicted.taken(self.keys, self.values, self.positions, self.ranking, index, slots)
+        return dropped(self.keys, self.values, self.positions, self.ranking, kept, self.deferred_slots)
+
+    def dropped_deferred(self) -> Evicted | None:
+        """The entries a cascade's deferred evictions (:meth:`keep` with ``defer``) drop, of those they selected from,
+        in position order; None where none is deferred."""
+        if self.deferred_slots is None or self.deferred_from is None:
+            return None
+        return dropped(self.keys, self.values, *self.deferred_from, self.deferred_slots, None)
+
+
+def dropped(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    ranking: torch.Tensor,
+    kept: torch.Tensor,
+    slots: torch.Tensor | None,
+) -> Evicted:
+    """The entries of ``positions``/``ranking [B,Hc,T]`` that keeping ``kept [B,Hc,K]`` drops, in slot order, their
+    keys and values at ``slots`` of ``keys``/``values`` where these are not gathered yet (a deferred eviction's)."""
+    batch, heads, tokens = positions.shape
+    mask = torch.ones(batch, heads, tokens, dtype=torch.bool, device=kept.device).scatter_(-1, kept, False)
+    # a stable sort puts the dropped slots first, in slot order, with no host synchronisation
+    index = mask.byte().sort(dim=-1, descending=True, stable=True).indices[..., : tokens - kept.shape[-1]]
+    return Evicted.taken(keys, values, positions, ranking, index, None if slots is None else slots.gather(2, index))
 
 
 def in_cache_heads(
