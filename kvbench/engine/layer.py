@@ -338,8 +338,9 @@ class EvictionLayer(DynamicLayer):
     def dropped_deferred(self) -> Evicted | None:
         """The entries a cascade's deferred evictions (:meth:`keep` with ``defer``) drop, of those they selected from,
         in position order; None where none is deferred."""
-        if self.deferred_slots is None or self.deferred_from is None:
+        if self.deferred_slots is None:
             return None
+        assert self.deferred_from is not None  # kept by the first deferred eviction (a ranked one)
         return dropped(self.keys, self.values, *self.deferred_from, self.deferred_slots, None)
 
 
