@@ -68,8 +68,8 @@ class CascadeStages:
         self.shared: SharedForward | None = None
         policy = cache.policy
         #: whether an eviction only records the layer's budget (see the module's docstring)
-        merging = all(modifier.merges_evicted for modifier in cache.attending)  # handed every stage's entries at once
-        self.records = merging and not (policy.shares_heads or policy.keeps_ranked_only or policy.ranks_with_ties)
+        at_once = cache.merging or not cache.attending  # what any stage drops can be handed on once the forward ends
+        self.records = at_once and not (policy.shares_heads or policy.keeps_ranked_only or policy.ranks_with_ties)
         #: the budget each layer is to be evicted to when the forward ends
         self.budgets: dict[int, int] = {}
         #: until then, in order: the stages deferred (a layer) and the bytes a layer came to hold (a layer, its bytes)
