@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,11 +16,13 @@ from kvbench.policies import build_policy
 from kvbench.policies.methods.slake import (
     VABS_BLOCK,
     LinearState,
+    Vabs,
     ptaa_attention,
     ptaa_weights,
     vabs_block,
     vabs_score,
 )
+from kvbench.policies.stats import AttentionStats
 from tests.helpers import random_prompt, tiny_model
 from tests.test_policies import KV_HEADS, Q_HEADS, SCALING, TOKENS, random_layer
 
@@ -201,3 +204,56 @@ def test_cake_slake_allocates_with_vabs_unless_told_otherwise():
     assert build_policy("cake+slake", {"layer_budget": "cake"}).layer_budget.name == "cake"
     assert build_policy("cake").layer_budget.name == "cake"
     assert build_policy("snapkv+slake").layer_budget.name == "uniform"
+
+
+def window_stats(tokens: int, window: int, generator: torch.Generator) -> AttentionStats:
+    """The statistics of the last ``window`` of ``tokens`` random queries over their keys (GQA groups of GROUP)."""
+    queries = torch.randn(1, Q_HEADS, window, 16, generator=generator) * 2
+    keys, values = (torch.randn(1, KV_HEADS, tokens, 16, generator=generator) for _ in range(2))
+    positions = torch.arange(tokens)
+    return AttentionStats(queries, keys, values, positions[-window:], positions.expand(1, KV_HEADS, -1), SCALING)
+
+
+@pytest.mark.parametrize("window,tokens", [(32, 300), (300, 300), (1, 64)])
+def test_vabs_preferences_asked_together_equal_each_alone_bit_for_bit(window, tokens):
+    """A shared prefill's SLAKE variants ask one window's statistics for their VABS preferences
+    (``AttentionStats.together``): computed when the layer ends (``settle``) in one pass over the stacked evicted sets,
+    each equals the preference computed alone, to the bit (each query's terms are its own row's), and the pass's
+    operators do not grow with the variants."""
+    generator = torch.Generator().manual_seed(window)
+    stats = window_stats(tokens, window, generator)
+    budgets = [Vabs(alpha=alpha, beta=beta) for alpha, beta in ((0.5, 0.4), (1.0, 0.2), (0.3, 1.5), (0.5, 0.4))]
+    evicted = [torch.rand(1, KV_HEADS, tokens, generator=generator) < share for share in (0.2, 0.5, 0.8, 0.9)]
+    alone = [float(budget.preference(stats, each)) for budget, each in zip(budgets, evicted)]
+    shared = replace(stats, batched=True)
+    asked = [budget.preference(shared, each) for budget, each in zip(budgets, evicted)]
+    assert len(shared.waiting[("vabs", 0.1)][1]) == 4
+    shared.settle()
+    assert [float(each) for each in asked] == alone
+    assert not shared.waiting
+    counted = []  # on an accelerator (meta here) a pass's operators, by the variants asking
+    for variants in (1, 4):
+        tensors = ("queries", "keys", "values", "query_positions", "key_positions")
+        meta = replace(stats, batched=True, **{name: getattr(stats, name).to("meta") for name in tensors})
+        with Operators() as operators:
+            for budget, each in zip(budgets[:variants], evicted):
+                budget.preference(meta, each.to("meta"))
+            meta.settle()
+        counted.append(operators.launched)
+    assert counted[1] < 1.5 * counted[0]  # four variants' preferences for not much more than one's
+
+
+def test_a_settled_window_computes_what_is_asked_later_on_its_own():
+    """What is asked after a settle waits for the next one; statistics not batched compute at once."""
+    generator = torch.Generator().manual_seed(1)
+    stats = window_stats(64, 8, generator)
+    budget, evicted = Vabs(alpha=0.5, beta=0.4), torch.rand(1, KV_HEADS, 64, generator=generator) < 0.5
+    alone = float(budget.preference(stats, evicted))
+    assert not stats.waiting  # computed at once
+    shared = replace(stats, batched=True)
+    first = budget.preference(shared, evicted)
+    shared.settle()
+    second = budget.preference(shared, evicted)
+    assert len(shared.waiting[("vabs", budget.gamma)][1]) == 1
+    shared.settle()
+    assert float(first) == float(second) == alone

@@ -134,6 +134,8 @@ class CascadeStages:
         """Share the deferred stages in order (their preferences read back at once), make the recorded evictions,
         then gather what every eviction kept."""
         cache = self.cache
+        if self.shared is not None:
+            self.shared.settle()  # the last layer's preferences, before its other variants' (the forward ends here)
         if self.log:
             allocation = cache.allocation
             assert allocation is not None  # a cascade is a dynamic layer budget's

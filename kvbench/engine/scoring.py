@@ -149,7 +149,8 @@ class Scorer:
             return self.layers[layer_idx].window_stats(size, scaling)
         assert shared.layer == layer_idx  # a layer's own statistics
         if size not in shared.windows:
-            shared.windows[size] = self.layers[layer_idx].window_stats(size, scaling)
+            shared.windows[size] = stats = self.layers[layer_idx].window_stats(size, scaling)
+            stats.batched = True  # what the variants ask together is computed when the layer ends (SharedForward)
         return shared.windows[size]
 
     # -- rankings ----------------------------------------------------------------------------------------

@@ -57,11 +57,17 @@ class SharedForward:
                 self.pending_keys[key] = pending
         pending.keeps.append(keep)
 
+    def settle(self) -> None:
+        """Compute what the variants so far asked of the layer's windows together (SLAKE's VABS preferences)."""
+        for stats in self.windows.values():
+            stats.settle()
+
     def select(self) -> None:
         """Every pending selection, by one top-k for those of one shape and slots (:func:`top_slots` over their scores
         stacked ``[V,B,Hc,T]``: slice by slice the same top-k as each variant's alone), each then gathered into new
         tensors of its own (a buffer of every variant's would hold a finished row's entries until the last of them
         left it) and kept by its variants."""
+        self.settle()
         groups: dict[tuple, list[Pending]] = defaultdict(list)
         for pending in self.pending:
             groups[pending.scores.shape, pending.scores.dtype, pending.slots].append(pending)

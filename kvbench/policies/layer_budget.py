@@ -74,11 +74,13 @@ class LayerBudget(Registered):
         strategies only."""
         scores = cache.rank(layer_idx, allocation.budget, scaling)  # [B,Hc,T]
         evicted = cache.evicted_by(layer_idx, allocation.budget, scores)  # [B,Hc,T]
-        preference = self.preference(cache.preference_stats(layer_idx, scaling), evicted)
+        stats = cache.preference_stats(layer_idx, scaling)
+        preference = self.preference(stats, evicted)
         if cache.defers:
             allocation.deferred.append(preference)
             cache.defer(layer_idx)
         else:
+            stats.settle()  # a shared prefill's preference is computed with the others' when its layer ends
             self.share(allocation, cache, layer_idx, float(preference), scaling)
 
     def share(

@@ -213,6 +213,10 @@ def memoised(store: dict[Hashable, Any], name: Hashable, compute: Callable[[], T
     return store[name]
 
 
+#: a computation of window statistics for several askers' items at once: ``compute(stats, items)``, a 0-d tensor each
+Together = Callable[["AttentionStats", list[Any]], list[torch.Tensor]]
+
+
 @dataclass
 class AttentionStats:
     """Float32 attention of a window of queries over the cached tokens of one layer.
@@ -230,6 +234,9 @@ class AttentionStats:
     scaling: float
     #: leading cache slots every query sees (known from ``blocks``): their logits skip the causal mask check
     seen_by_all: int = 0
+    #: a shared prefill's window: what its variants ask :meth:`together` is computed for all of them when the layer
+    #: ends (:meth:`settle`)
+    batched: bool = False
 
     @property
     def group_size(self) -> int:
@@ -244,6 +251,31 @@ class AttentionStats:
         """``compute()``, a function of these statistics alone: computed by the first that asks for ``name`` (a shared
         prefill's variants share one window's statistics), then read."""
         return memoised(self.memo, name, compute)
+
+    @cached_property
+    def waiting(self) -> dict[Hashable, tuple[Together, list[tuple[Any, torch.Tensor]]]]:
+        """What :meth:`together` was asked and :meth:`settle` has not yet computed: by name, its computation and each
+        asker's item and result (0-d, to be filled)."""
+        return {}
+
+    def together(self, name: Hashable, item: Any, compute: Together) -> torch.Tensor:
+        """``compute(self, [item])[0]``, a 0-d tensor of these statistics and ``item``; where they are a shared
+        prefill's (:attr:`batched`), a 0-d tensor that :meth:`settle` fills when the layer ends, with one ``compute`` of
+        the items every variant asked by ``name`` (one pass for all of them instead of one each). Read it no
+        earlier."""
+        if not self.batched:
+            return compute(self, [item])[0]
+        result = torch.empty((), dtype=torch.float32, device=self.queries.device)
+        self.waiting.setdefault(name, (compute, []))[1].append((item, result))
+        return result
+
+    def settle(self) -> None:
+        """Compute what :meth:`together` was asked so far, each name's items at once."""
+        waiting = list(self.waiting.values())
+        self.waiting.clear()
+        for compute, asked in waiting:
+            for (_, result), value in zip(asked, compute(self, [item for item, _ in asked]), strict=True):
+                result.copy_(value)
 
     def per_query_head(self, tensor: torch.Tensor) -> torch.Tensor:
         """Repeat a per-KV-head tensor ``[B,Hkv,...]`` to query heads ``[B,Hq,...]`` (repeat_kv layout)."""

@@ -24,6 +24,7 @@ attention only; multi-token prefill blocks attend to the kept cache alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -99,7 +100,8 @@ def ptaa_attention(
 
 def ptaa_weights(logits: torch.Tensor, evicted: torch.Tensor) -> torch.Tensor:
     """The attention map PTAA implies (SLAKE eq. 11 per token): ``logits [...,W,T]`` (-inf where a query
-    cannot see a key), ``evicted [...,1|W,T]`` marks the linearly attended keys. Kept key ``j`` weighs
+    cannot see a key), ``evicted [...,1|W,T]`` marks the linearly attended keys (with leading axes of its own: a map
+    for each). Kept key ``j`` weighs
     ``e^{x_j−m}``, evicted ``e^{μ−m}(1 + x_j − μ)``, normalised; ``m`` is the kept maximum, ``μ`` the mean
     evicted logit of the query. Returns ``[...,W,T]`` (evicted weights may be negative)."""
     gone = evicted & (logits > float("-inf"))  # the evicted keys each query sees
@@ -108,7 +110,9 @@ def ptaa_weights(logits: torch.Tensor, evicted: torch.Tensor) -> torch.Tensor:
     kept_logits = logits.masked_fill(gone, float("-inf"))
     reference = torch.maximum(kept_logits.amax(dim=-1, keepdim=True), mean)
     # in place where a buffer is free: a window of the whole prompt makes each [...,W,T] tensor tens of MB
-    linear = torch.add(logits, 1.0).sub_(mean).mul_(torch.exp(mean - reference))  # SLAKE eq. (11)
+    shifted = torch.add(logits, 1.0)  # where ``evicted`` has leading axes of its own, a new buffer of its shape:
+    linear = shifted.sub_(mean) if shifted.shape == gone.shape else shifted.sub(mean)
+    linear.mul_(torch.exp(mean - reference))  # SLAKE eq. (11)
     unnormalised = torch.where(gone, linear, kept_logits.sub_(reference).exp_(), out=linear)
     return unnormalised.div_(unnormalised.sum(dim=-1, keepdim=True))
 
@@ -198,9 +202,19 @@ class Vabs(DynamicLayerBudget):
     def preference(self, stats: AttentionStats, evicted: torch.Tensor) -> torch.Tensor:
         if self.alpha is None or self.beta is None:
             raise KVBenchError("VABS needs policy.layer_budget.alpha and .beta (SLAKE Table 3 gives them per model)")
-        evicted = stats.per_query_head(evicted)[:, :, None]  # [B,Hq,1,T]
-        terms = stats.once("vabs_terms", lambda: vabs_terms(stats.weights, stats.per_query_head(stats.values)))
-        return vabs_score(stats.weights, stats.logits, evicted, *terms, self.alpha, self.beta, self.gamma)
+        asked = (evicted, self.alpha, self.beta)  # [B,Hc,T]
+        return stats.together(("vabs", self.gamma), asked, partial(vabs_preferences, gamma=self.gamma))
+
+
+def vabs_preferences(
+    stats: AttentionStats, asked: list[tuple[torch.Tensor, float, float]], gamma: float
+) -> list[torch.Tensor]:
+    """VABS's preference (eq. 18, 0-d) for each ``(evicted [B,Hc,T], alpha, beta)`` asked of one window's ``stats``
+    (:meth:`Vabs.preference`), their PTAA maps made in one pass: a shared prefill's variants together."""
+    evicted = torch.stack([each for each, _, _ in asked]).repeat_interleave(stats.group_size, dim=2)  # [V,B,Hq,T]
+    share, entropy = stats.once("vabs_terms", lambda: vabs_terms(stats.weights, stats.per_query_head(stats.values)))
+    products = vabs_products(stats.weights, stats.logits, evicted[..., None, :], share, gamma)  # [V,B,Hq,W]
+    return [each.mean() ** alpha * entropy**beta for each, (_, alpha, beta) in zip(products, asked, strict=True)]
 
 
 def vabs_preference(
@@ -235,15 +249,42 @@ VABS_BLOCK = 64
 VABS_BYTES = 1 << 28
 
 
-def vabs_block(logits: torch.Tensor) -> int:
-    """Queries a block of :func:`vabs_score` holds, for ``logits [B,Hq,W,T]``: ``VABS_BLOCK`` on a CPU, where a small
-    block's working copies stay in its caches (885 queries over 885 keys: 51 ms a layer in blocks of 64, 79 ms at
-    once on 2 cores); on an accelerator as many as keep a working copy within ``VABS_BYTES``, each block being ~30
-    kernel launches (a 1k-token window at once; Llama-3.1-8B's 32 heads at 32k: 64)."""
+def vabs_block(logits: torch.Tensor, variants: int = 1) -> int:
+    """Queries a block of :func:`vabs_products` holds, for ``logits [B,Hq,W,T]`` and ``variants`` evicted sets: on a
+    CPU ``VABS_BLOCK`` rows of ``T`` in all, where a small block's working copies stay in its caches (885 queries over
+    885 keys: 51 ms a layer in blocks of 64, 79 ms at once on 2 cores); on an accelerator as many as keep a working
+    copy within ``VABS_BYTES``, each block being ~30 kernel launches (one variant's 1k-token window at once;
+    Llama-3.1-8B's 32 heads at 32k: 64)."""
+    least = max(1, VABS_BLOCK // variants)
     if logits.device.type == "cpu":
-        return VABS_BLOCK
+        return least
     batch, heads, _, tokens = logits.shape
-    return max(VABS_BLOCK, VABS_BYTES // (4 * batch * heads * tokens))
+    return max(least, VABS_BYTES // (4 * variants * batch * heads * tokens))
+
+
+def vabs_products(
+    weights: torch.Tensor,
+    logits: torch.Tensor,
+    evicted: torch.Tensor,
+    share: torch.Tensor,
+    gamma: float,
+    block: int | None = None,
+) -> torch.Tensor:
+    """``TV_hi · VA_hi`` (eqs. 15–16) ``[V,B,Hq,W]`` of each query of the window's true ``weights`` and ``logits
+    [B,Hq,W,T]`` for each of ``V`` sets of keys PTAA stands in for (``evicted [V,B,Hq,1|W,T]``), ``share`` as
+    :func:`vabs_terms`'s; ``block`` queries at a time (None: :func:`vabs_block`). Each query's terms are its own row's,
+    whatever the block and the sets beside it."""
+    block = block or vabs_block(logits, evicted.shape[0])
+    per_query = evicted.shape[-2] != 1
+    products = []
+    for start in range(0, logits.shape[2], block):
+        rows = slice(start, start + block)
+        approximate = ptaa_weights(logits[:, :, rows], evicted[..., rows, :] if per_query else evicted)
+        error = approximate.sub_(weights[:, :, rows]).abs_()  # |Ã − A| [V,B,Hq,w,T]
+        total_variation = 0.5 * error.sum(dim=-1)  # SLAKE eq. (15)
+        value_aware = error.mul_(share).sum(dim=-1) ** gamma  # SLAKE eq. (16)
+        products.append(total_variation * value_aware)
+    return torch.cat(products, dim=-1)
 
 
 def vabs_score(
@@ -258,15 +299,7 @@ def vabs_score(
     block: int | None = None,
 ) -> torch.Tensor:
     """:func:`vabs_preference` (0-d, left on the device) from the window's true ``weights`` and ``logits [B,Hq,W,T]``,
-    ``evicted`` and the terms of :func:`vabs_terms`, ``block`` queries at a time (None: :func:`vabs_block`; each
-    query's terms are its own row's, whatever the block)."""
-    block = block or vabs_block(logits)
-    products = []
-    for start in range(0, logits.shape[2], block):
-        rows = slice(start, start + block)
-        approximate = ptaa_weights(logits[:, :, rows], evicted if evicted.shape[2] == 1 else evicted[:, :, rows])
-        error = approximate.sub_(weights[:, :, rows]).abs_()  # |Ã − A| [B,Hq,w,T]
-        total_variation = 0.5 * error.sum(dim=-1)  # SLAKE eq. (15)
-        value_aware = error.mul_(share).sum(dim=-1) ** gamma  # SLAKE eq. (16)
-        products.append(total_variation * value_aware)
-    return torch.cat(products, dim=-1).mean() ** alpha * entropy**beta  # SLAKE eq. (18)
+    ``evicted [B,Hq,1|W,T]`` and the terms of :func:`vabs_terms`, ``block`` queries at a time
+    (:func:`vabs_products`)."""
+    products = vabs_products(weights, logits, evicted[None], share, gamma, block)[0]  # [B,Hq,W]
+    return products.mean() ** alpha * entropy**beta  # SLAKE eq. (18)
