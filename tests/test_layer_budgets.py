@@ -253,7 +253,7 @@ def test_smollm2_dynamic_budgets(spec):
         ("cake+slake", {"layer_budget": VABS}, True),
         ("snapkv+slake", {"layer_budget": VABS}, True),
         ("lagkv+slake", {"layer_budget": VABS, "lag_size": 16, "window": None}, False),  # its ranks tie
-        ("cake+adakv", {}, False),  # head-wise: each head's share of the layer's budget
+        ("cake+adakv", {}, True),  # head-wise: kept sets nested in the budget
     ],
 )
 @torch.inference_mode()
@@ -274,6 +274,14 @@ def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_a
     take_slots, top_slots = layer_module.take_slots, cache_module.top_slots
     monkeypatch.setattr(layer_module, "take_slots", lambda *args: gathers.append(1) or take_slots(*args))
     monkeypatch.setattr(cache_module, "top_slots", lambda *args: selections.append(1) or top_slots(*args))
+    per_head = cache_module.kept_per_head
+
+    def kept_per_head(*args, **kwargs):
+        kept = per_head(*args, **kwargs)
+        selections.extend([1] * (kept is not None))  # a head-wise selection
+        return kept
+
+    monkeypatch.setattr(cache_module, "kept_per_head", kept_per_head)
     keep, stages = layer_module.EvictionLayer.keep, CascadeStages.__init__
     pack, init = layer_module.EvictionLayer.keep_per_head, EvictionCache.__init__
 
@@ -307,12 +315,14 @@ def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_a
         reads[mode] = counted.host_reads
         runs[mode] = (cache, len(gathers), len(selections), engine.generate(random_prompt(150), 6))
     (recorded_cache, *counts, output), reference = runs["recorded"], runs["eager"]
-    # each stage's preference read at its layer, or all at once by one .tolist() (which a CPU does not count)
-    assert reads["per_stage"] - reads["recorded"] == (len(llama.model.layers) if recorded else 0)
-    assert reads["recorded"] == 0 or not recorded
+    # each stage's preference read at its layer, or all at once by one .tolist() (which a CPU does not count); a
+    # head-wise layer reads its heads' lengths as it packs: once a layer recorded, at every stage else
+    headwise = spec == "cake+adakv"
+    assert reads["per_stage"] - reads["recorded"] >= (len(llama.model.layers) if recorded else 0)
+    assert (reads["recorded"] == 0 or headwise or not recorded) and (reads["per_stage"] > reads["recorded"]) == recorded
     assert (counts[1] < runs["per_stage"][2]) == recorded  # selections
     assert counts[0] <= runs["per_stage"][1]
-    assert (runs["per_stage"][1] < reference[1]) == (spec != "cake+adakv")  # head-wise layers pack what they keep
+    assert (runs["per_stage"][1] < reference[1]) == (not headwise)  # head-wise layers pack what they keep
     for cache in (recorded_cache, runs["per_stage"][0]):
         assert cache.peak_bytes == reference[0].peak_bytes and cache.live_bytes == reference[0].live_bytes
         assert cache.policy_stats() == reference[0].policy_stats()  # each layer's preference among them
@@ -336,3 +346,18 @@ def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_a
                 torch.testing.assert_close(ours.lse, theirs.lse, rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(ours.out, theirs.out, rtol=1e-5, atol=1e-5)
     assert output.token_ids == reference[3].token_ids and output.kv == reference[3].kv
+
+
+@pytest.mark.parametrize("spec,params,reads", [("cake", {}, False), ("snapkv", {"layer_budget": VABS}, True)])
+@torch.inference_mode()
+def test_a_stage_finds_the_slots_the_average_budget_evicts_only_for_a_preference_that_reads_them(
+    llama, spec, params, reads, monkeypatch
+):
+    """CAKE's preference reads the window's attention alone: its stages do not select what the average budget would
+    evict (a top-k, a sort and a scatter a layer); VABS's read them at every stage."""
+    asked = []
+    evicted_by = CascadeStages.evicted_by
+    monkeypatch.setattr(CascadeStages, "evicted_by", lambda self, *args: asked.append(1) or evicted_by(self, *args))
+    engine = Engine(llama, build_policy(spec, params), 36)
+    engine.generate(random_prompt(150), 2)
+    assert len(asked) == (len(llama.model.layers) if reads else 0)

@@ -8,10 +8,12 @@ the ranking of its own stage, so the top slots at its last budget are those the 
 (tests/test_layer_budgets.py: cascading equals evicting once to the final budgets). One selection per layer instead of
 one per layer and later stage (L²/2 on a 32-layer model: 528 selections, each a handful of kernel launches on a GPU).
 An attending modifier whose state merges what successive evictions hand it (SLAKE's sums, CaliDrop's attention over its
-store: ``Modifier.merges_evicted``) is handed a layer's evicted entries once, then. Where a policy shares a layer's
-budget across its heads or keeps whole chunks, or its scores tie by construction (LagKV: which of the tied slots stage
-after stage keeps is not one top-k's choice), each stage evicts as it goes: its gathers still made once at the end, and
-the merging modifiers handed what every stage dropped then (``EvictionLayer.dropped_deferred``).
+store: ``Modifier.merges_evicted``) is handed a layer's evicted entries once, then. A policy that shares a layer's
+budget across its heads (AdaKV) is recorded too: its kept sets are nested in the budget (each head's safeguard grows
+with it no faster than the layer's share), so its last budget's selection keeps what every stage's keeps. Where a
+policy keeps whole chunks, or its scores tie by construction (LagKV: which of the tied slots stage after stage keeps is
+not one top-k's choice), each stage evicts as it goes: its gathers still made once at the end, and the merging modifiers
+handed what every stage dropped then (``EvictionLayer.dropped_deferred``).
 
 Where the evictions are recorded the stages themselves are shared when the forward ends too (:attr:`defers`): each
 stage's preference stays on the device until then and all are read back at once — on a GPU one synchronisation per
@@ -69,7 +71,7 @@ class CascadeStages:
         policy = cache.policy
         #: whether an eviction only records the layer's budget (see the module's docstring)
         at_once = cache.merging or not cache.attending  # what any stage drops can be handed on once the forward ends
-        self.records = at_once and not (policy.shares_heads or policy.keeps_ranked_only or policy.ranks_with_ties)
+        self.records = at_once and not (policy.keeps_ranked_only or policy.ranks_with_ties)
         #: the budget each layer is to be evicted to when the forward ends
         self.budgets: dict[int, int] = {}
         #: until then, in order: the stages deferred (a layer) and the bytes a layer came to hold (a layer, its bytes)

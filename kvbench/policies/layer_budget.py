@@ -43,6 +43,8 @@ class LayerBudget(Registered):
     settings_prefix = "policy.layer_budget."
     #: allocated during prefill from the layers' attention (the cache calls :meth:`preference`)
     dynamic: ClassVar[bool] = False
+    #: whether :meth:`preference` reads the slots the average budget would evict (else it is handed None)
+    reads_evicted: ClassVar[bool] = True
 
     def allocate(self, budget: int, num_layers: int, reserved: int, prompt_len: int) -> list[int]:
         """Per-layer budgets before the prompt is seen; dynamic strategies start uniform."""
@@ -57,9 +59,10 @@ class LayerBudget(Registered):
         window, or CAKE's default observation window of 32 where that is a single query (TOVA)."""
         return scoring_window if scoring_window > 1 else 32
 
-    def preference(self, stats: AttentionStats, evicted: torch.Tensor) -> torch.Tensor:
+    def preference(self, stats: AttentionStats, evicted: torch.Tensor | None) -> torch.Tensor:
         """A dynamic strategy's preference (0-d, left on the device) of one layer from its window attention
-        ``stats`` and the slots ``evicted [B,Hc,T]`` that the average budget would evict."""
+        ``stats`` and the slots ``evicted [B,Hc,T]`` that the average budget would evict (where it
+        :attr:`reads_evicted`)."""
         raise NotImplementedError
 
     def allocation(self, budget: int, reserved: int, num_layers: int) -> CascadingAllocation:
@@ -73,7 +76,7 @@ class LayerBudget(Registered):
         otherwise be read back to the host at its layer, a synchronisation per layer on a GPU). Dynamic
         strategies only."""
         scores = cache.rank(layer_idx, allocation.budget, scaling)  # [B,Hc,T]
-        evicted = cache.evicted_by(layer_idx, allocation.budget, scores)  # [B,Hc,T]
+        evicted = cache.evicted_by(layer_idx, allocation.budget, scores) if self.reads_evicted else None  # [B,Hc,T]
         stats = cache.preference_stats(layer_idx, scaling)
         preference = self.preference(stats, evicted)
         if cache.defers:

@@ -33,6 +33,7 @@ class CakeBudget(DynamicLayerBudget):
 
     name = "cake"
     paper = "CAKE (arXiv 2503.12491)"
+    reads_evicted = False  # the window's attention alone
 
     tau1: float | None = setting(optional(number(0, low_open=True), "CAKE's released value for the model"), None)
     tau2: float | None = setting(optional(number(0, low_open=True), "CAKE's released value for the model"), None)
@@ -51,7 +52,7 @@ class CakeBudget(DynamicLayerBudget):
     def allocation(self, budget: int, reserved: int, num_layers: int) -> CascadingAllocation:
         return CascadingAllocation(budget, reserved, num_layers, released=self.rounding == "released")
 
-    def preference(self, stats: AttentionStats, evicted: torch.Tensor) -> torch.Tensor:
+    def preference(self, stats: AttentionStats, evicted: torch.Tensor | None) -> torch.Tensor:
         tau1, tau2 = (1.0 if tau is None else tau for tau in (self.tau1, self.tau2))
         return stats.once(("cake", tau1, tau2), lambda: cake_preference(stats.weights, tau1, tau2))  # CAKE eq. (6)
 

@@ -199,7 +199,8 @@ class Vabs(DynamicLayerBudget):
             self, alpha=alpha if self.alpha is None else self.alpha, beta=beta if self.beta is None else self.beta
         )
 
-    def preference(self, stats: AttentionStats, evicted: torch.Tensor) -> torch.Tensor:
+    def preference(self, stats: AttentionStats, evicted: torch.Tensor | None) -> torch.Tensor:
+        assert evicted is not None  # VABS reads them (reads_evicted)
         if self.alpha is None or self.beta is None:
             raise KVBenchError("VABS needs policy.layer_budget.alpha and .beta (SLAKE Table 3 gives them per model)")
         asked = (evicted, self.alpha, self.beta)  # [B,Hc,T]
