@@ -672,3 +672,40 @@ def test_a_shared_prefills_variants_of_one_ranking_and_budget_select_and_gather_
     assert selections == [2] * model.config.num_hidden_layers  # two selections stacked, once a layer
     assert len(gathers) == 2 * model.config.num_hidden_layers
     assert_each_as_alone(engines, alone, shared)
+
+
+def test_a_shelf_steps_its_units_again_by_two_additions(monkeypatch):
+    """A step of the last step's units (the same layout, none placed or taken) finds where each writes and how long it
+    is by adding one to the last step's: two additions, the device's lengths written and the host's added (4 operators
+    a shelf), not gathered again (12); the tokens each row's alone, and the entries each row's cache holds when it
+    leaves the store those it holds attended alone (within float32 rounding)."""
+    from kvbench.engine.shelf import Shelf
+
+    model = tiny_model()
+    prompts = [random_prompt(length, seed=length) for length in (40, 64, 90)]
+    counts: list[int] = []
+    begin_step = Shelf.begin_step
+
+    def counted(self, *args):
+        with Operators() as operators:
+            begin_step(self, *args)
+        counts.append(operators.launched)
+
+    monkeypatch.setattr(Shelf, "begin_step", counted)
+    decoded = {}
+    for attention in ("each", "stored"):
+        engine = Engine(model, build_policy("snapkv", {"window": 8}), 24, rows_attention=attention)
+        rows = []
+        for prompt in prompts:
+            cache = engine.new_cache(len(prompt))
+            rows.append(Row(engine, cache, engine.prefill(cache, prompt)[0, -1], len(prompt), 6))
+        decoded[attention] = [output.token_ids for output in decode_rows(rows, batch_size=3)], rows
+    assert decoded["stored"][0] == decoded["each"][0]
+    for stored, alone in zip(decoded["stored"][1], decoded["each"][1]):
+        for ours, theirs in zip(stored.cache.eviction_layers, alone.cache.eviction_layers):
+            # (within float32 rounding: a shelf attends its regions by one padded call, each alone its own)
+            torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ours.values, theirs.values, rtol=1e-5, atol=1e-5)
+    layers = model.config.num_hidden_layers
+    assert len(counts) == 5 * layers  # a shelf a layer, each step after the prompt's token
+    assert counts[layers:] == [4] * 4 * layers and min(counts[:layers]) > 4

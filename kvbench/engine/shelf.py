@@ -149,9 +149,9 @@ class Shelf:
         #: ``starts`` and ``lengths`` on the keys' device, None once the units change
         self.on_device: tuple[torch.Tensor, torch.Tensor] | None = None
         #: this step's: the stored units (row place × Hc + head) [n], their units [n], where each writes [n], each
-        #: one's region start and entries after it [n], the entries each unit holds after it [U] (a free one one) and
-        #: the longest unit
-        self.members = self.slots = self.write_at = self.step_starts = self.step_lengths = self.held = torch.empty(0)
+        #: one's region start and entries after it [n], and the longest unit; ``host_ones`` a one a unit, on the host
+        self.members = self.slots = self.write_at = self.step_starts = self.step_lengths = torch.empty(0)
+        self.host_ones = torch.empty(0, dtype=torch.long)
         self.longest = 0
 
     def bytes(self) -> int:
@@ -304,20 +304,24 @@ class Shelf:
 
     def begin_step(self, members: torch.Tensor, slots: torch.Tensor, on_host: torch.Tensor) -> None:
         """This step's units: ``members [n]`` (row place × Hc + head) in units ``slots [n]`` (``on_host``: the same on
-        the host), one token each."""
+        the host), one token each. Where they are the last step's (the same layout, no unit placed or taken since),
+        where each writes and how long it is are the last step's one further: two additions, not a gather."""
         device = self.keys.device
-        self.members, self.slots = members, slots
+        again = self.on_device is not None and slots is self.slots
         if self.on_device is None:  # the units changed
             self.on_device = self.starts.to(device, copy=True), self.lengths.to(device, copy=True)  # own, on a CPU too
             self.longest = host_int(self.lengths.max())
         starts, lengths = self.on_device
-        self.step_starts = starts[slots]
-        self.write_at = self.step_starts + lengths[slots]
-        lengths[slots] += 1
-        self.lengths[on_host] += 1
+        if again:
+            self.write_at, self.step_lengths = self.write_at + 1, self.step_lengths + 1
+        else:
+            self.members, self.slots, self.host_ones = members, slots, torch.ones_like(on_host)
+            self.step_starts = starts[slots]
+            self.write_at = self.step_starts + lengths[slots]
+            self.step_lengths = self.write_at + 1 - self.step_starts
+        lengths.index_put_((slots,), self.step_lengths)  # each unit's entries after the step (a unit steps once)
+        self.lengths.index_add_(0, on_host, self.host_ones)
         self.longest += 1  # every unit held steps (a finished row leaves before the step)
-        self.step_lengths = self.write_at + 1 - self.step_starts
-        self.held = lengths.clamp(min=1)
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Write the step's keys/values of the stored units (``[N,Hkv,1,D]`` of the batch) after each unit's entries:
@@ -374,7 +378,8 @@ class Shelf:
         assert self.on_device is not None  # made by begin_step
         queries = units.new_zeros(len(self.owners), units.shape[1], 1, units.shape[-1])
         queries.index_copy_(0, self.slots, units[:, :, None])
-        visible = torch.arange(self.longest, device=units.device) < self.held[:, None]  # [U,T]
+        holds = self.on_device[1].clamp(min=1)  # the entries each unit holds (a free one one) [U]
+        visible = torch.arange(self.longest, device=units.device) < holds[:, None]  # [U,T]
         if self.uniform is not None:  # a shelf of one capacity: unit u's region at u·C
             keys = self.keys.view(-1, self.uniform, self.dim)[:, None, : self.longest]  # [U,1,T,D]
             values = self.values.view(-1, self.uniform, self.dim)[:, None, : self.longest]
