@@ -1,5 +1,6 @@
 """ChunkKV (Liu et al., 2025, arXiv 2502.00299): keep whole chunks of consecutive tokens, chosen by their mean score."""
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,18 +50,15 @@ class ChunkKV(Modifier):
         layer = scores[..., start:end].float().sum(dim=1)  # [B,S]: one selection per layer
         chunks = -(-span // length)
         padded = F.pad(layer, (0, chunks * length - span)).view(-1, chunks, length)  # [B,C,L]
-        sizes = torch.full((chunks,), length, device=layer.device)
-        sizes[-1] = span - (chunks - 1) * length
-        chunk_scores = padded.sum(dim=-1) / sizes  # [B,C]
+        chunk_scores = padded.sum(dim=-1) / chunk_sizes(span, length, layer.device)  # [B,C]
         count = max(1, int(chunks * (1 - (1 - kept / span))))  # kvpress: int(chunks * (1 - compression_ratio))
         chosen = chunk_scores.topk(count, dim=-1).indices  # [B,K]
         chunk_rank = torch.full_like(chunk_scores, -torch.inf).scatter(
-            -1, chosen, torch.arange(count, 0, -1, device=layer.device, dtype=layer.dtype).expand_as(chosen)
+            -1, chosen, descending_ranks(count, layer.device).expand_as(chosen)
         )  # [B,C]: the best chunk highest, the unchosen -inf
-        slot_rank = torch.where(padded == padded, padded, 0.0).argsort(dim=-1).argsort(dim=-1)  # [B,C,L]
+        slot_rank = padded.nan_to_num(0.0, torch.inf, -torch.inf).argsort(dim=-1).argsort(dim=-1)  # [B,C,L]
         ranking = (chunk_rank[..., None] * length + slot_rank).flatten(1)[:, :span]  # [B,S]
-        full = torch.full(scores.shape[::2], torch.inf, device=scores.device)  # [B,T]: reserved slots kept anyway
-        full[:, start:end] = ranking
+        full = F.pad(ranking, (start, tokens - end), value=torch.inf)  # [B,T]: reserved slots kept anyway
         return full[:, None].expand_as(scores)
 
     @staticmethod
@@ -72,3 +70,17 @@ class ChunkKV(Modifier):
         top = middle.topk(count, dim=-1).indices
         ranked = torch.full_like(middle, -torch.inf).scatter(-1, top, middle.gather(-1, top))
         return torch.cat([scores[..., : context.sinks], ranked, scores[..., tokens - context.recent :]], dim=-1)
+
+
+@functools.lru_cache(maxsize=256)
+def chunk_sizes(span: int, length: int, device: torch.device) -> torch.Tensor:
+    """The slots of each chunk of ``span`` slots cut into chunks of ``length`` (the last one shorter) ``[C]``, made
+    once per shape and device (read only)."""
+    chunks = -(-span // length)
+    return torch.tensor([length] * (chunks - 1) + [span - (chunks - 1) * length], device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def descending_ranks(count: int, device: torch.device) -> torch.Tensor:
+    """``count, count − 1, …, 1`` as float32 ``[count]``, made once per count and device (read only)."""
+    return torch.arange(count, 0, -1, device=device, dtype=torch.float32)

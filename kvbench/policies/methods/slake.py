@@ -101,9 +101,8 @@ def ptaa_attention(
 def ptaa_weights(logits: torch.Tensor, evicted: torch.Tensor) -> torch.Tensor:
     """The attention map PTAA implies (SLAKE eq. 11 per token): ``logits [...,W,T]`` (-inf where a query
     cannot see a key), ``evicted [...,1|W,T]`` marks the linearly attended keys (with leading axes of its own: a map
-    for each). Kept key ``j`` weighs
-    ``e^{x_j−m}``, evicted ``e^{μ−m}(1 + x_j − μ)``, normalised; ``m`` is the kept maximum, ``μ`` the mean
-    evicted logit of the query. Returns ``[...,W,T]`` (evicted weights may be negative)."""
+    for each). Kept key ``j`` weighs ``e^{x_j−m}``, evicted ``e^{μ−m}(1 + x_j − μ)``, normalised; ``m`` is the kept
+    maximum, ``μ`` the mean evicted logit of the query. Returns ``[...,W,T]`` (evicted weights may be negative)."""
     gone = evicted & (logits > float("-inf"))  # the evicted keys each query sees
     count = gone.sum(dim=-1, keepdim=True, dtype=torch.int32).clamp_min(1)
     mean = torch.where(gone, logits, 0.0).sum(dim=-1, keepdim=True) / count  # μ
