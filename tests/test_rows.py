@@ -652,7 +652,8 @@ def test_a_shared_prefills_variants_of_one_ranking_and_budget_select_and_gather_
     """SnapKV alone, with CaliDrop and with SLAKE (one ranking) at one budget, and H2O (another ranking, the same
     reserved slots), prefilled by one shared forward: each layer's slots are selected by one top-k for the four
     (``SharedForward.select``: one selection for the first three, stacked with H2O's), each of the two rankings'
-    entries gathered once, and each variant's tokens, kept sets, sizes and statistics are its own alone."""
+    entries gathered once (their positions together), and each variant's tokens, kept sets, sizes and statistics are
+    its own alone."""
     import kvbench.engine.sharing as sharing_module
     from tests.helpers import assert_each_as_alone, generated_shared
 
@@ -663,14 +664,17 @@ def test_a_shared_prefills_variants_of_one_ranking_and_budget_select_and_gather_
     alone = [engine.generate(prompt, 4) for engine in engines]
     selections: list[int] = []
     gathers: list[int] = []
-    top_slots, take_slots = sharing_module.top_slots, sharing_module.take_slots
+    views: list[bool] = []
+    top_slots, take_flat, same_view = sharing_module.top_slots, sharing_module.take_flat, sharing_module.same_view
     monkeypatch.setattr(
         sharing_module, "top_slots", lambda scores, *args: selections.append(len(scores)) or top_slots(scores, *args)
     )
-    monkeypatch.setattr(sharing_module, "take_slots", lambda *args: gathers.append(1) or take_slots(*args))
+    monkeypatch.setattr(sharing_module, "take_flat", lambda *args: gathers.append(1) or take_flat(*args))
+    monkeypatch.setattr(sharing_module, "same_view", lambda *args: views.append(same_view(*args)) or views[-1])
     shared = generated_shared(engines, prompt, 4, batch_size=4)
     assert selections == [2] * model.config.num_hidden_layers  # two selections stacked, once a layer
     assert len(gathers) == 2 * model.config.num_hidden_layers
+    assert views and all(views)  # the variants' positions one view of the prompt's: gathered at once
     assert_each_as_alone(engines, alone, shared)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from kvbench.engine.selection import top_slots
 from kvbench.policies.base import AttentionStats
-from kvbench.policies.context import take_slots
+from kvbench.policies.context import slot_offsets, take_flat
 
 
 @dataclass
@@ -64,9 +64,10 @@ class SharedForward:
 
     def select(self) -> None:
         """Every pending selection, by one top-k for those of one shape and slots (:func:`top_slots` over their scores
-        stacked ``[V,B,Hc,T]``: slice by slice the same top-k as each variant's alone), each then gathered into new
-        tensors of its own (a buffer of every variant's would hold a finished row's entries until the last of them
-        left it) and kept by its variants."""
+        stacked ``[V,B,Hc,T]``: slice by slice the same top-k as each variant's alone), each's keys and values then
+        gathered into new tensors of its own (a buffer of every variant's would hold a finished row's entries until
+        the last of them left it; their rankings and, where they view one prompt's, positions by one gather, small)
+        and kept by its variants."""
         self.settle()
         groups: dict[tuple, list[Pending]] = defaultdict(list)
         for pending in self.pending:
@@ -76,9 +77,16 @@ class SharedForward:
             scores = torch.stack([pending.scores for pending in group]).float()  # [V,B,Hc,T]
             kept = top_slots(scores, *slots)  # [V,B,Hc,K]
             rankings = scores.gather(-1, kept)  # what each variant's layer keeps as its ranking
-            for slots_kept, ranking, pending in zip(kept, rankings, group):
-                keys, values, positions = pending.entries
-                gathered = (*take_slots(slots_kept, keys, values), positions.gather(2, slots_kept), ranking)
+            batch, heads, tokens = scores.shape[1:]
+            flat = (kept + slot_offsets(batch, heads, tokens, kept.device)).flatten(1)  # [V,B·Hc·K]
+            positions = [pending.entries[2] for pending in group]
+            if all(same_view(each, positions[0]) for each in positions):  # one prompt's positions: gathered at once
+                positions = list(positions[0].expand(len(group), -1, -1, -1).gather(-1, kept))
+            else:
+                positions = [each.gather(2, slots_kept) for each, slots_kept in zip(positions, kept)]
+            for slots_kept, index, ranking, at, pending in zip(kept, flat, rankings, positions, group):
+                keys, values, _ = pending.entries
+                gathered = (*take_flat(index, keys, values), at, ranking)
                 for keep in pending.keeps:
                     keep(slots_kept, gathered)
 
@@ -92,3 +100,14 @@ class Pending:
     slots: tuple[int, int, int]
     entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     keeps: list[Callable[[torch.Tensor, tuple[torch.Tensor, ...]], None]] = field(default_factory=list)
+
+
+def same_view(tensor: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether two tensors view the same elements of one storage the same way (the same values, whatever they are)."""
+    return (
+        tensor.data_ptr() == other.data_ptr()
+        and tensor.shape == other.shape
+        and tensor.stride() == other.stride()
+        and tensor.dtype == other.dtype
+        and tensor.device == other.device
+    )

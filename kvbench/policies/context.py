@@ -99,8 +99,13 @@ def take_slots(index: torch.Tensor, *entries: torch.Tensor) -> tuple[torch.Tenso
     """Each of ``entries [B,H,T,D]`` (keys, values: one shape) at the slots ``index [B,H,K]`` → ``[B,H,K,D]``, as
     ``gather`` along the slots: one ``index_select`` of each as ``B·H·T`` rows by one flat index (a ``gather`` by an
     index expanded over ``D`` is up to 100× slower on CPU)."""
-    batch, heads, tokens, dim = entries[0].shape
-    flat = (index + slot_offsets(batch, heads, tokens, index.device)).flatten()  # [B·H·K]
+    batch, heads, tokens, _ = entries[0].shape
+    return take_flat((index + slot_offsets(batch, heads, tokens, index.device)).flatten(), *entries)
+
+
+def take_flat(flat: torch.Tensor, *entries: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """:func:`take_slots` by the flat index ``flat [B·H·K]`` of the slots (``index`` + :func:`slot_offsets`)."""
+    batch, heads, _, dim = entries[0].shape
     # a reshape copies only where the slots are not contiguous
     return tuple(each.reshape(-1, each.shape[-1]).index_select(0, flat).view(batch, heads, -1, dim) for each in entries)
 
