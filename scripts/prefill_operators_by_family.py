@@ -7,7 +7,7 @@ per row and layer, and the mean of each family:
 * ``running sums``: H2O's causal sums, with its OBCache or CAOTE terms (the eager blocked pass; on a GPU
   ``engine.sums_kernel=triton`` fuses it into one pass of no ATen operator);
 * ``attending``: SLAKE's or CaliDrop's modifier, handed the entries each eviction drops;
-* ``cascade``: a cascading layer budget (CAKE, SLAKE's VABS), re-evicting each layer at every later stage;
+* ``cascade``: a cascading layer budget (CAKE, SLAKE's VABS), a preference a layer and its evictions made at the end;
 * ``head-wise``: a share of the budget per cache head (AdaKV, CriticalKV's over it), its entries packed.
 
 A family is the first of these that a variant has, in the order ``cascade``, ``head-wise``, ``attending``,
