@@ -16,16 +16,22 @@ share (window statistics, rankings, sums) is counted in each: an upper bound of 
 
     python scripts/prefill_operators_by_family.py [MODEL] [PROMPT_LENGTH]   # smollm2_135m_random, 1024
 
-and it prints a Markdown table (docs/benchmarks.md quotes it)."""
+and it prints a Markdown table (docs/benchmarks.md quotes it). With ``--by-frame`` it prefills every variant at every
+budget together, as one sample of the grid, and charges each operator to the innermost kvbench function that
+dispatched it; with ``--accelerator`` too, SLAKE's VABS takes its window in one block as on an accelerator
+(``slake.vabs_block``; 64 query rows a block on a CPU), so the counts are those a GPU would launch but for H2O's running
+sums, which ``engine.sums_kernel=triton`` fuses there."""
 
 from __future__ import annotations
 
 import statistics
 import sys
-from collections import defaultdict
+import traceback
+from collections import Counter, defaultdict
 
 import torch
 
+import kvbench.policies.methods.slake as slake
 from kvbench.bench.grid import variant_engine
 from kvbench.bench.measure import Operators
 from kvbench.config import registered_policies, selected_policy_settings
@@ -48,13 +54,60 @@ def family(engine: Engine) -> str:
     return "running sums" if policy.running else "plain"
 
 
+class ByFrame(Operators):
+    """:class:`Operators`, each operator launched also counted by the innermost kvbench frame that dispatched it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frames: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.launched
+        output = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.launched > before:
+            ours = [frame for frame in traceback.extract_stack() if "/kvbench/" in frame.filename]
+            ours = [frame for frame in ours if not frame.filename.endswith("bench/measure.py")]
+            self.frames[f"{ours[-1].filename.split('/kvbench/')[-1]}:{ours[-1].name}" if ours else "(model)"] += 1
+        return output
+
+
+def by_frame(model_name: str = "smollm2_135m_random", length: int = 1024, accelerator: bool = False) -> None:
+    """Every variant at every budget prefilled together (see the module's docstring), by frame."""
+    if accelerator:
+        slake.vabs_block = lambda logits, variants=1: logits.shape[2]  # a window in one block
+    spec = model_config(model_name)
+    loaded = load_model(spec)
+    settings = selected_policy_settings((("experiment", "leaderboard"),))
+    prompt, layers = random_prompt(loaded, length)
+    engines = [
+        variant_engine(loaded.model, spec.hf_id, name, budget, settings, tokenizer=loaded.tokenizer)
+        for name in registered_policies("variants", regime="oneshot").split(",")
+        for budget in BUDGETS
+    ]
+    prefill_shared(engines, Prompt(prompt, 1), batch_size=len(engines))  # what a process makes once
+    with ByFrame() as counted:
+        prefill_shared(engines, Prompt(prompt, 1), batch_size=len(engines))
+    rows = len(engines)
+    blocks = "in one block" if accelerator else "in blocks of 64"
+    print(f"{model_name}, {length} tokens, {layers} layers, {rows} rows, VABS's window {blocks}:")
+    print(f"{counted.launched:,} operators ({counted.launched / rows / layers:.1f} a row and layer)\n")
+    print("| frame | operators | a row and layer |\n|---|---|---|")
+    for frame, count in counted.frames.most_common(30):
+        print(f"| `{frame}` | {count:,} | {count / rows / layers:.2f} |")
+
+
+def random_prompt(loaded, length: int) -> tuple[list[int], int]:
+    """A prompt of ``length`` random tokens of the loaded model's vocabulary (seed 0), and the model's layers."""
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, loaded.model.config.vocab_size, (length,), generator=generator).tolist()
+    return prompt, loaded.model.config.get_text_config().num_hidden_layers
+
+
 def main(model_name: str = "smollm2_135m_random", length: int = 1024) -> None:
     spec = model_config(model_name)
     loaded = load_model(spec)
     settings = selected_policy_settings((("experiment", "leaderboard"),))
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(100, loaded.model.config.vocab_size, (length,), generator=generator).tolist()
-    layers = loaded.model.config.get_text_config().num_hidden_layers
+    prompt, layers = random_prompt(loaded, length)
 
     def counted(name: str) -> tuple[float, list[Engine]]:
         engines = [
@@ -90,4 +143,10 @@ def main(model_name: str = "smollm2_135m_random", length: int = 1024) -> None:
 
 
 if __name__ == "__main__":
-    main(*(sys.argv[1:2] or []), *(int(value) for value in sys.argv[2:3]))
+    positional = [value for value in sys.argv[1:] if not value.startswith("--")]
+    model_name = positional[0] if positional else "smollm2_135m_random"
+    length = int(positional[1]) if len(positional) > 1 else 1024
+    if "--by-frame" in sys.argv[1:]:
+        by_frame(model_name, length, accelerator="--accelerator" in sys.argv[1:])
+    else:
+        main(model_name, length)
