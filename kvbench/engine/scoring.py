@@ -14,9 +14,10 @@ from kvbench.engine import attention
 from kvbench.engine.layer import EvictionLayer
 from kvbench.engine.sharing import SharedForward
 from kvbench.policies import channel_pruner
-from kvbench.policies.base import AttentionStats, Policy, settings_key
+from kvbench.policies.base import AttentionStats, Policy
 from kvbench.policies.context import LayerWeights, ScoreContext
 from kvbench.policies.layer_budget import CascadingAllocation
+from kvbench.policies.parts import settings_key
 from kvbench.policies.stats import NormalisedStats
 
 

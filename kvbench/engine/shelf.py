@@ -19,7 +19,7 @@ from kvbench.engine.cache import EvictionCache
 from kvbench.engine.layer import EvictionLayer, in_cache_heads
 from kvbench.engine.scoring import sums_key
 from kvbench.kernels import decode
-from kvbench.policies.base import settings_key
+from kvbench.policies.parts import settings_key
 
 #: how a shelf without attending modifiers attends its units: ``auto`` (the region kernel on CUDA where triton is
 #: installed, one padded SDPA call elsewhere), ``kernel`` (also under Triton's interpreter: the tests) or ``padded``

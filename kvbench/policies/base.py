@@ -22,9 +22,8 @@ The contract with the cache is small: a policy declares once which attention sta
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -35,6 +34,7 @@ from kvbench.kernels.sums import attention_sums
 from kvbench.policies.budgets import Budget
 from kvbench.policies.context import ATTENTION, Evicted, ScoreContext, Statistic
 from kvbench.policies.layer_budget import LayerBudget, Uniform
+from kvbench.policies.parts import part_settings, settings_key
 from kvbench.policies.registry import Registered
 from kvbench.policies.scores import GqaMode, reduce_gqa
 from kvbench.policies.stats import AttentionStats, NormalisedBlock, NormalisedStats, QueryBlock
@@ -440,19 +440,5 @@ class Policy(Registered):
     def settings(self) -> dict[str, Any]:
         """Every setting of this policy as its Hydra node holds it: ``name`` (the spec), the base's fields,
         ``layer_budget`` as ``{name: ..., ...}`` and each modifier's fields."""
-        node: dict[str, Any] = {"name": self.spec}
         parts: list[Policy | Modifier] = [self, *self.modifiers]
-        for part in parts:
-            values = {item.name: getattr(part, item.name) for item in fields(part) if item.name != "modifiers"}
-            node |= {name: v.parameters() if isinstance(v, LayerBudget) else v for name, v in values.items()}
-        return node
-
-
-def settings_key(*parts: Policy | Modifier, without: tuple[str, ...] = ()) -> str:
-    """An explicit identity of a base and modifiers: each part's name and the settings it was built with (but those
-    named in ``without``), as JSON (a layer budget as its node; a base's own, not its modifiers')."""
-    named, left_out = [], ("modifiers", *without)
-    for part in parts:
-        settings = {item.name: getattr(part, item.name) for item in fields(part) if item.name not in left_out}
-        named.append([part.name, {k: v.parameters() if isinstance(v, LayerBudget) else v for k, v in settings.items()}])
-    return json.dumps(named, sort_keys=True)
+        return {"name": self.spec, **{k: v for part in parts for k, v in part_settings(part).items()}}
