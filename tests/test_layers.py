@@ -134,6 +134,19 @@ def test_no_two_top_level_classes_or_functions_share_a_name():
     assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}
 
 
+#: the most lines a module holds (a module past it is cut along a seam)
+MODULE_LINES = 450
+
+
+def test_no_module_is_over_450_lines():
+    """Each module stays small enough to read in one sitting: none of ``kvbench/`` holds more than 450 lines."""
+    lengths = {
+        str(path.relative_to(PROJECT_ROOT)): len(path.read_text().splitlines())
+        for path in sorted((PROJECT_ROOT / "kvbench").rglob("*.py"))
+    }
+    assert {path: lines for path, lines in lengths.items() if lines > MODULE_LINES} == {}
+
+
 #: where a Hydra node is read: the resolver naming a run directory gets the composed root (Hydra's design), and a model
 #: node becomes a ``ModelSpec``
 HYDRA_BOUNDARIES = {("kvbench.rundir", "run_name"), ("kvbench.identity", "run_digest"), ("kvbench.models", "of")}
