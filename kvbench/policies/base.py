@@ -440,5 +440,4 @@ class Policy(Registered):
     def settings(self) -> dict[str, Any]:
         """Every setting of this policy as its Hydra node holds it: ``name`` (the spec), the base's fields,
         ``layer_budget`` as ``{name: ..., ...}`` and each modifier's fields."""
-        parts: list[Policy | Modifier] = [self, *self.modifiers]
-        return {"name": self.spec, **{k: v for part in parts for k, v in part_settings(part).items()}}
+        return {"name": self.spec, **{k: v for part in (self, *self.modifiers) for k, v in part_settings(part).items()}}
