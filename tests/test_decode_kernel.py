@@ -80,3 +80,16 @@ def test_16_bit_entries_match_sdpa_within_its_rounding():
     torch.testing.assert_close(got.float().cpu(), expected, rtol=2e-2, atol=2e-2)
     padded = decode.padded_region_attention(half[0], half[1], half[2], *places, 32**-0.5, longest=129)
     torch.testing.assert_close(got.float(), padded.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_counting_views_one_buffer_grown_as_needed(monkeypatch):
+    """``counting(n)`` is ``arange(n)`` for any ``n`` (past the first buffer's 1,024 too), each a view of the device's
+    one buffer: a step's masks make none of their own."""
+    monkeypatch.setattr(decode, "COUNTS", {})
+    device = torch.device("cpu")
+    first = decode.counting(5, device)
+    assert torch.equal(first, torch.arange(5)) and first.dtype == torch.long
+    again = decode.counting(700, device)
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again, torch.arange(700))
+    grown = decode.counting(3000, device)
+    assert torch.equal(grown, torch.arange(3000)) and decode.counting(17, device).data_ptr() == grown.data_ptr()

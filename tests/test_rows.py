@@ -209,6 +209,7 @@ def test_stored_rows_step_in_operators_per_layer_not_per_row(spec, rows_attentio
     model = tiny_model()
     engine = Engine(model, build_policy(spec, {"window": 8}), 24, rows_attention=rows_attention)
     prompts = [random_prompt(40 + 7 * index, seed=index) for index in range(12)]
+    decode.counting(1, torch.device("cpu"))  # made once a process: not a step's
 
     def per_step(count: int) -> float:
         operators = []
@@ -328,8 +329,9 @@ def test_a_stores_shelves_hold_what_its_rows_reserve_and_an_eighth_at_most(spec)
 @pytest.mark.parametrize("spec", ["snapkv+slake", "pyramidkv+calidrop"])
 def test_modifier_rows_of_several_capacities_on_one_shelf_or_one_each_give_each_alone(spec, layout, monkeypatch):
     """Rows whose modifiers attend, of several capacities (a length per layer, answers of 3 and 40 tokens to come):
-    on one shelf a layer (``mixed``, CUDA's: their regions gathered to the longest) or a shelf per capacity
-    (``by_capacity``, a CPU's: viewed), each row's tokens and statistics are its own alone."""
+    on one shelf a layer (``mixed``, CUDA's: their regions gathered to the longest; the units of rows that left kept
+    free among those stepping) or a shelf per capacity (``by_capacity``, a CPU's: viewed), each row's tokens and
+    statistics are its own alone."""
     import kvbench.engine.shelf as shelf_module
 
     monkeypatch.setattr(shelf_module, "MODIFIER_SHELVES", layout)
@@ -347,9 +349,17 @@ def test_modifier_rows_of_several_capacities_on_one_shelf_or_one_each_give_each_
         "step_rows",
         lambda stepping, store: (step_rows(stepping, store), shelves.append(len(store.shelves)))[0],
     )
+    whole: set[bool] = set()  # whether a shelf's step was every unit in order (its queries taken as they are)
+    attend_modified = shelf_module.Shelf.attend_modified
+    monkeypatch.setattr(
+        shelf_module.Shelf, "attend_modified", lambda self, *args: whole.add(self.whole) or attend_modified(self, *args)
+    )
+    if layout == "mixed":  # the units of rows that left stay free: the others step among them
+        monkeypatch.setattr(shelf_module.Shelf, "compact", lambda self: False)
     outputs = decode_rows(rows, batch_size=3)
     layers = len(rows[0].cache.layers)
     assert shelves[0] == layers if layout == "mixed" else shelves[0] > layers
+    assert whole == ({True, False} if layout == "mixed" else {True})  # (by capacity: a row a shelf)
     assert [output.token_ids for output in outputs] == [output.token_ids for output in alone]
     assert [output.policy_stats for output in outputs] == [output.policy_stats for output in alone]
 

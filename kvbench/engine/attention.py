@@ -22,6 +22,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvbench.errors import KVBenchError
+from kvbench.kernels.decode import counting
 
 ATTENTION_NAME = "kvbench"
 #: devices where H2O-style sums take each query's normaliser from a fused kernel (``attention_with_lse``) and
@@ -237,7 +238,7 @@ def padded_outputs(layer_idx: int, query, rows, scaling) -> dict[int, torch.Tens
         keys = pad_sequence([rows[row][1][0].transpose(0, 1) for row in members], batch_first=True)  # [n,T,Hc,D]
         values = pad_sequence([rows[row][2][0].transpose(0, 1) for row in members], batch_first=True)
         lengths = torch.tensor([rows[row][1].shape[2] for row in members], device=query.device)
-        held = torch.arange(keys.shape[1], device=query.device) < lengths[:, None]  # [n,T]
+        held = counting(keys.shape[1], query.device) < lengths[:, None]  # [n,T]
         together = F.scaled_dot_product_attention(
             query[members],
             keys.transpose(1, 2),

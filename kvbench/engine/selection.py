@@ -47,9 +47,12 @@ def top_slots(scores: torch.Tensor, budget: int, recent: int, sinks: int) -> tor
     as the reference implementations select heavy hitters (KVCache-Factory: ``topk(capacity − window)`` over the
     prefix), so ties break as there."""
     tokens = scores.shape[-1]
-    heavy = scores[..., sinks : tokens - recent].float().topk(budget - recent - sinks, dim=-1).indices + sinks
-    reserved = reserved_index(sinks, tokens - recent, tokens, heavy.device)
-    return torch.cat([heavy, reserved.expand(*heavy.shape[:-1], -1)], dim=-1).sort(dim=-1).values
+    heavy = scores[..., sinks : tokens - recent].float().topk(budget - recent - sinks, dim=-1).indices
+    heavy = heavy + sinks if sinks else heavy  # [B,Hc,K']: slots of the whole layer
+    if sinks + recent:
+        reserved = reserved_index(sinks, tokens - recent, tokens, heavy.device)
+        heavy = torch.cat([heavy, reserved.expand(*heavy.shape[:-1], -1)], dim=-1)
+    return heavy.sort(dim=-1).values
 
 
 @functools.lru_cache(maxsize=256)

@@ -153,6 +153,7 @@ class Shelf:
         self.members = self.slots = self.write_at = self.step_starts = self.step_lengths = torch.empty(0)
         self.host_ones = torch.empty(0, dtype=torch.long)
         self.longest = 0
+        self.whole = False  # this step's units are every unit, in order (``slots`` = 0 .. U−1)
 
     def bytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
@@ -316,6 +317,7 @@ class Shelf:
             self.write_at, self.step_lengths = self.write_at + 1, self.step_lengths + 1
         else:
             self.members, self.slots, self.host_ones = members, slots, torch.ones_like(on_host)
+            self.whole = on_host.tolist() == list(range(len(self.owners)))
             self.step_starts = starts[slots]
             self.write_at = self.step_starts + lengths[slots]
             self.step_lengths = self.write_at + 1 - self.step_starts
@@ -359,7 +361,7 @@ class Shelf:
         gathered to the longest, as a batch of ``n`` rows of one cache head, each query's normaliser over its own
         region; the padding's sums are dropped."""
         assert self.scores is not None
-        span = torch.arange(self.longest, device=units.device)
+        span = decode.counting(self.longest, units.device)
         visible = span < self.step_lengths[:, None]  # [n,T]
         keys, values = decode.padded_regions(self.keys, self.values, self.step_starts, self.longest)  # [n,T,D]
         logits = torch.matmul(units.float(), keys.float().transpose(1, 2)).mul_(scaling)  # [n,G,T]
@@ -376,10 +378,13 @@ class Shelf:
         on a shelf of one capacity, else gathered), SDPA's output replaced by a modifier's where its state holds
         something."""
         assert self.on_device is not None  # made by begin_step
-        queries = units.new_zeros(len(self.owners), units.shape[1], 1, units.shape[-1])
-        queries.index_copy_(0, self.slots, units[:, :, None])
+        if self.whole:  # every unit steps, in order: the step's queries as they are
+            queries = units[:, :, None]  # [U,G,1,D]
+        else:  # a free unit's query zero
+            queries = units.new_zeros(len(self.owners), units.shape[1], 1, units.shape[-1])
+            queries.index_copy_(0, self.slots, units[:, :, None])
         holds = self.on_device[1].clamp(min=1)  # the entries each unit holds (a free one one) [U]
-        visible = torch.arange(self.longest, device=units.device) < holds[:, None]  # [U,T]
+        visible = decode.counting(self.longest, units.device) < holds[:, None]  # [U,T]
         if self.uniform is not None:  # a shelf of one capacity: unit u's region at u·C
             keys = self.keys.view(-1, self.uniform, self.dim)[:, None, : self.longest]  # [U,1,T,D]
             values = self.values.view(-1, self.uniform, self.dim)[:, None, : self.longest]
@@ -398,4 +403,4 @@ class Shelf:
             self.states[place] = {name: tensor[:, 0] for name, tensor in (modifier.units(state) or held).items()}
             if replaced is not None:
                 output = torch.where(self.active[place][:, None, None, None], replaced, output)
-        return output[self.slots, 0]
+        return output[:, 0] if self.whole else output[self.slots, 0]

@@ -101,13 +101,26 @@ def region_attention(
     return out
 
 
+#: by device, ``0, 1, 2, …`` as one buffer that :func:`counting` views (grown by doubling)
+COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def counting(length: int, device: torch.device) -> torch.Tensor:
+    """``torch.arange(length)`` on ``device`` (int64), a view of one buffer made once a device and grown by doubling:
+    the masks and region indices a decode step makes at every layer launch nothing for it. Read only."""
+    buffer = COUNTS.get(device)
+    if buffer is None or buffer.numel() < length:
+        buffer = COUNTS[device] = torch.arange(max(1024, 2 * length), device=device)
+    return buffer[:length]
+
+
 def padded_regions(
     keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor, longest: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The regions at ``starts [n]`` of ``keys``/``values [P,D]``, each gathered to ``longest`` entries (past the
     buffer's end its last entry: masked by the caller) → ``[n,T,D]`` each, by one ``index_select`` (on a CPU far
     quicker than indexing)."""
-    index = (starts[:, None] + torch.arange(longest, device=keys.device)).clamp(max=keys.shape[0] - 1).flatten()
+    index = (starts[:, None] + counting(longest, keys.device)).clamp(max=keys.shape[0] - 1).flatten()
     shape = (len(starts), longest, keys.shape[-1])
     return keys.index_select(0, index).view(shape), values.index_select(0, index).view(shape)
 
@@ -123,7 +136,7 @@ def padded_region_attention(
 ) -> torch.Tensor:
     """:func:`region_attention` by PyTorch: each region gathered to ``longest`` entries (``≥`` every length) and one
     masked SDPA call → ``[n,G,D]``."""
-    visible = torch.arange(longest, device=keys.device) < lengths[:, None]  # [n,T]
+    visible = counting(longest, keys.device) < lengths[:, None]  # [n,T]
     keys, values = padded_regions(keys, values, starts, longest)  # [n,T,D]
     output = torch.nn.functional.scaled_dot_product_attention(
         queries[:, :, None],  # [n,G,1,D]

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.domains import FLAG, Domain, integer, is_number, optional, setting
+from kvbench.kernels.decode import counting
 from kvbench.policies.base import Modifier
 from kvbench.policies.context import Evicted, by_kv_head
 from kvbench.policies.registry import register
@@ -127,7 +128,7 @@ class CaliDrop(Modifier):
         stored = None
         if state.length is not None:  # on a shelf: a slot without evicted entries is not a unit of CaliDrop's
             recompute &= state.length[..., None] > 0
-            stored = torch.arange(len(state.store), device=grouped.device) < state.length[..., None]  # [B,Hc,E]
+            stored = counting(len(state.store), grouped.device) < state.length[..., None]  # [B,Hc,E]
         if grouped.device.type != "cpu" or recompute.any():  # on a GPU for every head: no wait to read it back
             store = state.store.to(grouped.device)  # reload the offloaded entries
             fresh = attention_lse(grouped, store.keys, store.values, scaling, stored)  # Alg. 1 lines 12–13
