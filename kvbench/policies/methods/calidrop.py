@@ -52,8 +52,13 @@ def attention_lse(
 def merge_attention(lse_a: torch.Tensor, out_a: torch.Tensor, lse_b: torch.Tensor, out_b: torch.Tensor):
     """Attention over the union of two disjoint key sets from each part's ``(lse, out)`` (CaliDrop eqs. 1–2):
     ``α_b = e^{lse_b} / (e^{lse_a} + e^{lse_b}) = sigmoid(lse_b − lse_a)``, ``out = (1 − α_b) out_a + α_b out_b``."""
+    return torch.logaddexp(lse_a, lse_b), merged_output(lse_a, out_a, lse_b, out_b)
+
+
+def merged_output(lse_a: torch.Tensor, out_a: torch.Tensor, lse_b: torch.Tensor, out_b: torch.Tensor) -> torch.Tensor:
+    """The ``out`` of :func:`merge_attention` alone (a decode step's calibrated output needs no ``lse``)."""
     weight = torch.sigmoid(lse_b - lse_a)[..., None]
-    return torch.logaddexp(lse_a, lse_b), out_a + weight * (out_b - out_a)
+    return out_a + weight * (out_b - out_a)
 
 
 @dataclass
@@ -136,7 +141,7 @@ class CaliDrop(Modifier):
             state.lse = torch.where(recompute, fresh[0], state.lse)
             state.out = torch.where(recompute[..., None], fresh[1], state.out)
         calibrate = recompute | (similarity > self.theta2)  # Alg. 1 lines 15–17
-        _, merged = merge_attention(lse, out, state.lse, state.out)
+        merged = merged_output(lse, out, state.lse, state.out)
         state.steps = state.steps + 1
         state.recomputed = state.recomputed + recompute.float().mean(dim=-1)
         merged = merged.reshape(batch, 1, q_heads, dim).to(output.dtype)
