@@ -30,19 +30,20 @@ class HeadwiseEntries:
     ) -> HeadwiseEntries:
         """The entries ``kept [1,Hc,T]`` (True = kept) of a layer's ``keys``/``values [1,Hc,T,D]``, ``positions`` and
         ``ranking [1,Hc,T]``, copied out of them."""
-        heads, tokens = kept.shape[1:]
+        heads = kept.shape[1]
         flat = kept[0].flatten().nonzero().squeeze(-1)  # [N] head-major, slot order within a head
         lengths = kept[0].sum(dim=-1)  # [Hc]
-        head = flat // tokens
-        rank = torch.arange(flat.numel(), device=flat.device) - (lengths.cumsum(0) - lengths)[head]
         longest = int(lengths.max())
+        # a kept slot's place in the layout: its head's first (h·longest) plus the kept slots before it in its head
+        first = torch.arange(-1, heads * longest - 1, longest, device=kept.device)[:, None]  # [Hc,1], less one
+        layout = kept[0].cumsum(dim=-1).add_(first).flatten()  # [Hc·T]
         return HeadwiseEntries(
             keys[0].flatten(0, 1)[flat],
             values[0].flatten(0, 1)[flat],
             positions[0].flatten()[flat],
             ranking[0].flatten()[flat],
             lengths,
-            head * longest + rank,
+            layout[flat],
             longest,
         )
 
