@@ -224,3 +224,27 @@ def test_a_length_per_head_layer_attends_the_padded_entries_then_the_tokens_appe
     assert builds[0] == 1 and builds[9] == 1  # one layout for the ten steps after the first eviction
     assert builds[10] == 2 and builds[10 + APPEND_SPARE] == 2  # one after the second, for APPEND_SPARE + 1 tokens
     assert builds[-2:] == [3, 3]  # the appended tokens moved to a new storage: made again, then grown
+
+
+@pytest.mark.parametrize("heads, tokens", [(1, 1), (3, 7), (4, 33)])
+def test_packed_entries_lie_in_each_heads_own_layout_slots(heads, tokens):
+    """``HeadwiseEntries.packed`` on random kept masks (a head keeping one slot up to all): each head's kept entries in
+    slot order, and in the padded ``[Hc, longest]`` layout at that head's row, one after another from its first slot,
+    as a loop over the heads places them."""
+    from kvbench.engine.entries import HeadwiseEntries
+
+    generator = torch.Generator().manual_seed(heads * tokens)
+    for _ in range(10):
+        kept = torch.rand(1, heads, tokens, generator=generator) < torch.rand(1, generator=generator)
+        kept[0, :, -1] = True
+        keys, values = torch.randn(2, 1, heads, tokens, 4, generator=generator)
+        positions = torch.arange(tokens).expand(1, heads, tokens).clone()
+        entries = HeadwiseEntries.packed(keys, values, positions, torch.randn(1, heads, tokens), kept)
+        longest = int(kept.sum(dim=-1).max())
+        layout = torch.zeros(heads, longest, 4)
+        for head in range(heads):
+            own = keys[0, head][kept[0, head]]
+            layout[head, : len(own)] = own
+        assert entries.longest == longest
+        assert torch.equal(entries.padded(entries.keys)[0], layout)
+        assert torch.equal(entries.mask(), torch.arange(longest) < kept[0].sum(dim=-1)[:, None])
