@@ -314,6 +314,27 @@ def test_a_shared_prefill_computes_what_depends_on_the_entries_once(monkeypatch)
     assert len(counted) == len(engines) * model.config.num_hidden_layers
 
 
+def test_a_shared_prefill_scores_a_base_once_for_the_modifiers_that_re_rank_it(monkeypatch):
+    """SnapKV alone and under ChunkKV, CriticalKV and CAOTE (which re-rank its score: ChunkKV and CriticalKV by the
+    budget), at three budgets, in one shared prefill: SnapKV's score made once a layer for all twelve variants, whose
+    tokens equal their own runs'; alone, once a variant and layer. OBCache re-weights SnapKV's statistic: its own."""
+    from kvbench.policies.methods.snapkv import SnapKV
+
+    model, prompt = tiny_model(), random_prompt(160)
+    counted: list[str] = []
+    score = SnapKV.score
+    monkeypatch.setattr(SnapKV, "score", lambda self, context: counted.append(self.spec) or score(self, context))
+    specs = ("snapkv", "snapkv+chunkkv", "snapkv+criticalkv", "snapkv+caote", "snapkv+obcache_value")
+    engines = [Engine(model, build_policy(spec), budget) for spec in specs for budget in (48, 64, 96)]
+    shared = generate_shared(engines, prompt, 2)
+    layers = model.config.num_hidden_layers
+    assert len(counted) == 2 * layers and counted.count("snapkv+obcache_value") == layers
+    counted.clear()
+    alone = [engine.generate(prompt, 2) for engine in engines]
+    assert [output.token_ids for output in shared] == [output.token_ids for output in alone]
+    assert len(counted) == len(engines) * layers
+
+
 @pytest.mark.model
 def test_on_smollm2_one_shared_prefill_gives_what_each_variant_gives_alone():
     """The same over the registry on the offline SmolLM2 (float32, a 256-token text prompt, budget 64), the variants

@@ -18,7 +18,7 @@ from kvbench.policies.base import AttentionStats, Policy
 from kvbench.policies.context import LayerWeights, ScoreContext
 from kvbench.policies.layer_budget import CascadingAllocation
 from kvbench.policies.parts import settings_key
-from kvbench.policies.stats import NormalisedStats
+from kvbench.policies.stats import NormalisedStats, memoised
 
 
 @dataclass(frozen=True)
@@ -180,24 +180,55 @@ class Scorer:
             shared.rankings[key] = self.scores(layer_idx, budget, scaling, shared, forward)
         return shared.rankings[key]  # read, never written: a layer keeps its ranking gathered at the slots it keeps
 
+    def score_key(self, budget: int, forward: Forward) -> tuple | None:
+        """What a layer's base score (:meth:`~kvbench.policies.base.Policy.score`, before a modifier re-ranks it)
+        depends on beyond one shared prefill's entries and statistics: :meth:`ranking_key`'s but for the re-ranking
+        modifiers (a modifier changes the base's score only by re-weighting its statistic), so that one base's
+        variants (alone, under ChunkKV, CriticalKV or CAOTE, at any budget) score it once; None where the base reads
+        the budget or budget-dependent running sums."""
+        policy = self.policy
+        if policy.reads_budget or (policy.running and not uses_normaliser(policy)):
+            return None
+        reweighting = [modifier for modifier in policy.modifiers if modifier.reweights]
+        recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
+        window = policy.scoring_window(budget, self.prompt_len, forward.decoding)
+        identity = settings_key(policy, *reweighting, without=("layer_budget",))
+        return "score", identity, recent, window, policy.reserved_sinks()
+
     def scores(
         self, layer_idx: int, budget: int, scaling: float, shared: SharedForward | None, forward: Forward
     ) -> torch.Tensor:
         """The policy's ranking of every cached slot ``[B,Hc,T]`` (before reserving) for ``budget``, from the
-        statistic it declares (:attr:`~kvbench.policies.base.Policy.statistic`)."""
-        return self.policy.ranking(self.context(layer_idx, budget, forward, scaling, shared))
+        statistic it declares (:attr:`~kvbench.policies.base.Policy.statistic`); in a shared prefill from the base
+        score its variants share (:meth:`score_key`)."""
+        key = None if shared is None else self.score_key(budget, forward)
+        if shared is None or key is None:
+            return self.policy.ranking(self.context(layer_idx, budget, forward, scaling, shared))
+
+        def score() -> torch.Tensor:  # read, never written, by every variant of the key
+            return self.policy.score(self.context(layer_idx, budget, forward, scaling, shared))
+
+        base = memoised(shared.entries, key, score)
+        return self.policy.ranking(self.context(layer_idx, budget, forward, scaling, shared, summing=False), base)
 
     def context(
-        self, layer_idx: int, budget: int, forward: Forward, scaling: float = 1.0, shared: SharedForward | None = None
+        self,
+        layer_idx: int,
+        budget: int,
+        forward: Forward,
+        scaling: float = 1.0,
+        shared: SharedForward | None = None,
+        summing: bool = True,
     ) -> ScoreContext:
-        """What the policy ranks the layer's slots from for ``budget`` (its declared statistic gathered)."""
+        """What the policy ranks the layer's slots from for ``budget`` (its declared statistic gathered; with
+        ``summing`` false, not summed: where only the modifiers read the context)."""
         policy, layer = self.policy, self.layers[layer_idx]
         assert layer.positions is not None
         summed, window = None, None
         if policy.statistic in ("window", "queries"):
             size = policy.scoring_window(budget, self.prompt_len, forward.decoding)
             window = self.window(layer_idx, size, scaling, shared)
-            if policy.statistic == "window":
+            if policy.statistic == "window" and summing:
                 summed = policy.summed_contributions(window, self.score_block)
         elif policy.running:
             assert layer.running_score is not None  # running policies evict only after scored forwards

@@ -305,10 +305,10 @@ class Policy(Registered):
         """The final ranking ``[B,Hc,T]`` from each head's: default each head its own (TOVA: one per layer)."""
         return scores
 
-    def ranking(self, context: ScoreContext) -> torch.Tensor:
-        """What the cache selects by: :meth:`score`, re-ranked by each modifier that ``transforms``, then
-        :meth:`share_heads`."""
-        scores = self.score(context)
+    def ranking(self, context: ScoreContext, scores: torch.Tensor | None = None) -> torch.Tensor:
+        """What the cache selects by: :meth:`score` (``scores`` where given: its variants' shared one), re-ranked by
+        each modifier that ``transforms``, then :meth:`share_heads`."""
+        scores = self.score(context) if scores is None else scores
         for modifier in self.modifiers:
             if modifier.transforms:
                 scores = modifier.transform(scores, context)
