@@ -6,7 +6,9 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
+from kvbench.kernels.decode import counting
 from kvbench.policies.base import Policy
 
 
@@ -69,7 +71,6 @@ def top_slots_per_head(middle: torch.Tensor, shares: torch.Tensor, recent: int, 
     those slots alone: ``T = sinks + M + recent``)."""
     shares = shares.clamp(0, middle.shape[-1])  # [B,Hc]
     top = middle.topk(int(shares.max()), dim=-1).indices  # [B,Hc,S]
-    chosen = torch.arange(top.shape[-1], device=top.device) < shares[..., None]  # a head keeps its first shares
-    kept = torch.ones(*middle.shape[:-1], sinks + middle.shape[-1] + recent, dtype=torch.bool, device=middle.device)
-    kept[..., sinks : kept.shape[-1] - recent] = torch.zeros_like(middle, dtype=torch.bool).scatter_(-1, top, chosen)
-    return kept
+    chosen = counting(top.shape[-1], top.device) < shares[..., None]  # a head keeps its first shares
+    kept = torch.zeros_like(middle, dtype=torch.bool).scatter_(-1, top, chosen)  # [B,Hc,M]
+    return F.pad(kept, (sinks, recent), value=True) if sinks + recent else kept
