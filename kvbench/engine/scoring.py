@@ -6,6 +6,7 @@ selection :mod:`kvbench.engine.selection`, the cache that evicts by them :mod:`k
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -161,12 +162,7 @@ class Scorer:
         where it also reads the budget (:attr:`~kvbench.policies.base.Policy.ranking_reads_budget`) or budget-dependent
         running sums (not from the normaliser). (A cascading layer budget's stage ranks its layer in full, at the
         average budget, like any variant's eviction.)"""
-        policy = self.policy
-        if policy.ranking_reads_budget or (policy.running and not uses_normaliser(policy)):
-            return None
-        recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
-        window = policy.scoring_window(budget, self.prompt_len, forward.decoding)
-        return policy.ranking_key, recent, window, policy.reserved_sinks()
+        return self._shared_key(self.policy.ranking_key, self.policy.ranking_reads_budget, budget, forward)
 
     def shared_scores(
         self, layer_idx: int, budget: int, scaling: float, shared: SharedForward | None, forward: Forward
@@ -187,13 +183,20 @@ class Scorer:
         variants (alone, under ChunkKV, CriticalKV or CAOTE, at any budget) score it once; None where the base reads
         the budget or budget-dependent running sums."""
         policy = self.policy
-        if policy.reads_budget or (policy.running and not uses_normaliser(policy)):
+        reweighting = [] if policy.reweighting is None else [policy.reweighting]
+        identity = "score", settings_key(policy, *reweighting, without=("layer_budget",))
+        return self._shared_key(identity, policy.reads_budget, budget, forward)
+
+    def _shared_key(self, identity: Hashable, reads_budget: bool, budget: int, forward: Forward) -> tuple | None:
+        """``identity`` with the reserved window, the scoring window and the sinks at ``budget``: a key under which a
+        shared prefill's variants share what they rank by; None where it reads the budget (``reads_budget``) or
+        budget-dependent running sums (not from the normaliser)."""
+        policy = self.policy
+        if reads_budget or (policy.running and not uses_normaliser(policy)):
             return None
-        reweighting = [modifier for modifier in policy.modifiers if modifier.reweights]
         recent = min(policy.reserved_recent(budget, self.prompt_len), budget)
         window = policy.scoring_window(budget, self.prompt_len, forward.decoding)
-        identity = settings_key(policy, *reweighting, without=("layer_budget",))
-        return "score", identity, recent, window, policy.reserved_sinks()
+        return identity, recent, window, policy.reserved_sinks()
 
     def scores(
         self, layer_idx: int, budget: int, scaling: float, shared: SharedForward | None, forward: Forward
