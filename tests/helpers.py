@@ -251,3 +251,52 @@ def local_data(variable: str, *shared: str) -> Path:
     """Test data the user points to with the environment ``variable`` (as kvbench's task files read it), else
     the workplace's copy beside the project (``../shared/<shared...>``); callers skip when it is absent."""
     return Path(os.environ.get(variable) or PROJECT_ROOT.parent.joinpath("shared", *shared))
+
+
+@contextmanager
+def recorded_rankings():
+    """Each layer's rankings by its cache's scorer while in the block, oldest first: ``{layer: [(positions [Hc,T],
+    ranking [Hc,T]), ...]}`` of the batch's first row (what :func:`assert_equal_up_to_near_ties` reads)."""
+    from unittest import mock
+
+    from kvbench.engine.scoring import Scorer
+
+    rankings: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    ranked = Scorer.shared_scores
+
+    def recording(scorer, layer_idx, *args):
+        ranking = ranked(scorer, layer_idx, *args)
+        positions = scorer.layers[layer_idx].positions[0].clone()
+        rankings.setdefault(layer_idx, []).append((positions, ranking[0].float().clone()))
+        return ranking
+
+    with mock.patch.object(Scorer, "shared_scores", recording):
+        yield rankings
+
+
+def assert_equal_up_to_near_ties(
+    ours: torch.Tensor,
+    theirs: torch.Tensor,
+    rankings: list[tuple[torch.Tensor, torch.Tensor]],
+    label: str,
+    rtol: float = 1e-5,
+) -> None:
+    """The kept masks ``ours``/``theirs [Hc,T]`` equal but where the scores tie within float32 rounding: on each head a
+    position kept by one side and not the other ranks, by its last ranking in ``rankings`` (a layer's from
+    :func:`recorded_rankings`), within ``rtol`` of those that replace it (another CPU's matrix kernels round a
+    reference's scores in the last bits, and break an exact or near tie their own way: a copy of a token in the first
+    layer, say)."""
+    for head in range(ours.shape[0]):
+        only_ours, only_theirs = (ours[head] & ~theirs[head]).nonzero(), (theirs[head] & ~ours[head]).nonzero()
+        assert len(only_ours) == len(only_theirs), f"{label} head {head}"
+        if len(only_ours) == 0:
+            continue
+        differing = torch.cat([only_ours, only_theirs]).flatten()  # [2n]
+        values = torch.full(differing.shape, torch.nan)
+        for positions, ranking in rankings:  # oldest first: each position's last ranking
+            match = positions[head][:, None] == differing  # [T,2n]
+            found = match.any(0)
+            values[found] = ranking[head][match.int().argmax(0)][found]
+        assert bool(values.isfinite().all()), f"{label} head {head}: a differing position was never ranked"
+        spread, scale = float(values.max() - values.min()), float(values.abs().max())
+        assert spread <= rtol * scale, f"{label} head {head}: kept sets differ by {spread:.3g} at {scale:.3g}"

@@ -25,16 +25,21 @@ SMALL = {"samples": 4, "sample_chars": 300, "query_length": 40, "n_sink": 4}
 
 @pytest.mark.model
 def test_head_scores_and_kept_sets_equal_kvpress():
-    """SmolLM2's 30 × 3 head scores (on the fixture's 8 calibration texts) equal the press's bit for bit, and so every
-    layer and head keeps what the press does not mask: half the heads their first 128 and last 256 of 512 tokens, the
-    others all (3 prompts)."""
+    """SmolLM2's 30 × 3 head scores (on the fixture's 8 calibration texts) equal the press's within float32 rounding
+    (bit for bit on the CPU that made the fixture; a CPU with other matrix kernels rounds some in the last bits), with
+    no near-tie at the streaming share's cut, and so every layer and head keeps what the press does not mask: half
+    the heads their first 128 and last 256 of 512 tokens, the others all (3 prompts)."""
     fixture = json.loads(FIXTURE.read_text())
     loaded = load_model(model_config("smollm2_135m"))
     policy = build_policy("duo_attention", {"n_sink": fixture["n_sink"], "samples": fixture["samples"]})
     runner = Engine(loaded.model, policy, fixture["kept"], tokenizer=loaded.tokenizer)
     scores = duo_attention.HEAD_SCORES[loaded.model]
     press_scores = np.frombuffer(base64.b64decode(fixture["head_scores"]), dtype=np.float32).reshape(30, 3)
-    assert len(scores) == 1 and torch.equal(next(iter(scores.values())), torch.from_numpy(press_scores.copy()))
+    ours, theirs = next(iter(scores.values())), torch.from_numpy(press_scores.copy())
+    assert len(scores) == 1 and torch.allclose(ours, theirs, rtol=1e-5, atol=0)
+    ranked = theirs.flatten().sort().values  # the streaming share: the 45 lowest
+    assert ranked[45] - ranked[44] > 1e-5 * ranked[45]  # no near-tie at the cut: the rounding cannot move it
+    assert torch.equal(policy.streaming_heads.flatten(), theirs.flatten() <= ranked[44])
     for prompt in fixture["prompts"]:
         ids = prompt["ids"]
         cache = runner.new_cache(len(ids))

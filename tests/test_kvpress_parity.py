@@ -65,13 +65,16 @@ def fixture(spec: str) -> dict:
     return json.loads((FIXTURES / f"{spec}.json").read_text())
 
 
-def kept_masks(name: str, settings: dict, ids: list[int]) -> list[torch.Tensor]:
+def kept_masks(name: str, settings: dict, ids: list[int], rankings: dict | None = None) -> list[torch.Tensor]:
     """kvbench's kept positions of every layer after a oneshot prefill of ``ids`` at fixture ``name``'s kept count,
-    as masks ``[Hkv, len(ids)]``."""
+    as masks ``[Hkv, len(ids)]`` (``rankings``: each layer's ranking put there, :func:`helpers.recorded_rankings`)."""
     model = load_model(model_config("smollm2_135m")).model
     engine = Engine(model, build_policy(spec_of(name), settings), fixture(name)["kept"], "oneshot")
     cache = engine.new_cache(len(ids))
-    engine.prefill(cache, ids)
+    with helpers.recorded_rankings() as recorded:
+        engine.prefill(cache, ids)
+    if rankings is not None:
+        rankings.update(recorded)
     return helpers.kept_masks(cache, len(ids))
 
 
@@ -82,11 +85,13 @@ TOKEN_TIES_IN_LAYER_0 = {"knorm+criticalkv"}
 
 @pytest.mark.parametrize("spec", sorted(REFERENCE_SETTINGS))
 def test_kept_sets_equal_kvpress(spec):
-    """With the reference convention, every layer and KV head keeps exactly the positions the press keeps (in layer 0
-    of the specs of :data:`TOKEN_TIES_IN_LAYER_0`, up to swapping copies of one token)."""
+    """With the reference convention, every layer and KV head keeps the positions the press keeps, up to scores tied
+    within float32 rounding (:func:`helpers.assert_equal_up_to_near_ties`; in layer 0 of the specs of
+    :data:`TOKEN_TIES_IN_LAYER_0`, up to swapping copies of one token)."""
     record = fixture(spec)
     for prompt in record["prompts"]:
-        mine = kept_masks(spec, REFERENCE_SETTINGS[spec], prompt["ids"])
+        rankings: dict = {}
+        mine = kept_masks(spec, REFERENCE_SETTINGS[spec], prompt["ids"], rankings)
         for layer, (kept, packed) in enumerate(zip(mine, prompt["kept_masks"])):
             theirs = unpacked_mask(packed, kept.shape[0], record["length"])
             if layer == 0 and spec in TOKEN_TIES_IN_LAYER_0:
@@ -95,7 +100,7 @@ def test_kept_sets_equal_kvpress(spec):
                     only_mine, only_theirs = ids[kept[head] & ~theirs[head]], ids[theirs[head] & ~kept[head]]
                     assert torch.equal(only_mine.sort().values, only_theirs.sort().values), f"{spec} head {head}"
             else:
-                assert torch.equal(kept, theirs), f"{spec} layer {layer}"
+                helpers.assert_equal_up_to_near_ties(kept, theirs, rankings.get(layer, []), f"{spec} layer {layer}")
 
 
 def test_knorm_default_differs_from_kvpress_only_where_norms_tie():
@@ -126,8 +131,8 @@ QWEN3_SETTINGS = {"snapkv": {"window": 64}, "knorm": {"norm_bits": None}}
 
 @pytest.mark.parametrize("spec", sorted(QWEN3_SETTINGS))
 def test_kept_sets_equal_kvpress_on_qwen3(spec):
-    """On a tiny random Qwen3 (the same weights as the fixture's: their digest), every layer and KV head keeps exactly
-    the positions the press keeps."""
+    """On a tiny random Qwen3 (the same weights as the fixture's: their digest), every layer and KV head keeps the
+    positions the press keeps, up to scores tied within float32 rounding."""
     record = json.loads((FIXTURES / "tiny_qwen3" / f"{spec}.json").read_text())
     model = load_model(model_config("tiny_qwen3")).model
     assert weights_digest(model) == record["weights_sha256"]
@@ -135,9 +140,11 @@ def test_kept_sets_equal_kvpress_on_qwen3(spec):
         ids = prompt["ids"]
         engine = Engine(model, build_policy(spec, QWEN3_SETTINGS[spec]), record["kept"], "oneshot")
         cache = engine.new_cache(len(ids))
-        engine.prefill(cache, ids)
+        with helpers.recorded_rankings() as rankings:
+            engine.prefill(cache, ids)
         for layer, (kept, packed) in enumerate(zip(helpers.kept_masks(cache, len(ids)), prompt["kept_masks"])):
-            assert torch.equal(kept, unpacked_mask(packed, kept.shape[0], record["length"])), f"{spec} layer {layer}"
+            theirs = unpacked_mask(packed, kept.shape[0], record["length"])
+            helpers.assert_equal_up_to_near_ties(kept, theirs, rankings[layer], f"{spec} layer {layer}")
 
 
 @pytest.mark.parametrize("name", ["snapkv+chunkkv-k200", "snapkv+criticalkv-k200"])
@@ -149,31 +156,27 @@ def test_the_kvpress_profile_is_the_reference_settings(name):
 
 def test_decoding_compression_equals_kvpress():
     """Evicting while decoding (``engine.decode_evict``, every ``decode_interval`` tokens back to the budget) against
-    kvpress's ``PrefillDecodingPress`` over KNorm (``DecodingPress(target_size=128, compression_interval=16)``): the
-    same 40 greedy tokens and, after the last of two compressions and 8 tokens more, the same kept positions of the
-    prompt and the tokens in every layer and KV head (3 prompts), up to swapping copies of one token (the greedy
-    tokens repeat, and copies of a token tie in norm in layer 0 and nearly so where the repeats' states agree:
-    3 of 270 heads, one pair each)."""
+    kvpress's ``PrefillDecodingPress`` over KNorm (``DecodingPress(target_size=128, compression_interval=16)``), fed
+    the press's 40 greedy tokens: each is kvbench's greedy choice too, or within 0.1 % of its logit (a near-tie), and
+    after the last of two compressions and 8 tokens more every layer and KV head (3 prompts) keeps the press's
+    positions up to scores within 0.2 % of each other. Copies of a token tie in norm in layer 0 (up to RoPE's
+    rounding), and each CPU breaks the ties its own way; a copy swapped there moves what later layers attend a
+    little (0.09 % of a norm at most, measured on a CPU other than the fixture's)."""
     record = fixture("knorm-decoding")
     kept, interval, steps = record["kept"], record["interval"], record["steps"]
     model = load_model(model_config("smollm2_135m")).model
     policy = build_policy("knorm", {"norm_bits": None})
     engine = Engine(model, policy, kept, "oneshot", decode_evict=True, decode_interval=interval)
-    swaps = 0
     for prompt in record["prompts"]:
-        ids, tokens = prompt["ids"], []
+        ids, generated = prompt["ids"], prompt["generated"]
         cache = engine.new_cache(len(ids))
-        logits = engine.prefill(cache, ids)
-        for step in range(steps):
-            tokens.append(int(logits[0, -1].argmax()))
-            logits = engine.step(cache, tokens[-1:], len(ids) + step, evict=(step + 1) % interval == 0)
-        assert tokens == prompt["generated"]
+        with helpers.recorded_rankings() as rankings:
+            logits = engine.prefill(cache, ids)
+            for step, token in enumerate(generated[:steps]):
+                last = logits[0, -1]  # [V]
+                assert float(last.max() - last[token]) <= 1e-3 * float(last.max().abs()), f"step {step}"
+                logits = engine.step(cache, [token], len(ids) + step, evict=(step + 1) % interval == 0)
         length = len(ids) + steps
-        sequence = torch.tensor(ids + tokens)
-        for ours, theirs in zip(helpers.kept_masks(cache, length), prompt["kept_masks"]):
+        for layer, (ours, theirs) in enumerate(zip(helpers.kept_masks(cache, length), prompt["kept_masks"])):
             theirs = unpacked_mask(theirs, ours.shape[0], length)
-            for head in range(ours.shape[0]):  # the same tokens kept, at most one copy swapped for another
-                assert sequence[ours[head]].sort().values.equal(sequence[theirs[head]].sort().values)
-                assert int((ours[head] ^ theirs[head]).sum()) <= 2
-            swaps += int((ours ^ theirs).any(-1).sum())
-    assert swaps <= 3
+            helpers.assert_equal_up_to_near_ties(ours, theirs, rankings[layer], f"layer {layer}", rtol=2e-3)

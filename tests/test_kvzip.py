@@ -197,9 +197,9 @@ def test_kvzip_outside_its_definition_is_one_line(tmp_path, capsys, overrides, m
 @pytest.mark.model
 def test_kvzip_scores_and_shares_equal_kvpress(received):
     """kvpress's ``KVzipPress`` on SmolLM2 float32 (three 512-token contexts, the chat template's user prefix first,
-    chunks of 200): kvbench's reconstruction statistic equals its scores on every layer and KV head, and the top 128
-    slots per layer and head on average fall in each layer as in kvpress (KVzipPress is head-wise: its kept sets are
-    [headwise]'s; kvbench keeps each layer's count over its heads, rounded)."""
+    chunks of 200): kvbench's reconstruction statistic equals its scores within float32 rounding on every layer and
+    KV head, and the top 128 slots per layer and head on average fall in each layer as in kvpress (KVzipPress is
+    head-wise: its kept sets are [headwise]'s; kvbench keeps each layer's count over its heads, rounded)."""
     if not FIXTURE.exists():
         pytest.skip("no kvpress fixture")
     from kvbench.engine.engine import Engine
@@ -218,7 +218,8 @@ def test_kvzip_scores_and_shares_equal_kvpress(received):
         ours = torch.stack([layer[0] for layer in received[number]])  # [L,Hkv,T]
         if "scores" in prompt:  # the first prompt's
             theirs = np.frombuffer(base64.b64decode(prompt["scores"]), dtype=np.float32).reshape(ours.shape)
-            torch.testing.assert_close(ours, torch.from_numpy(theirs.copy()), rtol=0, atol=1e-6)
+            # within float32 rounding: another CPU's matrix kernels round the last bits (1.8e-5 relative seen)
+            torch.testing.assert_close(ours, torch.from_numpy(theirs.copy()), rtol=1e-4, atol=1e-6)
         layers, heads = ours.shape[:2]
         assert kept_counts(received[number], record["kept"] * layers * heads, 4) == prompt["kept_per_layer"]
         total = record["kept"] * layers
