@@ -335,6 +335,34 @@ def test_a_shared_prefill_scores_a_base_once_for_the_modifiers_that_re_rank_it(m
     assert len(counted) == len(engines) * layers
 
 
+def test_a_shared_prefill_cuts_a_shared_score_into_chunks_once_whatever_the_budget(monkeypatch):
+    """ChunkKV over SnapKV and over TOVA, each at three budgets and in both countings, in one shared prefill: each
+    base's chunk scores and ranks within chunks (:meth:`ChunkKV.chunks`) made once a layer per base and counting,
+    only the chunks kept chosen per budget; after CriticalKV (which re-ranks by the budget) per variant; every
+    variant's tokens and kept sets equal its own run's, which cuts once a variant and layer."""
+    from kvbench.policies.methods.chunkkv import ChunkKV
+
+    model, prompt = tiny_model(), random_prompt(160)
+    counted: list[str] = []
+    chunks = ChunkKV.chunks
+    monkeypatch.setattr(ChunkKV, "chunks", lambda self, *args: counted.append(self.counting) or chunks(self, *args))
+    policies = [
+        build_policy(spec, {"counting": counting})
+        for spec in ("snapkv+chunkkv", "tova+chunkkv")
+        for counting in ("selectable", "kvpress")
+    ]
+    engines = [Engine(model, policy, budget, record_kept=True) for policy in policies for budget in (48, 64, 96)]
+    engines += [Engine(model, build_policy("snapkv+criticalkv+chunkkv"), budget) for budget in (48, 96)]
+    shared = generate_shared(engines, prompt, 2)
+    layers = model.config.num_hidden_layers
+    assert len(counted) == (len(policies) + 2) * layers and counted.count("kvpress") == 2 * layers
+    counted.clear()
+    alone = [engine.generate(prompt, 2) for engine in engines]
+    assert [output.token_ids for output in shared] == [output.token_ids for output in alone]
+    assert [output.kept for output in shared] == [output.kept for output in alone]
+    assert len(counted) == len(engines) * layers
+
+
 @pytest.mark.model
 def test_on_smollm2_one_shared_prefill_gives_what_each_variant_gives_alone():
     """The same over the registry on the offline SmolLM2 (float32, a 256-token text prompt, budget 64), the variants

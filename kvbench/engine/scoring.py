@@ -7,7 +7,7 @@ selection :mod:`kvbench.engine.selection`, the cache that evicts by them :mod:`k
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -212,7 +212,8 @@ class Scorer:
             return self.policy.score(self.context(layer_idx, budget, forward, scaling, shared))
 
         base = memoised(shared.entries, key, score)
-        return self.policy.ranking(self.context(layer_idx, budget, forward, scaling, shared, summing=False), base)
+        context = self.context(layer_idx, budget, forward, scaling, shared, summing=False)
+        return self.policy.ranking(replace(context, score_key=key), base)
 
     def context(
         self,

@@ -23,7 +23,7 @@ The contract with the cache is small: a policy declares once which attention sta
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -312,6 +312,8 @@ class Policy(Registered):
         for modifier in self.modifiers:
             if modifier.transforms:
                 scores = modifier.transform(scores, context)
+                if context.score_key is not None:  # the next re-ranks a re-ranked score
+                    context = replace(context, score_key=None)
         return self.share_heads(scores)
 
     def reduce_queries(self, parts: Iterable[torch.Tensor], tokens: int) -> torch.Tensor:

@@ -73,7 +73,9 @@ class ScoreContext:
     * ``shared``: where the variants of a shared prefill score the same entries, what they computed from the entries
       alone (:meth:`once`), else None;
     * ``next_position``: the position the next token takes (the tokens the forwards declared, counted on the host),
-      or None: one past the newest cached position; ``layer`` the layer's index.
+      or None: one past the newest cached position; ``layer`` the layer's index;
+    * ``score_key``: where the base's score is shared by a shared prefill's variants (and no modifier re-ranked it
+      yet), the key it is shared under, else None (:meth:`of_score`).
     """
 
     keys: torch.Tensor
@@ -88,11 +90,20 @@ class ScoreContext:
     shared: dict[Hashable, Any] | None = None
     next_position: int | None = None
     layer: int = 0
+    score_key: Hashable | None = None
 
     def once(self, name: Hashable, compute: Callable[[], T]) -> T:
         """``compute()``, a function of the entries and the layer's weights alone (not of the budget or the
         statistic): in a shared prefill computed by the first variant that asks for ``name``, then read by the rest."""
         return compute() if self.shared is None else memoised(self.shared, name, compute)
+
+    def of_score(self, name: Hashable, compute: Callable[[], T]) -> T:
+        """``compute()``, a function of the entries and of the score a modifier re-ranks alone (not of the budget):
+        where that score is a shared prefill's shared base score (``score_key``), computed by the first variant that
+        asks for ``name``, then read by the rest."""
+        if self.shared is None or self.score_key is None:
+            return compute()
+        return memoised(self.shared, (self.score_key, name), compute)
 
 
 def take_slots(index: torch.Tensor, *entries: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.domains import choice, integer, setting
+from kvbench.kernels.decode import counting
 from kvbench.policies.base import COUNTINGS, Modifier
 from kvbench.policies.context import ScoreContext
 from kvbench.policies.registry import register
@@ -36,30 +37,41 @@ class ChunkKV(Modifier):
 
     def transform(self, scores: torch.Tensor, context: ScoreContext) -> torch.Tensor:
         tokens, length = scores.shape[-1], self.chunk_length
-        reserved = context.sinks + context.recent
         if self.counting == "kvpress":  # every slot, the reserved above all (kvpress: scores.max() + 1)
             start, end, kept = 0, tokens, context.budget
-            top = scores[..., context.sinks : tokens - context.recent].max() + 1
-            slot = torch.arange(tokens, device=scores.device)
-            scores = scores.masked_fill((slot < context.sinks) | (slot >= tokens - context.recent), float(top))
         else:
-            start, end, kept = context.sinks, tokens - context.recent, context.budget - reserved
+            start, end, kept = context.sinks, tokens - context.recent, context.budget - context.sinks - context.recent
         span = end - start
         if span // length == 0 or kept <= 0:  # no whole chunk: the base's selection (kvpress: the press's compress)
             return self.base_selection(scores, context)
+        key = self.name, length, self.counting, context.sinks, context.recent
+        chunk_scores, slot_rank = context.of_score(key, lambda: self.chunks(scores, context, start, end))
+        chunks = chunk_scores.shape[-1]
+        count = max(1, int(chunks * (1 - (1 - kept / span))))  # kvpress: int(chunks * (1 - compression_ratio))
+        chosen = chunk_scores.topk(count, dim=-1).indices  # [B,K]
+        chunk_rank = torch.full_like(chunk_scores, -torch.inf).scatter(
+            -1, chosen, descending_ranks(count, scores.device).expand_as(chosen)
+        )  # [B,C]: the best chunk highest, the unchosen -inf
+        ranking = (chunk_rank[..., None] * length + slot_rank).flatten(1)[:, :span]  # [B,S]
+        full = F.pad(ranking, (start, tokens - end), value=torch.inf)  # [B,T]: reserved slots kept anyway
+        return full[:, None].expand_as(scores)
+
+    def chunks(
+        self, scores: torch.Tensor, context: ScoreContext, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the layer's selection reads of ``scores [B,Hc,T]`` whatever the budget: each chunk's mean score
+        ``[B,C]`` and each slot's rank within its chunk ``[B,C,L]``."""
+        tokens, length, span = scores.shape[-1], self.chunk_length, end - start
+        if self.counting == "kvpress":
+            top = scores[..., context.sinks : tokens - context.recent].max() + 1
+            slot = counting(tokens, scores.device)
+            scores = scores.masked_fill((slot < context.sinks) | (slot >= tokens - context.recent), float(top))
         layer = scores[..., start:end].float().sum(dim=1)  # [B,S]: one selection per layer
         chunks = -(-span // length)
         padded = F.pad(layer, (0, chunks * length - span)).view(-1, chunks, length)  # [B,C,L]
         chunk_scores = padded.sum(dim=-1) / chunk_sizes(span, length, layer.device)  # [B,C]
-        count = max(1, int(chunks * (1 - (1 - kept / span))))  # kvpress: int(chunks * (1 - compression_ratio))
-        chosen = chunk_scores.topk(count, dim=-1).indices  # [B,K]
-        chunk_rank = torch.full_like(chunk_scores, -torch.inf).scatter(
-            -1, chosen, descending_ranks(count, layer.device).expand_as(chosen)
-        )  # [B,C]: the best chunk highest, the unchosen -inf
         slot_rank = padded.nan_to_num(0.0, torch.inf, -torch.inf).argsort(dim=-1).argsort(dim=-1)  # [B,C,L]
-        ranking = (chunk_rank[..., None] * length + slot_rank).flatten(1)[:, :span]  # [B,S]
-        full = F.pad(ranking, (start, tokens - end), value=torch.inf)  # [B,T]: reserved slots kept anyway
-        return full[:, None].expand_as(scores)
+        return chunk_scores, slot_rank
 
     @staticmethod
     def base_selection(scores: torch.Tensor, context: ScoreContext) -> torch.Tensor:
