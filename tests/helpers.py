@@ -300,3 +300,43 @@ def assert_equal_up_to_near_ties(
         assert bool(values.isfinite().all()), f"{label} head {head}: a differing position was never ranked"
         spread, scale = float(values.max() - values.min()), float(values.abs().max())
         assert spread <= rtol * scale, f"{label} head {head}: kept sets differ by {spread:.3g} at {scale:.3g}"
+
+
+@contextmanager
+def rankings_by_policy():
+    """Every ranking the caches' scorers make while in the block, in order, by policy: ``{id(policy): [(layer,
+    positions [B,Hc,T], ranking [B,Hc,T]), ...]}`` (what :func:`assert_diverged_at_a_near_tie` reads)."""
+    from unittest import mock
+
+    from kvbench.engine.scoring import Scorer
+
+    rankings: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    ranked = Scorer.shared_scores
+
+    def recording(scorer, layer_idx, *args):
+        ranking = ranked(scorer, layer_idx, *args)
+        made = layer_idx, scorer.layers[layer_idx].positions.clone(), ranking.float().clone()
+        rankings.setdefault(id(scorer.policy), []).append(made)
+        return ranking
+
+    with mock.patch.object(Scorer, "shared_scores", recording):
+        yield rankings
+
+
+def assert_diverged_at_a_near_tie(one: list, other: list, label: str, rtol: float = 1e-4) -> None:
+    """Two runs of one variant whose outputs differ (``one``/``other``: its rankings, :func:`rankings_by_policy`) ranked
+    the same slots alike within ``rtol`` of each ranking's scale up to the first ranking of slots that differ: what
+    they kept could differ only at scores tied within their rounding (a row's matrix products over a block of rows
+    round in the last float32 bits, and KNorm's 16-bit norm one float32 step from a rounding boundary rounds either
+    way)."""
+    for (layer, positions, ranking), (other_layer, other_positions, other_ranking) in zip(one, other):
+        assert layer == other_layer, label
+        if not torch.equal(positions, other_positions):
+            return  # an eviction before kept other slots, from rankings alike within rtol: a near-tie
+        finite = ranking.isfinite()
+        assert torch.equal(finite, other_ranking.isfinite()), label
+        assert torch.equal(ranking[~finite], other_ranking[~finite]), label
+        if bool(finite.any()):
+            spread = float((ranking[finite] - other_ranking[finite]).abs().max())
+            assert spread <= rtol * float(ranking[finite].abs().max()), f"{label}: layer {layer} ranked apart"
+    raise AssertionError(f"{label}: the outputs differ, every ranking alike")

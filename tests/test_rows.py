@@ -18,8 +18,10 @@ from kvbench.policies import build_policy
 from tests.helpers import (
     ARCHITECTURES,
     VARIANTS,
+    assert_diverged_at_a_near_tie,
     assert_shared_gives_each_alone,
     random_prompt,
+    rankings_by_policy,
     registry_engines,
     tiny_model,
 )
@@ -472,19 +474,25 @@ def test_variants_streaming_a_text_as_rows_give_the_nlls_of_each_alone(architect
     """Every base × {none, each applicable modifier} in the oneshot, chunked and streaming regimes scoring one text
     (a 40-token context, then 40 tokens evicting as they decode), 16 rows at a time in lockstep: each variant's NLLs
     equal its own :meth:`Engine.perplexity`'s to 1e-5 (relative: a row's matrix products over a block of several rows
-    round in the last float32 bits), its cache sizes and policy statistics exactly."""
+    round in the last float32 bits), its cache sizes and policy statistics exactly; or, where a variant's differ, its
+    rankings were alike within 1e-4 until an eviction kept other slots (a near-tie: KNorm+SLAKE streaming on Phi-3
+    on an AVX-512 CPU, a 16-bit norm rounded one step apart)."""
     model = tiny_model(architecture)
     text = random_prompt(80)
     cases = [(32, regime, {}) for regime in ("oneshot", "chunked", "streaming")]
     engines, _ = registry_engines(model, cases, 40, (False,), decode_evict=True, block_size=16)
     assert len(engines) > 16 and {engine.regime for engine in engines} == {"oneshot", "chunked", "streaming"}
-    alone = [engine.perplexity(text, 40) for engine in engines]
-    rows = perplexity_rows(engines, text, 40, batch_size=16)
+    with rankings_by_policy() as ranked_alone:
+        alone = [engine.perplexity(text, 40) for engine in engines]
+    with rankings_by_policy() as ranked_rows:
+        rows = perplexity_rows(engines, text, 40, batch_size=16)
     for engine, one, other in zip(engines, alone, rows):
         label = f"{engine.policy.spec} {engine.regime}"
         assert len(other.nlls) == len(one.nlls) == len(text) - 40, label
-        assert max(abs(a - b) / max(1.0, abs(a)) for a, b in zip(one.nlls, other.nlls)) <= 1e-5, label
-        assert (other.kv, other.policy_stats) == (one.kv, one.policy_stats), label
+        apart = max(abs(a - b) / max(1.0, abs(a)) for a, b in zip(one.nlls, other.nlls))
+        if apart > 1e-5 or (other.kv, other.policy_stats) != (one.kv, one.policy_stats):
+            ranked = id(engine.policy)
+            assert_diverged_at_a_near_tie(ranked_alone.get(ranked, []), ranked_rows.get(ranked, []), label)
 
 
 @pytest.mark.parametrize("version", ["v2", "v1"])
