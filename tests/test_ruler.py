@@ -16,7 +16,7 @@ from kvbench.errors import KVBenchError
 from kvbench.metrics.ruler import string_match_all, string_match_part
 from kvbench.run.lifecycle import samples_within_window
 from kvbench.tasks.base import ModelInfo
-from kvbench.tasks.ruler import RulerTask
+from kvbench.tasks.ruler import RulerTask, _largest_fitting
 from kvbench.tasks.ruler_generators import NOISE
 
 NIAH = [
@@ -491,3 +491,24 @@ def test_kvbench_run_scores_official_files_with_their_answers(tmp_path, model):
         expected = official_string_match_all([p["prediction"] for p in mine], [p["answers"] for p in mine])
         assert metrics["scores"][subtask] == pytest.approx(expected)
     assert metrics["num_samples"] == 3 and metrics["task"] == "ruler"
+
+
+@pytest.mark.parametrize(
+    ("base", "rate", "budget"),
+    [(367, 90, 384), (367, 90, 456), (367, 90, 5000), (100, 1, 1124), (100, 3, 99_000), (10, 0, 50), (50, 7, 51)],
+)
+def test_the_haystack_search_finds_the_largest_that_fits_in_a_few_tries(base, rate, budget):
+    """The largest haystack size whose prompt fits the budget, as a scan over every size finds it (lengths growing
+    with the size, in steps of ``rate`` with a wobble), in at most 20 tokenised tries; where one size more than the
+    smallest overflows the budget (a budget just above the bare prompt), in 3 — not a descent from the limit."""
+    limit = 1024
+    lengths = [base + rate * size + (size * 7919) % 3 for size in range(limit + 1)]
+    tried: list[int] = []
+
+    def length(size: int) -> int:
+        tried.append(size)
+        return lengths[size]
+
+    found = _largest_fitting(length, budget, 0, limit)
+    assert found == max(size for size in range(limit + 1) if lengths[size] <= budget)
+    assert len(set(tried)) <= (3 if lengths[1] > budget else 20), tried

@@ -83,8 +83,10 @@ def _largest_fitting(length: Callable[[int], int], budget: int, low: int, limit:
     """Largest ``n`` in ``[low, limit]`` with ``length(n) <= budget``, given that ``low`` fits and that
     lengths grow about linearly with ``n``: secant estimates, doubling steps away from them, bisection."""
     guess = min(low + 16, limit)
-    for _ in range(2):  # two secant steps on the token count
-        rate = max((length(guess) - length(low)) / max(guess - low, 1), 1e-3)
+    for _ in range(2):  # two secant steps on the token count (none from a guess of ``low``: no slope)
+        if guess == low:
+            break
+        rate = max((length(guess) - length(low)) / (guess - low), 1e-3)
         guess = min(limit, low + int((budget - length(low)) / rate))
     step = max(1, (guess - low) // 256)
     if length(guess) <= budget:
@@ -359,8 +361,8 @@ class RulerTask(Task):
         def length(size: int) -> int:
             if size not in tried:
                 examples = spec.build_questions(random.Random(seed), size, self, count)
-                tried[size] = [Generated(prompt, *self.render(prompt), size) for prompt in examples]
-            return max(len(example.input_ids) for example in tried[size])
+                tried[size] = [(prompt, *self.encode(prompt)) for prompt in examples]
+            return max(len(ids) for _, ids, _ in tried[size])
 
         if length(spec.min_size) > budget:
             raise KVBenchError(
@@ -368,10 +370,12 @@ class RulerTask(Task):
                 f"{length(spec.min_size)} tokens without haystack plus {spec.tokens_to_generate} to generate; "
                 "raise task.context_length"
             )
-        return tried[_largest_fitting(length, budget, spec.min_size, 2 * self.context_length)]
+        size = _largest_fitting(length, budget, spec.min_size, 2 * self.context_length)
+        decode = self.model.tokenizer.decode  # the text of the size chosen only: a search tries about 13
+        return [Generated(prompt, decode(ids), ids, start, size) for prompt, ids, start in tried[size]]
 
-    def render(self, prompt: Example) -> tuple[str, list[int], int | None]:
-        """The text the model reads (template, answer prefix but for ``kvcache_factory``), its token ids and, with
+    def encode(self, prompt: Example) -> tuple[list[int], int | None]:
+        """The token ids the model reads (template, answer prefix but for ``kvcache_factory``) and, with
         ``task.query_mode=agnostic``, where its question starts in them.
 
         The worked examples (cwe, vt) precede the task text, as RULER writes them; ``hf_chat`` makes them
@@ -385,10 +389,8 @@ class RulerTask(Task):
                 messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant.strip()}]
             messages.append({"role": "user", "content": prompt.text})
         if self.agnostic:
-            ids, question_start = self.model.prompt_split(self.template, text, prompt.question, prefix, messages)
-            return self.model.tokenizer.decode(ids), ids, question_start
-        ids = self.model.prompt_ids(self.template, text, prefix, messages)
-        return self.model.tokenizer.decode(ids), ids, None
+            return self.model.prompt_split(self.template, text, prompt.question, prefix, messages)
+        return self.model.prompt_ids(self.template, text, prefix, messages), None
 
     def score(self, sample: Sample, prediction: str) -> float:
         """The subtask's RULER metric (string_match_all; qa: string_match_part), 0-1."""
