@@ -356,7 +356,7 @@ class RulerTask(Task):
         spec = SUBTASKS[subtask]
         budget = self.context_length - spec.tokens_to_generate
         seed = f"{self.settings.seed}:{subtask}:{context}"
-        tried: dict[int, list[Generated]] = {}
+        tried: dict[int, list[tuple[Example, list[int], int | None]]] = {}  # size → (example, ids, question start)
 
         def length(size: int) -> int:
             if size not in tried:
