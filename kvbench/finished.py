@@ -8,9 +8,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
-from kvbench import config_dict
 from kvbench.errors import KVBenchError
 from kvbench.identity import TABLE_IDENTITY
 from kvbench.rundir import RunDir, run_dirs_below
@@ -35,9 +32,7 @@ class Run:
 
     @cached_property
     def config(self) -> dict[str, Any]:
-        if not self.run_dir.config_path.exists():
-            return {}
-        return config_dict(OmegaConf.load(self.run_dir.config_path))
+        return self.run_dir.saved_config() or {}
 
     @cached_property
     def records(self) -> list[dict[str, Any]]:

@@ -23,8 +23,9 @@ from typing import Any, ClassVar
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf._utils import get_yaml_loader
 
-from kvbench import config_dict, file_name
+from kvbench import file_name
 from kvbench.errors import KVBenchError, system_error
 from kvbench.identity import identity_differences, run_digest
 from kvbench.packed import PACKED, unpacked
@@ -109,6 +110,7 @@ class RunDir:
         self.metrics_path = self.path / "metrics.json"
         self.lock_path = self.path / "run.lock"
         self.claimed = False  # whether this process has named itself in the held lock (claim)
+        self._saved: tuple[tuple[int, int], dict[str, Any]] | None = None  # config.yaml read, by its file's stamp
 
     @contextmanager
     def lock(self) -> Iterator[None]:
@@ -154,22 +156,27 @@ class RunDir:
             folder = folder.parent
 
     def saved_config(self) -> dict[str, Any] | None:
-        """``config.yaml`` as a plain dict, or None when there is none; a one-line error where it is not a YAML
-        mapping."""
+        """``config.yaml`` as a plain dict (read once while the file is unchanged: read only), or None when there is
+        none; a one-line error where it is not a YAML mapping."""
         if not self.config_path.exists():
             return None
-        try:
-            saved = OmegaConf.load(self.config_path)
+        stat = self.config_path.stat()
+        stamp = stat.st_mtime_ns, stat.st_size
+        if self._saved is not None and self._saved[0] == stamp:
+            return self._saved[1]
+        try:  # OmegaConf.load's own YAML reading, less the DictConfig it builds (a saved config is resolved)
+            saved = yaml.load(self.config_path.read_text(encoding="utf-8"), Loader=get_yaml_loader())
         except (yaml.YAMLError, UnicodeDecodeError) as error:
             reason = str(error).strip().splitlines()[0]
             raise KVBenchError(
                 f"{self.config_path} is not readable YAML ({reason}); move it aside, or run with resume=restart"
             ) from None
-        if not isinstance(saved, DictConfig):
+        if not isinstance(saved, dict):
             raise KVBenchError(
                 f"{self.config_path} is not a mapping of settings; move it aside, or run with resume=restart"
             )
-        return config_dict(saved)
+        self._saved = stamp, saved
+        return saved
 
     def holds_results(self) -> bool:
         """Whether any result file (config, predictions, metrics, kept sets) is in the directory."""

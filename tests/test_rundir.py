@@ -458,3 +458,23 @@ def test_an_experiments_policy_settings_reach_the_identity_through_the_policy():
     assert board.policy.layer_budget.alpha == 0.5 and board.policy.layer_budget.beta == 0.4  # its policy_settings
     settings = run_identity(OmegaConf.to_container(board, resolve=True))
     assert "policy_settings" not in settings and settings["policy"]["layer_budget"]["alpha"] == 0.5
+
+
+def test_a_saved_config_reads_as_omegaconf_reads_it_and_again_once_rewritten(tmp_path):
+    """``RunDir.saved_config`` (YAML read as OmegaConf reads it, no ``DictConfig`` built; read once while the file is
+    unchanged) gives what ``OmegaConf.load`` gives, for a job's settings with floats written as ``1e-05``, nulls,
+    lists, strings that look like numbers or booleans; a rewritten file is read again."""
+    from omegaconf import OmegaConf
+
+    from kvbench import config_dict
+    from kvbench.config import compose
+
+    settings = config_dict(compose(["model=tiny_llama", "policy=snapkv+criticalkv", "budget=64"]), resolve=True)
+    settings["extra"] = {"small": 1e-5, "none": None, "list": [1, "2", 3.5], "yes": "yes", "digits": "007"}
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.write_config(settings)
+    assert run_dir.saved_config() == config_dict(OmegaConf.load(run_dir.config_path)) == settings
+    assert run_dir.saved_config() is run_dir.saved_config()  # read once
+    settings["extra"]["small"] = 2.5e-7
+    run_dir.write_config(settings)
+    assert run_dir.saved_config()["extra"]["small"] == 2.5e-7
