@@ -482,17 +482,23 @@ def test_variants_streaming_a_text_as_rows_give_the_nlls_of_each_alone(architect
     cases = [(32, regime, {}) for regime in ("oneshot", "chunked", "streaming")]
     engines, _ = registry_engines(model, cases, 40, (False,), decode_evict=True, block_size=16)
     assert len(engines) > 16 and {engine.regime for engine in engines} == {"oneshot", "chunked", "streaming"}
-    with rankings_by_policy() as ranked_alone:
-        alone = [engine.perplexity(text, 40) for engine in engines]
-    with rankings_by_policy() as ranked_rows:
-        rows = perplexity_rows(engines, text, 40, batch_size=16)
+    alone = [engine.perplexity(text, 40) for engine in engines]
+    rows = perplexity_rows(engines, text, 40, batch_size=16)
+    differing = []
     for engine, one, other in zip(engines, alone, rows):
-        label = f"{engine.policy.spec} {engine.regime}"
-        assert len(other.nlls) == len(one.nlls) == len(text) - 40, label
+        assert len(other.nlls) == len(one.nlls) == len(text) - 40, engine.policy.spec
         apart = max(abs(a - b) / max(1.0, abs(a)) for a, b in zip(one.nlls, other.nlls))
         if apart > 1e-5 or (other.kv, other.policy_stats) != (one.kv, one.policy_stats):
-            ranked = id(engine.policy)
-            assert_diverged_at_a_near_tie(ranked_alone.get(ranked, []), ranked_rows.get(ranked, []), label)
+            differing.append(engine)
+    if differing:  # run again (the same computation), their rankings recorded
+        with rankings_by_policy() as ranked_alone:
+            for engine in differing:
+                engine.perplexity(text, 40)
+        with rankings_by_policy() as ranked_rows:
+            perplexity_rows(engines, text, 40, batch_size=16)
+    for engine in differing:
+        ranked, label = id(engine.policy), f"{engine.policy.spec} {engine.regime}"
+        assert_diverged_at_a_near_tie(ranked_alone.get(ranked, []), ranked_rows.get(ranked, []), label)
 
 
 @pytest.mark.parametrize("version", ["v2", "v1"])
