@@ -251,6 +251,7 @@ class RunDir:
         """``config.yaml``: a job's resolved settings."""
         self.path.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(OmegaConf.create(dict(settings)), self.config_path, resolve=True)
+        self._saved = None  # read again: a rewrite within the clock's tick may keep the file's stamp
 
     def records(self, fields: tuple[str, ...] = ()) -> list[dict[str, Any]]:
         """Finished samples, one per id (the first line written for it), in the order written; a line cut short

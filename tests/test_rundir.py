@@ -478,3 +478,8 @@ def test_a_saved_config_reads_as_omegaconf_reads_it_and_again_once_rewritten(tmp
     settings["extra"]["small"] = 2.5e-7
     run_dir.write_config(settings)
     assert run_dir.saved_config()["extra"]["small"] == 2.5e-7
+    stamp = os.stat(run_dir.config_path).st_mtime_ns
+    settings["extra"]["small"] = 7.5e-7  # as long, its stamp kept: written here, read again all the same
+    run_dir.write_config(settings)
+    os.utime(run_dir.config_path, ns=(stamp, stamp))
+    assert run_dir.saved_config()["extra"]["small"] == 7.5e-7
