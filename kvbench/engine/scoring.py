@@ -7,7 +7,7 @@ selection :mod:`kvbench.engine.selection`, the cache that evicts by them :mod:`k
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -48,8 +48,12 @@ def sums_key(policy: Policy) -> str | None:
     settings (not its budget, nor how its layers share it) and its re-weighting modifier (CAOTE, CaliDrop or SLAKE
     over H2O add H2O's), where the cache sums from the normaliser (:func:`uses_normaliser`);
     None elsewhere."""
-    if not uses_normaliser(policy):
-        return None
+    return statistic_key(policy) if uses_normaliser(policy) else None
+
+
+def statistic_key(policy: Policy) -> str:
+    """What ``policy``'s statistic and base score depend on of its settings: the base's (not how its layers share the
+    budget) and its re-weighting modifier's (OBCache changes the statistic itself)."""
     reweighting = [] if policy.reweighting is None else [policy.reweighting]
     return settings_key(policy, *reweighting, without=("layer_budget",))
 
@@ -182,10 +186,7 @@ class Scorer:
         modifiers (a modifier changes the base's score only by re-weighting its statistic), so that one base's
         variants (alone, under ChunkKV, CriticalKV or CAOTE, at any budget) score it once; None where the base reads
         the budget or budget-dependent running sums."""
-        policy = self.policy
-        reweighting = [] if policy.reweighting is None else [policy.reweighting]
-        identity = "score", settings_key(policy, *reweighting, without=("layer_budget",))
-        return self._shared_key(identity, policy.reads_budget, budget, forward)
+        return self._shared_key(("score", statistic_key(self.policy)), self.policy.reads_budget, budget, forward)
 
     def _shared_key(self, identity: Hashable, reads_budget: bool, budget: int, forward: Forward) -> tuple | None:
         """``identity`` with the reserved window, the scoring window and the sinks at ``budget``: a key under which a
@@ -212,8 +213,7 @@ class Scorer:
             return self.policy.score(self.context(layer_idx, budget, forward, scaling, shared))
 
         base = memoised(shared.entries, key, score)
-        context = self.context(layer_idx, budget, forward, scaling, shared, summing=False)
-        return self.policy.ranking(replace(context, score_key=key), base)
+        return self.policy.ranking(self.context(layer_idx, budget, forward, scaling, shared, key), base)
 
     def context(
         self,
@@ -222,17 +222,17 @@ class Scorer:
         forward: Forward,
         scaling: float = 1.0,
         shared: SharedForward | None = None,
-        summing: bool = True,
+        score_key: Hashable | None = None,
     ) -> ScoreContext:
         """What the policy ranks the layer's slots from for ``budget`` (its declared statistic gathered; with
-        ``summing`` false, not summed: where only the modifiers read the context)."""
+        ``score_key``, the key of the base score its shared prefill shares, not summed: only the modifiers read it)."""
         policy, layer = self.policy, self.layers[layer_idx]
         assert layer.positions is not None
         summed, window = None, None
         if policy.statistic in ("window", "queries"):
             size = policy.scoring_window(budget, self.prompt_len, forward.decoding)
             window = self.window(layer_idx, size, scaling, shared)
-            if policy.statistic == "window" and summing:
+            if policy.statistic == "window" and score_key is None:
                 summed = policy.summed_contributions(window, self.score_block)
         elif policy.running:
             assert layer.running_score is not None  # running policies evict only after scored forwards
@@ -255,4 +255,5 @@ class Scorer:
             None if shared is None else shared.entries,
             forward.seen,
             layer_idx,
+            score_key,
         )
