@@ -254,23 +254,34 @@ def local_data(variable: str, *shared: str) -> Path:
 
 
 @contextmanager
-def recorded_rankings():
-    """Each layer's rankings by its cache's scorer while in the block, oldest first: ``{layer: [(positions [Hc,T],
-    ranking [Hc,T]), ...]}`` of the batch's first row (what :func:`assert_equal_up_to_near_ties` reads)."""
+def _recording(record):
+    """Every ranking a cache's scorer makes while in the block, handed to ``record(scorer, layer_idx, ranking)``."""
     from unittest import mock
 
     from kvbench.engine.scoring import Scorer
 
-    rankings: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     ranked = Scorer.shared_scores
 
     def recording(scorer, layer_idx, *args):
         ranking = ranked(scorer, layer_idx, *args)
-        positions = scorer.layers[layer_idx].positions[0].clone()
-        rankings.setdefault(layer_idx, []).append((positions, ranking[0].float().clone()))
+        record(scorer, layer_idx, ranking)
         return ranking
 
     with mock.patch.object(Scorer, "shared_scores", recording):
+        yield
+
+
+@contextmanager
+def recorded_rankings():
+    """Each layer's rankings by its cache's scorer while in the block, oldest first: ``{layer: [(positions [Hc,T],
+    ranking [Hc,T]), ...]}`` of the batch's first row (what :func:`assert_equal_up_to_near_ties` reads)."""
+    rankings: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def record(scorer, layer_idx, ranking):
+        positions = scorer.layers[layer_idx].positions[0].clone()
+        rankings.setdefault(layer_idx, []).append((positions, ranking[0].float().clone()))
+
+    with _recording(record):
         yield rankings
 
 
@@ -306,20 +317,13 @@ def assert_equal_up_to_near_ties(
 def rankings_by_policy():
     """Every ranking the caches' scorers make while in the block, in order, by policy: ``{id(policy): [(layer,
     positions [B,Hc,T], ranking [B,Hc,T]), ...]}`` (what :func:`assert_diverged_at_a_near_tie` reads)."""
-    from unittest import mock
-
-    from kvbench.engine.scoring import Scorer
-
     rankings: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
-    ranked = Scorer.shared_scores
 
-    def recording(scorer, layer_idx, *args):
-        ranking = ranked(scorer, layer_idx, *args)
+    def record(scorer, layer_idx, ranking):
         made = layer_idx, scorer.layers[layer_idx].positions.clone(), ranking.float().clone()
         rankings.setdefault(id(scorer.policy), []).append(made)
-        return ranking
 
-    with mock.patch.object(Scorer, "shared_scores", recording):
+    with _recording(record):
         yield rankings
 
 
