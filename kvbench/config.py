@@ -28,6 +28,16 @@ from kvbench.rundir import register_run_name
 
 register_run_name()  # conf/config.yaml's ${run_name:}
 
+
+def _the_one_store(store: ConfigStore, memo: dict) -> ConfigStore:
+    """``ConfigStore`` is a singleton and its nodes are copied when loaded (``ConfigStore.load``), yet Hydra 1.3
+    deep-copies it with the config repository at every composition (hydra#2928): each sweep job's composition then
+    copies every policy node the sweep registered, quadratic in the jobs. The store is shared instead."""
+    return store
+
+
+ConfigStore.__deepcopy__ = _the_one_store  # type: ignore[attr-defined]
+
 #: ``${policies:KIND[,TASKS[,MODE[,REGIME]]]}``'s TASKS: ``decoding`` (every modifier) or ``prefill`` (a task that
 #: decodes nothing); MODE: the sweep's ``task.query_mode``; REGIME: its ``engine.regime`` (``any``: defined in one)
 POLICY_TASKS = ("decoding", "prefill")

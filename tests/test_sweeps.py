@@ -254,6 +254,23 @@ def test_the_sweep_is_hydras_basic_product_and_other_sweeps_are_one_line():
         sweep_overrides(None, master)
 
 
+def test_a_composition_reads_the_one_config_store_and_what_was_registered_after_it():
+    """Hydra copies its config repository at each composition; the singleton ``ConfigStore`` in it is not copied
+    (kvbench.config: a copy of every registered policy node per sweep job), and a spec registered after a
+    composition is composed from the live store, its node not changed by the composition."""
+    import copy
+
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    assert copy.deepcopy(store) is store and copy.deepcopy({"store": store})["store"] is store
+    assert compose_run([*TINY, "policy=snapkv"]).policy.name == "snapkv"
+    spec = "snapkv+obcache_value+criticalkv"
+    cfg = compose_run([*TINY, f"policy={spec}", "policy.window=9"])
+    assert cfg.policy.name == spec and cfg.policy.window == 9
+    assert store.load(f"policy/{spec}.yaml").node.window != 9  # composition reads a copy of the node
+
+
 def test_a_sweep_jobs_overrides_typed_back_give_the_same_job(tmp_path):
     """A job's overrides as the sweep lists them (a budget in Hydra's quotes: ``budget='10pct'``), typed back as a
     sweep of that one job, give the same run directory and config (the bench runs a grid's full-cache job so)."""
