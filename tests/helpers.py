@@ -126,6 +126,27 @@ def checked_evictions(verdict):
 VARIANTS = [spec for base in BASES for spec in [base, *(f"{base}+{m}" for m in MODIFIERS if composable(base, m))]]
 
 
+#: the registry-wide tests over the seven architectures: every variant on the reference one (Llama); on the others
+#: every base alone and, of the variants with modifiers, a half on each of the two with sliding-window layers (Gemma 3,
+#: GPT-OSS) and a quarter on each dense GQA one, taken in turn over :data:`VARIANTS` (``(offset, every)``), so that
+#: each variant runs on Llama, on one sliding-window architecture and on one dense one (3 runs of each, not 7)
+ARCHITECTURE_SHARES = {
+    "llama": (0, 1),
+    "gemma3": (0, 2),
+    "gpt_oss": (1, 2),
+    "mistral": (0, 4),
+    "phi3": (1, 4),
+    "qwen2": (2, 4),
+    "qwen3": (3, 4),
+}
+
+
+def architecture_variants(architecture: str) -> list[str]:
+    """The registered variants the registry-wide tests run on ``architecture`` (:data:`ARCHITECTURE_SHARES`)."""
+    offset, every = ARCHITECTURE_SHARES[architecture]
+    return [spec for number, spec in enumerate(VARIANTS) if "+" not in spec or number % every == offset]
+
+
 #: a base's settings in the registry's tests where its defaults keep whole layers or heads (the invariants ask every
 #: layer and head to evict): SimLayerKV finds no layer lazy at 0.9 on a tiny random model, at 0 every one; DuoAttention
 #: streams every head at 1 (tests/test_simlayerkv.py, tests/test_duo_attention.py: both ends, and between them)
@@ -153,17 +174,18 @@ def registry_engines(
     prompt_len: int,
     contexts: tuple[bool, ...] = (False, True),
     decode_evict: bool = False,
+    variants: list[str] | None = None,
     **settings,
 ) -> tuple[list[Engine], list[str]]:
     """An :class:`Engine` (``settings``; the tiny models' tokenizer unless given; evicting while it decodes where
-    ``decode_evict``) for every registered variant (:data:`VARIANTS`) at each case ``(budget, regime, policy
-    params)``, and the cases left out, each named with its reason: those the policy declares it does not define (its
-    refusal under the regime for every one of ``contexts``, query-aware and query-agnostic, or evicting while it
-    decodes; a budget its reserved window fills), decided before anything runs, so that no case vanishes by an
-    error."""
+    ``decode_evict``) for every registered variant (:data:`VARIANTS`, or those of ``variants``) at each case
+    ``(budget, regime, policy params)``, and the cases left out, each named with its reason: those the policy declares
+    it does not define (its refusal under the regime for every one of ``contexts``, query-aware and query-agnostic,
+    or evicting while it decodes; a budget its reserved window fills), decided before anything runs, so that no case
+    vanishes by an error."""
     settings.setdefault("tokenizer", TOKENIZER)
     engines, left_out = [], []
-    for spec in VARIANTS:
+    for spec in VARIANTS if variants is None else variants:
         for budget, regime, params in cases:
             policy = registry_policy(spec, params)
             refusals = [policy.refusal(regime, context, decode_evict) for context in contexts]

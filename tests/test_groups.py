@@ -28,8 +28,10 @@ from kvbench.policies import build_policy
 from kvbench.run import run, run_group
 from kvbench.rundir import RunDir
 from tests.helpers import (
+    ARCHITECTURE_SHARES,
     ARCHITECTURES,
     VARIANTS,
+    architecture_variants,
     assert_shared_gives_each_alone,
     question_start,
     random_prompt,
@@ -224,16 +226,30 @@ def test_plan_counts_a_shared_prefill_once(capsys):
     assert f"prefills shared: {2 * one} tokens prefilled, not {12 * one}" in printed.err
 
 
+def test_the_architectures_share_the_registry_each_variant_on_three():
+    """The registry-wide tests' shares (:data:`ARCHITECTURE_SHARES`): every base alone on all seven architectures,
+    every variant with modifiers on Llama, on exactly one sliding-window architecture and on exactly one dense one."""
+    assert set(ARCHITECTURE_SHARES) == set(ARCHITECTURES)
+    sliding = {"gemma3", "gpt_oss"}
+    for spec in VARIANTS:
+        running = {architecture for architecture in ARCHITECTURES if spec in architecture_variants(architecture)}
+        if "+" not in spec:
+            assert running == set(ARCHITECTURES), spec
+        else:
+            assert "llama" in running and len(running & sliding) == 1 and len(running - sliding) == 2, spec
+
+
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_one_shared_prefill_gives_what_each_variant_gives_alone(architecture):
-    """Every base × {none, each applicable modifier} at two budgets, both head layouts, and the full cache (budget
-    ≥ the prompt), on one prompt: :func:`generate_shared` gives each variant the tokens, kept sets, cache sizes and
-    policy statistics of its own :meth:`Engine.generate` — the variants attended by the backend from one forward,
-    H2O's with sums from each query's normaliser among them."""
+    """Every base × {none, each applicable modifier} (the architecture's share: :func:`architecture_variants`) at two
+    budgets, both head layouts, and the full cache (budget ≥ the prompt), on one prompt: :func:`generate_shared` gives
+    each variant the tokens, kept sets, cache sizes and policy statistics of its own :meth:`Engine.generate` — the
+    variants attended by the backend from one forward, H2O's with sums from each query's normaliser among them."""
     model = tiny_model(architecture)
     prompt = random_prompt(160)
     cases = [(32, "oneshot", {}), (48, "oneshot", {}), (48, "oneshot", {"gqa": "repeat"})]
-    engines, _ = registry_engines(model, cases, len(prompt), record_kept=True)
+    variants = architecture_variants(architecture)
+    engines, _ = registry_engines(model, cases, len(prompt), record_kept=True, variants=variants)
     engines.append(Engine(model, build_policy("snapkv"), 512, record_kept=True))
     shared = assert_shared_gives_each_alone(engines, prompt, 6)
     caches = [engine.new_cache(len(prompt), question_start(engine, prompt) is not None) for engine in engines]

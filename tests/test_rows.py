@@ -18,6 +18,7 @@ from kvbench.policies import build_policy
 from tests.helpers import (
     ARCHITECTURES,
     VARIANTS,
+    architecture_variants,
     assert_diverged_at_a_near_tie,
     assert_shared_gives_each_alone,
     random_prompt,
@@ -38,15 +39,16 @@ from tests.helpers import (
     ],
 )
 def test_variants_decoded_as_rows_give_what_each_gives_alone(architecture, rows_attention):
-    """Every base × {none, each applicable modifier}, both head layouts, oneshot and chunked (which evicts at every
-    decode step), decoded 16 rows at a time after one shared prefill, each row attended alone or all the rows that
-    hold every key padded into one call per layer (``engine.rows_attention``): each variant's tokens, kept sets,
-    cache sizes and policy statistics equal its own :meth:`Engine.generate`'s (float32)."""
+    """Every base × {none, each applicable modifier} (the architecture's share: :func:`architecture_variants`), both
+    head layouts, oneshot and chunked (which evicts at every decode step), decoded 16 rows at a time after one shared
+    prefill, each row attended alone or all the rows that hold every key padded into one call per layer
+    (``engine.rows_attention``): each variant's tokens, kept sets, cache sizes and policy statistics equal its own
+    :meth:`Engine.generate`'s (float32)."""
     model = tiny_model(architecture)
     prompt = random_prompt(160)
     cases = [(32, "oneshot", {}), (48, "oneshot", {"gqa": "repeat"}), (48, "chunked", {})]
     settings = {"block_size": 64, "record_kept": True, "rows_attention": rows_attention}
-    engines, _ = registry_engines(model, cases, len(prompt), **settings)
+    engines, _ = registry_engines(model, cases, len(prompt), variants=architecture_variants(architecture), **settings)
     assert len(engines) > 16 and {engine.regime for engine in engines} == {"oneshot", "chunked"}
     assert_shared_gives_each_alone(engines, prompt, 8, batch_size=16)
 
@@ -471,16 +473,18 @@ def test_auto_batch_size_fits_the_free_memory(monkeypatch):
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_variants_streaming_a_text_as_rows_give_the_nlls_of_each_alone(architecture):
-    """Every base × {none, each applicable modifier} in the oneshot, chunked and streaming regimes scoring one text
-    (a 40-token context, then 40 tokens evicting as they decode), 16 rows at a time in lockstep: each variant's NLLs
-    equal its own :meth:`Engine.perplexity`'s to 1e-5 (relative: a row's matrix products over a block of several rows
-    round in the last float32 bits), its cache sizes and policy statistics exactly; or, where a variant's differ, its
-    rankings were alike within 1e-4 until an eviction kept other slots (a near-tie: KNorm+SLAKE streaming on Phi-3
-    on an AVX-512 CPU, a 16-bit norm rounded one step apart)."""
+    """Every base × {none, each applicable modifier} (the architecture's share: :func:`architecture_variants`) in the
+    oneshot, chunked and streaming regimes scoring one text (a 40-token context, then 40 tokens evicting as they
+    decode), 16 rows at a time in lockstep: each variant's NLLs equal its own :meth:`Engine.perplexity`'s to 1e-5
+    (relative: a row's matrix products over a block of several rows round in the last float32 bits), its cache sizes
+    and policy statistics exactly; or, where a variant's differ, its rankings were alike within 1e-4 until an eviction
+    kept other slots (a near-tie: KNorm+SLAKE streaming on Phi-3 on an AVX-512 CPU, a 16-bit norm rounded one step
+    apart)."""
     model = tiny_model(architecture)
     text = random_prompt(80)
     cases = [(32, regime, {}) for regime in ("oneshot", "chunked", "streaming")]
-    engines, _ = registry_engines(model, cases, 40, (False,), decode_evict=True, block_size=16)
+    variants = architecture_variants(architecture)
+    engines, _ = registry_engines(model, cases, 40, (False,), decode_evict=True, block_size=16, variants=variants)
     assert len(engines) > 16 and {engine.regime for engine in engines} == {"oneshot", "chunked", "streaming"}
     alone = [engine.perplexity(text, 40) for engine in engines]
     rows = perplexity_rows(engines, text, 40, batch_size=16)
