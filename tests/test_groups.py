@@ -40,7 +40,9 @@ from tests.helpers import (
 )
 from tests.test_plan import TINY as PLAN_TINY
 
-TINY = [*PLAN_TINY, "engine.save_kept=true"]  # two RULER samples on the tiny model
+#: two RULER samples on the tiny model, 16 new tokens each (RULER's NIAH asks 128: the random model stops at none, and
+#: a run's tokens after its prefill are what its kept sets decide from the first)
+TINY = [*PLAN_TINY, "engine.save_kept=true", "task.tokens_to_generate=16"]
 
 
 def outcome(directory: Path) -> dict[str, object]:
@@ -403,6 +405,7 @@ def test_a_shared_group_killed_part_way_finishes_every_sample_once(tmp_path):
     sample exactly once, the finished ones not redone, with the predictions of an uninterrupted sweep."""
     kvbench_command = str(Path(sys.executable).parent / "kvbench")
     sweep = ["run", "-m", *PLAN_TINY[:3], "task.context_length=768", "task.num_samples=40", "policy=snapkv,tova"]
+    sweep.append("task.tokens_to_generate=16")
     sweep.append("budget=64")
     sweep.append("hydra.sweeper.share_prefill=true")
 
@@ -441,6 +444,7 @@ def test_a_sweep_stopped_by_a_signal_says_so_in_one_line_and_the_same_command_fi
     that the same command resumes, exit 130 / 143; the same command then finishes every sample once."""
     kvbench_command = str(Path(sys.executable).parent / "kvbench")
     sweep = ["run", "-m", *PLAN_TINY[:3], "task.context_length=768", "task.num_samples=40", "policy=snapkv,tova"]
+    sweep.append("task.tokens_to_generate=16")
     sweep += ["budget=64", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     with (tmp_path / "stderr").open("w") as stderr:
