@@ -18,6 +18,7 @@ import socket
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -97,6 +98,32 @@ def held_back(signum: int) -> bool:
     return _Stops.held
 
 
+@cache
+def config_loader() -> type:
+    """OmegaConf's YAML loader (its float and path resolvers, no timestamps, a key twice refused) over libyaml's
+    scanner and parser where PyYAML has them: the pure-Python ones were a third of ``kvbench leaderboard`` over
+    the committed runs."""
+    ours = get_yaml_loader()
+    if not yaml.__with_libyaml__:
+        return ours
+
+    def construct_mapping(loader: Any, node: yaml.MappingNode, deep: bool = False) -> Any:
+        keys = [key.value for key, _ in node.value if key.tag == yaml.resolver.BaseResolver.DEFAULT_SCALAR_TAG]
+        if len(keys) != len(set(keys)):
+            twice = next(key for key in keys if keys.count(key) > 1)
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping", node.start_mark, f"found duplicate key {twice}"
+            )
+        return yaml.constructor.SafeConstructor.construct_mapping(loader, node, deep=deep)
+
+    namespace = {
+        "construct_mapping": construct_mapping,
+        "yaml_implicit_resolvers": ours.yaml_implicit_resolvers,
+        "yaml_constructors": ours.yaml_constructors,
+    }
+    return type("ConfigLoader", (yaml.CSafeLoader,), namespace)
+
+
 class RunDir:
     """Reads and writes one run's files; predictions are appended and flushed as each sample finishes."""
 
@@ -165,7 +192,7 @@ class RunDir:
         if self._saved is not None and self._saved[0] == stamp:
             return self._saved[1]
         try:  # OmegaConf.load's own YAML reading, less the DictConfig it builds (a saved config is resolved)
-            saved = yaml.load(self.config_path.read_text(encoding="utf-8"), Loader=get_yaml_loader())
+            saved = yaml.load(self.config_path.read_text(encoding="utf-8"), Loader=config_loader())
         except (yaml.YAMLError, UnicodeDecodeError) as error:
             reason = str(error).strip().splitlines()[0]
             raise KVBenchError(

@@ -131,7 +131,7 @@ def test_a_killed_run_resumes_without_losing_or_repeating_a_sample(tmp_path):
     sample cut short (if any) and writes each id once."""
     out = tmp_path / "run"
     args = ["run", "model=tiny_llama", *RULER[:-1], "task.num_samples=40", "task.context_length=640"]
-    args += ["policy=h2o", "budget=64", f"output_dir={out}"]
+    args += ["task.tokens_to_generate=32", "policy=h2o", "budget=64", f"output_dir={out}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-c", "import sys; from kvbench.cli import main; main(sys.argv[1:])", *args]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -483,3 +483,31 @@ def test_a_saved_config_reads_as_omegaconf_reads_it_and_again_once_rewritten(tmp
     run_dir.write_config(settings)
     os.utime(run_dir.config_path, ns=(stamp, stamp))
     assert run_dir.saved_config()["extra"]["small"] == 7.5e-7
+
+
+def test_the_config_loader_reads_every_committed_config_as_omegaconfs_loader_does():
+    """:func:`~kvbench.rundir.config_loader` (libyaml's parser, OmegaConf's resolvers) gives what OmegaConf's own
+    YAML loader gives for every config committed (the packed runs' and conf/'s) and for the cases the resolvers
+    decide: ``1e-5`` a float, a date a string, a path; a key twice is refused by both."""
+    import tarfile
+
+    import yaml
+    from omegaconf._utils import get_yaml_loader
+
+    from kvbench import CONF_DIR, PROJECT_ROOT
+    from kvbench.rundir import config_loader
+
+    assert not yaml.__with_libyaml__ or issubclass(config_loader(), yaml.CSafeLoader)
+    texts = [path.read_text() for path in CONF_DIR.rglob("*.yaml")]
+    for pack in (PROJECT_ROOT / "results").rglob("*.tar.xz"):
+        with tarfile.open(pack) as packed:
+            members = [member for member in packed.getmembers() if member.name.endswith("config.yaml")]
+            texts += [packed.extractfile(member).read().decode() for member in members]  # type: ignore[union-attr]
+    texts.append("x: 1e-5\ny: 2026-11-30\nz: .5\nw: 1_000\np: !!python/object/apply:pathlib.Path ['a', 'b']\n")
+    assert len(texts) > 500
+    for text in texts:
+        theirs = yaml.load(text, Loader=get_yaml_loader())
+        assert yaml.load(text, Loader=config_loader()) == theirs and theirs is not None
+    for loader in (get_yaml_loader(), config_loader()):
+        with pytest.raises(yaml.constructor.ConstructorError, match="while constructing a mapping"):
+            yaml.load("a: 1\nb: {c: 2, c: 3}\n", Loader=loader)
