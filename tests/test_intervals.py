@@ -194,7 +194,16 @@ def test_make_leaderboard_smoke_on_another_model(tmp_path):
     assert made["command"] == "make leaderboard SCALE=smoke MODEL=tiny_qwen3" and made["runs"] == 10 + 3 + 2 + 1
 
 
-def test_the_committed_leaderboard_regenerates_its_report_and_the_results_page(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def committed_runs():
+    """``results/leaderboard``'s runs, loaded once for the tests that read them (``load_runs``)."""
+    committed = PROJECT_ROOT / "results" / "leaderboard"
+    if not committed.is_dir():
+        pytest.skip("results/leaderboard is absent")
+    return load_runs([committed])
+
+
+def test_the_committed_leaderboard_regenerates_its_report_and_the_results_page(tmp_path, capsys, committed_runs):
     """``results/leaderboard``'s run directories give its report's tables byte for byte, and the README's results
     pages (docs/results*.md) quote the summaries as they are (``kvbench leaderboard results/leaderboard``)."""
     committed = PROJECT_ROOT / "results" / "leaderboard"
@@ -210,7 +219,7 @@ def test_the_committed_leaderboard_regenerates_its_report_and_the_results_page(t
         assert made == (committed / "report" / f"{name}.md").read_text(), name
         if "summary" in name:
             assert made.strip() in readme, f"no docs/results*.md page quotes {name}.md"
-    tables = leaderboard_tables(load_runs([committed]))
+    tables = leaderboard_tables(committed_runs)
     assert (tables["leaderboard_cells"]["n"] >= 100).all() and (tables["leaderboard_paired"]["n"] >= 100).all()
     assert "kv_peak_mib" in tables["leaderboard_cells"] and "generated" not in tables["leaderboard_cells"]  # older runs
 
@@ -297,14 +306,11 @@ def test_the_registry_expands_a_sweep_and_a_new_method_joins_it(monkeypatch):
     assert "snapkv+adakv" not in registered_policies("variants", "prefill", "aware", "chunked").split(",")
 
 
-def test_a_baseline_pairs_every_policy_with_it_on_the_same_samples(capsys):
+def test_a_baseline_pairs_every_policy_with_it_on_the_same_samples(capsys, committed_runs):
     """``--baseline snapkv`` on the committed leaderboard: every other policy (modifiers of other bases, other bases,
     the full cache) against SnapKV at the same budget, each difference the paired one of the same two cells; a policy
     the runs do not hold is refused in one line."""
-    committed = PROJECT_ROOT / "results" / "leaderboard"
-    if not committed.is_dir():
-        pytest.skip("results/leaderboard is absent")
-    runs = load_runs([committed])
+    committed, runs = PROJECT_ROOT / "results" / "leaderboard", committed_runs
     paired = leaderboard_tables(runs, baseline="snapkv")["leaderboard_paired"]
     assert set(paired["base"]) == {"snapkv"} and "snapkv" not in set(paired["policy"])
     assert {"tova", "h2o+caote", "snapkv+caote"} <= set(paired["policy"])
