@@ -31,8 +31,8 @@ register_run_name()  # conf/config.yaml's ${run_name:}
 
 def _the_one_store(store: ConfigStore, memo: dict) -> ConfigStore:
     """``ConfigStore`` is a singleton and its nodes are copied when loaded (``ConfigStore.load``), yet Hydra 1.3
-    deep-copies it with the config repository at every composition (hydra#2928): each sweep job's composition then
-    copies every policy node the sweep registered, quadratic in the jobs. The store is shared instead."""
+    deep-copies it with the config repository at every composition (hydra#2928): each composition then copies every
+    policy node registered so far (131 compositions of the registry: 17.2 s, shared 12.6 s). The store is shared."""
     return store
 
 

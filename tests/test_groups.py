@@ -40,8 +40,8 @@ from tests.helpers import (
 )
 from tests.test_plan import TINY as PLAN_TINY
 
-#: two RULER samples on the tiny model, 16 new tokens each (RULER's NIAH asks 128: the random model stops at none, and
-#: a run's tokens after its prefill are what its kept sets decide from the first)
+#: two RULER samples on the tiny model, 16 new tokens each (RULER's NIAH asks 128 and the random model never stops; a
+#: variant's kept sets decide its first token already)
 TINY = [*PLAN_TINY, "engine.save_kept=true", "task.tokens_to_generate=16"]
 
 
@@ -386,8 +386,8 @@ def test_on_smollm2_one_shared_prefill_gives_what_each_variant_gives_alone():
     """The same over the registry on the offline SmolLM2 (float32, a 256-token text prompt, budget 64), the variants
     decoded 8 rows at a time after their shared prefill (:func:`~kvbench.engine.rows.decode_rows`): every
     variant's tokens, kept sets, cache sizes and policy statistics equal its own run's. Every base alone and every
-    other variant with modifiers (the tiny models run them all; the slow chunked SmolLM2 test in test_rows.py too):
-    117 runs alone were 140 s of the suite."""
+    other variant with modifiers, 73 of the 131 specs (the tiny Llama runs them all; the slow chunked SmolLM2 test in
+    test_rows.py too)."""
     from kvbench.bench.sections import PARAGRAPH, prompt_tokens
     from kvbench.models import load_model, model_config
 

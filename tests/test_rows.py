@@ -478,8 +478,8 @@ def test_variants_streaming_a_text_as_rows_give_the_nlls_of_each_alone(architect
     decode), 16 rows at a time in lockstep: each variant's NLLs equal its own :meth:`Engine.perplexity`'s to 1e-5
     (relative: a row's matrix products over a block of several rows round in the last float32 bits), its cache sizes
     and policy statistics exactly; or, where a variant's differ, its rankings were alike within 1e-4 until an eviction
-    kept other slots (a near-tie: KNorm+SLAKE streaming on Phi-3 on an AVX-512 CPU, a 16-bit norm rounded one step
-    apart)."""
+    kept other slots (a near-tie: on an AVX-512 CPU a 16-bit KNorm norm rounded one step apart, KNorm+SLAKE streaming
+    on Phi-3 when every architecture ran every variant)."""
     model = tiny_model(architecture)
     text = random_prompt(80)
     cases = [(32, regime, {}) for regime in ("oneshot", "chunked", "streaming")]
