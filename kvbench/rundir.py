@@ -191,7 +191,7 @@ class RunDir:
         stamp = stat.st_mtime_ns, stat.st_size
         if self._saved is not None and self._saved[0] == stamp:
             return self._saved[1]
-        try:  # OmegaConf.load's own YAML reading, less the DictConfig it builds (a saved config is resolved)
+        try:  # read as OmegaConf.load reads it (config_loader), no DictConfig built: a saved config is resolved
             saved = yaml.load(self.config_path.read_text(encoding="utf-8"), Loader=config_loader())
         except (yaml.YAMLError, UnicodeDecodeError) as error:
             reason = str(error).strip().splitlines()[0]

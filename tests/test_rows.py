@@ -490,7 +490,7 @@ def test_variants_streaming_a_text_as_rows_give_the_nlls_of_each_alone(architect
     rows = perplexity_rows(engines, text, 40, batch_size=16)
     differing = []
     for engine, one, other in zip(engines, alone, rows):
-        assert len(other.nlls) == len(one.nlls) == len(text) - 40, engine.policy.spec
+        assert len(other.nlls) == len(one.nlls) == len(text) - 40, f"{engine.policy.spec} {engine.regime}"
         apart = max(abs(a - b) / max(1.0, abs(a)) for a, b in zip(one.nlls, other.nlls))
         if apart > 1e-5 or (other.kv, other.policy_stats) != (one.kv, one.policy_stats):
             differing.append(engine)

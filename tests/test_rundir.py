@@ -489,20 +489,17 @@ def test_the_config_loader_reads_every_committed_config_as_omegaconfs_loader_doe
     """:func:`~kvbench.rundir.config_loader` (libyaml's parser, OmegaConf's resolvers) gives what OmegaConf's own
     YAML loader gives for every config committed (the packed runs' and conf/'s) and for the cases the resolvers
     decide: ``1e-5`` a float, a date a string, a path; a key twice is refused by both."""
-    import tarfile
-
     import yaml
     from omegaconf._utils import get_yaml_loader
 
     from kvbench import CONF_DIR, PROJECT_ROOT
+    from kvbench.packed import PACKED, unpacked
     from kvbench.rundir import config_loader
 
     assert not yaml.__with_libyaml__ or issubclass(config_loader(), yaml.CSafeLoader)
     texts = [path.read_text() for path in CONF_DIR.rglob("*.yaml")]
-    for pack in (PROJECT_ROOT / "results").rglob("*.tar.xz"):
-        with tarfile.open(pack) as packed:
-            members = [member for member in packed.getmembers() if member.name.endswith("config.yaml")]
-            texts += [packed.extractfile(member).read().decode() for member in members]  # type: ignore[union-attr]
+    for pack in (PROJECT_ROOT / "results").rglob(PACKED):  # the run directories as RunDir reads them
+        texts += [path.read_text() for path in unpacked(pack).rglob("config.yaml")]
     texts.append("x: 1e-5\ny: 2026-11-30\nz: .5\nw: 1_000\np: !!python/object/apply:pathlib.Path ['a', 'b']\n")
     assert len(texts) > 500
     for text in texts:
