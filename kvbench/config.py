@@ -21,9 +21,9 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import CONF_DIR, config_dict
+from kvbench.budgets import Budget
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies import BASES, MODIFIERS, build_policy, parse_spec, policy_keys, registered
-from kvbench.policies.budgets import Budget
 from kvbench.rundir import register_run_name
 
 register_run_name()  # conf/config.yaml's ${run_name:}

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import config_dict
+from kvbench.budgets import Budget
 from kvbench.config import GROUPS, engine_keys, group_keys, group_options, root_keys
 from kvbench.domains import FLAG, Domain, check_table, choice, integer, number
 from kvbench.engine import CACHE_SETTINGS, ENGINE_SETTINGS
@@ -28,7 +29,6 @@ from kvbench.errors import KVBenchError, check_keys, choose
 from kvbench.models import MODEL_SETTINGS, ModelSpec
 from kvbench.policies import build_policy
 from kvbench.policies.base import Policy
-from kvbench.policies.budgets import Budget
 from kvbench.policies.layer_budget import check_layer_budget_keys
 from kvbench.rundir import RESUME_MODES
 from kvbench.tasks.base import Task

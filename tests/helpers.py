@@ -28,13 +28,13 @@ from transformers import (
 )
 
 from kvbench import PROJECT_ROOT
+from kvbench.budgets import Budget
 from kvbench.check import kept_masks, masked_forward  # noqa: F401  (the tests' references)
 from kvbench.engine import Engine
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError
 from kvbench.policies import BASES, MODIFIERS, build_policy, composable
 from kvbench.policies.base import Policy
-from kvbench.policies.budgets import Budget
 
 #: the tiny models' tokenizer (byte ids below their vocabulary), for a policy that reads text (KVzip's requests)
 TOKENIZER = byte_tokenizer(4096)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvbench.bench.measure import Operators
+from kvbench.budgets import Budget
 from kvbench.config import compose
 from kvbench.engine import Engine
 from kvbench.engine.attention import sdpa_attention
@@ -16,7 +17,6 @@ from kvbench.engine.cascade import CascadeStages
 from kvbench.errors import KVBenchError
 from kvbench.job import resolve
 from kvbench.policies import build_policy
-from kvbench.policies.budgets import Budget
 from kvbench.policies.layer_budget import CascadingAllocation, build_layer_budget, conserve_total
 from kvbench.policies.methods.cake import CAKE_TAU, cake_preference
 from kvbench.policies.methods.slake import ptaa_weights, vabs_preference

@@ -4,13 +4,16 @@ below, and no modules import each other in a circle (imports inside functions an
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from kvbench import PROJECT_ROOT
 
 #: the layers, lowest first: a module may import from its own layer and those below it
 LAYERS: list[tuple[str, ...]] = [
-    ("kvbench", "kvbench.errors", "kvbench.domains", "kvbench.hub"),  # the ground: no kvbench imports above it
+    # the ground: no kvbench imports above it
+    ("kvbench", "kvbench.errors", "kvbench.domains", "kvbench.hub", "kvbench.budgets"),
     ("kvbench.metrics", "kvbench.papers", "kvbench.kernels"),  # official metrics, paper tables, Triton kernels
     ("kvbench.policies",),  # eviction methods and their machinery
     ("kvbench.engine",),  # the eviction-aware engine (knows no policy by name, no task)
@@ -73,6 +76,19 @@ def test_every_module_imports_only_from_its_layer_or_below():
         if layer_of(target) > layer_of(module) and not target.startswith(module + ".")
     ]
     assert upward == []
+
+
+def test_the_report_commands_and_the_policy_registry_import_no_model_library():
+    """``kvbench table``, ``leaderboard``, ``plot`` and ``compare-paper`` read run directories: they import neither
+    torch nor transformers (about 5 s a command on a CPU); the policies' registry, which every composition reads,
+    imports torch but not transformers (DuoAttention imports its rotation where a model runs)."""
+    results = "kvbench.results.table, kvbench.results.leaderboard, kvbench.results.plots, kvbench.results.compare"
+    loaded = "print(sorted({name.split('.')[0] for name in sys.modules} & {'torch', 'transformers'}))"
+    for modules, heavy in ((results, "[]"), ("kvbench.policies", "['torch']")):
+        done = subprocess.run(
+            [sys.executable, "-c", f"import sys, {modules}; {loaded}"], capture_output=True, text=True, check=True
+        )
+        assert done.stdout.strip() == heavy, (modules, done.stdout)
 
 
 def test_no_import_cycle():

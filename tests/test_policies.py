@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
+from kvbench.budgets import Budget
 from kvbench.engine.attention import sdpa_attention
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.runner import score_block_size
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy, parse_spec
-from kvbench.policies.budgets import Budget
 from kvbench.policies.methods.pyramidkv import Pyramid
 from kvbench.policies.stats import BLOCK_ELEMENTS, AttentionStats
 

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from kvbench import PROJECT_ROOT
 from kvbench.allocator import PEAK_RSS_FILE
 from kvbench.bench.measure import Operators
+from kvbench.budgets import Budget
 from kvbench.config import compose, config_dict, policy_node, registered_policies, selected_policy_settings
 from kvbench.engine import Engine
 from kvbench.engine.rows import decode_rows
@@ -40,7 +41,6 @@ from kvbench.identity import ADDED_SETTINGS, flatten, run_identity
 from kvbench.launch.sweeps import sweep_loader, sweep_overrides
 from kvbench.models import ModelSpec, load_model, resolve_device
 from kvbench.policies import build_policy
-from kvbench.policies.budgets import Budget
 from kvbench.rundir import RunDir, runs_below
 
 if TYPE_CHECKING:

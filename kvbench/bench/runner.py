@@ -18,12 +18,12 @@ from kvbench.bench.grid import grid, grid_operators, leaderboard_grid
 from kvbench.bench.markdown import markdown
 from kvbench.bench.report import machine, targets
 from kvbench.bench.sections import Bench
+from kvbench.budgets import Budget
 from kvbench.engine import REGIMES
 from kvbench.engine.threads import set_threads
 from kvbench.errors import choose
 from kvbench.models import ModelSpec, load_model
 from kvbench.policies import parse_spec
-from kvbench.policies.budgets import Budget
 
 log = logging.getLogger(__name__)
 

@@ -32,11 +32,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench import config_dict
 from kvbench.bench.measure import Clock, Operators, PeakMemory, median_ratio, rotations, summary, top_operators
+from kvbench.budgets import Budget
 from kvbench.engine import Engine
 from kvbench.errors import KVBenchError, choose
 from kvbench.models import LoadedModel, ModelSpec, load_model
 from kvbench.policies import build_policy
-from kvbench.policies.budgets import Budget
 
 log = logging.getLogger(__name__)
 

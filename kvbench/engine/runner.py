@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvbench import kernels
+from kvbench.budgets import Budget
 from kvbench.domains import FLAG, Domain, choice, integer, is_int, optional
 from kvbench.engine import attention
 from kvbench.engine.batches import RowBatch, SharedPrefill
@@ -34,7 +35,6 @@ from kvbench.engine.threads import THREADS
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies import channel_pruner
 from kvbench.policies.base import Policy
-from kvbench.policies.budgets import Budget
 from kvbench.policies.context import LayerWeights
 from kvbench.policies.methods.full import Full
 

@@ -28,10 +28,10 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from kvbench.budgets import Budget
 from kvbench.domains import choice, setting
 from kvbench.errors import KVBenchError
 from kvbench.kernels.sums import attention_sums
-from kvbench.policies.budgets import Budget
 from kvbench.policies.context import ATTENTION, Evicted, ScoreContext, Statistic
 from kvbench.policies.layer_budget import LayerBudget, Uniform
 from kvbench.policies.parts import part_settings, settings_key

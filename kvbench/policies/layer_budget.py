@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 import torch
 
+from kvbench.budgets import Budget
 from kvbench.errors import check_keys, choose
-from kvbench.policies.budgets import Budget
 from kvbench.policies.registry import LAYER_BUDGETS, Registered, register
 
 if TYPE_CHECKING:

@@ -33,6 +33,7 @@ from typing import Any
 
 import pandas as pd
 
+from kvbench.budgets import Budget
 from kvbench.errors import KVBenchError, choose
 from kvbench.finished import Run, load_runs
 from kvbench.papers import (
@@ -45,7 +46,6 @@ from kvbench.papers import (
     split_method,
     table_caption,
 )
-from kvbench.policies.budgets import Budget
 from kvbench.results.render import FORMATS, render, write_tables
 from kvbench.results.table import budget_key, context_label, policy_key
 from kvbench.tasks.registry import tabled_tasks

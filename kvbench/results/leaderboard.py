@@ -28,6 +28,7 @@ import platform
 import sys
 import time
 from datetime import datetime, timezone
+from importlib.metadata import version
 from pathlib import Path
 
 import pandas as pd
@@ -172,9 +173,6 @@ def provenance(command: str, started: float | None, commit: str | None, runs: li
     and scored samples, and ``sample_seconds``: the prefill and decode seconds of every record summed (each record
     holds its share of what its group shared), the sweep's work whatever invocations it took when it was resumed
     (``wall_seconds`` is the last invocation's)."""
-    import torch
-    import transformers
-
     import kvbench
 
     finished = time.time()
@@ -187,8 +185,8 @@ def provenance(command: str, started: float | None, commit: str | None, runs: li
         "versions": {
             "kvbench": kvbench.__version__,
             "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
+            "torch": version("torch"),  # installed, read without importing them
+            "transformers": version("transformers"),
         },
         "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPU cores",
         "runs": len(runs),

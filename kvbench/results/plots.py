@@ -29,9 +29,9 @@ from matplotlib.colors import LinearSegmentedColormap  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from kvbench import file_name  # noqa: E402
+from kvbench.budgets import Budget  # noqa: E402
 from kvbench.errors import KVBenchError, choose  # noqa: E402
 from kvbench.finished import Run, load_runs  # noqa: E402
-from kvbench.policies.budgets import Budget  # noqa: E402
 from kvbench.results.table import budget_key, context_label, needle_records, policy_key, record_value  # noqa: E402
 
 KAMRADT = LinearSegmentedColormap.from_list("kamradt", ["#F0496E", "#EBB839", "#0CD79F"])

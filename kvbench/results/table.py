@@ -34,10 +34,10 @@ from typing import Any
 
 import pandas as pd
 
+from kvbench.budgets import Budget
 from kvbench.errors import KVBenchError, choose
 from kvbench.finished import COST_NAMES, Run, scan_run_dirs
 from kvbench.identity import TABLE_IDENTITY
-from kvbench.policies.budgets import Budget
 from kvbench.results.intervals import paired_difference
 from kvbench.results.render import FORMATS, print_tables
 from kvbench.tasks.base import TableLayout

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from kvbench.budgets import Budget
 from kvbench.domains import choice, number, optional, setting
 from kvbench.papers import exponents
-from kvbench.policies.budgets import Budget
 from kvbench.policies.layer_budget import CascadingAllocation, DynamicLayerBudget, LayerBudget
 from kvbench.policies.methods.snapkv import SnapKV
 from kvbench.policies.registry import register

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvbench.domains import integer, number, setting
 from kvbench.errors import KVBenchError
@@ -144,6 +143,8 @@ def head_scores(model: Any, tokenizer: Any, texts: list[str], query_length: int)
     """``[L,Hkv]`` float32: per layer and KV head, over ``texts``, the mean of the area under the cumulated attention
     of the last of ``query_length`` copies of the layer's mean query over as many copies of its mean key, both rotated
     to their positions (kvpress's ``duo_attention_on_the_fly``)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # where a model runs (a 3 s import)
+
     config = model.config.get_text_config()
     layers = model.model.layers
     if not all(hasattr(layer.self_attn, "q_proj") and hasattr(layer.self_attn, "k_proj") for layer in layers):

@@ -28,11 +28,11 @@ from functools import partial
 
 import torch
 
+from kvbench.budgets import Budget
 from kvbench.domains import mapping, number, optional, setting
 from kvbench.errors import KVBenchError
 from kvbench.papers import exponents
 from kvbench.policies.base import AttentionStats, Modifier, Policy
-from kvbench.policies.budgets import Budget
 from kvbench.policies.context import Evicted, by_kv_head
 from kvbench.policies.layer_budget import DynamicLayerBudget, LayerBudget
 from kvbench.policies.registry import register
