@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from kvbench import PROJECT_ROOT
-from kvbench.bench.measure import Clock, Operators, PeakMemory, rotations
+from kvbench.bench.measure import PRELOADED, Clock, Operators, PeakMemory, fresh_process, rotations
 from kvbench.bench.report import prefill_limit, targets
 from kvbench.bench.sections import PARAGRAPH, prompt_tokens
 from kvbench.cli import main
@@ -328,6 +328,23 @@ def test_grid_operators_count_a_grouped_samples_prefill_and_step_each_alone_and_
     assert counts["full_row"]["step_operators"] < stored["step_operators"] < each["step_operators"]
     assert stored["step_host_reads"] == 0
     assert f"## Operators of a grouped sample: {counts['rows']} rows of 512 tokens" in bench_md(out)
+
+
+def test_a_fresh_process_is_another_each_time_with_the_sections_imported_and_none_of_this_ones_memory():
+    """The memory rows' processes (:func:`fresh_process`): a new process for each pool, not this one, which starts
+    with the bench's sections imported (forked from a server that imported them) and holds none of what this process
+    allocated (its resident size below the 1 GiB held here)."""
+    held = bytearray(2**30)
+    held[:: 2**12] = b"x" * (2**30 // 2**12)  # every page resident
+    probe = f"(__import__('os').getpid(), [name in __import__('sys').modules for name in {PRELOADED!r}])"
+    resident = "__import__('kvbench.allocator').allocator.status_bytes('VmRSS')"
+    found = []
+    for _ in range(2):
+        with fresh_process() as pool:
+            found.append((*pool.submit(eval, probe).result(), pool.submit(eval, resident).result()))
+    (first, imported, size), (second, _, _) = found
+    assert len({first, second, os.getpid()}) == 3 and all(imported)
+    assert size < 2**30 and len(held) == 2**30
 
 
 def test_a_child_runs_peak_is_its_own_not_the_bench_processes_size(tmp_path):

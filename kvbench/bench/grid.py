@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import functools
 import json
-import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench import PROJECT_ROOT
 from kvbench.allocator import PEAK_RSS_FILE
-from kvbench.bench.measure import Operators
+from kvbench.bench.measure import Operators, fresh_process
 from kvbench.budgets import Budget
 from kvbench.config import compose, config_dict, policy_node, registered_policies, selected_policy_settings
 from kvbench.engine import Engine
@@ -314,7 +312,7 @@ def grid_memory(bench: Bench) -> dict[str, Any]:
     config = config_dict(bench.cfg, resolve=True)
     rows = {}
     for kind in ("one_job", "grouped"):
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with fresh_process() as pool:
             rows[kind] = pool.submit(grid_memory_row, config, kind).result()
     one, grouped = rows["one_job"], rows["grouped"]
     bound = one["peak_rss_delta_bytes"] + grouped["other_caches_bytes"] + grouped["layer_full_bytes"]
@@ -322,10 +320,10 @@ def grid_memory(bench: Bench) -> dict[str, Any]:
 
 
 def grid_memory_row(config: dict[str, Any], kind: str) -> dict[str, Any]:
-    """One memory row, in a spawned process: the peak RSS of the prefill of ``one_job`` (the variant keeping the most
-    tokens) or of the ``grouped`` variants' shared prefill (:func:`generate_shared`, no token generated) on one essay
-    prompt of the section's length, after a two-token prompt pages the weights in; the grouped row adds what its
-    bound is made of."""
+    """One memory row, in a fresh process (:func:`~kvbench.bench.measure.fresh_process`): the peak RSS of the prefill
+    of ``one_job`` (the variant keeping the most tokens) or of the ``grouped`` variants' shared prefill
+    (:func:`generate_shared`, no token generated) on one essay prompt of the section's length, after a two-token
+    prompt pages the weights in; the grouped row adds what its bound is made of."""
     from kvbench.bench.sections import Bench
 
     cfg = OmegaConf.create(config)

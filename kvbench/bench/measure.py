@@ -10,12 +10,14 @@ the CPU time this process spends.
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import resource
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -228,6 +230,21 @@ class PeakMemory:
             figures.update(
                 cuda_before_bytes=cuda_before, cuda_peak_bytes=cuda_peak, cuda_peak_delta_bytes=cuda_peak - cuda_before
             )
+
+
+#: what a fresh process of :func:`fresh_process` has imported before it starts: the bench's sections, and with them
+#: torch, transformers and the engine (about 5 s of a spawned process on a CPU)
+PRELOADED = ["kvbench.bench.sections"]
+
+
+def fresh_process() -> ProcessPoolExecutor:
+    """A pool of one fresh process, whose allocator holds nothing this one freed: forked from a server that imported
+    :data:`PRELOADED` and nothing else (once a bench), or spawned where the platform has no fork server."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)  # read when the server starts, with the first such process
+    return ProcessPoolExecutor(max_workers=1, mp_context=context)
 
 
 def rotations(items: Sequence, repetition: int) -> list:

@@ -20,9 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import multiprocessing
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -31,7 +29,16 @@ import transformers
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import config_dict
-from kvbench.bench.measure import Clock, Operators, PeakMemory, median_ratio, rotations, summary, top_operators
+from kvbench.bench.measure import (
+    Clock,
+    Operators,
+    PeakMemory,
+    fresh_process,
+    median_ratio,
+    rotations,
+    summary,
+    top_operators,
+)
 from kvbench.budgets import Budget
 from kvbench.engine import Engine
 from kvbench.errors import KVBenchError, choose
@@ -341,7 +348,7 @@ class Bench:
         for spec in section.policies:
             rows = {}
             for length in lengths:
-                with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                with fresh_process() as pool:
                     canonical, rows[str(length)] = pool.submit(memory_section_row, config, str(spec), length).result()
             result["policies"][canonical] = rows
         process_peaks = {
@@ -416,9 +423,9 @@ class Bench:
 
 
 def memory_section_row(config: dict[str, Any], spec: str, length: int) -> tuple[str, dict[str, Any]]:
-    """One row of the memory section, run in a spawned process: the model is loaded, then the peak RSS of one
-    ``generate`` over a ``length``-token prompt is measured, after a two-token one that pages in the memory-mapped
-    weights. Returns the canonical spec and the row."""
+    """One row of the memory section, run in a fresh process (:func:`fresh_process`): the model is loaded, then the
+    peak RSS of one ``generate`` over a ``length``-token prompt is measured, after a two-token one that pages in the
+    memory-mapped weights. Returns the canonical spec and the row."""
     cfg = OmegaConf.create(config)
     bench = Bench(cfg, load_model(ModelSpec.of(cfg.model)))
     engine = bench.engine(spec, regime=str(cfg.bench.memory.regime))
