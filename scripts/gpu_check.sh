@@ -51,7 +51,7 @@ BENCH=(
 OPS=(
   model=smollm2_135m_random model.device=cuda bench.repetitions=1 bench.warmup_tokens=0
   "bench.prefill.prompt_lengths=[]" "bench.decode.prompt_lengths=[]" "${NO_SECTIONS[@]}" "bench.grid.policies=[]"
-  bench.grid_operators.context_length=1024
+  bench.grid_operators.context_length=1024 bench.grid_operators.profile_rows=15
   "output_dir=$OUT/bench-operators"
 )
 GRID=(  # last: each of its jobs loads the 8B model in its own process

@@ -56,6 +56,7 @@ TINY = [
     "bench.headwise.new_tokens=3",
     "bench.grid_operators.context_length=512",
     "bench.grid_operators.budgets=[20pct]",
+    "bench.grid_operators.profile_rows=4",
 ]
 
 
@@ -328,6 +329,11 @@ def test_grid_operators_count_a_grouped_samples_prefill_and_step_each_alone_and_
     assert counts["full_row"]["step_operators"] < stored["step_operators"] < each["step_operators"]
     assert stored["step_host_reads"] == 0
     assert f"## Operators of a grouped sample: {counts['rows']} rows of 512 tokens" in bench_md(out)
+    profile = stored["step_profile"]  # a step's own: two decodes' difference, over 4
+    seconds = [row["seconds"] for row in profile["top"]]
+    assert profile["clock"] == "cpu" and len(seconds) == 4 and seconds == sorted(seconds, reverse=True)
+    assert 0 < sum(seconds) <= profile["total_seconds"] and all(0 < row["share"] <= 1 for row in profile["top"])
+    assert "### Where a step of the stored rows goes (cpu time:" in bench_md(out) and "step_profile" not in each
 
 
 def test_a_fresh_process_is_another_each_time_with_the_sections_imported_and_none_of_this_ones_memory():

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench import PROJECT_ROOT
 from kvbench.allocator import PEAK_RSS_FILE
-from kvbench.bench.measure import Operators, fresh_process
+from kvbench.bench.measure import Operators, fresh_process, profiled, ranked
 from kvbench.budgets import Budget
 from kvbench.config import compose, config_dict, policy_node, registered_policies, selected_policy_settings
 from kvbench.engine import Engine
@@ -362,7 +362,9 @@ def grid_operators(bench: Bench) -> dict[str, Any]:
     ``bench.grid_operators.experiment``'s policy settings) at each budget, oneshot, one prompt of ``context_length``
     tokens prefilled by one shared forward, then its rows decoding together, each attended alone and all stored
     (``engine.rows_attention``: each, stored): the prefill's, and a decode step's (a decode of ``new_tokens`` + 4
-    tokens less one of ``new_tokens``, over 4); beside one full-cache row's step."""
+    tokens less one of ``new_tokens``, over 4); beside one full-cache row's step. With ``profile_rows``, where a step
+    of the stored rows spends its time (``step_profile``: on a GPU its kernels' device time, whose total beside the
+    step's seconds says how much of the step waits on launches)."""
     section = bench.bench.grid_operators
     length, new_tokens = int(section.context_length), int(section.new_tokens)
     settings = selected_policy_settings((("experiment", str(section.experiment)),))
@@ -401,10 +403,26 @@ def grid_operators(bench: Bench) -> dict[str, Any]:
             "step_seconds": (seconds_after - seconds_before) / 4,
         }
 
-    by_attention = {
-        attention: counted([engine(spec, str(budget), attention) for spec in specs for budget in section.budgets])
-        for attention in ("each", "stored")
-    }
+    def step_profile(engines: list[Engine]) -> dict[str, Any]:
+        """Where a step's time goes (:func:`~kvbench.bench.measure.profiled`, by name): a decode of ``new_tokens``
+        + 4 tokens less one of ``new_tokens``, over 4, each after its own prefill, which is not watched."""
+        watched = []
+        for tokens in (new_tokens, new_tokens + 4):
+            rows = prefill_shared(engines, Prompt(prompt, tokens), batch_size=len(engines))
+            watched.append(profiled(functools.partial(decode_rows, rows, len(rows)), bench.loaded.device))
+        before, after = watched
+        step = {
+            name: ((calls - before.get(name, (0, 0.0))[0]) / 4, max(seconds - before.get(name, (0, 0.0))[1], 0.0) / 4)
+            for name, (calls, seconds) in after.items()
+        }
+        return ranked(step, bench.loaded.device, int(section.profile_rows))
+
+    by_attention: dict[str, dict[str, Any]] = {}
+    for attention in ("each", "stored"):
+        engines = [engine(spec, str(budget), attention) for spec in specs for budget in section.budgets]
+        by_attention[attention] = counted(engines)
+        if attention == "stored" and int(section.profile_rows) > 0:  # untimed: the profiler slows what it watches
+            by_attention[attention]["step_profile"] = step_profile(engines)
     one = counted([engine("full", str(section.budgets[0]), "each")])
     return {
         "grid_operators": {

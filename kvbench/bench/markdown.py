@@ -343,6 +343,20 @@ def grid_operators_section(results: dict[str, Any]) -> list[str]:
         ]
         headers = ["", "prefill operators", "a step's operators", "÷ one row's", "a step's reads back", "a step (s)"]
         lines += _table(headers, rows) + ["", f"({counts['device']}; on a GPU each operator is a kernel launch)"]
+        if profile := counts["by_attention"]["stored"].get("step_profile"):
+            step = counts["by_attention"]["stored"]["step_seconds"]
+            lines += [
+                "",
+                f"### Where a step of the stored rows goes ({profile['clock']} time: {profile['total_seconds']:.4f} s "
+                f"of the step's {step:.4f} s)",
+                "",
+            ]
+            rows = []
+            for row in profile["top"]:
+                name = row["name"][:90].replace("|", "/")
+                rows.append([name, f"{row['calls']:g}", f"{row['seconds']:.5f}", f"{row['share']:.1%}"])
+            kind = "kernel" if profile["clock"] == "device" else "operator"
+            lines += _table([kind, "calls a step", "seconds a step", "share"], rows)
     return lines
 
 

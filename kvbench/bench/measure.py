@@ -162,26 +162,34 @@ def copies_from_host(name: str, args, kwargs) -> bool:
     return device is not None and torch.device(device).type != "cpu" and args[0].device.type == "cpu"
 
 
-def top_operators(function: Callable[[], Any], device: torch.device, rows: int) -> dict[str, Any]:
-    """Where ``function()``'s time goes, by ``torch.profiler``: on CUDA its kernels by device time (Triton's by their
-    names), elsewhere the ATen operators by their own CPU time; the ``rows`` largest with their calls and shares of
-    the total."""
+def profiled(function: Callable[[], Any], device: torch.device) -> dict[str, tuple[int, float]]:
+    """``function()`` under ``torch.profiler``: each kernel's calls and seconds of device time on CUDA (Triton's by
+    their names), elsewhere each ATen operator's calls and own CPU seconds, by name."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as profiled:
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as watched:
         function()
         if cuda:
             torch.cuda.synchronize(device)
     attribute = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = [(event.key, event.count, getattr(event, attribute) / 1e6) for event in profiled.key_averages()]
-    total = sum(seconds for *_, seconds in events)
-    events.sort(key=lambda event: -event[2])
+    return {event.key: (event.count, getattr(event, attribute) / 1e6) for event in watched.key_averages()}
+
+
+def ranked(events: dict[str, tuple[float, float]], device: torch.device, rows: int) -> dict[str, Any]:
+    """The ``rows`` largest of :func:`profiled`'s ``events`` by seconds, with their calls and shares of the total."""
+    total = sum(seconds for _, seconds in events.values())
+    largest = sorted(events.items(), key=lambda event: -event[1][1])[:rows]
     top = [
         {"name": name, "calls": calls, "seconds": seconds, "share": seconds / total if total else 0.0}
-        for name, calls, seconds in events[:rows]
+        for name, (calls, seconds) in largest
     ]
-    return {"clock": "device" if cuda else "cpu", "total_seconds": total, "top": top}
+    return {"clock": "device" if device.type == "cuda" else "cpu", "total_seconds": total, "top": top}
+
+
+def top_operators(function: Callable[[], Any], device: torch.device, rows: int) -> dict[str, Any]:
+    """Where ``function()``'s time goes (:func:`profiled`): the ``rows`` largest with their calls and shares."""
+    return ranked(dict(profiled(function, device)), device, rows)
 
 
 class PeakMemory:
