@@ -16,7 +16,8 @@
 # DRY=1 prints the commands and runs none (on any machine). PY: the Python holding the project's dependencies (the
 # checkout's .venv, else python3: on a bare GPU image, kvbench from the checkout via PYTHONPATH); TESTS_TIMEOUT,
 # FUSED_TIMEOUT, BENCH_TIMEOUT, OPS_TIMEOUT and GRID_TIMEOUT: each part's seconds at most, so one that hangs leaves the other its time (the bench's bench.json is
-# rewritten after each section: a stopped bench keeps what it finished).
+# rewritten after each section: a stopped bench keeps what it finished); TOTAL_TIMEOUT: the parts' seconds together at
+# most (a part gets what is left of it when it starts, and is skipped with under 20 s left).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
@@ -26,6 +27,8 @@ OUT=${OUT:-results/gpu-check/$(date -u +%Y%m%dT%H%M%SZ)}
 FUSED_TIMEOUT=${FUSED_TIMEOUT:-150}
 GRID_TIMEOUT=${GRID_TIMEOUT:-90}
 OPS_TIMEOUT=${OPS_TIMEOUT:-60}
+TOTAL_TIMEOUT=${TOTAL_TIMEOUT:-480}
+STARTED=$(date +%s)
 NO_SECTIONS=(
   "bench.memory.prompt_lengths=[]" "bench.headwise.policies=[]"
   "bench.generate.prompt_lengths=[]" bench.kvpress.enabled=false "bench.contexts.policies=[]"
@@ -65,16 +68,26 @@ run() {
   printf '+'; printf ' %q' "$@"; echo  # quoted where needed: the line reads back as the arguments (shlex)
   [ -n "${DRY:-}" ] || "$@"
 }
+part() {  # part BOUND COMMAND...: the command under the lesser of BOUND and what is left of TOTAL_TIMEOUT
+  local left=$((TOTAL_TIMEOUT - $(date +%s) + STARTED))
+  local seconds=$(($1 < left ? $1 : left))
+  shift
+  if [ "$seconds" -lt 20 ]; then
+    echo "skipped, ${TOTAL_TIMEOUT} s spent: $*" >&2
+    return 124
+  fi
+  run timeout "$seconds" "$@"
+}
 [ -n "${DRY:-}" ] || mkdir -p "$OUT"
 status=0
 # the test files with CUDA tests only: the other files need the CPU suite's extras (jieba, wandb) to be collected
 mapfile -t CUDA_TESTS < <(grep -lE "pytest.mark.(cuda|kernel)" tests/test_*.py)
-run timeout "$TESTS_TIMEOUT" "$PY" -m pytest -q -m "cuda or kernel" -p no:cacheprovider --junitxml="$OUT/cuda-tests.xml" \
+part "$TESTS_TIMEOUT" "$PY" -m pytest -q -m "cuda or kernel" -p no:cacheprovider --junitxml="$OUT/cuda-tests.xml" \
   "${CUDA_TESTS[@]}" || status=$?
-run timeout "$FUSED_TIMEOUT" "$PY" -m kvbench.cli bench "${FUSED[@]}" || status=$?
-run timeout "$BENCH_TIMEOUT" "$PY" -m kvbench.cli bench "${BENCH[@]}" || status=$?
-run timeout "$OPS_TIMEOUT" "$PY" -m kvbench.cli bench "${OPS[@]}" || status=$?
-run timeout "$GRID_TIMEOUT" "$PY" -m kvbench.cli bench "${GRID[@]}" || status=$?
+part "$FUSED_TIMEOUT" "$PY" -m kvbench.cli bench "${FUSED[@]}" || status=$?
+part "$BENCH_TIMEOUT" "$PY" -m kvbench.cli bench "${BENCH[@]}" || status=$?
+part "$OPS_TIMEOUT" "$PY" -m kvbench.cli bench "${OPS[@]}" || status=$?
+part "$GRID_TIMEOUT" "$PY" -m kvbench.cli bench "${GRID[@]}" || status=$?
 if [ -z "${DRY:-}" ]; then
   {
     echo "# GPU check: $("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo 'no CUDA device')"

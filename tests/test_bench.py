@@ -544,6 +544,10 @@ def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_com
     assert tests[:2] == ["timeout", "150"] and tests[3:8] == ["-m", "pytest", "-q", "-m", "cuda or kernel"]
     assert "tests/test_sums_kernel.py" in tests
     assert fused[:2] == ["timeout", "150"] and bench[:2] == ["timeout", "240"] and grid[:2] == ["timeout", "90"]
+    for total, bounds, code in (("200", ["150", "150", "200", "60", "90"], 0), ("10", [], 124)):  # a part: what's left
+        squeezed = subprocess.run([script], env={**os.environ, "DRY": "1", "TOTAL_TIMEOUT": total}, capture_output=True)
+        parts = [line.split()[2].decode() for line in squeezed.stdout.splitlines() if line.startswith(b"+ ")]
+        assert parts == bounds and squeezed.returncode == code and squeezed.stderr.count(b"skipped") == 5 - len(bounds)
     first = compose(fused[6:], config_name="bench")
     assert first.engine.sums_kernel == "triton" and list(first.bench.prefill.prompt_lengths) == [8192, 32768]
     assert list(first.bench.prefill.profile) == ["h2o", "h2o+obcache_joint"]
