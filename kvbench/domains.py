@@ -125,11 +125,12 @@ TEXT = Domain("a string", lambda value: isinstance(value, str))
 PATH = Domain("a path", lambda value: isinstance(value, str) and value != "")
 
 
-def list_of(item: Domain, what: str) -> Domain:
-    """A non-empty list of values of ``item`` (``what``: how the list is named, after "a list of")."""
+def list_of(item: Domain, what: str, empty: bool = False) -> Domain:
+    """A list of values of ``item``, non-empty unless ``empty`` (``what``: how the list is named, after "a list
+    of")."""
     return Domain(
-        f"a non-empty list of {what}",
-        lambda value: isinstance(value, list) and len(value) > 0 and all(item.accepts(entry) for entry in value),
+        f"a {'' if empty else 'non-empty '}list of {what}",
+        lambda value: isinstance(value, list) and (empty or len(value) > 0) and all(map(item.accepts, value)),
     )
 
 

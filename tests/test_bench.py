@@ -375,26 +375,6 @@ def test_kvpress_agrees_with_kvbench_snapkv(tmp_path):
     assert press["jaccard_mean"] > 0.99
 
 
-@pytest.mark.parametrize(
-    "override, message",
-    [
-        ("bench.prefill.policies=[nosuch]", "unknown policy 'nosuch'"),
-        ("bench.grid.policies=[snapkv,nosuch]", "unknown policy 'nosuch'"),
-        ("bench.grid.rows_policy=nosuch", "unknown policy 'nosuch'"),
-        ("bench.grid.budgets=[64,lots]", "lots"),
-        ("bench.repetitions=0", "bench.repetitions must be >= 1"),
-        ("bench.memory.regime=sometimes", "unknown bench.memory.regime 'sometimes'"),
-        ("bench.nosuch=1", "bench: "),
-    ],
-)
-def test_bad_input_is_one_line(override, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "model=tiny_llama", override])
-    assert exit_info.value.code == 2
-    error = capsys.readouterr().err
-    assert message in error and len(error.strip().splitlines()) == 1
-
-
 def test_prompt_tokens_have_the_exact_length():
     tokenizer = load_tokenizer(model_config("tiny_llama"))
     for length in (5, len(PARAGRAPH), 3 * len(PARAGRAPH) + 7):
@@ -666,3 +646,43 @@ def test_the_leaderboard_grids_full_cache_job_reads_the_grids_prompts():
     assert "policy=full" in job and "++task.context_length=1024" in job and "++task.num_samples=2" in job
     # the section's overrides reach it as they reach the grid's jobs (the GPU check's model)
     assert "model=smollm2_135m_random" in full_cache_job(["+experiment=leaderboard", "model=smollm2_135m_random"])
+
+
+def test_every_bench_setting_has_a_domain_its_default_is_in():
+    """conf/bench.yaml's ``bench`` node: each setting (a dotted key) has a domain in ``BENCH_SETTINGS``, and none is
+    declared that the node lacks; the defaults pass every check."""
+    from kvbench.bench.settings import BENCH_SETTINGS, check_bench, flat
+    from kvbench.config import compose
+
+    cfg = compose([], config_name="bench")
+    assert set(flat(OmegaConf.to_container(cfg.bench, resolve=True))) == set(BENCH_SETTINGS)
+    check_bench(cfg)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("bench.repetitions=two", "bench.repetitions=two: must be a repetition count ≥ 1"),
+        ("bench.repetitions=0", "bench.repetitions=0: must be a repetition count ≥ 1"),
+        ("bench.prefill.policies=[nosuch]", "unknown policy 'nosuch'; valid choices: "),
+        ("bench.grid.policies=[snapkv,nosuch]", "unknown policy 'nosuch'; valid choices: "),
+        ("bench.grid.rows_policy=nosuch", "unknown policy 'nosuch'; valid choices: "),
+        ("bench.grid.budgets=[64,lots]", "invalid budget 'lots'"),
+        ("bench.nosuch=1", "bench: Could not override 'bench.nosuch'"),
+        ("bench.prefill.prompt_lengths=[96,abc]", "bench.prefill.prompt_lengths=[96, 'abc']: must be a list of token"),
+        ("bench.grid_operators.profile_rows=-1", "bench.grid_operators.profile_rows=-1: must be a row count ≥ 0"),
+        ("bench.kvpress.enabled=maybe", "bench.kvpress.enabled=maybe: must be true or false"),
+        ("bench.memory.regime=foo", "bench.memory.regime=foo: must be one of oneshot, chunked, streaming"),
+        ("bench.grid_operators.budgets=[zz]", "invalid budget 'zz'; use a positive token count"),
+        ("bench.headwise.policies=[snapkv,snapkv+nope]", "unknown policy modifier 'nope'; valid choices: adakv,"),
+        ("bench.leaderboard_grid.experiment=nope", "unknown bench.leaderboard_grid.experiment 'nope'; valid choices:"),
+        ("+bench.prefill.rows=3", "bench.prefill.rows is not a bench setting; valid choices: repetitions,"),
+    ],
+)
+def test_a_bad_bench_value_is_one_line_before_anything_loads_or_is_written(tmp_path, capsys, override, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "model=tiny_llama", override, f"output_dir={tmp_path / 'bench'}"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("kvbench: error: ") and message in error and error.count("\n") == 1
+    assert not (tmp_path / "bench").exists()

@@ -18,12 +18,9 @@ from kvbench.bench.grid import grid, grid_operators, leaderboard_grid
 from kvbench.bench.markdown import markdown
 from kvbench.bench.report import machine, targets
 from kvbench.bench.sections import Bench
-from kvbench.budgets import Budget
-from kvbench.engine import REGIMES
+from kvbench.bench.settings import check_bench
 from kvbench.engine.threads import set_threads
-from kvbench.errors import choose
 from kvbench.models import ModelSpec, load_model
-from kvbench.policies import parse_spec
 
 log = logging.getLogger(__name__)
 
@@ -78,21 +75,7 @@ def output_directory(cfg: DictConfig) -> Path:
 
 def run_bench(cfg: DictConfig) -> tuple[dict[str, Any], Path]:
     """Run the benchmark configured by ``cfg`` into ``bench.json`` and ``bench.md``; the results and their folder."""
-    bench = cfg.bench
-    grid_policies = [*bench.grid.policies, bench.grid.rows_policy, *bench.contexts.policies]
-    for spec in [
-        *bench.prefill.policies,
-        *bench.prefill.profile,
-        *bench.memory.policies,
-        bench.decode.policy,
-        *grid_policies,
-        *bench.headwise.policies,
-    ]:
-        parse_spec(str(spec))
-    for budget in [*bench.grid.budgets, *bench.contexts.budgets]:
-        Budget.parse(str(budget))
-    for key, regime in (("engine.regime", cfg.engine.regime), ("bench.memory.regime", cfg.bench.memory.regime)):
-        choose(key, regime, REGIMES)
+    check_bench(cfg)  # before anything loads or is written
     out = output_directory(cfg)
     set_threads(cfg.engine.threads)
     return run_sections(Bench(cfg, load_model(ModelSpec.of(cfg.model))), out), out
