@@ -20,6 +20,7 @@ from kvbench import PROJECT_ROOT
 from kvbench.bench.measure import PRELOADED, Clock, Operators, PeakMemory, fresh_process, rotations
 from kvbench.bench.report import prefill_limit, targets
 from kvbench.bench.sections import PARAGRAPH, prompt_tokens
+from kvbench.bench.settings import check_bench
 from kvbench.cli import main
 from kvbench.models import load_tokenizer, model_config
 
@@ -551,6 +552,8 @@ def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_com
     assert list(last.bench.prefill.prompt_lengths) == [] and last.bench.grid.context_length == 8192
     assert list(last.bench.grid.policies) == ["full", "h2o"] and last.bench.leaderboard_grid.num_samples == 0
     assert last.bench.grid_operators.context_length == 0
+    for composed in (first, cfg, counted, last):  # what kvbench bench checks before it loads the model
+        check_bench(composed)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -651,7 +654,7 @@ def test_the_leaderboard_grids_full_cache_job_reads_the_grids_prompts():
 def test_every_bench_setting_has_a_domain_its_default_is_in():
     """conf/bench.yaml's ``bench`` node: each setting (a dotted key) has a domain in ``BENCH_SETTINGS``, and none is
     declared that the node lacks; the defaults pass every check."""
-    from kvbench.bench.settings import BENCH_SETTINGS, check_bench, flat
+    from kvbench.bench.settings import BENCH_SETTINGS, flat
     from kvbench.config import compose
 
     cfg = compose([], config_name="bench")
