@@ -322,3 +322,15 @@ def test_a_baseline_pairs_every_policy_with_it_on_the_same_samples(capsys, commi
         main(["leaderboard", str(committed), "--baseline", "snapkvv"])
     error = capsys.readouterr().err
     assert exit_info.value.code == 2 and error.count("\n") == 1 and "baseline policy (--baseline) 'snapkvv'" in error
+
+
+def test_the_provenance_reads_the_installed_versions_without_importing_them():
+    """``provenance.json``'s versions are the installed distributions' (the ones imported where a run imports them),
+    None for a package no distribution names."""
+    import torch
+    import transformers
+
+    from kvbench.results.leaderboard import installed
+
+    assert installed("torch") == torch.__version__ and installed("transformers") == transformers.__version__
+    assert installed("no-such-distribution") is None

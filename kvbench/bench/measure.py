@@ -16,7 +16,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -176,7 +176,7 @@ def profiled(function: Callable[[], Any], device: torch.device) -> dict[str, tup
     return {event.key: (event.count, getattr(event, attribute) / 1e6) for event in watched.key_averages()}
 
 
-def ranked(events: dict[str, tuple[float, float]], device: torch.device, rows: int) -> dict[str, Any]:
+def ranked(events: Mapping[str, tuple[float, float]], device: torch.device, rows: int) -> dict[str, Any]:
     """The ``rows`` largest of :func:`profiled`'s ``events`` by seconds, with their calls and shares of the total."""
     total = sum(seconds for _, seconds in events.values())
     largest = sorted(events.items(), key=lambda event: -event[1][1])[:rows]
@@ -189,7 +189,7 @@ def ranked(events: dict[str, tuple[float, float]], device: torch.device, rows: i
 
 def top_operators(function: Callable[[], Any], device: torch.device, rows: int) -> dict[str, Any]:
     """Where ``function()``'s time goes (:func:`profiled`): the ``rows`` largest with their calls and shares."""
-    return ranked(dict(profiled(function, device)), device, rows)
+    return ranked(profiled(function, device), device, rows)
 
 
 class PeakMemory:
@@ -247,7 +247,8 @@ PRELOADED = ["kvbench.bench.sections"]
 
 def fresh_process() -> ProcessPoolExecutor:
     """A pool of one fresh process, whose allocator holds nothing this one freed: forked from a server that imported
-    :data:`PRELOADED` and nothing else (once a bench), or spawned where the platform has no fork server."""
+    :data:`PRELOADED` and nothing else (started once a process, with the environment of that moment), or spawned where
+    the platform has no fork server."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     context = multiprocessing.get_context("forkserver")

@@ -28,7 +28,7 @@ import platform
 import sys
 import time
 from datetime import datetime, timezone
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pandas as pd
@@ -167,6 +167,15 @@ def leaderboard_tables(runs: list[Run], baseline: str | None = None) -> dict[str
     return {**tables, **summaries(tables["leaderboard_cells"], tables["leaderboard_paired"])}
 
 
+def installed(package: str) -> str | None:
+    """The installed version of ``package``, read without importing it (a report imports no model library), or None
+    where no distribution names it (a build from source)."""
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def provenance(command: str, started: float | None, commit: str | None, runs: list[Run]) -> dict[str, object]:
     """What made the runs: ``command``, its start, end and wall seconds (from ``started``, epoch seconds), the kvbench
     ``commit`` it ran (``git describe --dirty``, taken when it started), the versions that ran, the counts of runs
@@ -185,8 +194,8 @@ def provenance(command: str, started: float | None, commit: str | None, runs: li
         "versions": {
             "kvbench": kvbench.__version__,
             "python": platform.python_version(),
-            "torch": version("torch"),  # installed, read without importing them
-            "transformers": version("transformers"),
+            "torch": installed("torch"),
+            "transformers": installed("transformers"),
         },
         "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPU cores",
         "runs": len(runs),
