@@ -73,20 +73,17 @@ def profile_section(results: dict[str, Any]) -> list[str]:
     if results.get("prefill_profile"):
         profiles = results["prefill_profile"]
         for spec, profile in profiles["by_policy"].items():
-            lines += [
-                "",
-                f"## Where {spec}'s prefill of {profiles['prompt_length']} tokens goes ({profile['clock']} time, "
-                f"{profile['total_seconds']:.3f} s in all)",
-                "",
-            ]
-            rows = [
-                [row["name"][:90].replace("|", "/"), row["calls"], f"{row['seconds']:.4f}", f"{row['share']:.1%}"]
-                for row in profile["top"]
-            ]
-            lines += _table(
-                ["kernel" if profile["clock"] == "device" else "operator", "calls", "seconds", "share"], rows
-            )
+            title = f"## Where {spec}'s prefill of {profiles['prompt_length']} tokens goes ({profile['clock']} time, "
+            lines += ["", f"{title}{profile['total_seconds']:.3f} s in all)", "", *profile_table(profile)]
     return lines
+
+
+def profile_table(profile: dict[str, Any], per: str = "") -> list[str]:
+    """A profile's largest kernels (a GPU's) or operators: the calls, seconds and share of each (``per``: a step)."""
+    rows = [[row["name"][:90].replace("|", "/"), f"{row['calls']:g}", f"{row['seconds']:.5f}", f"{row['share']:.1%}"]
+            for row in profile["top"]]  # fmt: skip
+    kind = "kernel" if profile["clock"] == "device" else "operator"
+    return _table([kind, f"calls {per}".strip(), f"seconds {per}".strip(), "share"], rows)
 
 
 def kv_bytes_section(results: dict[str, Any]) -> list[str]:
@@ -345,18 +342,8 @@ def grid_operators_section(results: dict[str, Any]) -> list[str]:
         lines += _table(headers, rows) + ["", f"({counts['device']}; on a GPU each operator is a kernel launch)"]
         if profile := counts["by_attention"]["stored"].get("step_profile"):
             step = counts["by_attention"]["stored"]["step_seconds"]
-            lines += [
-                "",
-                f"### Where a step of the stored rows goes ({profile['clock']} time: {profile['total_seconds']:.4f} s "
-                f"of the step's {step:.4f} s)",
-                "",
-            ]
-            rows = []
-            for row in profile["top"]:
-                name = row["name"][:90].replace("|", "/")
-                rows.append([name, f"{row['calls']:g}", f"{row['seconds']:.5f}", f"{row['share']:.1%}"])
-            kind = "kernel" if profile["clock"] == "device" else "operator"
-            lines += _table([kind, "calls a step", "seconds a step", "share"], rows)
+            total = f"{profile['clock']} time: {profile['total_seconds']:.4f} s of the step's {step:.4f} s"
+            lines += ["", f"### Where a step of the stored rows goes ({total})", "", *profile_table(profile, "a step")]
     return lines
 
 
