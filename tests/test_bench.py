@@ -673,6 +673,16 @@ def test_every_bench_setting_has_a_domain_its_default_is_in():
         ("bench.grid.budgets=[64,lots]", "invalid budget 'lots'"),
         ("bench.nosuch=1", "bench: Could not override 'bench.nosuch'"),
         ("bench.prefill.prompt_lengths=[96,abc]", "bench.prefill.prompt_lengths=[96, 'abc']: must be a list of token"),
+        ("bench.decode.new_tokens=1", "bench.decode.new_tokens=1: must be a new-token count ≥ 2"),
+        (
+            "bench.generate.prompt_lengths=[32,1]",
+            "bench.generate.prompt_lengths=[32, 1]: must be a list of token counts ≥ 2",
+        ),
+        (
+            "bench.grid_operators.context_length=1",
+            "bench.grid_operators.context_length=1: must be 0 (the section skipped)",
+        ),
+        ("bench.prompt_source=book", "bench.prompt_source=book: must be one of essays, paragraph"),
         ("bench.grid_operators.profile_rows=-1", "bench.grid_operators.profile_rows=-1: must be a row count ≥ 0"),
         ("bench.kvpress.enabled=maybe", "bench.kvpress.enabled=maybe: must be true or false"),
         ("bench.memory.regime=foo", "bench.memory.regime=foo: must be one of oneshot, chunked, streaming"),

@@ -10,13 +10,21 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kvbench import CONF_DIR, config_dict
+from kvbench.bench.sections import PROMPT_SOURCES
 from kvbench.budgets import Budget
-from kvbench.domains import FLAG, SAMPLES, TEXT, TOKENS, Domain, choice, integer, list_of, mapping
+from kvbench.domains import FLAG, SAMPLES, TEXT, TOKENS, Domain, choice, integer, is_int, list_of, mapping
 from kvbench.engine import REGIMES
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies import parse_spec
 
-LENGTHS = list_of(TOKENS, "token counts ≥ 1", empty=True)  # empty: the section is skipped
+#: a prompt of the bench: two tokens at least (the last is the first decode step's), a decode of one step at least
+PROMPT = integer(2, "a token count")
+STEPS = integer(2, "a new-token count")
+PROMPT_OR_NONE = Domain(
+    "0 (the section skipped) or a token count ≥ 2",
+    lambda value: (is_int(value) and value == 0) or PROMPT.accepts(value),
+)
+LENGTHS = list_of(PROMPT, "token counts ≥ 2", empty=True)  # empty: the section is skipped
 SPECS = list_of(TEXT, "policy specs", empty=True)
 BUDGETS = list_of(Domain("a budget", lambda value: isinstance(value, (str, int))), "budgets", empty=True)
 OVERRIDES = list_of(TEXT, "overrides", empty=True)
@@ -25,7 +33,7 @@ OVERRIDES = list_of(TEXT, "overrides", empty=True)
 BENCH_SETTINGS: dict[str, Domain] = {
     "repetitions": integer(1, "a repetition count"),
     "warmup_tokens": integer(0, "a token count"),
-    "prompt_source": choice("essays", "paragraph"),
+    "prompt_source": choice(*PROMPT_SOURCES),
     "policy_params": mapping("a mapping of policy specs to their settings", lambda _, item: isinstance(item, Mapping)),
     "prefill.policies": SPECS,
     "prefill.prompt_lengths": LENGTHS,
@@ -33,22 +41,22 @@ BENCH_SETTINGS: dict[str, Domain] = {
     "prefill.profile_rows": integer(1, "a row count"),
     "decode.policy": TEXT,
     "decode.prompt_lengths": LENGTHS,
-    "decode.new_tokens": TOKENS,
+    "decode.new_tokens": STEPS,
     "memory.regime": choice(*REGIMES),
     "memory.policies": SPECS,
     "memory.prompt_lengths": LENGTHS,
     "memory.new_tokens": TOKENS,
     "headwise.policies": SPECS,
-    "headwise.prompt_length": TOKENS,
-    "headwise.new_tokens": TOKENS,
+    "headwise.prompt_length": PROMPT,
+    "headwise.new_tokens": STEPS,
     "generate.prompt_lengths": LENGTHS,
     "generate.new_tokens": TOKENS,
     "kvpress.enabled": FLAG,
-    "kvpress.prompt_length": TOKENS,
+    "kvpress.prompt_length": PROMPT,
     "kvpress.window": TOKENS,
     "kvpress.kernel": integer(1, "a pooling width"),
     "grid.task": OVERRIDES,
-    "grid.context_length": TOKENS,
+    "grid.context_length": PROMPT,
     "grid.num_samples": SAMPLES,
     "grid.policies": SPECS,
     "grid.budgets": BUDGETS,
@@ -61,7 +69,7 @@ BENCH_SETTINGS: dict[str, Domain] = {
     "leaderboard_grid.memory_samples": list_of(SAMPLES, "sample counts ≥ 1", empty=True),
     "grid_operators.experiment": TEXT,
     "grid_operators.budgets": BUDGETS,
-    "grid_operators.context_length": integer(0, "a token count"),  # 0: the section skipped
+    "grid_operators.context_length": PROMPT_OR_NONE,
     "grid_operators.new_tokens": TOKENS,
     "grid_operators.profile_rows": integer(0, "a row count"),  # 0: no profile
     "contexts.task": OVERRIDES,
