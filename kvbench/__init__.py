@@ -69,3 +69,17 @@ def config_dict(node: Any, resolve: bool = False) -> dict[str, Any]:
     container = OmegaConf.to_container(node, resolve=resolve)
     assert isinstance(container, dict)
     return cast(dict[str, Any], container)
+
+
+def lazy_exports(package: str, homes: dict[str, str]) -> Callable[[str], Any]:
+    """A package's module ``__getattr__`` (PEP 562) that imports ``package.<home>`` when one of its ``homes``' names
+    (name → module) is first read, so that importing one light module of a package does not import its heavy ones
+    (the engine's model code and transformers with it) through the package's ``__init__``."""
+    import importlib
+
+    def exported(name: str) -> Any:
+        if name not in homes:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{homes[name]}"), name)
+
+    return exported

@@ -21,7 +21,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvbench.engine import Engine
-from kvbench.engine.runner import REGIMES
+from kvbench.engine.settings import REGIMES
 from kvbench.engine.shared import generate_shared
 from kvbench.errors import KVBenchError
 from kvbench.policies import build_policy

@@ -53,7 +53,7 @@ def registered_policies(kind: str, tasks: str = "decoding", mode: str = "aware",
     ``mode`` (``aware``, or ``agnostic``: ``Policy.refusal``) under ``regime`` (``any``: in some regime); in
     ``agnostic`` a base defined only there (KVzip) comes with its variants even for ``bases``: it has no query-aware
     cells to hold them."""
-    from kvbench.engine.runner import REGIMES
+    from kvbench.engine.settings import REGIMES
 
     choose("${policies:KIND,TASKS} TASKS", tasks, POLICY_TASKS)
     choose("${policies:KIND,TASKS,MODE} MODE", mode, QUERY_MODES)
@@ -75,7 +75,7 @@ def registered_policies(kind: str, tasks: str = "decoding", mode: str = "aware",
 def defined(spec: str, query_agnostic: bool, regimes: list[str] | None = None) -> bool:
     """Whether the policy ``spec`` (its defaults) runs in one of ``regimes`` (default every regime),
     query-agnostically or not."""
-    from kvbench.engine.runner import REGIMES
+    from kvbench.engine.settings import REGIMES
 
     policy = build_policy(spec)
     return any(policy.refusal(regime, query_agnostic) is None for regime in regimes or REGIMES)

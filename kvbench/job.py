@@ -20,11 +20,10 @@ from kvbench import config_dict
 from kvbench.budgets import Budget
 from kvbench.config import GROUPS, engine_keys, group_keys, group_options, root_keys
 from kvbench.domains import FLAG, Domain, check_table, choice, integer, number
-from kvbench.engine import CACHE_SETTINGS, ENGINE_SETTINGS
 from kvbench.engine.kivi import Kivi, kivi_of
 from kvbench.engine.refusals import settings_refusal
-from kvbench.engine.runner import evicts_decoding
 from kvbench.engine.sampling import Sampling
+from kvbench.engine.settings import CACHE_SETTINGS, ENGINE_SETTINGS, evicts_decoding
 from kvbench.errors import KVBenchError, check_keys, choose
 from kvbench.models import MODEL_SETTINGS, ModelSpec
 from kvbench.policies import build_policy

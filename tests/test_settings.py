@@ -23,7 +23,7 @@ from kvbench import CONF_DIR
 from kvbench.cli import main
 from kvbench.config import compose, engine_keys, group_keys, group_options
 from kvbench.domains import Domain, Settings, domains_of, shown
-from kvbench.engine import CACHE_SETTINGS, ENGINE_SETTINGS
+from kvbench.engine.settings import CACHE_SETTINGS, ENGINE_SETTINGS
 from kvbench.errors import KVBenchError
 from kvbench.job import GENERATION_SETTINGS, RUN_SETTINGS, resolve
 from kvbench.models import MODEL_SETTINGS

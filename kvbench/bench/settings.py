@@ -13,7 +13,7 @@ from kvbench import CONF_DIR, config_dict
 from kvbench.bench.sections import PROMPT_SOURCES
 from kvbench.budgets import Budget
 from kvbench.domains import FLAG, SAMPLES, TEXT, TOKENS, Domain, choice, integer, is_int, list_of, mapping
-from kvbench.engine import REGIMES
+from kvbench.engine.settings import REGIMES
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies import parse_spec
 

@@ -30,7 +30,7 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.errors import KVBenchError
-from kvbench.run import LOG_FORMAT, SweepProgress, run_group
+from kvbench.run.progress import LOG_FORMAT, SweepProgress
 
 CLUSTER_KEYS = ("partition", "account", "qos", "gpus_per_node", "cpus_per_task", "mem_gb", "timeout_min", "constraint")
 """The launcher keys (``hydra.launcher.<key>``) that must fit the cluster: ``sbatch`` refuses what it cannot place."""
@@ -202,6 +202,8 @@ Member = tuple[Sequence[str], DictConfig, Path]
 def run_group_task(members: list[tuple[DictConfig, Path]], share_prefill: bool) -> list[Any]:
     """One array task: a group of jobs run by :func:`kvbench.run.run_group` in the process submitit started,
     its log lines on that process's stderr and in each job's ``kvbench.log``."""
+    from kvbench.run.group import run_group  # the engine, imported where a group runs
+
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     return run_group(members, share_prefill)
 
@@ -235,6 +237,8 @@ def launch_groups(
             idx += 1
     payload = [[(cfg, output_dir) for _, cfg, output_dir in group] for group in groups]
     if not hasattr(launcher, "array_name"):  # Hydra's basic launcher: here, one group after another
+        from kvbench.run.group import run_group  # the engine, imported where a group runs
+
         return [
             returned
             for group, members in zip(groups, payload)

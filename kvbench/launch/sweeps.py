@@ -43,7 +43,7 @@ from kvbench.identity import load_group_key
 from kvbench.job import check_known_keys, resolve
 from kvbench.launch.launchers import JobFailure, array_name, last_line, launch_groups, typed
 from kvbench.packed import PACKED, unpack
-from kvbench.run import SweepProgress
+from kvbench.run.progress import SweepProgress
 from kvbench.rundir import RunDir, finished_metrics
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
