@@ -57,6 +57,21 @@ ARCHITECTURES = {
 }
 
 
+def refused(capsys, args: list[str], written: Path | None = None) -> str:
+    """``kvbench ARGS`` (the command line, in this process) answering bad input: exit 2 and one line on stderr,
+    ``kvbench: error: …`` naming the value and the valid choices, no traceback, and nothing written at ``written``
+    (the path the command would have made). Returns that line."""
+    from kvbench.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and error.startswith("kvbench: error: ") and error.count("\n") == 1, error
+    assert written is None or not written.exists(), f"{written} was written"
+    return error
+
+
 def gemma3_layers(layers: int) -> list[str]:
     """The tiny Gemma 3's layer types: every third layer and the last global, the others sliding (two of three)."""
     glob = [layer % 3 == 2 or layer == layers - 1 for layer in range(layers)]

@@ -21,7 +21,16 @@ from kvbench.engine.shared import generate_shared
 from kvbench.errors import KVBenchError
 from kvbench.policies.layer_budget import conserve_total
 from kvbench.policies.methods.kvzip import kept_counts
-from tests.helpers import TOKENIZER, engine, kept_masks, masked_forward, random_prompt, tiny_model, unpacked_mask
+from tests.helpers import (
+    TOKENIZER,
+    engine,
+    kept_masks,
+    masked_forward,
+    random_prompt,
+    refused,
+    tiny_model,
+    unpacked_mask,
+)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "kvpress" / "kvzip.json"
 LAYERS = 3
@@ -185,11 +194,8 @@ def test_one_reconstruction_serves_every_budget_of_a_grid(monkeypatch):
     ],
 )
 def test_kvzip_outside_its_definition_is_one_line(tmp_path, capsys, overrides, message):
-    with pytest.raises(SystemExit) as exit_info:
-        kvbench_main(["run", "model=tiny_llama", "policy=kvzip", *overrides, f"output_dir={tmp_path / 'run'}"])
-    assert exit_info.value.code == 2
-    error = capsys.readouterr().err
-    assert error == f"kvbench: error: {message}\n" and not (tmp_path / "run").exists()
+    run = ["run", "model=tiny_llama", "policy=kvzip", *overrides, f"output_dir={tmp_path / 'run'}"]
+    assert refused(capsys, run, tmp_path / "run") == f"kvbench: error: {message}\n"
     with pytest.raises(KVBenchError, match="needs task.query_mode=agnostic"):
         engine(tiny_model(), "kvzip", 16).generate(random_prompt(40), 2)
 

@@ -16,6 +16,7 @@ from kvbench.cli import main
 from kvbench.errors import KVBenchError
 from kvbench.packed import PACKED, pack, unpack
 from kvbench.rundir import run_dirs_below
+from tests.helpers import refused
 
 RUN = ("config.yaml", "metrics.json", "predictions.jsonl", "kvbench.log")
 
@@ -97,20 +98,13 @@ def test_a_folder_with_a_run_being_written_is_not_packed(tmp_path, capsys):
 
     folder = sweep_folder(tmp_path / "sweep")
     with RunDir(folder / "m" / "t" / "b-2").lock():
-        with pytest.raises(SystemExit) as exit_info:
-            main(["pack", str(folder)])
-    assert exit_info.value.code == 2 and not (folder / PACKED).exists()
-    (line,) = capsys.readouterr().err.strip().splitlines()
+        line = refused(capsys, ["pack", str(folder)], folder / PACKED)
     assert line.startswith("kvbench: error: kvbench pack: ") and "b-2 is being written now" in line
 
 
 @pytest.mark.parametrize("args", [["pack"], ["unpack", "a", "b"], ["pack", "--all"], ["pack", "/nonexistent/x"]])
 def test_pack_and_unpack_take_one_folder(args, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
-    assert exit_info.value.code == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith(f"kvbench: error: kvbench {args[0]}")
+    assert refused(capsys, args).startswith(f"kvbench: error: kvbench {args[0]}")
 
 
 def test_the_committed_results_are_light_enough_to_carry():

@@ -18,6 +18,7 @@ import yaml
 from kvbench.cli import main
 from kvbench.identity import identity_differences
 from kvbench.rundir import RunDir, run_dirs_below
+from tests.helpers import refused
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RULER = ["task=ruler", "task.subtasks=[niah_single_1]", "task.num_samples=2"]
@@ -47,17 +48,6 @@ def snapshot(path: Path) -> dict[str, bytes]:
     return {str(file.relative_to(path)): file.read_bytes() for file in sorted(path.rglob("*")) if file.is_file()}
 
 
-def refused(args: list[str], capsys) -> str:
-    """Run ``kvbench run ARGS``, expecting exit 2; the one line it printed."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        main(["run", *args])
-    assert exit_info.value.code == 2
-    error = capsys.readouterr().err
-    assert error.startswith("kvbench: error: ") and error.count("\n") == 1 and "Traceback" not in error
-    return error
-
-
 @pytest.mark.parametrize("kind", list(CHANGES))
 def test_other_settings_are_refused_and_default_directories_differ(kind, tmp_path, monkeypatch, capsys):
     """A run of other settings into a finished directory: exit 2, one line naming the key with both values,
@@ -72,7 +62,7 @@ def test_other_settings_are_refused_and_default_directories_differ(kind, tmp_pat
         assert (path / "metrics.json").exists()
         assert Path(yaml.safe_load((path / "config.yaml").read_text())["output_dir"]).resolve() == path.resolve()
     before = snapshot(first)
-    error = refused([*changed(override), f"output_dir={first}"], capsys)
+    error = refused(capsys, ["run", *changed(override), f"output_dir={first}"])
     assert named in error and f"run directory {first} holds a run of other settings" in error
     assert "resume=restart" in error and "output_dir=" in error
     assert snapshot(first) == before
@@ -119,10 +109,10 @@ def test_a_failing_job_leaves_a_finished_directory_untouched(args, tmp_path, cap
     overrides = [arg for arg in BASE if arg.split("=")[0] not in {a.split("=")[0] for a in args}]
     if "task=ppl" in args:
         overrides = [arg for arg in overrides if not arg.startswith("task.")]
-    refused([*overrides, *args, f"output_dir={out}"], capsys)
+    refused(capsys, ["run", *overrides, *args, f"output_dir={out}"])
     assert snapshot(out) == before
     new = tmp_path / "new"
-    refused([*overrides, *args, f"output_dir={new}"], capsys)
+    refused(capsys, ["run", *overrides, *args, f"output_dir={new}"])
     assert not new.exists()
 
 
@@ -168,7 +158,7 @@ def test_a_directory_with_results_but_no_config_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
     (out / "predictions.jsonl").write_text('{"id": "x"}\n')
-    error = refused([*BASE, f"output_dir={out}"], capsys)
+    error = refused(capsys, ["run", *BASE, f"output_dir={out}"])
     assert f"run directory {out} holds results but no config.yaml" in error
     assert snapshot(out) == {"predictions.jsonl": b'{"id": "x"}\n'}
     assert RunDir(out).conflict({}) is not None
@@ -327,7 +317,7 @@ def test_rows_attention_is_part_of_a_run_and_each_keeps_older_runs_their_directo
     out = tmp_path / "run"
     main(["run", *BASE, "task.num_samples=1", "engine.rows_attention=padded", f"output_dir={out}"])
     before = snapshot(out)
-    error = refused([*BASE, "task.num_samples=1", "engine.rows_attention=each", f"output_dir={out}"], capsys)
+    error = refused(capsys, ["run", *BASE, "task.num_samples=1", "engine.rows_attention=each", f"output_dir={out}"])
     assert "engine.rows_attention=padded there, each here" in error
     assert snapshot(out) == before
     settings = {"engine": {"rows_attention": "each", "regime": "oneshot"}}
@@ -379,12 +369,8 @@ def test_an_unreadable_config_is_one_line_everywhere(text, tmp_path, capsys):
     (run / "metrics.json").write_text("{}")
     before = snapshot(tmp_path)
     for command in (["table", str(tmp_path / "runs")], ["leaderboard", str(tmp_path / "runs")]):
-        with pytest.raises(SystemExit) as exit_info:
-            main(command)
-        error = capsys.readouterr().err
-        assert exit_info.value.code == 2 and error.count("\n") == 1
-        assert f"1 run directories left out ({run}: {config} is not" in error
-    error = refused([*BASE, f"output_dir={run}"], capsys)
+        assert f"1 run directories left out ({run}: {config} is not" in refused(capsys, command)
+    error = refused(capsys, ["run", *BASE, f"output_dir={run}"])
     assert f"{config} is not" in error and "resume=restart" in error
     assert snapshot(tmp_path) == before
 
