@@ -15,6 +15,7 @@ from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
+import omegaconf._utils
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -24,7 +25,7 @@ from kvbench import CONF_DIR, config_dict
 from kvbench.budgets import Budget
 from kvbench.errors import KVBenchError, choose
 from kvbench.policies import BASES, MODIFIERS, build_policy, parse_spec, policy_keys, registered
-from kvbench.rundir import register_run_name
+from kvbench.rundir import config_loader, register_run_name
 
 register_run_name()  # conf/config.yaml's ${run_name:}
 
@@ -37,6 +38,10 @@ def _the_one_store(store: ConfigStore, memo: dict) -> ConfigStore:
 
 
 ConfigStore.__deepcopy__ = _the_one_store  # type: ignore[attr-defined]
+#: every YAML file Hydra and OmegaConf read (``OmegaConf.load``: a composition reads about a dozen) through libyaml
+#: with OmegaConf's resolvers (:func:`~kvbench.rundir.config_loader`, which reads every committed config and conf/
+#: file as OmegaConf's own loader does); OmegaConf builds its pure-Python loader class anew at each read
+omegaconf._utils.get_yaml_loader = config_loader
 
 #: ``${policies:KIND[,TASKS[,MODE[,REGIME]]]}``'s TASKS: ``decoding`` (every modifier) or ``prefill`` (a task that
 #: decodes nothing); MODE: the sweep's ``task.query_mode``; REGIME: its ``engine.regime`` (``any``: defined in one)
@@ -101,11 +106,19 @@ def policy_node(spec: str, policy_settings: dict[str, dict[str, Any]] | None = N
     return build_policy(spec, settings).settings()
 
 
+#: the node each policy option of the ``ConfigStore`` holds, as last registered (:func:`register_policies`)
+_REGISTERED: dict[str, dict[str, Any]] = {}
+
+
 def register_policies(specs: list[str], policy_settings: dict[str, dict[str, Any]] | None = None) -> None:
-    """Register every base and each of ``specs`` as an option of Hydra's ``policy`` group."""
+    """Register every base and each of ``specs`` as an option of Hydra's ``policy`` group (an option whose node is
+    unchanged is not stored again: each composition registers every base)."""
     store = ConfigStore.instance()
     for spec in dict.fromkeys([*BASES, *specs]):
-        store.store(group="policy", name=spec, node=policy_node(spec, policy_settings))
+        node = policy_node(spec, policy_settings)
+        if _REGISTERED.get(spec) != node or f"{spec}.yaml" not in store.repo.get("policy", {}):
+            store.store(group="policy", name=spec, node=node)
+            _REGISTERED[spec] = node
 
 
 #: config groups selected with ``+GROUP=NAME`` that may bring ``policy_settings``: a paper's experiment and a

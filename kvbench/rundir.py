@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf._utils import get_yaml_loader
+from omegaconf._utils import get_yaml_loader as omegaconf_loader  # its own, bound before kvbench.config sets ours
 
 from kvbench import file_name
 from kvbench.errors import KVBenchError, system_error
@@ -103,7 +103,7 @@ def config_loader() -> type:
     """OmegaConf's YAML loader (its float and path resolvers, no timestamps, a key twice refused) over libyaml's
     scanner and parser where PyYAML has them: the pure-Python ones were a third of ``kvbench leaderboard`` over
     the committed runs."""
-    ours = get_yaml_loader()
+    ours = omegaconf_loader()
     if not yaml.__with_libyaml__:
         return ours
 

@@ -475,12 +475,17 @@ def test_the_config_loader_reads_every_committed_config_as_omegaconfs_loader_doe
     """:func:`~kvbench.rundir.config_loader` (libyaml's parser, OmegaConf's resolvers) gives what OmegaConf's own
     YAML loader gives for every config committed (the packed runs' and conf/'s) and for the cases the resolvers
     decide: ``1e-5`` a float, a date a string, a path; a key twice is refused by both."""
+    import omegaconf._utils
     import yaml
-    from omegaconf._utils import get_yaml_loader
 
     from kvbench import CONF_DIR, PROJECT_ROOT
+    from kvbench.config import compose
     from kvbench.packed import PACKED, unpacked
     from kvbench.rundir import config_loader
+    from kvbench.rundir import omegaconf_loader as get_yaml_loader
+
+    assert get_yaml_loader is not config_loader and omegaconf._utils.get_yaml_loader is config_loader  # Hydra's reads
+    assert compose(["model=tiny_llama", "policy=snapkv"]).policy.name == "snapkv"
 
     assert not yaml.__with_libyaml__ or issubclass(config_loader(), yaml.CSafeLoader)
     texts = [path.read_text() for path in CONF_DIR.rglob("*.yaml")]

@@ -268,6 +268,10 @@ def test_a_composition_reads_the_one_config_store_and_what_was_registered_after_
     cfg = compose_run([*TINY, f"policy={spec}", "policy.window=9"])
     assert cfg.policy.name == spec and cfg.policy.window == 9
     assert store.load(f"policy/{spec}.yaml").node.window != 9  # composition reads a copy of the node
+    # a node is stored again only when it changes: an experiment's settings, then the defaults, then the experiment's
+    assert build_policy("snapkv").settings()["kernel"] == 5
+    for experiment, kernel in ((["+experiment=obcache"], 7), ([], 5), (["+experiment=obcache"], 7)):
+        assert compose_run([*TINY, *experiment, "policy=snapkv"]).policy.kernel == kernel
 
 
 def test_a_sweep_jobs_overrides_typed_back_give_the_same_job(tmp_path):
