@@ -471,22 +471,24 @@ def test_a_saved_config_reads_as_omegaconf_reads_it_and_again_once_rewritten(tmp
     assert run_dir.saved_config()["extra"]["small"] == 7.5e-7
 
 
-def test_the_config_loader_reads_every_committed_config_as_omegaconfs_loader_does():
+def test_the_config_loader_and_writer_read_and_write_every_committed_config_as_omegaconf_does():
     """:func:`~kvbench.rundir.config_loader` (libyaml's parser, OmegaConf's resolvers) gives what OmegaConf's own
     YAML loader gives for every config committed (the packed runs' and conf/'s) and for the cases the resolvers
-    decide: ``1e-5`` a float, a date a string, a path; a key twice is refused by both."""
+    decide: ``1e-5`` a float, a date a string, a path; a key twice is refused by both. :func:`~kvbench.rundir.
+    config_text` (libyaml's emitter, OmegaConf's representers) writes each as ``OmegaConf.to_yaml`` does, byte for
+    byte, strings that would read as numbers or bools quoted."""
     import omegaconf._utils
     import yaml
+    from omegaconf import OmegaConf
 
     from kvbench import CONF_DIR, PROJECT_ROOT
     from kvbench.config import compose
     from kvbench.packed import PACKED, unpacked
-    from kvbench.rundir import config_loader
+    from kvbench.rundir import config_loader, config_text
     from kvbench.rundir import omegaconf_loader as get_yaml_loader
 
     assert get_yaml_loader is not config_loader and omegaconf._utils.get_yaml_loader is config_loader  # Hydra's reads
     assert compose(["model=tiny_llama", "policy=snapkv"]).policy.name == "snapkv"
-
     assert not yaml.__with_libyaml__ or issubclass(config_loader(), yaml.CSafeLoader)
     texts = [path.read_text() for path in CONF_DIR.rglob("*.yaml")]
     for pack in (PROJECT_ROOT / "results").rglob(PACKED):  # the run directories as RunDir reads them
@@ -496,6 +498,11 @@ def test_the_config_loader_reads_every_committed_config_as_omegaconfs_loader_doe
     for text in texts:
         theirs = yaml.load(text, Loader=get_yaml_loader())
         assert yaml.load(text, Loader=config_loader()) == theirs and theirs is not None
+        assert config_text(theirs) == OmegaConf.to_yaml(OmegaConf.create(theirs))
+    quoted = {"a": "1e-5", "b": "true", "c": "12", "d": None, "e": [1, "x", 0.5], "f": "héllo ☃", "g": {"h": []}}
+    assert (
+        config_text(quoted) == OmegaConf.to_yaml(quoted) and yaml.load(config_text(quoted), config_loader()) == quoted
+    )
     for loader in (get_yaml_loader(), config_loader()):
         with pytest.raises(yaml.constructor.ConstructorError, match="while constructing a mapping"):
             yaml.load("a: 1\nb: {c: 2, c: 3}\n", Loader=loader)
