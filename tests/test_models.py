@@ -1,5 +1,6 @@
 """Model loading: configurations, offline errors, tiny random models, and the offline SmolLM2."""
 
+import dataclasses
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from kvbench.models import (
     load_model,
     load_tokenizer,
     model_config,
+    model_skeleton,
 )
 
 TINY_MODELS = ["tiny_llama", "tiny_qwen2", "tiny_mistral", "tiny_qwen3", "tiny_phi3", "tiny_gemma3", "tiny_gpt_oss"]
@@ -187,6 +189,18 @@ def test_tiny_model_attention_is_not_uniform():
 
 def test_loading_twice_reuses_the_loaded_model():
     assert load_model(model_config("tiny_llama")) is load_model(model_config("tiny_llama"))
+
+
+def test_a_models_skeleton_is_built_once_by_its_settings():
+    """A sweep's jobs each read their model's skeleton (:func:`~kvbench.models.model_skeleton`): one per settings,
+    another where a setting differs; none for the SmolLM2 wheel's (not built, not kept)."""
+    spec = model_config("tiny_llama")
+    skeleton = model_skeleton(spec)
+    assert skeleton is not None and skeleton is model_skeleton(model_config("tiny_llama"))
+    assert next(skeleton.parameters()).is_meta and skeleton.config.num_hidden_layers == spec.random["num_hidden_layers"]
+    other = model_skeleton(dataclasses.replace(spec, random={**spec.random, "num_hidden_layers": 2}))
+    assert other is not skeleton and other.config.num_hidden_layers == 2
+    assert model_skeleton(model_config("smollm2_135m")) is None
 
 
 @pytest.mark.parametrize(
