@@ -88,17 +88,35 @@ def region_attention(
     [n]``, each length ≥ 1) → ``[n,G,D]`` in the queries' dtype."""
     if triton is None:
         raise RuntimeError("the region attention kernel needs triton")
-    units, group, dim = queries.shape
+    args, constants = region_arguments(queries, keys, values, starts, lengths, scaling, block_n)
+    _decode_kernel[(queries.shape[0],)](*args, **constants)
+    return args[5]
+
+
+def region_arguments(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    scaling: float,
+    block_n: int = 64,
+) -> tuple[tuple, dict]:
+    """What :func:`region_attention` launches the kernel with (the output ``[n,G,D]`` sixth) and the constants it
+    is compiled for (:mod:`kvbench.kernels.targets` compiles it from these)."""
+    _, group, dim = queries.shape
     queries = queries if queries.stride(-1) == 1 else queries.contiguous()
     out = torch.empty_like(queries)
-    _decode_kernel[(units,)](
+    args = (
         queries, keys, values, starts, lengths, out,
         queries.stride(0), queries.stride(1), keys.stride(0), values.stride(0), out.stride(0), out.stride(1),
         dim, scaling * LOG2E,
+    )  # fmt: skip
+    constants = dict(
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(dim)), UPCAST=interpreted(),
     )  # fmt: skip
-    return out
+    return args, constants
 
 
 #: by device, ``0, 1, 2, …`` as one buffer that :func:`counting` views (grown by doubling)

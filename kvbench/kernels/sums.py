@@ -154,6 +154,33 @@ def attention_sums(
     at the first call (``triton.autotune``), (64, 64) under the interpreter."""
     if triton is None:
         raise RuntimeError("the fused attention sums need triton")
+    args, constants = sums_arguments(queries, keys, values, outputs, lse, scaling, terms)
+    if tiles is None and interpreted():
+        tiles = (64, 64)
+    kernel, fixed = (
+        (_tuned_sums_kernel, {}) if tiles is None else (_sums_kernel, dict(zip(("BLOCK_M", "BLOCK_N"), tiles)))
+    )
+    kv_len, batch_heads = keys.shape[2], keys.shape[0] * keys.shape[1]
+
+    def grid(meta):
+        return (triton.cdiv(kv_len, meta["BLOCK_N"]), batch_heads)
+
+    kernel[grid](*args, **constants, **fixed)
+    return args[5]
+
+
+def sums_arguments(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    outputs: torch.Tensor,
+    lse: torch.Tensor,
+    scaling: float,
+    terms: tuple[float, float, float] | None = WEIGHTS,
+) -> tuple[tuple, dict]:
+    """What :func:`attention_sums` launches the kernel with (its inputs as the kernel reads them, the sums' empty
+    output ``[B,Hc,T]`` sixth), and the constants it is compiled for but the tiles (:mod:`kvbench.kernels.targets`
+    compiles it from these)."""
     batch, q_heads, q_len, dim = queries.shape
     heads, kv_len = keys.shape[1], keys.shape[2]
     if outputs.dtype != values.dtype:  # one dtype for the v·o products
@@ -164,16 +191,7 @@ def attention_sums(
     lse = (lse.float() * LOG2E).contiguous()  # base 2, as the kernel exponentiates
     out = torch.empty(batch, heads, kv_len, dtype=torch.float32, device=keys.device)
     a0, a1, b1 = (0.0, 0.0, 0.0) if terms is None else terms
-    if tiles is None and interpreted():
-        tiles = (64, 64)
-    kernel, fixed = (
-        (_tuned_sums_kernel, {}) if tiles is None else (_sums_kernel, dict(zip(("BLOCK_M", "BLOCK_N"), tiles)))
-    )
-
-    def grid(meta):
-        return (triton.cdiv(kv_len, meta["BLOCK_N"]), batch * heads)
-
-    kernel[grid](
+    args = (
         queries, keys, values, outputs, lse, out,
         queries.stride(0), queries.stride(1), queries.stride(2),
         keys.stride(0), keys.stride(1), keys.stride(2),
@@ -181,7 +199,9 @@ def attention_sums(
         outputs.stride(0), outputs.stride(1), outputs.stride(2),
         lse.stride(0), lse.stride(1),
         heads, q_len, kv_len, dim, scaling, scaling * LOG2E, min(kv_len.bit_length(), LONG),
-        GROUP=q_heads // heads, WEIGHT_SUMS=terms is None, A0=a0, A1=a1, B1=b1,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), UPCAST=interpreted(), **fixed,
     )  # fmt: skip
-    return out
+    constants = dict(
+        GROUP=q_heads // heads, WEIGHT_SUMS=terms is None, A0=a0, A1=a1, B1=b1,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), UPCAST=interpreted(),
+    )  # fmt: skip
+    return args, constants
