@@ -50,7 +50,14 @@ SHAPES = [  # batch, cache heads, group, queries, keys, head dim: decode, prefil
 
 #: every tile shape the GPU's tuning may pick, and small ones
 TILES = sorted(
-    {(16, 16), (16, 32), *((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in getattr(sums, "CONFIGS", []))}
+    {
+        (16, 16),
+        (16, 32),
+        *(
+            (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"])
+            for c in getattr(sums, "CONFIGS", []) + getattr(sums, "ERROR_CONFIGS", [])
+        ),
+    }
 )
 
 

@@ -119,22 +119,30 @@ if triton is not None:
                 total += outer - 2.0 * crossed
         tl.store(out_ptr + bh * kv_len + keys, total, mask=key_ok)
 
-    #: tiles (queries, keys), warps and pipeline stages measured on the device at a kernel's first call per head
-    #: size, group, statistic and length class; every tile shape exact (the tests run each)
-    CONFIGS = [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
-        for m, n, warps, stages in [
-            (64, 64, 4, 3),
-            (64, 128, 8, 3),
-            (128, 64, 8, 3),
-            (32, 128, 4, 3),
-            (64, 64, 4, 4),
-            (128, 128, 8, 2),
+    def configs(tiles: list[tuple[int, int, int, int]]) -> list:
+        return [
+            triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
+            for m, n, warps, stages in tiles
         ]
-    ]
-    _tuned_sums_kernel = triton.autotune(CONFIGS, key=["dim", "length_class", "GROUP", "WEIGHT_SUMS", "B1"])(
-        _sums_kernel
+
+    #: tiles (queries, keys), warps and pipeline stages measured on the device at a kernel's first call per head
+    #: size, group, statistic and length class; every tile shape exact (the tests run each). H2O's weight sums:
+    CONFIGS = configs(
+        [(64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3), (32, 128, 4, 3), (64, 64, 4, 4), (128, 128, 8, 2)]
     )
+    #: an output error's (OBCache), whose three more sums a key and the ``v·o`` tile fill a thread's 255 registers:
+    #: compiled for sm_90, its key and joint errors spill at every tile of ``CONFIGS`` (8–736 bytes a thread) and
+    #: at none of the first two here (``python -m kvbench.kernels.targets``)
+    ERROR_CONFIGS = configs([(64, 64, 8, 3), (32, 64, 8, 3), (64, 128, 8, 3), (64, 64, 4, 3)])
+    _tuned = {
+        weights: triton.autotune(tiles, key=["dim", "length_class", "GROUP", "WEIGHT_SUMS", "B1"])(_sums_kernel)
+        for weights, tiles in ((True, CONFIGS), (False, ERROR_CONFIGS))
+    }
+
+
+def tuned_configs(terms: tuple[float, float, float] | None = WEIGHTS) -> list:
+    """The tile configurations the autotuning tries for the sums of ``terms`` (:func:`attention_sums`)."""
+    return CONFIGS if terms is WEIGHTS else ERROR_CONFIGS
 
 
 def attention_sums(
@@ -158,7 +166,7 @@ def attention_sums(
     if tiles is None and interpreted():
         tiles = (64, 64)
     kernel, fixed = (
-        (_tuned_sums_kernel, {}) if tiles is None else (_sums_kernel, dict(zip(("BLOCK_M", "BLOCK_N"), tiles)))
+        (_tuned[terms is WEIGHTS], {}) if tiles is None else (_sums_kernel, dict(zip(("BLOCK_M", "BLOCK_N"), tiles)))
     )
     kv_len, batch_heads = keys.shape[2], keys.shape[0] * keys.shape[1]
 

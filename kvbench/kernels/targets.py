@@ -138,9 +138,9 @@ def sums_builds(
     dim: int = 128,
     group: int = 4,
 ) -> list[Build]:
-    """The fused sums (:mod:`kvbench.kernels.sums`) for each of ``statistics`` at every tile configuration of its
-    autotuning, for heads of ``dim`` channels and ``group`` query heads a
-    KV head (Llama 3.1 8B's: 128, 4)."""
+    """The fused sums (:mod:`kvbench.kernels.sums`) for each of ``statistics`` at every tile configuration its
+    autotuning tries for it (:func:`~kvbench.kernels.sums.tuned_configs`), for heads of ``dim`` channels and
+    ``group`` query heads a KV head (Llama 3.1 8B's: 128, 4)."""
     from kvbench.kernels import sums
 
     queries, outputs = torch.zeros(1, group, 32, dim, dtype=dtype), torch.zeros(1, group, 32, dim, dtype=dtype)
@@ -152,7 +152,7 @@ def sums_builds(
     builds = []
     for what in statistics:
         args, constants = sums.sums_arguments(queries, keys, values, outputs, lse, dim**-0.5, STATISTICS[what])
-        for config in sums.CONFIGS:
+        for config in sums.tuned_configs(STATISTICS[what]):
             tiles = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"])
             described = (tiles, config.num_warps, config.num_stages)
             tiled = {**constants, "BLOCK_M": tiles[0], "BLOCK_N": tiles[1]}
