@@ -106,5 +106,5 @@ def test_a_block_over_an_architectures_shared_memory_does_not_fit():
     ],
 )
 def test_a_bad_value_is_one_line(capsys, args, line):
-    assert targets.main(args) == 2
+    assert targets.print_builds(args) == 2
     assert capsys.readouterr().err.splitlines() == [f"kvbench: error: {line}"]

@@ -189,7 +189,7 @@ def table(builds: list[Build]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
+def print_builds(argv: list[str]) -> int:
     """``python -m kvbench.kernels.targets [ARCH] [STATISTIC ...] [--json]``: the builds of every statistic (or those
     named) and of the region attention for ``ARCH`` (sm_90), as a Markdown table or a JSON object a line."""
     named = [value for value in argv if not value.startswith("--")]
@@ -213,4 +213,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(print_builds(sys.argv[1:]))
