@@ -64,10 +64,11 @@ class SharedForward:
 
     def select(self) -> None:
         """Every pending selection, by one top-k for those of one shape and slots (:func:`top_slots` over their scores
-        stacked ``[V,B,Hc,T]``: slice by slice the same top-k as each variant's alone), each's keys and values then
-        gathered into new tensors of its own (a buffer of every variant's would hold a finished row's entries until
-        the last of them left it; their rankings and, where they view one prompt's, positions by one gather, small)
-        and kept by its variants."""
+        stacked ``[V,B,Hc,T]``: slice by slice the same top-k as each variant's alone), their rankings then gathered
+        by one gather and, where they select from one prompt's entries (the same tensors), its keys and values and
+        its positions by one gather each: each selection's a view of one buffer of them all, which a variant's first
+        append copies out of (:func:`~kvbench.engine.layer.appended` writes in place only into a storage of its
+        own); else each selection's by its own. Each is then kept by its variants."""
         self.settle()
         groups: dict[tuple, list[Pending]] = defaultdict(list)
         for pending in self.pending:
@@ -84,9 +85,13 @@ class SharedForward:
                 positions = list(positions[0].expand(len(group), -1, -1, -1).gather(-1, kept))
             else:
                 positions = [each.gather(2, slots_kept) for each, slots_kept in zip(positions, kept)]
-            for slots_kept, index, ranking, at, pending in zip(kept, flat, rankings, positions, group):
-                keys, values, _ = pending.entries
-                gathered = (*take_flat(index, keys, values), at, ranking)
+            keys, values, _ = group[0].entries
+            if all(same_view(p.entries[0], keys) and same_view(p.entries[1], values) for p in group):
+                taken = list(zip(*take_flat(flat, keys, values)))  # [V] of (keys, values [B,Hc,K,D])
+            else:
+                taken = [take_flat(index, *pending.entries[:2]) for index, pending in zip(flat, group)]
+            for slots_kept, entries, ranking, at, pending in zip(kept, taken, rankings, positions, group):
+                gathered = (*entries, at, ranking)
                 for keep in pending.keeps:
                     keep(slots_kept, gathered)
 

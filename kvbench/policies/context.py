@@ -115,10 +115,12 @@ def take_slots(index: torch.Tensor, *entries: torch.Tensor) -> tuple[torch.Tenso
 
 
 def take_flat(flat: torch.Tensor, *entries: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """:func:`take_slots` by the flat index ``flat [B·H·K]`` of the slots (``index`` + :func:`slot_offsets`)."""
+    """:func:`take_slots` by the flat index ``flat [..., B·H·K]`` of the slots (``index`` + :func:`slot_offsets`) →
+    ``[..., B,H,K,D]``: several selections ``[V, B·H·K]`` of the same entries by one ``index_select``."""
     batch, heads, _, dim = entries[0].shape
+    shape = (*flat.shape[:-1], batch, heads, -1, dim)
     # a reshape copies only where the slots are not contiguous
-    return tuple(each.reshape(-1, each.shape[-1]).index_select(0, flat).view(batch, heads, -1, dim) for each in entries)
+    return tuple(each.reshape(-1, dim).index_select(0, flat.flatten()).view(shape) for each in entries)
 
 
 @functools.lru_cache(maxsize=256)
