@@ -30,13 +30,12 @@ class HeadwiseEntries:
     ) -> HeadwiseEntries:
         """The entries ``kept [1,Hc,T]`` (True = kept) of a layer's ``keys``/``values [1,Hc,T,D]``, ``positions`` and
         ``ranking [1,Hc,T]``, copied out of them."""
-        heads, tokens = kept.shape[1:]
+        heads = kept.shape[1]
         lengths = kept[0].sum(dim=-1)  # [Hc]
-        # the longest head's length and their total by one value read back (on a GPU one synchronisation, where
-        # ``nonzero`` would be another): ``longest·(Hc·T + 1) + N``
-        longest, total = divmod(int(lengths.max() * (heads * tokens + 1) + lengths.sum()), heads * tokens + 1)
+        counts = lengths.tolist()  # the one read back (on a GPU a synchronisation; ``nonzero`` would be another)
+        longest = max(counts)
         # [N] head-major, slot order within a head: the kept slots first, in order (a stable sort)
-        flat = kept[0].flatten().to(torch.uint8).argsort(descending=True, stable=True)[:total]
+        flat = kept[0].flatten().argsort(descending=True, stable=True)[: sum(counts)]
         # a kept slot's place in the layout: its head's first (h·longest) plus the kept slots before it in its head
         first = torch.arange(-1, heads * longest - 1, longest, device=kept.device)[:, None]  # [Hc,1], less one
         layout = kept[0].cumsum(dim=-1).add_(first).flatten()  # [Hc·T]
