@@ -17,10 +17,10 @@ share (window statistics, rankings, sums) is counted in each: an upper bound of 
     python scripts/prefill_operators_by_family.py [MODEL] [PROMPT_LENGTH]   # smollm2_135m_random, 1024
 
 and it prints a Markdown table (docs/benchmarks.md quotes it). With ``--by-frame`` it prefills every variant at every
-budget together, as one sample of the grid, and charges each operator to the innermost kvbench function that
-dispatched it; with ``--accelerator`` too, SLAKE's VABS takes its window in one block as on an accelerator
-(``slake.vabs_block``; 64 query rows a block on a CPU), so the counts are those a GPU would launch but for H2O's running
-sums, which ``engine.sums_kernel=triton`` fuses there."""
+budget together, as one sample of the grid, and charges each operator (and each value read back) to the innermost
+kvbench function that dispatched it; with ``--accelerator`` too, SLAKE's VABS takes its window in one block as on an
+accelerator (``slake.vabs_block``; 64 query rows a block on a CPU), so the counts are those a GPU would launch but for
+H2O's running sums, which ``engine.sums_kernel=triton`` fuses there."""
 
 from __future__ import annotations
 
@@ -60,14 +60,17 @@ class ByFrame(Operators):
     def __init__(self) -> None:
         super().__init__()
         self.frames: Counter[str] = Counter()
+        self.reads: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = self.launched
+        before, read_before = self.launched, self.host_reads
         output = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.launched > before:
+        if self.launched > before or self.host_reads > read_before:
             ours = [frame for frame in traceback.extract_stack() if "/kvbench/" in frame.filename]
             ours = [frame for frame in ours if not frame.filename.endswith("bench/measure.py")]
-            self.frames[f"{ours[-1].filename.split('/kvbench/')[-1]}:{ours[-1].name}" if ours else "(model)"] += 1
+            where = f"{ours[-1].filename.split('/kvbench/')[-1]}:{ours[-1].name}" if ours else "(model)"
+            self.frames[where] += self.launched - before
+            self.reads[where] += self.host_reads - read_before
         return output
 
 
@@ -94,6 +97,10 @@ def by_frame(model_name: str = "smollm2_135m_random", length: int = 1024, accele
     print("| frame | operators | a row and layer |\n|---|---|---|")
     for frame, count in counted.frames.most_common(30):
         print(f"| `{frame}` | {count:,} | {count / rows / layers:.2f} |")
+    print(f"\n{counted.host_reads:,} values read back (a CPU's `.tolist()` not seen):\n")
+    print("| frame | values read back |\n|---|---|")
+    for frame, count in (+counted.reads).most_common(10):
+        print(f"| `{frame}` | {count:,} |")
 
 
 def random_prompt(loaded, length: int) -> tuple[list[int], int]:
