@@ -103,8 +103,18 @@ def test_a_block_over_an_architectures_shared_memory_does_not_fit():
     [
         (["sm_70"], "architecture 'sm_70' is not one of sm_90, sm_80"),
         (["sm_90", "snapkv"], "statistic 'snapkv' is not one of weights, obcache_value, obcache_key, obcache_joint"),
+        (["sm_90", "--jsn"], "option '--jsn' is not one of --json"),
     ],
 )
 def test_a_bad_value_is_one_line(capsys, args, line):
     assert targets.print_builds(args) == 2
     assert capsys.readouterr().err.splitlines() == [f"kvbench: error: {line}"]
+
+
+def test_the_statistics_are_the_policies_terms():
+    from kvbench.policies.scores import OBCACHE_TERMS
+
+    assert targets.STATISTICS == {
+        "weights": None,
+        **{f"obcache_{kind}": terms for kind, terms in OBCACHE_TERMS.items()},
+    }

@@ -1,8 +1,9 @@
 """The kernels compiled for a GPU on a machine without one, as a GPU would compile them at their first launch:
 Triton's ahead-of-time path (``triton.compile`` for a ``GPUTarget``) to the binary (cubin) that the driver would
 load, and the resources each build takes, read from it by the ``cuobjdump`` Triton ships. The interpreter the tests
-run the kernels under accepts programs that the compiler refuses (a ``tl.dot`` tile under 16 rows, a block whose
-shared memory exceeds the device's), so these builds are the check that what the tests ran compiles for the device.
+run the kernels under runs programs that the compiler refuses (a plain Python function called in a kernel) or builds
+but a device cannot launch (a block asking more shared memory than the device has), so these builds are the check
+that what the tests ran compiles for the device and fits it.
 
 Each build is compiled from the arguments the engine's own launcher makes (:func:`~kvbench.kernels.sums.
 sums_arguments`, :func:`~kvbench.kernels.decode.region_arguments`) for the shapes of a model, at every tile
@@ -29,7 +30,8 @@ from kvbench.kernels import interpreted
 #: the compute capability of each architecture built for and the most shared memory one block may take there, in
 #: bytes (CUDA C Programming Guide, "Technical Specifications per Compute Capability": 227 KB on 9.0, 163 KB on 8.0)
 ARCHES = {"sm_90": (90, 227 * 1024), "sm_80": (80, 163 * 1024)}
-#: the statistics of the fused sums (H2O's weight sums, OBCache's output errors: ``kvbench.policies.scores``)
+#: the statistics of the fused sums: H2O's weight sums, OBCache's output errors (``kvbench.policies.scores.
+#: OBCACHE_TERMS``, a layer above this one: the tests check they agree)
 STATISTICS: dict[str, tuple[float, float, float] | None] = {
     "weights": None,
     "obcache_value": (1.0, 0.0, 0.0),
@@ -192,6 +194,10 @@ def table(builds: list[Build]) -> str:
 def print_builds(argv: list[str]) -> int:
     """``python -m kvbench.kernels.targets [ARCH] [STATISTIC ...] [--json]``: the builds of every statistic (or those
     named) and of the region attention for ``ARCH`` (sm_90), as a Markdown table or a JSON object a line."""
+    flags = [value for value in argv if value.startswith("--") and value != "--json"]
+    if flags:
+        print(f"kvbench: error: option {flags[0]!r} is not one of --json", file=sys.stderr)
+        return 2
     named = [value for value in argv if not value.startswith("--")]
     arch, statistics = (named[0] if named else "sm_90"), tuple(named[1:]) or tuple(STATISTICS)
     if arch not in ARCHES:
