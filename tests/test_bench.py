@@ -56,7 +56,7 @@ TINY = [
     "bench.contexts.new_tokens=4",
     "bench.headwise.prompt_length=160",
     "bench.headwise.new_tokens=3",
-    "bench.grid_operators.context_length=512",
+    "bench.grid_operators.context_length=256",
     "bench.grid_operators.budgets=[20pct]",
     "bench.grid_operators.profile_rows=4",
 ]
@@ -325,12 +325,12 @@ def test_grid_operators_count_a_grouped_samples_prefill_and_step_each_alone_and_
     results, out = bench
     counts = results["grid_operators"]
     each, stored = counts["by_attention"]["each"], counts["by_attention"]["stored"]
-    assert counts["rows"] > 50 and counts["context_length"] == 512
+    assert counts["rows"] > 50 and counts["context_length"] == 256
     assert each["prefill_operators"] == stored["prefill_operators"] > counts["full_row"]["prefill_operators"]
     assert each["prefill_host_copies"] == stored["prefill_host_copies"] == 0  # a CPU has no other device
     assert counts["full_row"]["step_operators"] < stored["step_operators"] < each["step_operators"]
     assert stored["step_host_reads"] == 0
-    assert f"## Operators of a grouped sample: {counts['rows']} rows of 512 tokens" in bench_md(out)
+    assert f"## Operators of a grouped sample: {counts['rows']} rows of 256 tokens" in bench_md(out)
     profile = stored["step_profile"]  # a step's own: two decodes' difference, over 4
     seconds = [row["seconds"] for row in profile["top"]]
     assert profile["clock"] == "cpu" and len(seconds) == 4 and seconds == sorted(seconds, reverse=True)

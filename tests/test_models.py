@@ -279,6 +279,7 @@ def test_smollm2_loads_from_a_converted_directory_path(smollm2):
         assert torch.equal(loaded.model(prompt).logits, smollm2.model(prompt).logits)
 
 
+@pytest.mark.slow  # transformers converts the wheel's GGUF again at each call (27 s of CI's 2 workers)
 @pytest.mark.model
 def test_smollm2_cache_reproduces_the_gguf_logits(smollm2, tmp_path):
     try:

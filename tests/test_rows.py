@@ -20,37 +20,44 @@ from tests.helpers import (
     VARIANTS,
     architecture_variants,
     assert_diverged_at_a_near_tie,
+    assert_each_as_alone,
     assert_shared_gives_each_alone,
+    generated_shared,
+    question_start,
     random_prompt,
     rankings_by_policy,
     registry_engines,
     tiny_model,
 )
 
+#: how each architecture's rows attend in the test below: every one alone; Llama also padded and stored; the dense GQA
+#: ones whose tiny models share their cache heads differently (Qwen2, Qwen3) stored too
+ROWS_ATTENTION = {name: ("each",) for name in ARCHITECTURES} | {
+    "llama": ("each", "padded", "stored"),
+    "qwen2": ("each", "stored"),
+    "qwen3": ("each", "stored"),
+}
 
-@pytest.mark.parametrize(
-    ("architecture", "rows_attention"),
-    [
-        *((name, "each") for name in sorted(ARCHITECTURES)),
-        ("llama", "padded"),
-        ("llama", "stored"),
-        ("qwen2", "stored"),
-        ("qwen3", "stored"),
-    ],
-)
-def test_variants_decoded_as_rows_give_what_each_gives_alone(architecture, rows_attention):
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_variants_decoded_as_rows_give_what_each_gives_alone(architecture):
     """Every base × {none, each applicable modifier} (the architecture's share: :func:`architecture_variants`), both
     head layouts, oneshot and chunked (which evicts at every decode step), decoded 16 rows at a time after one shared
-    prefill, each row attended alone or all the rows that hold every key padded into one call per layer
-    (``engine.rows_attention``): each variant's tokens, kept sets, cache sizes and policy statistics equal its own
-    :meth:`Engine.generate`'s (float32)."""
+    prefill, each row attended alone, or all the rows that hold every key padded into one call per layer, or held
+    together (``engine.rows_attention``: :data:`ROWS_ATTENTION`): each variant's tokens, kept sets, cache sizes and
+    policy statistics equal its own :meth:`Engine.generate`'s (float32), run once for every way the rows attend."""
     model = tiny_model(architecture)
     prompt = random_prompt(160)
     cases = [(32, "oneshot", {}), (48, "oneshot", {"gqa": "repeat"}), (48, "chunked", {})]
-    settings = {"block_size": 64, "record_kept": True, "rows_attention": rows_attention}
-    engines, _ = registry_engines(model, cases, len(prompt), variants=architecture_variants(architecture), **settings)
-    assert len(engines) > 16 and {engine.regime for engine in engines} == {"oneshot", "chunked"}
-    assert_shared_gives_each_alone(engines, prompt, 8, batch_size=16)
+    variants, alone = architecture_variants(architecture), None
+    for rows_attention in ROWS_ATTENTION[architecture]:
+        settings = {"block_size": 64, "record_kept": True, "rows_attention": rows_attention}
+        engines, _ = registry_engines(model, cases, len(prompt), variants=variants, **settings)
+        assert len(engines) > 16 and {engine.regime for engine in engines} == {"oneshot", "chunked"}
+        shared = generated_shared(engines, prompt, 8, batch_size=16)
+        if alone is None:  # a row alone attends as it is (engine.rows_attention sets how rows attend together)
+            alone = [engine.generate(prompt, 8, question_start=question_start(engine, prompt)) for engine in engines]
+        assert_each_as_alone(engines, alone, shared)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
