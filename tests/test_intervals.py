@@ -15,6 +15,7 @@ from kvbench.cli import main
 from kvbench.config import compose
 from kvbench.finished import load_runs
 from kvbench.policies import BASES, MODIFIERS
+from kvbench.results import intervals
 from kvbench.results.intervals import Interval, bootstrap_mean, paired_difference
 from kvbench.results.leaderboard import leaderboard_tables
 from kvbench.run import run
@@ -32,6 +33,11 @@ def test_the_interval_is_the_quantiles_of_the_resampled_means():
     assert interval.high == pytest.approx(np.quantile(means, 0.975), abs=1e-12)
     assert interval.mean == pytest.approx(values.mean()) and interval.n == 37
     assert bootstrap_mean(values, resamples=500, seed=11) == interval  # the same seed, the same interval
+    # other values of the same size read the same draws (cached, read-only), as a fresh generator makes them
+    others = values[::-1] * 2.0
+    means = [sum(others[index] for index in row) / 37 for row in draws]
+    assert bootstrap_mean(others, resamples=500, seed=11).low == pytest.approx(np.quantile(means, 0.025), abs=1e-12)
+    assert not intervals.draws(11, 37, 500).flags.writeable
 
 
 def test_the_interval_has_the_width_of_the_normal_one_for_many_samples():

@@ -6,11 +6,14 @@ asked about one document) are not independent: given their clusters, whole clust
 bootstrap, Davison & Hinkley, *Bootstrap Methods and their Application*, 1997, §3.8), each resample's mean the mean
 over the samples of the clusters drawn.
 
-Resampling is vectorised: one ``[resamples, clusters]`` index draw, one mean per row.
+Resampling is vectorised: one ``[resamples, clusters]`` index draw, one mean per row. The draw depends only on the
+seed, the number of samples (or clusters) and the resamples, so the cells of a leaderboard, mostly of one size, read
+one draw (:func:`draws`), the same a fresh generator makes.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,6 +39,15 @@ class Interval:
         return self.low > 0 or self.high < 0
 
 
+@functools.lru_cache(maxsize=4)
+def draws(seed: int, size: int, resamples: int) -> np.ndarray:
+    """The resamples' indices ``[resamples, size]`` into ``size`` samples (or clusters), drawn with replacement by a
+    generator seeded ``seed``; read-only (one array for every caller of these arguments)."""
+    drawn = np.random.default_rng(seed).integers(0, size, size=(resamples, size))
+    drawn.setflags(write=False)
+    return drawn
+
+
 def bootstrap_mean(
     values: Sequence[float],
     resamples: int = RESAMPLES,
@@ -48,15 +60,13 @@ def bootstrap_mean(
     sample = np.asarray(values, dtype=np.float64)
     if sample.size == 0:
         raise ValueError("bootstrap_mean needs at least one value")
-    generator = np.random.default_rng(seed)
     if clusters is None:
-        draws = generator.integers(0, sample.size, size=(resamples, sample.size))  # [R,n]
-        means = sample[draws].mean(axis=1)  # [R]
+        means = sample[draws(seed, sample.size, resamples)].mean(axis=1)  # [R] of [R,n]
     else:
         _, cluster = np.unique(np.asarray(clusters, dtype=str), return_inverse=True)  # [n] each value's cluster
         sums, sizes = np.bincount(cluster, weights=sample), np.bincount(cluster)  # [C], [C]
-        draws = generator.integers(0, sums.size, size=(resamples, sums.size))  # [R,C]
-        means = sums[draws].sum(axis=1) / sizes[draws].sum(axis=1)  # [R]
+        drawn = draws(seed, sums.size, resamples)  # [R,C]
+        means = sums[drawn].sum(axis=1) / sizes[drawn].sum(axis=1)  # [R]
     low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
     return Interval(float(sample.mean()), float(low), float(high), int(sample.size))
 
