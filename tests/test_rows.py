@@ -30,9 +30,9 @@ from tests.helpers import (
     tiny_model,
 )
 
-#: how each architecture's rows attend in the test below: every one alone; Llama also padded and stored; the dense GQA
-#: ones whose tiny models share their cache heads differently (Qwen2, Qwen3) stored too
-ROWS_ATTENTION = {name: ("each",) for name in ARCHITECTURES} | {
+#: how each architecture's rows attend in the test below (``engine.rows_attention``): every architecture's each alone;
+#: Llama's also padded and stored, Qwen2's and Qwen3's also stored
+ATTENDED_BY = {name: ("each",) for name in ARCHITECTURES} | {
     "llama": ("each", "padded", "stored"),
     "qwen2": ("each", "stored"),
     "qwen3": ("each", "stored"),
@@ -44,13 +44,13 @@ def test_variants_decoded_as_rows_give_what_each_gives_alone(architecture):
     """Every base × {none, each applicable modifier} (the architecture's share: :func:`architecture_variants`), both
     head layouts, oneshot and chunked (which evicts at every decode step), decoded 16 rows at a time after one shared
     prefill, each row attended alone, or all the rows that hold every key padded into one call per layer, or held
-    together (``engine.rows_attention``: :data:`ROWS_ATTENTION`): each variant's tokens, kept sets, cache sizes and
+    together (``engine.rows_attention``: :data:`ATTENDED_BY`): each variant's tokens, kept sets, cache sizes and
     policy statistics equal its own :meth:`Engine.generate`'s (float32), run once for every way the rows attend."""
     model = tiny_model(architecture)
     prompt = random_prompt(160)
     cases = [(32, "oneshot", {}), (48, "oneshot", {"gqa": "repeat"}), (48, "chunked", {})]
     variants, alone = architecture_variants(architecture), None
-    for rows_attention in ROWS_ATTENTION[architecture]:
+    for rows_attention in ATTENDED_BY[architecture]:
         settings = {"block_size": 64, "record_kept": True, "rows_attention": rows_attention}
         engines, _ = registry_engines(model, cases, len(prompt), variants=variants, **settings)
         assert len(engines) > 16 and {engine.regime for engine in engines} == {"oneshot", "chunked"}
