@@ -242,6 +242,13 @@ def generated_shared(runners: list[Engine], prompt: list[int], max_new_tokens: i
     return outputs
 
 
+def generated_alone(runners: list[Engine], prompt: list[int], max_new_tokens: int) -> list:
+    """Each runner's own :meth:`Engine.generate` of ``prompt`` (its question at :func:`question_start`)."""
+    return [
+        runner.generate(prompt, max_new_tokens, question_start=question_start(runner, prompt)) for runner in runners
+    ]
+
+
 def assert_each_as_alone(runners: list[Engine], alone: list, outputs: list) -> None:
     """The registry's comparison: each runner's output has the tokens, kept sets, cache sizes and policy statistics
     of its ``alone`` output (its own :meth:`Engine.generate`)."""
@@ -259,10 +266,7 @@ def assert_shared_gives_each_alone(runners: list[Engine], prompt: list[int], max
     """The registry's equivalence: each runner's output of :func:`generated_shared` (``settings``: ``batch_size``)
     is its own :meth:`Engine.generate`'s (:func:`assert_each_as_alone`); returns the shared outputs."""
     shared = generated_shared(runners, prompt, max_new_tokens, **settings)
-    alone = [
-        runner.generate(prompt, max_new_tokens, question_start=question_start(runner, prompt)) for runner in runners
-    ]
-    assert_each_as_alone(runners, alone, shared)
+    assert_each_as_alone(runners, generated_alone(runners, prompt, max_new_tokens), shared)
     return shared
 
 

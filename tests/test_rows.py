@@ -22,8 +22,8 @@ from tests.helpers import (
     assert_diverged_at_a_near_tie,
     assert_each_as_alone,
     assert_shared_gives_each_alone,
+    generated_alone,
     generated_shared,
-    question_start,
     random_prompt,
     rankings_by_policy,
     registry_engines,
@@ -56,7 +56,7 @@ def test_variants_decoded_as_rows_give_what_each_gives_alone(architecture):
         assert len(engines) > 16 and {engine.regime for engine in engines} == {"oneshot", "chunked"}
         shared = generated_shared(engines, prompt, 8, batch_size=16)
         if alone is None:  # a row alone attends as it is (engine.rows_attention sets how rows attend together)
-            alone = [engine.generate(prompt, 8, question_start=question_start(engine, prompt)) for engine in engines]
+            alone = generated_alone(engines, prompt, 8)
         assert_each_as_alone(engines, alone, shared)
 
 
