@@ -130,6 +130,9 @@ def test_prefill_operators_count_each_prefill_against_full(bench):
     with Operators() as counted:
         torch.ones(3).add(1).sum().item()
     assert counted.figures() == {"operators": 4, "host_reads": 1, "host_copies": 0}  # ones, add, sum, the read
+    with Operators() as counted:
+        torch.ones(3).tolist()  # a host tensor's values (its conjugate and negative bits resolved: nothing to do)
+    assert counted.launched == 1  # the ones
     values = torch.arange(4.0)
     with Operators() as counted:
         values.repeat_interleave(2), values.repeat_interleave(torch.tensor([1, 0, 2, 1]))

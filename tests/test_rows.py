@@ -111,7 +111,8 @@ def test_a_stored_row_takes_back_the_queries_its_next_eviction_reads(spec):
             rows_attention=rows_attention,
         )
         rows = [engine.prefilled_row(prompt, 12), engine.prefilled_row(prompt[:90], 12)]
-        decode_rows(rows, 2)
+        restoring = RowStore(restore=True) if rows_attention == "stored" else None  # a finished row's entries back
+        decode_rows(rows, 2, store=restoring)
         caches.append(rows[0].cache)
     for alone, stored in zip(*(cache.eviction_layers for cache in caches)):
         assert torch.equal(alone.recent_query_positions, stored.recent_query_positions)
@@ -154,7 +155,7 @@ def test_a_stored_running_row_holds_the_running_score_it_holds_alone(spec, gqa, 
                 sums_kernel=sums_kernel,
             )
             rows.append(engine.prefilled_row(tokens, 12))
-        decode_rows(rows, 2)
+        decode_rows(rows, 2, store=RowStore(restore=True) if rows_attention == "stored" else None)
         caches.append([row.cache for row in rows])
     for budget, alone_cache, stored_cache in zip((24, 17), *caches):
         for alone, stored in zip(alone_cache.eviction_layers, stored_cache.eviction_layers):
@@ -239,23 +240,26 @@ def test_stored_rows_step_in_operators_per_layer_not_per_row(spec, rows_attentio
     assert few == many if rows_attention == "stored" else many > few + 8 * 4 * 2  # ≥ a few per row and layer
 
 
-def test_a_store_lets_each_shelf_go_once_its_rows_have_left(monkeypatch):
+@pytest.mark.parametrize("restore", [False, True])
+def test_a_store_lets_each_shelf_go_once_its_rows_have_left(monkeypatch, restore):
     """Rows of prompts of several lengths on shelves of several capacities, joining as places free: when the decode
-    ends every row has moved back into its own cache and no shelf is held."""
+    ends no shelf is held, and each row's tokens and sizes are those it gives alone; where the store restores them
+    (a test's), every row has moved back into its own cache, else (a run's) a finished row leaves its entries."""
     model = tiny_model()
     engine = Engine(model, build_policy("full"), 400, rows_attention="stored")
     prompts = [random_prompt(length, seed=length) for length in (20, 40, 70, 130, 33)]
-    alone = [engine.generate(prompt, 5).token_ids for prompt in prompts]
+    alone = [engine.generate(prompt, 5) for prompt in prompts]
     stores: list[RowStore] = []
-    monkeypatch.setattr(engine_module, "RowStore", lambda: stores.append(RowStore()) or stores[-1])
+    monkeypatch.setattr(engine_module, "RowStore", lambda: stores.append(RowStore(restore)) or stores[-1])
     rows = []
     for prompt in prompts:
         cache = engine.new_cache(len(prompt))
         rows.append(Row(engine, cache, engine.prefill(cache, prompt)[0, -1], len(prompt), 5))
     outputs = decode_rows(rows, batch_size=2)
-    assert [output.token_ids for output in outputs] == alone
+    assert [(output.token_ids, output.kv) for output in outputs] == [(output.token_ids, output.kv) for output in alone]
     assert len(stores) == 1 and stores[0].shelves == {} and stores[0].places == {}
-    assert [row.cache.get_seq_length() for row in rows] == [len(prompt) + 4 for prompt in prompts]
+    held = [len(prompt) + 4 if restore else 0 for prompt in prompts]
+    assert [row.cache.get_seq_length() for row in rows] == held
 
 
 @pytest.mark.parametrize(
@@ -738,7 +742,8 @@ def test_a_shelf_steps_its_units_again_by_two_additions(monkeypatch):
         for prompt in prompts:
             cache = engine.new_cache(len(prompt))
             rows.append(Row(engine, cache, engine.prefill(cache, prompt)[0, -1], len(prompt), 6))
-        decoded[attention] = [output.token_ids for output in decode_rows(rows, batch_size=3)], rows
+        outputs = decode_rows(rows, batch_size=3, store=RowStore(restore=True) if attention == "stored" else None)
+        decoded[attention] = [output.token_ids for output in outputs], rows
     assert decoded["stored"][0] == decoded["each"][0]
     for stored, alone in zip(decoded["stored"][1], decoded["each"][1]):
         for ours, theirs in zip(stored.cache.eviction_layers, alone.cache.eviction_layers):

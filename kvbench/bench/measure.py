@@ -98,7 +98,9 @@ class Operators(TorchDispatchMode):
     #: operators that copy only where they must (a dtype or device changed, slots not contiguous), else return a view
     #: or the tensor itself: counted where their output is held in new memory (under inference mode they reach the
     #: mode as themselves, not as the copy or the view they make)
-    MAYBE_VIEWS = frozenset("to reshape flatten contiguous reshape_as view_as type_as".split())
+    #: (``resolve_conj``/``resolve_neg``: a copy only where a conjugate or negative bit is set; ``tolist`` dispatches
+    #: both on a host tensor)
+    MAYBE_VIEWS = frozenset("to reshape flatten contiguous reshape_as view_as type_as resolve_conj resolve_neg".split())
 
     def __init__(self) -> None:
         super().__init__()

@@ -133,7 +133,7 @@ def finished_rows(
     def output(index: int) -> tuple[int, GenerationOutput]:
         row = held.pop(index)
         if store is not None:
-            store.release(row.cache)
+            store.release(row.cache, finished=True)
         kv = row.engine.cache_sizes(row.cache, after_prefill.pop(index), row.prompt_tokens + len(row.generated))
         stats = row.cache.policy_stats()
         finished = GenerationOutput(
@@ -172,7 +172,7 @@ def finished_rows(
                 stepping.append((index, token))
         if store is not None:  # a shelf steps all its rows (an attending modifier's state with them)
             for index in done:
-                store.release(held[index].cache)
+                store.release(held[index].cache, finished=True)
         if stepping:
             logits = step_rows([(held[index], token) for index, token in stepping], store)  # [N,V]
             chosen = chosen_tokens([held[index] for index, _ in stepping], logits)

@@ -194,6 +194,7 @@ class Shelf:
             chosen = [[next(new_units) if unit < 0 else unit for unit in picked] for picked in chosen]
         self.on_device = None
         self.place_entries(units, chosen)
+        placed, lengths = [], []  # every unit placed and its length, written at once
         for (row, heads), picked in zip(units, chosen):
             layer = row.cache.eviction_layers[self.layer]
             own = [length - row.appended[self.layer] for length in row.kept[self.layer]]  # a head-wise layer's
@@ -203,10 +204,13 @@ class Shelf:
                     start = host_int(self.starts[unit])
                     self.keys[start : start + keys.shape[0]] = keys
                     self.values[start : start + keys.shape[0]] = values
-                self.lengths[unit], self.owners[unit] = row.kept[self.layer][head], (row, head)
+                self.owners[unit] = (row, head)
                 row.slots[self.layer][head] = (self, unit)
+            placed += picked
+            lengths += [row.kept[self.layer][head] for head in heads]
             self.count += len(heads)
             self.place_states(row, heads, picked)
+        self.lengths[placed] = torch.tensor(lengths)
 
     def place_entries(self, units: list[tuple[Stored, list[int]]], chosen: list[list[int]]) -> None:
         """The entries of the arriving rows whose heads are all as long (not head-wise) into their units ``chosen``:
@@ -215,19 +219,20 @@ class Shelf:
         rows = [unit for unit in arriving if unit[0].cache.eviction_layers[self.layer].headwise is None]
         if not rows:
             return
-        starts, lengths, keys, values, scores = [], [], [], [], []
+        placed: list[int] = []
+        lengths, keys, values, scores = [], [], [], []
         for row, heads, picked in rows:
             layer = row.cache.eviction_layers[self.layer]
             every = heads == list(range(layer.keys.shape[1]))
             pick: slice | list[int] = slice(None) if every else heads  # a list index would be copied to the device
-            starts.append(self.starts[picked])
+            placed += picked
             lengths += [layer.get_seq_length()] * len(heads)
             keys.append(layer.keys[0, pick].flatten(0, 1))  # [h·T,D]
             values.append(layer.values[0, pick].flatten(0, 1))
             if self.scores is not None:
                 assert layer.running_score is not None  # a running row's evicting prefill scored every layer
                 scores.append(layer.running_score[0, pick].flatten())
-        index = spans(torch.cat(starts), lengths, self.keys.device)
+        index = spans(self.starts[placed], lengths, self.keys.device)
         self.keys[index], self.values[index] = torch.cat(keys), torch.cat(values)
         if self.scores is not None:
             self.scores[index] = torch.cat(scores)
@@ -262,6 +267,18 @@ class Shelf:
         self.owners[slot], self.lengths[slot], self.on_device = None, 0, None
         self.count -= 1
         return self.keys[start : start + length], self.values[start : start + length]
+
+    def free(self, slots: list[int]) -> None:
+        """Free units ``slots`` (their regions kept for the next units of their capacities), entries not read."""
+        for slot in slots:
+            self.owners[slot] = None
+        self.lengths[slots] = 0
+        if self.modifiers:
+            index = torch.tensor(slots, device=self.keys.device)
+            for active in self.active:
+                active[index] = False
+        self.count -= len(slots)
+        self.on_device = None
 
     def unit_scores(self, slot: int) -> torch.Tensor:
         """The running scores ``[length]`` of unit ``slot``'s entries (a view: read before :meth:`take`)."""

@@ -14,8 +14,9 @@ share keeps it alone. The unit is one cache head of one row (a ``(row, head)``):
 kept entries into regions of that layer's :class:`Shelf`, one flat buffer ``[P,D]`` where a unit's region holds its kept
 entries and the tokens it may append (:func:`capacity_class`: under an eighth to spare), so a layer budget's lengths per
 layer and a head-wise eviction's lengths per head (AdaKV) are held without padding — and moves back into the row's own
-cache, with the tokens it decoded appended, when the row leaves (:meth:`RowStore.release`): its outputs (sizes, kept
-sets, statistics) are those of a row attended alone. A unit is attended by the query heads that read its cache head
+cache, with the tokens it decoded appended, when the row leaves to evict (:meth:`RowStore.release`); a finished row
+leaves its entries behind, its sizes and statistics as its own cache would hold them (:meth:`RowStore.let_go`): its
+outputs are those of a row attended alone. A unit is attended by the query heads that read its cache head
 (``Hq / Hc`` of them; one in the repeat layout) over its own region: by :mod:`kvbench.kernels.decode`'s kernel on CUDA,
 by one SDPA call over the regions gathered to the longest elsewhere. Where modifiers attend (their state is the shelf's,
 every unit attended by one SDPA call), on CUDA a shelf holds every capacity, its regions gathered to the longest each
@@ -30,13 +31,14 @@ and to come)."""
 from __future__ import annotations
 
 from collections import deque
+from typing import cast
 
 import torch
 
 from kvbench.engine.cache import EvictionCache
 from kvbench.engine.layer import EvictionLayer
 from kvbench.engine.scoring import uses_normaliser
-from kvbench.engine.shelf import Shelf, Stored, modifier_capacity, running_sums, shelf_key
+from kvbench.engine.shelf import Shelf, Stored, host_int, modifier_capacity, running_sums, shelf_key
 
 
 def storable(cache: EvictionCache) -> bool:
@@ -78,7 +80,9 @@ class RowStore:
     """The stored rows of a decode (:func:`~kvbench.engine.rows.finished_rows`), on shelves by layer, head layout and
     capacity."""
 
-    def __init__(self) -> None:
+    def __init__(self, restore: bool = False) -> None:
+        #: whether a finished row's entries move back into its cache (:meth:`release`; a test reads them there)
+        self.restore = restore
         self.shelves: dict[tuple, Shelf] = {}
         self.places: dict[int, Stored] = {}  # id(cache) → the row stored
         self.stepping: list[list[Shelf]] = []  # by layer, this step's shelves
@@ -128,8 +132,13 @@ class RowStore:
         for key, units in arriving.items():
             self.shelves[key].place(units)
         for row in {id(row): row for units in arriving.values() for row, _ in units}.values():
+            hollow: dict[tuple, torch.Tensor] = {}  # no entries, one tensor of a shape (nothing writes into it)
             for index, entries in enumerate(row.cache.eviction_layers):  # held on the shelves now
-                entries.keys, entries.values = entries.keys[:, :, :0].clone(), entries.values[:, :, :0].clone()
+                keys = entries.keys
+                shape = (*keys.shape[:2], 0, keys.shape[3])
+                if (shape, keys.dtype) not in hollow:
+                    hollow[shape, keys.dtype] = keys.new_empty(shape)
+                entries.keys = entries.values = hollow[shape, keys.dtype]
                 if running_sums(row.cache) is not None:  # its scores on the shelves too
                     assert entries.running_score is not None  # placed (Shelf.place)
                     entries.running_score = entries.running_score[:, :, :0].clone()
@@ -206,9 +215,12 @@ class RowStore:
             return sum(cache.live_bytes)
         return row.bytes_when_stored + (position - row.first_position + 1) * row.token_bytes
 
-    def release(self, cache: EvictionCache) -> None:
+    def release(self, cache: EvictionCache, finished: bool = False) -> None:
         """Move a leaving row's entries back into its cache, the tokens it decoded appended (nothing where it was not
-        stored); a shelf left empty is let go (a long sweep's rows come and go: its shelves are those in flight)."""
+        stored); a shelf left empty is let go (a long sweep's rows come and go: its shelves are those in flight). A
+        ``finished`` row leaves its entries behind (:meth:`let_go`) unless the store is to :attr:`restore` them."""
+        if finished and not self.restore:
+            return self.let_go(cache)
         row = self.places.pop(id(cache), None)
         if row is None:
             return
@@ -217,11 +229,7 @@ class RowStore:
         for index, (layer, kept, by_head) in enumerate(zip(cache.eviction_layers, row.kept, row.slots)):
             found_slots = [found for found in by_head if found is not None]
             assert len(found_slots) == len(by_head)  # every unit of a stored row is on a shelf
-            for modifier in cache.attending:  # its units' state, back in the row as one [1,Hc,...] state
-                if (sizes := row.unit_sizes.get((index, modifier.name))) is not None:
-                    units = [shelf.unit_state(modifier.name, slot, sizes) for shelf, slot in found_slots]
-                    stacked = {name: torch.stack([unit[name] for unit in units])[None] for name in sizes}
-                    layer.modifier_state[modifier.name] = modifier.of_units(stacked)
+            self.restore_states(row, index, found_slots)
             entries, scores = [], []
             for shelf, slot in found_slots:
                 if shelf.scores is not None:
@@ -249,3 +257,40 @@ class RowStore:
             if scores:  # [1,Hc,a+d], as its own appends and sums would have made them
                 layer.running_score = torch.stack(scores)[None]
         cache.seen += decoded
+
+    def let_go(self, cache: EvictionCache) -> None:
+        """A finished row leaves: its units freed together, a shelf's by one write, and its entries not moved back
+        (nothing reads them: the run lets the cache go); what its outputs read is as its own cache would hold it, the
+        tokens it decoded appended — each layer's peak tokens per head and bytes held — and its attending modifiers'
+        state (their statistics)."""
+        row = self.places.pop(id(cache), None)
+        if row is None:
+            return
+        self.layout = None
+        self.reserved -= row.reserved
+        shelf, slot = cast(tuple[Shelf, int], row.slots[0][0])
+        decoded = host_int(shelf.lengths[slot]) - row.kept[0][0]  # the same for every unit
+        freed: dict[int, tuple[Shelf, list[int]]] = {}
+        for index, (layer, kept, by_head) in enumerate(zip(cache.eviction_layers, row.kept, row.slots)):
+            found_slots = [cast(tuple[Shelf, int], found) for found in by_head]
+            self.restore_states(row, index, found_slots)
+            for shelf, slot in found_slots:
+                freed.setdefault(id(shelf), (shelf, []))[1].append(slot)
+            layer.peak_tokens = max(layer.peak_tokens, sum(kept) // len(kept) + decoded)  # its tokens per head
+            entry = 2 * layer.keys.shape[-1] * layer.keys.element_size()  # a token's key and value, a cache head
+            cache.hold(index, cache.live_bytes[index] + decoded * entry * len(kept))
+        for shelf, slots in freed.values():
+            shelf.free(slots)
+            if shelf.count == 0:
+                self.shelves.pop(shelf.key, None)
+        cache.seen += decoded
+
+    def restore_states(self, row: Stored, index: int, found_slots: list[tuple[Shelf, int]]) -> None:
+        """Layer ``index``'s attending modifiers' state of a leaving ``row``, back in its cache as one ``[1,Hc,...]``
+        state from its units' ``found_slots``."""
+        layer = row.cache.eviction_layers[index]
+        for modifier in row.cache.attending:
+            if (sizes := row.unit_sizes.get((index, modifier.name))) is not None:
+                units = [shelf.unit_state(modifier.name, slot, sizes) for shelf, slot in found_slots]
+                stacked = {name: torch.stack([unit[name] for unit in units])[None] for name in sizes}
+                layer.modifier_state[modifier.name] = modifier.of_units(stacked)
