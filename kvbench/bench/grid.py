@@ -398,6 +398,8 @@ def grid_operators(bench: Bench) -> dict[str, Any]:
         return {
             "prefill_operators": prefill_ops,
             "prefill_host_copies": copies,  # on a GPU each a synchronisation (0 on a CPU: bench.measure.Operators)
+            # the whole decode of new_tokens: the rows joining the store, their steps, and leaving it
+            "decode_operators": before,
             "step_operators": (after - before) / 4,
             "step_host_reads": (reads_after - reads_before) / 4,
             "step_seconds": (seconds_after - seconds_before) / 4,

@@ -324,13 +324,19 @@ def grid_operators_section(results: dict[str, Any]) -> list[str]:
             f"## Operators of a grouped sample: {counts['rows']} rows of {counts['context_length']} tokens",
             "",
         ]
-        full = counts["full_row"]["step_operators"]
-        named = {"one full-cache row": counts["full_row"]}
+        full, one = counts["full_row"]["step_operators"], counts["full_row"]
+        named = {"one full-cache row": one}
         named.update((f"the rows, {attention}", figures) for attention, figures in counts["by_attention"].items())
+
+        def sample(figures: dict[str, Any]) -> int:  # a sample's: its prefill and its whole decode
+            return figures["prefill_operators"] + figures.get("decode_operators", 0)
+
         rows = [
             [
                 name,
                 figures["prefill_operators"],
+                figures.get("decode_operators", ""),
+                f"{sample(figures) / sample(one):.1f}",
                 f"{figures['step_operators']:.0f}",
                 f"{figures['step_operators'] / full:.1f}",
                 f"{figures['step_host_reads']:.1f}",
@@ -338,7 +344,8 @@ def grid_operators_section(results: dict[str, Any]) -> list[str]:
             ]
             for name, figures in named.items()
         ]
-        headers = ["", "prefill operators", "a step's operators", "÷ one row's", "a step's reads back", "a step (s)"]
+        headers = ["", "prefill operators", "decode operators", "a sample's ÷ one row's", "a step's operators"]
+        headers += ["÷ one row's", "a step's reads back", "a step (s)"]
         lines += _table(headers, rows) + ["", f"({counts['device']}; on a GPU each operator is a kernel launch)"]
         if profile := counts["by_attention"]["stored"].get("step_profile"):
             step = counts["by_attention"]["stored"]["step_seconds"]
