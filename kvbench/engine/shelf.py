@@ -57,9 +57,15 @@ def padding(held: torch.Size, arriving: torch.Size) -> list[int] | None:
     return [width for size, more in reversed(list(zip(held, arriving))) for width in (0, max(0, more - size))]
 
 
-def within(first: int | torch.Tensor, sizes: torch.Size) -> tuple[Any, ...]:
+def within(first: int | slice | torch.Tensor, sizes: torch.Size) -> tuple[Any, ...]:
     """The index of a padded state's units ``first`` cut to a unit's ``sizes``."""
     return (first, *(slice(0, size) for size in sizes))
+
+
+def following(slots: list[int]) -> slice | None:
+    """``slots`` as a slice where they follow one another (a row's units placed together), else None: an index
+    that is not copied to the device (a copy from the host synchronises a GPU)."""
+    return slice(slots[0], slots[-1] + 1) if slots == list(range(slots[0], slots[0] + len(slots))) else None
 
 
 def head_entries(layer: EvictionLayer, head: int, own: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,7 +249,7 @@ class Shelf:
         if not self.modifiers:
             return
         layer = row.cache.eviction_layers[self.layer]
-        index = torch.tensor(slots, device=self.keys.device)
+        index = following(slots) or torch.tensor(slots, device=self.keys.device)
         for place, modifier in enumerate(self.modifiers):
             if (units := modifier.units(layer.state_of(modifier))) is None:
                 continue
@@ -260,7 +266,7 @@ class Shelf:
 
     def take(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Free unit ``slot`` (its region kept for the next unit of its capacity); its entries ``[length,D]`` (views of
-        the shelf: copy what is kept; its attending state: :meth:`unit_state`)."""
+        the shelf: copy what is kept; its attending state: :meth:`units_state`)."""
         start, length = host_int(self.starts[slot]), host_int(self.lengths[slot])
         for active in self.active:
             active[slot] = False
@@ -274,11 +280,12 @@ class Shelf:
             self.owners[slot] = None
         self.lengths[slots] = 0
         if self.modifiers:
-            index = torch.tensor(slots, device=self.keys.device)
+            index = following(slots) or torch.tensor(slots, device=self.keys.device)
             for active in self.active:
                 active[index] = False
         self.count -= len(slots)
-        self.on_device = None
+        if self.on_device is not None:  # the other units' starts and lengths stand there: not copied again
+            self.longest = host_int(self.lengths.max())
 
     def unit_scores(self, slot: int) -> torch.Tensor:
         """The running scores ``[length]`` of unit ``slot``'s entries (a view: read before :meth:`take`)."""
@@ -286,12 +293,15 @@ class Shelf:
         start, length = host_int(self.starts[slot]), host_int(self.lengths[slot])
         return self.scores[start : start + length]
 
-    def unit_state(self, modifier: str, slot: int, sizes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-        """The state of ``modifier`` (a name) that unit ``slot`` holds, each tensor cut to its unit's ``sizes``."""
+    def units_state(self, modifier: str, slots: list[int], sizes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+        """The state of ``modifier`` (a name) that units ``slots`` hold, each tensor ``[n,...]`` cut to their units'
+        ``sizes``: a copy, by one slice where the slots follow one another (a row's units placed together)."""
         place = [held.name for held in self.modifiers].index(modifier)
         state = self.states[place]
         assert state is not None  # a unit with sizes placed its state
-        return {name: state[name][within(slot, size)] for name, size in sizes.items()}
+        if (run := following(slots)) is not None:
+            return {name: state[name][within(run, size)].clone() for name, size in sizes.items()}
+        return {name: torch.stack([state[name][within(slot, size)] for slot in slots]) for name, size in sizes.items()}
 
     def compact(self) -> bool:
         """Copy the shelf without its free regions where they are more than a sixteenth of it; whether it did."""

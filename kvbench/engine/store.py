@@ -289,8 +289,17 @@ class RowStore:
         """Layer ``index``'s attending modifiers' state of a leaving ``row``, back in its cache as one ``[1,Hc,...]``
         state from its units' ``found_slots``."""
         layer = row.cache.eviction_layers[index]
+        runs: list[tuple[Shelf, list[int]]] = []  # the units in head order, those on one shelf together
+        for shelf, slot in found_slots:
+            if runs and runs[-1][0] is shelf:
+                runs[-1][1].append(slot)
+            else:
+                runs.append((shelf, [slot]))
         for modifier in row.cache.attending:
             if (sizes := row.unit_sizes.get((index, modifier.name))) is not None:
-                units = [shelf.unit_state(modifier.name, slot, sizes) for shelf, slot in found_slots]
-                stacked = {name: torch.stack([unit[name] for unit in units])[None] for name in sizes}
+                parts = [shelf.units_state(modifier.name, slots, sizes) for shelf, slots in runs]
+                stacked = {
+                    name: (torch.cat([part[name] for part in parts]) if len(parts) > 1 else parts[0][name])[None]
+                    for name in sizes
+                }
                 layer.modifier_state[modifier.name] = modifier.of_units(stacked)
