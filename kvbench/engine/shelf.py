@@ -159,6 +159,7 @@ class Shelf:
         self.members = self.slots = self.write_at = self.step_starts = self.step_lengths = torch.empty(0)
         self.host_ones = torch.empty(0, dtype=torch.long)
         self.longest = 0
+        self.shrunk = False  # units freed since the last step (:meth:`free`)
         self.whole = False  # this step's units are every unit, in order (``slots`` = 0 .. U−1)
 
     def bytes(self) -> int:
@@ -284,8 +285,7 @@ class Shelf:
             for active in self.active:
                 active[index] = False
         self.count -= len(slots)
-        if self.on_device is not None:  # the other units' starts and lengths stand there: not copied again
-            self.longest = host_int(self.lengths.max())
+        self.shrunk = True  # the longest taken again at the next step; the other units' starts and lengths stand
 
     def unit_scores(self, slot: int) -> torch.Tensor:
         """The running scores ``[length]`` of unit ``slot``'s entries (a view: read before :meth:`take`)."""
@@ -338,7 +338,9 @@ class Shelf:
         again = self.on_device is not None and slots is self.slots
         if self.on_device is None:  # the units changed
             self.on_device = self.starts.to(device, copy=True), self.lengths.to(device, copy=True)  # own, on a CPU too
-            self.longest = host_int(self.lengths.max())
+            self.shrunk = True
+        if self.shrunk:  # (units freed alone leave the others' starts and lengths on the device as they are)
+            self.longest, self.shrunk = host_int(self.lengths.max()), False
         starts, lengths = self.on_device
         if again:
             self.write_at, self.step_lengths = self.write_at + 1, self.step_lengths + 1
