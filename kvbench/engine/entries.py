@@ -12,9 +12,10 @@ import torch
 class HeadwiseEntries:
     """A layer's entries after a head-wise eviction (batch 1), packed head after head, each head's in position order:
     ``keys``/``values [N,D]``, ``positions [N]``, ``ranking [N]`` (the scores they were kept by), ``lengths [Hc]``
-    (entries per cache head) and ``slots [N]``, each entry's place in the ``[Hc, longest]`` layout that attention pads
-    them to (:meth:`padded`). The cache's bytes are the ``N`` entries kept, not the longest head's length × heads;
-    attention's padded layout is a working copy beside them while the layer decodes (:meth:`EvictionLayer.attended`)."""
+    (entries per cache head; ``counts`` the same on the host, read back once) and ``slots [N]``, each entry's place in
+    the ``[Hc, longest]`` layout that attention pads them to (:meth:`padded`). The cache's bytes are the ``N`` entries
+    kept, not the longest head's length × heads; attention's padded layout is a working copy beside them while the
+    layer decodes (:meth:`EvictionLayer.attended`)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -23,6 +24,7 @@ class HeadwiseEntries:
     lengths: torch.Tensor
     slots: torch.Tensor
     longest: int
+    counts: list[int]
 
     @staticmethod
     def packed(
@@ -47,6 +49,7 @@ class HeadwiseEntries:
             lengths,
             layout[flat],
             longest,
+            counts,
         )
 
     @property
@@ -64,7 +67,7 @@ class HeadwiseEntries:
 
     def by_head(self) -> list[torch.Tensor]:
         """Each cache head's positions."""
-        return list(self.positions.split(self.lengths.tolist()))
+        return list(self.positions.split(self.counts))
 
     def unpacked(self, sinks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The entries in one ``[1,Hc,longest]`` layout for another eviction: ``keys``/``values [1,Hc,L,D]``,

@@ -142,7 +142,7 @@ class EvictionLayer(DynamicLayer):
         """The entries held per cache head (on average, after a head-wise eviction)."""
         if self.deferred_heads is not None:
             return self.deferred_entries // self.deferred_heads.shape[1]
-        held = 0 if self.headwise is None else int(self.headwise.lengths.sum()) // self.headwise.heads
+        held = 0 if self.headwise is None else sum(self.headwise.counts) // self.headwise.heads
         return held + self.get_seq_length()
 
     def held_bytes(self, tokens: int | None = None) -> int:

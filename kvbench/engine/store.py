@@ -69,7 +69,7 @@ def head_lengths(layer: EvictionLayer) -> list[int]:
     appended = layer.get_seq_length()
     if layer.headwise is None:
         return [appended] * layer.keys.shape[1]
-    return [own + appended for own in layer.headwise.lengths.tolist()]
+    return [own + appended for own in layer.headwise.counts]
 
 
 #: a shelf stepped: its units (row place × Hc + head) and slots on its device, the slots on the host

@@ -167,8 +167,16 @@ class CaliDrop(Modifier):
     def policy_stats(self, states: list[Calibration]) -> dict:
         """``recompute_rate_per_layer`` (recomputations / calibration steps), the overall ``recompute_rate``,
         ``calibration_steps`` (summed over layers) and ``evicted_bytes`` (the kept evicted KV, all layers)."""
-        steps = [0 if state.steps is None else int(state.steps.max()) for state in states]
-        recomputed = [0.0 if state.recomputed is None else float(state.recomputed.mean()) for state in states]
+        counted = [
+            None
+            if state.steps is None or state.recomputed is None
+            else torch.stack([state.steps.max(), state.recomputed.mean()])
+            for state in states
+        ]  # each layer's steps and mean recomputations, read back at once (on a GPU each read a synchronisation)
+        present = [pair for pair in counted if pair is not None]
+        read = iter(torch.stack(present).tolist() if present else [])
+        pairs = [(0, 0.0) if pair is None else next(read) for pair in counted]
+        steps, recomputed = [int(step) for step, _ in pairs], [float(mean) for _, mean in pairs]
         stores = [state.store for state in states if state.store is not None]
         return {
             "recompute_rate_per_layer": [done / count if count else 0.0 for done, count in zip(recomputed, steps)],
