@@ -262,17 +262,19 @@ def test_a_store_lets_each_shelf_go_once_its_rows_have_left(monkeypatch, restore
     assert [row.cache.get_seq_length() for row in rows] == held
 
 
+@pytest.mark.parametrize("restore", [False, True])
 @pytest.mark.parametrize(
     ("spec", "settings"),
     [("snapkv+slake", {}), ("snapkv+calidrop", {}), ("snapkv+calidrop", {"theta1": 1.1}), ("h2o+calidrop", {})],
 )
 def test_a_shelf_attends_an_attending_modifier_where_a_row_evicted_and_softmax_where_none_did(
-    spec, settings, monkeypatch
+    spec, settings, restore, monkeypatch
 ):
     """SLAKE's or CaliDrop's rows (recomputing at every step with ``theta1`` above 1) on one shelf a layer: a prompt
     under the budget (nothing evicted, no state) beside prompts that evicted more or fewer entries; each row's state
-    moves onto the shelf (the row holds none while stored) and back; each row's tokens and policy statistics
-    (CaliDrop's steps counted while a row steps, not after; its evicted bytes) are its own alone."""
+    moves onto the shelf (the row holds none while stored) and back (a finished row's where the store restores its
+    entries, or where its statistics read it: CaliDrop's); each row's tokens and policy statistics (CaliDrop's steps
+    counted while a row steps, not after; its evicted bytes) are its own alone."""
     model = tiny_model()
     engine = Engine(model, build_policy(spec, {"window": 8, **settings}), 48, rows_attention="stored")
     prompts = [random_prompt(length, seed=length) for length in (47, 90, 120)]
@@ -297,9 +299,10 @@ def test_a_shelf_attends_an_attending_modifier_where_a_row_evicted_and_softmax_w
         )[0],
     )
     stores: list[RowStore] = []
-    outputs = decode_rows(rows, batch_size=3, store=stores.append(RowStore()) or stores[0])
+    outputs = decode_rows(rows, batch_size=3, store=stores.append(RowStore(restore)) or stores[0])
     assert len(stores[0].places) == 0 and stores[0].peak_bytes > 0  # the rows were stored, and have left
-    assert held == [False, False] and modifier.units(rows[2].cache.eviction_layers[0].state_of(modifier)) is not None
+    back = modifier.units(rows[2].cache.eviction_layers[0].state_of(modifier)) is not None
+    assert held == [False, False] and back == (restore or modifier.reports_state)
     assert [output.token_ids for output in outputs] == [output.token_ids for output in alone]
     assert [output.policy_stats for output in outputs] == [output.policy_stats for output in alone]
 

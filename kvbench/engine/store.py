@@ -39,6 +39,7 @@ from kvbench.engine.cache import EvictionCache
 from kvbench.engine.layer import EvictionLayer
 from kvbench.engine.scoring import uses_normaliser
 from kvbench.engine.shelf import Shelf, Stored, host_int, modifier_capacity, running_sums, shelf_key
+from kvbench.policies.base import Modifier
 
 
 def storable(cache: EvictionCache) -> bool:
@@ -261,8 +262,8 @@ class RowStore:
     def let_go(self, cache: EvictionCache) -> None:
         """A finished row leaves: its units freed together, a shelf's by one write, and its entries not moved back
         (nothing reads them: the run lets the cache go); what its outputs read is as its own cache would hold it, the
-        tokens it decoded appended — each layer's peak tokens per head and bytes held — and its attending modifiers'
-        state (their statistics)."""
+        tokens it decoded appended — each layer's peak tokens per head and bytes held — and the state of its attending
+        modifiers whose statistics read it (``reports_state``)."""
         row = self.places.pop(id(cache), None)
         if row is None:
             return
@@ -273,7 +274,7 @@ class RowStore:
         freed: dict[int, tuple[Shelf, list[int]]] = {}
         for index, (layer, kept, by_head) in enumerate(zip(cache.eviction_layers, row.kept, row.slots)):
             found_slots = [cast(tuple[Shelf, int], found) for found in by_head]
-            self.restore_states(row, index, found_slots)
+            self.restore_states(row, index, found_slots, [held for held in cache.attending if held.reports_state])
             for shelf, slot in found_slots:
                 freed.setdefault(id(shelf), (shelf, []))[1].append(slot)
             layer.peak_tokens = max(layer.peak_tokens, sum(kept) // len(kept) + decoded)  # its tokens per head
@@ -285,9 +286,11 @@ class RowStore:
                 self.shelves.pop(shelf.key, None)
         cache.seen += decoded
 
-    def restore_states(self, row: Stored, index: int, found_slots: list[tuple[Shelf, int]]) -> None:
-        """Layer ``index``'s attending modifiers' state of a leaving ``row``, back in its cache as one ``[1,Hc,...]``
-        state from its units' ``found_slots``."""
+    def restore_states(
+        self, row: Stored, index: int, found_slots: list[tuple[Shelf, int]], modifiers: list[Modifier] | None = None
+    ) -> None:
+        """Layer ``index``'s attending modifiers' state (``modifiers``: those of them; None: all) of a leaving ``row``,
+        back in its cache as one ``[1,Hc,...]`` state from its units' ``found_slots``."""
         layer = row.cache.eviction_layers[index]
         runs: list[tuple[Shelf, list[int]]] = []  # the units in head order, those on one shelf together
         for shelf, slot in found_slots:
@@ -295,7 +298,7 @@ class RowStore:
                 runs[-1][1].append(slot)
             else:
                 runs.append((shelf, [slot]))
-        for modifier in row.cache.attending:
+        for modifier in row.cache.attending if modifiers is None else modifiers:
             if (sizes := row.unit_sizes.get((index, modifier.name))) is not None:
                 parts = [shelf.units_state(modifier.name, slots, sizes) for shelf, slots in runs]
                 stacked = {

@@ -66,6 +66,9 @@ class Modifier(Registered):
     #: up to float rounding (SLAKE's sums; CaliDrop's store and its attention, merged by log-sum-exp), and nothing
     #: reads it before decoding: a cascade hands each layer's evicted entries once, at its last budget
     merges_evicted: ClassVar[bool] = False
+    #: its :meth:`policy_stats` read its layers' state (CaliDrop's counts): a finished row stored on the shelves of
+    #: stored rows takes its state back (the others' are let go with the row)
+    reports_state: ClassVar[bool] = False
     #: gives each cache head of a layer its own share of the layer's budget (:meth:`head_shares`: AdaKV); the
     #: cache then holds a different number of entries per head
     shares_heads: ClassVar[bool] = False

@@ -86,6 +86,7 @@ class CaliDrop(Modifier):
     paper = "CaliDrop: KV Cache Compression with Query-Based Calibration"
     attends = True
     merges_evicted = True  # the store joins, C_lse/C_out merge (eq. 1); C_q is the forward's last query at once
+    reports_state = True  # its recomputation rate (policy_stats)
 
     #: the cosine similarity of the current query to the calibration query below which the evicted entries'
     #: attention is recomputed (above 1: at every step; below -1: never)
