@@ -171,8 +171,8 @@ def finished_rows(
             else:
                 stepping.append((index, token))
         if store is not None:  # a shelf steps all its rows (an attending modifier's state with them)
-            for index in done:
-                store.release(held[index].cache, finished=True)
+            store.leave([held[index].cache for index in done])
+        finished = [output(index) for index in done]  # made before the step, which may place rows where they were
         if stepping:
             logits = step_rows([(held[index], token) for index, token in stepping], store)  # [N,V]
             chosen = chosen_tokens([held[index] for index, _ in stepping], logits)
@@ -187,8 +187,7 @@ def finished_rows(
         share = (lead.now() - start) / max(len(stepping), 1)
         for index in active:
             held[index].decode_seconds += share
-        for index in done:
-            yield output(index)
+        yield from finished
 
 
 def step_rows(stepping: list[tuple[Row, int]], store: RowStore | None = None) -> torch.Tensor:

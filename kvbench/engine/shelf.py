@@ -251,6 +251,7 @@ class Shelf:
             return
         layer = row.cache.eviction_layers[self.layer]
         index = following(slots) or torch.tensor(slots, device=self.keys.device)
+        own = following(heads) or heads  # its heads by a slice: a view, not a copy
         for place, modifier in enumerate(self.modifiers):
             if (units := modifier.units(layer.state_of(modifier))) is None:
                 continue
@@ -262,7 +263,7 @@ class Shelf:
             for name, tensor in units.items():
                 if (pad := padding(state[name].shape[1:], tensor.shape[2:])) is not None:
                     state[name] = F.pad(state[name], pad)  # a longer unit (CaliDrop's evicted entries)
-                state[name][within(index, tensor.shape[2:])] = tensor[0, heads]
+                state[name][within(index, tensor.shape[2:])] = tensor[0, own]
             self.active[place][index] = True
 
     def take(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,14 +294,18 @@ class Shelf:
         start, length = host_int(self.starts[slot]), host_int(self.lengths[slot])
         return self.scores[start : start + length]
 
-    def units_state(self, modifier: str, slots: list[int], sizes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    def units_state(
+        self, modifier: str, slots: list[int], sizes: dict[str, torch.Size], copy: bool = True
+    ) -> dict[str, torch.Tensor]:
         """The state of ``modifier`` (a name) that units ``slots`` hold, each tensor ``[n,...]`` cut to their units'
-        ``sizes``: a copy, by one slice where the slots follow one another (a row's units placed together)."""
+        ``sizes``: a copy, by one slice where the slots follow one another (a row's units placed together; with
+        ``copy=False`` that slice itself, a view)."""
         place = [held.name for held in self.modifiers].index(modifier)
         state = self.states[place]
         assert state is not None  # a unit with sizes placed its state
         if (run := following(slots)) is not None:
-            return {name: state[name][within(run, size)].clone() for name, size in sizes.items()}
+            views = {name: state[name][within(run, size)] for name, size in sizes.items()}
+            return {name: view.clone() for name, view in views.items()} if copy else views
         return {name: torch.stack([state[name][within(slot, size)] for slot in slots]) for name, size in sizes.items()}
 
     def compact(self) -> bool:

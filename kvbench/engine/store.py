@@ -221,7 +221,7 @@ class RowStore:
         stored); a shelf left empty is let go (a long sweep's rows come and go: its shelves are those in flight). A
         ``finished`` row leaves its entries behind (:meth:`let_go`) unless the store is to :attr:`restore` them."""
         if finished and not self.restore:
-            return self.let_go(cache)
+            return self.let_go([cache])
         row = self.places.pop(id(cache), None)
         if row is None:
             return
@@ -259,38 +259,55 @@ class RowStore:
                 layer.running_score = torch.stack(scores)[None]
         cache.seen += decoded
 
-    def let_go(self, cache: EvictionCache) -> None:
-        """A finished row leaves: its units freed together, a shelf's by one write, and its entries not moved back
-        (nothing reads them: the run lets the cache go); what its outputs read is as its own cache would hold it, the
-        tokens it decoded appended — each layer's peak tokens per head and bytes held — and the state of its attending
-        modifiers whose statistics read it (``reports_state``)."""
-        row = self.places.pop(id(cache), None)
-        if row is None:
-            return
-        self.layout = None
-        self.reserved -= row.reserved
-        shelf, slot = cast(tuple[Shelf, int], row.slots[0][0])
-        decoded = host_int(shelf.lengths[slot]) - row.kept[0][0]  # the same for every unit
+    def leave(self, caches: list[EvictionCache]) -> None:
+        """The finished rows of ``caches`` leave the store (:meth:`release`, or together :meth:`let_go`)."""
+        if self.restore:
+            for cache in caches:
+                self.release(cache)
+        else:
+            self.let_go(caches)
+
+    def let_go(self, caches: list[EvictionCache]) -> None:
+        """Finished rows leave: their units freed together, a shelf's by one write, and their entries not moved back
+        (nothing reads them: the run lets the caches go); what their outputs read is as their own caches would hold
+        it, the tokens they decoded appended — each layer's peak tokens per head and bytes held — and the state of
+        their attending modifiers whose statistics read it (``reports_state``: views of the shelves, to be read
+        before a step places rows in their regions)."""
         freed: dict[int, tuple[Shelf, list[int]]] = {}
-        for index, (layer, kept, by_head) in enumerate(zip(cache.eviction_layers, row.kept, row.slots)):
-            found_slots = [cast(tuple[Shelf, int], found) for found in by_head]
-            self.restore_states(row, index, found_slots, [held for held in cache.attending if held.reports_state])
-            for shelf, slot in found_slots:
-                freed.setdefault(id(shelf), (shelf, []))[1].append(slot)
-            layer.peak_tokens = max(layer.peak_tokens, sum(kept) // len(kept) + decoded)  # its tokens per head
-            entry = 2 * layer.keys.shape[-1] * layer.keys.element_size()  # a token's key and value, a cache head
-            cache.hold(index, cache.live_bytes[index] + decoded * entry * len(kept))
+        for cache in caches:
+            row = self.places.pop(id(cache), None)
+            if row is None:
+                continue
+            self.layout = None
+            self.reserved -= row.reserved
+            shelf, slot = cast(tuple[Shelf, int], row.slots[0][0])
+            decoded = host_int(shelf.lengths[slot]) - row.kept[0][0]  # the same for every unit
+            reported = [held for held in cache.attending if held.reports_state]
+            for index, (layer, kept, by_head) in enumerate(zip(cache.eviction_layers, row.kept, row.slots)):
+                found_slots = [cast(tuple[Shelf, int], found) for found in by_head]
+                self.restore_states(row, index, found_slots, reported, copy=False)
+                for shelf, slot in found_slots:
+                    freed.setdefault(id(shelf), (shelf, []))[1].append(slot)
+                layer.peak_tokens = max(layer.peak_tokens, sum(kept) // len(kept) + decoded)  # its tokens per head
+                entry = 2 * layer.keys.shape[-1] * layer.keys.element_size()  # a token's key and value, a cache head
+                cache.hold(index, cache.live_bytes[index] + decoded * entry * len(kept))
+            cache.seen += decoded
         for shelf, slots in freed.values():
             shelf.free(slots)
             if shelf.count == 0:
                 self.shelves.pop(shelf.key, None)
-        cache.seen += decoded
 
     def restore_states(
-        self, row: Stored, index: int, found_slots: list[tuple[Shelf, int]], modifiers: list[Modifier] | None = None
+        self,
+        row: Stored,
+        index: int,
+        found_slots: list[tuple[Shelf, int]],
+        modifiers: list[Modifier] | None = None,
+        copy: bool = True,
     ) -> None:
         """Layer ``index``'s attending modifiers' state (``modifiers``: those of them; None: all) of a leaving ``row``,
-        back in its cache as one ``[1,Hc,...]`` state from its units' ``found_slots``."""
+        back in its cache as one ``[1,Hc,...]`` state from its units' ``found_slots`` (``copy=False``: views of the
+        shelf where its units follow one another)."""
         layer = row.cache.eviction_layers[index]
         runs: list[tuple[Shelf, list[int]]] = []  # the units in head order, those on one shelf together
         for shelf, slot in found_slots:
@@ -300,7 +317,7 @@ class RowStore:
                 runs.append((shelf, [slot]))
         for modifier in row.cache.attending if modifiers is None else modifiers:
             if (sizes := row.unit_sizes.get((index, modifier.name))) is not None:
-                parts = [shelf.units_state(modifier.name, slots, sizes) for shelf, slots in runs]
+                parts = [shelf.units_state(modifier.name, slots, sizes, copy) for shelf, slots in runs]
                 stacked = {
                     name: (torch.cat([part[name] for part in parts]) if len(parts) > 1 else parts[0][name])[None]
                     for name in sizes
