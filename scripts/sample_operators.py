@@ -1,0 +1,87 @@
+"""The operators (on a GPU, kernel launches) and values read back (synchronisations) that a sweep's samples dispatch:
+a ``kvbench run`` in this process, counted (``kvbench.bench.measure.Operators``) over what makes and decodes its
+samples' rows — the grouped runs' shared prefills, rows joining, stepping and leaving the store, and a job run alone's
+prefill and decode — not the model's load nor the records written. ``--gpu-layout``: the shelves laid out as on a GPU
+(``kvbench.engine.shelf.MODIFIER_SHELVES=mixed``). Run::
+
+    python scripts/sample_operators.py [--gpu-layout] run -m +experiment=leaderboard task.num_samples=1 \\
+        engine.rows_attention=stored engine.batch_size=512 hydra.sweep.dir=DIR
+
+and against it the full-cache job alone (``policy=full budget=10pct``); it prints one JSON line on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import kvbench.engine.shelf as shelf
+import kvbench.run.group as group
+import kvbench.run.schedule as schedule
+from kvbench.bench.measure import Operators
+from kvbench.cli import main
+
+
+class Counting:
+    """Counts what the calls it wraps dispatch, once where they nest (a group's rows made inside its decode)."""
+
+    def __init__(self) -> None:
+        self.counter, self.inside = Operators(), False
+
+    @contextmanager
+    def counted(self) -> Iterator[None]:
+        if self.inside:
+            yield
+            return
+        self.inside = True
+        try:
+            with self.counter:
+                yield
+        finally:
+            self.inside = False
+
+    def call(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call``, counted."""
+
+        def counted(*args, **kwargs) -> Any:
+            with self.counted():
+                return call(*args, **kwargs)
+
+        return counted
+
+    def generator(self, make: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+        """``make``, whose generator's steps are counted (not its caller's work between them)."""
+
+        def counted(*args, **kwargs) -> Iterator[Any]:
+            items = make(*args, **kwargs)
+            while True:
+                with self.counted():
+                    item = next(items, self)
+                if item is self:
+                    return
+                yield item
+
+        return counted
+
+
+def run(argv: list[str]) -> dict[str, int]:
+    """``kvbench ARGV`` in this process, its samples' operators counted."""
+    if argv[:1] == ["--gpu-layout"]:
+        shelf.MODIFIER_SHELVES, argv = "mixed", argv[1:]
+    counting = Counting()
+    group.finished_rows = counting.generator(group.finished_rows)  # a group's prefills and decode
+    schedule.sample_row = counting.call(schedule.sample_row)  # a job alone: its prefill,
+    schedule.decode_rows = counting.call(schedule.decode_rows)  # and its decode
+    sys.argv = ["kvbench", *argv]
+    try:
+        main()
+    except SystemExit as exit:
+        if exit.code not in (0, None):
+            raise
+    return counting.counter.figures()
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(sys.argv[1:])), file=sys.stderr)
