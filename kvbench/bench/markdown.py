@@ -319,24 +319,18 @@ def grid_operators_section(results: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     if "grid_operators" in results:
         counts = results["grid_operators"]
-        lines += [
-            "",
-            f"## Operators of a grouped sample: {counts['rows']} rows of {counts['context_length']} tokens",
-            "",
-        ]
-        full, one = counts["full_row"]["step_operators"], counts["full_row"]
-        named = {"one full-cache row": one}
+        title = f"## Operators of a grouped sample: {counts['rows']} rows of {counts['context_length']} tokens"
+        lines += ["", title, ""]
+        named = {"one full-cache row": counts["full_row"]}
         named.update((f"the rows, {attention}", figures) for attention, figures in counts["by_attention"].items())
-
-        def sample(figures: dict[str, Any]) -> int:  # a sample's: its prefill and its whole decode
-            return figures["prefill_operators"] + figures.get("decode_operators", 0)
-
+        sample = {name: row["prefill_operators"] + row.get("decode_operators", 0) for name, row in named.items()}
+        full = counts["full_row"]["step_operators"]
         rows = [
             [
                 name,
                 figures["prefill_operators"],
                 figures.get("decode_operators", ""),
-                f"{sample(figures) / sample(one):.1f}",
+                f"{sample[name] / sample['one full-cache row']:.1f}",
                 f"{figures['step_operators']:.0f}",
                 f"{figures['step_operators'] / full:.1f}",
                 f"{figures['step_host_reads']:.1f}",
