@@ -131,9 +131,7 @@ def finished_rows(
             count += 1
 
     def output(index: int) -> tuple[int, GenerationOutput]:
-        row = held.pop(index)
-        if store is not None:
-            store.release(row.cache, finished=True)
+        row = held.pop(index)  # (a stored row has left the store: RowStore.leave)
         kv = row.engine.cache_sizes(row.cache, after_prefill.pop(index), row.prompt_tokens + len(row.generated))
         stats = row.cache.policy_stats()
         finished = GenerationOutput(

@@ -127,12 +127,12 @@ class Shelf:
     """One layer's units of one head layout and attending modifiers in one flat buffer ``keys``/``values [P,D]``: unit
     ``u`` holds ``lengths[u]`` entries (its kept ones, then the tokens appended since) at ``starts[u]`` of a region of
     ``capacities[u]`` slots. A unit that leaves keeps its region free for the next one of its capacity. ``starts`` and
-    ``lengths`` on the host, and on the device (copied there once after the units change: a step then copies nothing
+    ``lengths`` on the host, and on the device (copied there once after units arrive or move: a step then copies nothing
     to the device, which on CUDA waits for the queue, and reads nothing back). ``heads``: the cache heads of its rows,
     ``query_heads`` their queries'. ``modifiers``: its rows' attending ones, each with its units' state (``states``:
     ``Modifier.units``' tensors ``[U,...]``, made with the first unit that holds one) and ``active [U]``, the units
-    whose state holds something. ``scores [P]`` (float32, where its rows add running sums: :func:`running_sums`) is
-    each entry's running score, the step's sums of every unit added by one pass (:meth:`add_sums`)."""
+    whose state holds something. ``scores [P]`` (float32, where its rows add running sums: :func:`running_sums`) is each
+    entry's running score, the step's sums of every unit added by one pass (:meth:`add_sums`)."""
 
     def __init__(self, like: EvictionCache, layer: int, uniform: int | None = None) -> None:
         first = like.eviction_layers[layer].keys
@@ -152,7 +152,7 @@ class Shelf:
         self.count = 0  # the units owned
         self.starts, self.lengths = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
         self.capacities: list[int] = []
-        #: ``starts`` and ``lengths`` on the keys' device, None once the units change
+        #: ``starts`` and ``lengths`` on the keys' device, None once units arrive or move (not when one is freed)
         self.on_device: tuple[torch.Tensor, torch.Tensor] | None = None
         #: this step's: the stored units (row place × Hc + head) [n], their units [n], where each writes [n], each
         #: one's region start and entries after it [n], and the longest unit; ``host_ones`` a one a unit, on the host
@@ -250,7 +250,7 @@ class Shelf:
         if not self.modifiers:
             return
         layer = row.cache.eviction_layers[self.layer]
-        index = following(slots) or torch.tensor(slots, device=self.keys.device)
+        index = self.unit_index(slots)
         own = following(heads) or heads  # its heads by a slice: a view, not a copy
         for place, modifier in enumerate(self.modifiers):
             if (units := modifier.units(layer.state_of(modifier))) is None:
@@ -270,10 +270,7 @@ class Shelf:
         """Free unit ``slot`` (its region kept for the next unit of its capacity); its entries ``[length,D]`` (views of
         the shelf: copy what is kept; its attending state: :meth:`units_state`)."""
         start, length = host_int(self.starts[slot]), host_int(self.lengths[slot])
-        for active in self.active:
-            active[slot] = False
-        self.owners[slot], self.lengths[slot], self.on_device = None, 0, None
-        self.count -= 1
+        self.free([slot])
         return self.keys[start : start + length], self.values[start : start + length]
 
     def free(self, slots: list[int]) -> None:
@@ -282,11 +279,16 @@ class Shelf:
             self.owners[slot] = None
         self.lengths[slots] = 0
         if self.modifiers:
-            index = following(slots) or torch.tensor(slots, device=self.keys.device)
+            index = self.unit_index(slots)
             for active in self.active:
                 active[index] = False
         self.count -= len(slots)
         self.shrunk = True  # the longest taken again at the next step; the other units' starts and lengths stand
+
+    def unit_index(self, slots: list[int]) -> slice | torch.Tensor:
+        """Units ``slots`` as an index of the shelf's tensors: a slice where they follow one another (nothing copied
+        to the device: a copy from the host synchronises a GPU), else the slots on the device."""
+        return following(slots) or torch.tensor(slots, device=self.keys.device)
 
     def unit_scores(self, slot: int) -> torch.Tensor:
         """The running scores ``[length]`` of unit ``slot``'s entries (a view: read before :meth:`take`)."""

@@ -216,12 +216,10 @@ class RowStore:
             return sum(cache.live_bytes)
         return row.bytes_when_stored + (position - row.first_position + 1) * row.token_bytes
 
-    def release(self, cache: EvictionCache, finished: bool = False) -> None:
+    def release(self, cache: EvictionCache) -> None:
         """Move a leaving row's entries back into its cache, the tokens it decoded appended (nothing where it was not
         stored); a shelf left empty is let go (a long sweep's rows come and go: its shelves are those in flight). A
-        ``finished`` row leaves its entries behind (:meth:`let_go`) unless the store is to :attr:`restore` them."""
-        if finished and not self.restore:
-            return self.let_go([cache])
+        finished row leaves by :meth:`leave`."""
         row = self.places.pop(id(cache), None)
         if row is None:
             return
