@@ -142,7 +142,7 @@ class EvictionCache(Cache):
     def sizes_now(self) -> CacheSizes:
         """What the cache holds now: tokens per head of each layer, bytes, and each layer's range of head lengths
         where they differ."""
-        lengths = [[len(head) for head in layer.kept_by_head()] for layer in self.eviction_layers]
+        lengths = [layer.held_per_head() for layer in self.eviction_layers]
         ranges = [[min(layer), max(layer)] for layer in lengths]
         return CacheSizes(
             after_prefill_tokens_per_layer=self.tokens_per_layer(),

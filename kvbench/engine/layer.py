@@ -166,6 +166,14 @@ class EvictionLayer(DynamicLayer):
             return list(self.positions[0])
         return [torch.cat([own, self.positions[0, head]]) for head, own in enumerate(self.headwise.by_head())]
 
+    def held_per_head(self) -> list[int]:
+        """How many positions each cache head holds (batch 0): :meth:`kept_by_head`'s lengths, from the host."""
+        assert self.positions is not None
+        appended = self.positions.shape[2]
+        if self.headwise is None:
+            return [appended] * self.positions.shape[1]
+        return [own + appended for own in self.headwise.counts]
+
     def attended(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The keys and values ``[B,Hc,T,D]`` a forward attends to and which of them each head holds ``[Hc,T]`` (None:
         all): after a head-wise eviction its entries padded to the longest head, then the tokens appended since;

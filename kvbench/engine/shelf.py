@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kvbench import kernels
 from kvbench.engine.cache import EvictionCache
-from kvbench.engine.layer import EvictionLayer, in_cache_heads
+from kvbench.engine.layer import in_cache_heads
 from kvbench.engine.scoring import sums_key
 from kvbench.kernels import decode
 from kvbench.policies.parts import settings_key
@@ -66,15 +66,6 @@ def following(slots: list[int]) -> slice | None:
     """``slots`` as a slice where they follow one another (a row's units placed together), else None: an index
     that is not copied to the device (a copy from the host synchronises a GPU)."""
     return slice(slots[0], slots[-1] + 1) if slots == list(range(slots[0], slots[0] + len(slots))) else None
-
-
-def head_entries(layer: EvictionLayer, head: int, own: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A head-wise layer's entries of cache ``head`` in position order ``[T_h,D]``: its own (``own``: each head's
-    count), then those appended."""
-    assert layer.headwise is not None
-    start, length = sum(own[:head]), own[head]
-    keys = torch.cat([layer.headwise.keys[start : start + length], layer.keys[0, head]])
-    return keys, torch.cat([layer.headwise.values[start : start + length], layer.values[0, head]])
 
 
 @dataclass(eq=False)
@@ -201,39 +192,33 @@ class Shelf:
             chosen = [[next(new_units) if unit < 0 else unit for unit in picked] for picked in chosen]
         self.on_device = None
         self.place_entries(units, chosen)
-        placed, lengths = [], []  # every unit placed and its length, written at once
         for (row, heads), picked in zip(units, chosen):
-            layer = row.cache.eviction_layers[self.layer]
-            own = [length - row.appended[self.layer] for length in row.kept[self.layer]]  # a head-wise layer's
             for head, unit in zip(heads, picked):
-                if layer.headwise is not None:  # its heads one by one (the others' by place_entries)
-                    keys, values = head_entries(layer, head, own)
-                    start = host_int(self.starts[unit])
-                    self.keys[start : start + keys.shape[0]] = keys
-                    self.values[start : start + keys.shape[0]] = values
                 self.owners[unit] = (row, head)
                 row.slots[self.layer][head] = (self, unit)
-            placed += picked
-            lengths += [row.kept[self.layer][head] for head in heads]
             self.count += len(heads)
-            self.place_states(row, heads, picked)
-        self.lengths[placed] = torch.tensor(lengths)
+        self.place_states([(row, heads, picked) for (row, heads), picked in zip(units, chosen)])
 
     def place_entries(self, units: list[tuple[Stored, list[int]]], chosen: list[list[int]]) -> None:
-        """The entries of the arriving rows whose heads are all as long (not head-wise) into their units ``chosen``:
-        every row's by one index (one copy of it to the device) and one write of each tensor."""
-        arriving = [(row, heads, picked) for (row, heads), picked in zip(units, chosen)]
-        rows = [unit for unit in arriving if unit[0].cache.eviction_layers[self.layer].headwise is None]
-        if not rows:
-            return
+        """The entries of the arriving rows' heads into their units ``chosen``, every unit's length too: every row's
+        by one index (one copy of it to the device) and one write of each tensor (a head-wise layer's heads each
+        from its own entries, then those appended)."""
         placed: list[int] = []
         lengths, keys, values, scores = [], [], [], []
-        for row, heads, picked in rows:
+        for (row, heads), picked in zip(units, chosen):
             layer = row.cache.eviction_layers[self.layer]
+            placed += picked
+            lengths += [row.kept[self.layer][head] for head in heads]
+            if layer.headwise is not None:  # (its running score went with its head-wise eviction)
+                assert self.scores is None, "a head-wise layer adds no running sums (stored_between_evictions)"
+                own = [length - row.appended[self.layer] for length in row.kept[self.layer]]
+                for head in heads:
+                    start = sum(own[:head])
+                    keys += [layer.headwise.keys[start : start + own[head]], layer.keys[0, head]]
+                    values += [layer.headwise.values[start : start + own[head]], layer.values[0, head]]
+                continue
             every = heads == list(range(layer.keys.shape[1]))
             pick: slice | list[int] = slice(None) if every else heads  # a list index would be copied to the device
-            placed += picked
-            lengths += [layer.get_seq_length()] * len(heads)
             keys.append(layer.keys[0, pick].flatten(0, 1))  # [h·T,D]
             values.append(layer.values[0, pick].flatten(0, 1))
             if self.scores is not None:
@@ -243,28 +228,40 @@ class Shelf:
         self.keys[index], self.values[index] = torch.cat(keys), torch.cat(values)
         if self.scores is not None:
             self.scores[index] = torch.cat(scores)
+        self.lengths[placed] = torch.tensor(lengths)
 
-    def place_states(self, row: Stored, heads: list[int], slots: list[int]) -> None:
-        """The attending modifiers' state of a row's ``heads`` at this layer into their units ``slots``, each tensor's
-        size of a unit kept in ``row.unit_sizes``."""
-        if not self.modifiers:
-            return
-        layer = row.cache.eviction_layers[self.layer]
-        index = self.unit_index(slots)
-        own = following(heads) or heads  # its heads by a slice: a view, not a copy
+    def place_states(self, arrivals: list[tuple[Stored, list[int], list[int]]]) -> None:
+        """The attending modifiers' state of each arriving row's heads at this layer into its units (``(row, heads,
+        units)``), each tensor's size of a unit kept in ``row.unit_sizes``: the units of one size by one write of each
+        tensor."""
         for place, modifier in enumerate(self.modifiers):
-            if (units := modifier.units(layer.state_of(modifier))) is None:
+            by_size: dict[tuple[tuple[str, torch.Size], ...], tuple[list[int], list[dict[str, torch.Tensor]]]] = {}
+            for row, heads, slots in arrivals:
+                layer = row.cache.eviction_layers[self.layer]
+                if (units := modifier.units(layer.state_of(modifier))) is None:
+                    continue
+                sizes = {name: unit.shape[2:] for name, unit in units.items()}
+                row.unit_sizes[self.layer, modifier.name] = sizes
+                own = following(heads) or heads  # its heads by a slice: a view, not a copy
+                held_slots, held = by_size.setdefault(tuple(sizes.items()), ([], []))
+                held_slots += slots
+                held.append({name: tensor[0, own] for name, tensor in units.items()})
+            if not by_size:
                 continue
-            row.unit_sizes[self.layer, modifier.name] = {name: unit.shape[2:] for name, unit in units.items()}
             if (state := self.states[place]) is None:
-                shelf = len(self.owners)
-                state = {name: tensor.new_zeros(shelf, *tensor.shape[2:]) for name, tensor in units.items()}
+                shelf, first = len(self.owners), next(iter(by_size.values()))[1][0]
+                state = {name: tensor.new_zeros(shelf, *tensor.shape[1:]) for name, tensor in first.items()}
                 self.states[place] = state
-            for name, tensor in units.items():
-                if (pad := padding(state[name].shape[1:], tensor.shape[2:])) is not None:
-                    state[name] = F.pad(state[name], pad)  # a longer unit (CaliDrop's evicted entries)
-                state[name][within(index, tensor.shape[2:])] = tensor[0, own]
-            self.active[place][index] = True
+            for name, tensor in state.items():  # grown once to the longest unit (CaliDrop's evicted entries)
+                longest = zip(tensor.shape[1:], *(dict(shape)[name] for shape in by_size))
+                if (pad := padding(tensor.shape[1:], torch.Size(max(sizes) for sizes in longest))) is not None:
+                    state[name] = F.pad(tensor, pad)
+            for shape, (slots, held) in by_size.items():
+                index = self.unit_index(slots)
+                for name, size in shape:
+                    parts = [units[name] for units in held]
+                    state[name][within(index, size)] = parts[0] if len(parts) == 1 else torch.cat(parts)
+            self.active[place][self.unit_index([slot for slots, _ in by_size.values() for slot in slots])] = True
 
     def take(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Free unit ``slot`` (its region kept for the next unit of its capacity); its entries ``[length,D]`` (views of
