@@ -144,7 +144,10 @@ class RowStore:
                     assert entries.running_score is not None  # placed (Shelf.place)
                     entries.running_score = entries.running_score[:, :, :0].clone()
                 if (own := entries.headwise) is not None:
-                    own.keys, own.values = own.keys[:0].clone(), own.values[:0].clone()
+                    packed = ((0, keys.shape[3]), keys.dtype)
+                    if packed not in hollow:
+                        hollow[packed] = keys.new_empty(packed[0])
+                    own.keys = own.values = hollow[packed]
                     entries.layout = None
                 for modifier in row.cache.attending:  # its state too, made again when the row leaves
                     if (index, modifier.name) in row.unit_sizes:

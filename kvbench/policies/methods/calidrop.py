@@ -24,6 +24,7 @@ layer, counting a head-step as one (the rate is the mean over the layer's query 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -168,15 +169,12 @@ class CaliDrop(Modifier):
     def policy_stats(self, states: list[Calibration]) -> dict:
         """``recompute_rate_per_layer`` (recomputations / calibration steps), the overall ``recompute_rate``,
         ``calibration_steps`` (summed over layers) and ``evicted_bytes`` (the kept evicted KV, all layers)."""
-        counted = [
-            None
-            if state.steps is None or state.recomputed is None
-            else torch.stack([state.steps.max(), state.recomputed.mean()])
-            for state in states
-        ]  # each layer's steps and mean recomputations, read back at once (on a GPU each read a synchronisation)
-        present = [pair for pair in counted if pair is not None]
-        read = iter(torch.stack(present).tolist() if present else [])
-        pairs = [(0, 0.0) if pair is None else next(read) for pair in counted]
+        counted = [(state.steps, state.recomputed) for state in states if state.steps is not None]
+        read: Iterator[list[float]] = iter([])
+        if counted:  # each layer's steps and mean recomputations, read back at once (on a GPU a synchronisation)
+            held, done = (torch.stack(part).flatten(1) for part in zip(*counted))  # [L,B·Hc]
+            read = iter(torch.stack([held.amax(dim=1), done.mean(dim=1)], dim=1).tolist())
+        pairs = [(0, 0.0) if state.steps is None else next(read) for state in states]
         steps, recomputed = [int(step) for step, _ in pairs], [float(mean) for _, mean in pairs]
         stores = [state.store for state in states if state.store is not None]
         return {
