@@ -10,8 +10,11 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from kvbench.bench.measure import Operators
 from kvbench.cli import main as kvbench_main
 from kvbench.engine.cascade import CascadeStages
+from kvbench.engine.shared import Prompt, prefill_shared
+from kvbench.policies.methods.adakv import AdaKV
 from tests.helpers import engine, kept_masks, masked_forward, random_prompt, refused, tiny_model
 
 LAYERS = 3
@@ -230,7 +233,6 @@ def test_packed_entries_lie_in_each_heads_own_layout_slots(heads, tokens):
     slot order, and in the padded ``[Hc, longest]`` layout at that head's row, one after another from its first slot,
     as a loop over the heads places them; nothing read back but the heads' lengths (``tolist``, which on a CPU
     dispatches nothing to count: no ``nonzero`` nor ``item``; on a GPU each read a synchronisation)."""
-    from kvbench.bench.measure import Operators
     from kvbench.engine.entries import HeadwiseEntries
 
     generator = torch.Generator().manual_seed(heads * tokens)
@@ -251,3 +253,26 @@ def test_packed_entries_lie_in_each_heads_own_layout_slots(heads, tokens):
         assert entries.longest == longest
         assert torch.equal(entries.padded(entries.keys)[0], layout)
         assert torch.equal(entries.mask(), torch.arange(longest) < kept[0].sum(dim=-1)[:, None])
+
+
+def test_the_head_wise_variants_of_a_shared_prefill_share_out_their_heads_together(monkeypatch):
+    """Head-wise variants of one shared forward (three bases with AdaKV at two budgets, and another safeguard) keep
+    what each keeps prefilled alone, their heads' shares made at each layer's end (one ``head_shares`` call for the
+    variants of one setting, budget and reserved slots) and read back at once: no value read back a variant."""
+    model, prompt = tiny_model(layers=LAYERS), random_prompt(120)
+    specs = [f"{base}+adakv" for base in ("snapkv", "tova", "knorm")]
+    engines = [engine(model, spec, budget) for spec in specs for budget in (40, 56)]
+    engines.append(engine(model, "snapkv+adakv", 56, alpha_safeguard=0.5))
+    alone = []
+    for each in engines:
+        cache = each.new_cache(len(prompt))
+        each.prefill(cache, prompt)
+        alone.append(cache.kept_by_head())
+    shares, calls = AdaKV.head_shares, []
+    monkeypatch.setattr(AdaKV, "head_shares", lambda self, *args: calls.append(1) or shares(self, *args))
+    with Operators() as counted:
+        rows = prefill_shared(engines, Prompt(prompt, 1), batch_size=len(engines))
+    assert [row.cache.kept_by_head() for row in rows] == alone
+    # a budget's SnapKV variant (its window reserved), its TOVA and KNorm variants (none reserved), the other setting
+    assert len(calls) == 5 * LAYERS
+    assert counted.host_reads == 0  # the shares read back by one .tolist() a layer (which a CPU does not count)

@@ -304,7 +304,7 @@ def test_a_cascade_selects_and_gathers_each_layer_once_and_keeps_what_evicting_a
             monkeypatch.setattr(
                 layer_module.EvictionLayer,
                 "keep_per_head",
-                lambda self, kept, ranking, defer=False: pack(self, kept, ranking),
+                lambda self, kept, ranking, defer=False, counts=None: pack(self, kept, ranking),
             )
         gathers.clear(), selections.clear()
         settings = {name: value for name, value in {"window": 8, **params}.items() if value is not None}

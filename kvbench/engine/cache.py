@@ -140,15 +140,8 @@ class EvictionCache(Cache):
         return [layer.tokens_per_head() for layer in self.eviction_layers]
 
     def sizes_now(self) -> CacheSizes:
-        """What the cache holds now: tokens per head of each layer, bytes, and each layer's range of head lengths
-        where they differ."""
-        lengths = [layer.held_per_head() for layer in self.eviction_layers]
-        ranges = [[min(layer), max(layer)] for layer in lengths]
-        return CacheSizes(
-            after_prefill_tokens_per_layer=self.tokens_per_layer(),
-            after_prefill_bytes=sum(layer.held_bytes() for layer in self.eviction_layers),
-            after_prefill_head_range=ranges if any(low != high for low, high in ranges) else None,
-        )
+        """What the cache holds now (:meth:`CacheSizes.held`)."""
+        return CacheSizes.held(self.eviction_layers)
 
     def kept_by_head(self) -> list[list[list[int]]]:
         """The token positions each cache head of every layer holds (batch 0): ``[layer][head] → positions``."""
@@ -382,17 +375,19 @@ class EvictionCache(Cache):
         (:meth:`SharedForward.select`) but where :attr:`watch` watches (each a new tensor, which none writes into)."""
         layer = self.eviction_layers[layer_idx]
         with nullcontext() if self.watch is None else self.watch(layer_idx, budget, scores, layer):
+            recent, sinks = reserved_slots(self.policy, layer.get_seq_length(), budget, self.prompt_len)
+            alone = self.watch is not None or layer.deferred_slots is not None  # its own selection, made now
+            if shared is not None and not (alone or defer) and self.policy.shares_heads and per_head is None is held:
+                keep = partial(self._kept_heads, layer_idx, scores)  # each head's share, with the others' at the end
+                return shared.pend_heads(self.policy, scores, (budget, recent, sinks), keep)
             kept = kept_per_head(self.policy, scores, layer.get_seq_length(), budget, self.prompt_len, per_head, held)
             if kept is not None:
-                layer.keep_per_head(kept, scores, defer=defer)
-                self.account(layer_idx)
-                return
+                return self._kept_heads(layer_idx, scores, kept, None, defer)
             layer.ranking = scores.float()
-            recent, sinks = reserved_slots(self.policy, layer.get_seq_length(), budget, self.prompt_len)
             if self.policy.keeps_ranked_only:  # whole chunks: the reserved and the ranked slots
                 ranked = torch.isfinite(scores[..., sinks : scores.shape[-1] - recent]).sum(dim=-1).min()
                 budget = sinks + recent + int(ranked)
-            if shared is None or self.watch is not None or layer.deferred_slots is not None:  # its own selection
+            if shared is None or alone:
                 return self._kept(layer_idx, scaling, defer, None, None, top_slots(scores, budget, recent, sinks), None)
             key = self._selection_key(layer_idx, budget, recent, sinks)
             entries = (layer.keys, layer.values, cast(torch.Tensor, layer.positions))
@@ -422,6 +417,11 @@ class EvictionCache(Cache):
             assert layer.last_query is not None  # after_attention keeps it when modifiers attend
             for modifier in self.attending:
                 modifier.on_evict(layer.state_of(modifier), evicted, layer.last_query, scaling)
+        self.account(layer_idx)
+
+    def _kept_heads(self, layer_idx: int, scores, kept, counts: list[int] | None, defer: bool = False) -> None:
+        """Keep ``kept [1,Hc,T]`` head-wise (``counts``: how many each head keeps, where known), ranked ``scores``."""
+        self.eviction_layers[layer_idx].keep_per_head(kept, scores, defer=defer, counts=counts)
         self.account(layer_idx)
 
     def _selection_key(self, layer_idx: int, budget: int, recent: int, sinks: int) -> tuple | None:

@@ -28,13 +28,19 @@ class HeadwiseEntries:
 
     @staticmethod
     def packed(
-        keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, ranking: torch.Tensor, kept: torch.Tensor
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        ranking: torch.Tensor,
+        kept: torch.Tensor,
+        counts: list[int] | None = None,
     ) -> HeadwiseEntries:
         """The entries ``kept [1,Hc,T]`` (True = kept) of a layer's ``keys``/``values [1,Hc,T,D]``, ``positions`` and
-        ``ranking [1,Hc,T]``, copied out of them."""
+        ``ranking [1,Hc,T]``, copied out of them; ``counts``: how many each head keeps, where known on the host."""
         heads = kept.shape[1]
         lengths = kept[0].sum(dim=-1)  # [Hc]
-        counts = lengths.tolist()  # the one read back (on a GPU a synchronisation; ``nonzero`` would be another)
+        if counts is None:  # the one read back (on a GPU a synchronisation; ``nonzero`` would be another)
+            counts = lengths.tolist()
         longest = max(counts)
         # [N] head-major, slot order within a head: the kept slots first, in order (a stable sort)
         flat = kept[0].flatten().argsort(descending=True, stable=True)[: sum(counts)]

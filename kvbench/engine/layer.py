@@ -300,12 +300,15 @@ class EvictionLayer(DynamicLayer):
             kept, self.deferred_heads = self.deferred_heads, None
             self.keep_per_head(kept, self.ranking)
 
-    def keep_per_head(self, kept: torch.Tensor, ranking: torch.Tensor, defer: bool = False) -> None:
+    def keep_per_head(
+        self, kept: torch.Tensor, ranking: torch.Tensor, defer: bool = False, counts: list[int] | None = None
+    ) -> None:
         """Keep the slots ``kept [1,Hc,T]`` (True = kept; any number per head), ranked ``ranking [1,Hc,T]``, as
         :class:`HeadwiseEntries`, freeing the rest; the layer then appends to empty tensors. With ``defer`` (a
         cascade's stages, each of which may shrink the layer's heads again) the slots and ranking are only held, and
         packed once the cascade ends (:meth:`gather_deferred`): the layer keeps its slots and the next stage ranks the
-        held ones (:meth:`held_heads`), as it would rank them packed and laid out again (:meth:`unpack`)."""
+        held ones (:meth:`held_heads`), as it would rank them packed and laid out again (:meth:`unpack`). ``counts``:
+        how many each head keeps, where known on the host (else read back)."""
         assert self.positions is not None
         if kept.shape[0] != 1:
             raise KVBenchError("a head-wise eviction keeps one sequence per cache (batch 1)")
@@ -313,7 +316,7 @@ class EvictionLayer(DynamicLayer):
             self.deferred_heads, self.ranking, self.deferred_entries = kept, ranking.float(), int(kept.sum())
             return
         self.gather_deferred()
-        self.headwise = HeadwiseEntries.packed(self.keys, self.values, self.positions, ranking.float(), kept)
+        self.headwise = HeadwiseEntries.packed(self.keys, self.values, self.positions, ranking.float(), kept, counts)
         self.keys, self.values = self.keys[:, :, :0].clone(), self.values[:, :, :0].clone()
         self.positions = self.positions[..., :0].clone()
         self.running_score = self.ranking = None

@@ -65,12 +65,15 @@ def reserved_index(sinks: int, start: int, end: int, device: torch.device) -> to
     return torch.cat([torch.arange(sinks, device=device), torch.arange(start, end, device=device)])
 
 
-def top_slots_per_head(middle: torch.Tensor, shares: torch.Tensor, recent: int, sinks: int) -> torch.Tensor:
+def top_slots_per_head(
+    middle: torch.Tensor, shares: torch.Tensor, recent: int, sinks: int, most: int | None = None
+) -> torch.Tensor:
     """The slots kept ``[B,Hc,T]`` (True = kept) where each cache head keeps its own ``shares [B,Hc]`` of the
     slots between its ``sinks`` and ``recent`` window, the top-ranked of them by ``middle [B,Hc,M]`` (the ranking of
-    those slots alone: ``T = sinks + M + recent``)."""
+    those slots alone: ``T = sinks + M + recent``); ``most``: the largest share (clamped to ``M``) where it was read
+    back already (else read here)."""
     shares = shares.clamp(0, middle.shape[-1])  # [B,Hc]
-    top = middle.topk(int(shares.max()), dim=-1).indices  # [B,Hc,S]
+    top = middle.topk(int(shares.max()) if most is None else most, dim=-1).indices  # [B,Hc,S]
     chosen = counting(top.shape[-1], top.device) < shares[..., None]  # a head keeps its first shares
     kept = torch.zeros_like(middle, dtype=torch.bool).scatter_(-1, top, chosen)  # [B,Hc,M]
     return F.pad(kept, (sinks, recent), value=True) if sinks + recent else kept

@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
-from kvbench.engine.selection import top_slots
-from kvbench.policies.base import AttentionStats
+from kvbench.engine.selection import top_slots, top_slots_per_head
+from kvbench.policies.base import AttentionStats, Policy
 from kvbench.policies.context import slot_offsets, take_flat
+from kvbench.policies.parts import settings_key
 
 
 @dataclass
@@ -36,6 +37,8 @@ class SharedForward:
     #: :meth:`select`; by the selection's key where it has one
     pending: list[Pending] = field(default_factory=list)
     pending_keys: dict[tuple, Pending] = field(default_factory=dict)
+    #: the head-wise selections the variants wait for (:meth:`pend_heads`), made at once by :meth:`select_heads`
+    pending_heads: list[PendingHeads] = field(default_factory=list)
 
     def pend(
         self,
@@ -57,6 +60,51 @@ class SharedForward:
                 self.pending_keys[key] = pending
         pending.keeps.append(keep)
 
+    def pend_heads(
+        self,
+        policy: Policy,
+        scores: torch.Tensor,
+        slots: tuple[int, int, int],
+        keep: Callable[[torch.Tensor, list[int]], None],
+    ) -> None:
+        """A variant's head-wise selection of ``slots`` (budget, recent window, sinks) by ``scores [1,Hc,T]``, each head
+        its share (``policy.head_shares``), made with the others' by :meth:`select_heads`, which then calls ``keep(kept,
+        counts)``: the slots kept ``[1,Hc,T]`` and how many each head keeps."""
+        self.pending_heads.append(PendingHeads(policy, scores, slots, keep))
+
+    def select_heads(self) -> None:
+        """Every pending head-wise selection: the shares of the variants of one sharing part, slots and shape by one
+        ``head_shares`` call over their rankings stacked (rows apart), every share read back at once (one host
+        synchronisation a layer, not one a variant), then one top-k for those of one largest share
+        (:func:`top_slots_per_head`: slice by slice the same top-k as each variant's alone)."""
+        groups: dict[tuple, list[PendingHeads]] = defaultdict(list)
+        for pending in self.pending_heads:
+            sharer = next((part for part in pending.policy.modifiers if part.shares_heads), pending.policy)
+            groups[settings_key(sharer), pending.slots, pending.scores.shape, pending.scores.dtype].append(pending)
+        self.pending_heads = []
+        stacked = []
+        for (_, (budget, recent, sinks), *_), group in groups.items():
+            tokens = group[0].scores.shape[-1]
+            middle = torch.stack([pending.scores for pending in group])[..., sinks : tokens - recent].float()
+            shares = group[0].policy.head_shares(middle.flatten(0, 1), budget, recent + sinks)  # [V·B,Hc]
+            assert shares is not None  # the policy shares heads
+            shares = shares.long().view(middle.shape[:-1]).clamp(0, middle.shape[-1])  # [V,B,Hc]
+            stacked.append((group, middle, shares))
+        read = iter(torch.cat([shares.flatten() for *_, shares in stacked]).tolist() if stacked else [])
+        for group, middle, shares in stacked:
+            recent, sinks = group[0].slots[1:]
+            counts = [[next(read) for _ in range(shares[0].numel())] for _ in group]  # each variant's heads (batch 1)
+            by_most: dict[int, list[int]] = defaultdict(list)
+            for index, held in enumerate(counts):
+                by_most[max(held)].append(index)
+            for most, indices in by_most.items():
+                ranked, shared = middle, shares  # the variants of this largest share:
+                if len(indices) < len(group):
+                    ranked, shared = (torch.stack([part[index] for index in indices]) for part in (middle, shares))
+                kept = top_slots_per_head(ranked, shared, recent, sinks, most)  # [V',1,Hc,T]
+                for index, kept_by in zip(indices, kept):
+                    group[index].keep(kept_by, [count + recent + sinks for count in counts[index]])
+
     def settle(self) -> None:
         """Compute what the variants so far asked of the layer's windows together (SLAKE's VABS preferences)."""
         for stats in self.windows.values():
@@ -70,6 +118,7 @@ class SharedForward:
         append copies out of (:func:`~kvbench.engine.layer.appended` writes in place only into a storage of its
         own); else each selection's by its own. Each is then kept by its variants."""
         self.settle()
+        self.select_heads()
         groups: dict[tuple, list[Pending]] = defaultdict(list)
         for pending in self.pending:
             groups[pending.scores.shape, pending.scores.dtype, pending.slots].append(pending)
@@ -116,3 +165,13 @@ def same_view(tensor: torch.Tensor, other: torch.Tensor) -> bool:
         and tensor.dtype == other.dtype
         and tensor.device == other.device
     )
+
+
+@dataclass
+class PendingHeads:
+    """A head-wise selection a variant waits for (:meth:`SharedForward.pend_heads`)."""
+
+    policy: Policy
+    scores: torch.Tensor
+    slots: tuple[int, int, int]
+    keep: Callable[[torch.Tensor, list[int]], None]
