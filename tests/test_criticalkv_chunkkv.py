@@ -79,3 +79,30 @@ def test_chunkkv_keeps_whole_chunks_by_their_mean_score(regime, gqa):
     watch, evictions = checked_evictions(matching(expected))
     run(tiny_model(), "knorm+chunkkv", regime, gqa, watch, chunk_length=CHUNK)
     assert len(evictions) >= 3 and all(evictions)
+
+
+def test_the_chunk_variants_of_a_shared_prefill_count_what_they_keep_together():
+    """ChunkKV keeps its reserved slots and whole chunks, as many slots as its ranking leaves finite (a short last
+    chunk keeps fewer): in one shared forward of ChunkKV over three bases at two budgets and chunk lengths (one not
+    dividing the slots), each variant keeps what it keeps prefilled alone, those counts read back once a layer."""
+    from kvbench.bench.measure import Operators
+    from kvbench.engine.shared import Prompt, prefill_shared
+    from tests.helpers import random_prompt
+
+    model, prompt = tiny_model(), random_prompt(101)
+    bases = ("snapkv", "tova", "knorm")
+    engines = [
+        engine(model, f"{base}+chunkkv", budget, chunk_length=length)
+        for base in bases
+        for budget in (40, 56)
+        for length in (5, 7)
+    ]
+    alone = []
+    for each in engines:
+        cache = each.new_cache(len(prompt))
+        each.prefill(cache, prompt)
+        alone.append(cache.kept_by_head())
+    with Operators() as counted:
+        rows = prefill_shared(engines, Prompt(prompt, 1), batch_size=len(engines))
+    assert [row.cache.kept_by_head() for row in rows] == alone
+    assert counted.host_reads == 0  # the counts read back by one .tolist() a layer (which a CPU does not count)

@@ -25,7 +25,7 @@ from kvbench.engine.cascade import CascadeStages
 from kvbench.engine.kivi import Kivi
 from kvbench.engine.layer import EvictionLayer, in_cache_heads
 from kvbench.engine.scoring import Forward, Scorer
-from kvbench.engine.selection import kept_per_head, reserved_slots, top_slots
+from kvbench.engine.selection import kept_per_head, ranked_budget, reserved_slots, top_slots
 from kvbench.engine.sharing import SharedForward
 from kvbench.engine.sizes import CacheSizes
 from kvbench.policies.base import AttentionStats, Policy
@@ -384,15 +384,14 @@ class EvictionCache(Cache):
             if kept is not None:
                 return self._kept_heads(layer_idx, scores, kept, None, defer)
             layer.ranking = scores.float()
-            if self.policy.keeps_ranked_only:  # whole chunks: the reserved and the ranked slots
-                ranked = torch.isfinite(scores[..., sinks : scores.shape[-1] - recent]).sum(dim=-1).min()
-                budget = sinks + recent + int(ranked)
             if shared is None or alone:
+                budget = ranked_budget(scores, recent, sinks) if self.policy.keeps_ranked_only else budget
                 return self._kept(layer_idx, scaling, defer, None, None, top_slots(scores, budget, recent, sinks), None)
             key = self._selection_key(layer_idx, budget, recent, sinks)
             entries = (layer.keys, layer.values, cast(torch.Tensor, layer.positions))
             kept_by = partial(self._kept, layer_idx, scaling, defer, shared, key)
-            shared.pend(key, scores, (budget, recent, sinks), entries, kept_by)  # made at the layer's end
+            ranked = self.policy.keeps_ranked_only  # whole chunks: the reserved and the ranked slots, counted then
+            shared.pend(key, scores, (budget, recent, sinks), entries, kept_by, ranked)  # made at the layer's end
 
     def _kept(
         self,

@@ -57,6 +57,18 @@ def top_slots(scores: torch.Tensor, budget: int, recent: int, sinks: int) -> tor
     return heavy.sort(dim=-1).values
 
 
+def ranked_budget(scores: torch.Tensor, recent: int, sinks: int) -> int:
+    """What a policy that keeps only what it ranks (``keeps_ranked_only``: whole chunks) keeps of ``scores [B,Hc,T]``:
+    its reserved slots and the fewest a head ranks (finite) between them (one value read back)."""
+    return sinks + recent + int(ranked_counts(scores[None], recent, sinks)[0])
+
+
+def ranked_counts(scores: torch.Tensor, recent: int, sinks: int) -> torch.Tensor:
+    """The fewest slots a head of each ranking ``scores [V,B,Hc,T]`` ranks (finite) between its ``sinks`` first and
+    ``recent`` last: ``[V]``."""
+    return torch.isfinite(scores[..., sinks : scores.shape[-1] - recent]).sum(dim=-1).amin(dim=(1, 2))
+
+
 @functools.lru_cache(maxsize=256)
 def reserved_index(sinks: int, start: int, end: int, device: torch.device) -> torch.Tensor:
     """The slots ``0..sinks`` and ``start..end`` ``[sinks + end - start]``, made on ``device`` (slots made on the host

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvbench.engine.selection import top_slots, top_slots_per_head
+from kvbench.engine.selection import ranked_counts, top_slots, top_slots_per_head
 from kvbench.policies.base import AttentionStats, Policy
 from kvbench.policies.context import slot_offsets, take_flat
 from kvbench.policies.parts import settings_key
@@ -47,14 +47,16 @@ class SharedForward:
         slots: tuple[int, int, int],
         entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         keep: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], None],
+        ranked: bool = False,
     ) -> None:
         """A variant's selection of ``slots`` (budget, recent window, sinks: :func:`top_slots`) of ``entries`` (keys,
         values ``[B,Hc,T,D]``, positions ``[B,Hc,T]``) by ``scores [B,Hc,T]``, made with the others' by
         :meth:`select`, which then calls ``keep(kept, gathered)`` (the entries and the scores at ``kept``); one
-        selection for the variants of one ``key``."""
+        selection for the variants of one ``key``. ``ranked``: its budget is the reserved slots and what the scores
+        rank (whole chunks: :func:`~kvbench.engine.selection.ranked_budget`), counted with the others' at once."""
         pending = None if key is None else self.pending_keys.get(key)
         if pending is None:
-            pending = Pending(scores, slots, entries)
+            pending = Pending(scores, slots, entries, ranked=ranked)
             self.pending.append(pending)
             if key is not None:
                 self.pending_keys[key] = pending
@@ -105,6 +107,20 @@ class SharedForward:
                 for index, kept_by in zip(indices, kept):
                     group[index].keep(kept_by, [count + recent + sinks for count in counts[index]])
 
+    def count_ranked(self) -> None:
+        """The budget of every pending selection that keeps what it ranks (``ranked``): counted for those of one shape
+        and reserved slots at once, and read back together (one host synchronisation a layer, not one a variant)."""
+        groups: dict[tuple, list[Pending]] = defaultdict(list)
+        for pending in self.pending:
+            if pending.ranked:
+                groups[pending.scores.shape, pending.slots[1:]].append(pending)
+        counts = [ranked_counts(torch.stack([p.scores for p in group]), *slots) for (_, slots), group in groups.items()]
+        read = iter(torch.cat(counts).tolist() if counts else [])
+        for group in groups.values():
+            for pending in group:
+                _, recent, sinks = pending.slots
+                pending.slots, pending.ranked = (sinks + recent + next(read), recent, sinks), False
+
     def settle(self) -> None:
         """Compute what the variants so far asked of the layer's windows together (SLAKE's VABS preferences)."""
         for stats in self.windows.values():
@@ -119,6 +135,7 @@ class SharedForward:
         own); else each selection's by its own. Each is then kept by its variants."""
         self.settle()
         self.select_heads()
+        self.count_ranked()
         groups: dict[tuple, list[Pending]] = defaultdict(list)
         for pending in self.pending:
             groups[pending.scores.shape, pending.scores.dtype, pending.slots].append(pending)
@@ -154,6 +171,7 @@ class Pending:
     slots: tuple[int, int, int]
     entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     keeps: list[Callable[[torch.Tensor, tuple[torch.Tensor, ...]], None]] = field(default_factory=list)
+    ranked: bool = False  # its budget still to count (whole chunks: :meth:`SharedForward.count_ranked`)
 
 
 def same_view(tensor: torch.Tensor, other: torch.Tensor) -> bool:
