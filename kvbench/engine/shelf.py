@@ -141,17 +141,27 @@ class Shelf:
         self.active = [torch.zeros(0, dtype=torch.bool, device=first.device) for _ in self.modifiers]
         self.owners: list[tuple[Stored, int] | None] = []
         self.count = 0  # the units owned
-        self.starts, self.lengths = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        self.starts, self.counted = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        #: the steps not yet counted in ``lengths`` on the host, each one more entry of the units ``stepped``
+        self.uncounted, self.stepped = 0, torch.empty(0, dtype=torch.long)
         self.capacities: list[int] = []
         #: ``starts`` and ``lengths`` on the keys' device, None once units arrive or move (not when one is freed)
         self.on_device: tuple[torch.Tensor, torch.Tensor] | None = None
-        #: this step's: the stored units (row place × Hc + head) [n], their units [n], where each writes [n], each
-        #: one's region start and entries after it [n], and the longest unit; ``host_ones`` a one a unit, on the host
-        self.members = self.slots = self.write_at = self.step_starts = self.step_lengths = torch.empty(0)
+        #: this step's: the stored units (row place × Hc + head) [n], their units [n], each one's region start [n],
+        #: ``ends [2,n]`` where each writes and its entries after the step, the longest unit; ``host_ones`` [n] ones
+        self.members = self.slots = self.step_starts = self.ends = torch.empty(0)
         self.host_ones = torch.empty(0, dtype=torch.long)
         self.longest = 0
         self.shrunk = False  # units freed since the last step (:meth:`free`)
         self.whole = False  # this step's units are every unit, in order (``slots`` = 0 .. U−1)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Each unit's entries ``[U]`` on the host, the steps not counted since it was last read added by one write."""
+        if self.uncounted:
+            self.counted.index_add_(0, self.stepped, self.host_ones, alpha=self.uncounted)
+            self.uncounted = 0
+        return self.counted
 
     def bytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
@@ -181,7 +191,7 @@ class Shelf:
             sizes = torch.tensor(missing)
             self.starts = torch.cat([self.starts, end + sizes.cumsum(0) - sizes])
             self.capacities += missing
-            self.lengths = grown(self.lengths, len(missing))
+            self.counted = grown(self.lengths, len(missing))
             self.owners += [None] * len(missing)
             self.states = [
                 None if state is None else {name: grown(tensor, len(missing)) for name, tensor in state.items()}
@@ -320,7 +330,7 @@ class Shelf:
             self.scores = self.scores.index_select(0, index)
         sizes = torch.tensor(capacities, dtype=torch.long)
         self.starts, self.capacities = sizes.cumsum(0) - sizes, capacities
-        self.lengths, self.owners = self.lengths[kept], [self.owners[unit] for unit in held]
+        self.counted, self.owners = self.lengths[kept], [self.owners[unit] for unit in held]
         self.on_device = None
         on_device = kept.to(self.keys.device)
         self.active = [active[on_device] for active in self.active]
@@ -337,7 +347,7 @@ class Shelf:
     def begin_step(self, members: torch.Tensor, slots: torch.Tensor, on_host: torch.Tensor) -> None:
         """This step's units: ``members [n]`` (row place × Hc + head) in units ``slots [n]`` (``on_host``: the same on
         the host), one token each. Where they are the last step's (the same layout, no unit placed or taken since),
-        where each writes and how long it is are the last step's one further: two additions, not a gather."""
+        where each writes and how long it is are the last step's one further: one addition, not a gather."""
         device = self.keys.device
         again = self.on_device is not None and slots is self.slots
         if self.on_device is None:  # the units changed
@@ -347,25 +357,26 @@ class Shelf:
             self.longest, self.shrunk = host_int(self.lengths.max()), False
         starts, lengths = self.on_device
         if again:
-            self.write_at, self.step_lengths = self.write_at + 1, self.step_lengths + 1
+            self.ends = self.ends + 1  # [2,n]
         else:
+            self.counted = self.lengths  # the steps so far counted before the units stepping change
             self.members, self.slots, self.host_ones = members, slots, torch.ones_like(on_host)
-            self.whole = on_host.tolist() == list(range(len(self.owners)))
+            self.stepped, self.whole = on_host, on_host.tolist() == list(range(len(self.owners)))
             self.step_starts = starts[slots]
-            self.write_at = self.step_starts + lengths[slots]
-            self.step_lengths = self.write_at + 1 - self.step_starts
-        lengths.index_put_((slots,), self.step_lengths)  # each unit's entries after the step (a unit steps once)
-        self.lengths.index_add_(0, on_host, self.host_ones)
+            write_at = self.step_starts + lengths[slots]
+            self.ends = torch.stack([write_at, write_at + 1 - self.step_starts])
+        lengths.index_put_((slots,), self.ends[1])  # each unit's entries after the step (a unit steps once)
+        self.uncounted += 1  # on the host, counted when read (:attr:`lengths`)
         self.longest += 1  # every unit held steps (a finished row leaves before the step)
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Write the step's keys/values of the stored units (``[N,Hkv,1,D]`` of the batch) after each unit's entries:
         one scatter each."""
         keys, values = in_cache_heads(key_states, value_states, self.query_heads, self.repeat_layout)  # [N,Hc,1,D]
-        self.keys.index_put_((self.write_at,), keys.flatten(0, 1)[self.members, 0])
-        self.values.index_put_((self.write_at,), values.flatten(0, 1)[self.members, 0])
+        self.keys.index_put_((self.ends[0],), keys.flatten(0, 1)[self.members, 0])
+        self.values.index_put_((self.ends[0],), values.flatten(0, 1)[self.members, 0])
         if self.scores is not None:  # a new entry's score starts from 0 (the region may hold a former unit's)
-            self.scores.index_fill_(0, self.write_at, 0.0)
+            self.scores.index_fill_(0, self.ends[0], 0.0)
 
     def attend(self, query: torch.Tensor, scaling: float, joined: torch.Tensor) -> None:
         """Write the stored units' attention outputs into the batch's ``joined [N,1,Hq,D]`` for its single queries
@@ -377,12 +388,10 @@ class Shelf:
         if self.modifiers:
             output = self.attend_modified(units, scaling)
         elif kernels.available() and (REGION_ATTENTION == "kernel" or REGION_ATTENTION == "auto" and query.is_cuda):
-            output = decode.region_attention(
-                units, self.keys, self.values, self.step_starts, self.step_lengths, scaling
-            )
+            output = decode.region_attention(units, self.keys, self.values, self.step_starts, self.ends[1], scaling)
         else:
             output = decode.padded_region_attention(
-                units, self.keys, self.values, self.step_starts, self.step_lengths, scaling, self.longest
+                units, self.keys, self.values, self.step_starts, self.ends[1], scaling, self.longest
             )
         if self.scores is not None:
             self.add_sums(units, output, scaling)
@@ -395,7 +404,7 @@ class Shelf:
         region; the padding's sums are dropped."""
         assert self.scores is not None
         span = decode.counting(self.longest, units.device)
-        visible = span < self.step_lengths[:, None]  # [n,T]
+        visible = span < self.ends[1][:, None]  # [n,T]
         keys, values = decode.padded_regions(self.keys, self.values, self.step_starts, self.longest)  # [n,T,D]
         logits = torch.matmul(units.float(), keys.float().transpose(1, 2)).mul_(scaling)  # [n,G,T]
         lse = logits.masked_fill_(~visible[:, None], float("-inf")).logsumexp(dim=-1)  # [n,G]
