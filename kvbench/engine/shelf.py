@@ -362,9 +362,8 @@ class Shelf:
             self.counted = self.lengths  # the steps so far counted before the units stepping change
             self.members, self.slots, self.host_ones = members, slots, torch.ones_like(on_host)
             self.stepped, self.whole = on_host, on_host.tolist() == list(range(len(self.owners)))
-            self.step_starts = starts[slots]
-            write_at = self.step_starts + lengths[slots]
-            self.ends = torch.stack([write_at, write_at + 1 - self.step_starts])
+            self.step_starts, held = starts[slots], lengths[slots]
+            self.ends = torch.stack([self.step_starts + held, held + 1])
         lengths.index_put_((slots,), self.ends[1])  # each unit's entries after the step (a unit steps once)
         self.uncounted += 1  # on the host, counted when read (:attr:`lengths`)
         self.longest += 1  # every unit held steps (a finished row leaves before the step)
