@@ -245,8 +245,7 @@ class EvictionCache(Cache):
         return self._forward().seen
 
     def key_mask(self, layer_idx: int) -> torch.Tensor | None:
-        """Which of the keys the last :meth:`update` of ``layer_idx`` returned each cache head holds ``[Hc,T]``, or
-        None: all of them."""
+        """Which keys the last :meth:`update` of ``layer_idx`` returned each cache head holds ``[Hc,T]``; None: all."""
         return self.key_masks[layer_idx]
 
     def scored_in(self, layer_idx: int) -> bool:
@@ -377,8 +376,9 @@ class EvictionCache(Cache):
         with nullcontext() if self.watch is None else self.watch(layer_idx, budget, scores, layer):
             recent, sinks = reserved_slots(self.policy, layer.get_seq_length(), budget, self.prompt_len)
             alone = self.watch is not None or layer.deferred_slots is not None  # its own selection, made now
-            if shared is not None and not (alone or defer) and self.policy.shares_heads and per_head is None is held:
-                keep = partial(self._kept_heads, layer_idx, scores)  # each head's share, with the others' at the end
+            shares_later = self.policy.shares_heads and per_head is None and held is None  # with the others' at the end
+            if shared is not None and not (alone or defer) and shares_later:
+                keep = partial(self._kept_heads, layer_idx, scores)  # each head's share
                 return shared.pend_heads(self.policy, scores, (budget, recent, sinks), keep)
             kept = kept_per_head(self.policy, scores, layer.get_seq_length(), budget, self.prompt_len, per_head, held)
             if kept is not None:

@@ -31,15 +31,16 @@ and to come)."""
 from __future__ import annotations
 
 from collections import deque
-from typing import cast
+from collections.abc import Hashable
+from typing import Any, cast
 
 import torch
 
 from kvbench.engine.cache import EvictionCache
-from kvbench.engine.layer import EvictionLayer
 from kvbench.engine.scoring import uses_normaliser
 from kvbench.engine.shelf import Shelf, Stored, host_int, modifier_capacity, running_sums, shelf_key
 from kvbench.policies.base import Modifier
+from kvbench.policies.stats import memoised
 
 
 def storable(cache: EvictionCache) -> bool:
@@ -63,14 +64,6 @@ def stored_between_evictions(cache: EvictionCache) -> bool:
     running = not policy.running or uses_normaliser(policy)
     plain = running and policy.statistic != "reconstruction" and not policy.shares_heads
     return plain and not cache.attending and cache.allocation is None
-
-
-def head_lengths(layer: EvictionLayer) -> list[int]:
-    """The entries each cache head of ``layer`` holds (its own after a head-wise eviction, then those appended)."""
-    appended = layer.get_seq_length()
-    if layer.headwise is None:
-        return [appended] * layer.keys.shape[1]
-    return [own + appended for own in layer.headwise.counts]
 
 
 #: a shelf stepped: its units (row place × Hc + head) and slots on its device, the slots on the host
@@ -110,7 +103,7 @@ class RowStore:
                 continue
             if id(cache) in self.places or not storable(cache):
                 continue
-            kept = [head_lengths(layer) for layer in cache.eviction_layers]
+            kept = [layer.held_per_head() for layer in cache.eviction_layers]
             keys = cache.eviction_layers[0].keys  # [1,Hc,T,D]
             entry = 2 * keys.shape[-1] * keys.element_size()  # a token's key and value in one cache head
             reserved = sum(length + more for lengths in kept for length in lengths) * entry
@@ -133,21 +126,16 @@ class RowStore:
         for key, units in arriving.items():
             self.shelves[key].place(units)
         for row in {id(row): row for units in arriving.values() for row, _ in units}.values():
-            hollow: dict[tuple, torch.Tensor] = {}  # no entries, one tensor of a shape (nothing writes into it)
+            hollow: dict[Hashable, Any] = {}  # no entries, one tensor of a shape (nothing writes into it)
             for index, entries in enumerate(row.cache.eviction_layers):  # held on the shelves now
                 keys = entries.keys
                 shape = (*keys.shape[:2], 0, keys.shape[3])
-                if (shape, keys.dtype) not in hollow:
-                    hollow[shape, keys.dtype] = keys.new_empty(shape)
-                entries.keys = entries.values = hollow[shape, keys.dtype]
+                entries.keys = entries.values = hollow_like(hollow, shape, keys)
                 if running_sums(row.cache) is not None:  # its scores on the shelves too
                     assert entries.running_score is not None  # placed (Shelf.place)
                     entries.running_score = entries.running_score[:, :, :0].clone()
                 if (own := entries.headwise) is not None:
-                    packed = ((0, keys.shape[3]), keys.dtype)
-                    if packed not in hollow:
-                        hollow[packed] = keys.new_empty(packed[0])
-                    own.keys = own.values = hollow[packed]
+                    own.keys = own.values = hollow_like(hollow, (0, keys.shape[3]), keys)
                     entries.layout = None
                 for modifier in row.cache.attending:  # its state too, made again when the row leaves
                     if (index, modifier.name) in row.unit_sizes:
@@ -324,3 +312,8 @@ class RowStore:
                     for name in sizes
                 }
                 layer.modifier_state[modifier.name] = modifier.of_units(stacked)
+
+
+def hollow_like(made: dict[Hashable, Any], shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of ``shape`` and ``like``'s dtype, one per shape and dtype in ``made`` (nothing writes to it)."""
+    return memoised(made, (shape, like.dtype), lambda: like.new_empty(shape))
