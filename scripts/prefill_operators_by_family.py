@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import statistics
 import sys
-import traceback
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 import torch
 
 import kvbench.policies.methods.slake as slake
 from kvbench.bench.grid import variant_engine
-from kvbench.bench.measure import Operators
+from kvbench.bench.measure import ByFrame, Operators
 from kvbench.config import registered_policies, selected_policy_settings
 from kvbench.engine import Engine
 from kvbench.engine.shared import Prompt, prefill_shared
@@ -52,26 +51,6 @@ def family(engine: Engine) -> str:
     if any(modifier.attends for modifier in policy.modifiers):
         return "attending"
     return "running sums" if policy.running else "plain"
-
-
-class ByFrame(Operators):
-    """:class:`Operators`, each operator launched also counted by the innermost kvbench frame that dispatched it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.frames: Counter[str] = Counter()
-        self.reads: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before, read_before = self.launched, self.host_reads
-        output = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.launched > before or self.host_reads > read_before:
-            ours = [frame for frame in traceback.extract_stack() if "/kvbench/" in frame.filename]
-            ours = [frame for frame in ours if not frame.filename.endswith("bench/measure.py")]
-            where = f"{ours[-1].filename.split('/kvbench/')[-1]}:{ours[-1].name}" if ours else "(model)"
-            self.frames[where] += self.launched - before
-            self.reads[where] += self.host_reads - read_before
-        return output
 
 
 def by_frame(model_name: str = "smollm2_135m_random", length: int = 1024, accelerator: bool = False) -> None:

@@ -7,7 +7,11 @@ prefill and decode — not the model's load nor the records written. ``--gpu-lay
     python scripts/sample_operators.py [--gpu-layout] run -m +experiment=leaderboard task.num_samples=1 \\
         engine.rows_attention=stored engine.batch_size=512 hydra.sweep.dir=DIR
 
-and against it the full-cache job alone (``policy=full budget=10pct``); it prints one JSON line on stderr."""
+and against it the full-cache job alone (``policy=full budget=10pct``); it prints one JSON line on stderr. Before
+``run``: ``--by-frame`` adds each operator (and each value read back) charged to the kvbench function that dispatched
+it, the 30 largest (``kvbench.bench.measure.ByFrame``; several times slower); ``--accelerator`` has SLAKE's VABS take
+its window in one block as on an accelerator (64 query rows a block on a CPU), so the counts are those a GPU would
+launch but for H2O's running sums, which ``engine.sums_kernel=triton`` fuses there."""
 
 from __future__ import annotations
 
@@ -18,17 +22,18 @@ from contextlib import contextmanager
 from typing import Any
 
 import kvbench.engine.shelf as shelf
+import kvbench.policies.methods.slake as slake
 import kvbench.run.group as group
 import kvbench.run.schedule as schedule
-from kvbench.bench.measure import Operators
+from kvbench.bench.measure import ByFrame, Operators
 from kvbench.cli import main
 
 
 class Counting:
     """Counts what the calls it wraps dispatch, once where they nest (a group's rows made inside its decode)."""
 
-    def __init__(self) -> None:
-        self.counter, self.inside = Operators(), False
+    def __init__(self, by_frame: bool = False) -> None:
+        self.counter, self.inside = ByFrame() if by_frame else Operators(), False
 
     @contextmanager
     def counted(self) -> Iterator[None]:
@@ -66,11 +71,15 @@ class Counting:
         return counted
 
 
-def run(argv: list[str]) -> dict[str, int]:
-    """``kvbench ARGV`` in this process, its samples' operators counted."""
-    if argv[:1] == ["--gpu-layout"]:
-        shelf.MODIFIER_SHELVES, argv = "mixed", argv[1:]
-    counting = Counting()
+def run(argv: list[str]) -> dict[str, Any]:
+    """``kvbench ARGV`` in this process, its samples' operators counted (the options before it: the module's)."""
+    options = set(argv[: argv.index("run")]) if "run" in argv else set()
+    argv = argv[len(options) :]
+    if "--gpu-layout" in options:
+        shelf.MODIFIER_SHELVES = "mixed"
+    if "--accelerator" in options:
+        slake.VABS_BLOCK = 1 << 30  # every window in one block, whatever the variants asking (slake.vabs_block)
+    counting = Counting(by_frame="--by-frame" in options)
     group.finished_rows = counting.generator(group.finished_rows)  # a group's prefills and decode
     schedule.sample_row = counting.call(schedule.sample_row)  # a job alone: its prefill,
     schedule.decode_rows = counting.call(schedule.decode_rows)  # and its decode
@@ -80,7 +89,11 @@ def run(argv: list[str]) -> dict[str, int]:
     except SystemExit as exit:
         if exit.code not in (0, None):
             raise
-    return counting.counter.figures()
+    figures: dict[str, Any] = dict(counting.counter.figures())
+    if isinstance(counting.counter, ByFrame):
+        figures["by_frame"] = dict(counting.counter.frames.most_common(30))
+        figures["read_by_frame"] = dict((+counting.counter.reads).most_common(30))
+    return figures
 
 
 if __name__ == "__main__":

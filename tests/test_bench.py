@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from kvbench import PROJECT_ROOT
-from kvbench.bench.measure import PRELOADED, Clock, Operators, PeakMemory, fresh_process, rotations
+from kvbench.bench.measure import PRELOADED, ByFrame, Clock, Operators, PeakMemory, fresh_process, rotations
 from kvbench.bench.report import prefill_limit, targets
 from kvbench.bench.sections import PARAGRAPH, prompt_tokens
 from kvbench.bench.settings import check_bench
@@ -151,6 +151,25 @@ def test_prefill_operators_count_each_prefill_against_full(bench):
             ones.double(), ones.t().reshape(12), ones.t().flatten(), ones.t().contiguous(), ones.to("meta")
         assert counted.figures() == {"operators": 5, "host_reads": 0, "host_copies": 1}
     assert "## Operators a prefill of 96 tokens dispatches" in bench_md(out)
+
+
+def test_operators_by_frame_are_charged_to_the_kvbench_function_that_dispatched_them():
+    """``ByFrame`` counts what ``Operators`` counts, each operator and read charged to the innermost kvbench function
+    on the stack (``file:function`` under the package), or to ``(model)`` where none is."""
+    from kvbench.kernels.decode import padded_regions
+
+    entries = torch.arange(12.0).reshape(6, 2)
+    padded_regions(entries, entries, torch.tensor([0, 3]), 2)  # its counting buffer made once a device
+    with ByFrame() as counted:
+        torch.ones(3).sum().item()
+        padded_regions(entries, entries, torch.tensor([0, 3]), 2)
+    with Operators() as plain:
+        torch.ones(3).sum().item()
+        padded_regions(entries, entries, torch.tensor([0, 3]), 2)
+    assert counted.figures() == plain.figures()
+    assert sum(counted.frames.values()) == counted.launched
+    assert counted.frames["(model)"] == 3 and +counted.reads == {"(model)": 1}  # ones, sum, the read
+    assert counted.frames["kernels/decode.py:padded_regions"] == counted.launched - 3 > 0
 
 
 def test_selection_makes_its_slots_on_the_scores_device():

@@ -16,6 +16,8 @@ import resource
 import statistics
 import sys
 import time
+import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
@@ -125,6 +127,31 @@ class Operators(TorchDispatchMode):
 
     def figures(self) -> dict[str, int]:
         return {"operators": self.launched, "host_reads": self.host_reads, "host_copies": self.host_copies}
+
+
+#: the kvbench package's folder, as the frames of a stack name its files
+PACKAGE = str(Path(__file__).parents[1]) + os.sep
+
+
+class ByFrame(Operators):
+    """:class:`Operators`, each operator launched (and each value read back) also counted by the innermost kvbench
+    function that dispatched it (``file:function`` under the package; ``(model)``: none, the model's own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frames: Counter[str] = Counter()
+        self.reads: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before, read_before = self.launched, self.host_reads
+        output = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.launched > before or self.host_reads > read_before:
+            ours = [frame for frame in traceback.extract_stack() if frame.filename.startswith(PACKAGE)]
+            ours = [frame for frame in ours if frame.filename != __file__]
+            where = f"{ours[-1].filename.removeprefix(PACKAGE)}:{ours[-1].name}" if ours else "(model)"
+            self.frames[where] += self.launched - before
+            self.reads[where] += self.host_reads - read_before
+        return output
 
 
 #: operators whose output's shape the host reads from the device (the sizes a GPU computes: it synchronises)
