@@ -28,6 +28,9 @@ import kvbench.run.schedule as schedule
 from kvbench.bench.measure import ByFrame, Operators
 from kvbench.cli import main
 
+#: what may come before ``run`` (the module's docstring)
+OPTIONS = ("--gpu-layout", "--by-frame", "--accelerator")
+
 
 class Counting:
     """Counts what the calls it wraps dispatch, once where they nest (a group's rows made inside its decode)."""
@@ -73,8 +76,12 @@ class Counting:
 
 def run(argv: list[str]) -> dict[str, Any]:
     """``kvbench ARGV`` in this process, its samples' operators counted (the options before it: the module's)."""
-    options = set(argv[: argv.index("run")]) if "run" in argv else set()
+    options = argv[: argv.index("run")] if "run" in argv else []
     argv = argv[len(options) :]
+    for option in options:
+        if option not in OPTIONS:
+            print(f"sample_operators: unknown option {option!r}; valid: {', '.join(OPTIONS)}", file=sys.stderr)
+            raise SystemExit(2)
     if "--gpu-layout" in options:
         shelf.MODIFIER_SHELVES = "mixed"
     if "--accelerator" in options:
