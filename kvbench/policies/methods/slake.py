@@ -273,7 +273,8 @@ def vabs_products(
     """``TV_hi · VA_hi`` (eqs. 15–16) ``[V,B,Hq,W]`` of each query of the window's true ``weights`` and ``logits
     [B,Hq,W,T]`` for each of ``V`` sets of keys PTAA stands in for (``evicted [V,B,Hq,1|W,T]``), ``share`` as
     :func:`vabs_terms`'s; ``block`` queries at a time (None: :func:`vabs_block`). Each query's terms are its own row's,
-    whatever the block and the sets beside it."""
+    whatever the block and the sets beside it (on a CPU eq. (16)'s power may round one unit in the last place apart,
+    its vector path taking more values at once than its scalar path)."""
     block = block or vabs_block(logits, evicted.shape[0])
     per_query = evicted.shape[-2] != 1
     products = []
