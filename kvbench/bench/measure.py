@@ -16,12 +16,12 @@ import resource
 import statistics
 import sys
 import time
-import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -146,9 +146,14 @@ class ByFrame(Operators):
         before, read_before = self.launched, self.host_reads
         output = super().__torch_dispatch__(func, types, args, kwargs)
         if self.launched > before or self.host_reads > read_before:
-            ours = [frame for frame in traceback.extract_stack() if frame.filename.startswith(PACKAGE)]
-            ours = [frame for frame in ours if frame.filename != __file__]
-            where = f"{ours[-1].filename.removeprefix(PACKAGE)}:{ours[-1].name}" if ours else "(model)"
+            where = "(model)"  # else the innermost kvbench function outside this file
+            frame: FrameType | None = sys._getframe(1)
+            while frame is not None:
+                code = frame.f_code
+                if code.co_filename.startswith(PACKAGE) and code.co_filename != __file__:
+                    where = f"{code.co_filename.removeprefix(PACKAGE)}:{code.co_name}"
+                    break
+                frame = frame.f_back
             self.frames[where] += self.launched - before
             self.reads[where] += self.host_reads - read_before
         return output
