@@ -40,6 +40,28 @@ def test_the_interval_is_the_quantiles_of_the_resampled_means():
     assert not intervals.draws(11, 37, 500).flags.writeable
 
 
+def test_resamples_drawn_and_averaged_in_blocks_are_those_of_one_draw():
+    """More resamples than a block (and a last block cut short): the draws are numpy's single draw's, held in the
+    smallest type that fits, and the interval is the one the whole ``[R,n]`` matrix gives, bit for bit, with and
+    without clusters."""
+    resamples, size = 2 * intervals.BLOCK + 7, 301
+    whole = np.random.default_rng(4).integers(0, size, size=(resamples, size))  # [R,n]
+    drawn = intervals.draws(4, size, resamples)
+    quantiles = [(1 - intervals.LEVEL) / 2, (1 + intervals.LEVEL) / 2]  # as bootstrap_mean reads them
+    assert drawn.dtype == np.uint16 and np.array_equal(drawn, whole)
+    values = np.random.default_rng(6).normal(size=size)
+    low, high = np.quantile(values[whole].mean(axis=1), quantiles)
+    interval = bootstrap_mean(values, resamples=resamples, seed=4)
+    assert (interval.low, interval.high) == (low, high)
+    clusters = [str(index % 9) for index in range(size)]  # 9 clusters of 33–34 values
+    _, of = np.unique(clusters, return_inverse=True)
+    sums, sizes = np.bincount(of, weights=values), np.bincount(of)
+    drawn = np.random.default_rng(4).integers(0, 9, size=(resamples, 9))
+    low, high = np.quantile(sums[drawn].sum(axis=1) / sizes[drawn].sum(axis=1), quantiles)
+    interval = bootstrap_mean(values, resamples=resamples, seed=4, clusters=clusters)
+    assert (interval.low, interval.high) == (low, high)
+
+
 def test_the_interval_has_the_width_of_the_normal_one_for_many_samples():
     """For 400 normal samples the 95 % interval is mean ± 1.96 σ/√n to within a few percent."""
     values = np.random.default_rng(5).normal(loc=2.0, scale=3.0, size=400)

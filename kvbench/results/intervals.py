@@ -14,7 +14,7 @@ one draw (:func:`draws`), the same a fresh generator makes.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,13 +39,29 @@ class Interval:
         return self.low > 0 or self.high < 0
 
 
+#: the resamples drawn, and averaged, at a time: ``[BLOCK, n]`` values in flight rather than ``[resamples, n]``
+BLOCK = 1_000
+
+
 @functools.lru_cache(maxsize=4)
 def draws(seed: int, size: int, resamples: int) -> np.ndarray:
     """The resamples' indices ``[resamples, size]`` into ``size`` samples (or clusters), drawn with replacement by a
-    generator seeded ``seed``; read-only (one array for every caller of these arguments)."""
-    drawn = np.random.default_rng(seed).integers(0, size, size=(resamples, size))
+    generator seeded ``seed``; read-only (one array for every caller of these arguments). Held in the smallest
+    unsigned type that fits (2 bytes each up to 65,536 samples, not 8) and drawn ``BLOCK`` resamples at a time, the
+    values numpy's single ``integers(0, size, (resamples, size))`` draws (its stream does not depend on the blocks)."""
+    generator = np.random.default_rng(seed)
+    drawn = np.empty((resamples, size), dtype=np.min_scalar_type(max(size - 1, 0)))
+    for start in range(0, resamples, BLOCK):
+        rows = min(BLOCK, resamples - start)
+        drawn[start : start + rows] = generator.integers(0, size, size=(rows, size))
     drawn.setflags(write=False)
     return drawn
+
+
+def blocked(statistic: Callable[[np.ndarray], np.ndarray], drawn: np.ndarray) -> np.ndarray:
+    """``statistic`` of each resample's indices ``drawn [R,n]`` (a row's value, ``[r,n] → [r]``), ``BLOCK`` rows at
+    a time."""
+    return np.concatenate([statistic(drawn[start : start + BLOCK]) for start in range(0, len(drawn), BLOCK)])
 
 
 def bootstrap_mean(
@@ -61,12 +77,12 @@ def bootstrap_mean(
     if sample.size == 0:
         raise ValueError("bootstrap_mean needs at least one value")
     if clusters is None:
-        means = sample[draws(seed, sample.size, resamples)].mean(axis=1)  # [R] of [R,n]
+        means = blocked(lambda rows: sample[rows].mean(axis=1), draws(seed, sample.size, resamples))  # [R]
     else:
         _, cluster = np.unique(np.asarray(clusters, dtype=str), return_inverse=True)  # [n] each value's cluster
         sums, sizes = np.bincount(cluster, weights=sample), np.bincount(cluster)  # [C], [C]
         drawn = draws(seed, sums.size, resamples)  # [R,C]
-        means = sums[drawn].sum(axis=1) / sizes[drawn].sum(axis=1)  # [R]
+        means = blocked(lambda rows: sums[rows].sum(axis=1) / sizes[rows].sum(axis=1), drawn)  # [R]
     low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
     return Interval(float(sample.mean()), float(low), float(high), int(sample.size))
 
