@@ -273,8 +273,9 @@ def vabs_products(
     """``TV_hi · VA_hi`` (eqs. 15–16) ``[V,B,Hq,W]`` of each query of the window's true ``weights`` and ``logits
     [B,Hq,W,T]`` for each of ``V`` sets of keys PTAA stands in for (``evicted [V,B,Hq,1|W,T]``), ``share`` as
     :func:`vabs_terms`'s; ``block`` queries at a time (None: :func:`vabs_block`). Each query's terms are its own row's,
-    whatever the block and the sets beside it (on a CPU eq. (16)'s power may round one unit in the last place apart,
-    its vector path taking more values at once than its scalar path)."""
+    whatever the block and the sets beside it, to the bit: eq. (16)'s power is taken in float64 and rounded back, since
+    a CPU's float32 power rounds one unit in the last place apart by its vector path (most values) and its scalar path
+    (a tensor's last few), which would make a value depend on how many were stacked beside it."""
     block = block or vabs_block(logits, evicted.shape[0])
     per_query = evicted.shape[-2] != 1
     products = []
@@ -283,7 +284,8 @@ def vabs_products(
         approximate = ptaa_weights(logits[:, :, rows], evicted[..., rows, :] if per_query else evicted)
         error = approximate.sub_(weights[:, :, rows]).abs_()  # |Ã − A| [V,B,Hq,w,T]
         total_variation = 0.5 * error.sum(dim=-1)  # SLAKE eq. (15)
-        value_aware = error.mul_(share).sum(dim=-1) ** gamma  # SLAKE eq. (16)
+        spread = error.mul_(share).sum(dim=-1)  # [V,B,Hq,w]
+        value_aware = (spread.double() ** gamma).to(spread.dtype)  # SLAKE eq. (16), in float64: see above
         products.append(total_variation * value_aware)
     return torch.cat(products, dim=-1)
 
