@@ -694,8 +694,9 @@ def test_a_shared_prefills_variants_of_one_ranking_and_budget_select_and_gather_
     """SnapKV alone, with CaliDrop and with SLAKE (one ranking) at one budget, and H2O (another ranking, the same
     reserved slots), prefilled by one shared forward: each layer's slots are selected by one top-k for the four
     (``SharedForward.select``: one selection for the first three, stacked with H2O's), the two rankings' entries
-    gathered by one gather (their positions by another), and each variant's tokens, kept sets, sizes and statistics are
-    its own alone."""
+    gathered by one gather (their positions by another), the entries SnapKV's selection drops, handed to CaliDrop and
+    SLAKE, by another (``SharedForward.drop``), and each variant's tokens, kept sets, sizes and statistics are its own
+    alone."""
     import kvbench.engine.sharing as sharing_module
     from tests.helpers import assert_each_as_alone, generated_shared
 
@@ -715,7 +716,7 @@ def test_a_shared_prefills_variants_of_one_ranking_and_budget_select_and_gather_
     monkeypatch.setattr(sharing_module, "same_view", lambda *args: views.append(same_view(*args)) or views[-1])
     shared = generated_shared(engines, prompt, 4, batch_size=4)
     assert selections == [2] * model.config.num_hidden_layers  # two selections stacked, once a layer
-    assert len(gathers) == model.config.num_hidden_layers  # both rankings' keys and values by one gather
+    assert len(gathers) == 2 * model.config.num_hidden_layers  # both rankings' kept entries, then those dropped
     assert views and all(views)  # the variants' entries and positions views of the prompt's: gathered at once
     assert_each_as_alone(engines, alone, shared)
 

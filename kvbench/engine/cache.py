@@ -391,7 +391,8 @@ class EvictionCache(Cache):
             entries = (layer.keys, layer.values, cast(torch.Tensor, layer.positions))
             kept_by = partial(self._kept, layer_idx, scaling, defer, shared, key)
             ranked = self.policy.keeps_ranked_only  # whole chunks: the reserved and the ranked slots, counted then
-            shared.pend(key, scores, (budget, recent, sinks), entries, kept_by, ranked)  # made at the layer's end
+            drops = bool(self.attending) and not (defer and self.merging)  # :meth:`_kept` hands them on; at the end:
+            shared.pend(key, scores, (budget, recent, sinks), entries, kept_by, ranked, drops)
 
     def _kept(
         self,

@@ -11,6 +11,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvbench.engine.entries import HeadwiseEntries, PrunedKeys
 from kvbench.engine.kivi import Kivi, KiviEntries
+from kvbench.engine.selection import dropped_slots
 from kvbench.engine.sharing import SharedForward
 from kvbench.errors import KVBenchError
 from kvbench.policies.base import AttentionStats, Modifier
@@ -365,10 +366,7 @@ def dropped(
 ) -> Evicted:
     """The entries of ``positions``/``ranking [B,Hc,T]`` that keeping ``kept [B,Hc,K]`` drops, in slot order, their
     keys and values at ``slots`` of ``keys``/``values`` where these are not gathered yet (a deferred eviction's)."""
-    batch, heads, tokens = positions.shape
-    mask = torch.ones(batch, heads, tokens, dtype=torch.bool, device=kept.device).scatter_(-1, kept, False)
-    # a stable sort puts the dropped slots first, in slot order, with no host synchronisation
-    index = mask.byte().sort(dim=-1, descending=True, stable=True).indices[..., : tokens - kept.shape[-1]]
+    index = dropped_slots(kept, positions.shape[-1])
     return Evicted.taken(keys, values, positions, ranking, index, None if slots is None else slots.gather(2, index))
 
 

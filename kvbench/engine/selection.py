@@ -57,6 +57,14 @@ def top_slots(scores: torch.Tensor, budget: int, recent: int, sinks: int) -> tor
     return heavy.sort(dim=-1).values
 
 
+def dropped_slots(kept: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The slots of ``tokens`` that keeping ``kept [...,K]`` drops ``[...,tokens − K]``, in slot order (any leading
+    axes: several selections at once, each the same as alone)."""
+    mask = torch.ones(*kept.shape[:-1], tokens, dtype=torch.bool, device=kept.device).scatter_(-1, kept, False)
+    # a stable sort puts the dropped slots first, in slot order, with no host synchronisation
+    return mask.byte().sort(dim=-1, descending=True, stable=True).indices[..., : tokens - kept.shape[-1]]
+
+
 def ranked_budget(scores: torch.Tensor, recent: int, sinks: int) -> int:
     """What a policy that keeps only what it ranks (``keeps_ranked_only``: whole chunks) keeps of ``scores [B,Hc,T]``:
     its reserved slots and the fewest a head ranks (finite) between them (one value read back)."""

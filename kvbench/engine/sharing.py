@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from kvbench.engine.selection import ranked_counts, top_slots, top_slots_per_head
+from kvbench.engine.selection import dropped_slots, ranked_counts, top_slots, top_slots_per_head
 from kvbench.policies.base import AttentionStats, Policy
-from kvbench.policies.context import slot_offsets, take_flat
+from kvbench.policies.context import Evicted, slot_offsets, take_flat
 from kvbench.policies.parts import settings_key
 
 
@@ -48,19 +48,22 @@ class SharedForward:
         entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         keep: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], None],
         ranked: bool = False,
+        drops: bool = False,
     ) -> None:
         """A variant's selection of ``slots`` (budget, recent window, sinks: :func:`top_slots`) of ``entries`` (keys,
         values ``[B,Hc,T,D]``, positions ``[B,Hc,T]``) by ``scores [B,Hc,T]``, made with the others' by
         :meth:`select`, which then calls ``keep(kept, gathered)`` (the entries and the scores at ``kept``); one
         selection for the variants of one ``key``. ``ranked``: its budget is the reserved slots and what the scores
-        rank (whole chunks: :func:`~kvbench.engine.selection.ranked_budget`), counted with the others' at once."""
+        rank (whole chunks: :func:`~kvbench.engine.selection.ranked_budget`), counted with the others' at once.
+        ``drops``: the variant hands the entries its selection drops to attending modifiers (:attr:`evicted`)."""
         pending = None if key is None else self.pending_keys.get(key)
         if pending is None:
-            pending = Pending(scores, slots, entries, ranked=ranked)
+            pending = Pending(scores, slots, entries, ranked=ranked, key=key)
             self.pending.append(pending)
             if key is not None:
                 self.pending_keys[key] = pending
         pending.keeps.append(keep)
+        pending.drops |= drops
 
     def pend_heads(
         self,
@@ -132,7 +135,8 @@ class SharedForward:
         by one gather and, where they select from one prompt's entries (the same tensors), its keys and values and
         its positions by one gather each: each selection's a view of one buffer of them all, which a variant's first
         append copies out of (:func:`~kvbench.engine.layer.appended` writes in place only into a storage of its
-        own); else each selection's by its own. Each is then kept by its variants."""
+        own), and so are the entries they drop where attending modifiers are handed them (:meth:`drop`); else each
+        selection's by its own. Each is then kept by its variants."""
         self.settle()
         self.select_heads()
         self.count_ranked()
@@ -147,19 +151,43 @@ class SharedForward:
             batch, heads, tokens = scores.shape[1:]
             flat = (kept + slot_offsets(batch, heads, tokens, kept.device)).flatten(1)  # [V,B·Hc·K]
             positions = [pending.entries[2] for pending in group]
-            if all(same_view(each, positions[0]) for each in positions):  # one prompt's positions: gathered at once
+            one_prompt = all(same_view(each, positions[0]) for each in positions)
+            if one_prompt:  # one prompt's positions: gathered at once
                 positions = list(positions[0].expand(len(group), -1, -1, -1).gather(-1, kept))
             else:
                 positions = [each.gather(2, slots_kept) for each, slots_kept in zip(positions, kept)]
             keys, values, _ = group[0].entries
             if all(same_view(p.entries[0], keys) and same_view(p.entries[1], values) for p in group):
                 taken = list(zip(*take_flat(flat, keys, values)))  # [V] of (keys, values [B,Hc,K,D])
+                if one_prompt:
+                    self.drop(group, kept, scores)
             else:
                 taken = [take_flat(index, *pending.entries[:2]) for index, pending in zip(flat, group)]
             for slots_kept, entries, ranking, at, pending in zip(kept, taken, rankings, positions, group):
                 gathered = (*entries, at, ranking)
                 for keep in pending.keeps:
                     keep(slots_kept, gathered)
+
+    def drop(self, group: list[Pending], kept: torch.Tensor, scores: torch.Tensor) -> None:
+        """The entries that the selections ``kept [V,B,Hc,K]`` of ``group`` (one prompt's entries, ranked by ``scores
+        [V,B,Hc,T]``) drop, for those with a key whose variants hand them on (``drops``): into :attr:`evicted` by the
+        key, each as :func:`~kvbench.engine.layer.dropped` gives it alone, by one sort, gather and take for all."""
+        chosen = [index for index, pending in enumerate(group) if pending.drops and pending.key is not None]
+        if not chosen:
+            return
+        if len(chosen) < len(group):  # views of the chosen, stacked (an index tensor would be a copy from the host)
+            kept, scores = (torch.stack([each[index] for index in chosen]) for each in (kept, scores))
+        batch, heads, tokens = scores.shape[1:]
+        index = dropped_slots(kept, tokens)  # [V',B,Hc,E]
+        keys, values, positions = group[0].entries
+        at = positions.expand(len(chosen), -1, -1, -1).gather(-1, index)
+        ranking = scores.gather(-1, index)
+        flat = (index + slot_offsets(batch, heads, tokens, index.device)).flatten(1)  # [V',B·Hc·E]
+        dropped_keys, dropped_values = take_flat(flat, keys, values)  # [V',B,Hc,E,D]
+        for place, chosen_index in enumerate(chosen):
+            key = group[chosen_index].key
+            assert key is not None  # chosen so
+            self.evicted[key] = Evicted(dropped_keys[place], dropped_values[place], at[place], ranking[place])
 
 
 @dataclass
@@ -172,6 +200,8 @@ class Pending:
     entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     keeps: list[Callable[[torch.Tensor, tuple[torch.Tensor, ...]], None]] = field(default_factory=list)
     ranked: bool = False  # its budget still to count (whole chunks: :meth:`SharedForward.count_ranked`)
+    key: tuple | None = None  # the selection's key, where it has one
+    drops: bool = False  # a variant hands the dropped entries on (:meth:`SharedForward.drop`)
 
 
 def same_view(tensor: torch.Tensor, other: torch.Tensor) -> bool:
