@@ -110,8 +110,7 @@ class EvictionCache(Cache):
     def begin_forward(self, positions: torch.Tensor, evict: bool, decoding: bool = False) -> None:
         """Declare the next forward (:class:`~kvbench.engine.scoring.Forward`): ``positions [q]`` of its tokens,
         whether to evict after it, and whether it generates (after the prompt) rather than prefills. Its queries are
-        scored (added to a running score) when an eviction may follow: it evicts, or later forwards do
-        (``decode_evict``)."""
+        scored (into a running score) when an eviction may follow: it evicts, or later ones do (``decode_evict``)."""
         self.seen += positions.shape[-1]
         last = evict and not self.decode_evict and self.seen >= self.prompt_len
         self.forward = Forward(positions, evict, evict or self.decode_evict, decoding, self.seen, last)
@@ -254,8 +253,7 @@ class EvictionCache(Cache):
         return self.forward is not None and self.forward.scored and self.windows[layer_idx] is None
 
     def window(self, layer_idx: int) -> int | None:
-        """The sliding window the layer is held and attended through (its slots are the latest tokens, in order), or
-        None: a global layer."""
+        """The sliding window the layer is held and attended through (the latest tokens, in order), or None: global."""
         return self.windows[layer_idx]
 
     def attend(
@@ -391,8 +389,10 @@ class EvictionCache(Cache):
             entries = (layer.keys, layer.values, cast(torch.Tensor, layer.positions))
             kept_by = partial(self._kept, layer_idx, scaling, defer, shared, key)
             ranked = self.policy.keeps_ranked_only  # whole chunks: the reserved and the ranked slots, counted then
-            drops = bool(self.attending) and not (defer and self.merging)  # :meth:`_kept` hands them on; at the end:
-            shared.pend(key, scores, (budget, recent, sinks), entries, kept_by, ranked, drops)
+            shared.pend(key, scores, (budget, recent, sinks), entries, kept_by, ranked, self._hands(defer))
+
+    def _hands(self, defer: bool) -> bool:  # whether an eviction (defer: a cascade stage's) hands its dropped on now
+        return bool(self.attending) and not (defer and self.merging)
 
     def _kept(
         self,
@@ -407,7 +407,7 @@ class EvictionCache(Cache):
         """Keep ``kept [B,Hc,K]`` (entries ``gathered`` there or None); the evicted to the modifiers, once a ``key``."""
         layer = self.eviction_layers[layer_idx]
         evicted = None
-        if self.attending and not (defer and self.merging):  # the entries the modifiers are handed, once a selection
+        if self._hands(defer):  # the entries the modifiers are handed, once a selection
             evicted = shared.evicted.get(key) if shared is not None and key is not None else None
             evicted = layer.dropped_by(kept) if evicted is None else evicted
             if shared is not None and key is not None:
