@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -524,3 +525,28 @@ def test_a_large_sweep_composed_by_forked_processes_gives_the_same_jobs_in_order
         forked = composed(expand_sweep(loader, master))
     assert len(here) == 10 and forked == here and forks == [1]
     assert len({config["output_dir"] for _, config, _, _ in here}) == 10  # each job's nodes its own (the deep copy)
+
+
+def _signals_here(*_: object) -> tuple[object, object]:
+    return signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+
+
+def test_forked_composers_end_by_sigterm_default_and_ignore_ctrl_c(monkeypatch):
+    """The composers of a large sweep do not inherit ``kvbench``'s stop handlers (a Python handler can miss the SIGTERM
+    that ends a pool's worker, whose end then waits for ever; seen on ``+experiment=leaderboard``): SIGTERM at its
+    default, SIGINT ignored; the sweep's own process keeps its handlers."""
+    import kvbench.launch.sweeps as sweeps
+    from kvbench.cli import on_stop_signal
+
+    monkeypatch.setattr(sweeps, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(sweeps, "JOBS_PER_COMPOSER", 4)
+    monkeypatch.setattr(sweeps, "compose_job", _signals_here)
+    previous = {number: signal.signal(number, on_stop_signal) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with sweep_loader(["policy=snapkv,h2o", "budget=10pct,20pct,40pct,64"]) as (loader, master):
+            seen = expand_sweep(loader, master)
+        assert _signals_here() == (on_stop_signal, on_stop_signal)
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    assert seen == [(signal.SIG_DFL, signal.SIG_IGN)] * 8

@@ -20,6 +20,7 @@ import contextlib
 import copy
 import itertools
 import multiprocessing
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -172,6 +173,15 @@ JOBS_PER_COMPOSER = 64
 _composing: tuple[Any, DictConfig] | None = None
 
 
+def _composer_signals() -> None:
+    """A forked composer's stop signals: SIGTERM's default action, by which its pool ends it (the ``kvbench`` handler it
+    inherits raises in Python, which a SIGTERM landing as the composer goes to wait on the pool's task queue never
+    runs: the pool's end then waits on it for ever), and SIGINT ignored (Ctrl-C reaches the whole process group; the
+    sweep's own process stops and ends the pool)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _compose_forked(overrides: list[str]) -> SweepJob:
     assert _composing is not None  # inherited from expand_sweep through fork
     return compose_job(*_composing, overrides)
@@ -188,7 +198,7 @@ def expand_sweep(config_loader: Any, master: DictConfig) -> list[SweepJob]:
             return [compose_job(config_loader, master, overrides) for overrides in every]
         _composing = config_loader, master
         try:
-            with multiprocessing.get_context("fork").Pool(composers) as pool:
+            with multiprocessing.get_context("fork").Pool(composers, _composer_signals) as pool:
                 return pool.map(_compose_forked, every, chunksize=max(1, JOBS_PER_COMPOSER // 4))
         finally:
             _composing = None
