@@ -120,7 +120,8 @@ def wait_for_predictions(path: Path, count: int, timeout_s: float = 300) -> None
 
 def test_running_job_is_not_submitted_twice_and_a_cancelled_one_resumes(tmp_path):
     """While a job runs, its sweep submitted again skips it (its run directory is locked); cancelled mid-run, it
-    is reported failed with Slurm's line; submitted again, it resumes: one prediction per id, none redone."""
+    is reported failed with Slurm's line; submitted again, it resumes: one prediction per id, none redone. The job is
+    suspended (``scontrol suspend``) once it has written two samples, so that it is mid-run however fast it goes."""
     tiny = [arg for arg in TINY if not arg.startswith(("task.context_length", "task.num_samples"))]
     args = [*tiny, "task.context_length=2048", "task.num_samples=200", "policy=snapkv", "budget=64", *CPU]
     run_dir = tmp_path / run_dir_name("budget=64", "policy=snapkv", "task.context_length=2048", "task.num_samples=200")
@@ -134,6 +135,8 @@ def test_running_job_is_not_submitted_twice_and_a_cancelled_one_resumes(tmp_path
     ) as first:
         try:
             wait_for_predictions(run_dir / "predictions.jsonl", 2)
+            for folder in submitit_job_folders(tmp_path / "results/multirun"):
+                subprocess.run(["scontrol", "suspend", folder.split("_")[0]], check=True)
             second = sweep(*args, cwd=tmp_path)
             assert second.returncode == 0 and "1 jobs, 1 skipped (0 finished, 1 running), 0 submitted" in second.stdout
         finally:
