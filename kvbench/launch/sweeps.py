@@ -173,13 +173,18 @@ JOBS_PER_COMPOSER = 64
 _composing: tuple[Any, DictConfig] | None = None
 
 
+#: the stop signals a forked composer is born with blocked (:func:`expand_sweep`)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def _composer_signals() -> None:
-    """A forked composer's stop signals: SIGTERM's default action, by which its pool ends it (the ``kvbench`` handler it
-    inherits raises in Python, which a SIGTERM landing as the composer goes to wait on the pool's task queue never
-    runs: the pool's end then waits on it for ever), and SIGINT ignored (Ctrl-C reaches the whole process group; the
-    sweep's own process stops and ends the pool)."""
+    """A forked composer's stop signals, set before it unblocks them: SIGTERM's default action, by which its pool ends
+    it (``kvbench``'s handler, inherited, raises in Python, which a SIGTERM can pass by: the pool's end then waits on
+    the composer for ever), and SIGINT ignored (Ctrl-C reaches the whole process group; the sweep's own process stops
+    and ends the pool)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def _compose_forked(overrides: list[str]) -> SweepJob:
@@ -197,8 +202,15 @@ def expand_sweep(config_loader: Any, master: DictConfig) -> list[SweepJob]:
         if composers < 2 or "fork" not in multiprocessing.get_all_start_methods():
             return [compose_job(config_loader, master, overrides) for overrides in every]
         _composing = config_loader, master
+        # forked with the stop signals blocked, so that none reaches a composer before its own handling is set (a
+        # signal taken by a Python handler that is then reset to the default is dropped)
+        stops = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
-            with multiprocessing.get_context("fork").Pool(composers, _composer_signals) as pool:
+            try:
+                pool = multiprocessing.get_context("fork").Pool(composers, _composer_signals)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, stops)
+            with pool:
                 return pool.map(_compose_forked, every, chunksize=max(1, JOBS_PER_COMPOSER // 4))
         finally:
             _composing = None
