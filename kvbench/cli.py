@@ -45,7 +45,7 @@ from kvbench import CONF_DIR, __version__
 from kvbench.allocator import PEAK_RSS_FILE, write_own_peak
 from kvbench.errors import KVBenchError, fail, system_error
 from kvbench.process import prepare
-from kvbench.rundir import RunDir, held_back, register_run_name
+from kvbench.rundir import STOP_SIGNALS, RunDir, held_back, register_run_name
 
 register_run_name()  # conf/config.yaml's ${run_name:}, also in a sweep's job processes (they import this module)
 prepare()  # threads and allocator, before torch loads: nothing imported above loads it (kvbench/process.py)
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     if command in COMMANDS and command not in OWN_HELP and ("-h" in args or "--help" in args):
         print(command_help(command))
         return
-    previous = {number: signal.signal(number, on_stop_signal) for number in (signal.SIGINT, signal.SIGTERM)}
+    previous = {number: signal.signal(number, on_stop_signal) for number in STOP_SIGNALS}
     try:
         if command not in COMMANDS:
             raise KVBenchError(f"unknown command {command!r}; valid choices: {', '.join(COMMANDS)}")

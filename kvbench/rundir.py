@@ -70,6 +70,10 @@ def register_run_name() -> None:
         OmegaConf.register_new_resolver("run_name", run_name)
 
 
+#: the signals that stop a command once the sample being written is on disk (:func:`stops_held`; kvbench.cli's handler)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 class _Stops:
     """The stop signal held back while a sample is written and counted (:func:`stops_held`)."""
 

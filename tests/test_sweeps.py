@@ -34,7 +34,7 @@ from kvbench.launch.sweeps import (
     sweeper_params,
 )
 from kvbench.policies import build_policy
-from kvbench.rundir import RunDir, run_dirs_below
+from kvbench.rundir import STOP_SIGNALS, RunDir, run_dirs_below
 from kvbench.tasks.base import ModelInfo
 from tests.helpers import local_data, refused
 
@@ -545,7 +545,7 @@ def test_forked_composers_end_by_sigterm_default_and_ignore_ctrl_c(monkeypatch):
     monkeypatch.setattr(sweeps, "usable_cpus", lambda: 2)
     monkeypatch.setattr(sweeps, "JOBS_PER_COMPOSER", 4)
     monkeypatch.setattr(sweeps, "compose_job", _signals_here)
-    previous = {number: signal.signal(number, on_stop_signal) for number in (signal.SIGTERM, signal.SIGINT)}
+    previous = {number: signal.signal(number, on_stop_signal) for number in STOP_SIGNALS}  # as kvbench.cli.main
     faulthandler.dump_traceback_later(60, exit=True)
     try:
         with sweep_loader(["policy=snapkv,h2o", "budget=10pct,20pct,40pct,64"]) as (loader, master):

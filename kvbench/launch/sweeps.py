@@ -45,7 +45,7 @@ from kvbench.job import check_known_keys, resolve
 from kvbench.launch.launchers import JobFailure, array_name, last_line, launch_groups, typed
 from kvbench.packed import PACKED, unpack
 from kvbench.run.progress import SweepProgress
-from kvbench.rundir import RunDir, finished_metrics
+from kvbench.rundir import STOP_SIGNALS, RunDir, finished_metrics
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
@@ -171,10 +171,6 @@ JOBS_PER_COMPOSER = 64
 
 #: what a forked composer composes from (:func:`expand_sweep`), set while its pool runs
 _composing: tuple[Any, DictConfig] | None = None
-
-
-#: the stop signals a forked composer is born with blocked (:func:`expand_sweep`)
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _composer_signals() -> None:
