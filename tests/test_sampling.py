@@ -14,6 +14,7 @@ import torch
 from kvbench.engine import Engine
 from kvbench.engine.rows import decode_rows
 from kvbench.engine.sampling import Sampling, draw_seed, seeded
+from kvbench.engine.shared import Prompt, prefill_draws
 from kvbench.identity import run_identity
 from kvbench.policies import build_policy
 from kvbench.run.records import pass_at_k, sampled_scores
@@ -89,6 +90,29 @@ def test_rows_draw_alike_alone_and_together_and_a_tiny_nucleus_is_greedy():
     assert decode_rows([seeded_row(engine("h2o", Sampling(top_p=1e-9), model), prompt, 5)], 1)[0].token_ids == greedy
 
 
+@pytest.mark.parametrize("regime", ["streaming", "oneshot"])
+def test_the_draws_of_one_prefill_draw_what_each_draws_prefilled_alone(regime):
+    """Three draws of one prompt from one prefill per engine (:func:`prefill_draws`): each draw's tokens, cache sizes
+    and policy statistics equal those of its draw from a prefill of its own, so each draw decodes a cache of its own;
+    the prefill's time is divided among the draws."""
+    model, prompt = tiny_model(), random_prompt(80)
+    sampling = Sampling(temperature=1.5, top_p=0.95, seed=0)
+    runners = [
+        Engine(model, build_policy(spec, {}), 48, regime=regime, tokenizer=TOKENIZER, sampling=sampling)
+        for spec in ("h2o", "snapkv+caote", "rkv")
+    ]
+    seeds = [11, 12, 13]
+    rows = prefill_draws(runners, Prompt(prompt, 12), len(seeds), batch_size=4)
+    assert [row.context_shared_by for row in rows] == [3] * 9
+    for place, row in enumerate(rows):  # draw by draw, an engine's row each
+        row.seed = seeds[place // len(runners)]
+    shared = decode_rows(rows, 5)
+    alone = [decode_rows([seeded_row(r, prompt, s)], 1)[0] for s in seeds for r in runners]
+    assert [o.token_ids for o in shared] == [o.token_ids for o in alone]
+    assert [(o.kv, o.policy_stats, o.kv_curve) for o in shared] == [(o.kv, o.policy_stats, o.kv_curve) for o in alone]
+    assert len({tuple(o.token_ids) for o in shared[:: len(runners)]}) > 1  # the draws differ
+
+
 def test_generation_at_its_defaults_names_the_runs_it_always_named():
     """The generation node at its defaults leaves a run's identity as it was before the node (committed runs keep
     their directories); a sampling setting changes it."""
@@ -137,6 +161,7 @@ def test_a_sampled_sweep_draws_alike_grouped_alone_and_rerun(tmp_path):
     assert sorted(alone) == [f"gsm8k-{p}#{k}" for p in range(2) for k in range(3)]
     records = [json.loads(line) for line in (tmp_path / "h2o" / "predictions.jsonl").read_text().splitlines()]
     assert [(r["problem"], r["draw"]) for r in records] == [(f"gsm8k-{p}", k) for p in range(2) for k in range(3)]
+    assert {r["timing"]["context_shared_by"] for r in records} == {3}  # a problem's draws share its prefill
     generation = json.loads((tmp_path / "h2o" / "metrics.json").read_text())["generation"]
     assert set(generation) == {"mean_generated_tokens", "stopped_share", "pass@1", "pass@2", "pass@3", "avg@3"}
     main(["run", *common, "policy=h2o", f"output_dir={tmp_path / 'again'}"])

@@ -41,7 +41,7 @@ class Row:
     min_new_tokens: int = 0
     prefill_seconds: float = 0.0
     prefill_shared_by: int = 1
-    context_shared_by: int = 1  # questions answered from one compression of the context (prefill_questions)
+    context_shared_by: int = 1  # questions or draws answered from one compression (prefill_questions, prefill_draws)
     scoring_seconds: float = 0.0  # of prefill_seconds, the context's reconstruction
     generated: list[int] = field(default_factory=list)
     decode_seconds: float = 0.0

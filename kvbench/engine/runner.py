@@ -53,7 +53,7 @@ class GenerationOutput:
     policy_stats: dict = field(default_factory=dict)
     kept: list[list[list[int]]] | None = None
     prefill_shared_by: int = 1  # variants whose prefill was one forward (generate_shared): prefill_seconds is a share
-    context_shared_by: int = 1  # questions answered from one compression of their context (prefill_questions)
+    context_shared_by: int = 1  # questions or draws answered from one compression (prefill_questions, prefill_draws)
     scoring_seconds: float = 0.0  # of prefill_seconds, the context's reconstruction (KVzip; shared like the prefill)
     #: where the cache evicts while decoding, its bytes after each decode step (R-KV's and the reasoning papers' curve)
     kv_curve: list[int] = field(default_factory=list)

@@ -44,6 +44,7 @@ def generate_shared(
     return decode_rows(rows, batch_size)
 
 
+@torch.inference_mode()
 def prefill_shared(engines: Sequence[Runner], prompt: Prompt, batch_size: int = 1) -> list[Row]:
     """The prefilled rows of :func:`generate_shared`, one per engine, ready for :func:`decode_rows`; the variants
     that do not share a forward (chunked, streaming) feed the prompt's blocks as rows, ``batch_size`` at a time.
@@ -74,6 +75,7 @@ class Prompt:
         return self.input_ids[: self.question_start]
 
 
+@torch.inference_mode()
 def prefill_questions(engines: Sequence[Runner], questions: Sequence[Prompt], batch_size: int = 1) -> list[Row]:
     """Rows of every (question, engine), question by question: the context the ``questions`` share compressed once
     per engine (:func:`compressed_rows`), then each question read into its own copy of each engine's compressed cache
@@ -84,26 +86,42 @@ def prefill_questions(engines: Sequence[Runner], questions: Sequence[Prompt], ba
         raise ValueError("questions answered from one compressed context must share its tokens")
     compressed = compressed_rows(engines, context, batch_size)
     rows: list[Row] = []
-    for number, question in enumerate(questions):
-        asked = [
-            replace(
-                row,
-                cache=row.cache if number == len(questions) - 1 else copy.deepcopy(row.cache),
-                prompt_tokens=len(question.input_ids),
-                max_new_tokens=question.max_new_tokens,
-                stop_token_ids=question.stop_token_ids,
-                min_new_tokens=question.min_new_tokens,
-                prefill_seconds=row.prefill_seconds / len(questions),
-                scoring_seconds=row.scoring_seconds / len(questions),
-                context_shared_by=len(questions),
-                generated=[],
-                kv_curve=[],
-            )
-            for row in compressed
-        ]
+    for question, asked in zip(questions, shared_copies(compressed, len(questions))):
+        for row in asked:
+            row.prompt_tokens, row.max_new_tokens = len(question.input_ids), question.max_new_tokens
+            row.stop_token_ids, row.min_new_tokens = question.stop_token_ids, question.min_new_tokens
         read_question(asked, question.input_ids, cast(int, question.question_start), batch_size)
         rows += asked
     return rows
+
+
+@torch.inference_mode()
+def prefill_draws(engines: Sequence[Runner], prompt: Prompt, draws: int, batch_size: int = 1) -> list[Row]:
+    """Rows of every (draw, engine), draw by draw: ``prompt`` prefilled once per engine (:func:`prefill_shared`: the
+    prefill does not depend on what is drawn after it), then each draw given its own copy of each engine's cache;
+    the prefill's time is divided among the draws (``Row.context_shared_by``)."""
+    rows = prefill_shared(engines, prompt, batch_size)
+    return [row for copies in shared_copies(rows, draws) for row in copies]
+
+
+def shared_copies(rows: list[Row], count: int) -> list[list[Row]]:
+    """``rows`` (prefilled, nothing decoded) ``count`` times, each time rows of their own: a copy of each cache (the
+    originals the last time), the prefill's time divided among the ``count`` (``Row.context_shared_by``)."""
+    return [
+        [
+            replace(
+                row,
+                cache=row.cache if number == count - 1 else copy.deepcopy(row.cache),
+                prefill_seconds=row.prefill_seconds / count,
+                scoring_seconds=row.scoring_seconds / count,
+                context_shared_by=count,
+                generated=[],
+                kv_curve=[],
+            )
+            for row in rows
+        ]
+        for number in range(count)
+    ]
 
 
 def compressed_rows(engines: Sequence[Runner], prompt: list[int], batch_size: int, context: bool = True) -> list[Row]:

@@ -15,7 +15,7 @@ from kvbench.engine import Engine
 from kvbench.engine.rows import Row, batch_rows, decode_rows
 from kvbench.engine.runner import GenerationOutput, PerplexityOutput
 from kvbench.engine.sampling import draw_seed
-from kvbench.engine.shared import Prompt, prefill_questions, prefill_shared
+from kvbench.engine.shared import Prompt, prefill_draws, prefill_questions, prefill_shared
 from kvbench.models import LoadedModel
 from kvbench.run.factories import stop_ids
 from kvbench.run.records import record_of
@@ -55,16 +55,22 @@ def run_sample(engine: Engine, task: Task, sample: Sample, loaded: LoadedModel) 
 
 
 def context_groups(samples: Sequence[Sample], key: Callable[[Sample], Any] = lambda sample: None) -> list[list[Sample]]:
-    """``samples`` in runs of consecutive ones answered from one compression of their context: query-agnostic samples
-    of one ``context_id`` (and one ``key``: the runs that lack them, in a group); every other sample alone."""
+    """``samples`` in runs of consecutive ones answered from one compression of their context (and of one ``key``:
+    the runs that lack them, in a group): query-agnostic samples of one ``context_id``, and the draws of one problem;
+    every other sample alone."""
     groups: list[list[Sample]] = []
     for sample in samples:
         previous = groups[-1][-1] if groups else None
-        if previous is not None and shares_context(previous, sample) and key(previous) == key(sample):
+        if previous is not None and key(previous) == key(sample) and one_compression(previous, sample):
             groups[-1].append(sample)
         else:
             groups.append([sample])
     return groups
+
+
+def one_compression(sample: Sample, other: Sample) -> bool:
+    """Whether two samples are answered from one compression: of their context, or of the prompt they draw from."""
+    return shares_context(sample, other) or same_draws(sample, other)
 
 
 def shares_context(sample: Sample, other: Sample) -> bool:
@@ -76,11 +82,19 @@ def shares_context(sample: Sample, other: Sample) -> bool:
     return sample.context_id == other.context_id and same_tokens
 
 
+def same_draws(sample: Sample, other: Sample) -> bool:
+    """Whether two samples are draws of one problem (``generation.num_samples``): one prompt, prefilled alike."""
+    problem = sample.metadata.get("problem")
+    same_prompt = sample.input_ids == other.input_ids and sample.question_start == other.question_start
+    return problem is not None and problem == other.metadata.get("problem") and same_prompt
+
+
 def context_rows(engines: list[Engine], samples: list[Sample], loaded: LoadedModel, batch_size: int) -> list[Row]:
     """The prefilled rows of ``samples`` (one :func:`context_groups` group) for each of ``engines`` (one model and
     regime), sample by sample: each sample prefilled once for all the engines
     (:func:`~kvbench.engine.shared.prefill_shared`), or the questions of one context answered from one compression of
-    it per engine (:func:`~kvbench.engine.shared.prefill_questions`)."""
+    it per engine (:func:`~kvbench.engine.shared.prefill_questions`), or the draws of one prompt from one prefill of
+    it per engine (:func:`~kvbench.engine.shared.prefill_draws`)."""
     if len(samples) == 1 and len(engines) == 1:
         return [sample_row(engines[0], samples[0], loaded)]
     prompts = [
@@ -95,6 +109,8 @@ def context_rows(engines: list[Engine], samples: list[Sample], loaded: LoadedMod
     ]
     if len(samples) == 1:
         return seed_rows(prefill_shared(engines, prompts[0], batch_size), samples)
+    if samples[0].question_start is None:  # the draws of one prompt (same_draws)
+        return seed_rows(prefill_draws(engines, prompts[0], len(samples), batch_size), samples)
     return seed_rows(prefill_questions(engines, prompts, batch_size), samples)
 
 
