@@ -150,6 +150,7 @@ def test_a_streaming_run_records_each_traces_length(tmp_path):
 
 
 @pytest.mark.model
+@pytest.mark.filterwarnings("error::DeprecationWarning:kvbench")  # e.g. pandas 4 refusing what pandas 3 warns of
 def test_the_leaderboards_decode_track_at_smoke_scale(tmp_path, capsys):
     """``+experiment=leaderboard_reasoning_smoke`` on hand-written GSM8K rows: one grouped sweep, the full cache, H2O
     and R-KV evicting while they decode (every 8 tokens back to 32), then ``kvbench leaderboard``'s cells with the

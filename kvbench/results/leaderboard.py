@@ -125,7 +125,8 @@ def by_budget(frame: pd.DataFrame, label: str, text) -> pd.DataFrame:
         row.update({str(entry.budget): text(entry) for entry in group.itertuples()})
         rows.append(row)
     budgets = sorted({str(spec) for spec in frame["budget"]}, key=lambda spec: (spec != NO_BUDGET, budget_key(spec)))
-    wide = pd.DataFrame(rows, columns=[*keys, label, *budgets]).fillna("")
+    wide = pd.DataFrame(rows, columns=[*keys, label, *budgets])
+    wide = wide.astype({column: object for column in wide.columns[wide.isna().any()]}).fillna("")  # no NaN upcast
     constant = [column for column in CELL if wide[column].nunique(dropna=False) == 1]
     return wide.drop(columns=constant)
 
