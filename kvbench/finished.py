@@ -86,12 +86,17 @@ class Run:
             for subtask, by_cost in costs.items()
         }
 
-    def sample_contexts(self) -> dict[str, str] | None:
-        """Each sample id's ``context_id`` where the run's questions share contexts (RULER's
-        ``questions_per_context``, LongBench's repeated documents): their intervals resample whole contexts. None
-        where no record has one."""
-        contexts = {str(record["id"]): str(record["context_id"]) for record in self.records if "context_id" in record}
-        return contexts or None
+    def sample_clusters(self) -> dict[str, str] | None:
+        """Each sample id's cluster, by which intervals resample whole clusters: its ``context_id`` where the run's
+        questions share contexts (RULER's ``questions_per_context``, LongBench's repeated documents), else its
+        ``problem`` where it is one of a problem's draws (``generation.num_samples``). None where no record has
+        either."""
+        clusters = {
+            str(record["id"]): str(record.get("context_id", record.get("problem")))
+            for record in self.records
+            if "context_id" in record or "problem" in record
+        }
+        return clusters or None
 
     @property
     def query_mode(self) -> str:

@@ -15,8 +15,10 @@ from kvbench.engine import Engine
 from kvbench.engine.rows import decode_rows
 from kvbench.engine.sampling import Sampling, draw_seed, seeded
 from kvbench.engine.shared import Prompt, prefill_draws
+from kvbench.finished import load_runs
 from kvbench.identity import run_identity
 from kvbench.policies import build_policy
+from kvbench.results.leaderboard import leaderboard_tables
 from kvbench.run.records import pass_at_k, sampled_scores
 from tests.helpers import TOKENIZER, random_prompt, refused, tiny_model
 from tests.test_math_tasks import ROWS
@@ -57,9 +59,13 @@ def test_sampled_scores_over_problems():
     records = [{"problem": "a", "score": s} for s in (1.0, 0.0, 0.0, 0.0)]
     records += [{"problem": "b", "score": s} for s in (1.0, 1.0, 0.0, 0.0)]
     scores = sampled_scores(records)
+    intervals = scores.pop("intervals")
     assert scores == pytest.approx(
         {"pass@1": 37.5, "pass@2": 100 * (0.5 + (1 - 1 / 6)) / 2, "pass@4": 100.0, "avg@4": 37.5}
     )
+    # two problems resampled whole: each interval spans the two problems' own values (25 and 50 for pass@1)
+    expected = {"pass@1": [25, 50], "pass@2": [50, 100 * (1 - 1 / 6)], "pass@4": [100, 100], "avg@4": [25, 50]}
+    assert intervals == {name: pytest.approx(bounds) for name, bounds in expected.items()}
     assert sampled_scores([{"id": "x", "score": 1.0}]) == {}
 
 
@@ -163,7 +169,21 @@ def test_a_sampled_sweep_draws_alike_grouped_alone_and_rerun(tmp_path):
     assert [(r["problem"], r["draw"]) for r in records] == [(f"gsm8k-{p}", k) for p in range(2) for k in range(3)]
     assert {r["timing"]["context_shared_by"] for r in records} == {3}  # a problem's draws share its prefill
     generation = json.loads((tmp_path / "h2o" / "metrics.json").read_text())["generation"]
-    assert set(generation) == {"mean_generated_tokens", "stopped_share", "pass@1", "pass@2", "pass@3", "avg@3"}
+    assert set(generation) == {
+        "mean_generated_tokens",
+        "stopped_share",
+        "pass@1",
+        "pass@2",
+        "pass@3",
+        "avg@3",
+        "intervals",
+    }
+    assert set(generation["intervals"]) == {"pass@1", "pass@2", "pass@3", "avg@3"}
     main(["run", *common, "policy=h2o", f"output_dir={tmp_path / 'again'}"])
     assert predictions(tmp_path / "again" / "predictions.jsonl") == alone
     assert not math.isnan(generation["avg@3"])
+    # the leaderboard resamples whole problems: one problem's three draws right, the other's wrong, is two values
+    scored = [{**record, "score": float(record["problem"] == "gsm8k-0")} for record in records]
+    (tmp_path / "h2o" / "predictions.jsonl").write_text("".join(json.dumps(record) + "\n" for record in scored))
+    (cell,) = leaderboard_tables(load_runs([tmp_path / "h2o"]))["leaderboard_cells"].itertuples()
+    assert (cell.n, cell.mean, cell.low, cell.high) == (6, 50.0, 0.0, 100.0)  # six independent draws: low 1/6

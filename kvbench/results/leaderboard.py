@@ -52,18 +52,18 @@ def task_label(run: Run) -> str:
 def cells(runs: list[Run]) -> tuple[pd.DataFrame, dict[tuple, dict[str, float]], dict[tuple, dict[str, str] | None]]:
     """One row per cell: its key, policy, budget, n, mean and interval, and what a sample cost (``Run.sample_costs``;
     a column none of the cells has left out); each cell's scores by sample id (the full cache, whose budget is no
-    setting, once); and each cell's samples' contexts, by which its intervals are clustered
-    (:meth:`~kvbench.finished.Run.sample_contexts`)."""
+    setting, once); and each cell's samples' clusters (contexts, a problem's draws), by which its intervals resample
+    (:meth:`~kvbench.finished.Run.sample_clusters`)."""
     rows, scores, clusters = [], {}, {}
     for run in runs:
-        identity, kind, contexts, costs = run.table_identity(), run.metric, run.sample_contexts(), run.sample_costs()
+        identity, kind, clustered, costs = run.table_identity(), run.metric, run.sample_clusters(), run.sample_costs()
         for subtask, by_id in run.sample_scores().items():
             key = (identity["model"], task_label(run), subtask, kind, run.context, identity["regime"])
             policy, budget = identity["policy"], identity["budget"]
             if (*key, policy, budget) in scores:  # the full cache run at several budgets: one cell
                 continue
-            scores[(*key, policy, budget)], clusters[(*key, policy, budget)] = by_id, contexts
-            of = None if contexts is None else [contexts.get(sample, sample) for sample in by_id]
+            scores[(*key, policy, budget)], clusters[(*key, policy, budget)] = by_id, clustered
+            of = None if clustered is None else [clustered.get(sample, sample) for sample in by_id]
             interval = bootstrap_mean(list(by_id.values()), clusters=of)
             rows.append(
                 {
@@ -87,8 +87,8 @@ def comparisons(
 ) -> pd.DataFrame:
     """Each ``base+modifier`` cell against its ``base`` cell at the same budget — with ``baseline``, every other cell
     against the ``baseline`` policy's at the same budget (the full cache's at any) —: the paired difference of their
-    scores over the samples both scored, its interval (clustered by the samples' contexts), and whether the interval
-    excludes zero."""
+    scores over the samples both scored, its interval (clustered as the samples are: contexts, a problem's draws), and
+    whether the interval excludes zero."""
     rows = []
     for (*key, policy, budget), treated in scores.items():
         base = str(policy).split("+")[0] if baseline is None else baseline

@@ -284,7 +284,7 @@ def query_mode_table(runs: list[Run]) -> dict[str, pd.DataFrame]:
         aware = by_mode["aware"].get(key)
         if aware is None:
             continue
-        contexts = agnostic.sample_contexts()
+        contexts = agnostic.sample_clusters()
         difference = paired_difference(pooled(agnostic), pooled(aware), clusters=contexts)
         averages = aware.metrics["average"], agnostic.metrics["average"]
         rows.append(

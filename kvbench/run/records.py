@@ -13,6 +13,7 @@ from typing import Any
 from kvbench.engine.runner import GenerationOutput, PerplexityOutput
 from kvbench.job import Job
 from kvbench.models import LoadedModel
+from kvbench.results.intervals import bootstrap_mean
 from kvbench.tasks.base import Sample, Task
 
 log = logging.getLogger("kvbench.run")  # one logger for the run layer (the jobs' log lines name it)
@@ -90,9 +91,11 @@ def pass_at_k(draws: int, correct: int, k: int) -> float:
     return 1.0 - math.comb(draws - correct, k) / math.comb(draws, k)
 
 
-def sampled_scores(records: list[dict[str, Any]]) -> dict[str, float]:
+def sampled_scores(records: list[dict[str, Any]]) -> dict[str, Any]:
     """``pass@k`` for k = 1, 2, 4, ... up to the draws of a problem, and ``avg@n``, over the problems of the records
-    of several draws (``problem``; a draw is correct where it scores 1), 0-100; {} without such records."""
+    of several draws (``problem``; a draw is correct where it scores 1), 0-100, and their 95 % bootstrap
+    ``intervals`` over problems (a problem's draws are not independent: its estimate is one value); {} without such
+    records."""
     by_problem: dict[str, list[float]] = {}
     for record in records:
         if "problem" in record:
@@ -101,11 +104,15 @@ def sampled_scores(records: list[dict[str, Any]]) -> dict[str, float]:
         return {}
     draws = min(len(scores) for scores in by_problem.values())
     ks = sorted({2**power for power in range(draws.bit_length())} | {draws})  # 1, 2, 4, ... ≤ draws, and draws
-    scores = {
-        f"pass@{k}": 100 * mean(pass_at_k(len(s), sum(x >= 1.0 for x in s), k) for s in by_problem.values()) for k in ks
+    per_problem = {
+        f"pass@{k}": [100 * pass_at_k(len(s), sum(x >= 1.0 for x in s), k) for s in by_problem.values()] for k in ks
     }
-    scores[f"avg@{draws}"] = 100 * mean(mean(s) for s in by_problem.values())
-    return scores
+    per_problem[f"avg@{draws}"] = [100 * mean(s) for s in by_problem.values()]
+    intervals = {name: bootstrap_mean(values) for name, values in per_problem.items()}
+    return {
+        **{name: mean(values) for name, values in per_problem.items()},
+        "intervals": {name: [interval.low, interval.high] for name, interval in intervals.items()},
+    }
 
 
 def generation_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
