@@ -14,6 +14,7 @@ from kvbench.errors import KVBenchError
 from kvbench.metrics.math import final_answer, gsm8k_match, last_boxed, math_verify_match
 from kvbench.tasks.base import ModelInfo
 from kvbench.tasks.math import MathTask
+from tests.helpers import refused
 from tests.test_qa_task import tokenizer, write_rows  # noqa: F401  (the fixture)
 
 ROWS = [
@@ -126,6 +127,16 @@ def test_a_prompt_without_the_question_is_one_line(tokenizer, tmp_path):  # noqa
         MathTask.check(
             OmegaConf.merge(OmegaConf.load(kvbench.CONF_DIR / "task" / "gsm8k.yaml"), {"prompt": "Solve it."})
         )
+
+
+@pytest.mark.parametrize("task", ["gsm8k", "math500", "aime25"])
+def test_agnostic_is_refused_in_one_line_naming_the_task(task, capsys, tmp_path):
+    """A math prompt is its question: ``task.query_mode=agnostic`` has no context to compress and is refused before
+    anything loads, the task named by its own name (one class serves the four)."""
+    rows = write_rows(tmp_path / "rows.jsonl", [{"question": "1+1?", "problem": "1+1?", "answer": "#### 2"}])
+    run = ["run", "model=tiny_llama", f"task={task}", f"task.path={rows}", "task.query_mode=agnostic"]
+    line = refused(capsys, [*run, f"output_dir={tmp_path / 'run'}"], tmp_path / "run")
+    assert f"task.query_mode=agnostic: must be aware (task {task} cannot split its prompts" in line
 
 
 @pytest.mark.model

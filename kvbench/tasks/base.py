@@ -173,16 +173,17 @@ class Task(ABC):
         self.model = model
 
     @classmethod
-    def setting_domains(cls) -> dict[str, Domain]:
-        """:attr:`domains` and every task's ``query_mode``: ``agnostic`` where the task splits its prompts."""
-        refusal = f"aware (task {cls.name} cannot split its prompts into a context and a question)"
+    def setting_domains(cls, name: str | None = None) -> dict[str, Domain]:
+        """:attr:`domains` and every task's ``query_mode``: ``agnostic`` where the task splits its prompts (``name``:
+        the task's, where one class serves several)."""
+        refusal = f"aware (task {name or cls.name} cannot split its prompts into a context and a question)"
         modes = choice("aware", "agnostic") if cls.splits_prompts else Domain(refusal, lambda mode: mode == "aware")
         return {**cls.domains, "query_mode": modes}
 
     @classmethod
     def check(cls, settings: dict[str, Any]) -> None:
         """A one-line error for a setting outside its domain (before anything is loaded)."""
-        check_table(settings, cls.setting_domains(), "task.")
+        check_table(settings, cls.setting_domains(settings.get("name")), "task.")
 
     @classmethod
     def context_size(cls, settings: Mapping[str, Any]) -> int | None:

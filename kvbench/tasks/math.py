@@ -30,6 +30,7 @@ class MathTask(QATask):
         "prompt": Domain("a text with {question}", lambda value: isinstance(value, str) and "{question}" in value),
     }
     kvpress_rows = False  # the question templated whole, as the reasoning papers prompt it
+    splits_prompts = False  # no context before the question: task.query_mode=agnostic has nothing to compress
 
     def rows(self) -> Iterator[dict[str, Any]]:
         """The table's rows, each with an empty context (the prompt is its question)."""
