@@ -72,7 +72,10 @@ def test_invalid_jobs_are_listed_with_their_line_and_exit_2(capsys):
     assert code == 2 and "kvbench plan: 4 jobs, 2 invalid" in err
     errors = {(line["overrides"][-3], line["overrides"][-2]): (line["errors"] or [None])[0] for line in lines}
     assert errors["policy=snapkv", "budget='64'"] is None and errors["policy=h2o", "budget='64'"] is None
-    assert "policy snapkv reserves 32 of its 32-token budget" in errors["policy=snapkv", "budget='32'"]
+    assert (
+        "policy snapkv reserves 32 of its 32-token budget (window/sinks) in a prompt longer than the budget"
+        in errors["policy=snapkv", "budget='32'"]
+    )
     assert "policy h2o reserves 32 of its 32-token budget" in errors["policy=h2o", "budget='32'"]
     assert all("\n" not in (error or "") for error in errors.values())
     reasons = [line for line in err.splitlines() if "job(s) invalid:" in line]

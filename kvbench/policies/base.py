@@ -426,8 +426,8 @@ class Policy(Registered):
         reserved = self.reserved(budget, prompt_len)
         if self.evicts and self.statistic in ATTENTION and budget < prompt_len and reserved >= budget:
             return (
-                f"policy {self.spec} reserves {reserved} of its {budget}-token budget (window/sinks) for a "
-                f"{prompt_len}-token prompt: no heavy hitters are left; lower policy.window or raise the budget"
+                f"policy {self.spec} reserves {reserved} of its {budget}-token budget (window/sinks) in a prompt "
+                "longer than the budget: no heavy hitters are left; lower policy.window or raise the budget"
             )
         return None
 
