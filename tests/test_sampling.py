@@ -119,6 +119,32 @@ def test_the_draws_of_one_prefill_draw_what_each_draws_prefilled_alone(regime):
     assert len({tuple(o.token_ids) for o in shared[:: len(runners)]}) > 1  # the draws differ
 
 
+def test_many_draws_are_made_as_the_batch_frees_from_one_prefill(tmp_path, monkeypatch):
+    """Five draws of each problem at ``engine.batch_size=2``, two policies in a sweep: each problem prefilled once for
+    both, its draws' caches copied one draw (two rows) at a time as rows leave the batch (not five at once), and the
+    records those of the draws made all at once (``engine.batch_size=10``)."""
+    from kvbench.cli import main
+    from kvbench.engine import shared
+
+    prefills, takes = [], []
+    prefill, take = shared.prefill_shared, shared.Draws.take
+    monkeypatch.setattr(shared, "prefill_shared", lambda *args: prefills.append(1) or prefill(*args))
+    monkeypatch.setattr(shared.Draws, "take", lambda draws, count: takes.append(count) or take(draws, count))
+    path = write_rows(tmp_path / "rows.jsonl", ROWS)
+    common = ["model=tiny_llama", "task=gsm8k", f"task.path={path}", "task.prompt_format=raw", "task.max_new_tokens=5"]
+    common += ["budget=96", "generation.do_sample=true", "generation.num_samples=5", "policy=h2o,tova"]
+    for batch in (2, 10):
+        main(["run", "-m", *common, f"engine.batch_size={batch}", f"hydra.sweep.dir={tmp_path / str(batch)}"])
+        assert len(prefills) == 2 and max(takes) == batch // 2  # a problem's prefill for both; a take's rows fit
+        prefills.clear(), takes.clear()
+    for policy in ("h2o", "tova"):
+        (small,) = (tmp_path / "2").glob(f"**/{policy}-*/predictions.jsonl")
+        (large,) = (tmp_path / "10").glob(f"**/{policy}-*/predictions.jsonl")
+        drop_time = [{**json.loads(line), "timing": None} for line in small.read_text().splitlines()]
+        assert drop_time == [{**json.loads(line), "timing": None} for line in large.read_text().splitlines()]
+        assert len(drop_time) == 10
+
+
 def test_generation_at_its_defaults_names_the_runs_it_always_named():
     """The generation node at its defaults leaves a run's identity as it was before the node (committed runs keep
     their directories); a sampling setting changes it."""

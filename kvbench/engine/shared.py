@@ -95,26 +95,51 @@ def prefill_questions(engines: Sequence[Runner], questions: Sequence[Prompt], ba
     return rows
 
 
-@torch.inference_mode()
 def prefill_draws(engines: Sequence[Runner], prompt: Prompt, draws: int, batch_size: int = 1) -> list[Row]:
-    """Rows of every (draw, engine), draw by draw: ``prompt`` prefilled once per engine (:func:`prefill_shared`: the
-    prefill does not depend on what is drawn after it), then each draw given its own copy of each engine's cache;
-    the prefill's time is divided among the draws (``Row.context_shared_by``)."""
-    rows = prefill_shared(engines, prompt, batch_size)
-    return [row for copies in shared_copies(rows, draws) for row in copies]
+    """Rows of every (draw, engine), draw by draw: ``prompt`` prefilled once per engine, each draw given its own copy
+    of each engine's cache (:class:`Draws`, all at once)."""
+    return Draws(engines, prompt, draws, batch_size).take(draws)
 
 
-def shared_copies(rows: list[Row], count: int) -> list[list[Row]]:
-    """``rows`` (prefilled, nothing decoded) ``count`` times, each time rows of their own: a copy of each cache (the
-    originals the last time), the prefill's time divided among the ``count`` (``Row.context_shared_by``)."""
+class Draws:
+    """The rows of ``draws`` draws of one prompt, made as they are asked for: the prompt prefilled once per engine at
+    the first ask (:func:`prefill_shared`: the prefill does not depend on what is drawn after it), each ask's draws
+    given copies of its caches, the last ask the originals; the prefill's time divided among the draws
+    (``Row.context_shared_by``). The caches held are those of the draws asked for, and the prefilled ones until the
+    last ask."""
+
+    def __init__(self, engines: Sequence[Runner], prompt: Prompt, draws: int, batch_size: int = 1):
+        self.engines, self.prompt, self.draws, self.batch_size = engines, prompt, draws, batch_size
+        self.prefilled: list[Row] | None = None
+        self.left = draws  # the draws not asked for
+
+    @torch.inference_mode()
+    def take(self, count: int) -> list[Row]:
+        """The rows of the next ``count`` draws, draw by draw (an engine's row each)."""
+        if not 0 < count <= self.left:
+            raise ValueError(f"{count} draws asked for, {self.left} left")
+        if self.prefilled is None:
+            self.prefilled = prefill_shared(self.engines, self.prompt, self.batch_size)
+        self.left -= count
+        rows = [row for copies in shared_copies(self.prefilled, count, self.draws, self.left == 0) for row in copies]
+        if not self.left:
+            self.prefilled = None  # the originals are the last draw's
+        return rows
+
+
+def shared_copies(rows: list[Row], count: int, shared_by: int | None = None, last: bool = True) -> list[list[Row]]:
+    """``rows`` (prefilled, nothing decoded) ``count`` times, each time rows of their own: a copy of each cache (with
+    ``last``, the originals the last time), the prefill's time divided among ``shared_by`` (``count``) rows
+    (``Row.context_shared_by``)."""
+    shared_by = shared_by or count
     return [
         [
             replace(
                 row,
-                cache=row.cache if number == count - 1 else copy.deepcopy(row.cache),
-                prefill_seconds=row.prefill_seconds / count,
-                scoring_seconds=row.scoring_seconds / count,
-                context_shared_by=count,
+                cache=row.cache if last and number == count - 1 else copy.deepcopy(row.cache),
+                prefill_seconds=row.prefill_seconds / shared_by,
+                scoring_seconds=row.scoring_seconds / shared_by,
+                context_shared_by=shared_by,
                 generated=[],
                 kv_curve=[],
             )

@@ -22,9 +22,19 @@ from kvbench.models import LoadedModel
 from kvbench.run.lifecycle import OpenRun, Shared, failure, job_and_directory, job_log, open_run
 from kvbench.run.progress import SweepProgress
 from kvbench.run.records import record_of, result_line
-from kvbench.run.schedule import chunks, context_groups, context_rows, in_sample_order, run_sample, samples_batch
+from kvbench.run.schedule import (
+    chunks,
+    context_groups,
+    context_rows,
+    draw_parts,
+    in_sample_order,
+    run_sample,
+    samples_batch,
+)
 from kvbench.tasks.base import Sample
 
+#: variants of a sample decoded from one prefill: each variant's runs (twins: one computation)
+Piece = list[list[tuple[int, OpenRun]]]
 log = logging.getLogger("kvbench.run")  # one logger for the run layer (the jobs' log lines name it)
 
 
@@ -184,21 +194,30 @@ def decode_shared(
             twins.setdefault(computation_key(run.engine.policy, run.engine.budget.spec), []).append((index, run))
         # one head layout a piece (one forward each); pieces as even as the batch allows
         ordered = sorted(twins.values(), key=lambda twin: repeats_kv(twin[0][1].engine.policy))
-        spans = even_pieces(len(ordered), batch_size, len(samples))
+        drawn = len(samples) > 1 and samples[0].question_start is None  # a problem's draws (same_draws)
+        spans = even_pieces(len(ordered), batch_size, 1 if drawn else len(samples))
         pieces = [ordered[begin : begin + size] for begin, size in spans] or [[]]  # no runs: no rows, made all the same
+        parts: list[tuple[Piece, range, Callable[[], list[Row]]]] = []  # a piece's rows of the samples at places
+        for piece in pieces:
+            engines = [twin[0][1].engine for twin in piece]
+            if drawn and piece:  # the draws in parts that fit the batch, from one prefill
+                parts += [(piece, places, rows) for places, rows in draw_parts(engines, samples, loaded, batch_size)]
+            else:
+                rows = functools.partial(context_rows, engines, samples, loaded, batch_size) if piece else list
+                parts.append((piece, range(len(samples)), rows))
 
-        def make(piece: list[list[tuple[int, OpenRun]]], last: bool) -> list[Row]:
+        def make(piece: Piece, places: range, rows: Callable[[], list[Row]], last: bool) -> list[Row]:
             nonlocal made
-            rows = context_rows([twin[0][1].engine for twin in piece], samples, loaded, batch_size) if piece else []
-            sample_of.extend(position for position in positions for _ in piece)
-            owners.extend(twin for _ in positions for twin in piece)
+            made_rows = rows()
+            sample_of.extend(positions[place] for place in places for _ in piece)
+            owners.extend(twin for _ in places for twin in piece)
             if last:
                 made = positions[-1] + 1
-            return rows
+            return made_rows
 
         return [
-            (len(samples) * len(piece), functools.partial(make, piece, number == len(pieces) - 1))
-            for number, piece in enumerate(pieces)
+            (len(places) * len(piece), functools.partial(make, piece, places, rows, number == len(parts) - 1))
+            for number, (piece, places, rows) in enumerate(parts)
         ]
 
     def streamed(samples: list[Sample], positions: list[int], runs: dict[int, OpenRun]) -> list[Row]:

@@ -3,6 +3,7 @@ chunks."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import Counter
@@ -15,7 +16,7 @@ from kvbench.engine import Engine
 from kvbench.engine.rows import Row, batch_rows, decode_rows
 from kvbench.engine.runner import GenerationOutput, PerplexityOutput
 from kvbench.engine.sampling import draw_seed
-from kvbench.engine.shared import Prompt, prefill_draws, prefill_questions, prefill_shared
+from kvbench.engine.shared import Draws, Prompt, prefill_questions, prefill_shared
 from kvbench.models import LoadedModel
 from kvbench.run.factories import stop_ids
 from kvbench.run.records import record_of
@@ -89,29 +90,45 @@ def same_draws(sample: Sample, other: Sample) -> bool:
     return problem is not None and problem == other.metadata.get("problem") and same_prompt
 
 
+def prompt_of(sample: Sample, loaded: LoadedModel) -> Prompt:
+    """What ``sample`` asks the engine to decode."""
+    return Prompt(
+        sample.input_ids, sample.max_new_tokens, stop_ids(sample, loaded), sample.min_new_tokens, sample.question_start
+    )
+
+
 def context_rows(engines: list[Engine], samples: list[Sample], loaded: LoadedModel, batch_size: int) -> list[Row]:
     """The prefilled rows of ``samples`` (one :func:`context_groups` group) for each of ``engines`` (one model and
     regime), sample by sample: each sample prefilled once for all the engines
     (:func:`~kvbench.engine.shared.prefill_shared`), or the questions of one context answered from one compression of
     it per engine (:func:`~kvbench.engine.shared.prefill_questions`), or the draws of one prompt from one prefill of
-    it per engine (:func:`~kvbench.engine.shared.prefill_draws`)."""
+    it per engine (:class:`~kvbench.engine.shared.Draws`)."""
     if len(samples) == 1 and len(engines) == 1:
         return [sample_row(engines[0], samples[0], loaded)]
-    prompts = [
-        Prompt(
-            sample.input_ids,
-            sample.max_new_tokens,
-            stop_ids(sample, loaded),
-            sample.min_new_tokens,
-            sample.question_start,
-        )
-        for sample in samples
-    ]
+    prompts = [prompt_of(sample, loaded) for sample in samples]
     if len(samples) == 1:
         return seed_rows(prefill_shared(engines, prompts[0], batch_size), samples)
-    if samples[0].question_start is None:  # the draws of one prompt (same_draws)
-        return seed_rows(prefill_draws(engines, prompts[0], len(samples), batch_size), samples)
+    if samples[0].question_start is None:  # the draws of one prompt (same_draws), all at once
+        return seed_rows(Draws(engines, prompts[0], len(samples), batch_size).take(len(samples)), samples)
     return seed_rows(prefill_questions(engines, prompts, batch_size), samples)
+
+
+def draw_parts(
+    engines: list[Engine], samples: list[Sample], loaded: LoadedModel, batch_size: int
+) -> list[tuple[range, Callable[[], list[Row]]]]:
+    """The rows of a problem's draws (``samples``: a :func:`context_groups` group of draws) for ``engines``, in parts
+    of as many draws as fit their rows in ``batch_size`` (one at least): each part's places in ``samples`` and what
+    makes its rows, seeded, from one prefill per engine (:class:`~kvbench.engine.shared.Draws`), so the caches held
+    are the parts made and the prefilled ones, not every draw's at once."""
+    draws = Draws(engines, prompt_of(samples[0], loaded), len(samples), batch_size)
+    most = max(1, batch_size // len(engines))
+    places = [range(begin, min(begin + most, len(samples))) for begin in range(0, len(samples), most)]
+    return [(part, functools.partial(drawn_rows, draws, samples[part.start : part.stop])) for part in places]
+
+
+def drawn_rows(draws: Draws, samples: list[Sample]) -> list[Row]:
+    """The rows of the next of ``draws``, one per sample of ``samples``, seeded for it."""
+    return seed_rows(draws.take(len(samples)), samples)
 
 
 def in_sample_order(
