@@ -16,7 +16,7 @@ from kvbench.engine import Engine
 from kvbench.engine.rows import Row, batch_rows, decode_rows
 from kvbench.engine.runner import GenerationOutput, PerplexityOutput
 from kvbench.engine.sampling import draw_seed
-from kvbench.engine.shared import Draws, Prompt, prefill_questions, prefill_shared
+from kvbench.engine.shared import Draws, Prompt, prefill_draws, prefill_questions, prefill_shared
 from kvbench.models import LoadedModel
 from kvbench.run.factories import stop_ids
 from kvbench.run.records import record_of
@@ -102,14 +102,14 @@ def context_rows(engines: list[Engine], samples: list[Sample], loaded: LoadedMod
     regime), sample by sample: each sample prefilled once for all the engines
     (:func:`~kvbench.engine.shared.prefill_shared`), or the questions of one context answered from one compression of
     it per engine (:func:`~kvbench.engine.shared.prefill_questions`), or the draws of one prompt from one prefill of
-    it per engine (:class:`~kvbench.engine.shared.Draws`)."""
+    it per engine (:func:`~kvbench.engine.shared.prefill_draws`)."""
     if len(samples) == 1 and len(engines) == 1:
         return [sample_row(engines[0], samples[0], loaded)]
     prompts = [prompt_of(sample, loaded) for sample in samples]
     if len(samples) == 1:
         return seed_rows(prefill_shared(engines, prompts[0], batch_size), samples)
     if samples[0].question_start is None:  # the draws of one prompt (same_draws), all at once
-        return seed_rows(Draws(engines, prompts[0], len(samples), batch_size).take(len(samples)), samples)
+        return seed_rows(prefill_draws(engines, prompts[0], len(samples), batch_size), samples)
     return seed_rows(prefill_questions(engines, prompts, batch_size), samples)
 
 
