@@ -194,6 +194,8 @@ def test_a_sampled_sweep_draws_alike_grouped_alone_and_rerun(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "h2o" / "predictions.jsonl").read_text().splitlines()]
     assert [(r["problem"], r["draw"]) for r in records] == [(f"gsm8k-{p}", k) for p in range(2) for k in range(3)]
     assert {r["timing"]["context_shared_by"] for r in records} == {3}  # a problem's draws share its prefill
+    prompts = sum({r["problem"]: r["prompt_tokens"] for r in records}.values())  # each problem's prompt once
+    assert f"(new run, 6 to go: {prompts} prompt tokens)" in (tmp_path / "h2o" / "kvbench.log").read_text()
     generation = json.loads((tmp_path / "h2o" / "metrics.json").read_text())["generation"]
     assert set(generation) == {
         "mean_generated_tokens",

@@ -205,7 +205,8 @@ def open_run(job: Job, run_dir: RunDir, shared: Shared) -> OpenRun | dict[str, A
     finished = {record["id"] for record in records}
     samples = [sample for sample in samples if sample.id not in finished]
     state = f"resuming, {len(finished)} samples done" if finished else "new run"
-    prompt_tokens = sum(len(sample.input_ids) for sample in samples)
+    prompts = {sample.metadata.get("problem", sample.id): len(sample.input_ids) for sample in samples}
+    prompt_tokens = sum(prompts.values())  # a problem's draws share one prefill
     log.info("writing %s (%s, %d to go: %d prompt tokens)", run_dir.path, state, len(samples), prompt_tokens)
     cfg = job.cfg
     label = f"{cfg.task.name} {job.label}@{cfg.budget.spec}"
