@@ -282,6 +282,8 @@ def command_unpack(args: list[str]) -> None:
     from kvbench.packed import PACKED, unpack
 
     folder = folder_argument("unpack", args)
+    if not (folder / PACKED).is_file():
+        raise KVBenchError(f"kvbench unpack: {folder} holds no {PACKED} (kvbench pack {folder} makes one)")
     print(f"{folder / PACKED}: {len(unpack(folder))} files written to {folder}")
 
 

@@ -107,6 +107,12 @@ def test_pack_and_unpack_take_one_folder(args, capsys):
     assert refused(capsys, args).startswith(f"kvbench: error: kvbench {args[0]}")
 
 
+def test_unpack_refuses_a_folder_without_an_archive(tmp_path, capsys):
+    """Nothing to unpack is one line naming the folder, not "0 files written"."""
+    line = refused(capsys, ["unpack", str(tmp_path)])
+    assert line == f"kvbench: error: kvbench unpack: {tmp_path} holds no {PACKED} (kvbench pack {tmp_path} makes one)\n"
+
+
 def test_the_committed_results_are_light_enough_to_carry():
     """Every clone (and a GPU check's copy of the tree) carries them: at most 300 files and 10 MB, an experiment's
     runs packed (``kvbench pack``)."""
