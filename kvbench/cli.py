@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Iterator
@@ -218,12 +219,17 @@ def command_bench(args: list[str]) -> None:
     from hydra.errors import HydraException
 
     from kvbench.bench import run_bench
+    from kvbench.bench.settings import BENCH_SETTINGS
     from kvbench.config import compose
 
     try:
         cfg = compose(args, config_name="bench")
     except HydraException as error:
-        raise KVBenchError(f"bench: {str(error).splitlines()[0]}") from None
+        first = str(error).splitlines()[0]
+        if unknown := re.match(r"Could not override '(bench\.[^']+)'", first):  # a key bench.yaml lacks
+            choices = ", ".join(BENCH_SETTINGS)
+            raise KVBenchError(f"{unknown.group(1)} is not a bench setting; valid choices: {choices}") from None
+        raise KVBenchError(f"bench: {first}") from None
     logging.basicConfig(level=logging.INFO, format="kvbench bench: %(message)s", stream=sys.stderr)
     quiet_libraries()
     results, out = run_bench(cfg)

@@ -698,7 +698,7 @@ def test_every_bench_setting_has_a_domain_its_default_is_in():
         ("bench.grid.policies=[snapkv,nosuch]", "unknown policy 'nosuch'; valid choices: "),
         ("bench.grid.rows_policy=nosuch", "unknown policy 'nosuch'; valid choices: "),
         ("bench.grid.budgets=[64,lots]", "invalid budget 'lots'"),
-        ("bench.nosuch=1", "bench: Could not override 'bench.nosuch'"),
+        ("bench.nosuch=1", "bench.nosuch is not a bench setting; valid choices: repetitions,"),
         ("bench.prefill.prompt_lengths=[96,abc]", "bench.prefill.prompt_lengths=[96, 'abc']: must be a list of token"),
         ("bench.decode.new_tokens=1", "bench.decode.new_tokens=1: must be a new-token count ≥ 2"),
         (
