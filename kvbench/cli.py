@@ -342,15 +342,16 @@ def on_stop_signal(signum: int, frame: Any) -> None:
     raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
 
-def stopped(stop: BaseException) -> None:
-    """The one line of a command stopped by a signal, and its exit status (128 + the signal's number)."""
+def stopped(stop: BaseException, command: str = "run") -> None:
+    """The one line of a command stopped by a signal, and its exit status (128 + the signal's number): ``run`` says
+    what it wrote and how to resume the rest, another command only that it stopped."""
     name, status = ("SIGTERM", 143) if isinstance(stop, Terminated) else ("SIGINT", 130)
     written = RunDir.appended
-    print(
+    line = (
         f"kvbench: stopped by {name}: {written} sample{'s' if written != 1 else ''} finished and written by this "
-        "command; run the same command to resume the rest",
-        file=sys.stderr,
+        "command; run the same command to resume the rest"
     )
+    print(line if command == "run" else f"kvbench {command}: stopped by {name}", file=sys.stderr)
     sys.exit(status)
 
 
@@ -389,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     except KVBenchError as error:
         fail(str(error))
     except (KeyboardInterrupt, Terminated) as stop:
-        stopped(stop)
+        stopped(stop, command)
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)

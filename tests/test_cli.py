@@ -455,3 +455,19 @@ def test_a_jobs_policy_spec_is_parsed_once(tmp_path, monkeypatch):
     monkeypatch.setattr(policies, "parsed", counted)
     kvbench("run", *RULER, "policy=snapkv+obcache_joint", "budget=64", f"output_dir={tmp_path}")
     assert (tmp_path / "metrics.json").exists() and parses.count("snapkv+obcache_joint") == 1
+
+
+@pytest.mark.parametrize("command, line", [("run", "finished and written by this command"), ("table", "")])
+def test_a_stopped_command_says_so_and_only_run_speaks_of_resuming(command, line, capsys):
+    """Ctrl-C in ``run`` says how many samples it wrote and that the same command resumes the rest; in a command
+    that writes no samples (``table``, ``prepare``), only that it stopped."""
+    from kvbench.cli import stopped
+
+    with pytest.raises(SystemExit) as exit_info:
+        stopped(KeyboardInterrupt(), command)
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 130 and error.count("\n") == 1
+    if command == "run":
+        assert error.startswith("kvbench: stopped by SIGINT: ") and line in error
+    else:
+        assert error == "kvbench table: stopped by SIGINT\n"
