@@ -90,7 +90,7 @@ def same_draws(sample: Sample, other: Sample) -> bool:
     return problem is not None and problem == other.metadata.get("problem") and same_prompt
 
 
-def prompt_of(sample: Sample, loaded: LoadedModel) -> Prompt:
+def sample_prompt(sample: Sample, loaded: LoadedModel) -> Prompt:
     """What ``sample`` asks the engine to decode."""
     return Prompt(
         sample.input_ids, sample.max_new_tokens, stop_ids(sample, loaded), sample.min_new_tokens, sample.question_start
@@ -105,7 +105,7 @@ def context_rows(engines: list[Engine], samples: list[Sample], loaded: LoadedMod
     it per engine (:func:`~kvbench.engine.shared.prefill_draws`)."""
     if len(samples) == 1 and len(engines) == 1:
         return [sample_row(engines[0], samples[0], loaded)]
-    prompts = [prompt_of(sample, loaded) for sample in samples]
+    prompts = [sample_prompt(sample, loaded) for sample in samples]
     if len(samples) == 1:
         return seed_rows(prefill_shared(engines, prompts[0], batch_size), samples)
     if samples[0].question_start is None:  # the draws of one prompt (same_draws), all at once
@@ -120,7 +120,7 @@ def draw_parts(
     of as many draws as fit their rows in ``batch_size`` (one at least): each part's places in ``samples`` and what
     makes its rows, seeded, from one prefill per engine (:class:`~kvbench.engine.shared.Draws`), so the caches held
     are the parts made and the prefilled ones, not every draw's at once."""
-    draws = Draws(engines, prompt_of(samples[0], loaded), len(samples), batch_size)
+    draws = Draws(engines, sample_prompt(samples[0], loaded), len(samples), batch_size)
     most = max(1, batch_size // len(engines))
     places = [range(begin, min(begin + most, len(samples))) for begin in range(0, len(samples), most)]
     return [(part, functools.partial(drawn_rows, draws, samples[part.start : part.stop])) for part in places]
