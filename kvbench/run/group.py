@@ -28,6 +28,7 @@ from kvbench.run.schedule import (
     context_rows,
     draw_parts,
     in_sample_order,
+    one_prompts_draws,
     run_sample,
     samples_batch,
 )
@@ -194,7 +195,7 @@ def decode_shared(
             twins.setdefault(computation_key(run.engine.policy, run.engine.budget.spec), []).append((index, run))
         # one head layout a piece (one forward each); pieces as even as the batch allows
         ordered = sorted(twins.values(), key=lambda twin: repeats_kv(twin[0][1].engine.policy))
-        drawn = len(samples) > 1 and samples[0].question_start is None  # a problem's draws (same_draws)
+        drawn = one_prompts_draws(samples)
         spans = even_pieces(len(ordered), batch_size, 1 if drawn else len(samples))
         pieces = [ordered[begin : begin + size] for begin, size in spans] or [[]]  # no runs: no rows, made all the same
         parts: list[tuple[Piece, range, Callable[[], list[Row]]]] = []  # a piece's rows of the samples at places

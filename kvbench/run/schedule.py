@@ -90,6 +90,12 @@ def same_draws(sample: Sample, other: Sample) -> bool:
     return problem is not None and problem == other.metadata.get("problem") and same_prompt
 
 
+def one_prompts_draws(samples: Sequence[Sample]) -> bool:
+    """Whether a :func:`context_groups` group is the draws of one prompt (:func:`same_draws`), not one sample or the
+    questions of one context."""
+    return len(samples) > 1 and samples[0].question_start is None
+
+
 def sample_prompt(sample: Sample, loaded: LoadedModel) -> Prompt:
     """What ``sample`` asks the engine to decode."""
     return Prompt(
@@ -108,7 +114,7 @@ def context_rows(engines: list[Engine], samples: list[Sample], loaded: LoadedMod
     prompts = [sample_prompt(sample, loaded) for sample in samples]
     if len(samples) == 1:
         return seed_rows(prefill_shared(engines, prompts[0], batch_size), samples)
-    if samples[0].question_start is None:  # the draws of one prompt (same_draws), all at once
+    if one_prompts_draws(samples):  # all at once
         return seed_rows(prefill_draws(engines, prompts[0], len(samples), batch_size), samples)
     return seed_rows(prefill_questions(engines, prompts, batch_size), samples)
 
